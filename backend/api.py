@@ -1,0 +1,160 @@
+"""The boundary between the proxy and an engine.
+
+The proxy turns an HTTP request into a `Request` (a list of segments plus sampling
+parameters), asks the backend to `prepare` it (tokenize, validate) before the round
+barrier, and hands the whole barrier group to `generate` in one call. Each request
+then streams `Delta`s until one carries a `finish_reason`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+MODES = ("full", "prefix", "pic", "collective")
+
+
+class InvalidRequest(ValueError):
+    """A client mistake: the proxy answers it with a 4xx, naming `param`."""
+
+    def __init__(self, message: str, param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.message = message
+        self.param = param
+        self.code = code
+
+
+class BackendError(RuntimeError):
+    """The engine failed; every request of the affected group gets this error."""
+
+
+@dataclass(slots=True)
+class SamplingParams:
+    max_tokens: int = 256
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0: off
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    logprobs: bool = False
+    top_logprobs: int = 0
+
+    def validate(self) -> None:
+        if self.max_tokens <= 0:
+            raise InvalidRequest("max_tokens must be at least 1", "max_tokens")
+        if not 0.0 <= self.temperature <= 2.0:
+            raise InvalidRequest("temperature must be between 0 and 2", "temperature")
+        if not 0.0 < self.top_p <= 1.0:
+            raise InvalidRequest("top_p must be in (0, 1]", "top_p")
+        if self.top_k < 0:
+            raise InvalidRequest("top_k must be 0 (off) or positive", "top_k")
+        if not 0 <= self.top_logprobs <= 20:
+            raise InvalidRequest("top_logprobs must be between 0 and 20", "top_logprobs")
+        if len(self.stop) > 16:
+            raise InvalidRequest("at most 16 stop sequences", "stop")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0 or self.top_k == 1
+
+
+@dataclass(slots=True)
+class Segment:
+    """A piece of the prompt. Shared segments are tokenized on their own, so their
+    tokens (and reusable KV) do not depend on what stands before them."""
+
+    text: str
+    shared: bool = False
+    # Who produced this text (session, agent, round), when the proxy knows it:
+    # the producer's own KV of it is the preferred base for reuse.
+    producer: tuple[str, str, int] | None = None
+
+
+@dataclass(slots=True)
+class Request:
+    id: str
+    segments: list[Segment]
+    sampling: SamplingParams
+    mode: str | None = None  # one of MODES; None: the server's default
+    session: str | None = None
+    agent: str | None = None
+    round: int | None = None
+    prompt_token_ids: list[int] | None = None  # set instead of segments for token prompts
+    tenant: str = ""  # namespaces the segment cache (the API key)
+
+
+@dataclass(slots=True)
+class Usage:
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0  # prompt tokens whose KV was reused, not computed
+    recomputed_tokens: int = 0  # reused tokens that were recomputed selectively
+    shared_tokens: int = 0  # prompt tokens inside shared segments
+    kv_dense_bytes: int = 0  # what a dense per-request cache would hold
+    kv_held_bytes: int = 0  # what this request holds privately
+
+
+@dataclass(slots=True)
+class TopLogprob:
+    token: str
+    logprob: float
+    bytes: list[int]
+
+
+@dataclass(slots=True)
+class TokenLogprob:
+    token: str
+    logprob: float
+    bytes: list[int]
+    top: list[TopLogprob] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class Delta:
+    """New output of one request since its previous delta."""
+
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    usage: Usage | None = None  # set on the last delta
+
+
+@dataclass(slots=True)
+class Prepared:
+    """A request the backend accepted: tokenized and within limits."""
+
+    request: Request
+    prompt_tokens: int
+    state: Any = None  # the backend's own data (token ids per segment, ...)
+
+
+@dataclass(slots=True)
+class ModelInfo:
+    name: str
+    max_model_len: int
+    kv_bytes_per_token: int
+
+
+class Stream(Protocol):
+    def __aiter__(self) -> AsyncIterator[Delta]: ...
+
+    def abort(self) -> None: ...
+
+
+class Backend(Protocol):
+    info: ModelInfo
+
+    def render_chat(self, messages: list[dict[str, Any]]) -> str:
+        """The chat template applied to `messages`, with the generation prompt."""
+
+    def prepare(self, request: Request) -> Prepared:
+        """Tokenize and validate; raises InvalidRequest for client mistakes."""
+
+    def generate(self, group: list[Prepared]) -> list[Stream]:
+        """Start every request of one barrier group together; one stream each."""
+
+    async def close(self) -> None: ...
