@@ -1,0 +1,142 @@
+"""The engine on its own thread, driven from asyncio: submit, stream, abort.
+
+The model runs on a worker thread (torch releases the GIL while it computes), so the
+event loop that serves HTTP stays responsive. Commands go in through a thread-safe
+queue; deltas come back to each request's asyncio queue via call_soon_threadsafe.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import queue
+import threading
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+
+import structlog
+
+from tokendance.backend.api import BackendError, Delta, InvalidRequest, SamplingParams
+from tokendance.backend.engine import Engine
+
+log = structlog.get_logger(__name__)
+
+
+def _STOP() -> None:
+    """Sentinel command: leave the worker loop."""
+
+
+@dataclass(slots=True)
+class Job:
+    rid: str
+    prompt: list[int]
+    sampling: SamplingParams
+    prefix_cache: bool = False
+
+
+class TokenStream:
+    """One request's deltas; iterate until a delta has a finish_reason."""
+
+    def __init__(self, rid: str, owner: "AsyncEngine"):
+        self.rid = rid
+        self.owner = owner
+        self.queue: asyncio.Queue[Delta | BaseException] = asyncio.Queue()
+        self.done = False
+
+    async def __aiter__(self) -> AsyncIterator[Delta]:
+        try:
+            while not self.done:
+                item = await self.queue.get()
+                if isinstance(item, BaseException):
+                    self.done = True
+                    raise item
+                self.done = item.finish_reason is not None
+                yield item
+        finally:
+            if not self.done:  # the consumer went away: free the sequence's KV now
+                self.abort()
+
+    def abort(self) -> None:
+        if not self.done:
+            self.done = True
+            self.owner.abort(self.rid)
+
+
+class AsyncEngine:
+    def __init__(self, engine: Engine):
+        self.engine = engine
+        self.inbox: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
+        self.streams: dict[str, TokenStream] = {}
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self.thread = threading.Thread(target=self._work, name="tokendance-engine", daemon=True)
+
+    def start(self) -> None:
+        self.loop = asyncio.get_running_loop()
+        self.thread.start()
+
+    def submit(self, jobs: list[Job]) -> list[TokenStream]:
+        """Queue jobs to start in the same step; a job the engine rejects gets its
+        error on its stream."""
+        if self.loop is None:
+            self.start()
+        if not self.thread.is_alive():
+            raise BackendError("the engine has been shut down")
+        streams = [TokenStream(j.rid, self) for j in jobs]
+        for s in streams:
+            self.streams[s.rid] = s
+
+        def add() -> None:
+            for j in jobs:
+                try:
+                    self.engine.add(j.rid, j.prompt, j.sampling, j.prefix_cache)
+                except InvalidRequest as e:
+                    self._deliver(j.rid, e)
+
+        self.inbox.put(add)
+        return streams
+
+    def abort(self, rid: str) -> None:
+        self.streams.pop(rid, None)
+        self.inbox.put(lambda: self.engine.abort(rid))
+
+    async def close(self) -> None:
+        if self.thread.is_alive():
+            self.inbox.put(_STOP)
+            await asyncio.get_running_loop().run_in_executor(None, self.thread.join)
+
+    # -- worker thread ---------------------------------------------------------------
+
+    def _deliver(self, rid: str, item: Delta | BaseException) -> None:
+        stream = self.streams.get(rid)
+        if stream is None:
+            return
+        if isinstance(item, BaseException) or item.finish_reason:
+            self.streams.pop(rid, None)
+        assert self.loop is not None
+        self.loop.call_soon_threadsafe(stream.queue.put_nowait, item)
+
+    def _work(self) -> None:
+        eng = self.engine
+        while True:
+            if eng.has_work():
+                try:
+                    cmd = self.inbox.get_nowait()
+                except queue.Empty:
+                    cmd = None
+            else:
+                cmd = self.inbox.get()
+            if cmd is _STOP:
+                for rid in list(eng.seqs):
+                    eng.abort(rid)
+                return
+            if cmd is not None:
+                cmd()
+                continue  # drain every queued command before the next step
+            try:
+                for rid, delta in eng.step():
+                    self._deliver(rid, delta)
+            except Exception as e:  # the step failed: every request in flight gets the error
+                log.exception("engine step failed")
+                err = BackendError(f"engine error: {e}")
+                for rid in list(eng.seqs):
+                    eng.abort(rid)
+                    self._deliver(rid, err)

@@ -1,0 +1,66 @@
+"""Block tables of sequences over the pool, and exact prefix caching.
+
+Policy on top of `BlockPool`: how many blocks a sequence needs, what it releases, and
+which full blocks of a prompt can be taken from earlier sequences (a hash chain over
+the tokens of every full block, as vLLM does it).
+"""
+
+from __future__ import annotations
+
+from tokendance.backend.pool import BlockPool
+from tokendance.backend.sequence import Sequence
+
+
+class BlockManager:
+    def __init__(self, pool: BlockPool, block_size: int):
+        self.pool = pool
+        self.size = block_size
+
+    def blocks_for(self, tokens: int) -> int:
+        return -(-tokens // self.size)
+
+    def reserve(self, seq: Sequence, tokens: int) -> bool:
+        """Grow seq's table to hold `tokens` slots; False (and no change) if the pool is short."""
+        need = self.blocks_for(tokens) - len(seq.blocks)
+        if need <= 0:
+            return True
+        if need > self.pool.num_free:
+            return False
+        seq.blocks.extend(self.pool.allocate() for _ in range(need))
+        return True
+
+    def free(self, seq: Sequence) -> None:
+        for b in reversed(seq.blocks):
+            self.pool.decref(b)
+        seq.blocks.clear()
+        seq.hashes.clear()
+
+    def _hash(self, seq: Sequence, i: int) -> int:
+        prev = seq.hashes[i - 1] if i else 0
+        return hash((prev, tuple(seq.tokens[i * self.size:(i + 1) * self.size])))
+
+    def match_prefix(self, seq: Sequence) -> None:
+        """Take cached blocks for the longest prefix of full blocks (keeping the last
+        token to compute, so there is a step that samples)."""
+        if not seq.prefix_cache or seq.blocks:
+            return
+        limit = (len(seq) - 1) // self.size
+        for i in range(limit):
+            h = self._hash(seq, i)
+            block = self.pool.lookup(h)
+            if block is None:
+                break
+            self.pool.incref(block)
+            seq.blocks.append(block)
+            seq.hashes.append(h)
+        seq.computed = len(seq.blocks) * self.size
+        seq.cached = max(seq.cached, min(seq.computed, len(seq.prompt)))
+
+    def publish(self, seq: Sequence) -> None:
+        """Make the sequence's newly completed full blocks findable."""
+        if not seq.prefix_cache:
+            return
+        for i in range(len(seq.hashes), seq.computed // self.size):
+            h = self._hash(seq, i)
+            seq.hashes.append(h)
+            self.pool.publish(seq.blocks[i], h)

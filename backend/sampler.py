@@ -1,0 +1,57 @@
+"""Next-token choice for a batch: greedy, temperature, top-k, top-p, per-request seeds,
+and the log-probabilities of chosen (and top) tokens under the model's distribution."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from tokendance.backend.sequence import Sequence
+
+
+@dataclass(slots=True)
+class Sampled:
+    token: int
+    logprob: float | None = None
+    top: list[tuple[int, float]] | None = None
+
+
+def _filter(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Mask (to -inf) what top-k / top-p exclude, per row."""
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    rank = torch.arange(logits.shape[-1], device=logits.device)[None, :]
+    drop = (top_k[:, None] > 0) & (rank >= top_k[:, None])
+    probs = sorted_logits.softmax(-1)
+    drop |= (probs.cumsum(-1) - probs) > top_p[:, None]  # the top token always stays
+    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+    return torch.empty_like(logits).scatter_(-1, order, sorted_logits)
+
+
+def sample(logits: torch.Tensor, seqs: list[Sequence], default: torch.Generator | None) -> list[Sampled]:
+    """logits [S, V] float32, one row per sequence."""
+    params = [s.sampling for s in seqs]
+    greedy = torch.tensor([p.greedy for p in params], device=logits.device)
+    chosen = logits.argmax(-1)
+    if not bool(greedy.all()):
+        temp = torch.tensor([p.temperature or 1.0 for p in params], device=logits.device)
+        top_k = torch.tensor([p.top_k for p in params], device=logits.device)
+        top_p = torch.tensor([p.top_p for p in params], device=logits.device)
+        probs = _filter(logits / temp[:, None], top_k, top_p).softmax(-1)
+        for i, seq in enumerate(seqs):
+            if not params[i].greedy:
+                gen = seq.generator or default
+                chosen[i] = torch.multinomial(probs[i], 1, generator=gen)[0]
+    out = [Sampled(int(t)) for t in chosen.tolist()]
+    want = [i for i, p in enumerate(params) if p.logprobs]
+    if want:
+        logp = logits[want].log_softmax(-1)
+        picked = logp.gather(-1, chosen[want][:, None])[:, 0].tolist()
+        k = max(params[i].top_logprobs for i in want)
+        top = logp.topk(k, -1) if k else None
+        for j, i in enumerate(want):
+            out[i].logprob = picked[j]
+            n = params[i].top_logprobs
+            if top is not None and n:
+                out[i].top = list(zip(top.indices[j, :n].tolist(), top.values[j, :n].tolist()))
+    return out

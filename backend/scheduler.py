@@ -1,0 +1,103 @@
+"""Continuous batching: which sequences run in the next step, and how many tokens each.
+
+Every running sequence has `pending` tokens to process (a prompt chunk, or the one
+token sampled last step). A step takes decodes first, then prompt chunks, within a
+token budget. When the pool runs dry, the newest running sequence is preempted: its
+blocks are freed and it is recomputed later, so a full pool slows things down and
+never fails a request.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from tokendance.backend.blocks import BlockManager
+from tokendance.backend.sequence import Sequence, Status
+
+
+@dataclass(slots=True)
+class Scheduled:
+    seq: Sequence
+    start: int  # first position processed this step
+    count: int  # tokens processed this step
+
+    @property
+    def samples(self) -> bool:
+        """Whether this step completes the sequence's pending tokens."""
+        return self.start + self.count == len(self.seq)
+
+
+class Scheduler:
+    def __init__(self, blocks: BlockManager, max_seqs: int, max_tokens: int):
+        self.blocks = blocks
+        self.max_seqs = max_seqs
+        self.max_tokens = max_tokens
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def remove(self, seq: Sequence) -> None:
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        self.blocks.free(seq)
+
+    def preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.blocks.free(seq)
+        seq.computed = 0
+        seq.status = Status.WAITING
+        seq.preemptions += 1
+        self.waiting.appendleft(seq)
+
+    def schedule(self) -> tuple[list[Scheduled], list[Sequence]]:
+        """The next step's work, and sequences that can never fit (finish them)."""
+        out: list[Scheduled] = []
+        starved: list[Sequence] = []
+        budget = self.max_tokens
+        # Running sequences first, oldest first; victims are taken from the newest end,
+        # which this loop has not reached yet.
+        for seq in list(self.running):
+            if seq.status is not Status.RUNNING or budget == 0:
+                continue
+            n = min(seq.pending, budget)
+            while not self.blocks.reserve(seq, seq.computed + n):
+                victim = self.running[-1]
+                if victim is seq:
+                    break
+                self.preempt(victim)
+            else:
+                out.append(Scheduled(seq, seq.computed, n))
+                budget -= n
+                continue
+            if len(self.running) == 1:  # even alone, the pool cannot hold it any longer
+                self.running.remove(seq)
+                self.blocks.free(seq)
+                starved.append(seq)
+            else:
+                self.preempt(seq)
+        while self.waiting and budget > 0 and len(self.running) < self.max_seqs:
+            seq = self.waiting[0]
+            self.blocks.match_prefix(seq)
+            n = min(seq.pending, budget)
+            if not self.blocks.reserve(seq, seq.computed + n):
+                self.blocks.free(seq)
+                seq.computed = 0
+                if not self.running and not out:
+                    self.waiting.popleft()
+                    starved.append(seq)
+                    continue
+                break
+            self.waiting.popleft()
+            seq.status = Status.RUNNING
+            self.running.append(seq)
+            out.append(Scheduled(seq, seq.computed, n))
+            budget -= n
+        return out, starved

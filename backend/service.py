@@ -1,0 +1,85 @@
+"""The in-process engine behind the proxy's Backend interface."""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+from typing import Any
+
+import structlog
+
+from tokendance.backend.api import (
+    MODES, BackendError, InvalidRequest, ModelInfo, Prepared, Request, Stream,
+)
+from tokendance.backend.async_engine import AsyncEngine, Job, TokenStream
+from tokendance.backend.engine import Engine, EngineConfig
+
+log = structlog.get_logger(__name__)
+
+AVAILABLE = ("full", "prefix")
+
+
+@dataclass(slots=True)
+class Tokens:
+    """A prepared request's prompt: token ids, and the [start, end) span of each shared segment."""
+
+    ids: list[int]
+    shared: list[tuple[int, int]]
+    mode: str
+
+
+class EngineBackend:
+    def __init__(self, engine: Engine, mode: str = "prefix"):
+        self._check_mode(mode, "mode")
+        self.engine = engine
+        self.mode = mode
+        self.core = AsyncEngine(engine)
+        self.info = ModelInfo(engine.name, engine.max_model_len, engine.kv_bytes_per_token)
+        self._ids = itertools.count()
+
+    @classmethod
+    def load(cls, model: str | None = None, dtype: str = "auto", mode: str = "prefix", **kw: Any) -> "EngineBackend":
+        return cls(Engine(EngineConfig(model=model, dtype=dtype, **kw)), mode)
+
+    @staticmethod
+    def _check_mode(mode: str, param: str) -> None:
+        if mode not in MODES:
+            raise InvalidRequest(f"unknown mode {mode!r}; choose one of {', '.join(MODES)}", param)
+        if mode not in AVAILABLE:
+            raise InvalidRequest(f"mode {mode!r} is not available in this build; use {' or '.join(AVAILABLE)}", param)
+
+    def render_chat(self, messages: list[dict[str, Any]]) -> str:
+        try:
+            return self.engine.chat_prompt(messages)
+        except Exception as e:  # a template that rejects these messages is the client's problem
+            raise InvalidRequest(f"messages do not fit the model's chat template: {e}", "messages") from e
+
+    def prepare(self, request: Request) -> Prepared:
+        mode = request.mode or self.mode
+        self._check_mode(mode, "mode")
+        if request.prompt_token_ids is not None:
+            ids, shared = list(request.prompt_token_ids), []
+        else:
+            ids, shared = [], []
+            for seg in request.segments:
+                toks = self.engine.encode(seg.text)
+                if seg.shared and toks:
+                    shared.append((len(ids), len(ids) + len(toks)))
+                ids.extend(toks)
+        self.engine.check(ids, request.sampling)
+        return Prepared(request, len(ids), Tokens(ids, shared, mode))
+
+    def generate(self, group: list[Prepared]) -> list[Stream]:
+        jobs = []
+        for p in group:
+            tok: Tokens = p.state
+            rid = f"{p.request.id}#{next(self._ids)}"
+            jobs.append(Job(rid, tok.ids, p.request.sampling, prefix_cache=tok.mode == "prefix"))
+        try:
+            streams: list[TokenStream] = self.core.submit(jobs)
+        except BackendError:
+            raise
+        return list(streams)
+
+    async def close(self) -> None:
+        await self.core.close()

@@ -1,0 +1,55 @@
+"""Shared fixtures: tiny random-weight models with the real SmolLM2 tokenizer."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from tokendance.backend import loader
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
+
+
+@pytest.fixture(scope="session")
+def smollm2() -> Path:
+    """The embedded default model as an HF folder (converted once per machine)."""
+    return loader.resolve(None)
+
+
+def make_tiny(dest: Path, arch: str, tokenizer_from: Path, **over) -> Path:
+    """A 2-layer random model of `arch` ("llama" | "qwen2" | "mistral") saved as an HF folder."""
+    from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    kinds = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen2": (Qwen2Config, Qwen2ForCausalLM),
+             "mistral": (MistralConfig, MistralForCausalLM)}
+    cfg_cls, model_cls = kinds[arch]
+    kw = dict(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
+              eos_token_id=2, bos_token_id=1, tie_word_embeddings=arch == "qwen2")
+    kw.update(over)
+    torch.manual_seed(1234)
+    model = model_cls(cfg_cls(**kw)).eval()
+    # Random weights give a near-flat next-token distribution; sharpen it so greedy
+    # comparisons are not decided by rounding.
+    with torch.no_grad():
+        model.lm_head.weight.mul_(8.0)
+    model.save_pretrained(dest)
+    for name in TOKENIZER_FILES:
+        if (tokenizer_from / name).exists():
+            shutil.copy(tokenizer_from / name, dest / name)
+    return dest
+
+
+@pytest.fixture(scope="session")
+def tiny_models(tmp_path_factory, smollm2) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("tiny")
+    return {a: make_tiny(root / a, a, smollm2) for a in ("llama", "qwen2")}
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(tiny_models) -> Path:
+    return tiny_models["llama"]
