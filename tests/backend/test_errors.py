@@ -1,0 +1,69 @@
+"""Bad input gets one clear error each."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tokendance.backend.api import InvalidRequest, SamplingParams
+from tokendance.backend.engine import Engine
+
+
+def test_missing_model_path(tmp_path):
+    with pytest.raises(InvalidRequest, match="model not found"):
+        Engine(model=str(tmp_path / "nope"))
+
+
+def test_unsupported_architecture(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2"}))
+    with pytest.raises(InvalidRequest, match="unsupported architecture.*GPT2LMHeadModel"):
+        Engine(model=str(tmp_path))
+
+
+def test_unsupported_rope_scaling(make_model):
+    folder = make_model("llama", rope_scaling={"rope_type": "longrope", "factor": 2.0,
+                                               "short_factor": [1.0] * 8, "long_factor": [1.0] * 8,
+                                               "original_max_position_embeddings": 2048})
+    with pytest.raises(InvalidRequest, match="unsupported rope_scaling type 'longrope'"):
+        Engine(model=str(folder))
+
+
+def test_folder_without_weights(tmp_path, tiny_llama):
+    (tmp_path / "config.json").write_text((tiny_llama / "config.json").read_text())
+    with pytest.raises(InvalidRequest, match="no .safetensors"):
+        Engine(model=str(tmp_path))
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_llama):
+    return Engine(model=str(tiny_llama), dtype="float32", kv_tokens=1024, max_model_len=256)
+
+
+def test_prompt_longer_than_context(engine):
+    with pytest.raises(InvalidRequest, match="256 tokens") as e:
+        engine.add("a", [5] * 300, SamplingParams())
+    assert e.value.code == "context_length_exceeded"
+
+
+def test_empty_prompt_and_bad_ids(engine):
+    with pytest.raises(InvalidRequest, match="empty"):
+        engine.add("a", [], SamplingParams())
+    with pytest.raises(InvalidRequest, match="token ids"):
+        engine.add("a", [10**6], SamplingParams())
+
+
+@pytest.mark.parametrize("field,value,param", [
+    ("max_tokens", 0, "max_tokens"), ("temperature", -0.5, "temperature"), ("temperature", 3.0, "temperature"),
+    ("top_p", 0.0, "top_p"), ("top_p", 1.5, "top_p"), ("top_k", -1, "top_k"), ("top_logprobs", 21, "top_logprobs"),
+])
+def test_invalid_sampling(engine, field, value, param):
+    with pytest.raises(InvalidRequest) as e:
+        engine.add("a", [5, 6], SamplingParams(**{field: value}))
+    assert e.value.param == param
+    assert not engine.has_work()
+
+
+def test_bad_dtype(tiny_llama):
+    with pytest.raises(InvalidRequest, match="unsupported dtype"):
+        Engine(model=str(tiny_llama), dtype="int8")

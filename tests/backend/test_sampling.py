@@ -1,0 +1,79 @@
+"""Sampling: seeds, top-k/top-p, stop strings and token ids, logprobs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tokendance.backend.api import SamplingParams
+from tokendance.backend.engine import Engine
+from tokendance.backend.sampler import _filter
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_llama):
+    return Engine(model=str(tiny_llama), dtype="float32", kv_tokens=4096)
+
+
+PROMPT = list(range(100, 140))
+
+
+def run(engine, sampling, prompt=PROMPT):
+    return engine.generate([prompt], sampling)[0]
+
+
+def test_seed_reproducible_and_independent_of_batch(engine):
+    s = SamplingParams(max_tokens=16, temperature=1.0, seed=42, ignore_eos=True)
+    a = run(engine, s)[0]
+    others = [SamplingParams(max_tokens=16, temperature=1.0, ignore_eos=True)] * 3
+    batch = engine.generate([PROMPT, [5, 6, 7], [9] * 30, PROMPT], [s] + others)
+    assert batch[0][0] == a
+    b = run(engine, SamplingParams(max_tokens=16, temperature=1.0, seed=43, ignore_eos=True))[0]
+    assert a != b
+
+
+def test_top_k_one_is_greedy(engine):
+    greedy = run(engine, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))[0]
+    assert run(engine, SamplingParams(max_tokens=12, temperature=1.5, top_k=1, seed=1, ignore_eos=True))[0] == greedy
+
+
+def test_filter_masks_per_row():
+    logits = torch.tensor([[4.0, 3.0, 2.0, 1.0], [4.0, 3.0, 2.0, 1.0]])
+    out = _filter(logits, torch.tensor([2, 0]), torch.tensor([1.0, 0.5]))
+    assert torch.isinf(out[0, 2:]).all() and torch.isfinite(out[0, :2]).all()
+    p = logits[1].softmax(-1)
+    keep = int(((p.cumsum(-1) - p) <= 0.5).sum())
+    assert torch.isfinite(out[1, :keep]).all() and torch.isinf(out[1, keep:]).all()
+
+
+def test_max_tokens_and_stop_token_ids(engine):
+    toks, _, reason = run(engine, SamplingParams(max_tokens=7, temperature=0, ignore_eos=True))
+    assert len(toks) == 7 and reason == "length"
+    stop_at = toks[3]
+    toks2, _, reason2 = run(engine, SamplingParams(max_tokens=7, temperature=0, stop_token_ids=[stop_at], ignore_eos=True))
+    assert reason2 == "stop" and toks2 == toks[: toks.index(stop_at) + 1]
+
+
+def test_stop_string_cuts_text(engine):
+    toks, text, _ = run(engine, SamplingParams(max_tokens=30, temperature=0, ignore_eos=True))
+    assert len(text) > 12
+    stop = text[6:10]
+    _, cut, reason = run(engine, SamplingParams(max_tokens=30, temperature=0, stop=[stop], ignore_eos=True))
+    assert reason == "stop" and cut == text[: text.index(stop)]
+
+
+def test_logprobs_match_model_distribution(engine):
+    eng = engine
+    eng.add("lp", PROMPT, SamplingParams(max_tokens=1, temperature=0, logprobs=True, top_logprobs=3))
+    (rid, delta), = eng.step()
+    lp = delta.logprobs[0]
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(eng.folder, dtype=torch.float32)
+    with torch.no_grad():
+        ref = hf(torch.tensor([PROMPT])).logits[0, -1].log_softmax(-1)
+    top = ref.topk(3)
+    assert delta.token_ids == [int(top.indices[0])]
+    assert lp.logprob == pytest.approx(float(top.values[0]), abs=1e-4)
+    assert [t.logprob for t in lp.top] == pytest.approx(top.values.tolist(), abs=1e-4)
+    assert lp.token == eng.tokenizer.decode([delta.token_ids[0]])
