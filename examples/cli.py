@@ -106,7 +106,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (OSError, ValueError) as e:
         if debug:
             raise
-        return _fail(f"tokendance {name}: {type(e).__name__}: {e}", 1)
+        return _fail(f"tokendance {name}: {e or type(e).__name__}", 1)
     return int(code or 0)
 
 

@@ -1,0 +1,117 @@
+"""`tokendance simulate {debate,town,society}`: run a simulation through the proxy and
+print what each round shared, reused and held. `--compare` runs the same seed in
+`full` (no reuse, exact) too and says where the outputs first diverged."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import secrets
+import sys
+from collections.abc import Callable
+
+import structlog
+from tqdm import tqdm
+
+from tokendance.examples.client import Client
+from tokendance.examples.loop import Round, run
+from tokendance.examples.scenario import Scenario
+from tokendance.examples.table import diverged, render
+
+MODES = ("full", "prefix", "pic", "collective")
+
+
+def scenarios() -> dict[str, Callable[[int, int], Scenario]]:
+    from tokendance.examples.debate import Debate
+    from tokendance.examples.society import Society
+    from tokendance.examples.town import Town
+
+    return {"debate": Debate, "town": Town, "society": Society}
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    p = subparsers.add_parser("simulate", help="run a multi-agent simulation, print per-round stats",
+                              description=__doc__)
+    p.add_argument("scenario", choices=("debate", "town", "society"))
+    p.add_argument("--agents", type=int, default=4, help="agents (default 4)")
+    p.add_argument("--rounds", type=int, default=3, help="rounds (default 3)")
+    p.add_argument("--mode", choices=MODES, default=None,
+                   help="KV reuse mode (default: the best the server offers)")
+    p.add_argument("--url", default=None, help="a running proxy (default: start one in-process)")
+    p.add_argument("--model", default=None,
+                   help="in-process engine: HF folder or GGUF file (default: embedded SmolLM2); "
+                   "'echo' runs without a model")
+    p.add_argument("--compare", action="store_true", help="also run in `full` and diff the outputs")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--max-tokens", type=int, default=48, help="per reply (default 48)")
+    p.add_argument("--temperature", type=float, default=0.0, help="default 0: greedy, comparable")
+    p.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
+    return p
+
+
+def quiet(level: str) -> None:
+    """Logs to stderr at `level`: stdout carries the report only."""
+    structlog.configure(
+        wrapper_class=structlog.make_filtering_bound_logger(getattr(logging, level.upper())),
+        logger_factory=structlog.PrintLoggerFactory(sys.stderr),
+    )
+
+
+def main(args: argparse.Namespace) -> int:
+    if args.agents < 1 or args.rounds < 1 or args.max_tokens < 1:
+        raise ValueError("--agents, --rounds and --max-tokens must be at least 1")
+    quiet(args.log_level)
+    print(asyncio.run(simulate(args)))
+    return 0
+
+
+async def simulate(args: argparse.Namespace) -> str:
+    """Every run the arguments ask for; the report to print."""
+    if args.url is not None:
+        return await report(args, args.url, args.mode)
+    from tokendance.examples import local
+
+    be = local.backend(args.model, args.mode)
+    async with local.proxy(be) as url:
+        return await report(args, url, args.mode or getattr(be, "mode", None))
+
+
+async def report(args: argparse.Namespace, url: str, mode: str | None) -> str:
+    modes = (["full"] if args.compare else []) + [mode]
+    total = len(modes) * args.rounds
+    bar = tqdm(total=total, desc=args.scenario, unit="round", file=sys.stderr, leave=False)
+    out: list[str] = []
+    runs: list[list[Round]] = []
+    try:
+        for m in modes:
+            scenario = scenarios()[args.scenario](args.agents, args.seed)
+            rounds = await once(args, url, scenario, m, lambda r: bar.update(1))
+            runs.append(rounds)
+            title = f"{args.scenario}: {args.agents} agents, mode {m or 'server default'}, seed {args.seed}"
+            out += [render(rounds, title), scenario.summary(), ""]
+    finally:
+        bar.close()
+    if args.compare:
+        out.append(diverged(runs[0], runs[1]))
+    return "\n".join(out).rstrip()
+
+
+async def once(args: argparse.Namespace, url: str, scenario: Scenario, mode: str | None,
+               on_round: Callable[[Round], None]) -> list[Round]:
+    from tokendance.adapters.rounds import served_model
+
+    try:
+        model = await asyncio.to_thread(served_model, url)
+    except OSError as e:
+        raise ConnectionError(f"no proxy answers at {url} ({getattr(e, 'reason', e)})") from e
+    session = f"{scenario.name}-{mode or 'default'}-{args.seed}-{secrets.token_hex(3)}"
+    async with Client(url, session, mode, model, args.max_tokens, args.temperature, args.seed) as c:
+        return await run(scenario, c, args.rounds, on_round)
+
+
+def entry(name: str) -> int:
+    """`python -m tokendance.examples.<name> [options]` = `tokendance simulate <name> ...`."""
+    from tokendance.examples.cli import main as cli
+
+    return cli(["simulate", name, *sys.argv[1:]])

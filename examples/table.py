@@ -1,0 +1,68 @@
+"""The per-round table of `tokendance simulate`, and where two runs first diverged."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from tokendance.examples.loop import Round
+
+COLUMNS = ("round", "agents", "groups", "prompt tok", "shared tok", "reused %", "KV held/dense", "latency")
+
+
+def _sum(r: Round, key: str) -> int:
+    return sum(int(rep.usage.get(key) or 0) for rep in r.replies.values())
+
+
+def _get(stats: dict[str, Any], r: Round, key: str, usage_key: str | None = None) -> int:
+    """`key` from the proxy's round stats, else summed over the replies' usage."""
+    if isinstance(stats.get(key), (int, float)):
+        return int(stats[key])
+    return _sum(r, usage_key or key)
+
+
+def row(r: Round) -> dict[str, Any]:
+    s = r.stats
+    prompt = _get(s, r, "prompt_tokens")
+    shared = _get(s, r, "shared_tokens")
+    reused = _get(s, r, "reused_tokens", "cached_tokens")
+    held = _get(s, r, "kv_held_bytes")
+    dense = _get(s, r, "kv_dense_bytes")
+    groups = s.get("groups")
+    return {
+        "round": r.round,
+        "agents": len(r.replies),
+        "groups": len(groups) if isinstance(groups, list) else groups if groups is not None else "-",
+        "prompt tok": prompt,
+        "shared tok": shared,
+        "reused %": f"{100 * reused / prompt:.1f}" if prompt else "-",
+        "KV held/dense": f"{size(held)} / {size(dense)} ({held / dense:.0%})" if dense else "-",
+        "latency": f"{r.latency * 1000:.0f} ms",
+    }
+
+
+def size(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return ""
+
+
+def render(rounds: list[Round], title: str) -> str:
+    rows = [row(r) for r in rounds]
+    width = {c: max(len(c), *(len(str(x[c])) for x in rows)) for c in COLUMNS}
+    line = lambda cells: "  ".join(str(cells[c]).rjust(width[c]) for c in COLUMNS)  # noqa: E731
+    return "\n".join([title, line({c: c for c in COLUMNS}), *(line(x) for x in rows)])
+
+
+def diverged(base: list[Round], other: list[Round]) -> str:
+    """Where `other`'s outputs first differ from `base`'s (round, agent, word)."""
+    for a, b in zip(base, other):
+        for agent, rep in a.replies.items():
+            x, y = rep.text.split(), b.replies[agent].text.split()
+            if x != y:
+                i = next((k for k, (p, q) in enumerate(zip(x, y)) if p != q), min(len(x), len(y)))
+                got = lambda w: repr(w[i]) if i < len(w) else "(end)"  # noqa: E731
+                return (f"outputs first diverged in round {a.round}, agent {agent}, "
+                        f"word {i + 1}: {got(x)} vs {got(y)}")
+    return f"outputs identical in all {min(len(base), len(other))} rounds"
