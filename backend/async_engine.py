@@ -30,7 +30,10 @@ class Job:
     rid: str
     prompt: list[int]
     sampling: SamplingParams
-    prefix_cache: bool = False
+    mode: str = "full"
+    shared: list[tuple[int, int]] | None = None
+    tenant: str = ""
+    publish: bool = False
 
 
 class TokenStream:
@@ -87,7 +90,7 @@ class AsyncEngine:
         def add() -> None:
             for j in jobs:
                 try:
-                    self.engine.add(j.rid, j.prompt, j.sampling, j.prefix_cache)
+                    self.engine.add(j.rid, j.prompt, j.sampling, j.mode, j.shared, j.tenant, j.publish)
                 except InvalidRequest as e:
                     self._deliver(j.rid, e)
 

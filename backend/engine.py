@@ -9,14 +9,16 @@ import structlog
 import torch
 
 from tokendance.backend import loader
-from tokendance.backend.api import Delta, InvalidRequest, SamplingParams, TokenLogprob, TopLogprob, Usage
+from tokendance.backend.api import MODES, Delta, InvalidRequest, SamplingParams, TokenLogprob, TopLogprob, Usage
 from tokendance.backend.blocks import BlockManager
+from tokendance.backend.collector import Collector, ReuseConfig
 from tokendance.backend.detok import Detok
 from tokendance.backend.model import KVCache
 from tokendance.backend.pool import BlockPool
 from tokendance.backend.runner import Runner
 from tokendance.backend.sampler import Sampled, sample
 from tokendance.backend.scheduler import Scheduler
+from tokendance.backend.segments import SegmentCache
 from tokendance.backend.sequence import Sequence, Status
 
 log = structlog.get_logger(__name__)
@@ -35,6 +37,9 @@ class EngineConfig:
     max_batched_tokens: int = 0  # per step; 0: 2048 on CPU, 16384 on CUDA
     max_model_len: int = 0  # 0: the model's limit (capped by the pool)
     seed: int = 0
+    check_layer: int = 1  # pic / collective: where deviating tokens are selected
+    recompute_ratio: float = 0.15  # pic / collective: share of reused tokens recomputed
+    segment_cache_fraction: float = 0.25  # of the pool, for shared segments' base KV
 
 
 def _pick_device(name: str) -> torch.device:
@@ -68,6 +73,11 @@ class Engine:
         budget = cfg.max_batched_tokens or (16384 if self.device.type == "cuda" else 2048)
         self.scheduler = Scheduler(self.blocks, cfg.max_seqs, budget)
         self.runner = Runner(self.model, self.cache)
+        self.segments = SegmentCache(self.pool, cfg.block_size,
+                                     int(self.cache.num_blocks * cfg.segment_cache_fraction))
+        reuse = ReuseConfig(cfg.check_layer, cfg.recompute_ratio)
+        self.collector = Collector(self.model, self.cache, self.blocks, self.runner, self.segments, reuse)
+        self.blend_waiting: list[Sequence] = []
         capacity = self.cache.num_blocks * cfg.block_size
         limits = [self.mcfg.max_position, capacity]
         if self.mcfg.sliding_window:
@@ -110,34 +120,46 @@ class Engine:
         if min(prompt) < 0 or max(prompt) >= self.mcfg.vocab_size:
             raise InvalidRequest(f"token ids must lie in [0, {self.mcfg.vocab_size})", "prompt")
 
-    def add(self, rid: str, prompt: list[int], sampling: SamplingParams, prefix_cache: bool = False) -> None:
+    def add(self, rid: str, prompt: list[int], sampling: SamplingParams, mode: str = "full",
+            shared: list[tuple[int, int]] | None = None, tenant: str = "", publish: bool = False) -> None:
+        """Queue a request. `shared`: [lo, hi) token spans of shared segments, reused in
+        pic / collective mode; `publish`: keep its output's KV as the next round's base."""
         self.check(prompt, sampling)
+        if mode not in MODES:
+            raise InvalidRequest(f"unknown mode {mode!r}; choose one of {', '.join(MODES)}", "mode")
         if rid in self.seqs:
             raise InvalidRequest(f"duplicate request id {rid}", "id")
         gen = None
         if sampling.seed is not None:
             gen = torch.Generator(device=self.device).manual_seed(sampling.seed)
         seq = Sequence(rid, list(prompt), sampling, Detok(self.tokenizer, list(sampling.stop)),
-                       generator=gen, prefix_cache=prefix_cache)
+                       generator=gen, mode=mode, shared=list(shared or []), tenant=tenant, publish=publish)
+        seq.shared_tokens = sum(hi - lo for lo, hi in seq.shared)
         self.seqs[rid] = seq
-        self.scheduler.add(seq)
+        if mode in ("pic", "collective") and seq.shared:
+            self.blend_waiting.append(seq)
+        else:
+            self.scheduler.add(seq)
 
     def abort(self, rid: str) -> bool:
         seq = self.seqs.pop(rid, None)
         if seq is None:
             return False
+        if seq in self.blend_waiting:
+            self.blend_waiting.remove(seq)
         self.scheduler.remove(seq)
         seq.status = Status.FINISHED
         return True
 
     def has_work(self) -> bool:
-        return self.scheduler.has_work()
+        return bool(self.blend_waiting) or self.scheduler.has_work()
 
     # -- the loop ------------------------------------------------------------------
 
     def step(self) -> list[tuple[str, Delta]]:
+        out = self._blend() if self.blend_waiting else []
         work, starved = self.scheduler.schedule()
-        out = [(s.id, self._finish(s, "length")) for s in starved]
+        out += [(s.id, self._finish(s, "length")) for s in starved]
         if not work:
             return out
         logits = self.runner.run(work)
@@ -147,6 +169,29 @@ class Engine:
         ready = [w.seq for w in work if w.samples]
         for seq, pick in zip(ready, sample(logits, ready, self.generator)):
             out.append((seq.id, self._advance(seq, pick)))
+        return out
+
+    def _blend(self) -> list[tuple[str, Delta]]:
+        """Prefill waiting pic / collective requests by reuse, then let them decode."""
+        out = []
+        for mode in ("collective", "pic"):
+            group = [s for s in self.blend_waiting if s.mode == mode]
+            if not group:
+                continue
+            ready, logits = self.collector.prefill(group, batched=mode == "collective")
+            if not ready and not self.scheduler.running and group:
+                # Not even one fits the pool beside the segment cache: prefill it plainly.
+                ready_seq = group[0]
+                self.blend_waiting.remove(ready_seq)
+                ready_seq.shared = []
+                self.scheduler.add(ready_seq)
+                continue
+            for seq in ready:
+                self.blend_waiting.remove(seq)
+                seq.status = Status.RUNNING
+                self.scheduler.running.append(seq)
+            for seq, pick in zip(ready, sample(logits, ready, self.generator) if ready else []):
+                out.append((seq.id, self._advance(seq, pick)))
         return out
 
     def _advance(self, seq: Sequence, pick: Sampled) -> Delta:
@@ -180,25 +225,36 @@ class Engine:
     def _finish(self, seq: Sequence, reason: str) -> Delta:
         seq.status = Status.FINISHED
         seq.finish_reason = reason
+        text = seq.detok.take(final=True)
+        if seq.publish and seq.blocks:
+            self.collector.publish_output(seq, self.encode(seq.detok.text))
         self.scheduler.remove(seq)
         self.seqs.pop(seq.id, None)
         per_token = self.kv_bytes_per_token
         usage = Usage(
             prompt_tokens=len(seq.prompt), completion_tokens=len(seq.out), cached_tokens=seq.cached,
-            kv_dense_bytes=len(seq) * per_token, kv_held_bytes=(len(seq) - seq.cached) * per_token,
+            recomputed_tokens=seq.recomputed, shared_tokens=seq.shared_tokens,
+            kv_dense_bytes=len(seq) * per_token, kv_held_bytes=self._held(seq) * per_token,
         )
-        return Delta(text=seq.detok.take(final=True), finish_reason=reason, usage=usage)
+        return Delta(text=text, finish_reason=reason, usage=usage)
+
+    @staticmethod
+    def _held(seq: Sequence) -> int:
+        """Tokens of KV this request holds privately: prefix hits live in shared blocks;
+        pic / collective copy their bases densely (Mirrors would not)."""
+        return len(seq) - seq.cached if seq.mode == "prefix" else len(seq)
 
     # -- convenience ---------------------------------------------------------------
 
     def generate(self, prompts: list[list[int]], sampling: SamplingParams | list[SamplingParams],
-                 prefix_cache: bool = False) -> list[tuple[list[int], str, str]]:
+                 mode: str = "full", shared: list[list[tuple[int, int]]] | None = None,
+                 publish: bool = False) -> list[tuple[list[int], str, str]]:
         """Run prompts to completion: (token ids, text, finish reason) each."""
         params = sampling if isinstance(sampling, list) else [sampling] * len(prompts)
         ids = [f"gen-{i}" for i in range(len(prompts))]
         results: dict[str, tuple[list[int], list[str], str]] = {r: ([], [], "") for r in ids}
-        for rid, prompt, p in zip(ids, prompts, params):
-            self.add(rid, prompt, p, prefix_cache)
+        for i, (rid, prompt, p) in enumerate(zip(ids, prompts, params)):
+            self.add(rid, prompt, p, mode, shared[i] if shared else None, publish=publish)
         while self.has_work():
             for rid, d in self.step():
                 toks, text, _ = results[rid]

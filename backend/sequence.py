@@ -31,8 +31,17 @@ class Sequence:
     status: Status = Status.WAITING
     finish_reason: str | None = None
     preemptions: int = 0
-    prefix_cache: bool = False  # may reuse / publish exact prefix blocks
+    mode: str = "full"  # full | prefix | pic | collective
+    shared: list[tuple[int, int]] = field(default_factory=list)  # [lo, hi) of shared segments
+    tenant: str = ""
+    publish: bool = False  # keep the KV of the output as a base for the next round
+    recomputed: int = 0  # reused prompt tokens recomputed selectively
+    shared_tokens: int = 0
     hashes: list[int] = field(default_factory=list)  # chain hash of each full block
+
+    @property
+    def prefix_cache(self) -> bool:
+        return self.mode == "prefix"
 
     @property
     def tokens(self) -> list[int]:

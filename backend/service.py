@@ -9,14 +9,13 @@ from typing import Any
 import structlog
 
 from tokendance.backend.api import (
-    MODES, BackendError, InvalidRequest, ModelInfo, Prepared, Request, Stream,
+    MODES, InvalidRequest, ModelInfo, Prepared, Request, Stream,
 )
-from tokendance.backend.async_engine import AsyncEngine, Job, TokenStream
+from tokendance.backend.async_engine import AsyncEngine, Job
 from tokendance.backend.engine import Engine, EngineConfig
 
 log = structlog.get_logger(__name__)
 
-AVAILABLE = ("full", "prefix")
 
 
 @dataclass(slots=True)
@@ -29,7 +28,7 @@ class Tokens:
 
 
 class EngineBackend:
-    def __init__(self, engine: Engine, mode: str = "prefix"):
+    def __init__(self, engine: Engine, mode: str = "collective"):
         self._check_mode(mode, "mode")
         self.engine = engine
         self.mode = mode
@@ -38,15 +37,13 @@ class EngineBackend:
         self._ids = itertools.count()
 
     @classmethod
-    def load(cls, model: str | None = None, dtype: str = "auto", mode: str = "prefix", **kw: Any) -> "EngineBackend":
+    def load(cls, model: str | None = None, dtype: str = "auto", mode: str = "collective", **kw: Any) -> "EngineBackend":
         return cls(Engine(EngineConfig(model=model, dtype=dtype, **kw)), mode)
 
     @staticmethod
     def _check_mode(mode: str, param: str) -> None:
         if mode not in MODES:
             raise InvalidRequest(f"unknown mode {mode!r}; choose one of {', '.join(MODES)}", param)
-        if mode not in AVAILABLE:
-            raise InvalidRequest(f"mode {mode!r} is not available in this build; use {' or '.join(AVAILABLE)}", param)
 
     def render_chat(self, messages: list[dict[str, Any]]) -> str:
         try:
@@ -74,12 +71,10 @@ class EngineBackend:
         for p in group:
             tok: Tokens = p.state
             rid = f"{p.request.id}#{next(self._ids)}"
-            jobs.append(Job(rid, tok.ids, p.request.sampling, prefix_cache=tok.mode == "prefix"))
-        try:
-            streams: list[TokenStream] = self.core.submit(jobs)
-        except BackendError:
-            raise
-        return list(streams)
+            r = p.request
+            jobs.append(Job(rid, tok.ids, r.sampling, tok.mode, tok.shared, r.tenant,
+                            publish=r.session is not None))
+        return list(self.core.submit(jobs))
 
     async def close(self) -> None:
         await self.core.close()

@@ -1,0 +1,157 @@
+"""The KV Collector: prefill a round's requests by reusing shared segments' KV.
+
+For a group of requests it (1) finds each shared segment's base KV in the segment cache
+and prefills the missing ones standalone, once for the whole group, in one batched
+forward; (2) copies the bases into each request's blocks at their new offsets (keys are
+stored before RoPE, so placement needs no re-rotation); (3) runs selective
+recomputation: `collective` as one batched computation for the group, `pic` request by
+request. Both give the same result per request; only the schedule differs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import structlog
+import torch
+
+from tokendance.backend.api import SamplingParams
+from tokendance.backend.blend import BlendInput, blend
+from tokendance.backend.blocks import BlockManager
+from tokendance.backend.detok import Detok
+from tokendance.backend.model import Decoder, KVCache
+from tokendance.backend.runner import Runner
+from tokendance.backend.scheduler import Scheduled
+from tokendance.backend.segments import Entry, SegmentCache, segment_key
+from tokendance.backend.sequence import Sequence
+
+log = structlog.get_logger(__name__)
+
+
+@dataclass(slots=True)
+class ReuseConfig:
+    check_layer: int = 1
+    ratio: float = 0.15  # share of each request's reused tokens recomputed
+    cache_fraction: float = 0.25  # of the pool, for segment bases
+
+
+class Collector:
+    def __init__(self, model: Decoder, cache: KVCache, blocks: BlockManager, runner: Runner,
+                 segments: SegmentCache, cfg: ReuseConfig):
+        if not 1 <= cfg.check_layer < model.cfg.num_layers:
+            raise ValueError(f"check layer must lie in [1, {model.cfg.num_layers - 1}]")
+        self.model, self.cache, self.blocks, self.runner = model, cache, blocks, runner
+        self.segments = segments
+        self.cfg = cfg
+
+    # -- bases ----------------------------------------------------------------------
+
+    def _standalone(self, missing: dict[int, list[int]], tenant_of: dict[int, str]) -> None:
+        """Prefill every missing segment alone, all in one forward; the blocks become the bases."""
+        scratch: list[tuple[int, Sequence]] = []
+        for key, ids in missing.items():
+            seq = Sequence(f"segment-{key}", ids, SamplingParams(), Detok(None))
+            if not self.blocks.reserve(seq, len(ids)):
+                self.segments.evict(self.blocks.blocks_for(len(ids)))
+                if not self.blocks.reserve(seq, len(ids)):
+                    continue  # no room: requests compute this segment as private text
+            scratch.append((key, seq))
+        if not scratch:
+            return
+        self.runner.run([Scheduled(s, 0, len(s.prompt)) for _, s in scratch])
+        for key, seq in scratch:
+            self.segments.put(key, len(seq.prompt), seq.blocks, "standalone")
+
+    def _copy(self, src: list[int], dst: list[int]) -> None:
+        """Copy K/V of flat pool slots src -> dst in every layer."""
+        if not src:
+            return
+        dev = self.cache.k[0].device
+        s = torch.tensor(src, device=dev)
+        d = torch.tensor(dst, device=dev)
+        for kc, vc in zip(self.cache.k, self.cache.v):
+            for c in (kc, vc):
+                flat = c.view(-1, *c.shape[2:])
+                flat.index_copy_(0, d, flat.index_select(0, s))
+
+    def _slots(self, blocks: list[int], lo: int, hi: int) -> list[int]:
+        b = self.cache.block_size
+        return [blocks[j // b] * b + j % b for j in range(lo, hi)]
+
+    # -- the group ------------------------------------------------------------------
+
+    def prefill(self, group: list[Sequence], batched: bool) -> tuple[list[Sequence], torch.Tensor | None]:
+        """Prefill what fits of `group`; returns those sequences (KV in place, stats set)
+        and their next-token logits. Sequences left out stay for a later step."""
+        keys: list[list[tuple[int, int, int]]] = []  # per seq: (start, end, key)
+        missing: dict[int, list[int]] = {}
+        tenants: dict[int, str] = {}
+        for seq in group:
+            spans = []
+            for lo, hi in seq.shared:
+                key = segment_key(seq.tenant, seq.prompt[lo:hi])
+                spans.append((lo, hi, key))
+                if self.segments.get(key) is None:
+                    missing[key] = seq.prompt[lo:hi]
+                    tenants[key] = seq.tenant
+            keys.append(spans)
+        pinned: list[Entry] = []
+        try:
+            self._standalone(missing, tenants)
+            entries = {k: e for spans in keys for _, _, k in spans if (e := self.segments.get(k))}
+            for e in entries.values():
+                self.segments.pin(e)
+                pinned.append(e)
+            ready, items = [], []
+            src, dst = [], []
+            for seq, spans in zip(group, keys):
+                if not self.blocks.reserve(seq, len(seq.prompt)):
+                    self.segments.evict(self.blocks.blocks_for(len(seq.prompt)) - len(seq.blocks))
+                    if not self.blocks.reserve(seq, len(seq.prompt)):
+                        break
+                reused = [False] * len(seq.prompt)
+                for lo, hi, key in spans:
+                    e = entries.get(key)
+                    if e is None:
+                        continue
+                    src += self._slots(e.blocks, 0, hi - lo)
+                    dst += self._slots(seq.blocks, lo, hi)
+                    reused[lo:hi] = [True] * (hi - lo)
+                reused[-1] = False  # the last prompt token is always computed: it samples
+                ready.append(seq)
+                items.append(BlendInput(seq.prompt, seq.blocks, reused))
+            self._copy(src, dst)
+        finally:
+            for e in pinned:
+                self.segments.unpin(e)
+        if not ready:
+            return [], None
+        if batched:
+            res = blend(self.model, self.cache, items, self.cfg.check_layer, self.cfg.ratio)
+            logits, selected = res.logits, res.selected
+        else:
+            parts = [blend(self.model, self.cache, [it], self.cfg.check_layer, self.cfg.ratio) for it in items]
+            logits = torch.cat([p.logits for p in parts])
+            selected = [p.selected[0] for p in parts]
+        for seq, it, sel in zip(ready, items, selected):
+            n_reused = sum(it.reused)
+            seq.shared_tokens = sum(hi - lo for lo, hi in seq.shared)
+            seq.recomputed = len(sel)
+            seq.cached = n_reused - len(sel)
+            seq.computed = len(seq.prompt)
+        return ready, logits
+
+    # -- producer chaining -----------------------------------------------------------
+
+    def publish_output(self, seq: Sequence, ids: list[int]) -> None:
+        """Keep the KV the producer computed for its own output `ids` as their base."""
+        start = len(seq.prompt)
+        if not ids or seq.out[: len(ids)] != ids or start + len(ids) > seq.computed:
+            return
+        holder = Sequence(f"out-{seq.id}", ids, SamplingParams(), Detok(None))
+        if not self.blocks.reserve(holder, len(ids)):
+            self.segments.evict(self.blocks.blocks_for(len(ids)))
+            if not self.blocks.reserve(holder, len(ids)):
+                return
+        self._copy(self._slots(seq.blocks, start, start + len(ids)), self._slots(holder.blocks, 0, len(ids)))
+        self.segments.put(segment_key(seq.tenant, ids), len(ids), holder.blocks, "producer")

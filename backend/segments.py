@@ -1,0 +1,95 @@
+"""The segment cache: base KV of shared segments, keyed by content, not position.
+
+An entry holds the K/V of a segment's tokens in pool blocks, laid out from slot 0 of
+its first block (keys before RoPE, so the same blocks serve any offset). Two kinds of
+base: `producer` (the KV the agent that wrote the text computed while generating it,
+in its own context) and `standalone` (the segment prefilled alone). A producer base is
+preferred and replaces a standalone one. Entries are reference-counted through the
+pool; the least recently used are evicted past a byte budget.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+from tokendance.backend.pool import BlockPool
+
+
+def segment_key(tenant: str, ids: list[int] | tuple[int, ...]) -> int:
+    return hash((tenant, tuple(ids)))
+
+
+@dataclass(slots=True)
+class Entry:
+    key: int
+    ntokens: int
+    blocks: list[int]
+    source: str  # "producer" | "standalone"
+    pins: int = 0  # in-flight requests reading it
+    hits: int = field(default=0)
+
+
+class SegmentCache:
+    def __init__(self, pool: BlockPool, block_size: int, max_blocks: int):
+        self.pool = pool
+        self.block_size = block_size
+        self.max_blocks = max_blocks
+        self.entries: OrderedDict[int, Entry] = OrderedDict()
+        self.held = 0  # blocks held by entries
+
+    def get(self, key: int) -> Entry | None:
+        e = self.entries.get(key)
+        if e is not None:
+            self.entries.move_to_end(key)
+            e.hits += 1
+        return e
+
+    def put(self, key: int, ntokens: int, blocks: list[int], source: str) -> Entry | None:
+        """Take ownership of `blocks` (one reference each). Keeps an existing producer
+        base over anything new, and a new producer base over a standalone one."""
+        old = self.entries.get(key)
+        if old is not None and (old.source == "producer" or source == "standalone"):
+            self._release(blocks)
+            return old
+        if old is not None:
+            self._drop(old)
+        e = Entry(key, ntokens, blocks, source)
+        self.entries[key] = e
+        self.held += len(blocks)
+        self.evict(0)
+        return self.entries.get(key)
+
+    def evict(self, need: int) -> int:
+        """Drop unpinned LRU entries until `need` more blocks fit the budget and the pool;
+        returns how many blocks were released."""
+        freed = 0
+        for e in list(self.entries.values()):
+            over = self.held > self.max_blocks
+            short = self.pool.num_free + freed < need
+            if not over and not short:
+                break
+            if e.pins == 0:
+                freed += len(e.blocks)
+                self._drop(e)
+        return freed
+
+    def pin(self, e: Entry) -> None:
+        e.pins += 1
+
+    def unpin(self, e: Entry) -> None:
+        e.pins -= 1
+
+    def clear(self) -> None:
+        for e in list(self.entries.values()):
+            if e.pins == 0:
+                self._drop(e)
+
+    def _drop(self, e: Entry) -> None:
+        del self.entries[e.key]
+        self.held -= len(e.blocks)
+        self._release(e.blocks)
+
+    def _release(self, blocks: list[int]) -> None:
+        for b in blocks:
+            self.pool.decref(b)

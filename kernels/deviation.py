@@ -1,0 +1,101 @@
+"""KV deviation at the check layer, and the per-request top-k of deviating tokens.
+
+`kv_deviation` scores each token by how far its freshly computed K/V sit from the
+reused ones: the squared L2 distance summed over heads, for K and V, relative to the
+squared norm of the fresh values (so tokens with large activations do not dominate).
+`select_top` picks, per request, the ceil(ratio * n) reused tokens that deviate most,
+for all requests at once (one sort over a padded [N, max_len] matrix).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - the reference covers machines without Triton
+    triton = None
+
+
+def kv_deviation_reference(k_new: torch.Tensor, v_new: torch.Tensor,
+                           k_old: torch.Tensor, v_old: torch.Tensor) -> torch.Tensor:
+    """Inputs [T, H, D]; returns [T] float32."""
+    kn, vn = k_new.float().flatten(1), v_new.float().flatten(1)
+    dk = (kn - k_old.float().flatten(1)).pow(2).sum(-1)
+    dv = (vn - v_old.float().flatten(1)).pow(2).sum(-1)
+    return dk / kn.pow(2).sum(-1).clamp_min(1e-12) + dv / vn.pow(2).sum(-1).clamp_min(1e-12)
+
+
+if triton is not None:
+
+    @triton.jit
+    def _deviation_kernel(kn, vn, ko, vo, out, width, BLOCK: tl.constexpr):
+        row = tl.program_id(0)
+        base = row.to(tl.int64) * width
+        acc = tl.zeros([BLOCK], dtype=tl.float32)
+        dk = tl.zeros([BLOCK], dtype=tl.float32)
+        nk = tl.zeros([BLOCK], dtype=tl.float32)
+        dv = tl.zeros([BLOCK], dtype=tl.float32)
+        nv = tl.zeros([BLOCK], dtype=tl.float32)
+        for start in range(0, width, BLOCK):
+            offs = start + tl.arange(0, BLOCK)
+            m = offs < width
+            a = tl.load(kn + base + offs, mask=m, other=0.0).to(tl.float32)
+            b = tl.load(ko + base + offs, mask=m, other=0.0).to(tl.float32)
+            c = tl.load(vn + base + offs, mask=m, other=0.0).to(tl.float32)
+            d = tl.load(vo + base + offs, mask=m, other=0.0).to(tl.float32)
+            dk += (a - b) * (a - b)
+            nk += a * a
+            dv += (c - d) * (c - d)
+            nv += c * c
+        acc = tl.sum(dk, 0) / tl.maximum(tl.sum(nk, 0), 1e-12) + tl.sum(dv, 0) / tl.maximum(tl.sum(nv, 0), 1e-12)
+        tl.store(out + row, acc)
+
+
+def kv_deviation(k_new: torch.Tensor, v_new: torch.Tensor,
+                 k_old: torch.Tensor, v_old: torch.Tensor) -> torch.Tensor:
+    """The Triton kernel on CUDA (or under TRITON_INTERPRET), the reference elsewhere."""
+    import os
+
+    use = triton is not None and (k_new.is_cuda or os.environ.get("TRITON_INTERPRET") == "1")
+    if not use or k_new.shape[0] == 0:
+        return kv_deviation_reference(k_new, v_new, k_old, v_old)
+    t = k_new.shape[0]
+    width = k_new[0].numel()
+    out = torch.empty(t, dtype=torch.float32, device=k_new.device)
+    args = [x.contiguous() for x in (k_new, v_new, k_old, v_old)]
+    _deviation_kernel[(t,)](*args, out, width, BLOCK=min(1024, triton.next_power_of_2(width)))
+    return out
+
+
+def select_top_reference(dev: torch.Tensor, groups: list[torch.Tensor], ratio: float) -> list[torch.Tensor]:
+    """For each group (indices into dev), the ceil(ratio * len) indices with the largest deviation."""
+    out = []
+    for idx in groups:
+        k = math.ceil(ratio * len(idx))
+        top = dev[idx].topk(k).indices if k else idx[:0]
+        out.append(idx[top].sort().values)
+    return out
+
+
+def select_top(dev: torch.Tensor, groups: list[torch.Tensor], ratio: float) -> list[torch.Tensor]:
+    """Batched `select_top_reference`: one sort over all groups, padded with -inf."""
+    if not groups:
+        return []
+    width = max(len(g) for g in groups)
+    if width == 0:
+        return [g for g in groups]
+    n = len(groups)
+    idx = torch.full((n, width), -1, dtype=torch.long, device=dev.device)
+    for i, g in enumerate(groups):
+        idx[i, : len(g)] = g
+    vals = torch.where(idx >= 0, dev[idx.clamp_min(0)], torch.full_like(idx, float("-inf"), dtype=dev.dtype))
+    order = vals.sort(dim=1, descending=True, stable=True).indices
+    out = []
+    for i, g in enumerate(groups):
+        k = math.ceil(ratio * len(g))
+        out.append(idx[i, order[i, :k]].sort().values)
+    return out

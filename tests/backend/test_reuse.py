@@ -1,0 +1,171 @@
+"""Reuse modes: collective equals pic per request; ratio 1 equals full; bases once per round."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tokendance.backend.api import SamplingParams
+from tokendance.backend.engine import Engine
+
+GREEDY = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
+
+
+def round_prompts(n_agents: int, seed: int, hist: int = 40, out: int = 30):
+    """An All-Gather round: private history, then every other agent's output."""
+    g = torch.Generator().manual_seed(seed)
+    outputs = [torch.randint(3, 49152, (out + 3 * j,), generator=g).tolist() for j in range(n_agents)]
+    prompts, spans = [], []
+    for i in range(n_agents):
+        ids = torch.randint(3, 49152, (hist + 7 * i,), generator=g).tolist()
+        sp = []
+        for j, o in enumerate(outputs):
+            if j != i:
+                sp.append((len(ids), len(ids) + len(o)))
+                ids += o + [11]  # a private separator token between blocks
+        ids += [12, 13]
+        prompts.append(ids)
+        spans.append(sp)
+    return prompts, spans
+
+
+def kv_of(eng: Engine, seq) -> torch.Tensor:
+    b = eng.cache.block_size
+    slots = torch.tensor([seq.blocks[j // b] * b + j % b for j in range(len(seq.prompt))])
+    return torch.stack([torch.stack([k.view(-1, *k.shape[2:])[slots], v.view(-1, *v.shape[2:])[slots]])
+                        for k, v in zip(eng.cache.k, eng.cache.v)])
+
+
+def prefill(eng: Engine, mode: str, prompts, spans, ratio: float | None = None):
+    if ratio is not None:
+        eng.collector.cfg.ratio = ratio
+    seqs = []
+    for i, (p, sp) in enumerate(zip(prompts, spans)):
+        eng.add(f"{mode}-{i}", p, GREEDY, mode=mode, shared=sp)
+        seqs.append(eng.seqs[f"{mode}-{i}"])
+    ready, logits = eng.collector.prefill(seqs, batched=mode == "collective")
+    assert ready == seqs
+    return seqs, logits
+
+
+@pytest.fixture()
+def engine(tiny_llama):
+    return Engine(model=str(tiny_llama), dtype="float32", kv_tokens=8192)
+
+
+def test_collective_equals_pic(engine):
+    prompts, spans = round_prompts(4, seed=1)
+    pic, pic_logits = prefill(engine, "pic", prompts, spans)
+    pic_kv = [kv_of(engine, s) for s in pic]
+    col, col_logits = prefill(engine, "collective", prompts, spans)
+    for a, b, ka in zip(pic, col, pic_kv):
+        assert a.recomputed == b.recomputed > 0
+        torch.testing.assert_close(kv_of(engine, b), ka, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(col_logits, pic_logits, rtol=1e-4, atol=1e-4)
+
+
+def test_same_selection_and_greedy_output(tiny_llama):
+    prompts, spans = round_prompts(5, seed=2)
+    outs = {}
+    for mode in ("pic", "collective"):
+        eng = Engine(model=str(tiny_llama), dtype="float32", kv_tokens=8192)
+        outs[mode] = eng.generate(prompts, GREEDY, mode=mode, shared=spans)
+    assert [t for t, _, _ in outs["pic"]] == [t for t, _, _ in outs["collective"]]
+
+
+def test_selected_tokens_identical(engine, monkeypatch):
+    from tokendance.backend import blend as blend_mod
+
+    seen: dict[str, list] = {"pic": [], "collective": []}
+    real = blend_mod.blend
+
+    def spy(model, cache, items, check_layer, ratio):
+        res = real(model, cache, items, check_layer, ratio)
+        seen[current].extend(res.selected)
+        return res
+
+    monkeypatch.setattr("tokendance.backend.collector.blend", spy)
+    prompts, spans = round_prompts(3, seed=3)
+    for current in ("pic", "collective"):
+        prefill(engine, current, prompts, spans)
+    assert seen["pic"] == seen["collective"] and all(seen["pic"])
+
+
+def test_full_recompute_equals_full_prefill(engine):
+    prompts, spans = round_prompts(3, seed=4)
+    ref = [kv_of(engine, s) for s in prefill_full(engine, prompts)]
+    seqs, _ = prefill(engine, "collective", prompts, spans, ratio=1.0)
+    for s, want in zip(seqs, ref):
+        torch.testing.assert_close(kv_of(engine, s), want, rtol=1e-4, atol=1e-5)
+
+
+def prefill_full(eng: Engine, prompts):
+    from tokendance.backend.scheduler import Scheduled
+
+    seqs = []
+    for i, p in enumerate(prompts):
+        eng.add(f"full-{i}", p, GREEDY)
+        seq = eng.seqs[f"full-{i}"]
+        assert eng.blocks.reserve(seq, len(p))
+        seqs.append(seq)
+    eng.runner.run([Scheduled(s, 0, len(s.prompt)) for s in seqs])
+    return seqs
+
+
+def test_ratio_one_gives_full_greedy_output(tiny_llama):
+    prompts, spans = round_prompts(3, seed=5)
+    eng = Engine(model=str(tiny_llama), dtype="float32", kv_tokens=8192, recompute_ratio=1.0)
+    full = eng.generate(prompts, GREEDY)
+    assert eng.generate(prompts, GREEDY, mode="collective", shared=spans) == full
+
+
+def test_bases_prefilled_once_per_round(engine, monkeypatch):
+    prompts, spans = round_prompts(4, seed=6)
+    calls = []
+    real = engine.runner.run
+    monkeypatch.setattr(engine.runner, "run", lambda work: calls.append(len(work)) or real(work))
+    prefill(engine, "collective", prompts, spans)
+    assert calls == [4]  # one forward, four unique segments
+    assert len(engine.segments.entries) == 4
+    for s in engine.seqs.values():
+        assert s.cached + s.recomputed == sum(hi - lo for lo, hi in s.shared)
+    prefill(engine, "pic", prompts, spans)
+    assert calls == [4]  # the second round of the same outputs prefills nothing
+
+
+def test_producer_output_becomes_base(smollm2):
+    # A real model: its outputs tokenize back to the tokens it generated.
+    engine = Engine(model=str(smollm2), dtype="float32", kv_tokens=2048)
+    prompt = engine.encode(engine.chat_prompt([{"role": "user", "content": "Name two colours."}]))
+    sampling = SamplingParams(max_tokens=40, temperature=0)
+    engine.add("p", prompt, sampling, publish=True)
+    seq = engine.seqs["p"]
+    while engine.has_work():
+        engine.step()
+    ids = engine.encode(seq.detok.text)
+    from tokendance.backend.segments import segment_key
+
+    entry = engine.segments.get(segment_key("", ids))
+    assert entry is not None and entry.source == "producer" and entry.ntokens == len(ids)
+    # The base holds exactly the producer's KV of those tokens (re-run to recompute it).
+    ref = Engine(model=str(engine.folder), dtype="float32", kv_tokens=4096)
+    rseq, = prefill_full(ref, [prompt + seq.out])
+    b = engine.cache.block_size
+    src = torch.tensor([entry.blocks[j // b] * b + j % b for j in range(len(ids))])
+    dst = torch.tensor([rseq.blocks[j // b] * b + j % b for j in range(len(prompt), len(prompt) + len(ids))])
+    for k0, k1 in zip(engine.cache.k, ref.cache.k):
+        torch.testing.assert_close(k0.view(-1, *k0.shape[2:])[src], k1.view(-1, *k1.shape[2:])[dst],
+                                   rtol=1e-4, atol=1e-5)
+
+
+def test_usage_reports_reuse(engine):
+    prompts, spans = round_prompts(2, seed=7)
+    engine.add("u", prompts[0], SamplingParams(max_tokens=2, temperature=0), mode="collective", shared=spans[0])
+    usage = None
+    while engine.has_work():
+        for _, d in engine.step():
+            usage = d.usage or usage
+    shared = sum(hi - lo for lo, hi in spans[0])
+    assert usage.shared_tokens == shared
+    assert usage.recomputed_tokens == -(-15 * shared // 100)
+    assert usage.cached_tokens == shared - usage.recomputed_tokens
