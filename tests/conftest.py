@@ -45,9 +45,20 @@ def make_tiny(dest: Path, arch: str, tokenizer_from: Path, **over) -> Path:
 
 
 @pytest.fixture(scope="session")
-def tiny_models(tmp_path_factory, smollm2) -> dict[str, Path]:
+def make_model(tmp_path_factory, smollm2):
+    """Factory: make_model(arch, **config_overrides) -> a fresh tiny model folder."""
     root = tmp_path_factory.mktemp("tiny")
-    return {a: make_tiny(root / a, a, smollm2) for a in ("llama", "qwen2")}
+    count = iter(range(10**6))
+
+    def make(arch: str, **over) -> Path:
+        return make_tiny(root / f"{arch}-{next(count)}", arch, smollm2, **over)
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def tiny_models(make_model) -> dict[str, Path]:
+    return {a: make_model(a) for a in ("llama", "qwen2")}
 
 
 @pytest.fixture(scope="session")

@@ -75,12 +75,12 @@ def test_prefix_cache_reuses_blocks_exactly(tiny_llama):
     eng = Engine(model=str(tiny_llama), dtype="float32", kv_tokens=4096)
     base = prompts(1, 5)[0] + prompts(1, 6)[0]
     other = base[:100] + [7, 8, 9]
-    first = eng.generate([base], GREEDY, prefix_cache=True)[0][0]
-    eng.add("x", other, GREEDY, prefix_cache=True)
+    first = eng.generate([base], GREEDY, mode="prefix")[0][0]
+    eng.add("x", other, GREEDY, mode="prefix")
     seq = eng.seqs["x"]
     out = []
     while eng.has_work():
         out += [t for _, d in eng.step() for t in d.token_ids]
     assert seq.cached == 96  # six full 16-token blocks of the shared 100-token prefix
     assert out == alone(tiny_llama, [other])[0]
-    assert eng.generate([base], GREEDY, prefix_cache=True)[0][0] == first
+    assert eng.generate([base], GREEDY, mode="prefix")[0][0] == first
