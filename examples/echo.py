@@ -102,7 +102,8 @@ class EchoBackend:
 
 
 def reply(prompt: str, seed: int | None, max_tokens: int) -> list[str]:
-    """A deterministic reply of at most `max_tokens` words (at most 12)."""
+    """A deterministic reply of at most `max_tokens` words (8 to 15: long enough for
+    the proxy to find it again in later prompts)."""
     h = hashlib.sha256(f"{seed}|{prompt}".encode()).digest()
-    n = min(max_tokens, 4 + h[0] % 9)
+    n = min(max_tokens, 8 + h[0] % 8)
     return [WORDS[b % len(WORDS)] for b in h[1:1 + n]]

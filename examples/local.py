@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+import asyncio
+import threading
+from collections.abc import AsyncIterator, Iterator
+from contextlib import asynccontextmanager, contextmanager
 
 from tokendance.backend.api import Backend
 
@@ -25,15 +27,36 @@ def best(available: tuple[str, ...]) -> str:
     return next(m for m in PREFERRED if m in available)
 
 
-@asynccontextmanager
-async def proxy(be: Backend, barrier_timeout: float = 5.0) -> AsyncIterator[str]:
-    """Serve `be` on 127.0.0.1 at a free port; yields the base URL (ending in /v1)."""
+def server(be: Backend, barrier_timeout: float):  # -> tokendance.proxy.app.Server
     from tokendance.proxy.app import Server
     from tokendance.proxy.core import Config
 
-    server = Server(be, Config(barrier_timeout=barrier_timeout))
-    await server.start("127.0.0.1", 0)
+    return Server(be, Config(barrier_timeout=barrier_timeout))
+
+
+@asynccontextmanager
+async def proxy(be: Backend, barrier_timeout: float = 5.0) -> AsyncIterator[str]:
+    """Serve `be` on 127.0.0.1 at a free port; yields the base URL (ending in /v1)."""
+    s = server(be, barrier_timeout)
+    await s.start("127.0.0.1", 0)
     try:
-        yield server.url + "/v1"
+        yield s.url + "/v1"
     finally:
-        await server.stop()
+        await s.stop()
+
+
+@contextmanager
+def threaded(be: Backend, barrier_timeout: float = 5.0) -> Iterator[str]:
+    """`proxy` on its own event loop in a daemon thread, for synchronous callers."""
+    loop = asyncio.new_event_loop()
+    t = threading.Thread(target=loop.run_forever, name="tokendance-proxy", daemon=True)
+    t.start()
+    s = server(be, barrier_timeout)
+    try:
+        asyncio.run_coroutine_threadsafe(s.start("127.0.0.1", 0), loop).result(30)
+        yield s.url + "/v1"
+    finally:
+        asyncio.run_coroutine_threadsafe(s.stop(), loop).result(60)
+        loop.call_soon_threadsafe(loop.stop)
+        t.join(10)
+        loop.close()

@@ -1,0 +1,51 @@
+"""LangGraph / LangChain: a ChatOpenAI pointed at the proxy.
+
+One model can serve every agent of a graph: session (and mode) ride in its
+`default_headers`, agent and round in per-call `extra_headers`:
+
+    llm = chat_model("debate-1")
+    def speak(state):                      # a node, reached through Send(...)
+        return llm.invoke(msgs, **tag(state["agent"], state["round"]))
+
+or bind them once per agent: `tag_model(llm, "alice", 2).invoke(msgs)`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from langchain_core.runnables import Runnable
+from langchain_openai import ChatOpenAI
+
+from tokendance.adapters.rounds import served_model
+from tokendance.adapters.tags import api_base, headers
+
+
+def chat_model(
+    session: str,
+    *,
+    agent: str | None = None,
+    url: str | None = None,
+    model: str | None = None,
+    mode: str | None = None,
+    api_key: str = "tokendance",
+    **kw: Any,
+) -> ChatOpenAI:
+    """ChatOpenAI for the proxy at `url`, tagged with `session` (and `agent`, `mode`)."""
+    return ChatOpenAI(
+        model=model or served_model(url, api_key),
+        base_url=api_base(url),
+        api_key=api_key,
+        default_headers=headers(session, agent, mode=mode),
+        **kw,
+    )
+
+
+def tag(agent: str, round: int | None = None, mode: str | None = None) -> dict[str, Any]:
+    """Per-call keyword arguments: `llm.invoke(msgs, **tag("alice", 1))`."""
+    return {"extra_headers": headers(agent=agent, round=round, mode=mode)}
+
+
+def tag_model(llm: ChatOpenAI, agent: str, round: int | None = None) -> Runnable:
+    """`llm` bound to one agent (and round)."""
+    return llm.bind(**tag(agent, round))

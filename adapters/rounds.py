@@ -1,0 +1,101 @@
+"""Round control over HTTP: announce who takes part in a round, seal it, read its stats.
+
+    POST /v1/tokendance/sessions/{session}/rounds/{round}        {"agents": [...]}
+    POST /v1/tokendance/sessions/{session}/rounds/{round}/seal
+    GET  /v1/tokendance/sessions/{session}/rounds/{round}
+
+Announcing lets the proxy release a round's barrier as soon as every named agent has
+arrived; sealing releases it with whoever is there. Plain stdlib HTTP, so the helper
+works from any framework's thread; the `a*` variants run it off the event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import urllib.error
+import urllib.parse
+import urllib.request
+from dataclasses import dataclass
+from typing import Any
+
+from tokendance.adapters.tags import api_base
+
+
+class ProxyError(RuntimeError):
+    """The proxy answered a control request with an error."""
+
+    def __init__(self, status: int, message: str):
+        super().__init__(f"proxy answered {status}: {message}")
+        self.status = status
+
+
+@dataclass(slots=True)
+class Rounds:
+    """Round control for one session on one proxy."""
+
+    session: str
+    url: str | None = None
+    api_key: str = "tokendance"
+    timeout: float = 30.0
+
+    def path(self, round: int, tail: str = "") -> str:
+        s = urllib.parse.quote(self.session, safe="")
+        return f"{api_base(self.url)}/tokendance/sessions/{s}/rounds/{int(round)}{tail}"
+
+    def call(self, method: str, url: str, payload: Any = None) -> dict[str, Any]:
+        return request(method, url, payload, self.api_key, self.timeout)
+
+    def announce(self, round: int, agents: list[str], timeout_ms: float | None = None) -> dict[str, Any]:
+        """Name the agents of `round`: its barrier opens once all of them arrived
+        (or `timeout_ms` after the first, when given)."""
+        body: dict[str, Any] = {"agents": list(agents)}
+        if timeout_ms is not None:
+            body["timeout_ms"] = timeout_ms
+        return self.call("POST", self.path(round), body)
+
+    def seal(self, round: int) -> dict[str, Any]:
+        """Close `round` to newcomers and release whoever waits at its barrier."""
+        return self.call("POST", self.path(round, "/seal"), {})
+
+    def stats(self, round: int) -> dict[str, Any]:
+        """The proxy's stats of `round`: groups, shared and reused tokens, KV held."""
+        return self.call("GET", self.path(round))
+
+    async def aannounce(self, round: int, agents: list[str], timeout_ms: float | None = None) -> dict[str, Any]:
+        return await asyncio.to_thread(self.announce, round, agents, timeout_ms)
+
+    async def aseal(self, round: int) -> dict[str, Any]:
+        return await asyncio.to_thread(self.seal, round)
+
+    async def astats(self, round: int) -> dict[str, Any]:
+        return await asyncio.to_thread(self.stats, round)
+
+
+def served_model(url: str | None = None, api_key: str = "tokendance", timeout: float = 10.0) -> str:
+    """The id of the first model the proxy at `url` serves (requests must name it)."""
+    models = request("GET", f"{api_base(url)}/models", None, api_key, timeout)
+    return models["data"][0]["id"]
+
+
+def request(method: str, url: str, payload: Any, api_key: str, timeout: float) -> dict[str, Any]:
+    """One JSON request; ProxyError for an error answer."""
+    data = None if payload is None else json.dumps(payload).encode()
+    req = urllib.request.Request(url, data=data, method=method)
+    req.add_header("Authorization", f"Bearer {api_key}")
+    if data is not None:
+        req.add_header("Content-Type", "application/json")
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            raw = r.read()
+    except urllib.error.HTTPError as e:
+        raise ProxyError(e.code, error_message(e.read())) from None
+    return json.loads(raw) if raw.strip() else {}
+
+
+def error_message(raw: bytes) -> str:
+    try:
+        err = json.loads(raw)
+        return str(err.get("error", {}).get("message") or err)
+    except (ValueError, AttributeError):
+        return raw.decode(errors="replace")[:200]

@@ -1,0 +1,80 @@
+"""`tokendance simulate` end to end through the proxy, on the echo backend."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from tokendance.adapters.rounds import ProxyError, Rounds
+from tokendance.examples import cli
+from tokendance.examples.client import Client
+from tokendance.examples.debate import Debate
+from tokendance.examples.echo import EchoBackend
+from tokendance.examples.local import proxy, threaded
+from tokendance.examples.loop import run
+from tokendance.examples.table import diverged
+
+
+def _lines(out: str) -> list[list[str]]:
+    """The rows of the per-round tables (lines that start with a round number)."""
+    return [line.split() for line in out.splitlines() if line.endswith(" ms")]
+
+
+@pytest.mark.parametrize("name", ["debate", "town", "society"])
+def test_simulate_prints_rounds(name: str, capsys) -> None:
+    assert cli.main(["simulate", name, "--model", "echo", "--agents", "4", "--rounds", "3"]) == 0
+    out = capsys.readouterr().out
+    assert f"{name}: 4 agents, mode collective, seed 0" in out
+    rows = _lines(out)
+    assert [r[0] for r in rows] == ["1", "2", "3"]
+    assert all(r[1] == "4" and r[2] == "1" for r in rows)  # 4 agents, one group a round
+    assert float(rows[-1][5]) > 0  # reused %
+
+
+def test_compare_runs_full_and_mode(capsys) -> None:
+    argv = ["simulate", "debate", "--model", "echo", "--agents", "3", "--rounds", "2", "--compare"]
+    assert cli.main(argv) == 0
+    out = capsys.readouterr().out
+    assert "mode full" in out and "mode collective" in out
+    rows = _lines(out)
+    assert len(rows) == 4 and rows[1][5] == "0.0" and float(rows[3][5]) > 0
+    assert "outputs identical in all 2 rounds" in out  # echo replies ignore the mode
+
+
+def test_url_uses_a_running_proxy(capsys) -> None:
+    with threaded(EchoBackend("prefix")) as url:
+        assert cli.main(["simulate", "town", "--url", url, "--agents", "2", "--rounds", "1"]) == 0
+    assert "town: 2 agents, mode server default" in capsys.readouterr().out
+
+
+def test_user_mistakes_are_one_line(capsys) -> None:
+    assert cli.main(["simulate", "debate", "--model", "echo", "--agents", "0"]) == 1
+    assert capsys.readouterr().err.strip().endswith("must be at least 1")
+    assert cli.main(["simulate", "debate", "--url", "http://127.0.0.1:9"]) == 1
+    assert "no proxy answers at http://127.0.0.1:9" in capsys.readouterr().err
+
+
+async def test_loop_and_divergence() -> None:
+    async with proxy(EchoBackend()) as url:
+        async with Client(url, "loop-1", model="echo", seed=1) as c:
+            a = await run(Debate(3, 0), c, 2)
+        async with Client(url, "loop-2", model="echo", seed=2) as c:
+            b = await run(Debate(3, 0), c, 2)
+        async with Client(url, "loop-3", model="nope") as c:
+            with pytest.raises(ProxyError, match="404"):
+                await c.chat("Ada", 1, [{"role": "user", "content": "hi"}])
+        assert (await Rounds("loop-1", url).astats(2))["groups"] == 1
+    assert a[1].stats["reused_tokens"] > 0
+    assert diverged(a, a) == "outputs identical in all 2 rounds"
+    assert diverged(a, b).startswith("outputs first diverged in round 1, agent Ada, word ")
+
+
+def test_module_entry_runs() -> None:
+    out = subprocess.run(
+        [sys.executable, "-m", "tokendance.examples.society", "--model", "echo", "--agents", "3", "--rounds", "1"],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert out.returncode == 0, out.stderr
+    assert "society: 3 agents" in out.stdout and "know about the bridge" in out.stdout
