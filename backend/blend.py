@@ -30,6 +30,7 @@ class BlendInput:
 class BlendResult:
     logits: torch.Tensor  # [N, vocab], next-token logits per prompt
     selected: list[list[int]]  # per prompt: reused positions that were recomputed
+    work: int  # token-layers computed
 
 
 def _meta(items: list[BlendInput], rows: list[torch.Tensor], block_size: int, device) -> AttnMeta:
@@ -64,7 +65,9 @@ def blend(model: Decoder, cache: KVCache, items: list[BlendInput], check_layer: 
     for it in items:
         offsets.append(offsets[-1] + len(it.tokens))
     selected: list[list[int]] = [[] for _ in items]
+    work = 0
     for li, layer in enumerate(model.layers):
+        work += x.shape[0]
         if li != check_layer:
             x = layer(x, meta, cache)
             continue
@@ -94,4 +97,4 @@ def blend(model: Decoder, cache: KVCache, items: list[BlendInput], check_layer: 
         x = x[take]
         meta = _meta(items, rows, bsz, device)
     last = meta.cu_q[1:].long() - 1
-    return BlendResult(model.logits(x[last]), selected)
+    return BlendResult(model.logits(x[last]), selected, work)

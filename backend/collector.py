@@ -127,12 +127,12 @@ class Collector:
         if not ready:
             return [], None
         if batched:
-            res = blend(self.model, self.cache, items, self.cfg.check_layer, self.cfg.ratio)
-            logits, selected = res.logits, res.selected
+            parts = [blend(self.model, self.cache, items, self.cfg.check_layer, self.cfg.ratio)]
         else:
             parts = [blend(self.model, self.cache, [it], self.cfg.check_layer, self.cfg.ratio) for it in items]
-            logits = torch.cat([p.logits for p in parts])
-            selected = [p.selected[0] for p in parts]
+        logits = torch.cat([p.logits for p in parts])
+        selected = [sel for p in parts for sel in p.selected]
+        self.runner.work += sum(p.work for p in parts)
         for seq, it, sel in zip(ready, items, selected):
             n_reused = sum(it.reused)
             seq.shared_tokens = sum(hi - lo for lo, hi in seq.shared)

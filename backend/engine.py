@@ -12,6 +12,7 @@ from tokendance.backend import loader
 from tokendance.backend.api import MODES, Delta, InvalidRequest, SamplingParams, TokenLogprob, TopLogprob, Usage
 from tokendance.backend.blocks import BlockManager
 from tokendance.backend.collector import Collector, ReuseConfig
+from tokendance.backend.config import ModelConfig
 from tokendance.backend.detok import Detok
 from tokendance.backend.model import KVCache
 from tokendance.backend.pool import BlockPool
@@ -37,6 +38,7 @@ class EngineConfig:
     max_batched_tokens: int = 0  # per step; 0: 2048 on CPU, 16384 on CUDA
     max_model_len: int = 0  # 0: the model's limit (capped by the pool)
     seed: int = 0
+    random_weights: bool = False  # timing only: the folder needs config.json (and a tokenizer)
     check_layer: int = 1  # pic / collective: where deviating tokens are selected
     recompute_ratio: float = 0.15  # pic / collective: share of reused tokens recomputed
     segment_cache_fraction: float = 0.25  # of the pool, for shared segments' base KV
@@ -58,7 +60,10 @@ class Engine:
             raise InvalidRequest(f"unsupported dtype {dtype!r}; choose one of {', '.join(DTYPES)}", "dtype")
         self.dtype = DTYPES[dtype]
         self.folder: Path = loader.resolve(cfg.model)
-        self.model = loader.load(self.folder, self.dtype, self.device)
+        if cfg.random_weights:
+            self.model = loader.build(ModelConfig.load(self.folder), self.dtype, self.device)
+        else:
+            self.model = loader.load(self.folder, self.dtype, self.device)
         self.mcfg = self.model.cfg
         from transformers import AutoTokenizer
 
@@ -243,6 +248,11 @@ class Engine:
         """Tokens of KV this request holds privately: prefix hits live in shared blocks;
         pic / collective copy their bases densely (Mirrors would not)."""
         return len(seq) - seq.cached if seq.mode == "prefix" else len(seq)
+
+    def reset_caches(self) -> None:
+        """Forget every reusable KV (segment bases, prefix blocks): a cold start."""
+        self.segments.clear()
+        self.pool.forget()
 
     # -- convenience ---------------------------------------------------------------
 

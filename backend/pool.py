@@ -50,6 +50,12 @@ class BlockPool:
         if refs == 0:
             self.free[block] = None
 
+    def forget(self) -> None:
+        """Drop every content hash: no later request hits what earlier ones left."""
+        for h, b in self.by_hash.items():
+            self.hash_of[b] = None
+        self.by_hash.clear()
+
     def lookup(self, h: int) -> int | None:
         return self.by_hash.get(h)
 

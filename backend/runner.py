@@ -45,9 +45,11 @@ class Runner:
         self.model = model
         self.cache = cache
         self.device = next(model.parameters()).device
+        self.work = 0  # token-layers computed so far (a token through one layer = 1)
 
     @torch.inference_mode()
     def run(self, work: list[Scheduled]) -> torch.Tensor:
         """Logits [rows that sample, vocab] in float32."""
         ids, meta, last = step_meta(work, self.cache.block_size, self.device)
+        self.work += len(ids) * len(self.model.layers)
         return self.model(ids, meta, self.cache, last)

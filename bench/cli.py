@@ -1,0 +1,23 @@
+"""`tokendance bench {engine,reuse,fidelity}`."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+
+KINDS = {
+    "engine": ("tokendance.bench.engine", "prefill and decode tokens/s against HF transformers"),
+    "reuse": ("tokendance.bench.reuse", "an All-Gather round in every reuse mode"),
+    "fidelity": ("tokendance.bench.fidelity", "pic / collective against full: KV deviation, agreement, divergence"),
+}
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser("bench", help="measure TokenDance")
+    kinds = p.add_subparsers(dest="kind", required=True, metavar="KIND")
+    for name, (module, text) in KINDS.items():
+        importlib.import_module(module).add_args(kinds.add_parser(name, help=text))
+
+
+def main(args: argparse.Namespace) -> int:
+    return importlib.import_module(KINDS[args.kind][0]).main(args)

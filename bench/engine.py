@@ -1,0 +1,135 @@
+"""`tokendance bench engine`: our engine against HF transformers, same weights, same run.
+
+Prefill tokens/s (one sequence of L tokens, or a batch of equal sequences) and decode
+tokens/s at several batch sizes with a given context; medians of repeats.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from tokendance.backend.api import SamplingParams
+from tokendance.backend.engine import Engine, EngineConfig
+
+
+def sync(dev: torch.device) -> None:
+    if dev.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def timed(fn, dev: torch.device, repeats: int) -> float:
+    fn()  # warm-up
+    out = []
+    for _ in range(repeats):
+        sync(dev)
+        t0 = time.perf_counter()
+        fn()
+        sync(dev)
+        out.append(time.perf_counter() - t0)
+    return statistics.median(out)
+
+
+def rand_prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(100, vocab, (length,), generator=g).tolist() for _ in range(n)]
+
+
+# -- ours ----------------------------------------------------------------------------
+
+def ours_prefill(eng: Engine, prompts: list[list[int]]) -> None:
+    eng.reset_caches()
+    eng.generate(prompts, SamplingParams(max_tokens=1, temperature=0, ignore_eos=True))
+
+
+def ours_decode(eng: Engine, prompts: list[list[int]], steps: int) -> float:
+    """Seconds per decode step for the batch, after its prefill."""
+    for i, p in enumerate(prompts):
+        eng.add(f"d{i}", p, SamplingParams(max_tokens=steps + 1, temperature=0, ignore_eos=True))
+    while any(s.computed < len(s.prompt) for s in eng.seqs.values()):
+        eng.step()
+    sync(eng.device)
+    t0 = time.perf_counter()
+    n = 0
+    while eng.has_work():
+        eng.step()
+        n += 1
+    sync(eng.device)
+    return (time.perf_counter() - t0) / max(n, 1)
+
+
+# -- HF --------------------------------------------------------------------------------
+
+def hf_model(folder: Path, dtype: torch.dtype, dev: torch.device, random: bool):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    if random:
+        cfg = AutoConfig.from_pretrained(folder)
+        cfg._attn_implementation = "sdpa"
+        with torch.device(dev):
+            return AutoModelForCausalLM.from_config(cfg, dtype=dtype).eval()
+    return AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, attn_implementation="sdpa").to(dev).eval()
+
+
+@torch.inference_mode()
+def hf_prefill(hf, prompts: list[list[int]], dev: torch.device) -> None:
+    hf(torch.tensor(prompts, device=dev), logits_to_keep=1)
+
+
+@torch.inference_mode()
+def hf_decode(hf, prompts: list[list[int]], steps: int, dev: torch.device) -> float:
+    out = hf(torch.tensor(prompts, device=dev), use_cache=True, logits_to_keep=1)
+    pkv, nxt = out.past_key_values, out.logits[:, -1].argmax(-1, keepdim=True)
+    sync(dev)
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        out = hf(nxt, past_key_values=pkv, use_cache=True)
+        pkv, nxt = out.past_key_values, out.logits[:, -1].argmax(-1, keepdim=True)
+    sync(dev)
+    return (time.perf_counter() - t0) / steps
+
+
+# -- the run -------------------------------------------------------------------------
+
+def add_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=None, help="HF folder, .gguf, or a shape name (qwen2.5-7b)")
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--prefill", default="1x1024,1x4096", help="BATCHxLEN,...")
+    p.add_argument("--decode", default="1x256,8x256", help="BATCHxCONTEXT,...")
+    p.add_argument("--steps", type=int, default=32)
+    p.add_argument("--repeats", type=int, default=3)
+
+
+def main(args: argparse.Namespace) -> int:
+    model, random = args.model, False
+    if model and not Path(model).exists():
+        from tokendance.bench.shapes import shape_folder
+
+        model, random = str(shape_folder(model)), True
+    pre = [tuple(map(int, s.split("x"))) for s in args.prefill.split(",") if s]
+    dec = [tuple(map(int, s.split("x"))) for s in args.decode.split(",") if s]
+    need = max([b * (n + args.steps + 16) for b, n in pre + dec]) + 1024
+    eng = Engine(EngineConfig(model=model, dtype=args.dtype, random_weights=random, kv_tokens=need,
+                              max_batched_tokens=max(b * n for b, n in pre + dec)))
+    dev, vocab = eng.device, min(eng.mcfg.vocab_size, len(eng.tokenizer))
+    hf = hf_model(eng.folder, eng.dtype, dev, random)
+    rows = []
+    for b, n in pre:
+        ps = rand_prompts(b, n, vocab, seed=n)
+        t_ours = timed(lambda: ours_prefill(eng, ps), dev, args.repeats)
+        t_hf = timed(lambda: hf_prefill(hf, ps, dev), dev, args.repeats)
+        rows.append((f"prefill {b}x{n}", b * n / t_ours, b * n / t_hf, "tok/s"))
+    for b, n in dec:
+        ps = rand_prompts(b, n, vocab, seed=n + 1)
+        t_ours = statistics.median(ours_decode(eng, ps, args.steps) for _ in range(args.repeats))
+        t_hf = statistics.median(hf_decode(hf, ps, args.steps, dev) for _ in range(args.repeats))
+        rows.append((f"decode batch {b}, context {n}", b / t_ours, b / t_hf, "tok/s"))
+    print(f"model {eng.name} on {dev}, {eng.dtype}; HF transformers SDPA in the same run, medians of {args.repeats}")
+    print("| what | ours | HF | ratio |\n|---|---|---|---|")
+    for name, a, h, unit in rows:
+        print(f"| {name} | {a:,.0f} {unit} | {h:,.0f} {unit} | {a / h:.2f}x |")
+    return 0

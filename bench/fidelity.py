@@ -1,0 +1,174 @@
+"""`tokendance bench fidelity`: how far pic / collective reuse sits from exact prefill.
+
+On a debate (every agent sees every other agent's last answer), against `full`:
+1. per-layer relative deviation of the reused tokens' K and V from the exact ones;
+2. teacher-forced greedy agreement: feed full's own continuation after the reused
+   prompt and count how often the argmax still picks full's next token;
+3. closed loop: N agents, R rounds, each mode feeding on its own answers; the round
+   where each agent's answer first differs from full's.
+Prompts go through the proxy's segmentation and the engine backend, as served.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+
+import torch
+
+from tokendance.backend.api import Request, SamplingParams, Segment
+from tokendance.backend.engine import Engine, EngineConfig
+from tokendance.backend.runner import step_meta
+from tokendance.backend.scheduler import Scheduled
+from tokendance.backend.service import EngineBackend
+from tokendance.proxy.segment import detect
+
+QUESTIONS = [
+    "Should cities ban cars from their centres?",
+    "Is it better to learn by reading or by doing?",
+    "Will robots replace teachers?",
+    "Should homework be abolished?",
+    "Is space exploration worth its cost?",
+    "Are cats better pets than dogs?",
+    "Should voting be mandatory?",
+    "Is remote work better than office work?",
+]
+
+
+def messages(i: int, question: str, own: str | None, others: list[str]) -> list[dict]:
+    msgs = [{"role": "system", "content": f"You are debater {i + 1}. Answer in at most two sentences."},
+            {"role": "user", "content": question}]
+    if own is not None:
+        msgs.append({"role": "assistant", "content": own})
+        board = "\n".join(f"Debater {j + 1}: {a}" for j, a in enumerate(others))
+        msgs.append({"role": "user", "content": f"The other debaters said:\n{board}\nGive your revised answer."})
+    return msgs
+
+
+def requests(be: EngineBackend, mode: str, question: str, answers: list[str] | None, n: int,
+             sampling: SamplingParams) -> list:
+    out = []
+    for i in range(n):
+        others = [a for j, a in enumerate(answers) if j != i] if answers else []
+        text = be.render_chat(messages(i, question, answers[i] if answers else None, others))
+        segs = detect([Segment(text)], {a: ("s", str(j), 1) for j, a in enumerate(answers or [])})
+        out.append(be.prepare(Request(f"{mode}-{i}", segs, sampling, mode=mode)))
+    return out
+
+
+def run(eng: Engine, prepared, mode: str) -> list[str]:
+    eng.reset_caches()
+    toks = [p.state for p in prepared]
+    res = eng.generate([t.ids for t in toks], prepared[0].request.sampling, mode=mode,
+                       shared=[t.shared for t in toks])
+    return [text for _, text, _ in res]
+
+
+def layer_kv(eng: Engine, seq) -> torch.Tensor:
+    """[layers, 2, T, H, D] of the sequence's prompt."""
+    b = eng.cache.block_size
+    slots = torch.tensor([seq.blocks[j // b] * b + j % b for j in range(len(seq.prompt))])
+    return torch.stack([torch.stack([k.view(-1, *k.shape[2:])[slots], v.view(-1, *v.shape[2:])[slots]])
+                        for k, v in zip(eng.cache.k, eng.cache.v)]).float()
+
+
+@torch.inference_mode()
+def teacher_forced(eng: Engine, prepared, mode: str, cont: list[list[int]]) -> tuple[list[float], float]:
+    """The prompts' KV per layer after this mode's prefill, and the share of full's
+    continuation tokens this mode's argmax reproduces when fed them."""
+    eng.reset_caches()
+    seqs = []
+    for i, p in enumerate(prepared):
+        tok = p.state
+        eng.add(f"tf-{mode}-{i}", tok.ids, SamplingParams(max_tokens=1, temperature=0), mode=mode,
+                shared=tok.shared)
+        seqs.append(eng.seqs[f"tf-{mode}-{i}"])
+    if mode in ("pic", "collective"):
+        ready, _ = eng.collector.prefill(seqs, batched=mode == "collective")
+        assert ready == seqs
+    else:
+        for s in seqs:
+            assert eng.blocks.reserve(s, len(s.prompt))
+        eng.runner.run([Scheduled(s, 0, len(s.prompt)) for s in seqs])
+    kvs = [layer_kv(eng, s) for s in seqs]
+    hits = total = 0
+    for s, c in zip(seqs, cont):
+        s.out = list(c[:-1])
+        assert eng.blocks.reserve(s, len(s))
+        ids, meta, _ = step_meta([Scheduled(s, len(s.prompt), len(c) - 1)], eng.cache.block_size, eng.device)
+        logits = eng.model(ids, meta, eng.cache)
+        pred = logits.argmax(-1).tolist()
+        hits += sum(a == b for a, b in zip(pred, c[1:]))
+        total += len(c) - 1
+    for s in seqs:
+        eng.abort(s.id)
+    return kvs, hits / max(total, 1)
+
+
+def add_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=None)
+    p.add_argument("--agents", default="4,8")
+    p.add_argument("--rounds", type=int, default=4)
+    p.add_argument("--max-tokens", type=int, default=48)
+    p.add_argument("--questions", type=int, default=2)
+    p.add_argument("--ratio", type=float, default=0.15)
+
+
+def main(args: argparse.Namespace) -> int:
+    eng = Engine(EngineConfig(model=args.model, dtype="float32", kv_tokens=65536, recompute_ratio=args.ratio))
+    be = EngineBackend(eng)
+    greedy = SamplingParams(max_tokens=args.max_tokens, temperature=0)
+    modes = ["full", "pic", "collective"]
+    print(f"model {eng.name}, float32, recompute ratio {args.ratio}, check layer {eng.collector.cfg.check_layer}")
+    # 1 + 2: one round-2 prompt set per question, built from full's round-1 answers.
+    devs = {m: [] for m in modes[1:]}
+    agree = {m: [] for m in modes}
+    n0 = int(args.agents.split(",")[0])
+    for q in QUESTIONS[: args.questions]:
+        first = run(eng, requests(be, "full", q, None, n0, greedy), "full")
+        prepared = {m: requests(be, m, q, first, n0, greedy) for m in modes}
+        full_out = eng.generate([p.state.ids for p in prepared["full"]], SamplingParams(max_tokens=24, temperature=0, ignore_eos=True))
+        cont = [toks for toks, _, _ in full_out]
+        exact, a = teacher_forced(eng, prepared["full"], "full", cont)
+        agree["full"].append(a)
+        for m in modes[1:]:
+            kvs, a = teacher_forced(eng, prepared[m], m, cont)
+            agree[m].append(a)
+            for kv, ex, p in zip(kvs, exact, prepared[m]):
+                mask = torch.zeros(kv.shape[2], dtype=torch.bool)
+                for lo, hi in p.state.shared:
+                    mask[lo:hi] = True
+                diff = (kv[:, 1, mask] - ex[:, 1, mask]).flatten(2).norm(dim=-1)
+                devs[m].append((diff / ex[:, 1, mask].flatten(2).norm(dim=-1).clamp_min(1e-9)).mean(-1))
+    layers = eng.mcfg.num_layers
+    picks = sorted({1, 2, 5, 10, layers // 2, layers - 1})
+    print("\nPer-layer mean relative V deviation of reused tokens from exact (round-2 prompts):")
+    print("| mode | " + " | ".join(f"layer {l}" for l in picks) + " |\n|---|" + "---|" * len(picks))
+    for m in modes[1:]:
+        d = torch.stack(devs[m]).mean(0)
+        print(f"| {m} | " + " | ".join(f"{d[l]:.3f}" for l in picks) + " |")
+    print("\nTeacher-forced greedy agreement with full (24 tokens per agent):")
+    print("| mode | agreement |\n|---|---|")
+    for m in modes:
+        print(f"| {m} | {statistics.mean(agree[m]):.3f} |")
+    # 3: closed loop.
+    print(f"\nClosed-loop debate, {args.rounds} rounds, greedy, {args.max_tokens} tokens per answer:")
+    print("| N | mode | agents never diverged | mean first divergent round (diverged agents) |\n|---|---|---|---|")
+    for n in map(int, args.agents.split(",")):
+        q = QUESTIONS[n % len(QUESTIONS)]
+        hist = {}
+        for m in modes:
+            answers = None
+            hist[m] = []
+            for _ in range(args.rounds):
+                answers = run(eng, requests(be, m, q, answers, n, greedy), m)
+                hist[m].append(answers)
+        for m in modes[1:]:
+            firsts = []
+            for i in range(n):
+                r = next((r for r in range(args.rounds) if hist[m][r][i] != hist["full"][r][i]), None)
+                if r is not None:
+                    firsts.append(r + 1)
+            mean = f"{statistics.mean(firsts):.2f}" if firsts else "-"
+            print(f"| {n} | {m} | {n - len(firsts)}/{n} | {mean} |")
+    return 0

@@ -1,0 +1,113 @@
+"""`tokendance bench reuse`: one All-Gather round prefilled in every reuse mode.
+
+For each mode, in one run on one engine: the round's prefill time (every agent's
+prompt up to its first token; median of repeats, caches cleared before each), the
+tokens computed (token-layers / layers), and the compute limit N·P + S + r·N·S.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from tokendance.backend.api import MODES, SamplingParams
+from tokendance.backend.engine import Engine, EngineConfig
+from tokendance.bench.allgather import Round, make_round
+
+ONE = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
+
+
+def sync(eng: Engine) -> None:
+    if eng.device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def run_round(eng: Engine, rnd: Round, mode: str) -> tuple[float, float]:
+    """(seconds, tokens computed) for prefilling the round cold."""
+    eng.reset_caches()
+    sync(eng)
+    work0 = eng.runner.work
+    t0 = time.perf_counter()
+    eng.generate(rnd.prompts, ONE, mode=mode, shared=rnd.shared)
+    sync(eng)
+    dt = time.perf_counter() - t0
+    return dt, (eng.runner.work - work0) / len(eng.model.layers)
+
+
+def bench(eng: Engine, agents: list[int], history: int, output: int, repeats: int, modes: list[str],
+          seed: int = 0) -> list[dict]:
+    rows = []
+    vocab = min(eng.mcfg.vocab_size, len(eng.tokenizer))
+    for n in agents:
+        rnd = make_round(n, history, output, vocab, seed=seed + n)
+        run_round(eng, rnd, "full")  # warm-up
+        res = {}
+        for mode in modes:
+            times, work = [], 0.0
+            for _ in range(repeats):
+                dt, work = run_round(eng, rnd, mode)
+                times.append(dt)
+            res[mode] = (statistics.median(times), work)
+        limit = rnd.limit(eng.collector.cfg.ratio)
+        for mode in modes:
+            t, w = res[mode]
+            rows.append(dict(agents=n, mode=mode, ms=1000 * t, computed=w, limit=limit,
+                             prompt_tokens=rnd.prompt_tokens, shared=rnd.shared_tokens,
+                             vs_pic=res["pic"][0] / t if "pic" in res else None,
+                             vs_full=res["full"][0] / t if "full" in res else None))
+    return rows
+
+
+def table(rows: list[dict]) -> str:
+    head = "| N | mode | round prefill ms | tokens computed | limit | computed/limit | speedup vs pic | vs full |"
+    out = [head, "|" + "---|" * 8]
+    for r in rows:
+        f = lambda v: "" if v is None else f"{v:.2f}x"  # noqa: E731
+        out.append(f"| {r['agents']} | {r['mode']} | {r['ms']:.0f} | {r['computed']:.0f} | {r['limit']:.0f} | "
+                   f"{r['computed'] / r['limit']:.2f} | {f(r['vs_pic'])} | {f(r['vs_full'])} |")
+    return "\n".join(out)
+
+
+def add_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=None, help="HF folder, .gguf, or a shape name (qwen2.5-7b)")
+    p.add_argument("--random-weights", action="store_true")
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--agents", default="2,4,8,16")
+    p.add_argument("--history", type=int, default=512)
+    p.add_argument("--output", type=int, default=150)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--modes", default=",".join(MODES))
+    p.add_argument("--kv-tokens", type=int, default=0)
+    p.add_argument("--json", default=None, help="write rows here")
+    p.add_argument("--dump-prompts", default=None, help="write each round's prompts (for vLLM)")
+
+
+def main(args: argparse.Namespace) -> int:
+    model = args.model
+    random = args.random_weights
+    if model and not Path(model).exists():
+        from tokendance.bench.shapes import shape_folder
+
+        model, random = str(shape_folder(model)), True
+    agents = [int(a) for a in args.agents.split(",")]
+    need = max(agents) * (args.history * 2 + max(agents) * args.output * 2) + 4096
+    eng = Engine(EngineConfig(model=model, dtype=args.dtype, random_weights=random,
+                              kv_tokens=args.kv_tokens or need, max_batched_tokens=16384,
+                              segment_cache_fraction=0.5))
+    modes = args.modes.split(",")
+    if args.dump_prompts:
+        vocab = min(eng.mcfg.vocab_size, len(eng.tokenizer))
+        rounds = {n: make_round(n, args.history, args.output, vocab, seed=n).prompts for n in agents}
+        Path(args.dump_prompts).write_text(json.dumps(rounds))
+    rows = bench(eng, agents, args.history, args.output, args.repeats, modes)
+    print(f"model {eng.name} ({eng.mcfg.num_layers} layers) on {eng.device}, {eng.dtype}; "
+          f"histories ~{args.history}, outputs ~{args.output}, ratio {eng.collector.cfg.ratio}")
+    print(table(rows))
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=1))
+    return 0

@@ -1,0 +1,39 @@
+"""Model folders for timing with random weights: the shapes of real checkpoints.
+
+A folder holds config.json and the embedded model's tokenizer files (token ids in the
+benchmarks are drawn below the tokenizer's vocabulary, so they are valid for both).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+from tokendance.backend import loader
+
+QWEN_COMMON = dict(architectures=["Qwen2ForCausalLM"], model_type="qwen2", vocab_size=152064,
+                   max_position_embeddings=32768, rope_theta=1000000.0, rms_norm_eps=1e-6,
+                   tie_word_embeddings=False, eos_token_id=151645)
+
+SHAPES = {
+    "qwen2.5-7b": dict(QWEN_COMMON, hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
+                       num_attention_heads=28, num_key_value_heads=4),
+    "qwen2.5-14b": dict(QWEN_COMMON, hidden_size=5120, intermediate_size=13824, num_hidden_layers=48,
+                        num_attention_heads=40, num_key_value_heads=8),
+}
+
+
+def shape_folder(name: str) -> Path:
+    if name not in SHAPES:
+        raise ValueError(f"unknown shape {name!r}; choose one of {', '.join(SHAPES)}")
+    out = loader.cache_dir() / "shapes" / name
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "config.json").write_text(json.dumps(SHAPES[name], indent=1))
+    tok = os.environ.get("TOKENDANCE_TOKENIZER")  # a folder with tokenizer files
+    src = Path(tok) if tok else loader.resolve(None)
+    for f in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        if (src / f).exists():
+            shutil.copy(src / f, out / f)
+    return out
