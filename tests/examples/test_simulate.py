@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import subprocess
 import sys
 
@@ -15,6 +16,9 @@ from tokendance.examples.echo import EchoBackend
 from tokendance.examples.local import proxy, threaded
 from tokendance.examples.loop import run
 from tokendance.examples.table import diverged
+
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("tokendance.proxy.app") is None,
+                                reason="tokendance.proxy.app is not in this tree yet")
 
 
 def _lines(out: str) -> list[list[str]]:
