@@ -11,13 +11,33 @@ from __future__ import annotations
 
 import torch
 
+# (inv_freq storage, device, scale) -> (cos, sin) tables over positions 0..n-1. Every
+# layer of every step rotates by the same positions: compute cos/sin once, then gather.
+_TABLES: dict[tuple[int, str, float], tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def _table(inv_freq: torch.Tensor, scale: float, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    key = (inv_freq.data_ptr(), str(inv_freq.device), scale)
+    cached = _TABLES.get(key)
+    if cached is None or cached[0].shape[0] < n:
+        size = max(n, 2 * cached[0].shape[0] if cached else 4096)
+        pos = torch.arange(size, device=inv_freq.device, dtype=torch.float32)
+        freqs = pos[:, None] * inv_freq.to(torch.float32)[None, :]
+        cached = (freqs.cos() * scale, freqs.sin() * scale)
+        _TABLES[key] = cached
+    return cached
+
 
 def rope_cos_sin(
     pos: torch.Tensor, inv_freq: torch.Tensor, scale: float = 1.0
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin of shape [len(pos), D/2], in float32."""
-    freqs = pos.to(torch.float32)[:, None] * inv_freq.to(torch.float32)[None, :]
-    return freqs.cos() * scale, freqs.sin() * scale
+    """cos and sin of shape [len(pos), D/2], in float32 (exactly cos/sin(pos * inv_freq) * scale)."""
+    if pos.numel() == 0:
+        empty = torch.empty(0, inv_freq.shape[0], device=inv_freq.device)
+        return empty, empty
+    cos, sin = _table(inv_freq, scale, int(pos.max()) + 1)
+    idx = pos.to(device=cos.device, dtype=torch.long)
+    return cos[idx], sin[idx]
 
 
 def rope_rotate(
