@@ -1,0 +1,83 @@
+"""Errors in OpenAI's shape: {"error": {"message", "type", "param", "code"}}.
+
+Client mistakes are 4xx with a message naming the parameter; nothing a client sends
+may produce a 5xx or a traceback. The middleware turns every exception into that shape.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import msgspec
+import structlog
+from aiohttp import web
+
+from tokendance.backend.api import BackendError, InvalidRequest
+
+log = structlog.get_logger("tokendance.proxy")
+
+TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "invalid_request_error",
+         405: "invalid_request_error", 413: "invalid_request_error", 503: "server_error"}
+
+
+class ErrorBody(msgspec.Struct):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorEnvelope(msgspec.Struct):
+    error: ErrorBody
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, message: str, param: str | None = None,
+                 code: str | None = None, type: str | None = None):
+        super().__init__(message)
+        self.status = status
+        self.body = ErrorBody(message, type or TYPES.get(status, "server_error"), param, code)
+
+    def encode(self) -> bytes:
+        return msgspec.json.encode(ErrorEnvelope(self.body))
+
+    def response(self) -> web.Response:
+        return web.Response(status=self.status, body=self.encode(), content_type="application/json")
+
+
+def invalid(message: str, param: str | None = None, code: str | None = None) -> ApiError:
+    return ApiError(400, message, param, code)
+
+
+def unsupported(param: str, what: str | None = None) -> ApiError:
+    return invalid(f"{what or param} is not supported by this server", param, "unsupported")
+
+
+def from_backend(exc: BaseException) -> ApiError:
+    """An engine failure (or an unexpected exception around it) as a 500."""
+    if isinstance(exc, InvalidRequest):
+        return invalid(exc.message, exc.param, exc.code)
+    if isinstance(exc, BackendError):
+        return ApiError(500, f"engine error: {exc}", code="engine_error", type="server_error")
+    return ApiError(500, "internal error", code="internal_error", type="server_error")
+
+
+@web.middleware
+async def middleware(request: web.Request, handler) -> web.StreamResponse:
+    try:
+        return await handler(request)
+    except ApiError as exc:
+        return exc.response()
+    except InvalidRequest as exc:
+        return from_backend(exc).response()
+    except web.HTTPException as exc:
+        if exc.status < 400:
+            raise
+        code = {404: "unknown_url", 405: "method_not_allowed", 413: "request_too_large"}.get(exc.status)
+        return ApiError(exc.status, exc.reason, code=code).response()
+    except (asyncio.CancelledError, ConnectionResetError):
+        raise
+    except Exception as exc:
+        if not isinstance(exc, BackendError):
+            log.exception("unhandled", path=request.path)
+        return from_backend(exc).response()

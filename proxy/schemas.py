@@ -1,0 +1,326 @@
+"""Request and response bodies of the OpenAI API, as msgspec Structs.
+
+Unknown fields are ignored; wrong types become a 400 naming the field. Features the
+server does not implement are rejected by `check_*`, never silently dropped.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import msgspec
+from msgspec import Struct
+
+from tokendance.backend.api import InvalidRequest, SamplingParams
+
+from .errors import invalid, unsupported
+
+MAX_N = 64
+
+
+class TokenDance(Struct, kw_only=True):
+    """The `tokendance` body object (what openai's extra_body sends)."""
+
+    session: str | None = None
+    agent: str | None = None
+    round: int | None = None
+    mode: str | None = None
+    separators: bool | None = None
+
+
+class Part(Struct):
+    type: str
+    text: str | None = None
+
+
+class Message(Struct, kw_only=True):
+    role: str
+    content: str | list[Part] | None = None
+    name: str | None = None
+    tool_calls: list[Any] | None = None
+
+
+class StreamOptions(Struct):
+    include_usage: bool = False
+
+
+class Sampled(Struct, kw_only=True):
+    model: str
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    n: int = 1
+    stop: str | list[str] | None = None
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    seed: int | None = None
+    ignore_eos: bool = False
+    stop_token_ids: list[int] | None = None
+    frequency_penalty: float | None = None
+    presence_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None
+    tokendance: TokenDance | None = None
+
+
+class ChatRequest(Sampled, kw_only=True):
+    messages: list[Message]
+    max_completion_tokens: int | None = None
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    functions: list[Any] | None = None
+    function_call: Any = None
+    response_format: dict[str, Any] | None = None
+
+
+class CompletionRequest(Sampled, kw_only=True):
+    prompt: str | list[Any]
+    logprobs: int | None = None
+    echo: bool = False
+    suffix: str | None = None
+    best_of: int | None = None
+
+
+class RoundOpen(Struct, kw_only=True):
+    """Body of POST .../rounds/{round} and payload of the MQTT open topic."""
+
+    agents: list[str] | None = None
+    timeout_ms: float | None = None
+
+
+def decode(data: bytes, kind: type[Struct]) -> Any:
+    try:
+        return msgspec.json.decode(data, type=kind)
+    except msgspec.ValidationError as exc:
+        text = str(exc)
+        at = re.search(r"at `\$\.?(.+)`$", text)
+        missing = re.search(r"missing required field `([^`]+)`", text)
+        param = ".".join(x.group(1) for x in (at, missing) if x) or None
+        raise invalid(f"invalid request body: {text}", param, "invalid_type")
+    except msgspec.DecodeError as exc:
+        raise invalid(f"request body is not valid JSON: {exc}", None, "invalid_json")
+
+
+# Checks: everything a client can get wrong, as a 400 before any work is done.
+
+def sampling(body: Sampled, max_tokens: int | None, logprobs: bool, top: int) -> SamplingParams:
+    if not 1 <= body.n <= MAX_N:
+        raise invalid(f"n must be between 1 and {MAX_N}", "n")
+    if body.stream_options is not None and not body.stream:
+        raise invalid("stream_options is only allowed when stream is true", "stream_options")
+    if body.logit_bias:
+        raise unsupported("logit_bias")
+    for name in ("frequency_penalty", "presence_penalty"):
+        if getattr(body, name):
+            raise unsupported(name, f"a non-zero {name}")
+    stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
+    if any(not s for s in stop):
+        raise invalid("stop sequences must be non-empty strings", "stop")
+    p = SamplingParams(
+        temperature=1.0 if body.temperature is None else body.temperature,
+        top_p=1.0 if body.top_p is None else body.top_p,
+        top_k=body.top_k or 0, seed=body.seed, stop=stop,
+        stop_token_ids=list(body.stop_token_ids or []), ignore_eos=body.ignore_eos,
+        logprobs=logprobs, top_logprobs=top)
+    if max_tokens is not None:
+        p.max_tokens = max_tokens
+    try:
+        p.validate()
+    except InvalidRequest as exc:
+        chat = isinstance(body, ChatRequest)
+        if exc.param == "max_tokens" and chat and body.max_completion_tokens is not None:
+            exc.param = "max_completion_tokens"
+        raise invalid(exc.message, exc.param, exc.code)
+    return p
+
+
+def check_chat(body: ChatRequest) -> tuple[list[dict[str, Any]], SamplingParams]:
+    """The messages as the chat template wants them, and the sampling parameters."""
+    if body.tools:
+        raise unsupported("tools")
+    if body.functions:
+        raise unsupported("functions")
+    if body.tool_choice not in (None, "none"):
+        raise unsupported("tool_choice")
+    if body.function_call not in (None, "none"):
+        raise unsupported("function_call")
+    if body.response_format and body.response_format.get("type", "text") != "text":
+        raise unsupported("response_format", "response_format other than text")
+    if body.top_logprobs and not body.logprobs:
+        raise invalid("top_logprobs requires logprobs to be true", "top_logprobs")
+    if not body.messages:
+        raise invalid("messages must not be empty", "messages")
+    messages = [_message(i, m) for i, m in enumerate(body.messages)]
+    limit = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+    return messages, sampling(body, limit, bool(body.logprobs), body.top_logprobs or 0)
+
+
+def _message(i: int, m: Message) -> dict[str, Any]:
+    where = f"messages[{i}]"
+    if m.role in ("tool", "function") or m.tool_calls:
+        raise unsupported(f"{where}.role" if not m.tool_calls else f"{where}.tool_calls", "tool calling")
+    if m.role not in ("system", "developer", "user", "assistant"):
+        raise invalid(f"unknown role {m.role!r}", f"{where}.role")
+    if isinstance(m.content, list):
+        texts = []
+        for j, part in enumerate(m.content):
+            if part.type != "text" or part.text is None:
+                raise unsupported(f"{where}.content[{j}]", f"content of type {part.type!r}")
+            texts.append(part.text)
+        content = "".join(texts)
+    elif m.content is None:
+        if m.role != "assistant":
+            raise invalid("content is required", f"{where}.content")
+        content = ""
+    else:
+        content = m.content
+    out = {"role": "system" if m.role == "developer" else m.role, "content": content}
+    if m.name:
+        out["name"] = m.name
+    return out
+
+
+def check_completion(body: CompletionRequest) -> tuple[list[str | list[int]], SamplingParams]:
+    """The prompts (text or token ids) and the sampling parameters."""
+    if body.echo:
+        raise unsupported("echo")
+    if body.suffix:
+        raise unsupported("suffix")
+    if body.best_of not in (None, 1, body.n):
+        raise unsupported("best_of", "best_of other than n")
+    if body.logprobs is not None and not 0 <= body.logprobs <= 5:
+        raise invalid("logprobs must be between 0 and 5", "logprobs")
+    prompts = _prompts(body.prompt)
+    lp = body.logprobs is not None
+    return prompts, sampling(body, body.max_tokens, lp, body.logprobs or 0)
+
+
+def _prompts(prompt: str | list[Any]) -> list[str | list[int]]:
+    def ids(x: list[Any]) -> bool:
+        return bool(x) and all(type(t) is int and t >= 0 for t in x)
+
+    if isinstance(prompt, str):
+        return [prompt]
+    if prompt and all(isinstance(p, str) for p in prompt):
+        return list(prompt)
+    if ids(prompt):
+        return [prompt]
+    if prompt and all(isinstance(p, list) and ids(p) for p in prompt):
+        return list(prompt)
+    raise invalid("prompt must be a string, a list of strings, or token ids", "prompt")
+
+
+# Responses.
+
+class TopLogprob(Struct):
+    token: str
+    logprob: float
+    bytes: list[int] | None
+
+
+class ChatLogprob(Struct):
+    token: str
+    logprob: float
+    bytes: list[int] | None
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(Struct):
+    content: list[ChatLogprob]
+
+
+class TextLogprobs(Struct):
+    tokens: list[str]
+    token_logprobs: list[float]
+    top_logprobs: list[dict[str, float]]
+    text_offset: list[int]
+
+
+class CachedDetails(Struct):
+    cached_tokens: int
+
+
+class UsageOut(Struct):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    prompt_tokens_details: CachedDetails
+
+
+class OutMessage(Struct):
+    content: str
+    role: str = "assistant"
+
+
+class ChatChoice(Struct):
+    index: int
+    message: OutMessage
+    finish_reason: str | None
+    logprobs: ChatLogprobs | None = None
+
+
+class ChatCompletion(Struct):
+    id: str
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: UsageOut
+    object: str = "chat.completion"
+    system_fingerprint: str | None = None
+
+
+class OutDelta(Struct, omit_defaults=True):
+    role: str | None = None
+    content: str | None = None
+
+
+class ChunkChoice(Struct):
+    index: int
+    delta: OutDelta
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+
+
+class ChatChunk(Struct):
+    id: str
+    created: int
+    model: str
+    choices: list[ChunkChoice]
+    usage: UsageOut | None = None
+    object: str = "chat.completion.chunk"
+
+
+class TextChoice(Struct):
+    index: int
+    text: str
+    finish_reason: str | None
+    logprobs: TextLogprobs | None = None
+
+
+class Completion(Struct):
+    """Both the whole answer and, streamed, each chunk of /v1/completions."""
+
+    id: str
+    created: int
+    model: str
+    choices: list[TextChoice]
+    usage: UsageOut | None = None
+    object: str = "text_completion"
+    system_fingerprint: str | None = None
+
+
+class ModelCard(Struct):
+    id: str
+    created: int
+    max_model_len: int
+    object: str = "model"
+    owned_by: str = "tokendance"
+
+
+class ModelList(Struct):
+    data: list[ModelCard]
+    object: str = "list"

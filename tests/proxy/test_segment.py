@@ -1,0 +1,120 @@
+import random
+
+from tokendance.backend.api import Segment
+from tokendance.proxy import segment as sg
+from tokendance.proxy.segment import SEP, escape, unescape
+
+# Pieces that stress the escape: the separator, its parts, the escape itself.
+PIECES = [SEP, "<|td", "~", "-sep|>", "<|td~", "<", "|", ">", "td", "a", " ", "\n", escape(SEP)]
+
+
+def noise(rng: random.Random, k: int = 8) -> str:
+    return "".join(rng.choice(PIECES) for _ in range(rng.randint(0, k)))
+
+
+def render(messages: list[dict]) -> str:
+    return "".join(f"<{m['role']}>{m['content']}</>" for m in messages) + "<assistant>"
+
+
+def pairs(segs: list[Segment]) -> list[tuple[str, bool]]:
+    return [(s.text, s.shared) for s in segs]
+
+
+def test_escape_never_contains_sep_and_inverts_exactly():
+    rng = random.Random(0)
+    for _ in range(3000):
+        t = noise(rng, 12)
+        assert SEP not in escape(t)
+        assert unescape(escape(t)) == t
+
+
+def test_flatten_round_trips_any_text():
+    rng = random.Random(1)
+    for _ in range(1000):
+        segs, shared = [], rng.random() < 0.5
+        for _ in range(rng.randint(1, 6)):
+            text = noise(rng) or "x"
+            segs.append(Segment(text, shared))
+            shared = True if not shared else rng.random() < 0.5  # no two private in a row
+        flat = sg.flatten(segs)
+        assert pairs(sg.unflatten(flat)) == pairs(segs)
+
+
+def test_blocks_between_separators_are_shared():
+    assert sg.blocks(f"intro{SEP}A{SEP}B{SEP}outro") == [
+        ("intro", False), ("A", True), ("B", True), ("outro", False)]
+    assert sg.blocks(f"{SEP}A{SEP}") == [("A", True)]
+    assert sg.blocks(f"only{SEP}one") == [("only", False), ("one", False)]
+    assert sg.blocks("plain") == [("plain", False)]
+
+
+def test_escaped_separator_neither_creates_nor_hides_a_boundary():
+    # A literal separator written escaped stays text inside its block ...
+    assert sg.blocks(f"{SEP}has {escape(SEP)} inside{SEP}") == [(f"has {SEP} inside", True)]
+    # ... and text ending in the escape's prefix cannot swallow a real separator.
+    assert sg.blocks(f"x<|td{SEP}A{SEP}y<|td~") == [("x<|td", False), ("A", True), ("y<|td", False)]
+
+
+def test_chat_without_separators_takes_content_literally():
+    messages = [{"role": "user", "content": f"look {SEP}not a block{SEP} here"}]
+    segs = sg.chat(render, messages, explicit=False, known={})
+    assert pairs(segs) == [(render(messages), False)]
+
+
+def test_chat_with_separators_marks_each_block():
+    messages = [{"role": "system", "content": "sys"},
+                {"role": "user", "content": f"Answers:{SEP}ans one{SEP}ans two{SEP}Reply."}]
+    segs = sg.chat(render, messages, explicit=True, known={})
+    assert pairs(segs) == [("<system>sys</><user>Answers:", False), ("ans one", True),
+                           ("ans two", True), ("Reply.</><assistant>", False)]
+
+
+def test_chat_segments_cover_the_rendered_prompt_exactly():
+    rng = random.Random(2)
+    for _ in range(300):
+        messages = [{"role": rng.choice(["user", "assistant"]), "content": noise(rng, 10)}
+                    for _ in range(rng.randint(1, 4))]
+        known = {noise(rng, 4) or "zz": ("s", "a", 1) for _ in range(2)}
+        plain = [{**m, "content": "".join(t for t, _ in sg.blocks(m["content"]))} for m in messages]
+        segs = sg.chat(render, messages, explicit=True, known=known)
+        assert "".join(s.text for s in segs) == render(plain)
+        assert all(s.text for s in segs)
+        assert all(a.shared or b.shared for a, b in zip(segs, segs[1:]))  # private runs merged
+
+
+def test_template_that_drops_content_falls_back_to_private():
+    def drop_system(ms):
+        return render([m for m in ms if m["role"] != "system"])
+
+    messages = [{"role": "system", "content": f"{SEP}gone{SEP}"}, {"role": "user", "content": "hi"}]
+    segs = sg.chat(drop_system, messages, explicit=True, known={})
+    assert pairs(segs) == [("<user>hi</><assistant>", False)]
+
+
+def test_detect_marks_every_occurrence_of_known_outputs():
+    p1, p2 = ("s", "a", 1), ("s", "b", 1)
+    known = {"the answer is forty two": p1, "blue sky all day long": p2}
+    text = "A said: the answer is forty two. B said: blue sky all day long. Again: the answer is forty two"
+    segs = sg.detect([Segment(text)], known)
+    assert [(s.text, s.producer) for s in segs if s.shared] == [
+        ("the answer is forty two", p1), ("blue sky all day long", p2), ("the answer is forty two", p1)]
+    assert "".join(s.text for s in segs) == text
+
+
+def test_detect_prefers_the_longest_match_and_never_overlaps():
+    known = {"alpha beta gamma delta": ("s", "a", 1), "beta gamma": ("s", "b", 1)}
+    segs = sg.detect([Segment("x alpha beta gamma delta y beta gamma z")], known)
+    assert pairs(segs) == [("x ", False), ("alpha beta gamma delta", True), (" y ", False),
+                           ("beta gamma", True), (" z", False)]
+
+
+def test_detect_leaves_explicit_blocks_whole_but_names_their_producer():
+    known = {"beta gamma": ("s", "b", 1)}
+    segs = sg.detect([Segment("beta gamma", shared=True), Segment("beta gamma!")], known)
+    assert [(s.text, s.shared, s.producer) for s in segs] == [
+        ("beta gamma", True, ("s", "b", 1)), ("beta gamma", True, ("s", "b", 1)), ("!", False, None)]
+
+
+def test_completion_prompt_text():
+    assert pairs(sg.text(f"a{SEP}b{SEP}c", True, {})) == [("a", False), ("b", True), ("c", False)]
+    assert pairs(sg.text(f"a{SEP}b{SEP}c", False, {})) == [(f"a{SEP}b{SEP}c", False)]
