@@ -1,0 +1,199 @@
+"""Sessions and rounds: who is in which round, what each round produced, its stats.
+
+Round inference, when a request names no round: a named agent's k-th request in a
+session is its round k (an explicit round r moves its count to r). An anonymous
+request joins the session's latest round while that round's group is still forming,
+and otherwise starts the next one. A round that nobody announced expects the named
+agents of the previous round.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from tokendance.backend.api import MODES
+
+from .barrier import Gate
+from .errors import invalid
+from .schemas import TokenDance
+from .segment import Producer
+from .stats import RoundStats
+
+HEADER = "X-TokenDance-"
+_BAD = set("/+#") | {chr(c) for c in range(32)}
+_TRUE, _FALSE = {"1", "true", "on", "yes"}, {"0", "false", "off", "no"}
+
+
+@dataclass(slots=True)
+class Meta:
+    session: str | None = None
+    agent: str | None = None
+    round: int | None = None
+    mode: str | None = None
+    separators: bool = False
+
+
+def read_meta(headers: Mapping[str, str], body: TokenDance | None) -> Meta:
+    """Metadata from the body's `tokendance` object, else from X-TokenDance-* headers."""
+    b = body or TokenDance()
+
+    def pick(name: str) -> str | None:
+        v = getattr(b, name)
+        return v if v is not None else headers.get(HEADER + name.capitalize())
+
+    m = Meta(session=pick("session"), agent=pick("agent"), mode=pick("mode"))
+    for name in ("session", "agent"):
+        if getattr(m, name) is not None:
+            check_name(getattr(m, name), f"tokendance.{name}")
+    if m.mode is not None and m.mode not in MODES:
+        raise invalid(f"mode must be one of {', '.join(MODES)}", "tokendance.mode")
+    r = b.round if b.round is not None else headers.get(HEADER + "Round")
+    if isinstance(r, str):
+        r = int(r) if r.strip().isdigit() else -1
+    if r is not None and r < 0:
+        raise invalid("round must be a non-negative integer", "tokendance.round")
+    m.round = r
+    sep = b.separators if b.separators is not None else headers.get(HEADER + "Separators")
+    if isinstance(sep, str):
+        if sep.lower() not in _TRUE | _FALSE:
+            raise invalid("X-TokenDance-Separators must be on or off", "tokendance.separators")
+        sep = sep.lower() in _TRUE
+    m.separators = bool(sep)
+    return m
+
+
+def check_name(value: str, param: str) -> None:
+    """Session and agent names: they become parts of MQTT topics."""
+    if not 0 < len(value) <= 256 or _BAD.intersection(value):
+        raise invalid(f"{param.split('.')[-1]} must be 1-256 characters without '/', '+', '#' "
+                      "or control characters", param)
+
+
+@dataclass(slots=True, eq=False)
+class Round:
+    session: str
+    number: int
+    gate: Gate = field(default_factory=Gate)
+    stats: RoundStats = field(default_factory=RoundStats)
+    outputs: dict[str, Producer] = field(default_factory=dict)  # stripped text -> producer
+    active: int = 0  # admitted, not yet answered
+
+    def view(self) -> dict:
+        g = self.gate
+        return self.stats.view(self.session, self.number, g.agents, g.expected, g.sealed, self.active)
+
+
+@dataclass(slots=True, eq=False)
+class Session:
+    name: str
+    rounds: dict[int, Round] = field(default_factory=dict)
+    counts: dict[str, int] = field(default_factory=dict)  # agent -> its latest round
+    latest: int = 0
+    used: float = field(default_factory=time.monotonic)
+
+    @property
+    def active(self) -> int:
+        return sum(r.active for r in self.rounds.values())
+
+
+class Sessions:
+    def __init__(self, memory: int = 2, keep: int = 64, ttl: float = 3600.0,
+                 max_sessions: int = 10_000, min_chars: int = 16):
+        self.memory = memory  # rounds back whose outputs are searched in a prompt
+        self.keep = keep  # rounds kept per session (stats and outputs)
+        self.ttl = ttl
+        self.max_sessions = max_sessions
+        self.min_chars = min_chars  # shorter outputs are not searched for
+        self.all: dict[str, Session] = {}
+        self._swept = time.monotonic()
+
+    def get(self, name: str) -> Session:
+        s = self.all.get(name)
+        if s is None:
+            self._sweep()
+            s = self.all[name] = Session(name)
+        s.used = time.monotonic()
+        return s
+
+    def round(self, name: str, number: int) -> Round:
+        s = self.get(name)
+        r = s.rounds.get(number)
+        if r is None:
+            r = s.rounds[number] = Round(name, number)
+            prev = s.rounds.get(number - 1)
+            if prev is not None and prev.gate.agents:
+                r.gate.expected = frozenset(prev.gate.agents)
+                r.gate.missing = set(r.gate.expected)
+            s.latest = max(s.latest, number)
+            self._trim(s)
+        return r
+
+    def find(self, name: str, number: int) -> Round | None:
+        s = self.all.get(name)
+        return s.rounds.get(number) if s else None
+
+    def infer(self, m: Meta) -> int:
+        """The round of a request, without recording anything."""
+        if m.round is not None:
+            return m.round
+        s = self.all.get(m.session or "")
+        if s is None:
+            return 1
+        if m.agent is not None:
+            return s.counts.get(m.agent, 0) + 1
+        r = s.rounds.get(s.latest)
+        if r is not None and (r.gate.pending or (r.active == 0 and r.stats.requests == 0)):
+            return s.latest
+        return s.latest + 1
+
+    def commit(self, m: Meta, number: int) -> tuple[Round, int]:
+        """Record the request in its round; returns the agent's count before it."""
+        r = self.round(m.session or "", number)
+        before = 0
+        if m.agent is not None:
+            counts = self.all[r.session].counts
+            before = counts.get(m.agent, 0)
+            counts[m.agent] = max(before, number)
+        return r, before
+
+    def uncommit(self, m: Meta, r: Round, before: int) -> None:
+        """A request left before it was served: its retry belongs to the same round."""
+        s = self.all.get(r.session)
+        if s is not None and m.agent is not None and s.counts.get(m.agent) == r.number:
+            s.counts[m.agent] = before
+
+    def known(self, name: str, number: int) -> dict[str, Producer]:
+        """Outputs to look for in a prompt of round `number`: those of the last rounds."""
+        s = self.all.get(name)
+        if s is None:
+            return {}
+        out: dict[str, Producer] = {}
+        for k in range(max(number - self.memory, 0), number + 1):
+            r = s.rounds.get(k)
+            if r is not None:
+                out.update(r.outputs)
+        return out
+
+    def remember(self, r: Round, agent: str | None, text: str) -> None:
+        text = text.strip()
+        if len(text) >= self.min_chars:
+            r.outputs.setdefault(text, (r.session, agent or "", r.number))
+
+    def _trim(self, s: Session) -> None:
+        if len(s.rounds) > self.keep:
+            for k in sorted(s.rounds)[: len(s.rounds) - self.keep]:
+                if s.rounds[k].active == 0 and not s.rounds[k].gate.pending:
+                    del s.rounds[k]
+
+    def _sweep(self) -> None:
+        now = time.monotonic()
+        if len(self.all) < self.max_sessions and now - self._swept < 60:
+            return
+        self._swept = now
+        idle = sorted((s.used, k) for k, s in self.all.items() if s.active == 0)
+        over = len(self.all) - self.max_sessions + 1
+        for i, (used, k) in enumerate(idle):
+            if i < over or now - used > self.ttl:
+                del self.all[k]

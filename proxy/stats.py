@@ -1,0 +1,141 @@
+"""Round statistics and Prometheus metrics (text format 0.0.4, no client library)."""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass, field
+from typing import Any
+
+from tokendance.backend.api import Usage
+
+
+@dataclass(slots=True)
+class RoundStats:
+    """What GET .../rounds/{round} returns and MQTT .../done publishes."""
+
+    requests: int = 0  # answered (including errors and aborts)
+    errors: int = 0
+    aborted: int = 0
+    group_sizes: list[int] = field(default_factory=list)  # in requests
+    prompt_tokens: int = 0
+    shared_tokens: int = 0
+    reused_tokens: int = 0
+    recomputed_tokens: int = 0
+    completion_tokens: int = 0
+    kv_dense_bytes: int = 0
+    kv_held_bytes: int = 0
+    wait_max: float = 0.0
+    wait_sum: float = 0.0
+    latency_max: float = 0.0
+    latency_sum: float = 0.0
+    first: float = 0.0  # perf_counter of the first arrival
+    last: float = 0.0  # perf_counter of the last finish
+
+    def add(self, usage: Usage | None, wait: float, latency: float, outcome: str) -> None:
+        self.requests += 1
+        self.errors += outcome == "error"
+        self.aborted += outcome == "abort"
+        self.wait_max = max(self.wait_max, wait)
+        self.wait_sum += wait
+        self.latency_max = max(self.latency_max, latency)
+        self.latency_sum += latency
+        if usage is not None:
+            self.prompt_tokens += usage.prompt_tokens
+            self.shared_tokens += usage.shared_tokens
+            self.reused_tokens += usage.cached_tokens
+            self.recomputed_tokens += usage.recomputed_tokens
+            self.completion_tokens += usage.completion_tokens
+            self.kv_dense_bytes += usage.kv_dense_bytes
+            self.kv_held_bytes += usage.kv_held_bytes
+
+    def view(self, session: str, number: int, agents: set[str], expected: frozenset[str] | None,
+             sealed: bool, active: int) -> dict[str, Any]:
+        n = max(self.requests, 1)
+        return {
+            "session": session, "round": number, "agents": sorted(agents),
+            "expected": sorted(expected) if expected is not None else None,
+            "sealed": sealed, "active": active, "requests": self.requests,
+            "errors": self.errors, "aborted": self.aborted,
+            "groups": len(self.group_sizes), "group_sizes": self.group_sizes,
+            "prompt_tokens": self.prompt_tokens, "shared_tokens": self.shared_tokens,
+            "reused_tokens": self.reused_tokens, "recomputed_tokens": self.recomputed_tokens,
+            "completion_tokens": self.completion_tokens,
+            "kv_dense_bytes": self.kv_dense_bytes, "kv_held_bytes": self.kv_held_bytes,
+            "barrier_wait_ms": round(self.wait_max * 1e3, 3),
+            "barrier_wait_ms_mean": round(self.wait_sum / n * 1e3, 3),
+            "latency_ms": round(max(self.last - self.first, 0.0) * 1e3, 3),
+            "request_latency_ms_mean": round(self.latency_sum / n * 1e3, 3),
+            "request_latency_ms_max": round(self.latency_max * 1e3, 3),
+        }
+
+
+def _labels(labels: tuple[tuple[str, str], ...]) -> str:
+    if not labels:
+        return ""
+    return "{" + ",".join(f'{k}="{v}"' for k, v in labels) + "}"
+
+
+class Metric:
+    def __init__(self, name: str, help: str, kind: str):
+        self.name, self.help, self.kind = name, help, kind
+        self.values: dict[tuple[tuple[str, str], ...], float] = {}
+
+    def inc(self, by: float = 1.0, **labels: str) -> None:
+        key = tuple(sorted(labels.items()))
+        self.values[key] = self.values.get(key, 0.0) + by
+
+    def set(self, value: float, **labels: str) -> None:
+        self.values[tuple(sorted(labels.items()))] = value
+
+    def render(self) -> list[str]:
+        lines = [f"# HELP {self.name} {self.help}", f"# TYPE {self.name} {self.kind}"]
+        lines += [f"{self.name}{_labels(k)} {v:g}" for k, v in self.values.items()]
+        return lines
+
+
+class Histogram:
+    def __init__(self, name: str, help: str, buckets: list[float]):
+        self.name, self.help, self.buckets = name, help, buckets
+        self.counts = [0] * (len(buckets) + 1)
+        self.sum = 0.0
+
+    def observe(self, value: float) -> None:
+        self.counts[bisect.bisect_left(self.buckets, value)] += 1
+        self.sum += value
+
+    def render(self) -> list[str]:
+        lines = [f"# HELP {self.name} {self.help}", f"# TYPE {self.name} histogram"]
+        total = 0
+        for le, c in zip([*map(str, self.buckets), "+Inf"], self.counts):
+            total += c
+            lines.append(f'{self.name}_bucket{{le="{le}"}} {total}')
+        return lines + [f"{self.name}_sum {self.sum:g}", f"{self.name}_count {total}"]
+
+
+SECONDS = [0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60]
+
+
+class Metrics:
+    def __init__(self) -> None:
+        c, g = "counter", "gauge"
+        self.requests = Metric("tokendance_requests_total", "HTTP requests answered", c)
+        self.in_flight = Metric("tokendance_requests_in_flight", "requests being served", g)
+        self.waiting = Metric("tokendance_barrier_waiting", "requests held at a barrier", g)
+        self.groups = Metric("tokendance_groups_total", "groups sent to the backend", c)
+        self.tokens = Metric("tokendance_tokens_total", "tokens by kind", c)
+        self.aborted = Metric("tokendance_aborted_total", "requests aborted by a client disconnect", c)
+        self.engine_errors = Metric("tokendance_engine_errors_total",
+                                    "groups or streams failed by the engine", c)
+        self.mqtt = Metric("tokendance_mqtt_connected", "1 while connected to the MQTT broker", g)
+        self.wait = Histogram("tokendance_barrier_wait_seconds", "time held at the barrier", SECONDS)
+        self.latency = Histogram("tokendance_request_seconds", "arrival to last byte", SECONDS)
+        self.overhead = Histogram("tokendance_proxy_overhead_seconds",
+                                  "request time spent in the proxy itself", SECONDS)
+        self.group_size = Histogram("tokendance_group_size", "requests per group",
+                                    [1, 2, 4, 8, 16, 32, 64, 128, 256, 512])
+
+    def render(self) -> str:
+        lines: list[str] = []
+        for m in vars(self).values():
+            lines += m.render()
+        return "\n".join(lines) + "\n"
