@@ -1,0 +1,207 @@
+"""Routes. Each completion handler reads top to bottom as a request's life:
+parse -> segment -> prepare (before the barrier) -> barrier -> generate -> stream.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import time
+from collections.abc import Awaitable, Callable
+
+import msgspec
+import structlog
+from aiohttp import web
+
+from tokendance.backend.api import Backend, InvalidRequest
+
+from . import schemas, segment
+from .core import Config, Proxy
+from .errors import ApiError, invalid, middleware
+from .mqtt import Control
+from .respond import reply
+
+log = structlog.get_logger("tokendance.proxy")
+PROXY = web.AppKey("proxy", Proxy)
+CONTROL = web.AppKey("control", object)
+T0 = web.RequestKey("t0", float)  # perf_counter once the request body was received
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+def tracked(endpoint: str) -> Callable[[Handler], Handler]:
+    """Count the request in flight (shutdown drains them) and by status code."""
+    def wrap(handler: Handler) -> Handler:
+        @functools.wraps(handler)
+        async def run(req: web.Request) -> web.StreamResponse:
+            px = req.app[PROXY]
+            px.enter()
+            code = "500"
+            try:
+                await req.read()  # cached for the handler; the clock starts once the body is here
+                req[T0] = time.perf_counter()
+                resp = await handler(req)
+                code = str(resp.status)
+                return resp
+            except (ApiError, web.HTTPException) as exc:
+                code = str(exc.status)
+                raise
+            except InvalidRequest:  # e.g. from render_chat; the middleware answers 400
+                code = "400"
+                raise
+            except asyncio.CancelledError:
+                code = "499"
+                raise
+            finally:
+                px.leave()
+                px.metrics.requests.inc(endpoint=endpoint, code=code)
+        return run
+    return wrap
+
+
+@tracked("chat")
+async def chat_completions(req: web.Request) -> web.StreamResponse:
+    px = req.app[PROXY]
+    body = schemas.decode(await req.read(), schemas.ChatRequest)
+    call = px.call("chat", body, req.headers, req[T0])
+    messages, sampling = schemas.check_chat(body)
+    known = px.place(call)
+    prompt = segment.chat(px.backend.render_chat, messages, call.meta.separators, known)
+    px.prepare(call, [prompt], sampling)
+    streams = await px.admit(call)
+    return await reply(req, px, call, streams)
+
+
+@tracked("completions")
+async def completions(req: web.Request) -> web.StreamResponse:
+    px = req.app[PROXY]
+    body = schemas.decode(await req.read(), schemas.CompletionRequest)
+    call = px.call("completion", body, req.headers, req[T0])
+    prompts, sampling = schemas.check_completion(body)
+    known = px.place(call)
+    segmented = [p if isinstance(p, list) else segment.text(p, call.meta.separators, known)
+                 for p in prompts]
+    px.prepare(call, segmented, sampling)
+    streams = await px.admit(call)
+    return await reply(req, px, call, streams)
+
+
+async def models(req: web.Request) -> web.Response:
+    card = _card(req.app[PROXY])
+    return _json(schemas.ModelList([card]))
+
+
+async def model(req: web.Request) -> web.Response:
+    card = _card(req.app[PROXY])
+    if req.match_info["model"] != card.id:
+        raise ApiError(404, f"The model `{req.match_info['model']}` does not exist", "model",
+                       "model_not_found")
+    return _json(card)
+
+
+def _card(px: Proxy) -> schemas.ModelCard:
+    info = px.backend.info
+    return schemas.ModelCard(info.name, int(px.started), info.max_model_len)
+
+
+async def health(req: web.Request) -> web.Response:
+    px = req.app[PROXY]
+    if px.draining:
+        raise ApiError(503, "the server is shutting down", code="shutting_down")
+    return _json({"status": "ok", "model": px.backend.info.name, "in_flight": px.in_flight})
+
+
+async def metrics(req: web.Request) -> web.Response:
+    px = req.app[PROXY]
+    px.metrics.waiting.set(px.barrier.waiting)
+    control = req.app[CONTROL]
+    if control is not None:
+        px.metrics.mqtt.set(float(control.connected))
+    return web.Response(text=px.metrics.render(), content_type="text/plain", charset="utf-8",
+                        headers={"X-Content-Type-Options": "nosniff"})
+
+
+async def open_round(req: web.Request) -> web.Response:
+    px = req.app[PROXY]
+    data = await req.read()
+    body = schemas.decode(data, schemas.RoundOpen) if data.strip() else schemas.RoundOpen()
+    return _json(px.open(req.match_info["session"], _number(req), body).view())
+
+
+async def seal_round(req: web.Request) -> web.Response:
+    px = req.app[PROXY]
+    return _json(px.seal(req.match_info["session"], _number(req)).view())
+
+
+async def round_stats(req: web.Request) -> web.Response:
+    px = req.app[PROXY]
+    rnd = px.sessions.find(req.match_info["session"], _number(req))
+    if rnd is None:
+        raise ApiError(404, "no such round", "round", "round_not_found")
+    return _json(rnd.view())
+
+
+def _number(req: web.Request) -> int:
+    raw = req.match_info["round"]
+    if not raw.isdigit():
+        raise invalid("round must be a non-negative integer", "round")
+    return int(raw)
+
+
+def _json(obj: object) -> web.Response:
+    return web.Response(body=msgspec.json.encode(obj), content_type="application/json")
+
+
+def make_app(proxy: Proxy, control: Control | None = None) -> web.Application:
+    app = web.Application(middlewares=[middleware], client_max_size=64 * 2**20)
+    app[PROXY] = proxy
+    app[CONTROL] = control
+    r = app.router
+    r.add_post("/v1/chat/completions", chat_completions)
+    r.add_post("/v1/completions", completions)
+    r.add_get("/v1/models", models)
+    r.add_get("/v1/models/{model}", model)
+    r.add_get("/health", health)
+    r.add_get("/metrics", metrics)
+    rounds = "/v1/tokendance/sessions/{session}/rounds/{round}"
+    r.add_post(rounds, open_round)
+    r.add_get(rounds, round_stats)
+    r.add_post(rounds + "/seal", seal_round)
+    return app
+
+
+class Server:
+    """The proxy on a socket, with its MQTT control plane; stop() drains."""
+
+    def __init__(self, backend: Backend, config: Config | None = None, mqtt: str | None = None):
+        self.proxy = Proxy(backend, config)
+        self.control = Control(mqtt, self.proxy.open, self.proxy.seal) if mqtt else None
+        self.app = make_app(self.proxy, self.control)
+        self.runner: web.AppRunner | None = None
+        self.port = 0
+
+    async def start(self, host: str = "127.0.0.1", port: int = 8000) -> None:
+        self.runner = web.AppRunner(self.app, handler_cancellation=True, access_log=None,
+                                    shutdown_timeout=self.proxy.config.drain_timeout)
+        await self.runner.setup()
+        site = web.TCPSite(self.runner, host, port)
+        await site.start()
+        self.port = self.runner.addresses[0][1]
+        if self.control is not None:
+            self.proxy.publish = self.control.publish
+            self.control.start()
+        log.info("serving", host=host, port=self.port, model=self.proxy.backend.info.name)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    async def stop(self) -> None:
+        if self.runner is None:
+            return
+        drained = await self.proxy.drain()
+        await self.runner.cleanup()
+        self.runner = None
+        if self.control is not None:
+            await self.control.stop()
+        await self.proxy.backend.close()
+        log.info("stopped", drained=drained)

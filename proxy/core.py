@@ -1,0 +1,311 @@
+"""The proxy's state and the steps of a request between parsing and streaming.
+
+`Proxy` owns the backend, the sessions, the barrier and the metrics; `Call` is one HTTP
+request (n choices for each of its prompts) on its way through them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import secrets
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field, replace
+
+import structlog
+
+from tokendance.backend.api import (Backend, BackendError, Delta, InvalidRequest, Prepared,
+                                    Request, SamplingParams, Segment, Stream, TokenLogprob, Usage)
+
+from .barrier import Barrier, Entry, Gate
+from .errors import ApiError, from_backend, invalid
+from .schemas import RoundOpen, Sampled
+from .segment import Producer
+from .session import Meta, Round, Sessions, check_name, read_meta
+from .stats import Metrics
+
+log = structlog.get_logger("tokendance.proxy")
+
+
+@dataclass(slots=True)
+class Config:
+    barrier_timeout: float = 0.25  # seconds since a group's first arrival
+    max_group: int = 256  # entries (HTTP requests) per group
+    memory_rounds: int = 2  # outputs of this many earlier rounds are searched in a prompt
+    min_shared_chars: int = 16  # shorter outputs are never marked as shared
+    drain_timeout: float = 30.0
+
+
+@dataclass(slots=True, eq=False)
+class Call:
+    id: str
+    kind: str  # "chat" | "completion"
+    model: str
+    meta: Meta
+    n: int
+    tenant: str = ""
+    stream: bool = False
+    include_usage: bool = False
+    prepared: list[Prepared] = field(default_factory=list)
+    number: int | None = None  # the round, when in a session
+    rnd: Round | None = None
+    created: int = field(default_factory=lambda: int(time.time()))
+    t0: float = field(default_factory=time.perf_counter)
+    released: float = 0.0  # resumed after the barrier
+    ended: float = 0.0
+    wait: float = 0.0  # held at the barrier until its group was released
+    held: float = 0.0  # from joining the barrier to resuming (wait, then the event loop's queue)
+    gen: float = 0.0  # waiting for the backend's deltas
+    group: int = 1
+    texts: list[list[str]] = field(default_factory=list)
+    logprobs: list[list[TokenLogprob]] = field(default_factory=list)
+    tokens: list[int] = field(default_factory=list)
+    finish: list[str | None] = field(default_factory=list)
+    usage: list[Usage | None] = field(default_factory=list)
+    outcome: str = "ok"  # "ok" | "error" | "abort"
+    done: bool = False
+
+    def add(self, i: int, d: Delta) -> None:
+        self.texts[i].append(d.text)
+        self.logprobs[i].extend(d.logprobs)
+        self.tokens[i] += len(d.token_ids)
+        if d.finish_reason is not None:
+            self.finish[i] = d.finish_reason
+            self.usage[i] = d.usage
+
+    @property
+    def overhead(self) -> float:
+        """Time the proxy itself spent on this request."""
+        return max(self.ended - self.t0 - self.held - self.gen, 0.0)
+
+    def text(self, i: int) -> str:
+        return "".join(self.texts[i])
+
+    def total(self) -> Usage:
+        """Usage of the whole call: prompt numbers once per prompt, the rest summed."""
+        u = Usage()
+        for i, p in enumerate(self.prepared):
+            c = self.usage[i] or Usage(prompt_tokens=p.prompt_tokens)
+            if i % self.n == 0:
+                u.prompt_tokens += c.prompt_tokens
+                u.cached_tokens += c.cached_tokens
+                u.recomputed_tokens += c.recomputed_tokens
+                u.shared_tokens += c.shared_tokens
+            u.completion_tokens += c.completion_tokens if self.usage[i] else self.tokens[i]
+            u.kv_dense_bytes += c.kv_dense_bytes
+            u.kv_held_bytes += c.kv_held_bytes
+        return u
+
+    def headers(self) -> dict[str, str]:
+        h = {"X-Request-Id": self.id}
+        if self.rnd is not None:
+            h |= {"X-TokenDance-Session": self.rnd.session, "X-TokenDance-Round": str(self.rnd.number),
+                  "X-TokenDance-Group": str(self.group)}
+            if self.meta.agent is not None:
+                h["X-TokenDance-Agent"] = self.meta.agent
+        return h
+
+
+class Proxy:
+    def __init__(self, backend: Backend, config: Config | None = None):
+        self.backend = backend
+        self.config = c = config or Config()
+        self.sessions = Sessions(memory=c.memory_rounds, min_chars=c.min_shared_chars)
+        self.barrier = Barrier(self._dispatch, c.barrier_timeout, c.max_group)
+        self.metrics = Metrics()
+        self.publish: Callable[[str, int, dict], None] | None = None  # MQTT done
+        self.observers: list[Callable[[Call], None]] = []
+        self.started = time.time()
+        self.in_flight = 0
+        self.draining = False
+        self._idle = asyncio.Event()
+
+    # The steps of a request, in order.
+
+    def call(self, kind: str, body: Sampled, headers: Mapping[str, str], t0: float) -> Call:
+        if body.model != self.backend.info.name:
+            raise ApiError(404, f"The model `{body.model}` does not exist", "model", "model_not_found")
+        meta = read_meta(headers, body.tokendance)
+        prefix = "chatcmpl-" if kind == "chat" else "cmpl-"
+        key = headers.get("Authorization", "").removeprefix("Bearer ").strip()
+        tenant = hashlib.sha256(key.encode()).hexdigest()[:16] if key else ""
+        opts = body.stream_options
+        return Call(prefix + secrets.token_hex(12), kind, body.model, meta, body.n, tenant,
+                    body.stream, bool(opts and opts.include_usage), t0=t0)
+
+    def place(self, call: Call) -> Mapping[str, Producer]:
+        """Choose the round; return the earlier outputs to look for in the prompt."""
+        if call.meta.session is None:
+            return {}
+        call.number = self.sessions.infer(call.meta)
+        return self.sessions.known(call.meta.session, call.number)
+
+    def prepare(self, call: Call, prompts: list[list[Segment] | list[int]], sp: SamplingParams) -> None:
+        m = call.meta
+        for prompt in prompts:
+            ids = prompt and isinstance(prompt[0], int)
+            for j in range(call.n):
+                s = sp if j == 0 or sp.seed is None else replace(sp, seed=sp.seed + j)
+                r = Request(f"{call.id}-{len(call.prepared)}", [] if ids else prompt, s, mode=m.mode,
+                            session=m.session, agent=m.agent, round=call.number,
+                            prompt_token_ids=prompt if ids else None, tenant=call.tenant)
+                try:
+                    call.prepared.append(self.backend.prepare(r))
+                except InvalidRequest as exc:
+                    raise invalid(exc.message, exc.param or "messages", exc.code)
+        k = len(call.prepared)
+        call.texts, call.logprobs = [[] for _ in range(k)], [[] for _ in range(k)]
+        call.tokens, call.finish, call.usage = [0] * k, [None] * k, [None] * k
+
+    async def admit(self, call: Call) -> list[Stream]:
+        """Hold the call at its round's barrier (if any); its streams once its group started."""
+        if call.number is None:
+            call.released = time.perf_counter()
+            self._count_group(len(call.prepared), "bypass")
+            try:
+                return self._generate(call.prepared)
+            except ApiError:
+                self.finish(call, "error")
+                raise
+        rnd, before = self.sessions.commit(call.meta, call.number)
+        call.rnd = rnd
+        rnd.active += 1
+        rnd.stats.first = rnd.stats.first or call.t0
+        entry = Entry(call.meta.agent, call.prepared, asyncio.get_running_loop().create_future(), tag=call)
+        try:
+            streams = await self.barrier.wait(rnd.gate, entry)
+        except BaseException as exc:
+            self.sessions.uncommit(call.meta, rnd, before)
+            self.finish(call, "error" if isinstance(exc, ApiError) else "abort")
+            raise
+        call.released = time.perf_counter()
+        call.wait, call.group = entry.released - entry.arrived, entry.group
+        call.held = call.released - entry.arrived
+        return streams
+
+    def finish(self, call: Call, outcome: str | None = None) -> None:
+        if call.done:
+            return
+        call.done = True
+        call.outcome = outcome or call.outcome
+        now = call.ended = time.perf_counter()
+        latency = now - call.t0
+        u = call.total()
+        m = self.metrics
+        for kind in ("prompt", "completion", "cached", "shared", "recomputed"):
+            m.tokens.inc(getattr(u, f"{kind}_tokens"), kind=kind)
+        m.latency.observe(latency)
+        m.wait.observe(call.wait)
+        m.overhead.observe(call.overhead)
+        if call.outcome == "abort":
+            m.aborted.inc()
+        rnd = call.rnd
+        if rnd is not None:
+            rnd.active -= 1
+            rnd.stats.add(u, call.wait, latency, call.outcome)
+            rnd.stats.last = now
+            if call.outcome == "ok":
+                for i in range(len(call.prepared)):
+                    self.sessions.remember(rnd, call.meta.agent, call.text(i))
+            if rnd.active == 0 and not rnd.gate.pending:
+                self._round_done(rnd)
+        for f in self.observers:
+            f(call)
+
+    # Groups.
+
+    def _dispatch(self, gate: Gate, entries: list[Entry], reason: str) -> None:
+        live = [e for e in entries if not e.future.done()]  # drop waiters cancelled meanwhile
+        if not live:
+            return
+        size = sum(len(e.prepared) for e in live)
+        live[0].tag.rnd.stats.group_sizes.append(size)
+        self._count_group(size, reason)
+        try:
+            streams = self._generate([p for e in live for p in e.prepared])
+        except ApiError as exc:
+            for e in live:
+                e.future.set_exception(ApiError(exc.status, exc.body.message, exc.body.param,
+                                                exc.body.code, exc.body.type))
+            return
+        i = 0
+        for e in live:
+            e.future.set_result(streams[i:i + len(e.prepared)])
+            i += len(e.prepared)
+
+    def _generate(self, group: list[Prepared]) -> list[Stream]:
+        try:
+            streams = self.backend.generate(group)
+            if len(streams) != len(group):
+                raise BackendError(f"{len(streams)} streams for {len(group)} requests")
+            return streams
+        except Exception as exc:
+            self.metrics.engine_errors.inc()
+            log.error("generate failed", size=len(group), error=repr(exc))
+            raise from_backend(exc) from exc
+
+    def _count_group(self, size: int, reason: str) -> None:
+        self.metrics.groups.inc(reason=reason)
+        self.metrics.group_size.observe(size)
+
+    def _round_done(self, rnd: Round) -> None:
+        view = rnd.view()
+        log.info("round done", session=rnd.session, round=rnd.number, requests=view["requests"],
+                 groups=view["groups"], reused=view["reused_tokens"])
+        if self.publish is not None:
+            self.publish(rnd.session, rnd.number, view)
+
+    # Control: open, seal, stats.
+
+    def open(self, session: str, number: int, body: RoundOpen) -> Round:
+        rnd = self._round(session, number)
+        if body.timeout_ms is not None:
+            if body.timeout_ms < 0:
+                raise invalid("timeout_ms must not be negative", "timeout_ms")
+            rnd.gate.timeout = body.timeout_ms / 1e3
+        if body.agents is not None:
+            self.barrier.expect(rnd.gate, body.agents)
+        log.debug("round open", session=session, round=number, agents=body.agents)
+        return rnd
+
+    def seal(self, session: str, number: int) -> Round:
+        rnd = self._round(session, number)
+        self.barrier.seal(rnd.gate)
+        return rnd
+
+    def _round(self, session: str, number: int) -> Round:
+        check_name(session, "session")
+        if number < 0:
+            raise invalid("round must be a non-negative integer", "round")
+        return self.sessions.round(session, number)
+
+    # Lifecycle.
+
+    def enter(self) -> None:
+        if self.draining:
+            raise ApiError(503, "the server is shutting down", code="shutting_down")
+        self.in_flight += 1
+        self.metrics.in_flight.set(self.in_flight)
+
+    def leave(self) -> None:
+        self.in_flight -= 1
+        self.metrics.in_flight.set(self.in_flight)
+        if self.in_flight == 0:
+            self._idle.set()
+
+    async def drain(self, timeout: float | None = None) -> bool:
+        """Refuse new requests, release every held group, wait for in-flight ones."""
+        self.draining = True
+        for s in list(self.sessions.all.values()):
+            for rnd in list(s.rounds.values()):
+                self.barrier.release(rnd.gate, "drain")
+        self._idle.clear()
+        if self.in_flight == 0:
+            return True
+        try:
+            await asyncio.wait_for(self._idle.wait(), timeout or self.config.drain_timeout)
+            return True
+        except TimeoutError:
+            log.warning("drain timed out", in_flight=self.in_flight)
+            return False

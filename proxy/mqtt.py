@@ -1,0 +1,116 @@
+"""MQTT control plane: open and seal rounds, publish each round's stats when it is done.
+
+Subscribes tokendance/+/round/+/open (payload: JSON {"agents": [...], "timeout_ms": ..},
+or empty) and tokendance/+/round/+/seal; publishes tokendance/{session}/round/{round}/done.
+The proxy starts without a broker and reconnects whenever the broker goes away; done
+messages published meanwhile wait in a bounded queue.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import secrets
+from collections import deque
+from collections.abc import Callable
+from typing import Any
+from urllib.parse import urlsplit
+
+import aiomqtt
+import msgspec
+import structlog
+
+from .schemas import RoundOpen
+
+log = structlog.get_logger("tokendance.proxy.mqtt")
+
+PREFIX = "tokendance"
+
+
+def topic(session: str, number: int, event: str) -> str:
+    return f"{PREFIX}/{session}/round/{number}/{event}"
+
+
+def address(url: str) -> tuple[str, int, str | None, str | None]:
+    u = urlsplit(url)
+    if u.scheme not in ("mqtt", "tcp") or not u.hostname:
+        raise ValueError(f"expected mqtt://host:port, got {url!r}")
+    return u.hostname, u.port or 1883, u.username, u.password
+
+
+class Control:
+    def __init__(self, url: str, on_open: Callable[[str, int, RoundOpen], None],
+                 on_seal: Callable[[str, int], None], backoff: tuple[float, float] = (0.2, 5.0)):
+        self.host, self.port, self.user, self.password = address(url)
+        self.on_open, self.on_seal = on_open, on_seal
+        self.backoff = backoff
+        self.connected = False
+        self.outbox: deque[tuple[str, bytes]] = deque(maxlen=1000)
+        self._wake = asyncio.Event()
+        self._task: asyncio.Task | None = None
+        self._decoder = msgspec.json.Decoder(RoundOpen)
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._run())
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            try:
+                await self._task
+            except asyncio.CancelledError:
+                pass
+            self._task = None
+
+    def publish(self, session: str, number: int, stats: dict[str, Any]) -> None:
+        self.outbox.append((topic(session, number, "done"), msgspec.json.encode(stats)))
+        self._wake.set()
+
+    async def _run(self) -> None:
+        delay = self.backoff[0]
+        while True:
+            try:
+                async with aiomqtt.Client(self.host, self.port, username=self.user,
+                                          password=self.password, keepalive=10,
+                                          identifier=f"tokendance-{secrets.token_hex(4)}") as c:
+                    await c.subscribe(f"{PREFIX}/+/round/+/open", qos=1)
+                    await c.subscribe(f"{PREFIX}/+/round/+/seal", qos=1)
+                    self.connected, delay = True, self.backoff[0]
+                    log.info("mqtt connected", host=self.host, port=self.port)
+                    sender = asyncio.create_task(self._send(c))
+                    try:
+                        async for msg in c.messages:
+                            self._handle(str(msg.topic), bytes(msg.payload or b""))
+                    finally:
+                        sender.cancel()
+            except aiomqtt.MqttError as exc:
+                if self.connected:
+                    log.warning("mqtt disconnected", error=str(exc))
+            self.connected = False
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, self.backoff[1])
+
+    async def _send(self, c: aiomqtt.Client) -> None:
+        try:
+            while True:
+                while self.outbox:
+                    t, payload = self.outbox[0]
+                    await c.publish(t, payload, qos=1)
+                    self.outbox.popleft()  # only once the broker has it
+                self._wake.clear()
+                await self._wake.wait()
+        except aiomqtt.MqttError:
+            pass  # the receive loop sees the disconnect and reconnects
+
+    def _handle(self, t: str, payload: bytes) -> None:
+        parts = t.split("/")
+        try:
+            number = int(parts[3])
+            if len(parts) != 5 or number < 0:
+                raise ValueError
+            if parts[4] == "seal":
+                self.on_seal(parts[1], number)
+            elif parts[4] == "open":
+                self.on_open(parts[1], number, self._decoder.decode(payload) if payload.strip()
+                             else RoundOpen())
+        except Exception as exc:  # a bad control message must not stop the loop
+            log.warning("mqtt message ignored", topic=t, error=str(exc))

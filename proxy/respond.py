@@ -1,0 +1,184 @@
+"""Turn a call's backend streams into an OpenAI response: one JSON body or SSE chunks.
+
+A client that goes away aborts every unfinished stream of its call (the engine frees
+their KV); an engine failure mid-stream ends an SSE response with an error event.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+import msgspec
+import structlog
+from aiohttp import web
+
+from tokendance.backend.api import BackendError, Delta, Stream, TokenLogprob
+
+from . import schemas as s
+from .core import Call, Proxy
+from .errors import ApiError, from_backend
+
+log = structlog.get_logger("tokendance.proxy")
+_enc = msgspec.json.Encoder()
+DONE = b"data: [DONE]\n\n"
+
+
+async def reply(req: web.Request, px: Proxy, call: Call, streams: list[Stream]) -> web.StreamResponse:
+    try:
+        if call.stream:
+            return await _sse(req, px, call, streams)
+        return await _json(px, call, streams)
+    except asyncio.CancelledError:  # the client went away (aiohttp cancels the handler)
+        call.outcome = "abort"
+        raise
+    finally:
+        for i, st in enumerate(streams):
+            if call.finish[i] is None:
+                st.abort()
+        px.finish(call)
+
+
+async def _json(px: Proxy, call: Call, streams: list[Stream]) -> web.Response:
+    try:
+        async with contextlib.aclosing(_merged(call, streams)) as deltas:
+            async for i, d in deltas:
+                call.add(i, d)
+    except Exception as exc:
+        raise _failed(px, call, exc) from exc
+    usage = _usage(call)
+    if call.kind == "chat":
+        body: Any = s.ChatCompletion(call.id, call.created, call.model, [
+            s.ChatChoice(i, s.OutMessage(call.text(i)), call.finish[i], _chat_lp(call, call.logprobs[i]))
+            for i in range(len(streams))], usage)
+    else:
+        body = s.Completion(call.id, call.created, call.model, [
+            s.TextChoice(i, call.text(i), call.finish[i], _text_lp(call, call.logprobs[i], 0))
+            for i in range(len(streams))], usage)
+    return web.Response(body=_enc.encode(body), content_type="application/json", headers=call.headers())
+
+
+async def _sse(req: web.Request, px: Proxy, call: Call, streams: list[Stream]) -> web.StreamResponse:
+    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
+                                       **call.headers()})
+    await resp.prepare(req)
+    chat = call.kind == "chat"
+    offsets = [0] * len(streams)
+    try:
+        if chat:
+            await resp.write(_event(s.ChatChunk(call.id, call.created, call.model, [
+                s.ChunkChoice(i, s.OutDelta("assistant", "")) for i in range(len(streams))])))
+        try:
+            async with contextlib.aclosing(_merged(call, streams)) as deltas:
+                async for i, d in deltas:
+                    call.add(i, d)
+                    await resp.write(_event(_chunk(call, i, d, offsets[i])))
+                    offsets[i] += len(d.text)
+        except ConnectionResetError:
+            raise
+        except Exception as exc:
+            await resp.write(b"data: " + _failed(px, call, exc).encode() + b"\n\n")
+            return resp
+        if call.include_usage:
+            usage = _usage(call)
+            last = s.ChatChunk(call.id, call.created, call.model, [], usage) if chat else \
+                s.Completion(call.id, call.created, call.model, [], usage)
+            await resp.write(_event(last))
+        await resp.write(DONE)
+    except ConnectionResetError:  # the client went away while we wrote
+        call.outcome = "abort"
+    return resp
+
+
+def _failed(px: Proxy, call: Call, exc: Exception) -> ApiError:
+    call.outcome = "error"
+    px.metrics.engine_errors.inc()
+    log.error("stream failed", id=call.id, error=repr(exc))
+    return from_backend(exc)
+
+
+def _chunk(call: Call, i: int, d: Delta, offset: int) -> Any:
+    if call.kind == "chat":
+        return s.ChatChunk(call.id, call.created, call.model, [s.ChunkChoice(
+            i, s.OutDelta(content=d.text or None), _chat_lp(call, d.logprobs), d.finish_reason)])
+    return s.Completion(call.id, call.created, call.model, [
+        s.TextChoice(i, d.text, d.finish_reason, _text_lp(call, d.logprobs, offset))])
+
+
+def _event(obj: Any) -> bytes:
+    return b"data: " + _enc.encode(obj) + b"\n\n"
+
+
+async def _merged(call: Call, streams: list[Stream]) -> AsyncIterator[tuple[int, Delta]]:
+    """(choice index, delta) from every stream as they come; time spent waiting goes to call.gen."""
+    if len(streams) == 1:
+        it = aiter(streams[0])
+        while True:
+            t = time.perf_counter()
+            d = await anext(it, None)
+            call.gen += time.perf_counter() - t
+            if d is None:
+                break
+            yield 0, d
+        _check_finished(call)
+        return
+    queue: asyncio.Queue[tuple[int, Delta | BaseException | None]] = asyncio.Queue()
+
+    async def pump(i: int, st: Stream) -> None:
+        try:
+            async for d in st:
+                queue.put_nowait((i, d))
+        except Exception as exc:
+            queue.put_nowait((i, exc))
+        finally:
+            queue.put_nowait((i, None))
+
+    tasks = [asyncio.create_task(pump(i, st)) for i, st in enumerate(streams)]
+    try:
+        left = len(tasks)
+        while left:
+            t = time.perf_counter()
+            i, d = await queue.get()
+            call.gen += time.perf_counter() - t
+            if d is None:
+                left -= 1
+            elif isinstance(d, BaseException):
+                raise d
+            else:
+                yield i, d
+        _check_finished(call)
+    finally:
+        for task in tasks:
+            task.cancel()
+
+
+def _check_finished(call: Call) -> None:
+    if any(f is None for f in call.finish):
+        raise BackendError("a stream ended without a finish reason")
+
+
+def _usage(call: Call) -> s.UsageOut:
+    u = call.total()
+    return s.UsageOut(u.prompt_tokens, u.completion_tokens, u.prompt_tokens + u.completion_tokens,
+                      s.CachedDetails(u.cached_tokens))
+
+
+def _chat_lp(call: Call, lps: list[TokenLogprob]) -> s.ChatLogprobs | None:
+    if not call.prepared[0].request.sampling.logprobs:
+        return None
+    return s.ChatLogprobs([s.ChatLogprob(t.token, t.logprob, t.bytes, [
+        s.TopLogprob(x.token, x.logprob, x.bytes) for x in t.top]) for t in lps])
+
+
+def _text_lp(call: Call, lps: list[TokenLogprob], offset: int) -> s.TextLogprobs | None:
+    if not call.prepared[0].request.sampling.logprobs:
+        return None
+    offsets = []
+    for t in lps:
+        offsets.append(offset)
+        offset += len(t.token)
+    return s.TextLogprobs([t.token for t in lps], [t.logprob for t in lps],
+                          [{x.token: x.logprob for x in t.top} for t in lps], offsets)

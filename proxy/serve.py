@@ -1,0 +1,81 @@
+"""`tokendance serve`: the proxy with the embedded engine, in one process."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+
+import structlog
+
+from tokendance.backend.api import MODES, Backend
+
+from .app import Server
+from .core import Config
+from .mqtt import address
+
+DEFAULT_MODE = "full"  # becomes "collective" once the reuse modes exist
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    p = subparsers.add_parser("serve", help="OpenAI-compatible server with the embedded engine",
+                              description=__doc__)
+    p.add_argument("--model", default=None, help="HF folder or GGUF file (default: embedded SmolLM2)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--dtype", default="auto", help="auto, float32, bfloat16, float16")
+    p.add_argument("--mode", choices=MODES, default=DEFAULT_MODE, help="default KV reuse mode")
+    p.add_argument("--mqtt", default=None, metavar="URL", help="control plane broker, mqtt://host:port")
+    p.add_argument("--barrier-timeout-ms", type=float, default=250.0,
+                   help="longest hold at a round barrier, from the group's first arrival")
+    p.add_argument("--max-group", type=int, default=256, help="requests per group at most")
+    p.add_argument("--drain-timeout", type=float, default=30.0, help="seconds to finish on shutdown")
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    p.set_defaults(func=main)
+    return p
+
+
+def configure_logging(level: str) -> None:
+    structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(
+        getattr(logging, level.upper())))
+
+
+def load_backend(args: argparse.Namespace) -> Backend:
+    # Imported here: torch and the model load only when a server is really started.
+    from tokendance.backend.service import EngineBackend
+
+    return EngineBackend.load(args.model, dtype=args.dtype, mode=args.mode)
+
+
+def config(args: argparse.Namespace) -> Config:
+    return Config(barrier_timeout=args.barrier_timeout_ms / 1e3, max_group=args.max_group,
+                  drain_timeout=args.drain_timeout)
+
+
+async def serve(server: Server, host: str, port: int, stop: asyncio.Event | None = None) -> None:
+    """Run until SIGINT/SIGTERM (or `stop` is set), then drain and close."""
+    stop = stop or asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        await server.start(host, port)
+        await stop.wait()
+    finally:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.remove_signal_handler(sig)
+        await server.stop()
+
+
+def main(args: argparse.Namespace) -> int:
+    configure_logging(args.log_level)
+    if args.max_group < 1:
+        raise ValueError("--max-group must be at least 1")
+    if args.barrier_timeout_ms < 0:
+        raise ValueError("--barrier-timeout-ms must not be negative")
+    if args.mqtt:
+        address(args.mqtt)  # a bad URL fails before the model loads
+    server = Server(load_backend(args), config(args), args.mqtt)
+    asyncio.run(serve(server, args.host, args.port))
+    return 0
