@@ -1,0 +1,95 @@
+"""The real openai SDK against a live server running the real engine on a tiny random model."""
+
+import asyncio
+import time
+
+import httpx
+import openai
+import pytest
+
+from tokendance.proxy.segment import SEP
+
+
+@pytest.fixture(scope="module")
+def model(engine_live) -> str:
+    return engine_live.backend.info.name
+
+
+@pytest.fixture(scope="module")
+def client(engine_live) -> openai.OpenAI:
+    return openai.OpenAI(base_url=engine_live.url + "/v1", api_key="sk-test", max_retries=0)
+
+
+def user(text: str) -> list[dict]:
+    return [{"role": "user", "content": text}]
+
+
+def test_sync_stream_equals_whole_answer(client, model):
+    kw = dict(model=model, messages=user("Tell me a story."), max_tokens=6, temperature=0)
+    whole = client.chat.completions.create(**kw)
+    assert whole.choices[0].finish_reason == "length" and whole.usage.completion_tokens == 6
+    chunks = list(client.chat.completions.create(**kw, stream=True, stream_options={"include_usage": True}))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == \
+        whole.choices[0].message.content
+    assert chunks[-1].usage.model_dump() == whole.usage.model_dump()
+
+
+def test_completions_with_token_ids_logprobs_and_n(client, model):
+    r = client.completions.create(model=model, prompt=[1, 2, 3, 4], max_tokens=4, temperature=0, n=2,
+                                  logprobs=2)
+    assert len(r.choices) == 2 and r.choices[0].text == r.choices[1].text
+    lp = r.choices[0].logprobs
+    assert len(lp.tokens) == 4 and all(len(t) <= 2 for t in lp.top_logprobs)
+    assert r.usage.prompt_tokens == 4 and r.usage.completion_tokens == 8
+
+
+def test_prompt_longer_than_the_context_is_a_400(client, model, engine_live):
+    n = engine_live.backend.info.max_model_len
+    with pytest.raises(openai.BadRequestError):
+        client.completions.create(model=model, prompt=[5] * (n + 1), max_tokens=1)
+
+
+async def test_async_round_is_one_group_and_reuses_shared_blocks(engine_live, model):
+    c = openai.AsyncOpenAI(base_url=engine_live.url + "/v1", api_key="sk-test", max_retries=0)
+    agents = ["a", "b", "c", "d"]
+    block = " ".join(f"fact{i}" for i in range(40))
+
+    async def turn(a: str, r: int) -> openai.types.chat.ChatCompletion:
+        return await c.chat.completions.create(
+            model=model, messages=user(f"I am {a}.{SEP}{block}{SEP}Answer briefly."), max_tokens=3,
+            temperature=0, extra_body={"tokendance": {"session": "eng", "agent": a, "round": r,
+                                                      "separators": True, "mode": "collective"}})
+
+    async with httpx.AsyncClient() as http:
+        opened = await http.post(engine_live.url + "/v1/tokendance/sessions/eng/rounds/1",
+                                 json={"agents": agents})
+        assert opened.status_code == 200
+    for r in (1, 2):
+        t0 = time.perf_counter()
+        rs = await asyncio.gather(*[turn(a, r) for a in agents])
+        # Released by the arrivals (announced, then inferred), not by the 10 s timeout.
+        assert time.perf_counter() - t0 < 5.0
+        assert all(x.choices[0].finish_reason == "length" for x in rs)
+        stats = engine_live.server.proxy.sessions.find("eng", r).view()
+        assert (stats["groups"], stats["requests"]) == (1, 4) and stats["shared_tokens"] > 0
+    assert all(x.usage.prompt_tokens_details.cached_tokens > 0 for x in rs)  # round 2 reused
+    await c.close()
+
+
+async def test_disconnect_mid_stream_frees_the_engines_kv(engine_live, model):
+    engine = engine_live.backend.engine
+    await asyncio.sleep(0.05)
+    free = engine.pool.num_free
+    body = {"model": model, "messages": user("Go on."), "max_tokens": 3000, "temperature": 0,
+            "stream": True, "ignore_eos": True}
+    async with httpx.AsyncClient() as http:
+        async with http.stream("POST", engine_live.url + "/v1/chat/completions", json=body) as resp:
+            n = 0
+            async for line in resp.aiter_lines():
+                n += line.startswith("data: {")
+                if n == 4:
+                    break
+    end = time.monotonic() + 5
+    while engine.pool.num_free != free or engine.has_work():
+        assert time.monotonic() < end, "the engine kept the aborted sequence"
+        await asyncio.sleep(0.02)

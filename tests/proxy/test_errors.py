@@ -1,0 +1,144 @@
+"""Every client mistake is a 4xx in OpenAI's error shape, and does no work in the engine."""
+
+import json
+
+import aiohttp
+import pytest
+
+M = [{"role": "user", "content": "hi"}]
+CHAT = {"model": "fake-tiny", "messages": M}
+TEXT = {"model": "fake-tiny", "prompt": "hi"}
+
+CASES = [  # (path, body or raw bytes, extra headers, status, param, code)
+    ("chat", b"{bad", {}, 400, None, "invalid_json"),
+    ("chat", b"", {}, 400, None, "invalid_json"),
+    ("chat", b"[1, 2]", {}, 400, None, "invalid_type"),
+    ("chat", {"messages": M}, {}, 400, "model", "invalid_type"),
+    ("chat", {"model": "fake-tiny"}, {}, 400, "messages", "invalid_type"),
+    ("chat", {**CHAT, "messages": "hi"}, {}, 400, "messages", "invalid_type"),
+    ("chat", {**CHAT, "messages": [{"role": "user", "content": 5}]}, {}, 400, "messages[0].content",
+     "invalid_type"),
+    ("chat", {**CHAT, "messages": [{"content": "x"}]}, {}, 400, "messages[0].role", "invalid_type"),
+    ("chat", {**CHAT, "messages": []}, {}, 400, "messages", None),
+    ("chat", {**CHAT, "max_tokens": "10"}, {}, 400, "max_tokens", "invalid_type"),
+    ("chat", {**CHAT, "max_tokens": 0}, {}, 400, "max_tokens", None),
+    ("chat", {**CHAT, "max_tokens": -5}, {}, 400, "max_tokens", None),
+    ("chat", {**CHAT, "max_completion_tokens": 0}, {}, 400, "max_completion_tokens", None),
+    ("chat", {**CHAT, "temperature": 3}, {}, 400, "temperature", None),
+    ("chat", {**CHAT, "temperature": "hot"}, {}, 400, "temperature", "invalid_type"),
+    ("chat", {**CHAT, "top_p": 0}, {}, 400, "top_p", None),
+    ("chat", {**CHAT, "n": 0}, {}, 400, "n", None),
+    ("chat", {**CHAT, "n": 1000}, {}, 400, "n", None),
+    ("chat", {**CHAT, "n": True}, {}, 400, "n", "invalid_type"),
+    ("chat", {**CHAT, "seed": 1.5}, {}, 400, "seed", "invalid_type"),
+    ("chat", {**CHAT, "stop": [""]}, {}, 400, "stop", None),
+    ("chat", {**CHAT, "stop": [1]}, {}, 400, "stop[0]", "invalid_type"),
+    ("chat", {**CHAT, "stream": "yes"}, {}, 400, "stream", "invalid_type"),
+    ("chat", {**CHAT, "stream_options": {"include_usage": True}}, {}, 400, "stream_options", None),
+    ("chat", {**CHAT, "top_logprobs": 2}, {}, 400, "top_logprobs", None),
+    ("chat", {**CHAT, "logprobs": True, "top_logprobs": 30}, {}, 400, "top_logprobs", None),
+    ("chat", {**CHAT, "model": "gpt-4o"}, {}, 404, "model", "model_not_found"),
+    ("chat", {**CHAT, "tools": [{"type": "function", "function": {"name": "f"}}]}, {}, 400, "tools",
+     "unsupported"),
+    ("chat", {**CHAT, "tool_choice": "auto"}, {}, 400, "tool_choice", "unsupported"),
+    ("chat", {**CHAT, "response_format": {"type": "json_object"}}, {}, 400, "response_format",
+     "unsupported"),
+    ("chat", {**CHAT, "logit_bias": {"50256": -100}}, {}, 400, "logit_bias", "unsupported"),
+    ("chat", {**CHAT, "presence_penalty": 0.5}, {}, 400, "presence_penalty", "unsupported"),
+    ("chat", {**CHAT, "messages": [{"role": "tool", "content": "x", "tool_call_id": "1"}]}, {}, 400,
+     "messages[0].role", "unsupported"),
+    ("chat", {**CHAT, "messages": [{"role": "wizard", "content": "x"}]}, {}, 400, "messages[0].role", None),
+    ("chat", {**CHAT, "messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "http://x"}}]}]}, {}, 400, "messages[0].content[0]",
+     "unsupported"),
+    ("chat", {**CHAT, "messages": [{"role": "user", "content": None}]}, {}, 400, "messages[0].content", None),
+    ("chat", {**CHAT, "messages": [{"role": "user", "content": "w " * 5000}]}, {}, 400, "messages",
+     "context_length_exceeded"),
+    ("chat", {**CHAT, "messages": [{"role": "user", "content": ""}]}, {"X-TokenDance-Session": "a/b"}, 400,
+     "tokendance.session", None),
+    ("chat", CHAT, {"X-TokenDance-Session": "s", "X-TokenDance-Round": "abc"}, 400, "tokendance.round", None),
+    ("chat", CHAT, {"X-TokenDance-Mode": "turbo"}, 400, "tokendance.mode", None),
+    ("chat", CHAT, {"X-TokenDance-Separators": "maybe"}, 400, "tokendance.separators", None),
+    ("chat", {**CHAT, "tokendance": {"round": "x"}}, {}, 400, "tokendance.round", "invalid_type"),
+    ("chat", {**CHAT, "tokendance": {"round": -1, "session": "s"}}, {}, 400, "tokendance.round", None),
+    ("chat", {**CHAT, "tokendance": "s1"}, {}, 400, "tokendance", "invalid_type"),
+    ("text", {"model": "fake-tiny"}, {}, 400, "prompt", "invalid_type"),
+    ("text", {**TEXT, "prompt": 5}, {}, 400, "prompt", "invalid_type"),
+    ("text", {**TEXT, "prompt": [1, "a"]}, {}, 400, "prompt", None),
+    ("text", {**TEXT, "prompt": []}, {}, 400, "prompt", None),
+    ("text", {**TEXT, "prompt": [[1], [-2]]}, {}, 400, "prompt", None),
+    ("text", {**TEXT, "prompt": ""}, {}, 400, "prompt", None),
+    ("text", {**TEXT, "echo": True}, {}, 400, "echo", "unsupported"),
+    ("text", {**TEXT, "suffix": "end"}, {}, 400, "suffix", "unsupported"),
+    ("text", {**TEXT, "best_of": 3}, {}, 400, "best_of", "unsupported"),
+    ("text", {**TEXT, "logprobs": 9}, {}, 400, "logprobs", None),
+    ("text", {**TEXT, "max_tokens": 0}, {}, 400, "max_tokens", None),
+]
+PATHS = {"chat": "/v1/chat/completions", "text": "/v1/completions"}
+
+
+async def check(resp: aiohttp.ClientResponse, status: int) -> dict:
+    assert resp.status == status
+    assert resp.content_type == "application/json"
+    body = await resp.json()
+    err = body["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["message"]
+    return err
+
+
+@pytest.mark.parametrize("path,body,headers,status,param,code", CASES,
+                         ids=[f"{i}-{c[0]}" for i, c in enumerate(CASES)])
+async def test_bad_input_is_a_4xx_with_a_message(server, path, body, headers, status, param, code):
+    data = body if isinstance(body, bytes) else json.dumps(body).encode()
+    async with aiohttp.ClientSession() as http:
+        async with http.post(server.url + PATHS[path], data=data, headers=headers) as resp:
+            err = await check(resp, status)
+    assert (err["param"], err["code"]) == (param, code)
+    assert server.proxy.backend.groups == []  # nothing reached the engine
+    assert server.proxy.in_flight == 0
+
+
+async def test_unknown_fields_are_ignored(server):
+    body = {**CHAT, "frobnicate": {"x": [1]}, "messages": [{"role": "user", "content": "ok", "extra": 1}],
+            "tools": [], "tool_choice": "none", "response_format": {"type": "text"}, "presence_penalty": 0}
+    async with aiohttp.ClientSession() as http:
+        async with http.post(server.url + PATHS["chat"], json=body) as resp:
+            assert resp.status == 200
+            assert (await resp.json())["choices"][0]["message"]["content"] == "ok"
+
+
+async def test_routes_and_control_endpoints_answer_in_the_same_shape(server):
+    base = server.url + "/v1/tokendance/sessions"
+    async with aiohttp.ClientSession() as http:
+        async with http.get(server.url + "/v1/nothing") as resp:
+            assert (await check(resp, 404))["code"] == "unknown_url"
+        async with http.get(server.url + PATHS["chat"]) as resp:
+            assert (await check(resp, 405))["code"] == "method_not_allowed"
+        async with http.get(server.url + "/v1/models/other") as resp:
+            assert (await check(resp, 404))["code"] == "model_not_found"
+        async with http.post(base + "/s/rounds/x") as resp:
+            assert (await check(resp, 400))["param"] == "round"
+        async with http.post(base + "/s/rounds/1", data=b'{"agents": "a"}') as resp:
+            assert (await check(resp, 400))["param"] == "agents"
+        async with http.post(base + "/s/rounds/1", data=b'{"timeout_ms": -1}') as resp:
+            assert (await check(resp, 400))["param"] == "timeout_ms"
+        async with http.post(base + "/s%2Bt/rounds/1") as resp:
+            assert (await check(resp, 400))["param"] == "session"
+        async with http.get(base + "/never/rounds/1") as resp:
+            assert (await check(resp, 404))["code"] == "round_not_found"
+
+
+async def test_a_template_that_rejects_the_messages_is_a_400(start, make_backend):
+    from tokendance.backend.api import InvalidRequest
+
+    be = make_backend()
+
+    def reject(messages):
+        raise InvalidRequest("messages do not fit the model's chat template", "messages")
+
+    be.render_chat = reject
+    server = await start(be)
+    async with aiohttp.ClientSession() as http:
+        async with http.post(server.url + PATHS["chat"], json=CHAT) as resp:
+            assert (await check(resp, 400))["param"] == "messages"
+    assert 'tokendance_requests_total{code="400",endpoint="chat"} 1' in server.proxy.metrics.render()

@@ -1,0 +1,99 @@
+"""The MQTT control plane against a real broker on loopback (mosquitto, or amqtt)."""
+
+import asyncio
+import contextlib
+import json
+
+import aiohttp
+import aiomqtt
+
+MODEL = "fake-tiny"
+
+
+@contextlib.asynccontextmanager
+async def client(broker):
+    async with aiomqtt.Client("127.0.0.1", broker.port) as c:
+        await c.subscribe("tokendance/+/round/+/done", qos=1)
+        yield c
+
+
+async def next_done(c: aiomqtt.Client, timeout: float = 5.0) -> tuple[str, dict]:
+    async with asyncio.timeout(timeout):
+        async for msg in c.messages:
+            return str(msg.topic), json.loads(msg.payload)
+
+
+async def ask(server, session: str, agent: str) -> int:
+    h = {"X-TokenDance-Session": session, "X-TokenDance-Agent": agent}
+    body = {"model": MODEL, "messages": [{"role": "user", "content": f"hello from {agent}"}]}
+    async with aiohttp.ClientSession() as http:
+        async with http.post(server.url + "/v1/chat/completions", json=body, headers=h) as r:
+            await r.read()
+            return r.status
+
+
+async def connected(server, until) -> None:
+    server.control.backoff = (0.05, 0.2)
+    await until(lambda: server.control.connected)
+
+
+async def test_open_seal_done(start, broker, until):
+    server = await start(mqtt=broker.url, barrier_timeout=10.0)
+    await connected(server, until)
+    async with client(broker) as c:
+        await c.publish("tokendance/m/round/1/open", json.dumps({"agents": ["a", "b"]}), qos=1)
+        await until(lambda: (r := server.proxy.sessions.find("m", 1)) and r.gate.expected == {"a", "b"})
+        assert await asyncio.gather(ask(server, "m", "a"), ask(server, "m", "b")) == [200, 200]
+        topic, stats = await next_done(c)
+        assert topic == "tokendance/m/round/1/done"
+        assert (stats["agents"], stats["requests"], stats["groups"]) == (["a", "b"], 2, 1)
+        for key in ("prompt_tokens", "shared_tokens", "reused_tokens", "recomputed_tokens",
+                    "kv_dense_bytes", "kv_held_bytes", "barrier_wait_ms", "latency_ms"):
+            assert key in stats
+        assert stats["prompt_tokens"] > 0 and stats["kv_dense_bytes"] > 0
+        async with aiohttp.ClientSession() as http:
+            async with http.get(server.url + "/v1/tokendance/sessions/m/rounds/1") as r:
+                assert await r.json() == stats
+
+        # Round 2 expects a third agent; sealing over MQTT releases the two that came.
+        await c.publish("tokendance/m/round/2/open", json.dumps({"agents": ["a", "b", "c"]}), qos=1)
+        await until(lambda: (r := server.proxy.sessions.find("m", 2)) and r.gate.expected == {"a", "b", "c"})
+        held = [asyncio.create_task(ask(server, "m", x)) for x in "ab"]
+        await until(lambda: server.proxy.barrier.waiting == 2)
+        await c.publish("tokendance/m/round/2/seal", b"", qos=1)
+        assert await asyncio.gather(*held) == [200, 200]
+        topic, stats = await next_done(c)
+        assert topic == "tokendance/m/round/2/done" and stats["sealed"] and stats["requests"] == 2
+
+
+async def test_bad_control_messages_are_ignored(start, broker, until):
+    server = await start(mqtt=broker.url)
+    await connected(server, until)
+    async with client(broker) as c:
+        await c.publish("tokendance/x/round/nan/open", b"{}", qos=1)
+        await c.publish("tokendance/x/round/1/open", b"{not json", qos=1)
+        await c.publish("tokendance/x/round/2/open", b"", qos=1)
+    await until(lambda: server.proxy.sessions.find("x", 2) is not None)
+    assert server.proxy.sessions.find("x", 1) is None and server.control.connected
+
+
+async def test_starts_without_a_broker_and_reconnects_after_a_restart(start, idle_broker, until):
+    server = await start(mqtt=idle_broker.url, barrier_timeout=0.05)
+    server.control.backoff = (0.05, 0.2)
+    assert await ask(server, "nb", "a") == 200  # serves with no broker at all
+    assert not server.control.connected
+    await idle_broker.start()
+    await until(lambda: server.control.connected)
+    await idle_broker.stop()
+    await until(lambda: not server.control.connected)
+    await idle_broker.start()
+    await until(lambda: server.control.connected)
+    async with client(idle_broker) as c:
+        await c.publish("tokendance/rs/round/1/open", json.dumps({"agents": ["a"]}), qos=1)
+        await until(lambda: (r := server.proxy.sessions.find("rs", 1)) and r.gate.expected == {"a"})
+        assert await ask(server, "rs", "a") == 200
+        topic, stats = await next_done(c)
+        assert topic == "tokendance/rs/round/1/done" and stats["groups"] == 1
+    async with aiohttp.ClientSession() as http:
+        async with http.get(server.url + "/metrics") as r:
+            assert "tokendance_mqtt_connected 1" in await r.text()

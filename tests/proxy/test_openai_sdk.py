@@ -1,0 +1,139 @@
+"""The real openai SDK (sync, async, streaming) against a live server on loopback."""
+
+import asyncio
+
+import openai
+import pytest
+
+from tokendance.proxy.segment import SEP
+
+MODEL = "fake-tiny"
+
+
+@pytest.fixture(scope="module")
+def client(live) -> openai.OpenAI:
+    return openai.OpenAI(base_url=live.url + "/v1", api_key="sk-test", max_retries=0)
+
+
+def ask(text: str) -> list[dict]:
+    return [{"role": "system", "content": "be brief"}, {"role": "user", "content": text}]
+
+
+def test_models(client):
+    assert [m.id for m in client.models.list()] == [MODEL]
+    assert client.models.retrieve(MODEL).id == MODEL
+
+
+def test_chat(client):
+    r = client.chat.completions.create(model=MODEL, messages=ask("one two three"))
+    c = r.choices[0]
+    assert (c.message.role, c.message.content, c.finish_reason) == ("assistant", "one two three", "stop")
+    assert r.usage.completion_tokens == 3 and r.usage.prompt_tokens > 3
+    assert r.usage.total_tokens == r.usage.prompt_tokens + 3
+    assert r.usage.prompt_tokens_details.cached_tokens == 0
+
+
+def test_chat_stream_matches_the_whole_answer(client):
+    msgs = ask("alpha beta gamma delta")
+    whole = client.chat.completions.create(model=MODEL, messages=msgs)
+    chunks = list(client.chat.completions.create(model=MODEL, messages=msgs, stream=True,
+                                                 stream_options={"include_usage": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == \
+        whole.choices[0].message.content
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "stop"
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 4
+    assert all(c.usage is None for c in chunks[:-1])
+
+
+def test_stream_without_usage_has_no_usage_chunk(client):
+    chunks = list(client.chat.completions.create(model=MODEL, messages=ask("x y"), stream=True))
+    assert all(c.choices for c in chunks) and all(c.usage is None for c in chunks)
+
+
+def test_max_tokens_and_max_completion_tokens(client):
+    r = client.chat.completions.create(model=MODEL, messages=ask("a b c d e"), max_tokens=2)
+    assert (r.choices[0].message.content, r.choices[0].finish_reason) == ("a b ", "length")
+    r = client.chat.completions.create(model=MODEL, messages=ask("a b c d e"), max_completion_tokens=3,
+                                       max_tokens=1)
+    assert r.usage.completion_tokens == 3
+
+
+def test_stop(client):
+    r = client.chat.completions.create(model=MODEL, messages=ask("red green blue"), stop=["blue", "zz"])
+    assert (r.choices[0].message.content, r.choices[0].finish_reason) == ("red green ", "stop")
+
+
+def test_n_with_seed_and_temperature(client):
+    r = client.chat.completions.create(model=MODEL, messages=ask("p q r"), n=3, seed=0, temperature=1.0,
+                                       top_p=0.9)
+    assert [c.index for c in r.choices] == [0, 1, 2]
+    # The fake rotates its answer by the seed; choice i samples with seed + i.
+    assert [c.message.content for c in r.choices] == ["p q r", "q r p", "r p q"]
+    assert r.usage.completion_tokens == 9
+
+
+def test_logprobs(client):
+    r = client.chat.completions.create(model=MODEL, messages=ask("u v"), logprobs=True, top_logprobs=2)
+    lp = r.choices[0].logprobs.content
+    assert [t.token for t in lp] == ["u ", "v"] and all(len(t.top_logprobs) == 2 for t in lp)
+    r = client.chat.completions.create(model=MODEL, messages=ask("u v"))
+    assert r.choices[0].logprobs is None
+
+
+def test_completions(client):
+    r = client.completions.create(model=MODEL, prompt=["x y z", "p q"], n=2, logprobs=1)
+    assert [(c.index, c.text) for c in r.choices] == [(0, "x y z"), (1, "x y z"), (2, "p q"), (3, "p q")]
+    assert r.choices[0].logprobs.text_offset == [0, 2, 4]
+    assert r.usage.prompt_tokens == 5 and r.usage.completion_tokens == 10
+
+
+def test_completions_stream_and_token_prompt(client):
+    chunks = list(client.completions.create(model=MODEL, prompt="k l m", stream=True,
+                                            stream_options={"include_usage": True}))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == "k l m"
+    assert chunks[-1].usage.completion_tokens == 3
+    r = client.completions.create(model=MODEL, prompt=[7, 8, 9])
+    assert r.choices[0].text == "t7 t8 t9"
+
+
+def test_cached_tokens_count_reused_shared_blocks(client):
+    block = "a long shared answer from round one that every agent sees"
+    body = {"tokendance": {"separators": True}}
+    for agent, cached in (("a", 0), ("b", len(block.split()))):
+        r = client.chat.completions.create(
+            model=MODEL, messages=ask(f"agent {agent} reads:{SEP}{block}{SEP}and replies"), extra_body=body)
+        assert r.usage.prompt_tokens_details.cached_tokens == cached
+
+
+def test_per_client_default_headers_and_inferred_rounds(live):
+    c = openai.OpenAI(base_url=live.url + "/v1", api_key="sk-test", max_retries=0,
+                      default_headers={"X-TokenDance-Session": "sdk-hdr", "X-TokenDance-Agent": "solo"})
+    rounds = []
+    for _ in range(3):
+        raw = c.chat.completions.with_raw_response.create(
+            model=MODEL, messages=[{"role": "user", "content": "hi", "name": "solo"}])
+        assert raw.parse().choices[0].message.content == "hi"
+        rounds.append(raw.headers["x-tokendance-round"])
+    assert rounds == ["1", "2", "3"]
+    stats = live.server.proxy.sessions.find("sdk-hdr", 3).view()
+    assert stats["agents"] == ["solo"] and stats["requests"] == 1
+
+
+async def test_async_client_concurrent(live):
+    c = openai.AsyncOpenAI(base_url=live.url + "/v1", api_key="sk-test", max_retries=0)
+    rs = await asyncio.gather(*[c.chat.completions.create(model=MODEL, messages=ask(f"word{i} end"))
+                                for i in range(16)])
+    assert [r.choices[0].message.content for r in rs] == [f"word{i} end" for i in range(16)]
+    stream = await c.chat.completions.create(model=MODEL, messages=ask("s t"), stream=True)
+    assert "".join([ch.choices[0].delta.content or "" async for ch in stream]) == "s t"
+    await c.close()
+
+
+def test_sdk_errors(client):
+    with pytest.raises(openai.NotFoundError) as e:
+        client.chat.completions.create(model="gpt-4o", messages=ask("x"))
+    assert e.value.body["code"] == "model_not_found"
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=MODEL, messages=ask("x"), max_tokens=0)
+    assert e.value.body["param"] == "max_tokens"

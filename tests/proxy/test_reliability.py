@@ -1,0 +1,154 @@
+"""Disconnects, engine failures, shutdown; /health and /metrics."""
+
+import asyncio
+import json
+import time
+
+import aiohttp
+import openai
+import pytest
+
+MODEL = "fake-tiny"
+LONG = " ".join(f"w{i}" for i in range(40))
+
+
+def body(text: str, **more) -> dict:
+    return {"model": MODEL, "messages": [{"role": "user", "content": text}], **more}
+
+
+async def test_disconnect_mid_stream_aborts_and_frees(start, make_backend, until):
+    be = make_backend(length=40, delay=0.02)
+    server = await start(be, barrier_timeout=0.0)
+    h = {"X-TokenDance-Session": "d", "X-TokenDance-Agent": "a"}
+    async with aiohttp.ClientSession() as http:
+        resp = await http.post(server.url + "/v1/chat/completions", json=body(LONG, stream=True), headers=h)
+        lines = []
+        async for line in resp.content:
+            if line.startswith(b"data: {"):
+                lines.append(line)
+            if len(lines) == 3:
+                break
+        resp.close()  # drop the connection mid-stream
+    await until(lambda: be.aborted)
+    assert be.active == set() and be.finished == set()
+    await until(lambda: server.proxy.sessions.find("d", 1).view()["aborted"] == 1)
+    assert "tokendance_aborted_total 1" in server.proxy.metrics.render()
+
+
+async def test_disconnect_while_generating_without_stream_aborts(start, make_backend, until):
+    be = make_backend(length=40, delay=0.02)
+    server = await start(be)
+    async with aiohttp.ClientSession() as http:
+        gone = asyncio.create_task(http.post(server.url + "/v1/chat/completions", json=body(LONG)))
+        await until(lambda: be.active)
+        gone.cancel()  # closes the connection while the engine generates
+    await until(lambda: be.aborted)
+    assert be.active == set() and be.finished == set()
+    await until(lambda: server.proxy.in_flight == 0)
+
+
+async def test_disconnect_at_the_barrier_leaves_the_group(start, make_backend, until):
+    be = make_backend()
+    server = await start(be, barrier_timeout=5.0)
+    async with aiohttp.ClientSession() as http:
+        await http.post(server.url + "/v1/tokendance/sessions/b/rounds/1", json={"agents": ["a", "b"]})
+    ha, hb = ({"X-TokenDance-Session": "b", "X-TokenDance-Agent": x} for x in "ab")
+    async with aiohttp.ClientSession() as http:
+        gone = asyncio.create_task(http.post(server.url + "/v1/chat/completions", json=body("from a"),
+                                             headers=ha))
+        await until(lambda: server.proxy.barrier.waiting == 1)
+        gone.cancel()
+    await until(lambda: server.proxy.barrier.waiting == 0)
+    async with aiohttp.ClientSession() as http:
+        b = asyncio.create_task(http.post(server.url + "/v1/chat/completions", json=body("from b"),
+                                          headers=hb))
+        await until(lambda: server.proxy.barrier.waiting == 1)
+        await asyncio.sleep(0.05)
+        assert not b.done()  # a left, so b waits for a again
+        a = await http.post(server.url + "/v1/chat/completions", json=body("from a again"), headers=ha)
+        assert a.status == 200 and (await b).status == 200
+    assert [[q.agent for q in g] for g in be.groups] == [["b", "a"]]
+
+
+async def test_engine_failure_answers_every_request_of_the_group(start, make_backend):
+    be = make_backend(fail="generate")
+    server = await start(be, barrier_timeout=5.0)
+    agents = ["a", "b", "c"]
+    async with aiohttp.ClientSession() as http:
+        await http.post(server.url + "/v1/tokendance/sessions/f/rounds/1", json={"agents": agents})
+
+        async def one(a: str) -> tuple[int, dict]:
+            async with http.post(server.url + "/v1/chat/completions", json=body(f"x {a}", stream=a == "c"),
+                                 headers={"X-TokenDance-Session": "f", "X-TokenDance-Agent": a}) as r:
+                return r.status, await r.json()
+
+        results = await asyncio.gather(*map(one, agents))
+    assert [(st, b["error"]["code"]) for st, b in results] == [(500, "engine_error")] * 3
+    assert len(be.groups) == 1
+    stats = server.proxy.sessions.find("f", 1).view()
+    assert (stats["errors"], stats["requests"], stats["active"]) == (3, 3, 0)
+    be.fail = None
+    c = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="k", max_retries=0)
+    r = await c.chat.completions.create(model=MODEL, messages=body("recovered")["messages"])
+    assert r.choices[0].message.content == "recovered"
+    await c.close()
+
+
+async def test_engine_failure_mid_stream(start, make_backend):
+    be = make_backend(fail="stream")
+    server = await start(be)
+    c = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="k", max_retries=0)
+    msgs = body("a b c")["messages"]
+    with pytest.raises(openai.APIError) as e:
+        async for _ in await c.chat.completions.create(model=MODEL, messages=msgs, stream=True):
+            pass
+    assert "engine error" in str(e.value)
+    with pytest.raises(openai.InternalServerError):
+        await c.chat.completions.create(model=MODEL, messages=msgs)
+    await c.close()
+    assert 'tokendance_engine_errors_total 2' in server.proxy.metrics.render()
+
+
+async def test_shutdown_drains_in_flight_requests(start, make_backend, until):
+    be = make_backend(length=10, delay=0.02)
+    server = await start(be, barrier_timeout=30.0)
+    async with aiohttp.ClientSession() as http:
+        await http.post(server.url + "/v1/tokendance/sessions/z/rounds/1", json={"agents": ["a", "b"]})
+
+        async def one(h: dict, stream: bool) -> str:
+            async with http.post(server.url + "/v1/chat/completions",
+                                 json=body(LONG, stream=stream), headers=h) as r:
+                assert r.status == 200
+                return await r.text()
+
+        held = asyncio.create_task(one({"X-TokenDance-Session": "z", "X-TokenDance-Agent": "a"}, False))
+        running = asyncio.create_task(one({}, True))
+        await until(lambda: server.proxy.in_flight == 2 and server.proxy.barrier.waiting == 1)
+        assert not held.done() and not running.done()
+        t0 = time.perf_counter()
+        await server.stop()
+        assert time.perf_counter() - t0 < 5.0  # the held one was released, not timed out
+        choice = json.loads(await held)["choices"][0]
+        assert choice["message"]["content"] == " ".join(LONG.split()[-10:])
+        assert choice["finish_reason"] == "stop"
+        assert (await running).endswith("data: [DONE]\n\n")
+        assert be.closed and be.active == set()
+        with pytest.raises(aiohttp.ClientConnectionError):
+            await http.get(server.url + "/health")
+
+
+async def test_health_and_metrics(server):
+    async with aiohttp.ClientSession() as http:
+        async with http.get(server.url + "/health") as r:
+            assert r.status == 200 and (await r.json())["status"] == "ok"
+        await http.post(server.url + "/v1/chat/completions", json=body("count me"))
+        await http.post(server.url + "/v1/chat/completions", json=body("x", max_tokens=0))
+        async with http.get(server.url + "/metrics") as r:
+            text = await r.text()
+    assert r.content_type == "text/plain"
+    assert 'tokendance_requests_total{code="200",endpoint="chat"} 1' in text
+    assert 'tokendance_requests_total{code="400",endpoint="chat"} 1' in text
+    assert 'tokendance_tokens_total{kind="completion"} 2' in text
+    assert 'tokendance_groups_total{reason="bypass"} 1' in text
+    assert "tokendance_barrier_wait_seconds_count 1" in text
+    assert "tokendance_requests_in_flight 0" in text

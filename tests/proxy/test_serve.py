@@ -1,0 +1,100 @@
+"""`tokendance serve`: flags, one-line errors, and a real process drained by SIGTERM."""
+
+import argparse
+import json
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from tokendance.examples import cli
+from tokendance.proxy import serve
+
+FAKE = Path(__file__).with_name("fake_backend.py")
+SCRIPT = """
+import importlib.util, sys
+spec = importlib.util.spec_from_file_location("fake_backend", sys.argv[1])
+fake = importlib.util.module_from_spec(spec); spec.loader.exec_module(fake)
+from tokendance.proxy import serve
+serve.load_backend = lambda args: fake.FakeBackend(length=30, delay=0.02)
+from tokendance.examples.cli import main
+sys.exit(main(["serve", "--port", sys.argv[2], "--log-level", "warning"]))
+"""
+
+
+def parse(*argv: str) -> argparse.Namespace:
+    p = argparse.ArgumentParser()
+    serve.add_parser(p.add_subparsers(dest="command"))
+    return p.parse_args(["serve", *argv])
+
+
+def test_flags():
+    a = parse()
+    assert (a.host, a.port, a.model, a.mqtt, a.mode, a.barrier_timeout_ms) == \
+        ("127.0.0.1", 8000, None, None, serve.DEFAULT_MODE, 250.0)
+    a = parse("--port", "9001", "--mqtt", "mqtt://127.0.0.1:1883", "--barrier-timeout-ms", "40",
+              "--mode", "prefix", "--dtype", "float32", "--model", "/m")
+    c = serve.config(a)
+    assert (a.port, a.mode, a.dtype, a.model, c.barrier_timeout) == (9001, "prefix", "float32", "/m", 0.04)
+    assert a.func is serve.main
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--mqtt", "http://127.0.0.1:1"], "expected mqtt://host:port"),
+    (["--max-group", "0"], "--max-group"),
+    (["--barrier-timeout-ms", "-1"], "--barrier-timeout-ms"),
+])
+def test_bad_flags_fail_in_one_line_before_loading_the_model(monkeypatch, capsys, argv, message):
+    def never(args):
+        raise AssertionError("the model must not load")
+
+    monkeypatch.setattr(serve, "load_backend", never)
+    assert cli.main(["serve", *argv]) == 1
+    err = capsys.readouterr().err.strip()
+    assert message in err and "\n" not in err
+
+
+def test_importing_serve_does_not_load_torch():
+    code = "import sys, tokendance.proxy.serve; print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
+
+
+def test_sigterm_drains_the_request_in_flight(tmp_path):
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen([sys.executable, "-c", SCRIPT, str(FAKE), str(port)],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        end = time.monotonic() + 30
+        while True:
+            try:
+                urllib.request.urlopen(url + "/health", timeout=1).read()
+                break
+            except OSError:
+                assert proc.poll() is None and time.monotonic() < end, proc.stdout.read()
+                time.sleep(0.05)
+        words = " ".join(f"w{i}" for i in range(30))
+        body = json.dumps({"model": "fake-tiny", "messages": [{"role": "user", "content": words}]})
+        req = urllib.request.Request(url + "/v1/chat/completions", body.encode(),
+                                     {"Content-Type": "application/json"})
+        result: dict = {}
+        t = threading.Thread(target=lambda: result.update(json.load(urllib.request.urlopen(req, timeout=10))))
+        t.start()
+        time.sleep(0.2)  # the answer takes 30 x 20 ms
+        proc.send_signal(signal.SIGTERM)
+        t.join(10)
+        assert result["choices"][0]["message"]["content"] == words
+        assert proc.wait(10) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
