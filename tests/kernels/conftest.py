@@ -1,0 +1,22 @@
+"""Kernel tests run Triton's interpreter on CPU tensors.
+
+TRITON_INTERPRET must be set before a @triton.jit function is decorated. When an
+earlier conftest already imported triton (and our kernels) without it, re-run the
+decorators: triton.language's jit-defined library, then the kernel modules.
+"""
+
+import importlib
+import os
+import sys
+
+os.environ["TRITON_INTERPRET"] = "1"
+
+if "triton" in sys.modules:
+    import triton.language as tl
+
+    if type(tl.max).__name__ != "InterpretedFunction":
+        for mod in (tl.standard, tl.random, tl):
+            importlib.reload(mod)
+        for name in ("tokendance.kernels.paged_attention",):
+            if name in sys.modules:
+                importlib.reload(sys.modules[name])

@@ -1,0 +1,238 @@
+"""Triton paged attention (interpreted on CPU) against the reference, and the reference
+against a naive dense implementation."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+import tokendance.kernels.paged_attention as pa
+from tokendance.kernels.rope import rope_rotate
+
+B = 16
+# Small tiles so that every case spans several key tiles and row blocks.
+CFG = dict(block_m=32, block_n=16, num_warps=4, num_stages=1, step=True)
+
+
+@dataclass
+class Case:
+    q: torch.Tensor
+    q_pos: torch.Tensor
+    cu_q: torch.Tensor
+    k_cache: torch.Tensor
+    v_cache: torch.Tensor
+    block_tables: torch.Tensor
+    kv_lens: torch.Tensor
+    inv_freq: torch.Tensor
+    rope_scale: float
+    sm_scale: float
+
+    def args(self) -> tuple:
+        return (self.q, self.q_pos, self.cu_q, self.k_cache, self.v_cache, self.block_tables,
+                self.kv_lens, self.inv_freq, self.rope_scale, self.sm_scale)
+
+    def to(self, dtype: torch.dtype) -> Case:
+        cast = lambda t: t.to(dtype)  # noqa: E731
+        return Case(cast(self.q), self.q_pos, self.cu_q, cast(self.k_cache), cast(self.v_cache),
+                    self.block_tables, self.kv_lens, self.inv_freq, self.rope_scale, self.sm_scale)
+
+
+def make_case(kv_lens: list[int], q_pos: list[torch.Tensor], hq: int = 9, hkv: int = 3,
+              d: int = 64, share: bool = False, rope_scale: float = 1.0,
+              theta: float = 10000.0) -> Case:
+    """Random pool and queries. Block tables are shuffled; slots no sequence owns are NaN,
+    so a kernel that reads past kv_len or a wrong block fails. share: every sequence's
+    block 1 is sequence 0's block 0 (same physical keys at a different logical offset)."""
+    nblk = [(n + B - 1) // B for n in kv_lens]
+    width = max(nblk)
+    total = sum(nblk) + 3
+    k_cache = torch.full((total, B, hkv, d), math.nan)
+    v_cache = torch.full((total, B, hkv, d), math.nan)
+    perm = torch.randperm(total).tolist()
+    tables = torch.zeros(len(kv_lens), width, dtype=torch.int32)
+    for s, (n, nb) in enumerate(zip(kv_lens, nblk)):
+        for i in range(nb):
+            tables[s, i] = perm.pop()
+            if share and s > 0 and i == 1:
+                tables[s, i] = tables[0, 0]
+            used = min(B, n - i * B)
+            blk = int(tables[s, i])
+            if share and s > 0 and i == 1:
+                assert n >= 2 * B and kv_lens[0] >= B, "shared blocks must be full"
+                continue
+            k_cache[blk, :used] = torch.randn(used, hkv, d)
+            v_cache[blk, :used] = torch.randn(used, hkv, d)
+    qp = torch.cat(q_pos).long()
+    cu = torch.tensor([0] + torch.tensor([len(p) for p in q_pos]).cumsum(0).tolist(),
+                      dtype=torch.int32)
+    inv_freq = 1.0 / theta ** (torch.arange(0, d, 2).float() / d)
+    return Case(torch.randn(len(qp), hq, d), qp, cu, k_cache, v_cache, tables,
+                torch.tensor(kv_lens, dtype=torch.int32), inv_freq, rope_scale, d ** -0.5)
+
+
+def suffix(kv_lens: list[int], nq: list[int]) -> list[torch.Tensor]:
+    return [torch.arange(n - m, n) for n, m in zip(kv_lens, nq)]
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    assert not a.isnan().any(), "output has NaN: rows left unwritten or garbage read"
+    return ((a.double() - b.double()).norm() / b.double().norm()).item()
+
+
+def run_triton(c: Case, **kw) -> torch.Tensor:
+    out = torch.full_like(c.q, math.nan)
+    got = pa.paged_attention_triton(*c.args(), cfg={**CFG, **kw.pop("cfg", {})}, out=out, **kw)
+    assert got is out
+    return out
+
+
+@pytest.fixture(autouse=True)
+def scratch(monkeypatch) -> list[tuple]:
+    """Decode partials start as NaN: a split that writes nothing poisons its rows. Returns
+    the shapes asked for, which tells whether the decode kernel ran."""
+    shapes = []
+
+    def poisoned(*shape: int, device: torch.device) -> torch.Tensor:
+        shapes.append(shape)
+        return torch.full(shape, math.nan)
+    monkeypatch.setattr(pa, "_scratch", poisoned)
+    return shapes
+
+
+def dense_attention(c: Case) -> torch.Tensor:
+    """Naive float64 attention: keys copied slot by slot, rotated whole, plain softmax."""
+    out = torch.empty(c.q.shape, dtype=torch.float64)
+    g = c.q.shape[1] // c.k_cache.shape[2]
+    for s, n in enumerate(c.kv_lens.tolist()):
+        lo, hi = c.cu_q[s].item(), c.cu_q[s + 1].item()
+        tab = c.block_tables[s].tolist()
+        k = torch.stack([c.k_cache[tab[j // B], j % B] for j in range(n)]).double()
+        v = torch.stack([c.v_cache[tab[j // B], j % B] for j in range(n)]).double()
+        k = rope_rotate(k.float(), torch.arange(n), c.inv_freq, c.rope_scale).double()
+        k, v = k.repeat_interleave(g, 1), v.repeat_interleave(g, 1)
+        scores = torch.einsum("thd,khd->htk", c.q[lo:hi].double(), k) * c.sm_scale
+        visible = torch.arange(n)[None, :] <= c.q_pos[lo:hi, None]
+        p = scores.masked_fill(~visible, -math.inf).softmax(-1)
+        out[lo:hi] = torch.einsum("htk,khd->thd", p, v)
+    return out
+
+
+def scattered(n: int, m: int) -> torch.Tensor:
+    """m distinct positions below n, unsorted, always including the last."""
+    pos = torch.randperm(n - 1)[: m - 1]
+    return torch.cat([pos, torch.tensor([n - 1])])[torch.randperm(m)]
+
+
+# ---- the reference against the naive definition ----
+
+@pytest.mark.parametrize("kind", ["prefill", "chunked", "decode", "scattered", "shared"])
+def test_reference_matches_dense(kind: str) -> None:
+    lens = [37, 70, 19]
+    if kind == "prefill":
+        c = make_case(lens, suffix(lens, lens), rope_scale=0.8)
+    elif kind == "chunked":
+        c = make_case(lens, suffix(lens, [5, 30, 19]))
+    elif kind == "decode":
+        c = make_case(lens, suffix(lens, [1, 1, 1]), hq=8, hkv=2, d=128)
+    elif kind == "scattered":
+        c = make_case(lens, [scattered(n, 6) for n in lens])
+    else:
+        c = make_case([40, 50], suffix([40, 50], [1, 17]), share=True)
+    assert rel(pa.paged_attention_reference(*c.args()), dense_attention(c)) < 1e-5
+
+
+def test_dispatcher_uses_reference_on_cpu() -> None:
+    lens = [20, 33]
+    c = make_case(lens, suffix(lens, [4, 1]))
+    assert torch.equal(pa.paged_attention(*c.args()), pa.paged_attention_reference(*c.args()))
+
+
+# ---- prefill kernel ----
+
+@pytest.mark.parametrize("hq,hkv,d", [(9, 3, 64), (8, 4, 128), (28, 4, 64)])
+def test_prefill_from_scratch(hq: int, hkv: int, d: int, scratch: list[tuple]) -> None:
+    lens = [45, 17, 64] if hq < 28 else [23, 9]
+    c = make_case(lens, suffix(lens, lens), hq=hq, hkv=hkv, d=d, rope_scale=1.1)
+    assert rel(run_triton(c), pa.paged_attention_reference(*c.args())) < 1e-3
+    assert not scratch
+
+
+@pytest.mark.parametrize("d", [64, 128])
+def test_chunked_prefill(d: int) -> None:
+    lens = [90, 41, 16]
+    c = make_case(lens, suffix(lens, [13, 41, 3]), d=d)
+    assert rel(run_triton(c), pa.paged_attention_reference(*c.args())) < 1e-3
+
+
+@pytest.mark.parametrize("step", [True, False])
+def test_scattered_positions(step: bool) -> None:
+    lens = [77, 52]
+    c = make_case(lens, [scattered(77, 20), scattered(52, 9)])
+    got = run_triton(c, cfg=dict(step=step))
+    assert rel(got, pa.paged_attention_reference(*c.args())) < 1e-3
+
+
+def test_prefill_shared_blocks_and_empty_sequence() -> None:
+    lens = [32, 48, 40]
+    c = make_case(lens, [torch.arange(24, 32), torch.arange(0, 0), torch.arange(30, 40)],
+                  share=True)
+    assert rel(run_triton(c), pa.paged_attention_reference(*c.args())) < 1e-3
+
+
+def test_prefill_large_blocks() -> None:
+    """A row block wider than a sequence's rows and key tiles wider than a page."""
+    lens = [70, 33]
+    c = make_case(lens, suffix(lens, [30, 33]), d=128)
+    got = run_triton(c, cfg=dict(block_m=64, block_n=64))
+    assert rel(got, pa.paged_attention_reference(*c.args())) < 1e-3
+
+
+# ---- decode kernel ----
+
+@pytest.mark.parametrize("d,splits", [(64, 1), (64, 4), (128, 8)])
+def test_decode_mixed_lengths(d: int, splits: int, scratch: list[tuple]) -> None:
+    lens = [1, 15, 16, 17, 130]
+    c = make_case(lens, suffix(lens, [1] * len(lens)), hq=28, hkv=4, d=d)
+    got = run_triton(c, num_splits=splits)
+    assert rel(got, pa.paged_attention_reference(*c.args())) < 1e-3
+    assert scratch[0] == (5, 28, splits, d), "one query per sequence takes the decode kernel"
+
+
+def test_decode_shared_blocks_some_sequences_idle() -> None:
+    lens = [40, 64, 33, 50]
+    c = make_case(lens, [torch.tensor([39]), torch.tensor([63]), torch.arange(0, 0),
+                         torch.tensor([49])], share=True)
+    got = run_triton(c, num_splits=2)
+    assert rel(got, pa.paged_attention_reference(*c.args())) < 1e-3
+
+
+def test_decode_query_before_the_end() -> None:
+    """A decode query at position p < kv_len - 1 sees only keys <= p."""
+    lens = [60, 45]
+    c = make_case(lens, [torch.tensor([20]), torch.tensor([44])])
+    got = run_triton(c, num_splits=4)
+    assert rel(got, pa.paged_attention_reference(*c.args())) < 1e-3
+
+
+@pytest.mark.parametrize("step", [True, False])
+def test_decode_long_context(step: bool) -> None:
+    """Positions in the thousands: RoPE angles far past 2 pi, many tiles per split."""
+    lens = [2100, 1500]
+    c = make_case(lens, suffix(lens, [1, 1]), hq=8, hkv=2, theta=1e6)
+    got = run_triton(c, num_splits=4, cfg=dict(block_n=64, step=step))
+    assert rel(got, pa.paged_attention_reference(*c.args())) < 1e-3
+
+
+# ---- bf16 inputs, fp32 accumulation ----
+
+@pytest.mark.parametrize("decode", [False, True])
+def test_bf16(decode: bool) -> None:
+    lens = [50, 29]
+    c = make_case(lens, suffix(lens, [1, 1] if decode else [50, 7]), hq=8, hkv=2, d=128)
+    ref32 = pa.paged_attention_reference(*c.to(torch.bfloat16).to(torch.float32).args())
+    got = run_triton(c.to(torch.bfloat16), num_splits=2)
+    assert got.dtype == torch.bfloat16
+    assert rel(got.float(), ref32) < 2e-2
