@@ -1,12 +1,15 @@
-"""How a request tells the proxy who sent it: headers, or the body's `tokendance` field.
+"""How a request tells the proxy who sent it (headers, or the body's `tokendance`
+field) and, optionally, which blocks of its prompt are shared.
 
-Every framework adapter builds on these two functions; they know nothing about any
+Every framework adapter builds on these functions; they know nothing about any
 framework. Values the caller leaves out are not sent (the proxy infers or defaults).
 """
 
 from __future__ import annotations
 
 from typing import Any
+
+from tokendance.proxy.segment import SEP, escape
 
 PREFIX = "X-TokenDance-"
 DEFAULT_URL = "http://127.0.0.1:8000/v1"
@@ -17,9 +20,10 @@ def body(
     agent: str | None = None,
     round: int | None = None,
     mode: str | None = None,
+    separators: bool | None = None,
 ) -> dict[str, Any]:
     """The request body's `tokendance` field, for clients that cannot add headers."""
-    tags = {"session": session, "agent": agent, "round": round, "mode": mode}
+    tags = {"session": session, "agent": agent, "round": round, "mode": mode, "separators": separators}
     return {"tokendance": {k: v for k, v in tags.items() if v is not None}}
 
 
@@ -28,10 +32,19 @@ def headers(
     agent: str | None = None,
     round: int | None = None,
     mode: str | None = None,
+    separators: bool | None = None,
 ) -> dict[str, str]:
     """The same tags as X-TokenDance-* headers."""
-    tags = body(session, agent, round, mode)["tokendance"]
-    return {PREFIX + k.capitalize(): str(v) for k, v in tags.items()}
+    tags = body(session, agent, round, mode, separators)["tokendance"]
+    return {PREFIX + k.capitalize(): str(v).lower() if isinstance(v, bool) else str(v) for k, v in tags.items()}
+
+
+def shared(*blocks: str) -> str:
+    """Message text made of blocks the proxy should treat as shared across agents.
+
+    Needs separators switched on for the request (`separators=True` above); without,
+    the proxy still finds its own earlier outputs in a prompt by itself."""
+    return SEP + SEP.join(escape(b) for b in blocks) + SEP
 
 
 def api_base(url: str | None) -> str:
