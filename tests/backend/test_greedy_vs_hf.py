@@ -35,13 +35,19 @@ def prompts_for(vocab: int, lengths: tuple[int, ...], seed: int) -> list[list[in
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 def test_tiny_matches_hf(tiny_models, arch):
     folder = tiny_models[arch]
-    eng = Engine(model=str(folder), dtype="float32", kv_tokens=4096, max_batched_tokens=512)
+    eng = Engine(model=str(folder), dtype="float32", kv_tokens=8192, max_batched_tokens=512)
     prompts = prompts_for(eng.mcfg.vocab_size, (3, 17, 64, 200, 1100), seed=7)
-    ours = eng.generate(prompts, SamplingParams(max_tokens=24, temperature=0, ignore_eos=True))
+    greedy = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    ours = eng.generate(prompts, greedy)
     ref = hf_greedy(folder, prompts, 24)
     for (toks, _, reason), want in zip(ours, ref):
         assert reason == "length"
         same_tokens(toks, want)
+    # prefix mode, cold and then hitting its own blocks, gives the same tokens
+    variants = prompts + [p[: len(p) // 2] + [5, 6, 7] for p in prompts]
+    full = eng.generate(variants, greedy)
+    assert eng.generate(variants, greedy, mode="prefix") == full
+    assert eng.generate(variants, greedy, mode="prefix") == full
 
 
 def test_mistral_matches_hf(make_model):
