@@ -20,6 +20,9 @@ from tokendance.examples.scenario import Scenario
 from tokendance.examples.table import diverged, render
 
 MODES = ("full", "prefix", "pic", "collective")
+LEGEND = ("reused %: prompt tokens whose KV was reused, not computed; KV held/dense: KV the "
+          "round's requests hold vs\na dense cache per request; latency: first request sent "
+          "to last reply read.")
 
 
 def scenarios() -> dict[str, Callable[[int, int], Scenario]]:
@@ -93,8 +96,9 @@ async def report(args: argparse.Namespace, url: str, mode: str | None) -> str:
     finally:
         bar.close()
     if args.compare:
-        out.append(diverged(runs[0], runs[1]))
-    return "\n".join(out).rstrip()
+        out += [diverged(runs[0], runs[1]), ""]
+    out.append(LEGEND)
+    return "\n".join(out)
 
 
 async def once(args: argparse.Namespace, url: str, scenario: Scenario, mode: str | None,

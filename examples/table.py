@@ -49,10 +49,13 @@ def size(n: float) -> str:
 
 
 def render(rounds: list[Round], title: str) -> str:
-    rows = [row(r) for r in rounds]
-    width = {c: max(len(c), *(len(str(x[c])) for x in rows)) for c in COLUMNS}
-    line = lambda cells: "  ".join(str(cells[c]).rjust(width[c]) for c in COLUMNS)  # noqa: E731
-    return "\n".join([title, line({c: c for c in COLUMNS}), *(line(x) for x in rows)])
+    rows = [{c: c for c in COLUMNS}, *(row(r) for r in rounds)]
+    width = {c: max(len(str(x[c])) for x in rows) for c in COLUMNS}
+    return "\n".join([title, *("  ".join(str(x[c]).rjust(width[c]) for c in COLUMNS) for x in rows)])
+
+
+def _word(words: list[str], i: int) -> str:
+    return repr(words[i]) if i < len(words) else "(end)"
 
 
 def diverged(base: list[Round], other: list[Round]) -> str:
@@ -62,7 +65,6 @@ def diverged(base: list[Round], other: list[Round]) -> str:
             x, y = rep.text.split(), b.replies[agent].text.split()
             if x != y:
                 i = next((k for k, (p, q) in enumerate(zip(x, y)) if p != q), min(len(x), len(y)))
-                got = lambda w: repr(w[i]) if i < len(w) else "(end)"  # noqa: E731
                 return (f"outputs first diverged in round {a.round}, agent {agent}, "
-                        f"word {i + 1}: {got(x)} vs {got(y)}")
+                        f"word {i + 1}: {_word(x, i)} vs {_word(y, i)}")
     return f"outputs identical in all {min(len(base), len(other))} rounds"
