@@ -15,7 +15,7 @@ from .app import Server
 from .core import Config
 from .mqtt import address
 
-DEFAULT_MODE = "full"  # becomes "collective" once the reuse modes exist
+DEFAULT_MODE = "collective"
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
