@@ -35,7 +35,6 @@ if triton is not None:
     def _deviation_kernel(kn, vn, ko, vo, out, width, BLOCK: tl.constexpr):
         row = tl.program_id(0)
         base = row.to(tl.int64) * width
-        acc = tl.zeros([BLOCK], dtype=tl.float32)
         dk = tl.zeros([BLOCK], dtype=tl.float32)
         nk = tl.zeros([BLOCK], dtype=tl.float32)
         dv = tl.zeros([BLOCK], dtype=tl.float32)
@@ -55,20 +54,23 @@ if triton is not None:
         tl.store(out + row, acc)
 
 
-def kv_deviation(k_new: torch.Tensor, v_new: torch.Tensor,
-                 k_old: torch.Tensor, v_old: torch.Tensor) -> torch.Tensor:
-    """The Triton kernel on CUDA (or under TRITON_INTERPRET), the reference elsewhere."""
-    import os
-
-    use = triton is not None and (k_new.is_cuda or os.environ.get("TRITON_INTERPRET") == "1")
-    if not use or k_new.shape[0] == 0:
-        return kv_deviation_reference(k_new, v_new, k_old, v_old)
+def kv_deviation_triton(k_new: torch.Tensor, v_new: torch.Tensor,
+                        k_old: torch.Tensor, v_old: torch.Tensor) -> torch.Tensor:
+    """The Triton launcher: CUDA tensors, or CPU tensors under TRITON_INTERPRET=1."""
     t = k_new.shape[0]
     width = k_new[0].numel()
     out = torch.empty(t, dtype=torch.float32, device=k_new.device)
     args = [x.contiguous() for x in (k_new, v_new, k_old, v_old)]
     _deviation_kernel[(t,)](*args, out, width, BLOCK=min(1024, triton.next_power_of_2(width)))
     return out
+
+
+def kv_deviation(k_new: torch.Tensor, v_new: torch.Tensor,
+                 k_old: torch.Tensor, v_old: torch.Tensor) -> torch.Tensor:
+    """Dispatch: the Triton kernel on CUDA, the reference elsewhere."""
+    if k_new.is_cuda and triton is not None and k_new.shape[0]:
+        return kv_deviation_triton(k_new, v_new, k_old, v_old)
+    return kv_deviation_reference(k_new, v_new, k_old, v_old)
 
 
 def select_top_reference(dev: torch.Tensor, groups: list[torch.Tensor], ratio: float) -> list[torch.Tensor]:
