@@ -201,11 +201,12 @@ def timings() -> list[str]:
         bw = kv_bytes / (ms * 1e-3)
         return f"{bw / 1e12:5.2f} TB/s ({bw / COPY_CEILING:4.0%} of 4.1)"
 
-    cfgs = [dict(), dict(step=False), dict(block_n=32), dict(block_n=128), dict(num_warps=8),
-            dict(num_stages=3), dict(block_n=128, num_warps=8), dict(block_n=32, step=False)]
+    cfgs = [dict(), dict(step=False), dict(block_n=64), dict(block_n=128),
+            dict(block_n=64, num_warps=8), dict(num_stages=3), dict(block_n=128, num_warps=8),
+            dict(block_n=64, step=False)]
     variants = [(c, dict(max_q=1)) for c in cfgs]
-    variants += [(dict(), dict(max_q=1, num_splits=n)) for n in (4, 8, 16, 32)]
-    variants += [(dict(block_n=32), dict(max_q=1, num_splits=n)) for n in (8, 16)]
+    variants += [(dict(block_n=64), dict(max_q=1, num_splits=n)) for n in (4, 8, 16, 32)]
+    variants += [(dict(), dict(max_q=1, num_splits=n)) for n in (4, 16)]
     rows = section("decode", args, pa.DECODE_CFG, variants, bandwidth, 200)
 
     S, L = (2, 128) if SMOKE else (10, 2048)
