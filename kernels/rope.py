@@ -11,21 +11,28 @@ from __future__ import annotations
 
 import torch
 
-# (inv_freq storage, device, scale) -> (cos, sin) tables over positions 0..n-1. Every
-# layer of every step rotates by the same positions: compute cos/sin once, then gather.
-_TABLES: dict[tuple[int, str, float], tuple[torch.Tensor, torch.Tensor]] = {}
+# (inv_freq storage, layout, scale) -> (cos, sin, inv_freq) tables over positions
+# 0..n-1. Every layer of every step rotates by the same positions: compute cos/sin once,
+# then gather. An entry keeps its inv_freq alive, so no other tensor can take over that
+# address while the entry exists (inv_freq must not be changed in place).
+_TABLES: dict[tuple, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+_MAX_TABLES = 16
 
 
 def _table(inv_freq: torch.Tensor, scale: float, n: int) -> tuple[torch.Tensor, torch.Tensor]:
-    key = (inv_freq.data_ptr(), str(inv_freq.device), scale)
+    key = (inv_freq.data_ptr(), str(inv_freq.device), inv_freq.dtype, inv_freq.shape,
+           inv_freq.stride(), scale)
     cached = _TABLES.get(key)
     if cached is None or cached[0].shape[0] < n:
         size = max(n, 2 * cached[0].shape[0] if cached else 4096)
         pos = torch.arange(size, device=inv_freq.device, dtype=torch.float32)
         freqs = pos[:, None] * inv_freq.to(torch.float32)[None, :]
-        cached = (freqs.cos() * scale, freqs.sin() * scale)
+        cached = (freqs.cos() * scale, freqs.sin() * scale, inv_freq)
+        _TABLES.pop(key, None)
+        while len(_TABLES) >= _MAX_TABLES:
+            _TABLES.pop(next(iter(_TABLES)))
         _TABLES[key] = cached
-    return cached
+    return cached[0], cached[1]
 
 
 def rope_cos_sin(
