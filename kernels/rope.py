@@ -39,9 +39,11 @@ def rope_cos_sin(
     pos: torch.Tensor, inv_freq: torch.Tensor, scale: float = 1.0
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and sin of shape [len(pos), D/2], in float32 (exactly cos/sin(pos * inv_freq) * scale)."""
-    if pos.numel() == 0:
-        empty = torch.empty(0, inv_freq.shape[0], device=inv_freq.device)
-        return empty, empty
+    if pos.is_cuda or pos.numel() == 0:
+        # On a GPU cos/sin are cheap, and a table would need the largest position on
+        # the host: a device sync per call.
+        freqs = pos.to(torch.float32)[:, None] * inv_freq.to(torch.float32)[None, :]
+        return freqs.cos() * scale, freqs.sin() * scale
     cos, sin = _table(inv_freq, scale, int(pos.max()) + 1)
     idx = pos.to(device=cos.device, dtype=torch.long)
     return cos[idx], sin[idx]
