@@ -49,6 +49,7 @@ def _meta(items: list[BlendInput], rows: list[torch.Tensor], block_size: int, de
         cu_q=torch.tensor(cu, dtype=torch.int32, device=device),
         block_tables=tables.to(device),
         kv_lens=torch.tensor([len(it.tokens) for it in items], dtype=torch.int32, device=device),
+        max_q=max(len(r) for r in rows),
     )
 
 

@@ -28,6 +28,7 @@ class AttnMeta:
     cu_q: torch.Tensor  # [S+1] query offsets per sequence
     block_tables: torch.Tensor  # [S, max_blocks]
     kv_lens: torch.Tensor  # [S] keys visible to each sequence after this step
+    max_q: int  # the most queries of one sequence (known on the host: no device sync)
 
 
 class KVCache:
@@ -85,6 +86,7 @@ class Attention(nn.Module):
         o = paged_attention(
             q, meta.positions, meta.cu_q, cache.k[self.layer], cache.v[self.layer],
             meta.block_tables, meta.kv_lens, self.rope.inv_freq, self.rope.scale, self.scale,
+            meta.max_q,
         )
         return self.o_proj(o.flatten(1))
 

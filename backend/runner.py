@@ -36,6 +36,7 @@ def step_meta(work: list[Scheduled], block_size: int, device: torch.device) -> t
     meta = AttnMeta(
         positions=t(pos), slots=t(slots), cu_q=t(cu, torch.int32),
         block_tables=tables.to(device, non_blocking=True), kv_lens=t(kv_lens, torch.int32),
+        max_q=max(w.count for w in work),
     )
     return t(ids), meta, t(last)
 

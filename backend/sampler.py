@@ -31,9 +31,8 @@ def _filter(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> t
 def sample(logits: torch.Tensor, seqs: list[Sequence], default: torch.Generator | None) -> list[Sampled]:
     """logits [S, V] float32, one row per sequence."""
     params = [s.sampling for s in seqs]
-    greedy = torch.tensor([p.greedy for p in params], device=logits.device)
     chosen = logits.argmax(-1)
-    if not bool(greedy.all()):
+    if not all(p.greedy for p in params):
         temp = torch.tensor([p.temperature or 1.0 for p in params], device=logits.device)
         top_k = torch.tensor([p.top_k for p in params], device=logits.device)
         top_p = torch.tensor([p.top_p for p in params], device=logits.device)

@@ -376,8 +376,11 @@ def paged_attention(
     inv_freq: torch.Tensor,
     rope_scale: float,
     sm_scale: float,
+    max_q: int | None = None,
 ) -> torch.Tensor:
-    """Dispatch: the Triton kernels on CUDA, the reference elsewhere."""
-    fn = paged_attention_triton if q.is_cuda else paged_attention_reference
-    return fn(q, q_pos, cu_q, k_cache, v_cache, block_tables, kv_lens,
-              inv_freq, rope_scale, sm_scale)
+    """Dispatch: the Triton kernels on CUDA, the reference elsewhere. max_q (the most
+    queries of one sequence) spares the GPU path a host sync."""
+    args = (q, q_pos, cu_q, k_cache, v_cache, block_tables, kv_lens, inv_freq, rope_scale, sm_scale)
+    if q.is_cuda:
+        return paged_attention_triton(*args, max_q=max_q)
+    return paged_attention_reference(*args)
