@@ -33,8 +33,10 @@ class BlendResult:
     work: int  # token-layers computed
 
 
-def _meta(items: list[BlendInput], rows: list[torch.Tensor], block_size: int, device) -> AttnMeta:
-    """Attention metadata for the given token positions (rows) of each prompt."""
+def _meta(items: list[BlendInput], rows: list[torch.Tensor], block_size: int, device,
+          fresh: bool = False) -> AttnMeta:
+    """Attention metadata for the given token positions (rows) of each prompt; `fresh`
+    when every row of every prompt is being computed (layers before the check layer)."""
     width = max(len(it.blocks) for it in items)
     tables = torch.zeros(len(items), width, dtype=torch.int32)
     slots, cu = [], [0]
@@ -50,6 +52,7 @@ def _meta(items: list[BlendInput], rows: list[torch.Tensor], block_size: int, de
         block_tables=tables.to(device),
         kv_lens=torch.tensor([len(it.tokens) for it in items], dtype=torch.int32, device=device),
         max_q=max(len(r) for r in rows),
+        fresh_cu=cu if fresh else None,
     )
 
 
@@ -59,7 +62,7 @@ def blend(model: Decoder, cache: KVCache, items: list[BlendInput], check_layer: 
     device = model.lm_head.weight.device
     bsz = cache.block_size
     full = [torch.arange(len(it.tokens)) for it in items]
-    meta = _meta(items, full, bsz, device)
+    meta = _meta(items, full, bsz, device, fresh=True)
     ids = torch.tensor([t for it in items for t in it.tokens], device=device)
     x = model.embed(ids)
     offsets = [0]

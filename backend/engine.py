@@ -39,6 +39,7 @@ class EngineConfig:
     max_model_len: int = 0  # 0: the model's limit (capped by the pool)
     seed: int = 0
     random_weights: bool = False  # timing only: the folder needs config.json (and a tokenizer)
+    cuda_graphs: int = 128  # on CUDA, replay decode steps of up to this many sequences; 0: off
     check_layer: int = 1  # pic / collective: where deviating tokens are selected
     recompute_ratio: float = 0.15  # pic / collective: share of reused tokens recomputed
     segment_cache_fraction: float = 0.25  # of the pool, for shared segments' base KV
@@ -78,6 +79,10 @@ class Engine:
         budget = cfg.max_batched_tokens or (16384 if self.device.type == "cuda" else 2048)
         self.scheduler = Scheduler(self.blocks, cfg.max_seqs, budget)
         self.runner = Runner(self.model, self.cache)
+        if self.device.type == "cuda" and cfg.cuda_graphs:
+            scratch = self.pool.allocate()  # padding rows of captured batches write here
+            max_blocks = -(-self.mcfg.max_position // cfg.block_size)
+            self.runner.capture(min(cfg.cuda_graphs, cfg.max_seqs), max_blocks, scratch)
         self.segments = SegmentCache(self.pool, cfg.block_size,
                                      int(self.cache.num_blocks * cfg.segment_cache_fraction))
         reuse = ReuseConfig(cfg.check_layer, cfg.recompute_ratio)

@@ -16,6 +16,7 @@ from torch import nn
 from tokendance.backend.config import ModelConfig
 from tokendance.backend.rope_scaling import rope_params
 from tokendance.kernels.paged_attention import paged_attention
+from tokendance.kernels.prefill import causal_attention
 from tokendance.kernels.rope import rope_rotate
 
 
@@ -29,6 +30,9 @@ class AttnMeta:
     block_tables: torch.Tensor  # [S, max_blocks]
     kv_lens: torch.Tensor  # [S] keys visible to each sequence after this step
     max_q: int  # the most queries of one sequence (known on the host: no device sync)
+    # Host copy of cu_q when no sequence has earlier context in the pool: attention
+    # then runs on this step's own K/V (causal SDPA), without paged reads.
+    fresh_cu: list[int] | None = None
 
 
 class KVCache:
@@ -93,7 +97,12 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, meta: AttnMeta, cache: KVCache) -> torch.Tensor:
         q, k, v = self.qkv(x)
         cache.store(self.layer, k, v, meta.slots)
-        return self.attend(q, meta, cache)
+        if meta.fresh_cu is None:
+            return self.attend(q, meta, cache)
+        rot = self.rope
+        q = rope_rotate(q, meta.positions, rot.inv_freq, rot.scale)
+        k = rope_rotate(k, meta.positions, rot.inv_freq, rot.scale)
+        return self.o_proj(causal_attention(q, k, v, meta.fresh_cu, self.scale).flatten(1))
 
 
 class MLP(nn.Module):

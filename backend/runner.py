@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from tokendance.backend.graphs import DecodeGraphs
 from tokendance.backend.model import AttnMeta, Decoder, KVCache
 from tokendance.backend.scheduler import Scheduled
 
@@ -37,6 +38,7 @@ def step_meta(work: list[Scheduled], block_size: int, device: torch.device) -> t
         positions=t(pos), slots=t(slots), cu_q=t(cu, torch.int32),
         block_tables=tables.to(device, non_blocking=True), kv_lens=t(kv_lens, torch.int32),
         max_q=max(w.count for w in work),
+        fresh_cu=cu if all(w.start == 0 for w in work) else None,
     )
     return t(ids), meta, t(last)
 
@@ -47,10 +49,18 @@ class Runner:
         self.cache = cache
         self.device = next(model.parameters()).device
         self.work = 0  # token-layers computed so far (a token through one layer = 1)
+        self.graphs: DecodeGraphs | None = None
+
+    def capture(self, max_bs: int, max_blocks: int, scratch_block: int) -> None:
+        """Replay decode steps of up to max_bs sequences from CUDA graphs."""
+        self.graphs = DecodeGraphs(self.model, self.cache, max_bs, max_blocks, scratch_block)
 
     @torch.inference_mode()
     def run(self, work: list[Scheduled]) -> torch.Tensor:
         """Logits [rows that sample, vocab] in float32."""
+        if self.graphs is not None and self.graphs.fits(work):
+            self.work += len(work) * len(self.model.layers)
+            return self.graphs.run(work)
         ids, meta, last = step_meta(work, self.cache.block_size, self.device)
         self.work += len(ids) * len(self.model.layers)
         return self.model(ids, meta, self.cache, last)

@@ -26,7 +26,7 @@ import os
 import torch
 import torch.nn.functional as F
 
-from tokendance.kernels.rope import rope_rotate
+from tokendance.kernels.rope import rope_rotate_reference
 
 try:
     import triton
@@ -72,7 +72,7 @@ def paged_attention_reference(
         k = gather_kv(k_cache, block_tables[s], kv_len)
         v = gather_kv(v_cache, block_tables[s], kv_len)
         kpos = torch.arange(kv_len, device=q.device)
-        k = rope_rotate(k, kpos, inv_freq, rope_scale)
+        k = rope_rotate_reference(k, kpos, inv_freq, rope_scale)
         qs = q[lo:hi]
         mask = None
         qp = q_pos[lo:hi]

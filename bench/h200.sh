@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# The GPU benchmarks in one call on the lent H200 (the `device` tool runs this from the
+# repository root, with `.whl` (structlog) and `.device/tok` (tokenizer files) carried):
+#   engine: Qwen2.5-7B shape, random bf16 weights, against HF transformers SDPA
+#   reuse:  one All-Gather round, N = 10 and 20, every mode
+# The package is not installed there: a namespace folder links our folders in.
+set -uo pipefail
+python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl || exit 1
+mkdir -p /tmp/td/tokendance
+for d in backend kernels proxy bench examples; do ln -sfn "$PWD/$d" "/tmp/td/tokendance/$d"; done
+export PYTHONPATH=/tmp/td:/tmp/site PYTHONUNBUFFERED=1
+export TOKENDANCE_TOKENIZER="$PWD/.device/tok" TOKENDANCE_CACHE=/tmp/tdcache
+OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT"
+td() { python3 -c "import sys; from tokendance.examples.cli import main; sys.exit(main(sys.argv[1:]))" "$@"; }
+nvidia-smi --query-gpu=name,memory.total,clocks.sm --format=csv,noheader
+what=${1:-all}
+if [ "$what" = all ] || [ "$what" = engine ]; then
+  python3 -m tokendance.bench.check_cuda 2>&1 | grep -v -i "warn\|deprecat" | tee "$OUT/check.txt"
+  td bench engine --model qwen2.5-7b --dtype bfloat16 --prefill 10x2048 --decode 32x4096 \
+    --steps 48 --repeats 3 2>&1 | grep -v -i "warn\|deprecat\|forward_call" | tee "$OUT/engine.txt"
+fi
+if [ "$what" = all ] || [ "$what" = reuse ]; then
+  td bench reuse --model qwen2.5-7b --dtype bfloat16 --agents 10,20 --history 512 --output 150 \
+    --repeats 3 --json "$OUT/reuse.json" 2>&1 | grep -v -i "warn\|deprecat" | tee "$OUT/reuse.txt"
+fi

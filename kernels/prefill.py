@@ -1,0 +1,36 @@
+"""Causal attention for sequences with no earlier context in the pool.
+
+When every sequence of a step starts at position 0, its keys and values are exactly the
+ones this step computed: attention needs no paged reads and no rotation on read, and
+plain causal SDPA (flash on CUDA, the fused kernel on CPU) is the fastest exact way.
+Equal-length neighbours share one call. Same function as `paged_attention` with
+kv_lens equal to the query counts (tests/kernels/test_prefill.py checks it).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: list[int],
+                     sm_scale: float) -> torch.Tensor:
+    """q [T, Hq, D] and k [T, Hkv, D] rotated at positions 0..n-1 of each sequence, v
+    [T, Hkv, D]; sequence s is rows cu[s]..cu[s+1]-1. Returns [T, Hq, D]."""
+    out = torch.empty_like(q)
+    s = 0
+    while s < len(cu) - 1:
+        n = cu[s + 1] - cu[s]
+        e = s + 1
+        while e < len(cu) - 1 and cu[e + 1] - cu[e] == n:
+            e += 1
+        lo, hi = cu[s], cu[e]
+
+        def heads(x: torch.Tensor) -> torch.Tensor:  # [b*n, H, D] -> [b, H, n, D]
+            return x[lo:hi].unflatten(0, (e - s, n)).transpose(1, 2)
+
+        o = F.scaled_dot_product_attention(heads(q), heads(k).to(q.dtype), heads(v),
+                                           is_causal=True, scale=sm_scale, enable_gqa=True)
+        out[lo:hi] = o.transpose(1, 2).flatten(0, 1)
+        s = e
+    return out
