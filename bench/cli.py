@@ -8,6 +8,7 @@ import importlib
 KINDS = {
     "engine": ("tokendance.bench.engine", "prefill and decode tokens/s against HF transformers"),
     "reuse": ("tokendance.bench.reuse", "an All-Gather round in every reuse mode"),
+    "memory": ("tokendance.bench.memory", "resident memory while serving"),
     "fidelity": ("tokendance.bench.fidelity", "pic / collective against full: KV deviation, agreement, divergence"),
 }
 

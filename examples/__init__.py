@@ -1,1 +1,1 @@
-"""examples"""
+"""Runnable simulations (debate, town, society) and the `tokendance` command line."""

@@ -1,1 +1,1 @@
-"""kernels"""
+"""Triton kernels, each beside the plain-torch reference that defines it."""

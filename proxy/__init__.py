@@ -1,1 +1,1 @@
-"""proxy"""
+"""The OpenAI-compatible server: sessions, rounds, shared segments, the round barrier, MQTT."""
