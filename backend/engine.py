@@ -189,12 +189,12 @@ class Engine:
             if not group:
                 continue
             ready, logits = self.collector.prefill(group, batched=mode == "collective")
-            if not ready and not self.scheduler.running and group:
+            if not ready and not self.scheduler.running:
                 # Not even one fits the pool beside the segment cache: prefill it plainly.
-                ready_seq = group[0]
-                self.blend_waiting.remove(ready_seq)
-                ready_seq.shared = []
-                self.scheduler.add(ready_seq)
+                first = group[0]
+                self.blend_waiting.remove(first)
+                first.shared = []
+                self.scheduler.add(first)
                 continue
             for seq in ready:
                 self.blend_waiting.remove(seq)

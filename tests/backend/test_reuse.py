@@ -169,3 +169,14 @@ def test_usage_reports_reuse(engine):
     assert usage.shared_tokens == shared
     assert usage.recomputed_tokens == -(-15 * shared // 100)
     assert usage.cached_tokens == shared - usage.recomputed_tokens
+
+
+def test_group_larger_than_pool_still_completes(tiny_llama):
+    """Bases and prompts that cannot all fit: requests run in turns or fall back to plain
+    prefill; every one finishes and no block leaks."""
+    prompts, spans = round_prompts(4, seed=8)
+    eng = Engine(model=str(tiny_llama), dtype="float32", kv_tokens=16 * 24, max_model_len=1024)
+    res = eng.generate(prompts, GREEDY, mode="collective", shared=spans)
+    assert all(reason == "length" and len(toks) == 10 for toks, _, reason in res)
+    eng.reset_caches()
+    assert eng.pool.num_free == eng.cache.num_blocks
