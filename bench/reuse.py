@@ -1,7 +1,8 @@
 """`tokendance bench reuse`: one All-Gather round prefilled in every reuse mode.
 
 For each mode, in one run on one engine: the round's prefill time (every agent's
-prompt up to its first token; median of repeats, caches cleared before each), the
+prompt up to its first token, or with --decode N up to its N-th; median of repeats,
+caches cleared before each), the
 tokens computed (token-layers / layers), and the compute limit N·P + S + r·N·S.
 """
 
@@ -27,21 +28,22 @@ def sync(eng: Engine) -> None:
         torch.cuda.synchronize()
 
 
-def run_round(eng: Engine, rnd: Round, mode: str) -> tuple[float, float]:
-    """(seconds, tokens computed) for prefilling the round cold."""
+def run_round(eng: Engine, rnd: Round, mode: str, sampling: SamplingParams = ONE) -> tuple[float, float]:
+    """(seconds, tokens computed) for prefilling the round cold (and decoding, past one token)."""
     eng.reset_caches()
     sync(eng)
     work0 = eng.runner.work
     t0 = time.perf_counter()
-    eng.generate(rnd.prompts, ONE, mode=mode, shared=rnd.shared)
+    eng.generate(rnd.prompts, sampling, mode=mode, shared=rnd.shared)
     sync(eng)
     dt = time.perf_counter() - t0
     return dt, (eng.runner.work - work0) / len(eng.model.layers)
 
 
 def bench(eng: Engine, agents: list[int], history: int, output: int, repeats: int, modes: list[str],
-          seed: int = 0) -> list[dict]:
+          seed: int = 0, decode: int = 1) -> list[dict]:
     rows = []
+    sampling = SamplingParams(max_tokens=decode, temperature=0, ignore_eos=True)
     vocab = min(eng.mcfg.vocab_size, len(eng.tokenizer))
     for n in agents:
         rnd = make_round(n, history, output, vocab, seed=seed + n)
@@ -50,13 +52,13 @@ def bench(eng: Engine, agents: list[int], history: int, output: int, repeats: in
         for mode in modes:
             times, work = [], 0.0
             for _ in range(repeats):
-                dt, work = run_round(eng, rnd, mode)
+                dt, work = run_round(eng, rnd, mode, sampling)
                 times.append(dt)
             res[mode] = (statistics.median(times), work)
         limit = rnd.limit(eng.collector.cfg.ratio)
         for mode in modes:
             t, w = res[mode]
-            rows.append(dict(agents=n, mode=mode, ms=1000 * t, computed=w, limit=limit,
+            rows.append(dict(agents=n, mode=mode, max_tokens=decode, ms=1000 * t, computed=w, limit=limit,
                              prompt_tokens=rnd.prompt_tokens, shared=rnd.shared_tokens,
                              vs_pic=res["pic"][0] / t if "pic" in res else None,
                              vs_full=res["full"][0] / t if "full" in res else None))
@@ -64,7 +66,9 @@ def bench(eng: Engine, agents: list[int], history: int, output: int, repeats: in
 
 
 def table(rows: list[dict]) -> str:
-    head = "| N | mode | round prefill ms | tokens computed | limit | computed/limit | speedup vs pic | vs full |"
+    d = rows[0].get("max_tokens", 1) if rows else 1
+    what = "round prefill ms" if d == 1 else f"round ms ({d} tokens)"
+    head = f"| N | mode | {what} | tokens computed | limit | computed/limit | speedup vs pic | vs full |"
     out = [head, "|" + "---|" * 8]
     for r in rows:
         f = lambda v: "" if v is None else f"{v:.2f}x"  # noqa: E731
@@ -85,6 +89,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-tokens", type=int, default=0)
     p.add_argument("--json", default=None, help="write rows here")
     p.add_argument("--dump-prompts", default=None, help="write each round's prompts (for vLLM)")
+    p.add_argument("--decode", type=int, default=1, help="max_tokens per agent (1: prefill to the first token)")
 
 
 def main(args: argparse.Namespace) -> int:
@@ -95,7 +100,7 @@ def main(args: argparse.Namespace) -> int:
 
         model, random = str(shape_folder(model)), True
     agents = [int(a) for a in args.agents.split(",")]
-    need = max(agents) * (args.history * 2 + max(agents) * args.output * 2) + 4096
+    need = max(agents) * (args.history * 2 + max(agents) * args.output * 2 + args.decode) + 4096
     eng = Engine(EngineConfig(model=model, dtype=args.dtype, random_weights=random,
                               kv_tokens=args.kv_tokens or need, max_batched_tokens=16384,
                               segment_cache_fraction=0.5))
@@ -104,9 +109,10 @@ def main(args: argparse.Namespace) -> int:
         vocab = min(eng.mcfg.vocab_size, len(eng.tokenizer))
         rounds = {n: make_round(n, args.history, args.output, vocab, seed=n).prompts for n in agents}
         Path(args.dump_prompts).write_text(json.dumps(rounds))
-    rows = bench(eng, agents, args.history, args.output, args.repeats, modes)
+    rows = bench(eng, agents, args.history, args.output, args.repeats, modes, decode=args.decode)
     print(f"model {eng.name} ({eng.mcfg.num_layers} layers) on {eng.device}, {eng.dtype}; "
-          f"histories ~{args.history}, outputs ~{args.output}, ratio {eng.collector.cfg.ratio}")
+          f"histories ~{args.history}, outputs ~{args.output}, max_tokens {args.decode}, "
+          f"ratio {eng.collector.cfg.ratio}")
     print(table(rows))
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))
