@@ -62,8 +62,11 @@ def paged_attention_reference(
     sm_scale: float,
 ) -> torch.Tensor:
     """Attention output [T, Hq, D] in q.dtype."""
-    out = torch.empty_like(q)
     starts = cu_q.tolist()
+    if len(starts) > 2 and starts[-1] == len(starts) - 1:  # one query per sequence
+        return _decode_reference(q, q_pos, k_cache, v_cache, block_tables, kv_lens,
+                                 inv_freq, rope_scale, sm_scale)
+    out = torch.empty_like(q)
     lens = kv_lens.tolist()
     for s, kv_len in enumerate(lens):
         lo, hi = starts[s], starts[s + 1]
@@ -90,6 +93,28 @@ def paged_attention_reference(
         )
         out[lo:hi] = o[0].transpose(0, 1)
     return out
+
+
+def _decode_reference(q, q_pos, k_cache, v_cache, block_tables, kv_lens, inv_freq,
+                      rope_scale, sm_scale) -> torch.Tensor:
+    """One query per sequence: every sequence's keys gathered into one padded batch and
+    one SDPA call (the per-sequence loop costs a dozen small ops per sequence per layer)."""
+    s, bsz = q.shape[0], k_cache.shape[1]
+    width = int(kv_lens.max())
+    # Table entries past a sequence's blocks may hold anything: clamp, then zero what
+    # they fetched, so padding can neither fault nor poison the masked softmax.
+    blocks = block_tables[:, : -(-width // bsz)].long().clamp(0, k_cache.shape[0] - 1)
+    kpos = torch.arange(width, device=q.device)
+    live = (kpos[None, :] < kv_lens[:, None])[..., None, None]
+    k = k_cache[blocks].flatten(1, 2)[:, :width].masked_fill(~live, 0)  # [S, L, Hkv, D]
+    v = v_cache[blocks].flatten(1, 2)[:, :width].masked_fill(~live, 0)
+    k = rope_rotate_reference(k.flatten(0, 1), kpos.repeat(s), inv_freq, rope_scale).view_as(k)
+    mask = (kpos[None, :] <= q_pos[:, None]) & live[:, :, 0, 0]
+    o = F.scaled_dot_product_attention(
+        q[:, :, None], k.transpose(1, 2).to(q.dtype), v.transpose(1, 2),
+        attn_mask=mask[:, None, None, :], scale=sm_scale, enable_gqa=True,
+    )
+    return o[:, :, 0]
 
 
 @triton.jit
