@@ -57,7 +57,9 @@ def quiet(level: str) -> None:
     """Logs to stderr at `level`: stdout carries the report only."""
     structlog.configure(
         wrapper_class=structlog.make_filtering_bound_logger(getattr(logging, level.upper())),
-        logger_factory=structlog.PrintLoggerFactory(sys.stderr),
+        # Resolve sys.stderr per logger, not once: whoever swaps the stream (pytest's
+        # capture, a notebook) must not leave loggers writing to a closed file.
+        logger_factory=lambda *_: structlog.PrintLogger(sys.stderr),
     )
 
 

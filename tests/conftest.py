@@ -6,11 +6,19 @@ import shutil
 from pathlib import Path
 
 import pytest
+import structlog
 import torch
 
 from tokendance.backend import loader
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
+
+
+@pytest.fixture(autouse=True)
+def _structlog_defaults():
+    """A test that configures structlog (the CLI does) must not leak it into the next."""
+    yield
+    structlog.reset_defaults()
 
 
 @pytest.fixture(scope="session")
