@@ -12,7 +12,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import structlog
 import torch
 
 from tokendance.backend.api import SamplingParams
@@ -24,8 +23,6 @@ from tokendance.backend.runner import Runner
 from tokendance.backend.scheduler import Scheduled
 from tokendance.backend.segments import Entry, SegmentCache, segment_key
 from tokendance.backend.sequence import Sequence
-
-log = structlog.get_logger(__name__)
 
 
 @dataclass(slots=True)

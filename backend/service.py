@@ -6,16 +6,9 @@ import itertools
 from dataclasses import dataclass
 from typing import Any
 
-import structlog
-
-from tokendance.backend.api import (
-    MODES, InvalidRequest, ModelInfo, Prepared, Request, Stream,
-)
+from tokendance.backend.api import MODES, InvalidRequest, ModelInfo, Prepared, Request, Stream
 from tokendance.backend.async_engine import AsyncEngine, Job
 from tokendance.backend.engine import Engine, EngineConfig
-
-log = structlog.get_logger(__name__)
-
 
 
 @dataclass(slots=True)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass, field
 
-from tokendance.examples.scenario import Messages, agents, gather, order
+from tokendance.examples.scenario import Messages, agents, gather
 
 TRAITS = (
     "the baker", "the school teacher", "a mural painter", "the bicycle mechanic",
