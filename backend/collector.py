@@ -43,7 +43,7 @@ class Collector:
 
     # -- bases ----------------------------------------------------------------------
 
-    def _standalone(self, missing: dict[int, list[int]], tenant_of: dict[int, str]) -> None:
+    def _standalone(self, missing: dict[int, list[int]]) -> None:
         """Prefill every missing segment alone, all in one forward; the blocks become the bases."""
         scratch: list[tuple[int, Sequence]] = []
         for key, ids in missing.items():
@@ -82,7 +82,6 @@ class Collector:
         and their next-token logits. Sequences left out stay for a later step."""
         keys: list[list[tuple[int, int, int]]] = []  # per seq: (start, end, key)
         missing: dict[int, list[int]] = {}
-        tenants: dict[int, str] = {}
         for seq in group:
             spans = []
             for lo, hi in seq.shared:
@@ -90,11 +89,10 @@ class Collector:
                 spans.append((lo, hi, key))
                 if self.segments.get(key) is None:
                     missing[key] = seq.prompt[lo:hi]
-                    tenants[key] = seq.tenant
             keys.append(spans)
         pinned: list[Entry] = []
         try:
-            self._standalone(missing, tenants)
+            self._standalone(missing)
             entries = {k: e for spans in keys for _, _, k in spans if (e := self.segments.get(k))}
             for e in entries.values():
                 self.segments.pin(e)
