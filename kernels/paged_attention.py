@@ -26,7 +26,7 @@ import os
 import torch
 import torch.nn.functional as F
 
-from tokendance.kernels.rope import rope_rotate_reference
+from tokendance.kernels.rope import rope_cos_sin, rope_rotate_reference
 
 try:
     import triton
@@ -97,24 +97,31 @@ def paged_attention_reference(
 
 def _decode_reference(q, q_pos, k_cache, v_cache, block_tables, kv_lens, inv_freq,
                       rope_scale, sm_scale) -> torch.Tensor:
-    """One query per sequence: every sequence's keys gathered into one padded batch and
-    one SDPA call (the per-sequence loop costs a dozen small ops per sequence per layer)."""
-    s, bsz = q.shape[0], k_cache.shape[1]
+    """One query per sequence: every sequence's keys gathered into one padded batch, then
+    two batched matmuls in float32 (a dozen small ops per sequence per layer in a loop,
+    and CPU SDPA with a mask, both cost more than the attention itself)."""
+    s, bsz, hkv = q.shape[0], k_cache.shape[1], k_cache.shape[2]
     width = int(kv_lens.max())
     # Table entries past a sequence's blocks may hold anything: clamp, then zero what
     # they fetched, so padding can neither fault nor poison the masked softmax.
     blocks = block_tables[:, : -(-width // bsz)].long().clamp(0, k_cache.shape[0] - 1)
     kpos = torch.arange(width, device=q.device)
-    live = (kpos[None, :] < kv_lens[:, None])[..., None, None]
-    k = k_cache[blocks].flatten(1, 2)[:, :width].masked_fill(~live, 0)  # [S, L, Hkv, D]
-    v = v_cache[blocks].flatten(1, 2)[:, :width].masked_fill(~live, 0)
-    k = rope_rotate_reference(k.flatten(0, 1), kpos.repeat(s), inv_freq, rope_scale).view_as(k)
-    mask = (kpos[None, :] <= q_pos[:, None]) & live[:, :, 0, 0]
-    o = F.scaled_dot_product_attention(
-        q[:, :, None], k.transpose(1, 2).to(q.dtype), v.transpose(1, 2),
-        attn_mask=mask[:, None, None, :], scale=sm_scale, enable_gqa=True,
-    )
-    return o[:, :, 0]
+    live = kpos[None, :] < kv_lens[:, None]
+    f32 = dict(dtype=torch.float32, memory_format=torch.contiguous_format)
+    # [S, Hkv, L, D] in float32, so that both matmuls below read their operands in place.
+    k = k_cache[blocks].flatten(1, 2)[:, :width].transpose(1, 2).to(**f32)
+    v = v_cache[blocks].flatten(1, 2)[:, :width].transpose(1, 2).to(**f32)
+    v.masked_fill_(~live[:, None, :, None], 0)
+    cos, sin = rope_cos_sin(kpos, inv_freq, rope_scale)  # same positions for every sequence
+    half = k.shape[-1] // 2
+    swapped = k.view(*k.shape[:-1], 2, half).flip(-2).view_as(k)  # (k2, k1)
+    k = torch.addcmul(k * torch.cat((cos, cos), -1), swapped, torch.cat((-sin, sin), -1))
+    qg = q.float().view(s, hkv, -1, q.shape[-1])  # [S, Hkv, G, D]
+    scores = torch.matmul(qg, k.transpose(-1, -2)) * sm_scale  # [S, Hkv, G, L]
+    visible = live & (kpos[None, :] <= q_pos[:, None])
+    scores.masked_fill_(~visible[:, None, None, :], float("-inf"))
+    o = torch.matmul(scores.softmax(-1), v)  # [S, Hkv, G, D]
+    return o.view(q.shape).to(q.dtype)
 
 
 @triton.jit
