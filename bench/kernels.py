@@ -26,6 +26,7 @@ import torch.nn.functional as F  # noqa: E402
 import triton  # noqa: E402
 
 from tokendance.kernels import paged_attention as pa  # noqa: E402
+from tokendance.kernels import paged_triton as pt  # noqa: E402
 from tokendance.kernels.rope import rope_rotate  # noqa: E402
 
 DEV = "cpu" if SMOKE else "cuda"
@@ -207,7 +208,7 @@ def timings() -> list[str]:
     variants = [(c, dict(max_q=1)) for c in cfgs]
     variants += [(dict(block_n=64), dict(max_q=1, num_splits=n)) for n in (4, 8, 16, 32)]
     variants += [(dict(), dict(max_q=1, num_splits=n)) for n in (4, 16)]
-    rows = section("decode", args, pa.DECODE_CFG, variants, bandwidth, 200)
+    rows = section("decode", args, pt.DECODE_CFG, variants, bandwidth, 200)
 
     S, L = (2, 128) if SMOKE else (10, 2048)
     say(f"(b) prefill: {S} x {L} tokens from scratch, Hq={Hq} Hkv={Hkv} D={D} bf16")
@@ -217,14 +218,14 @@ def timings() -> list[str]:
             dict(block_n=32, num_warps=4, num_stages=3), dict(block_n=128), dict(num_stages=3),
             dict(block_m=64, block_n=32, num_warps=4, num_stages=3)]
     variants = [(c, dict(max_q=L)) for c in cfgs]
-    rows += section("prefill", args, pa.PREFILL_CFG, variants,
+    rows += section("prefill", args, pt.PREFILL_CFG, variants,
                     lambda ms: f"{flops / ms / 1e9:6.1f} TFLOP/s", 270)
     return rows
 
 
 def kernel_stats() -> None:
     """Registers, spills and shared memory of every compiled variant (best effort)."""
-    for kern in (pa._prefill_kernel, pa._decode_kernel):
+    for kern in (pt._prefill_kernel, pt._decode_kernel):
         try:
             for cache in kern.device_caches.values():
                 for ck in cache[0].values():

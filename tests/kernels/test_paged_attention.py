@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import tokendance.kernels.paged_attention as pa
+import tokendance.kernels.paged_triton as pt
 from tokendance.kernels.rope import rope_rotate
 
 B = 16
@@ -98,7 +99,7 @@ def scratch(monkeypatch) -> list[tuple]:
     def poisoned(*shape: int, device: torch.device) -> torch.Tensor:
         shapes.append(shape)
         return torch.full(shape, math.nan)
-    monkeypatch.setattr(pa, "_scratch", poisoned)
+    monkeypatch.setattr(pt, "_scratch", poisoned)
     return shapes
 
 

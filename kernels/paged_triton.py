@@ -1,0 +1,294 @@
+"""Triton kernels of `paged_attention` (the definition and the CPU path live in
+paged_attention.py): varlen prefill, flash-attention style, and split-K decode with a
+reduce over the splits. Both read keys stored before RoPE through block tables and
+rotate each K tile once per kv head while scoring it against that head's G query rows.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # a CPU-only install still has the reference
+    from types import SimpleNamespace
+
+    triton = SimpleNamespace(jit=lambda fn: fn)
+
+LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _dot(a, b, acc, PREC: tl.constexpr):
+    if PREC == "upcast":  # the interpreter would multiply bf16 bit patterns as integers
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+    return tl.dot(a, b, acc, input_precision=PREC)
+
+
+@triton.jit
+def _attend(acc, m_i, l_i, q1, q2, qp, kc, vc, bt, f, lo, hi, s_blk, s_slot, qk_scale,
+            B: tl.constexpr, HALF: tl.constexpr, BLOCK_N: tl.constexpr,
+            MASK: tl.constexpr, STEP: tl.constexpr, PREC: tl.constexpr):
+    """Online softmax of the rows (q1 | q2) over keys lo .. hi-1 of one sequence.
+
+    kc, vc: the kv head's first element in block 0; bt: the block-table row; f:
+    inv_freq as [HALF, 1]. Without MASK every key in range must be visible to every
+    row; with it, key j counts for a row at position p only if j < hi and j <= p.
+    Scores are in the log2 domain (qk_scale holds log2 e).
+    """
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_h = tl.arange(0, HALF)
+    offs_d = tl.arange(0, 2 * HALF)
+    if STEP:
+        # cos/sin of the first tile, then a rotation by the exact angle BLOCK_N * f per
+        # tile: 6 flops per element instead of a sine and a cosine.
+        ang = f * (lo + offs_n)[None, :].to(tl.float32)
+        c = tl.cos(ang)
+        s = tl.sin(ang)
+        cs = tl.cos(f * BLOCK_N)
+        ss = tl.sin(f * BLOCK_N)
+    for start in range(lo, hi, BLOCK_N):
+        j = start + offs_n
+        jm = j < hi
+        if MASK:
+            blk = tl.load(bt + j // B, mask=jm, other=0)
+        else:
+            blk = tl.load(bt + j // B)
+        row = blk.to(tl.int64) * s_blk + (j % B) * s_slot
+        kp = kc + row[None, :] + offs_h[:, None]  # K^T halves, [HALF, BLOCK_N]
+        vp = vc + row[:, None] + offs_d[None, :]
+        if MASK:
+            k1 = tl.load(kp, mask=jm[None, :], other=0.0).to(tl.float32)
+            k2 = tl.load(kp + HALF, mask=jm[None, :], other=0.0).to(tl.float32)
+            v = tl.load(vp, mask=jm[:, None], other=0.0)  # slots past hi may be garbage
+        else:
+            k1 = tl.load(kp).to(tl.float32)
+            k2 = tl.load(kp + HALF).to(tl.float32)
+            v = tl.load(vp)
+        if not STEP:
+            ang = f * j[None, :].to(tl.float32)
+            c = tl.cos(ang)
+            s = tl.sin(ang)
+        r1 = (k1 * c - k2 * s).to(q1.dtype)
+        r2 = (k2 * c + k1 * s).to(q1.dtype)
+        qk = _dot(q2, r2, _dot(q1, r1, None, PREC), PREC) * qk_scale
+        if MASK:
+            ok = jm[None, :] & (j[None, :] <= qp[:, None])
+            qk = tl.where(ok, qk, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(qk, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(qk - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = _dot(p.to(v.dtype), v, acc * alpha[:, None], PREC)
+        m_i = m_new
+        if STEP:
+            c, s = c * cs - s * ss, s * cs + c * ss
+    return acc, m_i, l_i
+
+
+@triton.jit
+def _prefill_kernel(q, q_pos, cu_q, kc, vc, bt, kv_lens, inv_freq, out,
+                    s_qt, s_qh, s_blk, s_slot, s_kh, s_bt, qk_scale,
+                    G: tl.constexpr, B: tl.constexpr, HALF: tl.constexpr,
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                    STEP: tl.constexpr, PREC: tl.constexpr):
+    # Last row blocks first: under causality they carry the most keys.
+    mb = tl.num_programs(0) - 1 - tl.program_id(0)
+    seq = tl.program_id(1)
+    kvh = tl.program_id(2)
+    q_lo = tl.load(cu_q + seq)
+    n_rows = (tl.load(cu_q + seq + 1) - q_lo) * G
+    if mb * BLOCK_M >= n_rows:
+        return
+    rows = mb * BLOCK_M + tl.arange(0, BLOCK_M)
+    valid = rows < n_rows
+    tok = (q_lo + rows // G).to(tl.int64)
+    head = kvh * G + rows % G
+    qp = tl.load(q_pos + tok, mask=valid, other=0).to(tl.int32)
+    kv_len = tl.load(kv_lens + seq).to(tl.int32)
+    offs_h = tl.arange(0, HALF)
+    qo = tok[:, None] * s_qt + head[:, None] * s_qh + offs_h[None, :]
+    q1 = tl.load(q + qo, mask=valid[:, None], other=0.0)
+    q2 = tl.load(q + qo + HALF, mask=valid[:, None], other=0.0)
+    f = tl.load(inv_freq + offs_h)[:, None]
+    # Keys below every row's position need no mask; the rest up to the highest do.
+    hi = tl.minimum(kv_len, tl.max(tl.where(valid, qp, -1), 0) + 1)
+    full = tl.minimum(kv_len, tl.min(tl.where(valid, qp, kv_len), 0) + 1)
+    full = full // BLOCK_N * BLOCK_N
+    acc = tl.zeros([BLOCK_M, 2 * HALF], dtype=tl.float32)
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    kc += kvh * s_kh
+    vc += kvh * s_kh
+    bt += seq.to(tl.int64) * s_bt
+    acc, m_i, l_i = _attend(acc, m_i, l_i, q1, q2, qp, kc, vc, bt, f, 0, full,
+                            s_blk, s_slot, qk_scale, B, HALF, BLOCK_N, False, STEP, PREC)
+    acc, m_i, l_i = _attend(acc, m_i, l_i, q1, q2, qp, kc, vc, bt, f, full, hi,
+                            s_blk, s_slot, qk_scale, B, HALF, BLOCK_N, True, STEP, PREC)
+    o = acc / l_i[:, None]
+    offs_d = tl.arange(0, 2 * HALF)
+    oo = tok[:, None] * s_qt + head[:, None] * s_qh + offs_d[None, :]
+    tl.store(out + oo, o.to(out.dtype.element_ty), mask=valid[:, None])
+
+
+@triton.jit
+def _decode_kernel(q, q_pos, cu_q, kc, vc, bt, kv_lens, inv_freq, o_part, lse_part,
+                   s_qt, s_qh, s_blk, s_slot, s_kh, s_bt, qk_scale,
+                   G: tl.constexpr, B: tl.constexpr, HALF: tl.constexpr,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, NSPLIT: tl.constexpr,
+                   STEP: tl.constexpr, PREC: tl.constexpr):
+    seq = tl.program_id(0)
+    kvh = tl.program_id(1)
+    sp = tl.program_id(2)
+    q_lo = tl.load(cu_q + seq)
+    n_q = tl.load(cu_q + seq + 1) - q_lo  # 0 or 1
+    has_q = n_q > 0
+    rows = tl.arange(0, BLOCK_M)
+    valid = rows < G * n_q
+    head = kvh * G + rows
+    p = tl.load(q_pos + q_lo, mask=has_q, other=0).to(tl.int32)
+    kv_len = tl.load(kv_lens + seq).to(tl.int32)
+    end = tl.where(has_q, tl.minimum(kv_len, p + 1), 0)
+    # Tile-aligned splits: no tile crosses into the next split's keys.
+    span = tl.cdiv(tl.cdiv(end, NSPLIT), BLOCK_N) * BLOCK_N
+    lo = sp * span
+    hi = tl.minimum(lo + span, end)
+    full = lo + tl.maximum(hi - lo, 0) // BLOCK_N * BLOCK_N
+    offs_h = tl.arange(0, HALF)
+    qo = q_lo.to(tl.int64) * s_qt + head[:, None] * s_qh + offs_h[None, :]
+    q1 = tl.load(q + qo, mask=valid[:, None], other=0.0)
+    q2 = tl.load(q + qo + HALF, mask=valid[:, None], other=0.0)
+    qp = tl.zeros([BLOCK_M], dtype=tl.int32) + p
+    f = tl.load(inv_freq + offs_h)[:, None]
+    acc = tl.zeros([BLOCK_M, 2 * HALF], dtype=tl.float32)
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    kc += kvh * s_kh
+    vc += kvh * s_kh
+    bt += seq.to(tl.int64) * s_bt
+    acc, m_i, l_i = _attend(acc, m_i, l_i, q1, q2, qp, kc, vc, bt, f, lo, full,
+                            s_blk, s_slot, qk_scale, B, HALF, BLOCK_N, False, STEP, PREC)
+    acc, m_i, l_i = _attend(acc, m_i, l_i, q1, q2, qp, kc, vc, bt, f, full, hi,
+                            s_blk, s_slot, qk_scale, B, HALF, BLOCK_N, True, STEP, PREC)
+    # An empty split leaves weight 0 (lse = -inf) and a zero partial.
+    seen = l_i > 0
+    l_safe = tl.where(seen, l_i, 1.0)
+    lse = tl.where(seen, m_i + tl.log2(l_safe), float("-inf"))
+    base = (seq * (G * tl.num_programs(1)) + head) * NSPLIT + sp
+    offs_d = tl.arange(0, 2 * HALF)
+    tl.store(o_part + base[:, None] * (2 * HALF) + offs_d[None, :],
+             acc / l_safe[:, None], mask=valid[:, None])
+    tl.store(lse_part + base, lse, mask=valid)
+
+
+@triton.jit
+def _reduce_kernel(o_part, lse_part, cu_q, out, s_qt, s_qh,
+                   NSPLIT: tl.constexpr, D: tl.constexpr):
+    seq = tl.program_id(0)
+    h = tl.program_id(1)
+    q_lo = tl.load(cu_q + seq)
+    if tl.load(cu_q + seq + 1) == q_lo:
+        return
+    sp = tl.arange(0, NSPLIT)
+    offs_d = tl.arange(0, D)
+    base = (seq * tl.num_programs(1) + h) * NSPLIT + sp
+    lse = tl.load(lse_part + base)
+    w = tl.exp2(lse - tl.max(lse, 0))
+    o = tl.load(o_part + base[:, None] * D + offs_d[None, :])
+    o = tl.sum(o * w[:, None], 0) / tl.sum(w, 0)
+    tl.store(out + q_lo.to(tl.int64) * s_qt + h * s_qh + offs_d, o.to(out.dtype.element_ty))
+
+
+# Launch configurations on a GPU, and the small tiles the interpreter runs faster with.
+# Picked by bench/kernels.py on an H200 (Triton 3.6, Qwen2.5-7B shape): decode is bound
+# by registers (148 a thread at block_n=32, 239 at 64), so the small tile with 8 splits
+# wins; step=False (a sine and a cosine per element) cost 1.5x in decode, 1.7x in prefill.
+PREFILL_CFG = dict(block_m=128, block_n=64, num_warps=8, num_stages=2, step=True)
+DECODE_CFG = dict(block_n=32, num_warps=4, num_stages=2, step=True)
+INTERP_CFG = dict(block_m=32, block_n=16, num_warps=4, num_stages=1, step=True)
+
+
+def _scratch(*shape: int, device: torch.device) -> torch.Tensor:
+    """fp32 workspace for decode partials (tests poison it)."""
+    return torch.empty(shape, device=device, dtype=torch.float32)
+
+
+def _num_splits(dev: torch.device, work: int) -> int:
+    """Splits per (sequence, kv head): about eight programs per SM in all."""
+    sms = torch.cuda.get_device_properties(dev).multi_processor_count if dev.type == "cuda" else 2
+    return min(16, triton.next_power_of_2(max(1, 8 * sms // max(work, 1))))
+
+
+def paged_attention_triton(
+    q: torch.Tensor,
+    q_pos: torch.Tensor,
+    cu_q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    kv_lens: torch.Tensor,
+    inv_freq: torch.Tensor,
+    rope_scale: float,
+    sm_scale: float,
+    *,
+    max_q: int | None = None,
+    num_splits: int | None = None,
+    cfg: dict | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The Triton path of `paged_attention`: the decode kernel when no sequence has
+    more than one query, the prefill kernel otherwise.
+
+    max_q: the most queries of one sequence, when the caller knows it (else one host
+    sync reads it from cu_q). cfg overrides the launch configuration; out, a
+    contiguous [T, Hq, D] tensor, receives the result.
+    """
+    if not q.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError("paged_attention_triton needs CUDA tensors (or TRITON_INTERPRET=1)")
+    T, Hq, D = q.shape
+    Hkv, B = k_cache.shape[2], k_cache.shape[1]
+    S = kv_lens.shape[0]
+    assert Hq % Hkv == 0 and D >= 32 and D & (D - 1) == 0, (Hq, Hkv, D)
+    assert k_cache.stride() == v_cache.stride() and k_cache.stride(-1) == 1
+    q = q.contiguous()
+    out = torch.empty_like(q) if out is None else out
+    assert out.shape == q.shape and out.is_contiguous()
+    if T == 0:
+        return out
+    G = Hq // Hkv
+    inv_freq = inv_freq.to(device=q.device, dtype=torch.float32).contiguous()
+    block_tables = block_tables.contiguous()
+    interp = not q.is_cuda
+    prec = "ieee" if q.dtype == torch.float32 else "upcast" if interp else "tf32"
+    qk_scale = sm_scale * rope_scale * LOG2E  # rope_scale scales rotated keys: fold it in
+    if max_q is None:
+        max_q = int((cu_q[1:] - cu_q[:-1]).max())
+    common = (k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
+              qk_scale)
+    if max_q == 1:
+        c = {**(INTERP_CFG if interp else DECODE_CFG), **(cfg or {})}
+        ns = num_splits or _num_splits(q.device, S * Hkv)
+        o_part = _scratch(S, Hq, ns, D, device=q.device)
+        lse = _scratch(S, Hq, ns, device=q.device)
+        _decode_kernel[(S, Hkv, ns)](
+            q, q_pos, cu_q, k_cache, v_cache, block_tables, kv_lens, inv_freq, o_part, lse,
+            q.stride(0), q.stride(1), *common,
+            G=G, B=B, HALF=D // 2, BLOCK_M=max(16, triton.next_power_of_2(G)),
+            BLOCK_N=c["block_n"], NSPLIT=ns, STEP=c["step"], PREC=prec,
+            num_warps=c["num_warps"], num_stages=c["num_stages"],
+        )
+        _reduce_kernel[(S, Hq)](o_part, lse, cu_q, out, out.stride(0), out.stride(1),
+                                NSPLIT=ns, D=D, num_warps=4)
+        return out
+    c = {**(INTERP_CFG if interp else PREFILL_CFG), **(cfg or {})}
+    grid = (triton.cdiv(max_q * G, c["block_m"]), S, Hkv)
+    _prefill_kernel[grid](
+        q, q_pos, cu_q, k_cache, v_cache, block_tables, kv_lens, inv_freq, out,
+        q.stride(0), q.stride(1), *common,
+        G=G, B=B, HALF=D // 2, BLOCK_M=c["block_m"], BLOCK_N=c["block_n"],
+        STEP=c["step"], PREC=prec, num_warps=c["num_warps"], num_stages=c["num_stages"],
+    )
+    return out
