@@ -6,11 +6,14 @@ stored *before* RoPE from a paged pool and rotate each key by its logical positi
 while reading it.
 
 Layout of one layer's pool: k_cache, v_cache [num_blocks, B, Hkv, D]. Sequence s owns
-logical key slots 0 .. kv_lens[s]-1; slot j lives in physical block
-block_tables[s, j // B] at offset j % B, and its logical position is j. Queries of
+key slots 0 .. kv_lens[s]-1; slot j lives in physical block block_tables[s, j // B] at
+offset j % B, and its logical position is j, or slot_pos[s, j] when a slot-position
+table is given (a negative one hides the slot). That table lets one sequence read
+another's blocks at other positions, and skip slots: a Mirror reads the round's Master
+blocks at its own offsets, minus the tokens it recomputed privately. Queries of
 sequence s are rows cu_q[s] .. cu_q[s+1]-1 of q, already rotated at q_pos; a query at
-position p attends to the keys at positions <= p (prefill, chunked prefill and decode
-are the same call).
+position p attends to the visible keys at positions <= p (prefill, chunked prefill and
+decode are the same call).
 
 The kernels treat the Hq/Hkv query heads that share a kv head as extra query rows
 (row r = token r // G, head r % G), so each K/V tile is loaded and rotated once per
@@ -49,12 +52,14 @@ def paged_attention_reference(
     inv_freq: torch.Tensor,
     rope_scale: float,
     sm_scale: float,
+    slot_pos: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Attention output [T, Hq, D] in q.dtype."""
+    """Attention output [T, Hq, D] in q.dtype. slot_pos: [S, >= slots in the tables]
+    positions of the table slots, or None for slot j at position j."""
     starts = cu_q.tolist()
     if len(starts) > 2 and starts[-1] == len(starts) - 1:  # one query per sequence
         return _decode_reference(q, q_pos, k_cache, v_cache, block_tables, kv_lens,
-                                 inv_freq, rope_scale, sm_scale)
+                                 inv_freq, rope_scale, sm_scale, slot_pos)
     out = torch.empty_like(q)
     lens = kv_lens.tolist()
     for s, kv_len in enumerate(lens):
@@ -64,12 +69,21 @@ def paged_attention_reference(
         k = gather_kv(k_cache, block_tables[s], kv_len)
         v = gather_kv(v_cache, block_tables[s], kv_len)
         kpos = torch.arange(kv_len, device=q.device)
-        k = rope_rotate_reference(k, kpos, inv_freq, rope_scale)
+        live = None
+        if slot_pos is not None:
+            kpos = slot_pos[s, :kv_len].long()
+            live = kpos >= 0
+            # Hidden slots may hold anything, and SDPA adds its mask to the scores.
+            k = k.masked_fill(~live[:, None, None], 0)
+            v = v.masked_fill(~live[:, None, None], 0)
+        k = rope_rotate_reference(k, kpos.clamp_min(0), inv_freq, rope_scale)
         qs = q[lo:hi]
         mask = None
         qp = q_pos[lo:hi]
         # Decode (one query at or past the last slot) needs no mask.
-        if not (hi - lo == 1 and int(qp[0]) >= kv_len - 1):
+        if live is not None:
+            mask = live[None, :] & (kpos[None, :] <= qp[:, None].to(kpos.dtype))
+        elif not (hi - lo == 1 and int(qp[0]) >= kv_len - 1):
             mask = kpos[None, :] <= qp[:, None].to(kpos.dtype)
         # 4-D inputs: on CPU this takes SDPA's fused path, 3-D ones the slow math path.
         o = F.scaled_dot_product_attention(
@@ -85,7 +99,7 @@ def paged_attention_reference(
 
 
 def _decode_reference(q, q_pos, k_cache, v_cache, block_tables, kv_lens, inv_freq,
-                      rope_scale, sm_scale) -> torch.Tensor:
+                      rope_scale, sm_scale, slot_pos=None) -> torch.Tensor:
     """One query per sequence: every sequence's keys gathered into one padded batch, then
     two batched matmuls in float32 (a dozen small ops per sequence per layer in a loop,
     and CPU SDPA with a mask, both cost more than the attention itself)."""
@@ -96,18 +110,23 @@ def _decode_reference(q, q_pos, k_cache, v_cache, block_tables, kv_lens, inv_fre
     blocks = block_tables[:, : -(-width // bsz)].long().clamp(0, k_cache.shape[0] - 1)
     kpos = torch.arange(width, device=q.device)
     live = kpos[None, :] < kv_lens[:, None]
+    if slot_pos is not None:
+        kpos = slot_pos[:, :width].long()  # [S, L]
+        live &= kpos >= 0
     f32 = dict(dtype=torch.float32, memory_format=torch.contiguous_format)
     # [S, Hkv, L, D] in float32, so that both matmuls below read their operands in place.
     k = k_cache[blocks].flatten(1, 2)[:, :width].transpose(1, 2).to(**f32)
     v = v_cache[blocks].flatten(1, 2)[:, :width].transpose(1, 2).to(**f32)
     v.masked_fill_(~live[:, None, :, None], 0)
-    cos, sin = rope_cos_sin(kpos, inv_freq, rope_scale)  # same positions for every sequence
+    cos, sin = rope_cos_sin(kpos.clamp_min(0).flatten(), inv_freq, rope_scale)
+    if slot_pos is not None:  # [S, 1, L, D/2]; else the same positions for every sequence
+        cos, sin = cos.view(s, 1, width, -1), sin.view(s, 1, width, -1)
     half = k.shape[-1] // 2
     swapped = k.view(*k.shape[:-1], 2, half).flip(-2).view_as(k)  # (k2, k1)
     k = torch.addcmul(k * torch.cat((cos, cos), -1), swapped, torch.cat((-sin, sin), -1))
     qg = q.float().view(s, hkv, -1, q.shape[-1])  # [S, Hkv, G, D]
     scores = torch.matmul(qg, k.transpose(-1, -2)) * sm_scale  # [S, Hkv, G, L]
-    visible = live & (kpos[None, :] <= q_pos[:, None])
+    visible = live & (kpos <= q_pos[:, None])
     scores.masked_fill_(~visible[:, None, None, :], float("-inf"))
     o = torch.matmul(scores.softmax(-1), v)  # [S, Hkv, G, D]
     return o.view(q.shape).to(q.dtype)
@@ -125,10 +144,12 @@ def paged_attention(
     rope_scale: float,
     sm_scale: float,
     max_q: int | None = None,
+    slot_pos: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Dispatch: the Triton kernels on CUDA, the reference elsewhere. max_q (the most
     queries of one sequence) spares the GPU path a host sync."""
-    args = (q, q_pos, cu_q, k_cache, v_cache, block_tables, kv_lens, inv_freq, rope_scale, sm_scale)
+    args = (q, q_pos, cu_q, k_cache, v_cache, block_tables, kv_lens, inv_freq, rope_scale,
+            sm_scale, slot_pos)
     if q.is_cuda:
         return paged_attention_triton(*args, max_q=max_q)
     return paged_attention_reference(*args)

@@ -29,15 +29,16 @@ def _dot(a, b, acc, PREC: tl.constexpr):
 
 
 @triton.jit
-def _attend(acc, m_i, l_i, q1, q2, qp, kc, vc, bt, f, lo, hi, s_blk, s_slot, qk_scale,
+def _attend(acc, m_i, l_i, q1, q2, qp, kc, vc, bt, kpt, f, lo, hi, s_blk, s_slot, qk_scale,
             B: tl.constexpr, HALF: tl.constexpr, BLOCK_N: tl.constexpr,
-            MASK: tl.constexpr, STEP: tl.constexpr, PREC: tl.constexpr):
+            MASK: tl.constexpr, STEP: tl.constexpr, POS: tl.constexpr, PREC: tl.constexpr):
     """Online softmax of the rows (q1 | q2) over keys lo .. hi-1 of one sequence.
 
     kc, vc: the kv head's first element in block 0; bt: the block-table row; f:
     inv_freq as [HALF, 1]. Without MASK every key in range must be visible to every
     row; with it, key j counts for a row at position p only if j < hi and j <= p.
-    Scores are in the log2 domain (qk_scale holds log2 e).
+    With POS (needs MASK, not STEP), slot j's position is kpt[j] instead of j, and a
+    negative one hides the slot. Scores are in the log2 domain (qk_scale holds log2 e).
     """
     offs_n = tl.arange(0, BLOCK_N)
     offs_h = tl.arange(0, HALF)
@@ -53,6 +54,11 @@ def _attend(acc, m_i, l_i, q1, q2, qp, kc, vc, bt, f, lo, hi, s_blk, s_slot, qk_
     for start in range(lo, hi, BLOCK_N):
         j = start + offs_n
         jm = j < hi
+        if POS:
+            kpos = tl.load(kpt + j, mask=jm, other=-1)
+            jm = jm & (kpos >= 0)
+        else:
+            kpos = j
         if MASK:
             blk = tl.load(bt + j // B, mask=jm, other=0)
         else:
@@ -69,16 +75,18 @@ def _attend(acc, m_i, l_i, q1, q2, qp, kc, vc, bt, f, lo, hi, s_blk, s_slot, qk_
             k2 = tl.load(kp + HALF).to(tl.float32)
             v = tl.load(vp)
         if not STEP:
-            ang = f * j[None, :].to(tl.float32)
+            ang = f * kpos[None, :].to(tl.float32)
             c = tl.cos(ang)
             s = tl.sin(ang)
         r1 = (k1 * c - k2 * s).to(q1.dtype)
         r2 = (k2 * c + k1 * s).to(q1.dtype)
         qk = _dot(q2, r2, _dot(q1, r1, None, PREC), PREC) * qk_scale
         if MASK:
-            ok = jm[None, :] & (j[None, :] <= qp[:, None])
+            ok = jm[None, :] & (kpos[None, :] <= qp[:, None])
             qk = tl.where(ok, qk, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(qk, 1))
+        if POS:  # a row may have seen no visible key yet: keep exp2 away from -inf - -inf
+            m_new = tl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(qk - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
@@ -90,11 +98,11 @@ def _attend(acc, m_i, l_i, q1, q2, qp, kc, vc, bt, f, lo, hi, s_blk, s_slot, qk_
 
 
 @triton.jit
-def _prefill_kernel(q, q_pos, cu_q, kc, vc, bt, kv_lens, inv_freq, out,
-                    s_qt, s_qh, s_blk, s_slot, s_kh, s_bt, qk_scale,
+def _prefill_kernel(q, q_pos, cu_q, kc, vc, bt, kpt, kv_lens, inv_freq, out,
+                    s_qt, s_qh, s_blk, s_slot, s_kh, s_bt, s_sp, qk_scale,
                     G: tl.constexpr, B: tl.constexpr, HALF: tl.constexpr,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                    STEP: tl.constexpr, PREC: tl.constexpr):
+                    STEP: tl.constexpr, POS: tl.constexpr, PREC: tl.constexpr):
     # Last row blocks first: under causality they carry the most keys.
     mb = tl.num_programs(0) - 1 - tl.program_id(0)
     seq = tl.program_id(1)
@@ -115,31 +123,36 @@ def _prefill_kernel(q, q_pos, cu_q, kc, vc, bt, kv_lens, inv_freq, out,
     q2 = tl.load(q + qo + HALF, mask=valid[:, None], other=0.0)
     f = tl.load(inv_freq + offs_h)[:, None]
     # Keys below every row's position need no mask; the rest up to the highest do.
-    hi = tl.minimum(kv_len, tl.max(tl.where(valid, qp, -1), 0) + 1)
-    full = tl.minimum(kv_len, tl.min(tl.where(valid, qp, kv_len), 0) + 1)
-    full = full // BLOCK_N * BLOCK_N
+    if POS:  # slot order says nothing about positions: every tile is masked
+        hi = kv_len
+        full = 0
+    else:
+        hi = tl.minimum(kv_len, tl.max(tl.where(valid, qp, -1), 0) + 1)
+        full = tl.minimum(kv_len, tl.min(tl.where(valid, qp, kv_len), 0) + 1)
+        full = full // BLOCK_N * BLOCK_N
     acc = tl.zeros([BLOCK_M, 2 * HALF], dtype=tl.float32)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     kc += kvh * s_kh
     vc += kvh * s_kh
     bt += seq.to(tl.int64) * s_bt
-    acc, m_i, l_i = _attend(acc, m_i, l_i, q1, q2, qp, kc, vc, bt, f, 0, full,
-                            s_blk, s_slot, qk_scale, B, HALF, BLOCK_N, False, STEP, PREC)
-    acc, m_i, l_i = _attend(acc, m_i, l_i, q1, q2, qp, kc, vc, bt, f, full, hi,
-                            s_blk, s_slot, qk_scale, B, HALF, BLOCK_N, True, STEP, PREC)
-    o = acc / l_i[:, None]
+    kpt += seq.to(tl.int64) * s_sp
+    acc, m_i, l_i = _attend(acc, m_i, l_i, q1, q2, qp, kc, vc, bt, kpt, f, 0, full,
+                            s_blk, s_slot, qk_scale, B, HALF, BLOCK_N, False, STEP, POS, PREC)
+    acc, m_i, l_i = _attend(acc, m_i, l_i, q1, q2, qp, kc, vc, bt, kpt, f, full, hi,
+                            s_blk, s_slot, qk_scale, B, HALF, BLOCK_N, True, STEP, POS, PREC)
+    o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     offs_d = tl.arange(0, 2 * HALF)
     oo = tok[:, None] * s_qt + head[:, None] * s_qh + offs_d[None, :]
     tl.store(out + oo, o.to(out.dtype.element_ty), mask=valid[:, None])
 
 
 @triton.jit
-def _decode_kernel(q, q_pos, cu_q, kc, vc, bt, kv_lens, inv_freq, o_part, lse_part,
-                   s_qt, s_qh, s_blk, s_slot, s_kh, s_bt, qk_scale,
+def _decode_kernel(q, q_pos, cu_q, kc, vc, bt, kpt, kv_lens, inv_freq, o_part, lse_part,
+                   s_qt, s_qh, s_blk, s_slot, s_kh, s_bt, s_sp, qk_scale,
                    G: tl.constexpr, B: tl.constexpr, HALF: tl.constexpr,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, NSPLIT: tl.constexpr,
-                   STEP: tl.constexpr, PREC: tl.constexpr):
+                   STEP: tl.constexpr, POS: tl.constexpr, PREC: tl.constexpr):
     seq = tl.program_id(0)
     kvh = tl.program_id(1)
     sp = tl.program_id(2)
@@ -151,12 +164,18 @@ def _decode_kernel(q, q_pos, cu_q, kc, vc, bt, kv_lens, inv_freq, o_part, lse_pa
     head = kvh * G + rows
     p = tl.load(q_pos + q_lo, mask=has_q, other=0).to(tl.int32)
     kv_len = tl.load(kv_lens + seq).to(tl.int32)
-    end = tl.where(has_q, tl.minimum(kv_len, p + 1), 0)
+    if POS:
+        end = tl.where(has_q, kv_len, 0)
+    else:
+        end = tl.where(has_q, tl.minimum(kv_len, p + 1), 0)
     # Tile-aligned splits: no tile crosses into the next split's keys.
     span = tl.cdiv(tl.cdiv(end, NSPLIT), BLOCK_N) * BLOCK_N
     lo = sp * span
     hi = tl.minimum(lo + span, end)
-    full = lo + tl.maximum(hi - lo, 0) // BLOCK_N * BLOCK_N
+    if POS:
+        full = lo
+    else:
+        full = lo + tl.maximum(hi - lo, 0) // BLOCK_N * BLOCK_N
     offs_h = tl.arange(0, HALF)
     qo = q_lo.to(tl.int64) * s_qt + head[:, None] * s_qh + offs_h[None, :]
     q1 = tl.load(q + qo, mask=valid[:, None], other=0.0)
@@ -169,10 +188,11 @@ def _decode_kernel(q, q_pos, cu_q, kc, vc, bt, kv_lens, inv_freq, o_part, lse_pa
     kc += kvh * s_kh
     vc += kvh * s_kh
     bt += seq.to(tl.int64) * s_bt
-    acc, m_i, l_i = _attend(acc, m_i, l_i, q1, q2, qp, kc, vc, bt, f, lo, full,
-                            s_blk, s_slot, qk_scale, B, HALF, BLOCK_N, False, STEP, PREC)
-    acc, m_i, l_i = _attend(acc, m_i, l_i, q1, q2, qp, kc, vc, bt, f, full, hi,
-                            s_blk, s_slot, qk_scale, B, HALF, BLOCK_N, True, STEP, PREC)
+    kpt += seq.to(tl.int64) * s_sp
+    acc, m_i, l_i = _attend(acc, m_i, l_i, q1, q2, qp, kc, vc, bt, kpt, f, lo, full,
+                            s_blk, s_slot, qk_scale, B, HALF, BLOCK_N, False, STEP, POS, PREC)
+    acc, m_i, l_i = _attend(acc, m_i, l_i, q1, q2, qp, kc, vc, bt, kpt, f, full, hi,
+                            s_blk, s_slot, qk_scale, B, HALF, BLOCK_N, True, STEP, POS, PREC)
     # An empty split leaves weight 0 (lse = -inf) and a zero partial.
     seen = l_i > 0
     l_safe = tl.where(seen, l_i, 1.0)
@@ -233,6 +253,7 @@ def paged_attention_triton(
     inv_freq: torch.Tensor,
     rope_scale: float,
     sm_scale: float,
+    slot_pos: torch.Tensor | None = None,
     *,
     max_q: int | None = None,
     num_splits: int | None = None,
@@ -242,8 +263,8 @@ def paged_attention_triton(
     """The Triton path of `paged_attention`: the decode kernel when no sequence has
     more than one query, the prefill kernel otherwise.
 
-    max_q: the most queries of one sequence, when the caller knows it (else one host
-    sync reads it from cu_q). cfg overrides the launch configuration; out, a
+    slot_pos: see `paged_attention`. max_q: the most queries of one sequence, when the
+    caller knows it (else one host sync reads it from cu_q). cfg overrides the launch configuration; out, a
     contiguous [T, Hq, D] tensor, receives the result.
     """
     if not q.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
@@ -266,18 +287,25 @@ def paged_attention_triton(
     qk_scale = sm_scale * rope_scale * LOG2E  # rope_scale scales rotated keys: fold it in
     if max_q is None:
         max_q = int((cu_q[1:] - cu_q[:-1]).max())
+    pos_flag = slot_pos is not None
+    if pos_flag:
+        slot_pos = slot_pos.to(torch.int32).contiguous()
+        assert slot_pos.shape[0] == S and slot_pos.shape[1] >= block_tables.shape[1] * B
+    kpt = slot_pos if pos_flag else kv_lens  # never read without POS
     common = (k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
-              qk_scale)
+              slot_pos.stride(0) if pos_flag else 0, qk_scale)
     if max_q == 1:
         c = {**(INTERP_CFG if interp else DECODE_CFG), **(cfg or {})}
         ns = num_splits or _num_splits(q.device, S * Hkv)
         o_part = _scratch(S, Hq, ns, D, device=q.device)
         lse = _scratch(S, Hq, ns, device=q.device)
         _decode_kernel[(S, Hkv, ns)](
-            q, q_pos, cu_q, k_cache, v_cache, block_tables, kv_lens, inv_freq, o_part, lse,
+            q, q_pos, cu_q, k_cache, v_cache, block_tables, kpt, kv_lens, inv_freq, o_part,
+            lse,
             q.stride(0), q.stride(1), *common,
             G=G, B=B, HALF=D // 2, BLOCK_M=max(16, triton.next_power_of_2(G)),
-            BLOCK_N=c["block_n"], NSPLIT=ns, STEP=c["step"], PREC=prec,
+            BLOCK_N=c["block_n"], NSPLIT=ns, STEP=c["step"] and not pos_flag, POS=pos_flag,
+            PREC=prec,
             num_warps=c["num_warps"], num_stages=c["num_stages"],
         )
         _reduce_kernel[(S, Hq)](o_part, lse, cu_q, out, out.stride(0), out.stride(1),
@@ -286,9 +314,10 @@ def paged_attention_triton(
     c = {**(INTERP_CFG if interp else PREFILL_CFG), **(cfg or {})}
     grid = (triton.cdiv(max_q * G, c["block_m"]), S, Hkv)
     _prefill_kernel[grid](
-        q, q_pos, cu_q, k_cache, v_cache, block_tables, kv_lens, inv_freq, out,
+        q, q_pos, cu_q, k_cache, v_cache, block_tables, kpt, kv_lens, inv_freq, out,
         q.stride(0), q.stride(1), *common,
         G=G, B=B, HALF=D // 2, BLOCK_M=c["block_m"], BLOCK_N=c["block_n"],
-        STEP=c["step"], PREC=prec, num_warps=c["num_warps"], num_stages=c["num_stages"],
+        STEP=c["step"] and not pos_flag, POS=pos_flag, PREC=prec,
+        num_warps=c["num_warps"], num_stages=c["num_stages"],
     )
     return out
