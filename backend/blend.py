@@ -1,12 +1,14 @@
-"""Selective recomputation over reused KV (CacheBlend's forward), for a batch of prompts.
+"""Selective recomputation over reused KV (CacheBlend's forward), for a batch of Mirrors.
 
-Every prompt arrives with its blocks filled: reused tokens hold base KV copied from the
-segment cache, fresh tokens hold nothing yet. Layers before the check layer run in full
-(their K/V are then exact for every token). At the check layer all tokens are computed
-once more, and each prompt's reused tokens whose fresh K/V deviate most from the reused
-values are selected. Later layers run only the fresh and selected tokens (their hidden
-states carry forward); every other token keeps its reused K/V. The math per prompt does
-not depend on which other prompts share the batch: attention is per sequence.
+Every prompt arrives as a Mirror (backend/mirror.py): its reused tokens' base K/V sit in
+the round's Master, its own tokens have private slots still to fill. Layers before the
+check layer run in full (their K/V are then exact for every token; the early view keeps
+them where the Mirror reads them). At the check layer all tokens are computed once
+more, and each prompt's reused tokens whose fresh K/V deviate most from the Master's
+are selected: they get private patches, in this layer and every later one. Later
+layers run only the fresh and selected tokens (their hidden states carry forward);
+every other reused token is read from the Master. The math per prompt does not depend
+on which other prompts share the batch: attention is per sequence.
 """
 
 from __future__ import annotations
@@ -15,15 +17,17 @@ from dataclasses import dataclass
 
 import torch
 
+from tokendance.backend.mirror import EARLY, LATE
 from tokendance.backend.model import AttnMeta, Decoder, KVCache
+from tokendance.backend.runner import kv_view
+from tokendance.backend.sequence import Sequence
 from tokendance.kernels.deviation import kv_deviation, select_top
 
 
 @dataclass(slots=True)
 class BlendInput:
-    tokens: list[int]
-    blocks: list[int]
-    reused: list[bool]  # per prompt token: KV came from a base
+    seq: Sequence  # a Mirror with its private blocks reserved for the prompt
+    reused: list[bool]  # per prompt token: its K/V is in the Master
 
 
 @dataclass(slots=True)
@@ -33,26 +37,20 @@ class BlendResult:
     work: int  # token-layers computed
 
 
-def _meta(items: list[BlendInput], rows: list[torch.Tensor], block_size: int, device,
-          fresh: bool = False) -> AttnMeta:
+def _meta(items: list[BlendInput], rows: list[torch.Tensor], view: int, cache: KVCache,
+          device, fresh: bool = False) -> AttnMeta:
     """Attention metadata for the given token positions (rows) of each prompt; `fresh`
     when every row of every prompt is being computed (layers before the check layer)."""
-    width = max(len(it.blocks) for it in items)
-    tables = torch.zeros(len(items), width, dtype=torch.int32)
-    slots, cu = [], [0]
-    for i, (it, pos) in enumerate(zip(items, rows)):
-        tables[i, : len(it.blocks)] = torch.tensor(it.blocks, dtype=torch.int32)
-        blocks = torch.tensor(it.blocks, dtype=torch.int64)
-        slots.append(blocks[pos // block_size] * block_size + pos % block_size)
-        cu.append(cu[-1] + len(pos))
+    cu = [0]
+    for r in rows:
+        cu.append(cu[-1] + len(r))
+    lists = [r.tolist() for r in rows]
     return AttnMeta(
         positions=torch.cat(rows).to(device),
-        slots=torch.cat(slots).to(device),
         cu_q=torch.tensor(cu, dtype=torch.int32, device=device),
-        block_tables=tables.to(device),
-        kv_lens=torch.tensor([len(it.tokens) for it in items], dtype=torch.int32, device=device),
         max_q=max(len(r) for r in rows),
         fresh_cu=cu if fresh else None,
+        **kv_view([it.seq for it in items], lists, view, cache.block_size, cache.trash, device),
     )
 
 
@@ -61,13 +59,13 @@ def blend(model: Decoder, cache: KVCache, items: list[BlendInput], check_layer: 
           ratio: float) -> BlendResult:
     device = model.lm_head.weight.device
     bsz = cache.block_size
-    full = [torch.arange(len(it.tokens)) for it in items]
-    meta = _meta(items, full, bsz, device, fresh=True)
-    ids = torch.tensor([t for it in items for t in it.tokens], device=device)
+    full = [torch.arange(len(it.seq.prompt)) for it in items]
+    meta = _meta(items, full, EARLY, cache, device, fresh=True)
+    ids = torch.tensor([t for it in items for t in it.seq.prompt], device=device)
     x = model.embed(ids)
     offsets = [0]
     for it in items:
-        offsets.append(offsets[-1] + len(it.tokens))
+        offsets.append(offsets[-1] + len(it.seq.prompt))
     selected: list[list[int]] = [[] for _ in items]
     work = 0
     for li, layer in enumerate(model.layers):
@@ -77,14 +75,21 @@ def blend(model: Decoder, cache: KVCache, items: list[BlendInput], check_layer: 
             continue
         attn = layer.self_attn
         q, k, v = attn.qkv(layer.input_layernorm(x))
+        base = [it.seq.mirror.master_slot(j, bsz) if r else cache.trash
+                for it in items for j, r in enumerate(it.reused)]
+        base = torch.tensor(base, device=device)
         kc = cache.k[li].view(-1, *k.shape[1:])
         vc = cache.v[li].view(-1, *v.shape[1:])
-        dev = kv_deviation(k, v, kc[meta.slots], vc[meta.slots])
+        dev = kv_deviation(k, v, kc[base], vc[base])
         groups = []
         for i, it in enumerate(items):
             mask = torch.tensor(it.reused, dtype=torch.bool)
             groups.append(torch.nonzero(mask).flatten().to(device) + offsets[i])
         picks = select_top(dev, groups, ratio)
+        for i, it in enumerate(items):
+            selected[i] = (picks[i].cpu() - offsets[i]).tolist()
+            it.seq.mirror.pick(selected[i])
+        meta = _meta(items, full, LATE, cache, device)
         cache.store(li, k, v, meta.slots)
         x = x + attn.attend(q, meta, cache)
         x = x + layer.mlp(layer.post_attention_layernorm(x))
@@ -92,13 +97,11 @@ def blend(model: Decoder, cache: KVCache, items: list[BlendInput], check_layer: 
         rows = []
         for i, it in enumerate(items):
             keep = ~torch.tensor(it.reused, dtype=torch.bool)
-            sel = picks[i].cpu() - offsets[i]
-            keep[sel] = True
+            keep[selected[i]] = True
             keep[-1] = True
             rows.append(torch.nonzero(keep).flatten())
-            selected[i] = sel.tolist()
         take = torch.cat([r + offsets[i] for i, r in enumerate(rows)]).to(device)
         x = x[take]
-        meta = _meta(items, rows, bsz, device)
+        meta = _meta(items, rows, LATE, cache, device)
     last = meta.cu_q[1:].long() - 1
     return BlendResult(model.logits(x[last]), selected, work)

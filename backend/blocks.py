@@ -20,8 +20,9 @@ class BlockManager:
         return -(-tokens // self.size)
 
     def reserve(self, seq: Sequence, tokens: int) -> bool:
-        """Grow seq's table to hold `tokens` slots; False (and no change) if the pool is short."""
-        need = self.blocks_for(tokens) - len(seq.blocks)
+        """Grow seq's blocks to hold its first `tokens` tokens; False (and no change) if
+        the pool is short."""
+        need = self.blocks_for(seq.own_slots(tokens)) - len(seq.blocks)
         if need <= 0:
             return True
         if need > self.pool.num_free:
@@ -34,6 +35,10 @@ class BlockManager:
             self.pool.decref(b)
         seq.blocks.clear()
         seq.hashes.clear()
+        if seq.mirror is not None:  # its references to the Master
+            for b in seq.mirror.master_blocks:
+                self.pool.decref(b)
+            seq.mirror = None
 
     def _hash(self, seq: Sequence, i: int) -> int:
         prev = seq.hashes[i - 1] if i else 0

@@ -2,14 +2,17 @@
 
 For a group of requests it (1) finds each shared segment's base KV in the segment cache
 and prefills the missing ones standalone, once for the whole group, in one batched
-forward; (2) copies the bases into each request's blocks at their new offsets (keys are
-stored before RoPE, so placement needs no re-rotation); (3) runs selective
-recomputation: `collective` as one batched computation for the group, `pic` request by
-request. Both give the same result per request; only the schedule differs.
+forward; (2) makes each request a Mirror of those bases, the round's Master: it reads
+them in place at its own offsets (keys are stored before RoPE, so placement needs no
+re-rotation and no copy) and owns private blocks only for its own tokens and patches;
+(3) runs selective recomputation: `collective` as one batched computation for the
+group, `pic` request by request. Both give the same result per request; only the
+schedule differs.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -18,8 +21,9 @@ from tokendance.backend.api import SamplingParams
 from tokendance.backend.blend import BlendInput, blend
 from tokendance.backend.blocks import BlockManager
 from tokendance.backend.detok import Detok
+from tokendance.backend.mirror import EARLY, Mirror, Span
 from tokendance.backend.model import Decoder, KVCache
-from tokendance.backend.runner import Runner
+from tokendance.backend.runner import Runner, flat_slot
 from tokendance.backend.scheduler import Scheduled
 from tokendance.backend.segments import Entry, SegmentCache, segment_key
 from tokendance.backend.sequence import Sequence
@@ -71,9 +75,23 @@ class Collector:
                 flat = c.view(-1, *c.shape[2:])
                 flat.index_copy_(0, d, flat.index_select(0, s))
 
-    def _slots(self, blocks: list[int], lo: int, hi: int) -> list[int]:
-        b = self.cache.block_size
-        return [blocks[j // b] * b + j % b for j in range(lo, hi)]
+    def _mirror(self, seq: Sequence, spans: list[tuple[int, int, int]],
+                entries: dict[int, Entry]) -> list[bool]:
+        """Make seq a Mirror of the bases it finds (one reference to each Master block);
+        returns which prompt tokens it reuses."""
+        reused = [False] * len(seq.prompt)
+        parts = []
+        for lo, hi, key in spans:
+            e = entries.get(key)
+            if e is not None:
+                parts.append(Span(list(e.blocks), lo, hi - lo))
+                reused[lo:hi] = [True] * (hi - lo)
+        reused[-1] = False  # the last prompt token is always computed: it samples
+        cap = math.ceil(self.cfg.ratio * sum(reused))
+        seq.mirror = Mirror.build(len(seq.prompt), parts, reused, self.cfg.check_layer > 1, cap)
+        for b in seq.mirror.master_blocks:
+            self.blocks.pool.incref(b)
+        return reused
 
     # -- the group ------------------------------------------------------------------
 
@@ -98,24 +116,16 @@ class Collector:
                 self.segments.pin(e)
                 pinned.append(e)
             ready, items = [], []
-            src, dst = [], []
             for seq, spans in zip(group, keys):
+                reused = self._mirror(seq, spans, entries)
+                need = self.blocks.blocks_for(seq.own_slots(len(seq.prompt)))
                 if not self.blocks.reserve(seq, len(seq.prompt)):
-                    self.segments.evict(self.blocks.blocks_for(len(seq.prompt)) - len(seq.blocks))
+                    self.segments.evict(need - len(seq.blocks))
                     if not self.blocks.reserve(seq, len(seq.prompt)):
+                        self.blocks.free(seq)  # drops the Mirror: it waits for a later step
                         break
-                reused = [False] * len(seq.prompt)
-                for lo, hi, key in spans:
-                    e = entries.get(key)
-                    if e is None:
-                        continue
-                    src += self._slots(e.blocks, 0, hi - lo)
-                    dst += self._slots(seq.blocks, lo, hi)
-                    reused[lo:hi] = [True] * (hi - lo)
-                reused[-1] = False  # the last prompt token is always computed: it samples
                 ready.append(seq)
-                items.append(BlendInput(seq.prompt, seq.blocks, reused))
-            self._copy(src, dst)
+                items.append(BlendInput(seq, reused))
         finally:
             for e in pinned:
                 self.segments.unpin(e)
@@ -148,5 +158,7 @@ class Collector:
             self.segments.evict(self.blocks.blocks_for(len(ids)))
             if not self.blocks.reserve(holder, len(ids)):
                 return
-        self._copy(self._slots(seq.blocks, start, start + len(ids)), self._slots(holder.blocks, 0, len(ids)))
+        b = self.cache.block_size
+        src = [flat_slot(seq, j, EARLY, b, self.cache.trash) for j in range(start, start + len(ids))]
+        self._copy(src, [flat_slot(holder, j, EARLY, b, -1) for j in range(len(ids))])
         self.segments.put(segment_key(seq.tenant, ids), len(ids), holder.blocks, "producer")

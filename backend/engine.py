@@ -79,10 +79,10 @@ class Engine:
         budget = cfg.max_batched_tokens or (16384 if self.device.type == "cuda" else 2048)
         self.scheduler = Scheduler(self.blocks, cfg.max_seqs, budget)
         self.runner = Runner(self.model, self.cache)
+        self.runner.late_from = cfg.check_layer
         if self.device.type == "cuda" and cfg.cuda_graphs:
-            scratch = self.pool.allocate()  # padding rows of captured batches write here
             max_blocks = -(-self.mcfg.max_position // cfg.block_size)
-            self.runner.capture(min(cfg.cuda_graphs, cfg.max_seqs), max_blocks, scratch)
+            self.runner.capture(min(cfg.cuda_graphs, cfg.max_seqs), max_blocks, self.cache.trash_block)
         self.segments = SegmentCache(self.pool, cfg.block_size,
                                      int(self.cache.num_blocks * cfg.segment_cache_fraction))
         reuse = ReuseConfig(cfg.check_layer, cfg.recompute_ratio)
@@ -238,20 +238,22 @@ class Engine:
         text = seq.detok.take(final=True)
         if seq.publish and seq.blocks:
             self.collector.publish_output(seq, self.encode(seq.detok.text))
-        self.scheduler.remove(seq)
-        self.seqs.pop(seq.id, None)
         per_token = self.kv_bytes_per_token
         usage = Usage(
             prompt_tokens=len(seq.prompt), completion_tokens=len(seq.out), cached_tokens=seq.cached,
             recomputed_tokens=seq.recomputed, shared_tokens=seq.shared_tokens,
             kv_dense_bytes=len(seq) * per_token, kv_held_bytes=self._held(seq) * per_token,
         )
+        self.scheduler.remove(seq)
+        self.seqs.pop(seq.id, None)
         return Delta(text=text, finish_reason=reason, usage=usage)
 
     @staticmethod
     def _held(seq: Sequence) -> int:
-        """Tokens of KV this request holds privately: prefix hits live in shared blocks;
-        pic / collective copy their bases densely (Mirrors would not)."""
+        """Tokens of KV this request holds privately: prefix hits live in shared blocks,
+        a Mirror's reused tokens in the Master (it holds its own tokens and patches)."""
+        if seq.mirror is not None:
+            return seq.mirror.held(len(seq))
         return len(seq) - seq.cached if seq.mode == "prefix" else len(seq)
 
     def reset_caches(self) -> None:

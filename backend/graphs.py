@@ -59,7 +59,7 @@ class DecodeGraphs:
         torch.cuda.synchronize()
 
     def fits(self, work: list[Scheduled]) -> bool:
-        return (all(w.count == 1 for w in work) and len(work) <= self.sizes[-1]
+        return (all(w.count == 1 and w.seq.mirror is None for w in work) and len(work) <= self.sizes[-1]
                 and max(len(w.seq.blocks) for w in work) <= self.max_blocks)
 
     def run(self, work: list[Scheduled]) -> torch.Tensor:

@@ -33,18 +33,30 @@ class AttnMeta:
     # Host copy of cu_q when no sequence has earlier context in the pool: attention
     # then runs on this step's own K/V (causal SDPA), without paged reads.
     fresh_cu: list[int] | None = None
+    slot_pos: torch.Tensor | None = None  # [S, slots]: positions of table slots (Mirrors)
+    # Layers from `late_from` on store and read through `late` (Mirrors read a patched
+    # Master there; see backend/mirror.py).
+    late: AttnMeta | None = None
+    late_from: int = 0
+
+    def at(self, layer: int) -> AttnMeta:
+        return self.late if self.late is not None and layer >= self.late_from else self
 
 
 class KVCache:
-    """Per-layer paged K/V tensors [num_blocks, B, Hkv, D]; keys stored before RoPE."""
+    """Per-layer paged K/V tensors [num_blocks + 1, B, Hkv, D]; keys stored before RoPE.
+    The extra block is the trash: K/V nobody keeps (a Mirror's rows that the Master
+    serves, padding rows of captured graphs) are written there and never read."""
 
     def __init__(self, cfg: ModelConfig, num_blocks: int, block_size: int,
                  dtype: torch.dtype, device: torch.device | str):
-        shape = (num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
+        shape = (num_blocks + 1, block_size, cfg.num_kv_heads, cfg.head_dim)
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.num_layers)]
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.num_layers)]
         self.block_size = block_size
         self.num_blocks = num_blocks
+        self.trash_block = num_blocks
+        self.trash = num_blocks * block_size  # its first flat slot
 
     def store(self, layer: int, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
         h, d = k.shape[1], k.shape[2]
@@ -90,7 +102,7 @@ class Attention(nn.Module):
         o = paged_attention(
             q, meta.positions, meta.cu_q, cache.k[self.layer], cache.v[self.layer],
             meta.block_tables, meta.kv_lens, self.rope.inv_freq, self.rope.scale, self.scale,
-            meta.max_q,
+            meta.max_q, meta.slot_pos,
         )
         return self.o_proj(o.flatten(1))
 
@@ -166,6 +178,6 @@ class Decoder(nn.Module):
                 last: torch.Tensor | None = None) -> torch.Tensor:
         """Logits [len(last), vocab] of the rows `last` (all rows if None)."""
         x = self.embed(ids)
-        for layer in self.layers:
-            x = layer(x, meta, cache)
+        for i, layer in enumerate(self.layers):
+            x = layer(x, meta.at(i), cache)
         return self.logits(x if last is None else x[last])

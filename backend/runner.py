@@ -5,42 +5,87 @@ from __future__ import annotations
 import torch
 
 from tokendance.backend.graphs import DecodeGraphs
+from tokendance.backend.mirror import EARLY, LATE
 from tokendance.backend.model import AttnMeta, Decoder, KVCache
 from tokendance.backend.scheduler import Scheduled
+from tokendance.backend.sequence import Sequence
 
 
-def step_meta(work: list[Scheduled], block_size: int, device: torch.device) -> tuple[torch.Tensor, AttnMeta, torch.Tensor]:
+def flat_slot(seq: Sequence, j: int, view: int, block_size: int, trash: int) -> int:
+    """Pool slot where token j's K/V goes in this view (a Mirror keeps reused tokens in
+    the Master: their rows go to the trash slot)."""
+    i = j if seq.mirror is None else seq.mirror.own_slot(j, view)
+    if i < 0:
+        return trash
+    return seq.blocks[i // block_size] * block_size + i % block_size
+
+
+def read_slot(seq: Sequence, j: int, view: int, block_size: int) -> int:
+    """Pool slot that attention reads token j's K/V from in this view."""
+    i = flat_slot(seq, j, view, block_size, -1)
+    return i if i >= 0 else seq.mirror.master_slot(j, block_size)
+
+
+def step_meta(work: list[Scheduled], block_size: int, device: torch.device, trash: int = -1,
+              late_from: int = 1) -> tuple[torch.Tensor, AttnMeta, torch.Tensor]:
     """(input ids [T], attention metadata, rows to sample) for a step."""
     ids: list[int] = []
     pos: list[int] = []
-    slots: list[int] = []
     cu = [0]
     last: list[int] = []
-    width = max(len(w.seq.blocks) for w in work)
-    tables = torch.zeros(len(work), width, dtype=torch.int32)
-    for i, w in enumerate(work):
-        seq, end = w.seq, w.start + w.count
-        ids.extend(seq.tokens[w.start:end])
-        p = range(w.start, end)
-        pos.extend(p)
-        blocks = seq.blocks
-        slots.extend(blocks[j // block_size] * block_size + j % block_size for j in p)
+    for w in work:
+        ids.extend(w.seq.tokens[w.start:w.start + w.count])
+        pos.extend(range(w.start, w.start + w.count))
         cu.append(cu[-1] + w.count)
-        tables[i, :len(blocks)] = torch.tensor(blocks, dtype=torch.int32)
         if w.samples:
             last.append(cu[-1] - 1)
-    kv_lens = [w.start + w.count for w in work]
 
     def t(x: list[int], dtype: torch.dtype = torch.int64) -> torch.Tensor:
         return torch.tensor(x, dtype=dtype).to(device, non_blocking=True)
 
-    meta = AttnMeta(
-        positions=t(pos), slots=t(slots), cu_q=t(cu, torch.int32),
-        block_tables=tables.to(device, non_blocking=True), kv_lens=t(kv_lens, torch.int32),
-        max_q=max(w.count for w in work),
-        fresh_cu=cu if all(w.start == 0 for w in work) else None,
-    )
+    common = dict(positions=t(pos), cu_q=t(cu, torch.int32), max_q=max(w.count for w in work))
+    seqs = [w.seq for w in work]
+    rows = [range(w.start, w.start + w.count) for w in work]
+    if all(s.mirror is None for s in seqs):
+        meta = AttnMeta(**common, **kv_view(seqs, rows, EARLY, block_size, trash, device),
+                        fresh_cu=cu if all(w.start == 0 for w in work) else None)
+    else:
+        meta = AttnMeta(**common, **kv_view(seqs, rows, EARLY, block_size, trash, device))
+        meta.late = AttnMeta(**common, **kv_view(seqs, rows, LATE, block_size, trash, device))
+        meta.late_from = late_from
     return t(ids), meta, t(last)
+
+
+def kv_view(seqs: list[Sequence], rows: list, view: int, block_size: int, trash: int,
+            device: torch.device) -> dict:
+    """AttnMeta's store slots, block tables and key counts for computing token rows[i]
+    (ascending) of seqs[i] in a view; with any Mirror among them, slot positions too."""
+    mirrors = any(s.mirror is not None for s in seqs)
+    slots, tables, lens, spos = [], [], [], []
+    for seq, r in zip(seqs, rows):
+        slots += [flat_slot(seq, j, view, block_size, trash) for j in r]
+        if seq.mirror is None:
+            tables.append(seq.blocks)
+            lens.append(r[-1] + 1)
+            if mirrors:
+                spos.append(torch.arange(len(seq.blocks) * block_size, dtype=torch.int32))
+        else:
+            blocks, p = seq.mirror.table(view, seq.blocks, block_size)
+            tables.append(blocks)
+            lens.append(len(blocks) * block_size)
+            spos.append(p)
+    width = max(len(b) for b in tables)
+    table = torch.zeros(len(seqs), width, dtype=torch.int32)
+    for i, b in enumerate(tables):
+        table[i, :len(b)] = torch.tensor(b, dtype=torch.int32)
+    out = dict(slots=torch.tensor(slots), block_tables=table,
+               kv_lens=torch.tensor(lens, dtype=torch.int32))
+    if mirrors:
+        sp = torch.full((len(seqs), width * block_size), -1, dtype=torch.int32)
+        for i, p in enumerate(spos):
+            sp[i, :len(p)] = p
+        out["slot_pos"] = sp
+    return {k: v.to(device, non_blocking=True) for k, v in out.items()}
 
 
 class Runner:
@@ -49,6 +94,7 @@ class Runner:
         self.cache = cache
         self.device = next(model.parameters()).device
         self.work = 0  # token-layers computed so far (a token through one layer = 1)
+        self.late_from = 1  # Mirrors: the check layer, where their late view starts
         self.graphs: DecodeGraphs | None = None
 
     def capture(self, max_bs: int, max_blocks: int, scratch_block: int) -> None:
@@ -61,6 +107,7 @@ class Runner:
         if self.graphs is not None and self.graphs.fits(work):
             self.work += len(work) * len(self.model.layers)
             return self.graphs.run(work)
-        ids, meta, last = step_meta(work, self.cache.block_size, self.device)
+        ids, meta, last = step_meta(work, self.cache.block_size, self.device, self.cache.trash,
+                                    self.late_from)
         self.work += len(ids) * len(self.model.layers)
         return self.model(ids, meta, self.cache, last)

@@ -9,6 +9,7 @@ import torch
 
 from tokendance.backend.api import SamplingParams
 from tokendance.backend.detok import Detok
+from tokendance.backend.mirror import Mirror
 
 
 class Status(enum.Enum):
@@ -38,6 +39,7 @@ class Sequence:
     recomputed: int = 0  # reused prompt tokens recomputed selectively
     shared_tokens: int = 0
     hashes: list[int] = field(default_factory=list)  # chain hash of each full block
+    mirror: Mirror | None = None  # pic / collective: shared segments read from the Master
 
     @property
     def prefix_cache(self) -> bool:
@@ -49,6 +51,10 @@ class Sequence:
 
     def __len__(self) -> int:
         return len(self.prompt) + len(self.out)
+
+    def own_slots(self, tokens: int) -> int:
+        """Private slots (in `blocks`) the sequence needs once it has `tokens` tokens."""
+        return tokens if self.mirror is None else self.mirror.own_slots(tokens)
 
     @property
     def pending(self) -> int:

@@ -7,6 +7,8 @@ import torch
 
 from tokendance.backend.api import SamplingParams
 from tokendance.backend.engine import Engine
+from tokendance.backend.mirror import EARLY, LATE
+from tokendance.backend.runner import read_slot
 
 GREEDY = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
 
@@ -30,10 +32,15 @@ def round_prompts(n_agents: int, seed: int, hist: int = 40, out: int = 30):
 
 
 def kv_of(eng: Engine, seq) -> torch.Tensor:
-    b = eng.cache.block_size
-    slots = torch.tensor([seq.blocks[j // b] * b + j % b for j in range(len(seq.prompt))])
-    return torch.stack([torch.stack([k.view(-1, *k.shape[2:])[slots], v.view(-1, *v.shape[2:])[slots]])
-                        for k, v in zip(eng.cache.k, eng.cache.v)])
+    """[layers, 2, prompt tokens, Hkv, D]: the K/V each layer reads for the prompt (a
+    Mirror's from its own slots or the Master, by layer)."""
+    b, check = eng.cache.block_size, eng.collector.cfg.check_layer
+    out = []
+    for li, (k, v) in enumerate(zip(eng.cache.k, eng.cache.v)):
+        view = EARLY if li < check else LATE
+        slots = torch.tensor([read_slot(seq, j, view, b) for j in range(len(seq.prompt))])
+        out.append(torch.stack([k.view(-1, *k.shape[2:])[slots], v.view(-1, *v.shape[2:])[slots]]))
+    return torch.stack(out)
 
 
 def prefill(eng: Engine, mode: str, prompts, spans, ratio: float | None = None):

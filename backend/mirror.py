@@ -1,0 +1,139 @@
+"""Mirrors: a request that reads its shared segments from the round's Master.
+
+After a round's reuse, a request's cache is not a dense copy. Its shared segments stay
+where their base KV lives (the segment cache's blocks: the round's Master, shared by
+every request of the round, one reference each); the request owns private slots only
+for its own tokens (history, the last prompt token, generated tokens) and for the
+reused tokens it recomputed (the patches). Attention reads it through slot-position
+tables (kernels/paged_attention.py): its own blocks, then each segment's Master blocks
+at the segment's offset in this prompt, with the patched tokens' Master copies hidden.
+
+Which copy of a reused token a layer reads depends on the layer, so there are two views:
+- early (layers before the check layer): with check layer 1 that is layer 0, whose K/V
+  are context-free (a function of the token alone, keys before RoPE), so the Master's
+  copy is exact and nothing is private; with a later check layer, layers 1 .. c-1 are
+  recomputed for every token, so every reused token has a private slot there.
+- late (the check layer and after): the Master's copy, except for the tokens selected
+  for recomputation, which read their private patch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+EARLY, LATE = 0, 1
+
+
+@dataclass(slots=True)
+class Span:
+    blocks: list[int]  # the Master's blocks holding this segment from slot 0
+    lo: int  # position of the segment's first token in the prompt
+    n: int
+
+
+@dataclass(slots=True, eq=False)
+class Mirror:
+    prompt_len: int
+    spans: list[Span]
+    # Per private slot of the prompt area, per view: the token's position, -1 if that
+    # view does not read this slot. Generated tokens follow the prompt area.
+    own_pos: tuple[list[int], list[int]]
+    own_of: list[int]  # per prompt token: its private slot, -1 if it has none
+    picked: list[int] = field(default_factory=list)  # reused tokens recomputed (late view)
+    patch_free: list[int] = field(default_factory=list)  # unused patch slots (check layer 1)
+    _span_of: dict[int, tuple[int, int]] = field(default_factory=dict)  # token -> (span, t)
+    _fixed: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+
+    @classmethod
+    def build(cls, prompt_len: int, spans: list[Span], reused: list[bool], dense_early: bool,
+              patch_cap: int) -> Mirror:
+        """Private slots for the tokens not reused; for every reused token too when
+        dense_early (check layer > 1), else `patch_cap` spare slots for patches."""
+        own_of = [-1] * prompt_len
+        early: list[int] = []
+        for j in range(prompt_len):
+            if not reused[j] or dense_early:
+                own_of[j] = len(early)
+                early.append(j)
+        late = [j if own_of[j] >= 0 and not reused[j] else -1 for j in early]
+        free = []
+        if not dense_early:
+            free = list(range(len(early), len(early) + patch_cap))
+            early += [-1] * patch_cap
+            late += [-1] * patch_cap
+        m = cls(prompt_len, spans, (early, late), own_of, patch_free=free[::-1])
+        for si, sp in enumerate(spans):
+            for t in range(sp.n):
+                if reused[sp.lo + t]:
+                    m._span_of[sp.lo + t] = (si, t)
+        return m
+
+    # -- writes --------------------------------------------------------------------
+
+    def pick(self, tokens: list[int]) -> None:
+        """Reused tokens recomputed from the check layer on: they get a private patch."""
+        for j in tokens:
+            if self.own_of[j] < 0:
+                self.own_of[j] = self.patch_free.pop()
+            self.own_pos[LATE][self.own_of[j]] = j
+        self.picked += tokens
+        self._fixed.clear()
+
+    def own_slot(self, j: int, view: int) -> int:
+        """Private slot index where token j's K/V for this view goes, -1 for nowhere
+        (the view reads the Master's copy)."""
+        if j >= self.prompt_len:
+            return self.area + j - self.prompt_len
+        i = self.own_of[j]
+        return i if i >= 0 and self.own_pos[view][i] >= 0 else -1
+
+    def master_slot(self, j: int, block_size: int) -> int:
+        """Flat pool slot of reused token j's base K/V in the Master."""
+        si, t = self._span_of[j]
+        return self.spans[si].blocks[t // block_size] * block_size + t % block_size
+
+    # -- sizes ---------------------------------------------------------------------
+
+    @property
+    def area(self) -> int:
+        """Private slots of the prompt (own tokens and patch room)."""
+        return len(self.own_pos[EARLY])
+
+    def own_slots(self, tokens: int) -> int:
+        """Private slots needed once the sequence has `tokens` tokens."""
+        return self.area + max(0, tokens - self.prompt_len)
+
+    def held(self, tokens: int) -> int:
+        """Private slots in use (unused patch room not counted)."""
+        return self.own_slots(tokens) - len(self.patch_free)
+
+    @property
+    def master_blocks(self) -> list[int]:
+        return [b for sp in self.spans for b in sp.blocks]
+
+    # -- reads ---------------------------------------------------------------------
+
+    def table(self, view: int, own_blocks: list[int], block_size: int) -> tuple[list[int], torch.Tensor]:
+        """(block table, position of every slot of it) for attention in this view."""
+        if view not in self._fixed:
+            self._fixed[view] = self._positions(view, block_size)
+        head, spans = self._fixed[view]
+        tail = torch.arange(self.prompt_len, self.prompt_len + len(own_blocks) * block_size - len(head),
+                            dtype=torch.int32)
+        return own_blocks + self.master_blocks, torch.cat((head, tail, spans))
+
+    def _positions(self, view: int, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Positions of the prompt area's slots, and of the Master slots (a segment's
+        token is read there unless this view has a private copy of it)."""
+        parts = []
+        for sp in self.spans:
+            pos = [-1] * (len(sp.blocks) * block_size)
+            for t in range(sp.n):
+                j = sp.lo + t
+                if j in self._span_of and self.own_slot(j, view) < 0:
+                    pos[t] = j
+            parts.append(torch.tensor(pos, dtype=torch.int32))
+        spans = torch.cat(parts) if parts else torch.zeros(0, dtype=torch.int32)
+        return torch.tensor(self.own_pos[view], dtype=torch.int32), spans
