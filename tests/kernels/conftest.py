@@ -17,7 +17,8 @@ if "triton" in sys.modules:
     if type(tl.max).__name__ != "InterpretedFunction":
         for mod in (tl.standard, tl.random, tl):
             importlib.reload(mod)
-        for name in ("tokendance.kernels.rope", "tokendance.kernels.paged_attention",
-                     "tokendance.kernels.deviation"):
+        for name in ("tokendance.kernels.rope", "tokendance.kernels.paged_triton",
+                     "tokendance.kernels.paged_attention",
+                     "tokendance.kernels.deviation", "tokendance.kernels.collective"):
             if name in sys.modules:
                 importlib.reload(sys.modules[name])

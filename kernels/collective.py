@@ -1,0 +1,342 @@
+"""Collective decode attention: N Mirrors reading one shared Master segment at once.
+
+In a multi-agent round every agent ("Mirror") holds the round's shared segment (the
+"Master": M tokens stored once, pre-RoPE, in pool blocks `master_table`) at its own
+logical offset. Mirror s sees Master slot t (0 <= t < M) at position shift[s] + t,
+unless hide[s, t] (a slot it recomputed privately). At a decode step Mirror s has one
+query per head at position q_pos[s], already rotated there. Since
+
+    (R(q_pos) q) . (R(shift + t) k) = (R(-shift) R(q_pos) q) . (R(t) k),
+
+rotating each query by -shift[s] lets one Master-local rotation of each key tile serve
+every Mirror: a tile is loaded and rotated once, then scored against the S*G query rows
+of its kv head (row r = Mirror r // G, head kvh * G + r % G) in one tl.dot. Master
+traffic then does not grow with the number of Mirrors.
+
+The result covers only the Master keys: o [S, Hq, D] and the natural-log lse [S, Hq],
+both float32 (lse = -inf and o = 0 where nothing is visible). `merge_attention` adds
+the Mirror's private part (history, patches, decode tail) computed separately.
+
+Kernel: grid (row tile, split of the Master's key range, kv head). Row tiles hold at
+most cfg["block_m"] of the S*G rows (padded to a power of two >= 16); splits are
+tile-aligned key ranges. Each program writes a partial (o, lse) per split, a second
+kernel merges the splits. Scores are in the log2 domain inside the kernels. Every Master
+slot below master_len must hold finite values, hidden or not (a hidden key still gets
+loaded, with weight 0).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import torch
+
+from tokendance.kernels.paged_attention import gather_kv
+from tokendance.kernels.paged_triton import LOG2E, _dot
+from tokendance.kernels.rope import rope_rotate_reference
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # a CPU-only install still has the reference
+    from types import SimpleNamespace
+
+    triton = SimpleNamespace(jit=lambda fn: fn)
+
+LN2 = math.log(2.0)
+
+
+def _check(q, q_pos, shift, k_cache, v_cache, master_table, master_len, hide, inv_freq) -> None:
+    """ValueError on inconsistent shapes (shared by both implementations)."""
+    if q.dim() != 3:
+        raise ValueError(f"q must be [S, Hq, D], got {tuple(q.shape)}")
+    S, Hq, D = q.shape
+    if k_cache.dim() != 4 or k_cache.shape != v_cache.shape:
+        raise ValueError(f"k_cache and v_cache must both be [num_blocks, B, Hkv, D], got "
+                         f"{tuple(k_cache.shape)} and {tuple(v_cache.shape)}")
+    _, B, Hkv, Dk = k_cache.shape
+    if Dk != D or Hq % Hkv:
+        raise ValueError(f"q heads/dim {Hq}/{D} do not fit the pool's {Hkv}/{Dk}")
+    if tuple(q_pos.shape) != (S,) or tuple(shift.shape) != (S,):
+        raise ValueError(f"q_pos {tuple(q_pos.shape)} and shift {tuple(shift.shape)} must be [{S}]")
+    if master_len < 0 or master_table.dim() != 1 or master_table.numel() * B < master_len:
+        raise ValueError(f"master_table of {tuple(master_table.shape)} blocks of {B} cannot "
+                         f"hold master_len={master_len}")
+    if (hide.dtype != torch.bool or hide.dim() != 2 or hide.shape[0] != S
+            or hide.shape[1] < master_len):
+        raise ValueError(f"hide must be bool [{S}, >= {master_len}], got {hide.dtype} "
+                         f"{tuple(hide.shape)}")
+    if tuple(inv_freq.shape) != (D // 2,):
+        raise ValueError(f"inv_freq must be [{D // 2}], got {tuple(inv_freq.shape)}")
+
+
+def collective_attention_reference(
+    q: torch.Tensor,
+    q_pos: torch.Tensor,
+    shift: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    master_table: torch.Tensor,
+    master_len: int,
+    hide: torch.Tensor,
+    inv_freq: torch.Tensor,
+    rope_scale: float,
+    sm_scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention of each Mirror's query over its visible Master keys: o [S, Hq, D] and
+    natural-log lse [S, Hq], float32. Every Mirror gets its own copy of the Master keys,
+    rotated at shift[s] + t."""
+    _check(q, q_pos, shift, k_cache, v_cache, master_table, master_len, hide, inv_freq)
+    S, Hq, D = q.shape
+    Hkv = k_cache.shape[2]
+    M = master_len
+    k = gather_kv(k_cache, master_table, M).float()  # [M, Hkv, D]
+    v = gather_kv(v_cache, master_table, M).float()
+    t = torch.arange(M, device=q.device)
+    pos = shift.long()[:, None] + t[None, :]  # [S, M]
+    kr = rope_rotate_reference(k.repeat(S, 1, 1), pos.flatten(), inv_freq, rope_scale)
+    kr = kr.view(S, M, Hkv, D)
+    qg = q.float().view(S, Hkv, Hq // Hkv, D)
+    scores = torch.einsum("shgd,sthd->shgt", qg, kr) * sm_scale
+    visible = ~hide[:, :M] & (pos <= q_pos.long()[:, None])
+    scores = scores.masked_fill(~visible[:, None, None, :], -math.inf)
+    lse = torch.logsumexp(scores, -1)  # -inf where nothing is visible
+    p = torch.exp(scores - lse.nan_to_num(neginf=0.0)[..., None])
+    o = torch.einsum("shgt,thd->shgd", p, v)
+    return o.reshape(S, Hq, D), lse.reshape(S, Hq)
+
+
+def merge_attention(
+    o1: torch.Tensor, lse1: torch.Tensor, o2: torch.Tensor, lse2: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention over the union of two disjoint key sets from the two partial results
+    (o [..., D], natural-log lse [...]); a side with lse = -inf contributes nothing."""
+    if o1.shape != o2.shape or lse1.shape != lse2.shape or o1.shape[:-1] != lse1.shape:
+        raise ValueError(f"cannot merge o {tuple(o1.shape)}/{tuple(o2.shape)} with lse "
+                         f"{tuple(lse1.shape)}/{tuple(lse2.shape)}")
+    lse = torch.logaddexp(lse1, lse2)
+    base = lse.nan_to_num(neginf=0.0)  # both sides empty: weights exp(-inf) = 0
+    w1 = torch.exp(lse1 - base)[..., None]
+    w2 = torch.exp(lse2 - base)[..., None]
+    return o1 * w1 + o2 * w2, lse
+
+
+@triton.jit
+def _collective_kernel(q, q_pos, shift, kc, vc, table, hide, inv_freq, o_part, lse_part,
+                       master_len, n_rows, nsplit,
+                       s_qt, s_qh, s_blk, s_slot, s_kh, s_hs, s_ht, qk_scale,
+                       G: tl.constexpr, B: tl.constexpr, HALF: tl.constexpr,
+                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                       STEP: tl.constexpr, PREC: tl.constexpr):
+    mb = tl.program_id(0)
+    sp = tl.program_id(1)
+    kvh = tl.program_id(2)
+    rows = mb * BLOCK_M + tl.arange(0, BLOCK_M)
+    valid = rows < n_rows
+    mir = rows // G
+    head = kvh * G + rows % G
+    p = tl.load(q_pos + mir, mask=valid, other=0).to(tl.int32)
+    sh = tl.load(shift + mir, mask=valid, other=0).to(tl.int32)
+    lim = tl.where(valid, p - sh, -1)  # a row's last causally visible Master slot
+    offs_h = tl.arange(0, HALF)
+    offs_d = tl.arange(0, 2 * HALF)
+    offs_n = tl.arange(0, BLOCK_N)
+    f = tl.load(inv_freq + offs_h)
+    # Queries arrive rotated at q_pos: rotate them back by shift, into Master-local
+    # coordinates, in fp32.
+    qo = mir.to(tl.int64)[:, None] * s_qt + head[:, None] * s_qh + offs_h[None, :]
+    q1 = tl.load(q + qo, mask=valid[:, None], other=0.0).to(tl.float32)
+    q2 = tl.load(q + qo + HALF, mask=valid[:, None], other=0.0).to(tl.float32)
+    # (names differ from the loop's: Triton would take them for loop-carried values)
+    qang = sh.to(tl.float32)[:, None] * f[None, :]
+    cq = tl.cos(qang)
+    sq = tl.sin(qang)
+    q1, q2 = q1 * cq + q2 * sq, q2 * cq - q1 * sq
+    q1 = q1.to(q.dtype.element_ty)
+    q2 = q2.to(q.dtype.element_ty)
+    f = f[:, None]
+    # Tile-aligned splits of the Master; keys past every row's limit are skipped.
+    span = tl.cdiv(tl.cdiv(master_len, nsplit), BLOCK_N) * BLOCK_N
+    lo = sp * span
+    hi = tl.minimum(tl.minimum(lo + span, master_len), tl.max(lim, 0) + 1)
+    kc += kvh * s_kh
+    vc += kvh * s_kh
+    if STEP:  # cos/sin of the first tile, then an exact rotation by BLOCK_N * f per tile
+        ang0 = f * (lo + offs_n)[None, :].to(tl.float32)
+        c = tl.cos(ang0)
+        s = tl.sin(ang0)
+        cs = tl.cos(f * BLOCK_N)
+        ss = tl.sin(f * BLOCK_N)
+    acc = tl.zeros([BLOCK_M, 2 * HALF], dtype=tl.float32)
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    for start in range(lo, hi, BLOCK_N):
+        j = start + offs_n
+        jm = j < hi
+        blk = tl.load(table + j // B, mask=jm, other=0)
+        kv_row = blk.to(tl.int64) * s_blk + (j % B) * s_slot
+        kp = kc + kv_row[None, :] + offs_h[:, None]  # K^T halves, [HALF, BLOCK_N]
+        k1 = tl.load(kp, mask=jm[None, :], other=0.0).to(tl.float32)
+        k2 = tl.load(kp + HALF, mask=jm[None, :], other=0.0).to(tl.float32)
+        v = tl.load(vc + kv_row[:, None] + offs_d[None, :], mask=jm[:, None], other=0.0)
+        if not STEP:
+            ang = f * j[None, :].to(tl.float32)
+            c = tl.cos(ang)
+            s = tl.sin(ang)
+        r1 = (k1 * c - k2 * s).to(q1.dtype)
+        r2 = (k2 * c + k1 * s).to(q1.dtype)
+        qk = _dot(q2, r2, _dot(q1, r1, None, PREC), PREC) * qk_scale
+        hid = tl.load(hide + mir[:, None] * s_hs + j[None, :] * s_ht,
+                      mask=valid[:, None] & jm[None, :], other=1)
+        ok = (hid == 0) & (j[None, :] <= lim[:, None])
+        qk = tl.where(ok, qk, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(qk, 1))
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with nothing seen yet
+        alpha = tl.exp2(m_i - m_use)
+        pr = tl.exp2(qk - m_use[:, None])
+        l_i = l_i * alpha + tl.sum(pr, 1)
+        acc = _dot(pr.to(v.dtype), v, acc * alpha[:, None], PREC)
+        m_i = m_new
+        if STEP:
+            c, s = c * cs - s * ss, s * cs + c * ss
+    # A row that saw nothing leaves weight 0 (lse = -inf) and a zero partial.
+    seen = l_i > 0
+    l_safe = tl.where(seen, l_i, 1.0)
+    lse = tl.where(seen, m_i + tl.log2(l_safe), float("-inf"))
+    base = (mir.to(tl.int64) * (G * tl.num_programs(2)) + head) * nsplit + sp
+    tl.store(o_part + base[:, None] * (2 * HALF) + offs_d[None, :], acc / l_safe[:, None],
+             mask=valid[:, None])
+    tl.store(lse_part + base, lse, mask=valid)
+
+
+@triton.jit
+def _merge_kernel(o_part, lse_part, out, lse_out, NSPLIT: tl.constexpr, D: tl.constexpr):
+    r = tl.program_id(0)  # Mirror * Hq + head
+    sp = tl.arange(0, NSPLIT)
+    offs_d = tl.arange(0, D)
+    base = r.to(tl.int64) * NSPLIT + sp
+    lse = tl.load(lse_part + base)
+    m = tl.max(lse, 0)
+    m = tl.where(m == float("-inf"), 0.0, m)
+    w = tl.exp2(lse - m)
+    den = tl.sum(w, 0)
+    seen = den > 0
+    den = tl.where(seen, den, 1.0)
+    o = tl.load(o_part + base[:, None] * D + offs_d[None, :])
+    tl.store(out + r.to(tl.int64) * D + offs_d, tl.sum(o * w[:, None], 0) / den)
+    # back to the natural log: ln x = log2 x * ln 2
+    tl.store(lse_out + r, tl.where(seen, (m + tl.log2(den)) * 0.6931471805599453, float("-inf")))
+
+
+# Launch configurations: for the GPU, a guess until bench/collective.py picks one (ptxas
+# for sm_90, Triton 3.9: 64 rows x 32 keys spill with 4 warps, not with 8); the small
+# tiles the interpreter runs faster with. block_m caps the rows of one program.
+COLLECTIVE_CFG = dict(block_m=64, block_n=32, num_warps=8, num_stages=2, step=True)
+INTERP_CFG = dict(block_m=32, block_n=16, num_warps=4, num_stages=1, step=True)
+
+
+def _scratch(*shape: int, device: torch.device) -> torch.Tensor:
+    """fp32 workspace for the per-split partials (tests poison it)."""
+    return torch.empty(shape, device=device, dtype=torch.float32)
+
+
+def _num_splits(dev: torch.device, programs: int, master_len: int, block_n: int) -> int:
+    """Splits of the Master: about two programs per SM in all, at least a tile each."""
+    sms = torch.cuda.get_device_properties(dev).multi_processor_count if dev.type == "cuda" else 2
+    ns = min(16, triton.next_power_of_2(max(1, 2 * sms // max(programs, 1))))
+    while ns > 1 and ns * block_n > master_len:
+        ns //= 2
+    return ns
+
+
+def row_tiles(n_rows: int, block_m: int) -> tuple[int, int]:
+    """(tiles, BLOCK_M): the fewest tiles of at most block_m rows, each a power of two
+    of at least 16 rows (tl.dot's minimum)."""
+    tiles = max(1, -(-n_rows // block_m))
+    return tiles, max(16, triton.next_power_of_2(-(-n_rows // tiles)))
+
+
+def collective_attention_triton(
+    q: torch.Tensor,
+    q_pos: torch.Tensor,
+    shift: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    master_table: torch.Tensor,
+    master_len: int,
+    hide: torch.Tensor,
+    inv_freq: torch.Tensor,
+    rope_scale: float,
+    sm_scale: float,
+    *,
+    num_splits: int | None = None,
+    cfg: dict | None = None,
+    out: tuple[torch.Tensor, torch.Tensor] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The Triton path of `collective_attention`. num_splits (a power of two) and cfg
+    override the launch; out, contiguous float32 ([S, Hq, D], [S, Hq]), gets the result."""
+    if not q.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError("collective_attention_triton needs CUDA tensors (or TRITON_INTERPRET=1)")
+    _check(q, q_pos, shift, k_cache, v_cache, master_table, master_len, hide, inv_freq)
+    S, Hq, D = q.shape
+    B, Hkv = k_cache.shape[1], k_cache.shape[2]
+    if D < 32 or D & (D - 1):
+        raise ValueError(f"head dim {D} must be a power of two >= 32")
+    if k_cache.stride() != v_cache.stride() or k_cache.stride(-1) != 1:
+        raise ValueError("k_cache and v_cache need equal strides, unit stride on D")
+    if out is None:
+        out = (torch.empty(S, Hq, D, device=q.device, dtype=torch.float32),
+               torch.empty(S, Hq, device=q.device, dtype=torch.float32))
+    o, lse = out
+    if (o.shape != (S, Hq, D) or lse.shape != (S, Hq) or o.dtype != torch.float32
+            or lse.dtype != torch.float32 or not (o.is_contiguous() and lse.is_contiguous())):
+        raise ValueError("out must be contiguous float32 ([S, Hq, D], [S, Hq])")
+    if S == 0 or master_len == 0:
+        o.zero_()
+        lse.fill_(-math.inf)
+        return o, lse
+    G = Hq // Hkv
+    interp = not q.is_cuda
+    c = {**(INTERP_CFG if interp else COLLECTIVE_CFG), **(cfg or {})}
+    tiles, block_m = row_tiles(S * G, c["block_m"])
+    ns = num_splits or _num_splits(q.device, tiles * Hkv, master_len, c["block_n"])
+    if ns & (ns - 1):
+        raise ValueError(f"num_splits={ns} must be a power of two")
+    q = q.contiguous() if q.stride(-1) != 1 else q
+    inv_freq = inv_freq.to(device=q.device, dtype=torch.float32).contiguous()
+    prec = "ieee" if q.dtype == torch.float32 else "upcast" if interp else "tf32"
+    qk_scale = sm_scale * rope_scale * LOG2E  # rope_scale scales rotated keys: fold it in
+    o_part = _scratch(S, Hq, ns, D, device=q.device)
+    lse_part = _scratch(S, Hq, ns, device=q.device)
+    hide_u8 = hide.view(torch.uint8)  # same bytes; Triton's bool loads are int1
+    _collective_kernel[(tiles, ns, Hkv)](
+        q, q_pos, shift, k_cache, v_cache, master_table, hide_u8, inv_freq, o_part, lse_part,
+        master_len, S * G, ns, q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
+        k_cache.stride(2), hide.stride(0), hide.stride(1), qk_scale,
+        G=G, B=B, HALF=D // 2, BLOCK_M=block_m, BLOCK_N=c["block_n"], STEP=c["step"],
+        PREC=prec, num_warps=c["num_warps"], num_stages=c["num_stages"],
+    )
+    _merge_kernel[(S * Hq,)](o_part, lse_part, o, lse, NSPLIT=ns, D=D, num_warps=4)
+    return o, lse
+
+
+def collective_attention(
+    q: torch.Tensor,
+    q_pos: torch.Tensor,
+    shift: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    master_table: torch.Tensor,
+    master_len: int,
+    hide: torch.Tensor,
+    inv_freq: torch.Tensor,
+    rope_scale: float,
+    sm_scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dispatch: the Triton kernels on CUDA, the reference elsewhere."""
+    args = (q, q_pos, shift, k_cache, v_cache, master_table, master_len, hide, inv_freq,
+            rope_scale, sm_scale)
+    if q.is_cuda:
+        return collective_attention_triton(*args)
+    return collective_attention_reference(*args)
