@@ -1,6 +1,7 @@
-"""CUDA checks that CPU tests cannot make: CUDA-graph decode equals eager decode, and the
-engine's greedy tokens equal HF transformers' on the same random weights (bf16 and fp32).
-Run on the GPU machine: python -m tokendance.bench.check_cuda"""
+"""CUDA checks that CPU tests cannot make: CUDA-graph decode equals eager decode, the
+engine's greedy tokens equal HF transformers' on the same random weights (bf16 and fp32),
+and Mirrors (the Triton kernels through slot-position tables) give what the dense paths
+give. Run on the GPU machine: python -m tokendance.bench.check_cuda"""
 
 from __future__ import annotations
 
@@ -73,11 +74,32 @@ def greedy_vs_hf(dtype: str) -> bool:
     return same == len(prompts)
 
 
+def mirrors() -> bool:
+    """fp32: collective with every reused token recomputed = full; pic = collective."""
+    from tokendance.bench.allgather import make_round
+
+    rnd = make_round(4, 120, 60, 49152, seed=3)
+    greedy = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    out = {}
+    for mode, ratio in (("full", 0.15), ("collective", 1.0), ("pic", 0.15), ("collective", 0.15)):
+        eng = Engine(EngineConfig(model=str(small_folder(2)), dtype="float32", random_weights=True,
+                                  kv_tokens=16384, recompute_ratio=ratio, seed=0))
+        torch.manual_seed(0)
+        for p in eng.model.parameters():  # the same random weights for every engine
+            p.data.normal_(0, 0.02)
+        out[mode, ratio] = [t for t, _, _ in eng.generate(rnd.prompts, greedy, mode=mode, shared=rnd.shared)]
+    a = out["full", 0.15] == out["collective", 1.0]
+    b = out["pic", 0.15] == out["collective", 0.15]
+    print(f"Mirrors on CUDA (fp32): ratio 1 = full {a}; pic = collective {b}")
+    return a and b
+
+
 def main() -> int:
     err = graphs_vs_eager()
     print(f"CUDA-graph decode vs eager, bf16: relative error {err:.2e}")
     ok = err < 2e-2
     ok &= greedy_vs_hf("float32")
+    ok &= mirrors()
     greedy_vs_hf("bfloat16")  # informational: bf16 rounding differs between implementations
     return 0 if ok else 1
 

@@ -2,8 +2,11 @@
 
 For each mode, in one run on one engine: the round's prefill time (every agent's
 prompt up to its first token, or with --decode N up to its N-th; median of repeats,
-caches cleared before each), the
-tokens computed (token-layers / layers), and the compute limit N·P + S + r·N·S.
+caches cleared before each), the tokens computed (token-layers / layers), the compute
+limit N·P + S + r·N·S, and what the round's KV holds in the live pool:
+- round footprint: the N agents' dense caches / everything held for the round (each
+  request's private KV at its end, plus the Master: the shared segments' bases);
+- Mirror compression: the dense KV of the shared segments / the patches held for them.
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from tokendance.backend.api import MODES, SamplingParams
+from tokendance.backend.api import MODES, SamplingParams, Usage
 from tokendance.backend.engine import Engine, EngineConfig
 from tokendance.bench.allgather import Round, make_round
 
@@ -28,16 +31,34 @@ def sync(eng: Engine) -> None:
         torch.cuda.synchronize()
 
 
-def run_round(eng: Engine, rnd: Round, mode: str, sampling: SamplingParams = ONE) -> tuple[float, float]:
-    """(seconds, tokens computed) for prefilling the round cold (and decoding, past one token)."""
+def run_round(eng: Engine, rnd: Round, mode: str, sampling: SamplingParams = ONE
+              ) -> tuple[float, float, list[Usage]]:
+    """(seconds, tokens computed, usage per agent) for the round, cold (prefill, and
+    decode past one token)."""
     eng.reset_caches()
     sync(eng)
     work0 = eng.runner.work
+    usage: dict[str, Usage] = {}
     t0 = time.perf_counter()
-    eng.generate(rnd.prompts, sampling, mode=mode, shared=rnd.shared)
+    for i, (p, sp) in enumerate(zip(rnd.prompts, rnd.shared)):
+        eng.add(f"r{i}", p, sampling, mode=mode, shared=sp)
+    while eng.has_work():
+        for rid, d in eng.step():
+            if d.usage is not None:
+                usage[rid] = d.usage
     sync(eng)
     dt = time.perf_counter() - t0
-    return dt, (eng.runner.work - work0) / len(eng.model.layers)
+    return dt, (eng.runner.work - work0) / len(eng.model.layers), list(usage.values())
+
+
+def footprint(eng: Engine, rnd: Round, mode: str, usage: list[Usage]) -> tuple[float, float | None]:
+    """(round footprint, Mirror compression) of a finished round; see the module doc."""
+    dense = sum(u.kv_dense_bytes for u in usage)
+    master = rnd.shared_tokens * eng.kv_bytes_per_token if mode in ("pic", "collective") else 0
+    held = sum(u.kv_held_bytes for u in usage) + master
+    patches = sum(u.recomputed_tokens for u in usage)
+    shared = sum(u.shared_tokens for u in usage)
+    return dense / held, (shared / patches if mode in ("pic", "collective") and patches else None)
 
 
 def bench(eng: Engine, agents: list[int], history: int, output: int, repeats: int, modes: list[str],
@@ -50,15 +71,16 @@ def bench(eng: Engine, agents: list[int], history: int, output: int, repeats: in
         run_round(eng, rnd, "full")  # warm-up
         res = {}
         for mode in modes:
-            times, work = [], 0.0
+            times, work, usage = [], 0.0, []
             for _ in range(repeats):
-                dt, work = run_round(eng, rnd, mode, sampling)
+                dt, work, usage = run_round(eng, rnd, mode, sampling)
                 times.append(dt)
-            res[mode] = (statistics.median(times), work)
+            res[mode] = (statistics.median(times), work, *footprint(eng, rnd, mode, usage))
         limit = rnd.limit(eng.collector.cfg.ratio)
         for mode in modes:
-            t, w = res[mode]
+            t, w, foot, comp = res[mode]
             rows.append(dict(agents=n, mode=mode, max_tokens=decode, ms=1000 * t, computed=w, limit=limit,
+                             footprint=foot, compression=comp, ratio=eng.collector.cfg.ratio,
                              prompt_tokens=rnd.prompt_tokens, shared=rnd.shared_tokens,
                              vs_pic=res["pic"][0] / t if "pic" in res else None,
                              vs_full=res["full"][0] / t if "full" in res else None))
@@ -68,12 +90,14 @@ def bench(eng: Engine, agents: list[int], history: int, output: int, repeats: in
 def table(rows: list[dict]) -> str:
     d = rows[0].get("max_tokens", 1) if rows else 1
     what = "round prefill ms" if d == 1 else f"round ms ({d} tokens)"
-    head = f"| N | mode | {what} | tokens computed | limit | computed/limit | speedup vs pic | vs full |"
-    out = [head, "|" + "---|" * 8]
+    head = (f"| N | mode | {what} | tokens computed | limit | computed/limit | speedup vs pic | vs full "
+            f"| round footprint | Mirror compression |")
+    out = [head, "|" + "---|" * 10]
     for r in rows:
         f = lambda v: "" if v is None else f"{v:.2f}x"  # noqa: E731
         out.append(f"| {r['agents']} | {r['mode']} | {r['ms']:.0f} | {r['computed']:.0f} | {r['limit']:.0f} | "
-                   f"{r['computed'] / r['limit']:.2f} | {f(r['vs_pic'])} | {f(r['vs_full'])} |")
+                   f"{r['computed'] / r['limit']:.2f} | {f(r['vs_pic'])} | {f(r['vs_full'])} | "
+                   f"{f(r['footprint'])} | {f(r['compression'])} |")
     return "\n".join(out)
 
 
@@ -90,6 +114,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", default=None, help="write rows here")
     p.add_argument("--dump-prompts", default=None, help="write each round's prompts (for vLLM)")
     p.add_argument("--decode", type=int, default=1, help="max_tokens per agent (1: prefill to the first token)")
+    p.add_argument("--ratio", type=float, default=0.15, help="share of reused tokens recomputed")
 
 
 def main(args: argparse.Namespace) -> int:
@@ -103,7 +128,7 @@ def main(args: argparse.Namespace) -> int:
     need = max(agents) * (args.history * 2 + max(agents) * args.output * 2 + args.decode) + 4096
     eng = Engine(EngineConfig(model=model, dtype=args.dtype, random_weights=random,
                               kv_tokens=args.kv_tokens or need, max_batched_tokens=16384,
-                              segment_cache_fraction=0.5))
+                              segment_cache_fraction=0.5, recompute_ratio=args.ratio))
     modes = args.modes.split(",")
     if args.dump_prompts:
         vocab = min(eng.mcfg.vocab_size, len(eng.tokenizer))

@@ -51,6 +51,13 @@ def _attend(acc, m_i, l_i, q1, q2, qp, kc, vc, bt, kpt, f, lo, hi, s_blk, s_slot
         s = tl.sin(ang)
         cs = tl.cos(f * BLOCK_N)
         ss = tl.sin(f * BLOCK_N)
+    if POS:
+        # Angles of offsets 0 .. BLOCK_N-1, for tiles whose visible slots sit at
+        # consecutive positions p0 + n (own tokens, runs of the Master): then
+        # cos/sin(f (p0 + n)) follow from cos/sin(f p0) by angle addition.
+        ang = f * offs_n[None, :].to(tl.float32)
+        ct = tl.cos(ang)
+        st = tl.sin(ang)
     for start in range(lo, hi, BLOCK_N):
         j = start + offs_n
         jm = j < hi
@@ -74,7 +81,20 @@ def _attend(acc, m_i, l_i, q1, q2, qp, kc, vc, bt, kpt, f, lo, hi, s_blk, s_slot
             k1 = tl.load(kp).to(tl.float32)
             k2 = tl.load(kp + HALF).to(tl.float32)
             v = tl.load(vp)
-        if not STEP:
+        if POS:
+            rel = kpos - offs_n
+            p0 = tl.max(tl.where(jm, rel, -1), 0)
+            if tl.min(tl.where(jm, rel, p0), 0) == p0:
+                a0 = f * p0.to(tl.float32)  # [HALF, 1]
+                c0 = tl.cos(a0)
+                s0 = tl.sin(a0)
+                c = c0 * ct - s0 * st
+                s = s0 * ct + c0 * st
+            else:  # scattered positions (patches): a sine and a cosine per element
+                ang = f * kpos[None, :].to(tl.float32)
+                c = tl.cos(ang)
+                s = tl.sin(ang)
+        elif not STEP:
             ang = f * kpos[None, :].to(tl.float32)
             c = tl.cos(ang)
             s = tl.sin(ang)

@@ -131,10 +131,12 @@ def test_triton_prefill(nq: list[int]) -> None:
     assert rel(triton(c), pa.paged_attention_reference(*c.args)) < 1e-3
 
 
-@pytest.mark.parametrize("splits", [1, 4])
-def test_triton_decode(splits: int) -> None:
+@pytest.mark.parametrize("splits,block_n", [(1, 16), (4, 16), (2, 32)])
+def test_triton_decode(splits: int, block_n: int) -> None:
+    """Tiles of own slots (scattered positions) and of the Master (consecutive runs with
+    holes); 32-key tiles also straddle the two."""
     c = mirror_case([40, 23, 70, 17], [30, 7, 51, 0], 77, [1, 1, 1, 1], d=128)
-    got = triton(c, num_splits=splits)
+    got = triton(c, num_splits=splits, cfg=dict(block_n=block_n))
     assert rel(got, pa.paged_attention_reference(*c.args)) < 1e-3
 
 
