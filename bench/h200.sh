@@ -2,7 +2,9 @@
 # The GPU benchmarks in one call on the lent H200 (the `device` tool runs this from the
 # repository root, with `.whl` (structlog) and `.device/tok` (tokenizer files) carried):
 #   engine: Qwen2.5-7B shape, random bf16 weights, against HF transformers SDPA
-#   reuse:  one All-Gather round, N = 10 and 20, every mode
+#   reuse:  one All-Gather round, N = 10 and 20, every mode (and r = 5 % at N = 10)
+#   mirrors: CUDA checks of Mirrors, collective decode attention, reuse, capacity
+#   capacity: round latency with 128 decoded tokens per agent, prefix vs collective
 # The package is not installed there: a namespace folder links our folders in.
 set -uo pipefail
 python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl || exit 1
@@ -20,7 +22,19 @@ if [ "$what" = all ] || [ "$what" = engine ]; then
   td bench engine --model qwen2.5-7b --dtype bfloat16 --prefill 10x2048 --decode 32x4096 \
     --steps 48 --repeats 3 2>&1 | grep -v -i "warn\|deprecat\|forward_call" | tee "$OUT/engine.txt"
 fi
-if [ "$what" = all ] || [ "$what" = reuse ]; then
+if [ "$what" = all ] || [ "$what" = mirrors ]; then
+  python3 -m tokendance.bench.check_cuda mirrors 2>&1 | grep -i "mirror" | tee "$OUT/check_mirrors.txt"
+  timeout 240 python3 bench/collective.py 2>&1 | grep -v -i "warn\|deprecat" | tee "$OUT/collective.txt"
+fi
+if [ "$what" = all ] || [ "$what" = reuse ] || [ "$what" = mirrors ]; then
   td bench reuse --model qwen2.5-7b --dtype bfloat16 --agents 10,20 --history 512 --output 150 \
     --repeats 3 --json "$OUT/reuse.json" 2>&1 | grep -v -i "warn\|deprecat" | tee "$OUT/reuse.txt"
+  td bench reuse --model qwen2.5-7b --dtype bfloat16 --agents 10 --history 512 --output 150 \
+    --repeats 3 --ratio 0.05 --modes pic,collective 2>&1 | grep -v -i "warn\|deprecat" | tee "$OUT/reuse_r05.txt"
+fi
+if [ "$what" = all ] || [ "$what" = capacity ] || [ "$what" = mirrors ]; then
+  # Capacity: round latency (prefill + 128 tokens per agent) against the 1500 ms SLO.
+  td bench reuse --model qwen2.5-7b --dtype bfloat16 --agents 2,4,8,16,32 --history 512 \
+    --output 150 --repeats 1 --decode 128 --modes prefix,collective \
+    --json "$OUT/capacity.json" 2>&1 | grep -v -i "warn\|deprecat" | tee "$OUT/capacity.txt"
 fi
