@@ -44,13 +44,12 @@ def _meta(items: list[BlendInput], rows: list[torch.Tensor], view: int, cache: K
     cu = [0]
     for r in rows:
         cu.append(cu[-1] + len(r))
-    lists = [r.tolist() for r in rows]
     return AttnMeta(
         positions=torch.cat(rows).to(device),
         cu_q=torch.tensor(cu, dtype=torch.int32, device=device),
         max_q=max(len(r) for r in rows),
         fresh_cu=cu if fresh else None,
-        **kv_view([it.seq for it in items], lists, view, cache.block_size, cache.trash, device),
+        **kv_view([it.seq for it in items], rows, view, cache.block_size, cache.trash, device),
     )
 
 
@@ -75,9 +74,8 @@ def blend(model: Decoder, cache: KVCache, items: list[BlendInput], check_layer: 
             continue
         attn = layer.self_attn
         q, k, v = attn.qkv(layer.input_layernorm(x))
-        base = [it.seq.mirror.master_slot(j, bsz) if r else cache.trash
-                for it in items for j, r in enumerate(it.reused)]
-        base = torch.tensor(base, device=device)
+        base = torch.cat([it.seq.mirror.master_slots(bsz) for it in items])
+        base = torch.where(base >= 0, base, cache.trash).to(device)
         kc = cache.k[li].view(-1, *k.shape[1:])
         vc = cache.v[li].view(-1, *v.shape[1:])
         dev = kv_deviation(k, v, kc[base], vc[base])

@@ -23,7 +23,7 @@ from tokendance.backend.blocks import BlockManager
 from tokendance.backend.detok import Detok
 from tokendance.backend.mirror import EARLY, Mirror, Span
 from tokendance.backend.model import Decoder, KVCache
-from tokendance.backend.runner import Runner, flat_slot
+from tokendance.backend.runner import Runner
 from tokendance.backend.scheduler import Scheduled
 from tokendance.backend.segments import Entry, SegmentCache, segment_key
 from tokendance.backend.sequence import Sequence
@@ -159,6 +159,6 @@ class Collector:
             if not self.blocks.reserve(holder, len(ids)):
                 return
         b = self.cache.block_size
-        src = [flat_slot(seq, j, EARLY, b, self.cache.trash) for j in range(start, start + len(ids))]
-        self._copy(src, [flat_slot(holder, j, EARLY, b, -1) for j in range(len(ids))])
+        src = seq.slots(torch.arange(start, start + len(ids)), EARLY, b, self.cache.trash)
+        self._copy(src.tolist(), holder.slots(torch.arange(len(ids)), EARLY, b, -1).tolist())
         self.segments.put(segment_key(seq.tenant, ids), len(ids), holder.blocks, "producer")

@@ -4,13 +4,16 @@ A decode step launches about forty small kernels per layer; at batch 32 on an H2
 host spends twice as long launching them as the GPU spends running them. Each batch-size
 bucket's forward is captured once and replayed: the step then costs one launch. Inputs
 live in static buffers; a batch smaller than its bucket is padded with rows that read and
-write one scratch block no sequence owns.
+write one scratch block no sequence owns. A batch with Mirrors among it replays a second
+graph per bucket (captured on first use) whose attention reads both views' slot-position
+tables.
 """
 
 from __future__ import annotations
 
 import torch
 
+from tokendance.backend.mirror import EARLY, LATE
 from tokendance.backend.model import AttnMeta, Decoder, KVCache
 from tokendance.backend.scheduler import Scheduled
 
@@ -22,9 +25,11 @@ def buckets(max_bs: int) -> list[int]:
 
 
 class DecodeGraphs:
-    def __init__(self, model: Decoder, cache: KVCache, max_bs: int, max_blocks: int, scratch_block: int):
+    def __init__(self, model: Decoder, cache: KVCache, max_bs: int, max_blocks: int, scratch_block: int,
+                 late_from: int = 1):
         self.model, self.cache = model, cache
         self.max_blocks = max_blocks
+        self.late_from = late_from
         self.sizes = buckets(max_bs)
         dev = model.lm_head.weight.device
         n = self.sizes[-1]
@@ -38,6 +43,12 @@ class DecodeGraphs:
         self.kv_lens = torch.ones(n, dtype=torch.int32, device=dev)
         self.logits = torch.zeros(n, model.cfg.vocab_size, dtype=torch.float32, device=dev)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.scratch_block = scratch_block
+        # Mirror tables (own blocks, then the Master's), per view: allocated on first use.
+        self.mirror_blocks = 2 * max_blocks
+        self.mirror_graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.views: tuple[dict[str, torch.Tensor], ...] = ()
+        self.pool = None
         self._capture()
 
     def _meta(self, bs: int) -> AttnMeta:
@@ -56,11 +67,42 @@ class DecodeGraphs:
                 self.logits[:bs] = self.model(self.ids[:bs], meta, self.cache)
             pool = g.pool() if pool is None else pool
             self.graphs[bs] = g
+        self.pool = pool
         torch.cuda.synchronize()
 
+    def _mirror_meta(self, bs: int) -> AttnMeta:
+        early, late = (self._meta(bs) for _ in range(2))
+        for m, v in zip((early, late), self.views):
+            m.block_tables, m.kv_lens, m.slot_pos = v["tables"][:bs], v["lens"][:bs], v["pos"][:bs]
+        early.late, early.late_from = late, self.late_from
+        return early
+
+    @torch.inference_mode()
+    def _capture_mirror(self, bs: int) -> None:
+        if not self.views:
+            n, dev, w = self.sizes[-1], self.ids.device, self.mirror_blocks
+            bsz = self.cache.block_size
+            self.views = tuple(
+                dict(tables=torch.full((n, w), self.scratch_block, dtype=torch.int32, device=dev),
+                     lens=torch.ones(n, dtype=torch.int32, device=dev),
+                     pos=torch.zeros(n, w * bsz, dtype=torch.int32, device=dev))
+                for _ in (EARLY, LATE))
+        meta = self._mirror_meta(bs)
+        self.logits[:bs] = self.model(self.ids[:bs], meta, self.cache)  # compiles the kernels
+        torch.cuda.synchronize()
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g, self.pool):
+            self.logits[:bs] = self.model(self.ids[:bs], meta, self.cache)
+        torch.cuda.synchronize()
+        self.mirror_graphs[bs] = g
+
     def fits(self, work: list[Scheduled]) -> bool:
-        return (all(w.count == 1 and w.seq.mirror is None for w in work) and len(work) <= self.sizes[-1]
-                and max(len(w.seq.blocks) for w in work) <= self.max_blocks)
+        if len(work) > self.sizes[-1] or not all(w.count == 1 for w in work):
+            return False
+        bsz = self.cache.block_size
+        return all(len(w.seq.blocks) <= self.max_blocks if w.seq.mirror is None
+                   else len(w.seq.blocks) + len(w.seq.mirror.master_blocks) <= self.mirror_blocks
+                   for w in work)
 
     def run(self, work: list[Scheduled]) -> torch.Tensor:
         """Logits [len(work), vocab] of a decode step (every row samples)."""
@@ -74,7 +116,7 @@ class DecodeGraphs:
             p, seq = w.start, w.seq
             ids.append(seq.tokens[p])
             pos.append(p)
-            slots.append(seq.blocks[p // bsz] * bsz + p % bsz)
+            slots.append(int(seq.slots(torch.tensor([p]), EARLY, bsz, self.scratch_slot)[0]))
             lens.append(p + 1)
             table[i, : len(seq.blocks)] = torch.tensor(seq.blocks, dtype=torch.int32)
         pad = bs - n
@@ -89,5 +131,40 @@ class DecodeGraphs:
         # Padding rows keep whatever table rows they had: they read one valid block
         # (kv_len 1) and write only the scratch slot; their logits are dropped.
         self.tables[:n, :width].copy_(table, non_blocking=True)
-        self.graphs[bs].replay()
+        if any(w.seq.mirror is not None for w in work):
+            self._fill_views(work, bs)
+            if bs not in self.mirror_graphs:
+                self._capture_mirror(bs)
+            self.mirror_graphs[bs].replay()
+        else:
+            self.graphs[bs].replay()
         return self.logits[:n]
+
+    def _fill_views(self, work: list[Scheduled], bs: int) -> None:
+        """Both views' tables, key counts and slot positions; padding rows see the
+        scratch block's first slot only."""
+        bsz = self.cache.block_size
+        for view, v in zip((EARLY, LATE), self.views):
+            tabs, pos, lens = [], [], []
+            for w in work:
+                seq = w.seq
+                if seq.mirror is None:
+                    blocks = seq.blocks
+                    p = torch.arange(len(blocks) * bsz, dtype=torch.int32)
+                    lens.append(w.start + 1)
+                else:
+                    blocks, p = seq.mirror.table(view, seq.blocks, bsz)
+                    lens.append(len(blocks) * bsz)
+                tabs.append(blocks)
+                pos.append(p)
+            width = max(len(b) for b in tabs)
+            table = torch.full((bs, width), self.scratch_block, dtype=torch.int32)
+            sp = torch.full((bs, width * bsz), -1, dtype=torch.int32)
+            sp[len(work):, 0] = 0
+            for i, (b, p) in enumerate(zip(tabs, pos)):
+                table[i, :len(b)] = torch.tensor(b, dtype=torch.int32)
+                sp[i, :len(p)] = p
+            v["tables"][:bs, :width].copy_(table, non_blocking=True)
+            v["pos"][:bs, :width * bsz].copy_(sp, non_blocking=True)
+            v["lens"][:bs].copy_(torch.tensor(lens + [1] * (bs - len(work)), dtype=torch.int32),
+                                 non_blocking=True)

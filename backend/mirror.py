@@ -44,7 +44,7 @@ class Mirror:
     picked: list[int] = field(default_factory=list)  # reused tokens recomputed (late view)
     patch_free: list[int] = field(default_factory=list)  # unused patch slots (check layer 1)
     _span_of: dict[int, tuple[int, int]] = field(default_factory=dict)  # token -> (span, t)
-    _fixed: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+    _fixed: dict = field(default_factory=dict)  # tensors derived from the above, per view
 
     @classmethod
     def build(cls, prompt_len: int, spans: list[Span], reused: list[bool], dense_early: bool,
@@ -89,10 +89,23 @@ class Mirror:
         i = self.own_of[j]
         return i if i >= 0 and self.own_pos[view][i] >= 0 else -1
 
-    def master_slot(self, j: int, block_size: int) -> int:
-        """Flat pool slot of reused token j's base K/V in the Master."""
-        si, t = self._span_of[j]
-        return self.spans[si].blocks[t // block_size] * block_size + t % block_size
+    def own_index(self, view: int, rows: torch.Tensor) -> torch.Tensor:
+        """`own_slot` of each token in rows (ascending), as a tensor."""
+        key = ("own", view)
+        if key not in self._fixed:
+            self._fixed[key] = torch.tensor([self.own_slot(j, view) for j in range(self.prompt_len)])
+        head = self._fixed[key]
+        tail = self.area + rows - self.prompt_len
+        return torch.where(rows < self.prompt_len, head[rows.clamp_max(self.prompt_len - 1)], tail)
+
+    def master_slots(self, block_size: int) -> torch.Tensor:
+        """Flat pool slot of each prompt token's base K/V in the Master (-1: none)."""
+        if "master" not in self._fixed:
+            out = [-1] * self.prompt_len
+            for j, (si, t) in self._span_of.items():
+                out[j] = self.spans[si].blocks[t // block_size] * block_size + t % block_size
+            self._fixed["master"] = torch.tensor(out)
+        return self._fixed["master"]
 
     # -- sizes ---------------------------------------------------------------------
 

@@ -11,21 +11,6 @@ from tokendance.backend.scheduler import Scheduled
 from tokendance.backend.sequence import Sequence
 
 
-def flat_slot(seq: Sequence, j: int, view: int, block_size: int, trash: int) -> int:
-    """Pool slot where token j's K/V goes in this view (a Mirror keeps reused tokens in
-    the Master: their rows go to the trash slot)."""
-    i = j if seq.mirror is None else seq.mirror.own_slot(j, view)
-    if i < 0:
-        return trash
-    return seq.blocks[i // block_size] * block_size + i % block_size
-
-
-def read_slot(seq: Sequence, j: int, view: int, block_size: int) -> int:
-    """Pool slot that attention reads token j's K/V from in this view."""
-    i = flat_slot(seq, j, view, block_size, -1)
-    return i if i >= 0 else seq.mirror.master_slot(j, block_size)
-
-
 def step_meta(work: list[Scheduled], block_size: int, device: torch.device, trash: int = -1,
               late_from: int = 1) -> tuple[torch.Tensor, AttnMeta, torch.Tensor]:
     """(input ids [T], attention metadata, rows to sample) for a step."""
@@ -45,7 +30,7 @@ def step_meta(work: list[Scheduled], block_size: int, device: torch.device, tras
 
     common = dict(positions=t(pos), cu_q=t(cu, torch.int32), max_q=max(w.count for w in work))
     seqs = [w.seq for w in work]
-    rows = [range(w.start, w.start + w.count) for w in work]
+    rows = [torch.arange(w.start, w.start + w.count) for w in work]
     if all(s.mirror is None for s in seqs):
         meta = AttnMeta(**common, **kv_view(seqs, rows, EARLY, block_size, trash, device),
                         fresh_cu=cu if all(w.start == 0 for w in work) else None)
@@ -56,17 +41,17 @@ def step_meta(work: list[Scheduled], block_size: int, device: torch.device, tras
     return t(ids), meta, t(last)
 
 
-def kv_view(seqs: list[Sequence], rows: list, view: int, block_size: int, trash: int,
-            device: torch.device) -> dict:
+def kv_view(seqs: list[Sequence], rows: list[torch.Tensor], view: int, block_size: int,
+            trash: int, device: torch.device) -> dict:
     """AttnMeta's store slots, block tables and key counts for computing token rows[i]
     (ascending) of seqs[i] in a view; with any Mirror among them, slot positions too."""
     mirrors = any(s.mirror is not None for s in seqs)
     slots, tables, lens, spos = [], [], [], []
     for seq, r in zip(seqs, rows):
-        slots += [flat_slot(seq, j, view, block_size, trash) for j in r]
+        slots.append(seq.slots(r, view, block_size, trash))
         if seq.mirror is None:
             tables.append(seq.blocks)
-            lens.append(r[-1] + 1)
+            lens.append(int(r[-1]) + 1)
             if mirrors:
                 spos.append(torch.arange(len(seq.blocks) * block_size, dtype=torch.int32))
         else:
@@ -78,7 +63,7 @@ def kv_view(seqs: list[Sequence], rows: list, view: int, block_size: int, trash:
     table = torch.zeros(len(seqs), width, dtype=torch.int32)
     for i, b in enumerate(tables):
         table[i, :len(b)] = torch.tensor(b, dtype=torch.int32)
-    out = dict(slots=torch.tensor(slots), block_tables=table,
+    out = dict(slots=torch.cat(slots), block_tables=table,
                kv_lens=torch.tensor(lens, dtype=torch.int32))
     if mirrors:
         sp = torch.full((len(seqs), width * block_size), -1, dtype=torch.int32)
@@ -99,7 +84,8 @@ class Runner:
 
     def capture(self, max_bs: int, max_blocks: int, scratch_block: int) -> None:
         """Replay decode steps of up to max_bs sequences from CUDA graphs."""
-        self.graphs = DecodeGraphs(self.model, self.cache, max_bs, max_blocks, scratch_block)
+        self.graphs = DecodeGraphs(self.model, self.cache, max_bs, max_blocks, scratch_block,
+                                   self.late_from)
 
     @torch.inference_mode()
     def run(self, work: list[Scheduled]) -> torch.Tensor:

@@ -52,6 +52,21 @@ class Sequence:
     def __len__(self) -> int:
         return len(self.prompt) + len(self.out)
 
+    def slots(self, rows: torch.Tensor, view: int, block_size: int, trash: int) -> torch.Tensor:
+        """Pool slots where tokens `rows` keep their K/V in this view (a Mirror keeps
+        reused tokens in the Master: their rows go to the trash slot)."""
+        own = rows if self.mirror is None else self.mirror.own_index(view, rows)
+        i = own.clamp_min(0)
+        flat = torch.tensor(self.blocks, dtype=torch.long)[i // block_size] * block_size + i % block_size
+        return torch.where(own >= 0, flat, trash)
+
+    def read_slots(self, rows: torch.Tensor, view: int, block_size: int) -> torch.Tensor:
+        """Pool slots that attention reads tokens `rows` from in this view."""
+        own = self.slots(rows, view, block_size, -1)
+        if self.mirror is None:
+            return own
+        return torch.where(own >= 0, own, self.mirror.master_slots(block_size)[rows])
+
     def own_slots(self, tokens: int) -> int:
         """Private slots (in `blocks`) the sequence needs once it has `tokens` tokens."""
         return tokens if self.mirror is None else self.mirror.own_slots(tokens)

@@ -30,15 +30,26 @@ def small_folder(layers: int = 4):
     return out
 
 
-def graphs_vs_eager() -> float:
+def graphs_vs_eager(mirrors: bool = False) -> float:
+    """Relative error of a replayed decode step against the same step run eagerly: 11
+    plain sequences, or 11 Mirrors of one round."""
+    from tokendance.bench.allgather import make_round
+
     eng = Engine(EngineConfig(model=str(small_folder()), dtype="bfloat16", random_weights=True,
                               kv_tokens=16 * 4096, cuda_graphs=32))
-    for i, p in enumerate(rand_prompts(11, 300, 49152, 0)):
-        eng.add(f"r{i}", p[: 100 + 20 * i], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
+    sampling = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    if mirrors:
+        rnd = make_round(11, 100, 40, 49152, seed=2)
+        for i, (p, sp) in enumerate(zip(rnd.prompts, rnd.shared)):
+            eng.add(f"r{i}", p, sampling, mode="collective", shared=sp)
+    else:
+        for i, p in enumerate(rand_prompts(11, 300, 49152, 0)):
+            eng.add(f"r{i}", p[: 100 + 20 * i], sampling)
     while any(s.computed < len(s.prompt) for s in eng.seqs.values()):
         eng.step()
     work, _ = eng.scheduler.schedule()
     assert all(w.count == 1 for w in work) and len(work) == 11
+    assert all((w.seq.mirror is not None) == mirrors for w in work)
     graph = eng.runner.run(work).clone()
     eng.runner.graphs, saved = None, eng.runner.graphs
     eager = eng.runner.run(work)
@@ -96,10 +107,15 @@ def mirrors() -> bool:
 
 def main() -> int:
     if sys.argv[1:] == ["mirrors"]:
-        return 0 if mirrors() else 1
+        err = graphs_vs_eager(mirrors=True)
+        print(f"CUDA-graph decode vs eager over Mirrors, bf16: relative error {err:.2e}")
+        return 0 if mirrors() and err < 2e-2 else 1
     err = graphs_vs_eager()
     print(f"CUDA-graph decode vs eager, bf16: relative error {err:.2e}")
     ok = err < 2e-2
+    err = graphs_vs_eager(mirrors=True)
+    print(f"CUDA-graph decode vs eager over Mirrors, bf16: relative error {err:.2e}")
+    ok &= err < 2e-2
     ok &= greedy_vs_hf("float32")
     ok &= mirrors()
     greedy_vs_hf("bfloat16")  # informational: bf16 rounding differs between implementations

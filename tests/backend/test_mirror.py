@@ -10,7 +10,6 @@ import torch
 from tokendance.backend.api import SamplingParams
 from tokendance.backend.engine import Engine
 from tokendance.backend.mirror import EARLY, LATE
-from tokendance.backend.runner import read_slot
 from tokendance.backend.scheduler import Scheduled
 from tests.backend.test_reuse import round_prompts
 
@@ -107,7 +106,7 @@ def test_decode_through_mirror_tables_equals_a_dense_copy(engine):
         dst = torch.tensor([t.blocks[j // b] * b + j % b for j in range(len(s.prompt))])
         for li, (k, v) in enumerate(zip(engine.cache.k, engine.cache.v)):
             view = EARLY if li < check else LATE
-            src = torch.tensor([read_slot(s, j, view, b) for j in range(len(s.prompt))])
+            src = s.read_slots(torch.arange(len(s.prompt)), view, b)
             for c in (k, v):
                 flat = c.view(-1, *c.shape[2:])
                 flat[dst] = flat[src]

@@ -8,7 +8,6 @@ import torch
 from tokendance.backend.api import SamplingParams
 from tokendance.backend.engine import Engine
 from tokendance.backend.mirror import EARLY, LATE
-from tokendance.backend.runner import read_slot
 
 GREEDY = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
 
@@ -38,7 +37,7 @@ def kv_of(eng: Engine, seq) -> torch.Tensor:
     out = []
     for li, (k, v) in enumerate(zip(eng.cache.k, eng.cache.v)):
         view = EARLY if li < check else LATE
-        slots = torch.tensor([read_slot(seq, j, view, b) for j in range(len(seq.prompt))])
+        slots = seq.read_slots(torch.arange(len(seq.prompt)), view, b)
         out.append(torch.stack([k.view(-1, *k.shape[2:])[slots], v.view(-1, *v.shape[2:])[slots]]))
     return torch.stack(out)
 
