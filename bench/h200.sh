@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
-# The GPU benchmarks in one call on the lent H200 (the `device` tool runs this from the
-# repository root, with `.whl` (structlog) and `.device/tok` (tokenizer files) carried):
+# The GPU benchmarks in one call on the lent H200: `bash bench/h200.sh [section ...]`
+# (default: all), run by the `device` tool from the repository root with `.whl`
+# (structlog) and `.device/tok` (tokenizer files) carried. Sections:
 #   engine: Qwen2.5-7B shape, random bf16 weights, against HF transformers SDPA
 #   reuse:  one All-Gather round, N = 10 and 20, every mode (and r = 5 % at N = 10)
-#   mirrors: CUDA checks of Mirrors, collective decode attention, reuse, capacity
+#   mirrors: CUDA checks of Mirrors (graphs = eager, pic = collective, ratio 1 = full)
+#   collective: collective decode attention against paged decode (bench/collective.py)
 #   capacity: round latency with 128 decoded tokens per agent, prefix vs collective
 # The package is not installed there: a namespace folder links our folders in.
 set -uo pipefail
@@ -16,23 +18,26 @@ OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 td() { python3 -c "import sys; from tokendance.examples.cli import main; sys.exit(main(sys.argv[1:]))" "$@"; }
 nvidia-smi --query-gpu=name,memory.total,clocks.sm --format=csv,noheader
-what=${1:-all}
-if [ "$what" = all ] || [ "$what" = engine ]; then
+what=" ${*:-all} "
+want() { [[ "$what" == *" all "* || "$what" == *" $1 "* ]]; }
+if want engine; then
   python3 -m tokendance.bench.check_cuda 2>&1 | grep -v -i "warn\|deprecat" | tee "$OUT/check.txt"
   td bench engine --model qwen2.5-7b --dtype bfloat16 --prefill 10x2048 --decode 32x4096 \
     --steps 48 --repeats 3 2>&1 | grep -v -i "warn\|deprecat\|forward_call" | tee "$OUT/engine.txt"
 fi
-if [ "$what" = all ] || [ "$what" = mirrors ]; then
+if want mirrors; then
   python3 -m tokendance.bench.check_cuda mirrors 2>&1 | grep -i "mirror" | tee "$OUT/check_mirrors.txt"
+fi
+if want collective; then
   timeout 240 python3 bench/collective.py 2>&1 | grep -v -i "warn\|deprecat" | tee "$OUT/collective.txt"
 fi
-if [ "$what" = all ] || [ "$what" = reuse ] || [ "$what" = mirrors ]; then
+if want reuse; then
   td bench reuse --model qwen2.5-7b --dtype bfloat16 --agents 10,20 --history 512 --output 150 \
     --repeats 3 --json "$OUT/reuse.json" 2>&1 | grep -v -i "warn\|deprecat" | tee "$OUT/reuse.txt"
   td bench reuse --model qwen2.5-7b --dtype bfloat16 --agents 10 --history 512 --output 150 \
     --repeats 3 --ratio 0.05 --modes pic,collective 2>&1 | grep -v -i "warn\|deprecat" | tee "$OUT/reuse_r05.txt"
 fi
-if [ "$what" = all ] || [ "$what" = capacity ] || [ "$what" = mirrors ]; then
+if want capacity; then
   # Capacity: round latency (prefill + 128 tokens per agent) against the 1500 ms SLO.
   td bench reuse --model qwen2.5-7b --dtype bfloat16 --agents 2,4,8,16,32 --history 512 \
     --output 150 --repeats 1 --decode 128 --modes prefix,collective \
