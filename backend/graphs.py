@@ -77,16 +77,19 @@ class DecodeGraphs:
         early.late, early.late_from = late, self.late_from
         return early
 
+    def _alloc_views(self) -> None:
+        n, dev, w = self.sizes[-1], self.ids.device, self.mirror_blocks
+        bsz = self.cache.block_size
+        self.views = tuple(
+            dict(tables=torch.full((n, w), self.scratch_block, dtype=torch.int32, device=dev),
+                 lens=torch.ones(n, dtype=torch.int32, device=dev),
+                 pos=torch.zeros(n, w * bsz, dtype=torch.int32, device=dev))
+            for _ in (EARLY, LATE))
+
     @torch.inference_mode()
     def _capture_mirror(self, bs: int) -> None:
-        if not self.views:
-            n, dev, w = self.sizes[-1], self.ids.device, self.mirror_blocks
-            bsz = self.cache.block_size
-            self.views = tuple(
-                dict(tables=torch.full((n, w), self.scratch_block, dtype=torch.int32, device=dev),
-                     lens=torch.ones(n, dtype=torch.int32, device=dev),
-                     pos=torch.zeros(n, w * bsz, dtype=torch.int32, device=dev))
-                for _ in (EARLY, LATE))
+        """Capture with the step's own inputs in the buffers: the warm-up run then writes
+        exactly what the replay writes."""
         meta = self._mirror_meta(bs)
         self.logits[:bs] = self.model(self.ids[:bs], meta, self.cache)  # compiles the kernels
         torch.cuda.synchronize()
@@ -132,6 +135,8 @@ class DecodeGraphs:
         # (kv_len 1) and write only the scratch slot; their logits are dropped.
         self.tables[:n, :width].copy_(table, non_blocking=True)
         if any(w.seq.mirror is not None for w in work):
+            if not self.views:
+                self._alloc_views()
             self._fill_views(work, bs)
             if bs not in self.mirror_graphs:
                 self._capture_mirror(bs)

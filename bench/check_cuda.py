@@ -42,11 +42,12 @@ def graphs_vs_eager(mirrors: bool = False) -> float:
         rnd = make_round(11, 100, 40, 49152, seed=2)
         for i, (p, sp) in enumerate(zip(rnd.prompts, rnd.shared)):
             eng.add(f"r{i}", p, sampling, mode="collective", shared=sp)
+        eng._blend()  # prefill and first tokens: the next step is the first Mirror decode
     else:
         for i, p in enumerate(rand_prompts(11, 300, 49152, 0)):
             eng.add(f"r{i}", p[: 100 + 20 * i], sampling)
-    while any(s.computed < len(s.prompt) for s in eng.seqs.values()):
-        eng.step()
+        while any(s.computed < len(s.prompt) for s in eng.seqs.values()):
+            eng.step()
     work, _ = eng.scheduler.schedule()
     assert all(w.count == 1 for w in work) and len(work) == 11
     assert all((w.seq.mirror is not None) == mirrors for w in work)
