@@ -130,12 +130,16 @@ class Mirror:
 
     def table(self, view: int, own_blocks: list[int], block_size: int) -> tuple[list[int], torch.Tensor]:
         """(block table, position of every slot of it) for attention in this view."""
-        if view not in self._fixed:
-            self._fixed[view] = self._positions(view, block_size)
-        head, spans = self._fixed[view]
-        tail = torch.arange(self.prompt_len, self.prompt_len + len(own_blocks) * block_size - len(head),
-                            dtype=torch.int32)
-        return own_blocks + self.master_blocks, torch.cat((head, tail, spans))
+        key = ("table", view, len(own_blocks))  # changes only when a block is added
+        if key not in self._fixed:
+            if view not in self._fixed:
+                self._fixed[view] = self._positions(view, block_size)
+            head, spans = self._fixed[view]
+            tail = torch.arange(self.prompt_len, self.prompt_len + len(own_blocks) * block_size - len(head),
+                                dtype=torch.int32)
+            self._fixed.pop(("table", view, len(own_blocks) - 1), None)
+            self._fixed[key] = torch.cat((head, tail, spans))
+        return own_blocks + self.master_blocks, self._fixed[key]
 
     def _positions(self, view: int, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Positions of the prompt area's slots, and of the Master slots (a segment's

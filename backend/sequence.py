@@ -55,6 +55,10 @@ class Sequence:
     def slots(self, rows: torch.Tensor, view: int, block_size: int, trash: int) -> torch.Tensor:
         """Pool slots where tokens `rows` keep their K/V in this view (a Mirror keeps
         reused tokens in the Master: their rows go to the trash slot)."""
+        if len(rows) == 1:  # a decode step: plain Python beats five tensor ops
+            j = int(rows[0])
+            i = j if self.mirror is None else self.mirror.own_slot(j, view)
+            return torch.tensor([self.blocks[i // block_size] * block_size + i % block_size if i >= 0 else trash])
         own = rows if self.mirror is None else self.mirror.own_index(view, rows)
         i = own.clamp_min(0)
         flat = torch.tensor(self.blocks, dtype=torch.long)[i // block_size] * block_size + i % block_size

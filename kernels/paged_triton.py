@@ -29,6 +29,45 @@ def _dot(a, b, acc, PREC: tl.constexpr):
 
 
 @triton.jit
+def _tile(acc, m_i, l_i, q1, q2, qp, kc, vc, bt, j, jm, kpos, c, s, s_blk, s_slot, qk_scale,
+          B: tl.constexpr, HALF: tl.constexpr, MASK: tl.constexpr, POS: tl.constexpr,
+          PREC: tl.constexpr):
+    """One key tile (slots j, live where jm, at positions kpos, rotated by c/s) into the
+    online softmax of the rows (q1 | q2)."""
+    offs_h = tl.arange(0, HALF)
+    offs_d = tl.arange(0, 2 * HALF)
+    if MASK:
+        blk = tl.load(bt + j // B, mask=jm, other=0)
+    else:
+        blk = tl.load(bt + j // B)
+    row = blk.to(tl.int64) * s_blk + (j % B) * s_slot
+    kp = kc + row[None, :] + offs_h[:, None]  # K^T halves, [HALF, BLOCK_N]
+    vp = vc + row[:, None] + offs_d[None, :]
+    if MASK:
+        k1 = tl.load(kp, mask=jm[None, :], other=0.0).to(tl.float32)
+        k2 = tl.load(kp + HALF, mask=jm[None, :], other=0.0).to(tl.float32)
+        v = tl.load(vp, mask=jm[:, None], other=0.0)  # slots past hi may be garbage
+    else:
+        k1 = tl.load(kp).to(tl.float32)
+        k2 = tl.load(kp + HALF).to(tl.float32)
+        v = tl.load(vp)
+    r1 = (k1 * c - k2 * s).to(q1.dtype)
+    r2 = (k2 * c + k1 * s).to(q1.dtype)
+    qk = _dot(q2, r2, _dot(q1, r1, None, PREC), PREC) * qk_scale
+    if MASK:
+        ok = jm[None, :] & (kpos[None, :] <= qp[:, None])
+        qk = tl.where(ok, qk, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(qk, 1))
+    if POS:  # a row may have seen no visible key yet: keep exp2 away from -inf - -inf
+        m_new = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(qk - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = _dot(p.to(v.dtype), v, acc * alpha[:, None], PREC)
+    return acc, m_new, l_i
+
+
+@triton.jit
 def _attend(acc, m_i, l_i, q1, q2, qp, kc, vc, bt, kpt, f, lo, hi, s_blk, s_slot, qk_scale,
             B: tl.constexpr, HALF: tl.constexpr, BLOCK_N: tl.constexpr,
             MASK: tl.constexpr, STEP: tl.constexpr, POS: tl.constexpr, PREC: tl.constexpr):
@@ -41,8 +80,6 @@ def _attend(acc, m_i, l_i, q1, q2, qp, kc, vc, bt, kpt, f, lo, hi, s_blk, s_slot
     negative one hides the slot. Scores are in the log2 domain (qk_scale holds log2 e).
     """
     offs_n = tl.arange(0, BLOCK_N)
-    offs_h = tl.arange(0, HALF)
-    offs_d = tl.arange(0, 2 * HALF)
     if STEP:
         # cos/sin of the first tile, then a rotation by the exact angle BLOCK_N * f per
         # tile: 6 flops per element instead of a sine and a cosine.
@@ -58,62 +95,37 @@ def _attend(acc, m_i, l_i, q1, q2, qp, kc, vc, bt, kpt, f, lo, hi, s_blk, s_slot
         ang = f * offs_n[None, :].to(tl.float32)
         ct = tl.cos(ang)
         st = tl.sin(ang)
+        qmax = tl.max(qp, 0)
     for start in range(lo, hi, BLOCK_N):
         j = start + offs_n
         jm = j < hi
         if POS:
             kpos = tl.load(kpt + j, mask=jm, other=-1)
-            jm = jm & (kpos >= 0)
+            jm = jm & (kpos >= 0) & (kpos <= qmax)
+            if tl.max(jm.to(tl.int32), 0) > 0:  # slot order is not position order: skip
+                rel = kpos - offs_n
+                p0 = tl.max(tl.where(jm, rel, -1), 0)
+                if tl.min(tl.where(jm, rel, p0), 0) == p0:
+                    a0 = f * p0.to(tl.float32)  # [HALF, 1]
+                    c0 = tl.cos(a0)
+                    s0 = tl.sin(a0)
+                    c = c0 * ct - s0 * st
+                    s = s0 * ct + c0 * st
+                else:  # scattered positions (patches): a sine and a cosine per element
+                    ang = f * kpos[None, :].to(tl.float32)
+                    c = tl.cos(ang)
+                    s = tl.sin(ang)
+                acc, m_i, l_i = _tile(acc, m_i, l_i, q1, q2, qp, kc, vc, bt, j, jm, kpos, c, s,
+                                      s_blk, s_slot, qk_scale, B, HALF, True, True, PREC)
         else:
-            kpos = j
-        if MASK:
-            blk = tl.load(bt + j // B, mask=jm, other=0)
-        else:
-            blk = tl.load(bt + j // B)
-        row = blk.to(tl.int64) * s_blk + (j % B) * s_slot
-        kp = kc + row[None, :] + offs_h[:, None]  # K^T halves, [HALF, BLOCK_N]
-        vp = vc + row[:, None] + offs_d[None, :]
-        if MASK:
-            k1 = tl.load(kp, mask=jm[None, :], other=0.0).to(tl.float32)
-            k2 = tl.load(kp + HALF, mask=jm[None, :], other=0.0).to(tl.float32)
-            v = tl.load(vp, mask=jm[:, None], other=0.0)  # slots past hi may be garbage
-        else:
-            k1 = tl.load(kp).to(tl.float32)
-            k2 = tl.load(kp + HALF).to(tl.float32)
-            v = tl.load(vp)
-        if POS:
-            rel = kpos - offs_n
-            p0 = tl.max(tl.where(jm, rel, -1), 0)
-            if tl.min(tl.where(jm, rel, p0), 0) == p0:
-                a0 = f * p0.to(tl.float32)  # [HALF, 1]
-                c0 = tl.cos(a0)
-                s0 = tl.sin(a0)
-                c = c0 * ct - s0 * st
-                s = s0 * ct + c0 * st
-            else:  # scattered positions (patches): a sine and a cosine per element
-                ang = f * kpos[None, :].to(tl.float32)
+            if not STEP:
+                ang = f * j[None, :].to(tl.float32)
                 c = tl.cos(ang)
                 s = tl.sin(ang)
-        elif not STEP:
-            ang = f * kpos[None, :].to(tl.float32)
-            c = tl.cos(ang)
-            s = tl.sin(ang)
-        r1 = (k1 * c - k2 * s).to(q1.dtype)
-        r2 = (k2 * c + k1 * s).to(q1.dtype)
-        qk = _dot(q2, r2, _dot(q1, r1, None, PREC), PREC) * qk_scale
-        if MASK:
-            ok = jm[None, :] & (kpos[None, :] <= qp[:, None])
-            qk = tl.where(ok, qk, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(qk, 1))
-        if POS:  # a row may have seen no visible key yet: keep exp2 away from -inf - -inf
-            m_new = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(qk - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = _dot(p.to(v.dtype), v, acc * alpha[:, None], PREC)
-        m_i = m_new
-        if STEP:
-            c, s = c * cs - s * ss, s * cs + c * ss
+            acc, m_i, l_i = _tile(acc, m_i, l_i, q1, q2, qp, kc, vc, bt, j, jm, j, c, s,
+                                  s_blk, s_slot, qk_scale, B, HALF, MASK, False, PREC)
+            if STEP:
+                c, s = c * cs - s * ss, s * cs + c * ss
     return acc, m_i, l_i
 
 
