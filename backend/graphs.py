@@ -5,8 +5,7 @@ host spends twice as long launching them as the GPU spends running them. Each ba
 bucket's forward is captured once and replayed: the step then costs one launch. Inputs
 live in static buffers; a batch smaller than its bucket is padded with rows that read and
 write one scratch block no sequence owns. A batch with Mirrors among it replays a second
-graph per bucket (captured on first use) whose attention reads both views' slot-position
-tables.
+graph per bucket whose attention reads both views' slot-position tables.
 """
 
 from __future__ import annotations
@@ -44,12 +43,14 @@ class DecodeGraphs:
         self.logits = torch.zeros(n, model.cfg.vocab_size, dtype=torch.float32, device=dev)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.scratch_block = scratch_block
-        # Mirror tables (own blocks, then the Master's), per view: allocated on first use.
+        # Mirror tables (own blocks, then the Master's): per view, tables, lens, pos.
         self.mirror_blocks = 2 * max_blocks
         self.mirror_graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.views: tuple[dict[str, torch.Tensor], ...] = ()
+        self.views = self._alloc_views()
         self.pool = None
         self._capture()
+        for bs in reversed(self.sizes):
+            self._capture_mirror(bs)
 
     def _meta(self, bs: int) -> AttnMeta:
         return AttnMeta(positions=self.pos[:bs], slots=self.slots[:bs], cu_q=self.cu_q[: bs + 1],
@@ -77,10 +78,10 @@ class DecodeGraphs:
         early.late, early.late_from = late, self.late_from
         return early
 
-    def _alloc_views(self) -> None:
+    def _alloc_views(self) -> tuple[dict[str, torch.Tensor], ...]:
         n, dev, w = self.sizes[-1], self.ids.device, self.mirror_blocks
         bsz = self.cache.block_size
-        self.views = tuple(
+        return tuple(
             dict(tables=torch.full((n, w), self.scratch_block, dtype=torch.int32, device=dev),
                  lens=torch.ones(n, dtype=torch.int32, device=dev),
                  pos=torch.zeros(n, w * bsz, dtype=torch.int32, device=dev))
@@ -88,8 +89,6 @@ class DecodeGraphs:
 
     @torch.inference_mode()
     def _capture_mirror(self, bs: int) -> None:
-        """Capture with the step's own inputs in the buffers: the warm-up run then writes
-        exactly what the replay writes."""
         meta = self._mirror_meta(bs)
         self.logits[:bs] = self.model(self.ids[:bs], meta, self.cache)  # compiles the kernels
         torch.cuda.synchronize()
@@ -135,11 +134,7 @@ class DecodeGraphs:
         # (kv_len 1) and write only the scratch slot; their logits are dropped.
         self.tables[:n, :width].copy_(table, non_blocking=True)
         if any(w.seq.mirror is not None for w in work):
-            if not self.views:
-                self._alloc_views()
             self._fill_views(work, bs)
-            if bs not in self.mirror_graphs:
-                self._capture_mirror(bs)
             self.mirror_graphs[bs].replay()
         else:
             self.graphs[bs].replay()
