@@ -41,6 +41,7 @@ class Mirror:
     # view does not read this slot. Generated tokens follow the prompt area.
     own_pos: tuple[list[int], list[int]]
     own_of: list[int]  # per prompt token: its private slot, -1 if it has none
+    master_blocks: list[int] = field(default_factory=list)  # every span's, in order
     picked: list[int] = field(default_factory=list)  # reused tokens recomputed (late view)
     patch_free: list[int] = field(default_factory=list)  # unused patch slots (check layer 1)
     _span_of: dict[int, tuple[int, int]] = field(default_factory=dict)  # token -> (span, t)
@@ -63,7 +64,8 @@ class Mirror:
             free = list(range(len(early), len(early) + patch_cap))
             early += [-1] * patch_cap
             late += [-1] * patch_cap
-        m = cls(prompt_len, spans, (early, late), own_of, patch_free=free[::-1])
+        m = cls(prompt_len, spans, (early, late), own_of, [b for sp in spans for b in sp.blocks],
+                patch_free=free[::-1])
         for si, sp in enumerate(spans):
             for t in range(sp.n):
                 if reused[sp.lo + t]:
@@ -121,10 +123,6 @@ class Mirror:
     def held(self, tokens: int) -> int:
         """Private slots in use (unused patch room not counted)."""
         return self.own_slots(tokens) - len(self.patch_free)
-
-    @property
-    def master_blocks(self) -> list[int]:
-        return [b for sp in self.spans for b in sp.blocks]
 
     # -- reads ---------------------------------------------------------------------
 

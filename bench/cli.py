@@ -1,4 +1,4 @@
-"""`tokendance bench {engine,reuse,fidelity}`."""
+"""`tokendance bench {engine,reuse,memory,mirror-decode,fidelity}`."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ KINDS = {
     "engine": ("tokendance.bench.engine", "prefill and decode tokens/s against HF transformers"),
     "reuse": ("tokendance.bench.reuse", "an All-Gather round in every reuse mode"),
     "memory": ("tokendance.bench.memory", "resident memory while serving"),
+    "mirror-decode": ("tokendance.bench.mirror_decode", "decode steps over N Mirrors against dense caches"),
     "fidelity": ("tokendance.bench.fidelity", "pic / collective against full: KV deviation, agreement, divergence"),
 }
 

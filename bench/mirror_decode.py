@@ -1,0 +1,115 @@
+"""Decode steps over N Mirrors of one round against N dense caches and one dense cache.
+
+One All-Gather round whose shared outputs total `--shared` tokens (2k by default) and
+histories of `--history` tokens: the N agents are prefilled in `collective` mode (each a
+Mirror of the round's Master) or in `full` mode (each a dense cache); a single agent's
+dense cache is the floor. Decode step time is the median over `--steps` steps (CUDA
+graphs on). With `--profile`, the same steps again without graphs under the torch
+profiler: GPU time per kernel, to see where a Mirror step spends what a dense one does
+not.
+
+    tokendance bench mirror-decode --model qwen2.5-7b --agents 10,20
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from tokendance.backend.api import SamplingParams
+from tokendance.backend.engine import Engine, EngineConfig
+from tokendance.bench.allgather import make_round
+
+
+def sync(eng: Engine) -> None:
+    if eng.device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def decode_steps(eng: Engine, prompts, shared, mode: str, steps: int) -> list[float]:
+    """Seconds of each decode step after the prompts are prefilled (first token out)."""
+    eng.reset_caches()
+    sampling = SamplingParams(max_tokens=steps + 2, temperature=0, ignore_eos=True)
+    for i, (p, sp) in enumerate(zip(prompts, shared)):
+        eng.add(f"d{i}", p, sampling, mode=mode, shared=sp)
+    while any(s.computed < len(s.prompt) or not s.out for s in eng.seqs.values()):
+        eng.step()
+    times = []
+    for _ in range(steps):
+        sync(eng)
+        t0 = time.perf_counter()
+        eng.step()
+        sync(eng)
+        times.append(time.perf_counter() - t0)
+    while eng.has_work():
+        eng.step()
+    return times
+
+
+def kernel_table(eng: Engine, prompts, shared, mode: str, steps: int, top: int = 8) -> str:
+    from torch.profiler import ProfilerActivity, profile
+
+    graphs, eng.runner.graphs = eng.runner.graphs, None
+    try:
+        eng.reset_caches()
+        sampling = SamplingParams(max_tokens=steps + 2, temperature=0, ignore_eos=True)
+        for i, (p, sp) in enumerate(zip(prompts, shared)):
+            eng.add(f"p{i}", p, sampling, mode=mode, shared=sp)
+        while any(s.computed < len(s.prompt) or not s.out for s in eng.seqs.values()):
+            eng.step()
+        acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if eng.device.type == "cuda" else [])
+        with profile(activities=acts) as prof:
+            for _ in range(steps):
+                eng.step()
+            sync(eng)
+        while eng.has_work():
+            eng.step()
+    finally:
+        eng.runner.graphs = graphs
+    key = "self_device_time_total" if eng.device.type == "cuda" else "self_cpu_time_total"
+    return prof.key_averages().table(sort_by=key, row_limit=top)
+
+
+def add_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=None, help="HF folder, .gguf, or a shape name (qwen2.5-7b)")
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--agents", default="10,20")
+    p.add_argument("--shared", type=int, default=2048, help="tokens of all outputs together")
+    p.add_argument("--history", type=int, default=512)
+    p.add_argument("--steps", type=int, default=32)
+    p.add_argument("--profile", action="store_true")
+
+
+def main(args: argparse.Namespace) -> int:
+    model, random = args.model, False
+    if model and not Path(model).exists():
+        from tokendance.bench.shapes import shape_folder
+
+        model, random = str(shape_folder(model)), True
+    agents = [int(a) for a in args.agents.split(",")]
+    need = max(agents) * (args.history * 2 + args.shared * 2 + args.steps + 64) + 8192
+    eng = Engine(EngineConfig(model=model, dtype=args.dtype, random_weights=random, kv_tokens=need,
+                              max_batched_tokens=16384, segment_cache_fraction=0.5))
+    vocab = min(eng.mcfg.vocab_size, len(eng.tokenizer))
+    print(f"model {eng.name} on {eng.device}, {eng.dtype}; shared {args.shared} tokens per round, "
+          f"histories ~{args.history}; median decode step over {args.steps} steps")
+    print("| N | N Mirrors (collective) | N dense caches (full) | one dense cache | Mirrors / dense | "
+          "Mirrors / one |\n|---|---|---|---|---|---|")
+    for n in agents:
+        rnd = make_round(n, args.history, args.shared // n, vocab, seed=n)
+        decode_steps(eng, rnd.prompts[:1], rnd.shared[:1], "full", 2)  # warm-up
+        ms = {}
+        for name, mode, k in (("mirrors", "collective", n), ("dense", "full", n), ("one", "full", 1)):
+            ms[name] = 1e3 * statistics.median(
+                decode_steps(eng, rnd.prompts[:k], rnd.shared[:k], mode, args.steps))
+        print(f"| {n} | {ms['mirrors']:.2f} ms | {ms['dense']:.2f} ms | {ms['one']:.2f} ms | "
+              f"{ms['mirrors'] / ms['dense']:.2f}x | {ms['mirrors'] / ms['one']:.2f}x |")
+        if args.profile:
+            for mode in ("collective", "full"):
+                print(f"\nN = {n}, {mode}, eager, GPU time per kernel over {args.steps} steps:")
+                print(kernel_table(eng, rnd.prompts, rnd.shared, mode, args.steps))
+    return 0
