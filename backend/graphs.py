@@ -149,7 +149,7 @@ class DecodeGraphs:
             for w in work:
                 seq = w.seq
                 if seq.mirror is None:
-                    blocks = seq.blocks
+                    blocks = torch.tensor(seq.blocks, dtype=torch.int32)
                     p = torch.arange(len(blocks) * bsz, dtype=torch.int32)
                     lens.append(w.start + 1)
                 else:
@@ -162,7 +162,7 @@ class DecodeGraphs:
             sp = torch.full((bs, width * bsz), -1, dtype=torch.int32)
             sp[len(work):, 0] = 0
             for i, (b, p) in enumerate(zip(tabs, pos)):
-                table[i, :len(b)] = torch.tensor(b, dtype=torch.int32)
+                table[i, :len(b)] = b
                 sp[i, :len(p)] = p
             v["tables"][:bs, :width].copy_(table, non_blocking=True)
             v["pos"][:bs, :width * bsz].copy_(sp, non_blocking=True)

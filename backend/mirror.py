@@ -126,8 +126,8 @@ class Mirror:
 
     # -- reads ---------------------------------------------------------------------
 
-    def table(self, view: int, own_blocks: list[int], block_size: int) -> tuple[list[int], torch.Tensor]:
-        """(block table, position of every slot of it) for attention in this view."""
+    def table(self, view: int, own_blocks: list[int], block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(block table, position of every slot of it) for attention in this view, int32."""
         key = ("table", view, len(own_blocks))  # changes only when a block is added
         if key not in self._fixed:
             if view not in self._fixed:
@@ -136,8 +136,9 @@ class Mirror:
             tail = torch.arange(self.prompt_len, self.prompt_len + len(own_blocks) * block_size - len(head),
                                 dtype=torch.int32)
             self._fixed.pop(("table", view, len(own_blocks) - 1), None)
-            self._fixed[key] = torch.cat((head, tail, spans))
-        return own_blocks + self.master_blocks, self._fixed[key]
+            self._fixed[key] = (torch.tensor(own_blocks + self.master_blocks, dtype=torch.int32),
+                                torch.cat((head, tail, spans)))
+        return self._fixed[key]
 
     def _positions(self, view: int, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Positions of the prompt area's slots, and of the Master slots (a segment's

@@ -50,7 +50,7 @@ def kv_view(seqs: list[Sequence], rows: list[torch.Tensor], view: int, block_siz
     for seq, r in zip(seqs, rows):
         slots.append(seq.slots(r, view, block_size, trash))
         if seq.mirror is None:
-            tables.append(seq.blocks)
+            tables.append(torch.tensor(seq.blocks, dtype=torch.int32))
             lens.append(int(r[-1]) + 1)
             if mirrors:
                 spos.append(torch.arange(len(seq.blocks) * block_size, dtype=torch.int32))
@@ -62,7 +62,7 @@ def kv_view(seqs: list[Sequence], rows: list[torch.Tensor], view: int, block_siz
     width = max(len(b) for b in tables)
     table = torch.zeros(len(seqs), width, dtype=torch.int32)
     for i, b in enumerate(tables):
-        table[i, :len(b)] = torch.tensor(b, dtype=torch.int32)
+        table[i, :len(b)] = b
     out = dict(slots=torch.cat(slots), block_tables=table,
                kv_lens=torch.tensor(lens, dtype=torch.int32))
     if mirrors:

@@ -68,16 +68,43 @@ def _tile(acc, m_i, l_i, q1, q2, qp, kc, vc, bt, j, jm, kpos, c, s, s_blk, s_slo
 
 
 @triton.jit
+def _pos_tile(acc, m_i, l_i, q1, q2, qp, kc, vc, bt, f, j, jm, kpos, ct, st, s_blk, s_slot,
+              qk_scale, B: tl.constexpr, HALF: tl.constexpr, BLOCK_N: tl.constexpr,
+              PREC: tl.constexpr):
+    """A tile read through slot positions: angle addition from its first position when
+    its visible slots are consecutive, else a sine and a cosine per element."""
+    offs_n = tl.arange(0, BLOCK_N)
+    rel = kpos - offs_n
+    p0 = tl.max(tl.where(jm, rel, -1), 0)
+    if tl.min(tl.where(jm, rel, p0), 0) == p0:
+        a0 = f * p0.to(tl.float32)  # [HALF, 1]
+        c0 = tl.cos(a0)
+        s0 = tl.sin(a0)
+        c = c0 * ct - s0 * st
+        s = s0 * ct + c0 * st
+    else:  # scattered positions (patches)
+        ang = f * kpos[None, :].to(tl.float32)
+        c = tl.cos(ang)
+        s = tl.sin(ang)
+    return _tile(acc, m_i, l_i, q1, q2, qp, kc, vc, bt, j, jm, kpos, c, s, s_blk, s_slot,
+                 qk_scale, B, HALF, True, True, PREC)
+
+
+@triton.jit
 def _attend(acc, m_i, l_i, q1, q2, qp, kc, vc, bt, kpt, f, lo, hi, s_blk, s_slot, qk_scale,
             B: tl.constexpr, HALF: tl.constexpr, BLOCK_N: tl.constexpr,
-            MASK: tl.constexpr, STEP: tl.constexpr, POS: tl.constexpr, PREC: tl.constexpr):
+            MASK: tl.constexpr, STEP: tl.constexpr, POS: tl.constexpr, SKIP: tl.constexpr,
+            PREC: tl.constexpr):
     """Online softmax of the rows (q1 | q2) over keys lo .. hi-1 of one sequence.
 
     kc, vc: the kv head's first element in block 0; bt: the block-table row; f:
     inv_freq as [HALF, 1]. Without MASK every key in range must be visible to every
     row; with it, key j counts for a row at position p only if j < hi and j <= p.
     With POS (needs MASK, not STEP), slot j's position is kpt[j] instead of j, and a
-    negative one hides the slot. Scores are in the log2 domain (qk_scale holds log2 e).
+    negative one hides the slot; with SKIP too, tiles no row can see are skipped (worth a
+    branch in prefill, where slot order is not position order; decode keeps its loads at
+    the loop's top level, where they pipeline). Scores are in the log2 domain (qk_scale
+    holds log2 e).
     """
     offs_n = tl.arange(0, BLOCK_N)
     if STEP:
@@ -102,21 +129,13 @@ def _attend(acc, m_i, l_i, q1, q2, qp, kc, vc, bt, kpt, f, lo, hi, s_blk, s_slot
         if POS:
             kpos = tl.load(kpt + j, mask=jm, other=-1)
             jm = jm & (kpos >= 0) & (kpos <= qmax)
-            if tl.max(jm.to(tl.int32), 0) > 0:  # slot order is not position order: skip
-                rel = kpos - offs_n
-                p0 = tl.max(tl.where(jm, rel, -1), 0)
-                if tl.min(tl.where(jm, rel, p0), 0) == p0:
-                    a0 = f * p0.to(tl.float32)  # [HALF, 1]
-                    c0 = tl.cos(a0)
-                    s0 = tl.sin(a0)
-                    c = c0 * ct - s0 * st
-                    s = s0 * ct + c0 * st
-                else:  # scattered positions (patches): a sine and a cosine per element
-                    ang = f * kpos[None, :].to(tl.float32)
-                    c = tl.cos(ang)
-                    s = tl.sin(ang)
-                acc, m_i, l_i = _tile(acc, m_i, l_i, q1, q2, qp, kc, vc, bt, j, jm, kpos, c, s,
-                                      s_blk, s_slot, qk_scale, B, HALF, True, True, PREC)
+            if SKIP:
+                if tl.max(jm.to(tl.int32), 0) > 0:
+                    acc, m_i, l_i = _pos_tile(acc, m_i, l_i, q1, q2, qp, kc, vc, bt, f, j, jm, kpos,
+                                              ct, st, s_blk, s_slot, qk_scale, B, HALF, BLOCK_N, PREC)
+            else:
+                acc, m_i, l_i = _pos_tile(acc, m_i, l_i, q1, q2, qp, kc, vc, bt, f, j, jm, kpos,
+                                          ct, st, s_blk, s_slot, qk_scale, B, HALF, BLOCK_N, PREC)
         else:
             if not STEP:
                 ang = f * j[None, :].to(tl.float32)
@@ -170,9 +189,9 @@ def _prefill_kernel(q, q_pos, cu_q, kc, vc, bt, kpt, kv_lens, inv_freq, out,
     bt += seq.to(tl.int64) * s_bt
     kpt += seq.to(tl.int64) * s_sp
     acc, m_i, l_i = _attend(acc, m_i, l_i, q1, q2, qp, kc, vc, bt, kpt, f, 0, full,
-                            s_blk, s_slot, qk_scale, B, HALF, BLOCK_N, False, STEP, POS, PREC)
+                            s_blk, s_slot, qk_scale, B, HALF, BLOCK_N, False, STEP, POS, POS, PREC)
     acc, m_i, l_i = _attend(acc, m_i, l_i, q1, q2, qp, kc, vc, bt, kpt, f, full, hi,
-                            s_blk, s_slot, qk_scale, B, HALF, BLOCK_N, True, STEP, POS, PREC)
+                            s_blk, s_slot, qk_scale, B, HALF, BLOCK_N, True, STEP, POS, POS, PREC)
     o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     offs_d = tl.arange(0, 2 * HALF)
     oo = tok[:, None] * s_qt + head[:, None] * s_qh + offs_d[None, :]
@@ -222,9 +241,9 @@ def _decode_kernel(q, q_pos, cu_q, kc, vc, bt, kpt, kv_lens, inv_freq, o_part, l
     bt += seq.to(tl.int64) * s_bt
     kpt += seq.to(tl.int64) * s_sp
     acc, m_i, l_i = _attend(acc, m_i, l_i, q1, q2, qp, kc, vc, bt, kpt, f, lo, full,
-                            s_blk, s_slot, qk_scale, B, HALF, BLOCK_N, False, STEP, POS, PREC)
+                            s_blk, s_slot, qk_scale, B, HALF, BLOCK_N, False, STEP, POS, False, PREC)
     acc, m_i, l_i = _attend(acc, m_i, l_i, q1, q2, qp, kc, vc, bt, kpt, f, full, hi,
-                            s_blk, s_slot, qk_scale, B, HALF, BLOCK_N, True, STEP, POS, PREC)
+                            s_blk, s_slot, qk_scale, B, HALF, BLOCK_N, True, STEP, POS, False, PREC)
     # An empty split leaves weight 0 (lse = -inf) and a zero partial.
     seen = l_i > 0
     l_safe = tl.where(seen, l_i, 1.0)
