@@ -18,6 +18,7 @@ import torch
 
 from tokendance.backend.api import Request, SamplingParams, Segment
 from tokendance.backend.engine import Engine, EngineConfig
+from tokendance.backend.mirror import EARLY, LATE
 from tokendance.backend.runner import step_meta
 from tokendance.backend.scheduler import Scheduled
 from tokendance.backend.service import EngineBackend
@@ -65,11 +66,14 @@ def run(eng: Engine, prepared, mode: str) -> list[str]:
 
 
 def layer_kv(eng: Engine, seq) -> torch.Tensor:
-    """[layers, 2, T, H, D] of the sequence's prompt."""
-    b = eng.cache.block_size
-    slots = torch.tensor([seq.blocks[j // b] * b + j % b for j in range(len(seq.prompt))])
-    return torch.stack([torch.stack([k.view(-1, *k.shape[2:])[slots], v.view(-1, *v.shape[2:])[slots]])
-                        for k, v in zip(eng.cache.k, eng.cache.v)]).float()
+    """[layers, 2, T, H, D]: the K/V each layer reads for the sequence's prompt (a
+    Mirror's from its own slots or the Master, by layer)."""
+    b, rows = eng.cache.block_size, torch.arange(len(seq.prompt))
+    out = []
+    for li, (k, v) in enumerate(zip(eng.cache.k, eng.cache.v)):
+        slots = seq.read_slots(rows, EARLY if li < eng.runner.late_from else LATE, b)
+        out.append(torch.stack([k.view(-1, *k.shape[2:])[slots], v.view(-1, *v.shape[2:])[slots]]))
+    return torch.stack(out).float()
 
 
 @torch.inference_mode()
@@ -95,7 +99,8 @@ def teacher_forced(eng: Engine, prepared, mode: str, cont: list[list[int]]) -> t
     for s, c in zip(seqs, cont):
         s.out = list(c[:-1])
         assert eng.blocks.reserve(s, len(s))
-        ids, meta, _ = step_meta([Scheduled(s, len(s.prompt), len(c) - 1)], eng.cache.block_size, eng.device)
+        ids, meta, _ = step_meta([Scheduled(s, len(s.prompt), len(c) - 1)], eng.cache.block_size,
+                                 eng.device, eng.cache.trash, eng.runner.late_from)
         logits = eng.model(ids, meta, eng.cache)
         pred = logits.argmax(-1).tolist()
         hits += sum(a == b for a, b in zip(pred, c[1:]))
