@@ -146,7 +146,7 @@ def main(args: argparse.Namespace) -> int:
                 diff = (kv[:, 1, mask] - ex[:, 1, mask]).flatten(2).norm(dim=-1)
                 devs[m].append((diff / ex[:, 1, mask].flatten(2).norm(dim=-1).clamp_min(1e-9)).mean(-1))
     layers = eng.mcfg.num_layers
-    picks = sorted({1, 2, 5, 10, layers // 2, layers - 1})
+    picks = sorted(l for l in {1, 2, 5, 10, layers // 2, layers - 1} if l < layers)
     print("\nPer-layer mean relative V deviation of reused tokens from exact (round-2 prompts):")
     print("| mode | " + " | ".join(f"layer {l}" for l in picks) + " |\n|---|" + "---|" * len(picks))
     for m in modes[1:]:
