@@ -42,7 +42,6 @@ class Mirror:
     own_pos: tuple[list[int], list[int]]
     own_of: list[int]  # per prompt token: its private slot, -1 if it has none
     master_blocks: list[int] = field(default_factory=list)  # every span's, in order
-    picked: list[int] = field(default_factory=list)  # reused tokens recomputed (late view)
     patch_free: list[int] = field(default_factory=list)  # unused patch slots (check layer 1)
     _span_of: dict[int, tuple[int, int]] = field(default_factory=dict)  # token -> (span, t)
     _fixed: dict = field(default_factory=dict)  # tensors derived from the above, per view
@@ -80,7 +79,6 @@ class Mirror:
             if self.own_of[j] < 0:
                 self.own_of[j] = self.patch_free.pop()
             self.own_pos[LATE][self.own_of[j]] = j
-        self.picked += tokens
         self._fixed.clear()
 
     def own_slot(self, j: int, view: int) -> int:
