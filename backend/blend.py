@@ -19,8 +19,8 @@ import torch
 
 from tokendance.backend.mirror import EARLY, LATE
 from tokendance.backend.model import AttnMeta, Decoder, KVCache
-from tokendance.backend.runner import kv_view
 from tokendance.backend.sequence import Sequence
+from tokendance.backend.tables import kv_view
 from tokendance.kernels.deviation import kv_deviation, select_top
 
 

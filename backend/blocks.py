@@ -35,10 +35,11 @@ class BlockManager:
             self.pool.decref(b)
         seq.blocks.clear()
         seq.hashes.clear()
-        if seq.mirror is not None:  # its references to the Master
+        if seq.mirror is not None:  # its references to the Master; a rerun computes all
             for b in seq.mirror.master_blocks:
                 self.pool.decref(b)
             seq.mirror = None
+            seq.cached = seq.recomputed = 0
 
     def _hash(self, seq: Sequence, i: int) -> int:
         prev = seq.hashes[i - 1] if i else 0

@@ -15,6 +15,7 @@ import torch
 from tokendance.backend.mirror import EARLY, LATE
 from tokendance.backend.model import AttnMeta, Decoder, KVCache
 from tokendance.backend.scheduler import Scheduled
+from tokendance.backend.tables import kv_view
 
 
 def buckets(max_bs: int) -> list[int]:
@@ -143,28 +144,18 @@ class DecodeGraphs:
     def _fill_views(self, work: list[Scheduled], bs: int) -> None:
         """Both views' tables, key counts and slot positions; padding rows see the
         scratch block's first slot only."""
-        bsz = self.cache.block_size
+        n, bsz = len(work), self.cache.block_size
+        seqs, rows = [w.seq for w in work], [torch.tensor([w.start]) for w in work]
         for view, v in zip((EARLY, LATE), self.views):
-            tabs, pos, lens = [], [], []
-            for w in work:
-                seq = w.seq
-                if seq.mirror is None:
-                    blocks = torch.tensor(seq.blocks, dtype=torch.int32)
-                    p = torch.arange(len(blocks) * bsz, dtype=torch.int32)
-                    lens.append(w.start + 1)
-                else:
-                    blocks, p = seq.mirror.table(view, seq.blocks, bsz)
-                    lens.append(len(blocks) * bsz)
-                tabs.append(blocks)
-                pos.append(p)
-            width = max(len(b) for b in tabs)
+            kv = kv_view(seqs, rows, view, bsz, self.scratch_slot, torch.device("cpu"))
+            width = kv["block_tables"].shape[1]
             table = torch.full((bs, width), self.scratch_block, dtype=torch.int32)
-            sp = torch.full((bs, width * bsz), -1, dtype=torch.int32)
-            sp[len(work):, 0] = 0
-            for i, (b, p) in enumerate(zip(tabs, pos)):
-                table[i, :len(b)] = b
-                sp[i, :len(p)] = p
+            table[:n] = kv["block_tables"]
+            pos = torch.full((bs, width * bsz), -1, dtype=torch.int32)
+            pos[:n] = kv["slot_pos"]
+            pos[n:, 0] = 0
+            lens = torch.ones(bs, dtype=torch.int32)
+            lens[:n] = kv["kv_lens"]
             v["tables"][:bs, :width].copy_(table, non_blocking=True)
-            v["pos"][:bs, :width * bsz].copy_(sp, non_blocking=True)
-            v["lens"][:bs].copy_(torch.tensor(lens + [1] * (bs - len(work)), dtype=torch.int32),
-                                 non_blocking=True)
+            v["pos"][:bs, :width * bsz].copy_(pos, non_blocking=True)
+            v["lens"][:bs].copy_(lens, non_blocking=True)
