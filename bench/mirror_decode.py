@@ -30,14 +30,19 @@ def sync(eng: Engine) -> None:
         torch.cuda.synchronize()
 
 
-def decode_steps(eng: Engine, prompts, shared, mode: str, steps: int) -> list[float]:
-    """Seconds of each decode step after the prompts are prefilled (first token out)."""
+def prefilled(eng: Engine, prompts, shared, mode: str, steps: int) -> None:
+    """Cold caches, then the prompts prefilled (first token out) with `steps` more to go."""
     eng.reset_caches()
     sampling = SamplingParams(max_tokens=steps + 2, temperature=0, ignore_eos=True)
     for i, (p, sp) in enumerate(zip(prompts, shared)):
         eng.add(f"d{i}", p, sampling, mode=mode, shared=sp)
     while any(s.computed < len(s.prompt) or not s.out for s in eng.seqs.values()):
         eng.step()
+
+
+def decode_steps(eng: Engine, prompts, shared, mode: str, steps: int) -> list[float]:
+    """Seconds of each decode step after the prompts are prefilled (first token out)."""
+    prefilled(eng, prompts, shared, mode, steps)
     times = []
     for _ in range(steps):
         sync(eng)
@@ -55,12 +60,7 @@ def kernel_table(eng: Engine, prompts, shared, mode: str, steps: int, top: int =
 
     graphs, eng.runner.graphs = eng.runner.graphs, None
     try:
-        eng.reset_caches()
-        sampling = SamplingParams(max_tokens=steps + 2, temperature=0, ignore_eos=True)
-        for i, (p, sp) in enumerate(zip(prompts, shared)):
-            eng.add(f"p{i}", p, sampling, mode=mode, shared=sp)
-        while any(s.computed < len(s.prompt) or not s.out for s in eng.seqs.values()):
-            eng.step()
+        prefilled(eng, prompts, shared, mode, steps)
         acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if eng.device.type == "cuda" else [])
         with profile(activities=acts) as prof:
             for _ in range(steps):
