@@ -7,6 +7,11 @@
 #   mirrors: CUDA checks of Mirrors (graphs = eager, pic = collective, ratio 1 = full)
 #   collective: collective decode attention against paged decode (bench/collective.py)
 #   capacity: round latency with 128 decoded tokens per agent, prefix vs collective
+#   mirror-decode: decode steps over N = 10 and 20 Mirrors against dense caches
+# The carried folders are git-ignored; make them once on the CPU machine:
+#   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 \
+#     --implementation cp --platform manylinux2014_x86_64 -d .whl structlog
+#   mkdir -p .device/tok && cp ~/.cache/tokendance/SmolLM2-135M-Instruct/{tokenizer.json,tokenizer_config.json,chat_template.jinja} .device/tok/
 # The package is not installed there: a namespace folder links our folders in.
 set -uo pipefail
 python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl || exit 1
@@ -42,4 +47,8 @@ if want capacity; then
   td bench reuse --model qwen2.5-7b --dtype bfloat16 --agents 2,4,8,16,32 --history 512 \
     --output 150 --repeats 1 --decode 128 --modes prefix,collective \
     --json "$OUT/capacity.json" 2>&1 | grep -v -i "warn\|deprecat" | tee "$OUT/capacity.txt"
+fi
+if want mirror-decode; then
+  td bench mirror-decode --model qwen2.5-7b --dtype bfloat16 --agents 10,20 --steps 32 \
+    2>&1 | grep -v -i "warn\|deprecat" | tee "$OUT/mirror_decode.txt"
 fi
