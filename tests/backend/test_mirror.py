@@ -147,3 +147,27 @@ def test_graph_buffers_hold_what_eager_decode_reads(engine):
         assert torch.equal(v["lens"][:3], m.kv_lens)
         assert torch.equal(v["pos"][:3, :width * b], m.slot_pos)
         assert v["lens"][3] == 1 and v["pos"][3, 0] == 0 and v["tables"][3, 0] == g.scratch_block
+
+
+@pytest.fixture(scope="module")
+def four_layers(make_model):
+    return make_model("llama", num_hidden_layers=4)
+
+
+@pytest.mark.parametrize("ratio", [0.15, 1.0])
+def test_later_check_layer(four_layers, ratio):
+    """Check layer 2: layer 1 is recomputed for every token, so every reused token has a
+    private slot in the early view; pic = collective, and ratio 1 = full."""
+    prompts, spans = round_prompts(3, seed=16)
+    outs = {}
+    for mode in ("full", "pic", "collective"):
+        eng = Engine(model=str(four_layers), dtype="float32", kv_tokens=8192, check_layer=2,
+                     recompute_ratio=ratio)
+        toks, usage = run(eng, mode, prompts, spans, mode)
+        outs[mode] = toks
+        if mode != "full":
+            for p, sp, u in zip(prompts, spans, usage):
+                assert u.kv_held_bytes == (len(p) + u.completion_tokens) * eng.kv_bytes_per_token
+    assert outs["pic"] == outs["collective"]
+    if ratio == 1.0:
+        assert outs["collective"] == outs["full"]
