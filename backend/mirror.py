@@ -131,6 +131,7 @@ class Mirror:
             if view not in self._fixed:
                 self._fixed[view] = self._positions(view, block_size)
             head, spans = self._fixed[view]
+            assert len(own_blocks) * block_size >= len(head), "own blocks must cover the prompt area"
             tail = torch.arange(self.prompt_len, self.prompt_len + len(own_blocks) * block_size - len(head),
                                 dtype=torch.int32)
             self._fixed.pop(("table", view, len(own_blocks) - 1), None)

@@ -1,0 +1,75 @@
+"""A Mirror's layout on its own: which slot each token's K/V takes in each view, and the
+positions its attention table gives every slot."""
+
+from __future__ import annotations
+
+import torch
+
+from tokendance.backend.mirror import EARLY, LATE, Mirror, Span
+
+B = 4
+
+
+def layout(dense_early: bool = False) -> tuple[Mirror, list[bool]]:
+    """Prompt of 14 tokens: private 0-2, segment A at 3-7 (Master blocks 10, 11), private
+    8, segment B at 9-12 (Master block 20), the last token 13 private."""
+    reused = [False] * 3 + [True] * 5 + [False] + [True] * 4 + [False]
+    spans = [Span([10, 11], 3, 5), Span([20], 9, 4)]
+    return Mirror.build(14, spans, reused, dense_early, patch_cap=2), reused
+
+
+def test_private_tokens_then_patch_room():
+    m, _ = layout()
+    assert [m.own_slot(j, EARLY) for j in (0, 1, 2, 8, 13)] == [0, 1, 2, 3, 4]
+    assert m.area == 7  # five own tokens, two patch slots
+    assert all(m.own_slot(j, v) == -1 for j in (3, 7, 9, 12) for v in (EARLY, LATE))
+    assert m.own_slots(14) == 7 and m.own_slots(17) == 10  # three generated tokens
+    assert m.held(17) == 8  # the two patch slots are unused until picked
+    assert m.own_slot(15, EARLY) == m.own_slot(15, LATE) == 8  # generated: both views
+
+
+def test_picked_tokens_are_private_in_the_late_view_only():
+    m, _ = layout()
+    m.pick([5, 10])
+    assert m.own_slot(5, LATE) == 5 and m.own_slot(10, LATE) == 6
+    assert m.own_slot(5, EARLY) == -1 and m.own_slot(10, EARLY) == -1  # layer 0: the Master
+    assert m.held(14) == 7
+    rows = torch.arange(14)
+    assert m.own_index(LATE, rows).tolist() == [m.own_slot(j, LATE) for j in range(14)]
+
+
+def test_table_positions():
+    m, _ = layout()
+    m.pick([5, 10])
+    own_blocks = [1, 2]  # 8 private slots: 7 of prompt area, 1 for the first generated token
+    for view in (EARLY, LATE):
+        blocks, pos = m.table(view, own_blocks, B)
+        assert blocks.tolist() == [1, 2, 10, 11, 20]
+        own = pos[:8].tolist()
+        assert own[:5] == [0, 1, 2, 8, 13] and own[7] == 14
+        master_a, master_b = pos[8:16].tolist(), pos[16:20].tolist()
+        if view == EARLY:
+            assert own[5:7] == [-1, -1]
+            assert master_a == [3, 4, 5, 6, 7, -1, -1, -1] and master_b == [9, 10, 11, 12]
+        else:  # the picked tokens move to their patches, their Master slots hide
+            assert own[5:7] == [5, 10]
+            assert master_a == [3, 4, -1, 6, 7, -1, -1, -1] and master_b == [9, -1, 11, 12]
+
+
+def test_master_slots_and_a_segment_token_that_is_not_reused():
+    reused = [False] * 3 + [True] * 4 + [False]  # segment at 3-7, but token 7 is the last
+    m = Mirror.build(8, [Span([10, 11], 3, 5)], reused, False, patch_cap=1)
+    assert m.master_slots(B).tolist() == [-1, -1, -1, 40, 41, 42, 43, -1]
+    _, pos = m.table(EARLY, [1, 2], B)  # 5 slots of prompt area, then generated tokens
+    assert pos[:8].tolist() == [0, 1, 2, 7, -1, 8, 9, 10]
+    assert pos[8:].tolist() == [3, 4, 5, 6, -1, -1, -1, -1]  # token 7 reads its own slot
+    assert m.own_slot(7, EARLY) == 3
+
+
+def test_dense_early_view_for_a_later_check_layer():
+    m, reused = layout(dense_early=True)
+    assert m.area == 14  # every prompt token has a private slot
+    assert all(m.own_slot(j, EARLY) == j for j in range(14))
+    assert all(m.own_slot(j, LATE) == (-1 if reused[j] else j) for j in range(14))
+    m.pick([4])
+    assert m.own_slot(4, LATE) == 4 and m.held(14) == 14
