@@ -122,8 +122,12 @@ def _decode_reference(q, q_pos, k_cache, v_cache, block_tables, kv_lens, inv_fre
     if slot_pos is not None:  # [S, 1, L, D/2]; else the same positions for every sequence
         cos, sin = cos.view(s, 1, width, -1), sin.view(s, 1, width, -1)
     half = k.shape[-1] // 2
-    swapped = k.view(*k.shape[:-1], 2, half).flip(-2).view_as(k)  # (k2, k1)
-    k = torch.addcmul(k * torch.cat((cos, cos), -1), swapped, torch.cat((-sin, sin), -1))
+    k1, k2 = k[..., :half], k[..., half:]
+    rot = torch.empty_like(k)  # four half-width passes, no temporaries
+    r1, r2 = rot[..., :half], rot[..., half:]
+    torch.mul(k1, cos, out=r1).addcmul_(k2, sin, value=-1)
+    torch.mul(k2, cos, out=r2).addcmul_(k1, sin)
+    k = rot
     qg = q.float().view(s, hkv, -1, q.shape[-1])  # [S, Hkv, G, D]
     scores = torch.matmul(qg, k.transpose(-1, -2)) * sm_scale  # [S, Hkv, G, L]
     visible = live & (kpos <= q_pos[:, None])
