@@ -57,7 +57,7 @@ def paged_attention_reference(
     """Attention output [T, Hq, D] in q.dtype. slot_pos: [S, >= slots in the tables]
     positions of the table slots, or None for slot j at position j."""
     starts = cu_q.tolist()
-    if len(starts) > 2 and starts[-1] == len(starts) - 1:  # one query per sequence
+    if starts[-1] == len(starts) - 1:  # one query per sequence
         return _decode_reference(q, q_pos, k_cache, v_cache, block_tables, kv_lens,
                                  inv_freq, rope_scale, sm_scale, slot_pos)
     out = torch.empty_like(q)
