@@ -105,19 +105,20 @@ def _decode_reference(q, q_pos, k_cache, v_cache, block_tables, kv_lens, inv_fre
     and CPU SDPA with a mask, both cost more than the attention itself)."""
     s, bsz, hkv = q.shape[0], k_cache.shape[1], k_cache.shape[2]
     width = int(kv_lens.max())
-    # Table entries past a sequence's blocks may hold anything: clamp, then zero what
-    # they fetched, so padding can neither fault nor poison the masked softmax.
     blocks = block_tables[:, : -(-width // bsz)].long().clamp(0, k_cache.shape[0] - 1)
     kpos = torch.arange(width, device=q.device)
     live = kpos[None, :] < kv_lens[:, None]
+    idx = blocks.gather(1, (kpos // bsz).expand(s, -1)) * bsz + kpos % bsz  # [S, L] pool slots
     if slot_pos is not None:
         kpos = slot_pos[:, :width].long()  # [S, L]
         live &= kpos >= 0
+    # Padding and hidden slots may hold anything (NaN would survive a zero weight): read a
+    # live slot of the same sequence in their place; the mask below drops them.
+    idx = torch.where(live, idx, idx.gather(1, live.to(torch.uint8).argmax(1, keepdim=True)))
     f32 = dict(dtype=torch.float32, memory_format=torch.contiguous_format)
     # [S, Hkv, L, D] in float32, so that both matmuls below read their operands in place.
-    k = k_cache[blocks].flatten(1, 2)[:, :width].transpose(1, 2).to(**f32)
-    v = v_cache[blocks].flatten(1, 2)[:, :width].transpose(1, 2).to(**f32)
-    v.masked_fill_(~live[:, None, :, None], 0)
+    k = k_cache.flatten(0, 1)[idx].transpose(1, 2).to(**f32)
+    v = v_cache.flatten(0, 1)[idx].transpose(1, 2).to(**f32)
     cos, sin = rope_cos_sin(kpos.clamp_min(0).flatten(), inv_freq, rope_scale)
     if slot_pos is not None:  # [S, 1, L, D/2]; else the same positions for every sequence
         cos, sin = cos.view(s, 1, width, -1), sin.view(s, 1, width, -1)
