@@ -62,8 +62,11 @@ def rope_rotate_reference(
     cos, sin = rope_cos_sin(pos, inv_freq, scale)
     cos, sin = cos[:, None, :], sin[:, None, :]
     half = x.shape[-1] // 2
-    x1, x2 = x[..., :half].float(), x[..., half:].float()
-    out = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+    out = x.to(torch.float32, copy=True)  # rotated in place: a third of the passes
+    x1, x2 = out[..., :half], out[..., half:]
+    keep = x1.clone()
+    x1.mul_(cos).addcmul_(x2, sin, value=-1)
+    x2.mul_(cos).addcmul_(keep, sin)
     return out.to(x.dtype)
 
 
