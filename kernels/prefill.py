@@ -18,6 +18,7 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: list
     """q [T, Hq, D] and k [T, Hkv, D] rotated at positions 0..n-1 of each sequence, v
     [T, Hkv, D]; sequence s is rows cu[s]..cu[s+1]-1. Returns [T, Hq, D]."""
     out = torch.empty_like(q)
+    v = v.contiguous()  # a view into the fused qkv output: CPU SDPA reads it ~5 % slower
     s = 0
     while s < len(cu) - 1:
         n = cu[s + 1] - cu[s]
