@@ -109,53 +109,40 @@ class DecodeGraphs:
 
     def run(self, work: list[Scheduled]) -> torch.Tensor:
         """Logits [len(work), vocab] of a decode step (every row samples)."""
-        n = len(work)
-        bs = next(b for b in self.sizes if b >= n)
-        bsz = self.cache.block_size
-        width = max(len(w.seq.blocks) for w in work)
-        ids, pos, slots, lens = [], [], [], []
-        table = torch.zeros(n, width, dtype=torch.int32)
-        for i, w in enumerate(work):
-            p, seq = w.start, w.seq
-            ids.append(seq.tokens[p])
-            pos.append(p)
-            slots.append(int(seq.slots(torch.tensor([p]), EARLY, bsz, self.scratch_slot)[0]))
-            lens.append(p + 1)
-            table[i, : len(seq.blocks)] = torch.tensor(seq.blocks, dtype=torch.int32)
-        pad = bs - n
-        ids += [0] * pad
-        pos += [0] * pad
-        slots += [self.scratch_slot] * pad
-        lens += [1] * pad
-        self.ids[:bs].copy_(torch.tensor(ids), non_blocking=True)
-        self.pos[:bs].copy_(torch.tensor(pos), non_blocking=True)
-        self.slots[:bs].copy_(torch.tensor(slots), non_blocking=True)
-        self.kv_lens[:bs].copy_(torch.tensor(lens, dtype=torch.int32), non_blocking=True)
-        # Padding rows keep whatever table rows they had: they read one valid block
-        # (kv_len 1) and write only the scratch slot; their logits are dropped.
-        self.tables[:n, :width].copy_(table, non_blocking=True)
-        if any(w.seq.mirror is not None for w in work):
-            self._fill_views(work, bs)
-            self.mirror_graphs[bs].replay()
-        else:
-            self.graphs[bs].replay()
-        return self.logits[:n]
+        bs = next(b for b in self.sizes if b >= len(work))
+        mirrors = self._fill(work, bs)
+        (self.mirror_graphs if mirrors else self.graphs)[bs].replay()
+        return self.logits[: len(work)]
 
-    def _fill_views(self, work: list[Scheduled], bs: int) -> None:
-        """Both views' tables, key counts and slot positions; padding rows see the
-        scratch block's first slot only."""
-        n, bsz = len(work), self.cache.block_size
+    def _fill(self, work: list[Scheduled], bs: int) -> bool:
+        """The step's inputs into the static buffers (both views' tables with Mirrors
+        among them, which it returns). Padding rows read the scratch block's first slot
+        and write only the scratch slot; their logits are dropped."""
+        n, bsz, cpu = len(work), self.cache.block_size, torch.device("cpu")
         seqs, rows = [w.seq for w in work], [torch.tensor([w.start]) for w in work]
-        for view, v in zip((EARLY, LATE), self.views):
-            kv = kv_view(seqs, rows, view, bsz, self.scratch_slot, torch.device("cpu"))
+        mirrors = any(s.mirror is not None for s in seqs)
+        ids = torch.zeros(bs, dtype=torch.long)
+        ids[:n] = torch.tensor([w.seq.tokens[w.start] for w in work])
+        pos = torch.zeros(bs, dtype=torch.long)
+        pos[:n] = torch.tensor([w.start for w in work])
+        plain = dict(tables=self.tables, lens=self.kv_lens)
+        for view, buf in zip((EARLY, LATE), self.views) if mirrors else [(EARLY, plain)]:
+            kv = kv_view(seqs, rows, view, bsz, self.scratch_slot, cpu)
             width = kv["block_tables"].shape[1]
             table = torch.full((bs, width), self.scratch_block, dtype=torch.int32)
             table[:n] = kv["block_tables"]
-            pos = torch.full((bs, width * bsz), -1, dtype=torch.int32)
-            pos[:n] = kv["slot_pos"]
-            pos[n:, 0] = 0
             lens = torch.ones(bs, dtype=torch.int32)
             lens[:n] = kv["kv_lens"]
-            v["tables"][:bs, :width].copy_(table, non_blocking=True)
-            v["pos"][:bs, :width * bsz].copy_(pos, non_blocking=True)
-            v["lens"][:bs].copy_(lens, non_blocking=True)
+            buf["tables"][:bs, :width].copy_(table, non_blocking=True)
+            buf["lens"][:bs].copy_(lens, non_blocking=True)
+            if mirrors:
+                sp = torch.full((bs, width * bsz), -1, dtype=torch.int32)
+                sp[:n] = kv["slot_pos"]
+                sp[n:, 0] = 0
+                buf["pos"][:bs, : width * bsz].copy_(sp, non_blocking=True)
+        slots = torch.full((bs,), self.scratch_slot, dtype=torch.long)
+        slots[:n] = kv["slots"]  # a decode token's slot is the same in both views
+        self.ids[:bs].copy_(ids, non_blocking=True)
+        self.pos[:bs].copy_(pos, non_blocking=True)
+        self.slots[:bs].copy_(slots, non_blocking=True)
+        return mirrors

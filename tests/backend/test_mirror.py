@@ -120,33 +120,46 @@ def test_decode_through_mirror_tables_equals_a_dense_copy(engine):
     torch.testing.assert_close(mirror, dense, rtol=1e-4, atol=1e-4)
 
 
-def test_graph_buffers_hold_what_eager_decode_reads(engine):
-    """The CUDA-graph path copies both views' tables into static buffers: on the CPU,
-    fill them (no capture) and compare with the eager path's metadata."""
+@pytest.mark.parametrize("mode", ["collective", "full"])
+def test_graph_buffers_hold_what_eager_decode_reads(engine, mode):
+    """The CUDA-graph path copies a step's inputs (both views' tables with Mirrors) into
+    static buffers: on the CPU, fill them (no capture) and compare with the eager path's
+    metadata."""
     from tokendance.backend.graphs import DecodeGraphs
+    from tokendance.backend.runner import step_meta
 
     prompts, spans = round_prompts(3, seed=15)
     for i, (p, sp) in enumerate(zip(prompts, spans)):
-        engine.add(f"g{i}", p, GREEDY, mode="collective", shared=sp)
-    engine.step()  # the group's prefill; the next step is a decode over Mirrors
+        engine.add(f"g{i}", p, GREEDY, mode=mode, shared=sp)
+    while any(not s.out for s in engine.seqs.values()):
+        engine.step()  # the prefill; the next step is a decode
     work, _ = engine.scheduler.schedule()
-    assert len(work) == 3 and all(w.seq.mirror is not None and w.count == 1 for w in work)
+    mirrors = mode == "collective"
+    assert len(work) == 3 and all((w.seq.mirror is not None) == mirrors and w.count == 1 for w in work)
     b = engine.cache.block_size
     g = object.__new__(DecodeGraphs)  # the buffers only: capturing needs CUDA
     g.cache, g.scratch_block, g.scratch_slot = engine.cache, engine.cache.trash_block, engine.cache.trash
-    g.views = tuple(dict(tables=torch.full((4, 64), -7, dtype=torch.int32),
-                         lens=torch.full((4,), -7, dtype=torch.int32),
-                         pos=torch.full((4, 64 * b), -7, dtype=torch.int32)) for _ in range(2))
-    g._fill_views(work, 4)
-    from tokendance.backend.runner import step_meta
 
-    _, meta, _ = step_meta(work, b, engine.device, engine.cache.trash, engine.runner.late_from)
-    for v, m in zip(g.views, (meta, meta.late)):
+    def buffers() -> dict:
+        return dict(tables=torch.full((4, 64), -7, dtype=torch.int32),
+                    lens=torch.full((4,), -7, dtype=torch.int32),
+                    pos=torch.full((4, 64 * b), -7, dtype=torch.int32))
+    g.views = (buffers(), buffers())
+    plain = buffers()
+    g.tables, g.kv_lens = plain["tables"], plain["lens"]
+    g.ids, g.pos, g.slots = (torch.full((4,), -7, dtype=torch.long) for _ in range(3))
+    assert g._fill(work, 4) == mirrors
+    ids, meta, _ = step_meta(work, b, engine.device, engine.cache.trash, engine.runner.late_from)
+    assert torch.equal(g.ids[:3], ids) and torch.equal(g.pos[:3], meta.positions)
+    assert torch.equal(g.slots[:3], meta.slots) and g.slots[3] == engine.cache.trash
+    for v, m in zip(g.views if mirrors else [plain], (meta, meta.late)):
         width = m.block_tables.shape[1]
         assert torch.equal(v["tables"][:3, :width], m.block_tables)
         assert torch.equal(v["lens"][:3], m.kv_lens)
-        assert torch.equal(v["pos"][:3, :width * b], m.slot_pos)
-        assert v["lens"][3] == 1 and v["pos"][3, 0] == 0 and v["tables"][3, 0] == g.scratch_block
+        assert v["lens"][3] == 1 and v["tables"][3, 0] == g.scratch_block
+        if mirrors:
+            assert torch.equal(v["pos"][:3, :width * b], m.slot_pos)
+            assert v["pos"][3, 0] == 0
 
 
 @pytest.fixture(scope="module")
