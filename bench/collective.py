@@ -18,6 +18,7 @@ import math
 import os
 import sys
 import time
+from functools import partial
 
 SMOKE = "--smoke" in sys.argv
 if SMOKE:
@@ -26,38 +27,24 @@ if SMOKE:
 import torch  # noqa: E402
 import triton  # noqa: E402
 
+from tokendance.bench.kernel_timing import (  # noqa: E402
+    COPY_CEILING, T0, kernel_stats, median_ms, rel, save_log, say,
+)
 from tokendance.kernels import collective as col  # noqa: E402
 from tokendance.kernels import paged_triton as pt  # noqa: E402
 
 DEV = "cpu" if SMOKE else "cuda"
+bench = partial(median_ms, smoke=SMOKE)
 B = 16
 HQ, HKV, D = 28, 4, 128
 M = 64 if SMOKE else 2048
 NS = (2, 3) if SMOKE else (10, 20)
-COPY_CEILING = 4.1e12  # bytes/s, device-to-device copy measured on the H200
-T0 = time.time()
-LOG: list[str] = []
 
 
-def say(line: str) -> None:
-    print(line, flush=True)
-    LOG.append(line)
 
 
-def bench(fn) -> float:
-    """Median milliseconds (do_bench clears L2 between calls: the bytes come from HBM)."""
-    if SMOKE:
-        fn()
-        t = time.perf_counter()
-        fn()
-        return (time.perf_counter() - t) * 1e3
-    return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
 
 
-def rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    if a.isnan().any():
-        return math.inf
-    return ((a.double() - b.double()).norm() / b.double().norm()).item()
 
 
 def setup(n: int, dtype: torch.dtype = torch.bfloat16, theta: float = 1e6) -> dict:
@@ -138,19 +125,6 @@ def kv_bytes(n_copies: int) -> int:
     return 2 * n_copies * M * HKV * D * 2
 
 
-def kernel_stats() -> None:
-    """Registers, spills and shared memory of every compiled variant (best effort)."""
-    for kern in (col._collective_kernel, col._merge_kernel):
-        try:
-            for cache in kern.device_caches.values():
-                for ck in cache[0].values():
-                    md = ck.metadata
-                    consts = getattr(getattr(ck, "src", None), "constants", None)
-                    say(f"  {kern.fn.__name__}: regs {ck.n_regs} spills {ck.n_spills} "
-                        f"smem {md.shared} warps {md.num_warps} stages {md.num_stages} "
-                        f"{consts or ''}")
-        except Exception as e:
-            say(f"  {kern.fn.__name__}: no stats ({type(e).__name__}: {e})")
 
 
 def main() -> None:
@@ -179,7 +153,7 @@ def main() -> None:
             rows.append(f"| {n} | {label} | {ms:.4f} | {ms / c_ms:.2f} | {nbytes / 1e6:.1f} | "
                         f"{bw / 1e12:.2f} | {bw / COPY_CEILING:.0%} |")
     if not SMOKE:
-        kernel_stats()
+        kernel_stats((col._collective_kernel, col._merge_kernel))
     table = ["| N | case | ms | vs (c) | MB moved | TB/s | of 4.1 TB/s |",
              "| --- | --- | --- | --- | --- | --- | --- |"] + rows
     say("\n==== summary ====")
@@ -188,10 +162,7 @@ def main() -> None:
         say(line)
     say(f"goal: (a)/(c) <= 1.1. MB moved: Master K/V (+ hide masks for (a)); total "
         f"{time.time() - T0:.0f} s")
-    out = os.environ.get("OUT")
-    if out:
-        with open(os.path.join(out, "bench_collective.log"), "w") as f:
-            f.write("\n".join(LOG) + "\n")
+    save_log("bench_collective.log")
 
 
 if __name__ == "__main__":

@@ -16,6 +16,7 @@ import math
 import os
 import sys
 import time
+from functools import partial
 
 SMOKE = "--smoke" in sys.argv
 if SMOKE:
@@ -25,30 +26,20 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 import triton  # noqa: E402
 
+from tokendance.bench.kernel_timing import (  # noqa: E402
+    COPY_CEILING, T0, kernel_stats, median_ms, rel, save_log, say,
+)
 from tokendance.kernels import paged_attention as pa  # noqa: E402
 from tokendance.kernels import paged_triton as pt  # noqa: E402
 from tokendance.kernels.rope import rope_rotate  # noqa: E402
 
 DEV = "cpu" if SMOKE else "cuda"
+bench = partial(median_ms, smoke=SMOKE)
 B = 16
-COPY_CEILING = 4.1e12  # bytes/s, device-to-device copy measured on the H200
-T0 = time.time()
-LOG: list[str] = []
 
 
-def say(line: str) -> None:
-    print(line, flush=True)
-    LOG.append(line)
 
 
-def bench(fn) -> float:
-    """Median milliseconds."""
-    if SMOKE:
-        fn()
-        t = time.perf_counter()
-        fn()
-        return (time.perf_counter() - t) * 1e3
-    return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
 
 
 def make(lens: list[int], q_pos: list[torch.Tensor], hq: int, hkv: int, d: int,
@@ -77,10 +68,6 @@ def make(lens: list[int], q_pos: list[torch.Tensor], hq: int, hkv: int, d: int,
             inv, 1.0, d ** -0.5)
 
 
-def rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    if a.isnan().any():
-        return math.inf
-    return ((a.double() - b.double()).norm() / b.double().norm()).item()
 
 
 def run_tri(args: tuple, **kw) -> torch.Tensor:
@@ -223,18 +210,6 @@ def timings() -> list[str]:
     return rows
 
 
-def kernel_stats() -> None:
-    """Registers, spills and shared memory of every compiled variant (best effort)."""
-    for kern in (pt._prefill_kernel, pt._decode_kernel):
-        try:
-            for cache in kern.device_caches.values():
-                for ck in cache[0].values():
-                    md = ck.metadata
-                    consts = getattr(getattr(ck, "src", None), "constants", None)
-                    say(f"  {kern.fn.__name__}: regs {ck.n_regs} spills {ck.n_spills} "
-                        f"smem {md.shared} warps {md.num_warps} stages {md.num_stages} {consts or ''}")
-        except Exception as e:
-            say(f"  {kern.fn.__name__}: no stats ({type(e).__name__}: {e})")
 
 
 def copy_bandwidth() -> float:
@@ -253,11 +228,8 @@ def main() -> None:
     say(f"  correctness: {'all ok' if ok else 'FAILURES'} ({time.time() - T0:.0f} s)")
     rows = timings()
     if not SMOKE:
-        kernel_stats()
-    out = os.environ.get("OUT")
-    if out:
-        with open(os.path.join(out, "bench_kernels.log"), "w") as f:
-            f.write("\n".join(LOG) + "\n")
+        kernel_stats((pt._prefill_kernel, pt._decode_kernel))
+    save_log("bench_kernels.log")
     print("\n==== summary ====")
     print(f"correctness: {'all ok' if ok else 'FAILURES'}")
     for r in rows:
