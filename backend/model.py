@@ -44,15 +44,19 @@ class AttnMeta:
 
 
 class KVCache:
-    """Per-layer paged K/V tensors [num_blocks + 1, B, Hkv, D]; keys stored before RoPE.
-    The extra block is the trash: K/V nobody keeps (a Mirror's rows that the Master
-    serves, padding rows of captured graphs) are written there and never read."""
+    """Paged K/V of every layer in one tensor `kv` [layers, 2, num_blocks + 1, B, Hkv, D]
+    (one base pointer: kernels that move a token's K/V in every layer at once, such as
+    the host tier's, need no pointer table); `k[layer]`, `v[layer]` are views of it. Keys
+    are stored before RoPE. The extra block is the trash: K/V nobody keeps (a Mirror's
+    rows that the Master serves, padding rows of captured graphs) are written there and
+    never read."""
 
     def __init__(self, cfg: ModelConfig, num_blocks: int, block_size: int,
                  dtype: torch.dtype, device: torch.device | str):
-        shape = (num_blocks + 1, block_size, cfg.num_kv_heads, cfg.head_dim)
-        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.num_layers)]
-        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.num_layers)]
+        shape = (cfg.num_layers, 2, num_blocks + 1, block_size, cfg.num_kv_heads, cfg.head_dim)
+        self.kv = torch.zeros(shape, dtype=dtype, device=device)
+        self.k = list(self.kv[:, 0].unbind(0))
+        self.v = list(self.kv[:, 1].unbind(0))
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.trash_block = num_blocks
@@ -65,7 +69,7 @@ class KVCache:
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.k + self.v)
+        return self.kv.numel() * self.kv.element_size()
 
 
 class RMSNorm(nn.Module):
