@@ -1,19 +1,22 @@
 """The KV Collector: prefill a round's requests by reusing shared segments' KV.
 
 For a group of requests it (1) finds each shared segment's base KV in the segment cache
-and prefills the missing ones standalone, once for the whole group, in one batched
-forward; (2) makes each request a Mirror of those bases, the round's Master: it reads
+and prefills the missing ones standalone, once for the whole group, in batched
+forwards; (2) makes each request a Mirror of those bases, the round's Master: it reads
 them in place at its own offsets (keys are stored before RoPE, so placement needs no
 re-rotation and no copy) and owns private blocks only for its own tokens and patches;
-(3) runs selective recomputation: `collective` as one batched computation for the
-group, `pic` request by request. Both give the same result per request; only the
-schedule differs.
+(3) runs selective recomputation: `collective` as one batched computation per
+sub-batch of the group, `pic` request by request. Both give the same result per
+request; only the schedule differs. No forward takes more than `max_tokens` prompt
+tokens, except one request's blend when its prompt alone is longer.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TypeVar
 
 import torch
 
@@ -34,6 +37,25 @@ class ReuseConfig:
     check_layer: int = 1
     ratio: float = 0.15  # share of each request's reused tokens recomputed
     cache_fraction: float = 0.25  # of the pool, for segment bases
+    max_tokens: int = 0  # prompt tokens per forward (bases, blend); 0: no limit
+
+
+T = TypeVar("T")
+
+
+def batches(items: list[T], size: Callable[[T], int], budget: int) -> list[list[T]]:
+    """Consecutive runs of `items` whose sizes sum to at most `budget` (0: no limit); an
+    item larger than the budget makes a run of its own."""
+    out: list[list[T]] = []
+    total = 0
+    for it in items:
+        n = size(it)
+        if not out or (budget and total + n > budget):
+            out.append([])
+            total = 0
+        out[-1].append(it)
+        total += n
+    return out
 
 
 class Collector:
@@ -48,7 +70,8 @@ class Collector:
     # -- bases ----------------------------------------------------------------------
 
     def _standalone(self, missing: dict[int, list[int]]) -> None:
-        """Prefill every missing segment alone, all in one forward; the blocks become the bases."""
+        """Prefill every missing segment alone, in forwards of at most max_tokens tokens (a
+        segment may be split across two, as a chunked prefill); the blocks become the bases."""
         scratch: list[tuple[int, Sequence]] = []
         for key, ids in missing.items():
             seq = Sequence(f"segment-{key}", ids, SamplingParams(), Detok(None))
@@ -59,7 +82,20 @@ class Collector:
             scratch.append((key, seq))
         if not scratch:
             return
-        self.runner.run([Scheduled(s, 0, len(s.prompt)) for _, s in scratch])
+        budget = self.cfg.max_tokens or sum(len(s.prompt) for _, s in scratch)
+        work: list[Scheduled] = []
+        left = budget
+        for _, seq in scratch:
+            start = 0
+            while start < len(seq.prompt):
+                n = min(len(seq.prompt) - start, left)
+                work.append(Scheduled(seq, start, n))
+                start, left = start + n, left - n
+                if not left:
+                    self.runner.run(work)
+                    work, left = [], budget
+        if work:
+            self.runner.run(work)
         for key, seq in scratch:
             self.segments.put(key, len(seq.prompt), seq.blocks, "standalone")
 
@@ -131,10 +167,11 @@ class Collector:
                 self.segments.unpin(e)
         if not ready:
             return [], None
-        if batched:
-            parts = [blend(self.model, self.cache, items, self.cfg.check_layer, self.cfg.ratio)]
+        if batched:  # per request the math does not depend on the batch: split by budget
+            subs = batches(items, lambda it: len(it.seq.prompt), self.cfg.max_tokens)
         else:
-            parts = [blend(self.model, self.cache, [it], self.cfg.check_layer, self.cfg.ratio) for it in items]
+            subs = [[it] for it in items]
+        parts = [blend(self.model, self.cache, sub, self.cfg.check_layer, self.cfg.ratio) for sub in subs]
         logits = torch.cat([p.logits for p in parts])
         selected = [sel for p in parts for sel in p.selected]
         self.runner.work += sum(p.work for p in parts)

@@ -11,7 +11,7 @@ import torch
 from tokendance.backend import loader
 from tokendance.backend.api import MODES, Delta, InvalidRequest, SamplingParams, TokenLogprob, TopLogprob, Usage
 from tokendance.backend.blocks import BlockManager
-from tokendance.backend.collector import Collector, ReuseConfig
+from tokendance.backend.collector import Collector, ReuseConfig, batches
 from tokendance.backend.config import ModelConfig
 from tokendance.backend.detok import Detok
 from tokendance.backend.model import KVCache
@@ -85,7 +85,7 @@ class Engine:
             self.runner.capture(min(cfg.cuda_graphs, cfg.max_seqs), max_blocks, self.cache.trash_block)
         self.segments = SegmentCache(self.pool, cfg.block_size,
                                      int(self.cache.num_blocks * cfg.segment_cache_fraction))
-        reuse = ReuseConfig(cfg.check_layer, cfg.recompute_ratio)
+        reuse = ReuseConfig(cfg.check_layer, cfg.recompute_ratio, max_tokens=budget)
         self.collector = Collector(self.model, self.cache, self.blocks, self.runner, self.segments, reuse)
         self.blend_waiting: list[Sequence] = []
         capacity = self.cache.num_blocks * cfg.block_size
@@ -183,9 +183,16 @@ class Engine:
 
     def _blend(self) -> list[tuple[str, Delta]]:
         """Prefill waiting pic / collective requests by reuse, then let them decode."""
+        # One sub-batch per step: the oldest waiting requests whose prompts fit the token
+        # budget (the first one alone if it is longer), so running sequences decode between
+        # sub-batches as they do between chunks of a plain prefill. Its forwards are its
+        # own, beside the scheduler's with its own budget: sharing one would stall decodes
+        # or plain prefills while a large round drains. A request leaves blend_waiting only
+        # once prefilled (or handed to the scheduler), so none runs twice or is lost.
+        take = batches(self.blend_waiting, lambda s: len(s.prompt), self.scheduler.max_tokens)[0]
         out = []
         for mode in ("collective", "pic"):
-            group = [s for s in self.blend_waiting if s.mode == mode]
+            group = [s for s in take if s.mode == mode]
             if not group:
                 continue
             ready, logits = self.collector.prefill(group, batched=mode == "collective")

@@ -186,3 +186,69 @@ def test_group_larger_than_pool_still_completes(tiny_llama):
     assert all(reason == "length" and len(toks) == 10 for toks, _, reason in res)
     eng.reset_caches()
     assert eng.pool.num_free == eng.cache.num_blocks
+
+
+def budget_round(folder, mode: str, budget: int, prompts, spans, monkeypatch):
+    """Run a round to the end under max_batched_tokens=budget; per request its greedy
+    tokens, (recomputed, cached) and selected positions, and the blend calls by step."""
+    from tokendance.backend import blend as blend_mod
+
+    eng = Engine(model=str(folder), dtype="float32", kv_tokens=8192, max_batched_tokens=budget)
+    step, calls, forwards, selected = 0, [], [], {}
+
+    def spy(model, cache, items, check_layer, ratio):
+        res = blend_mod.blend(model, cache, items, check_layer, ratio)
+        calls.append((step, [len(it.seq.prompt) for it in items]))
+        selected.update((it.seq.id, sel) for it, sel in zip(items, res.selected))
+        return res
+
+    monkeypatch.setattr("tokendance.backend.collector.blend", spy)
+    run = eng.runner.run
+    monkeypatch.setattr(eng.runner, "run", lambda work: forwards.append(sum(w.count for w in work)) or run(work))
+    for i, (p, sp) in enumerate(zip(prompts, spans)):
+        eng.add(f"r{i}", p, GREEDY, mode=mode, shared=sp)
+    toks: dict[str, list[int]] = {f"r{i}": [] for i in range(len(prompts))}
+    usage = {}
+    while eng.has_work():
+        for rid, d in eng.step():
+            toks[rid] += d.token_ids
+            if d.usage:
+                usage[rid] = (d.usage.recomputed_tokens, d.usage.cached_tokens)
+        step += 1
+    assert max(forwards) <= budget  # bases and the scheduler's forwards
+    for s in {s for s, _ in calls}:  # reuse prefill per step: the budget, or one request
+        lens = [n for t, ls in calls if t == s for n in ls]
+        assert sum(lens) <= budget or len(lens) == 1
+    eng.reset_caches()
+    assert eng.pool.num_free == eng.cache.num_blocks
+    return toks, usage, selected, calls
+
+
+@pytest.mark.parametrize("budget", [450, 120])  # 120: every prompt is longer than the budget
+def test_collective_within_token_budget(tiny_llama, monkeypatch, budget):
+    prompts, spans = round_prompts(5, seed=9)  # prompts of ~200 tokens
+    ref = budget_round(tiny_llama, "collective", 16384, prompts, spans, monkeypatch)
+    assert len(ref[3]) == 1  # one batched blend for the whole round
+    small = budget_round(tiny_llama, "collective", budget, prompts, spans, monkeypatch)
+    pic = budget_round(tiny_llama, "pic", budget, prompts, spans, monkeypatch)
+    assert len({s for s, _ in small[3]}) > 1  # sub-batches in several steps
+    if budget == 450:
+        assert max(len(ls) for _, ls in small[3]) > 1  # still batched
+    assert all(len(toks) == 10 for toks in small[0].values())
+    for got in (small, pic):
+        assert got[:3] == ref[:3]
+
+
+def test_collector_splits_group_by_budget(tiny_llama, monkeypatch):
+    from tokendance.backend import blend as blend_mod
+
+    sizes = []
+    monkeypatch.setattr("tokendance.backend.collector.blend",
+                        lambda m, c, items, *a: sizes.append(len(items)) or blend_mod.blend(m, c, items, *a))
+    eng = Engine(model=str(tiny_llama), dtype="float32", kv_tokens=8192, max_batched_tokens=450)
+    prompts, spans = round_prompts(5, seed=9)
+    _, pic_logits = prefill(eng, "pic", prompts, spans)
+    sizes.clear()
+    _, col_logits = prefill(eng, "collective", prompts, spans)
+    assert sizes == [2, 2, 1]
+    torch.testing.assert_close(col_logits, pic_logits, rtol=1e-4, atol=1e-4)
