@@ -1,4 +1,4 @@
-"""`tokendance bench {engine,reuse,memory,mirror-decode,fidelity}`."""
+"""`tokendance bench {engine,reuse,memory,mirror-decode,fidelity,restore}`."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ KINDS = {
     "memory": ("tokendance.bench.memory", "resident memory while serving"),
     "mirror-decode": ("tokendance.bench.mirror_decode", "decode steps over N Mirrors against dense caches"),
     "fidelity": ("tokendance.bench.fidelity", "pic / collective against full: KV deviation, agreement, divergence"),
+    "restore": ("tokendance.bench.restore", "restoring idle agents from the host tier: fused against dense"),
 }
 
 
