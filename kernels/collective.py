@@ -17,23 +17,30 @@ The result covers only the Master keys: o [S, Hq, D] and the natural-log lse [S,
 both float32 (lse = -inf and o = 0 where nothing is visible). `merge_attention` adds
 the Mirror's private part (history, patches, decode tail) computed separately.
 
-Kernel: grid (row tile, split of the Master's key range, kv head). Row tiles hold at
-most cfg["block_m"] of the S*G rows (padded to a power of two >= 16); splits are
-tile-aligned key ranges. Each program writes a partial (o, lse) per split, a second
-kernel merges the splits. Scores are in the log2 domain inside the kernels. Every Master
-slot below master_len must hold finite values, hidden or not (a hidden key still gets
-loaded, with weight 0).
+In the engine a batch's Master is several segments (one per shared output), each at its
+own offset in each Mirror's prompt: `MasterRead` describes it as chunks, slot ranges
+that each lie inside one segment, with a shift per (Mirror, chunk). The single-segment
+API above is the case of one segment cut into equal chunks.
+
+Kernel: grid (row tile, chunk, kv head). Row tiles hold at most cfg["block_m"] of the
+S*G rows (padded to a power of two >= 16). Each program writes a partial (o, lse) per
+chunk into a partial buffer (at split index `split_off + chunk`, so that the engine's
+paged decode of the private part can share it and one reduce merges both); a second
+kernel merges the chunks for the standalone API. Scores are in the log2 domain inside
+the kernels. Every Master slot of a chunk must hold finite values, hidden or not (a
+hidden key still gets loaded, with weight 0).
 """
 
 from __future__ import annotations
 
 import math
 import os
+from dataclasses import dataclass
 
 import torch
 
-from tokendance.kernels.paged_attention import gather_kv
-from tokendance.kernels.paged_triton import LOG2E, _dot
+from tokendance.kernels.paged_triton import LOG2E, _dot, decode_partials, reduce_partials
+from tokendance.kernels.paged_triton import _num_splits as _num_splits_private
 from tokendance.kernels.rope import rope_rotate_reference
 
 try:
@@ -45,6 +52,44 @@ except ImportError:  # a CPU-only install still has the reference
     triton = SimpleNamespace(jit=lambda fn: fn)
 
 LN2 = math.log(2.0)
+NOT_READ = 1 << 30  # a shift that puts a chunk past every query: the Mirror does not read it
+
+
+@dataclass(slots=True)
+class MasterRead:
+    """The Master keys of a decode batch, read collectively. Master slot i lives in
+    pool block table[i // B] at offset i % B; chunk c covers slots [lo, hi) of the
+    segment whose slot 0 is `base` (chunks[c] = lo, hi, base); Mirror s reads segment
+    slot t at position shift[s, c] + t unless hide[s, base + t] is nonzero."""
+
+    table: torch.Tensor  # [blocks] int32
+    chunks: torch.Tensor  # [C, 3] int32
+    shift: torch.Tensor  # [S, C] int32
+    hide: torch.Tensor  # [S, L] uint8 or bool, L >= every chunk's hi
+
+
+def plan_chunks(lens: list[int], block_size: int, target: int, align: int) -> list[tuple[int, int, int]]:
+    """(lo, hi, base) chunks of segments of `lens` tokens laid out block-aligned one after
+    the other: about `target` chunks in all, each a multiple of `align` slots (a tile)."""
+    total = sum(lens)
+    if not total:
+        return []
+    piece = max(align, -(-max(1, -(-total // max(1, target))) // align) * align)
+    out, base = [], 0
+    for n in lens:
+        out += [(lo, min(lo + piece, base + n), base) for lo in range(base, base + n, piece)]
+        base += -(-n // block_size) * block_size
+    return out
+
+
+def _single(shift: torch.Tensor, master_table: torch.Tensor, master_len: int, hide: torch.Tensor,
+            n: int, align: int) -> MasterRead:
+    """One segment of master_len slots in n equal tile-aligned chunks (some maybe empty)."""
+    span = -(-max(1, -(-master_len // n)) // align) * align
+    chunks = [(min(c * span, master_len), min((c + 1) * span, master_len), 0) for c in range(n)]
+    dev = shift.device
+    return MasterRead(master_table, torch.tensor(chunks, dtype=torch.int32, device=dev),
+                      shift.to(torch.int32)[:, None].expand(-1, n).contiguous(), hide)
 
 
 def _check(q, q_pos, shift, k_cache, v_cache, master_table, master_len, hide, inv_freq) -> None:
@@ -85,21 +130,35 @@ def collective_attention_reference(
     sm_scale: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of each Mirror's query over its visible Master keys: o [S, Hq, D] and
-    natural-log lse [S, Hq], float32. Every Mirror gets its own copy of the Master keys,
-    rotated at shift[s] + t."""
+    natural-log lse [S, Hq], float32."""
     _check(q, q_pos, shift, k_cache, v_cache, master_table, master_len, hide, inv_freq)
+    read = _single(shift, master_table, master_len, hide, 1, 1)
+    return master_attention_reference(q, q_pos, k_cache, v_cache, read, inv_freq, rope_scale, sm_scale)
+
+
+def master_attention_reference(q, q_pos, k_cache, v_cache, read: MasterRead, inv_freq,
+                               rope_scale: float, sm_scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """`collective_attention_reference` over a MasterRead: every Mirror gets its own
+    copy of the Master keys, rotated at its positions."""
     S, Hq, D = q.shape
-    Hkv = k_cache.shape[2]
-    M = master_len
-    k = gather_kv(k_cache, master_table, M).float()  # [M, Hkv, D]
-    v = gather_kv(v_cache, master_table, M).float()
-    t = torch.arange(M, device=q.device)
-    pos = shift.long()[:, None] + t[None, :]  # [S, M]
-    kr = rope_rotate_reference(k.repeat(S, 1, 1), pos.flatten(), inv_freq, rope_scale)
-    kr = kr.view(S, M, Hkv, D)
+    bsz, Hkv = k_cache.shape[1], k_cache.shape[2]
+    chunks = read.chunks.long().cpu()
+    L = int(chunks[:, 1].max()) if len(chunks) else 0
+    cid = torch.full((L,), -1, dtype=torch.long)
+    for c, (lo, hi, _) in enumerate(chunks.tolist()):
+        cid[lo:hi] = c
+    cid = cid.to(q.device)
+    j = torch.arange(L, device=q.device)
+    slots = read.table.long()[j // bsz] * bsz + j % bsz
+    inside = (cid >= 0)[:, None, None]  # slots past a segment's end may hold anything
+    k = k_cache.flatten(0, 1)[slots].float().where(inside, 0.0)  # [L, Hkv, D]
+    v = v_cache.flatten(0, 1)[slots].float().where(inside, 0.0)
+    pos = read.shift.long()[:, cid.clamp_min(0)] + (j - chunks[:, 2].to(q.device)[cid.clamp_min(0)])
+    visible = (cid >= 0) & (read.hide[:, :L] == 0) & (pos <= q_pos.long()[:, None])
+    kr = rope_rotate_reference(k.repeat(S, 1, 1), pos.where(visible, 0).flatten(), inv_freq, rope_scale)
+    kr = kr.view(S, L, Hkv, D)
     qg = q.float().view(S, Hkv, Hq // Hkv, D)
     scores = torch.einsum("shgd,sthd->shgt", qg, kr) * sm_scale
-    visible = ~hide[:, :M] & (pos <= q_pos.long()[:, None])
     scores = scores.masked_fill(~visible[:, None, None, :], -math.inf)
     lse = torch.logsumexp(scores, -1)  # -inf where nothing is visible
     p = torch.exp(scores - lse.nan_to_num(neginf=0.0)[..., None])
@@ -123,27 +182,16 @@ def merge_attention(
 
 
 @triton.jit
-def _collective_kernel(q, q_pos, shift, kc, vc, table, hide, inv_freq, o_part, lse_part,
-                       master_len, n_rows, nsplit,
-                       s_qt, s_qh, s_blk, s_slot, s_kh, s_hs, s_ht, qk_scale,
-                       G: tl.constexpr, B: tl.constexpr, HALF: tl.constexpr,
-                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                       STEP: tl.constexpr, PREC: tl.constexpr):
-    mb = tl.program_id(0)
-    sp = tl.program_id(1)
-    kvh = tl.program_id(2)
-    rows = mb * BLOCK_M + tl.arange(0, BLOCK_M)
-    valid = rows < n_rows
-    mir = rows // G
-    head = kvh * G + rows % G
-    p = tl.load(q_pos + mir, mask=valid, other=0).to(tl.int32)
-    sh = tl.load(shift + mir, mask=valid, other=0).to(tl.int32)
-    lim = tl.where(valid, p - sh, -1)  # a row's last causally visible Master slot
+def _chunk(acc, m_i, l_i, q, mir, head, valid, sh, lim, lo, hi, seg, kc, vc, table, hide,
+           inv_freq, kvh, s_qt, s_qh, s_blk, s_slot, s_kh, s_hs, qk_scale,
+           B: tl.constexpr, HALF: tl.constexpr, BLOCK_N: tl.constexpr, STEP: tl.constexpr,
+           PREC: tl.constexpr):
+    """Online softmax of one program's rows over Master slots [lo, hi) of one segment."""
     offs_h = tl.arange(0, HALF)
     offs_d = tl.arange(0, 2 * HALF)
     offs_n = tl.arange(0, BLOCK_N)
     f = tl.load(inv_freq + offs_h)
-    # Queries arrive rotated at q_pos: rotate them back by shift, into Master-local
+    # Queries arrive rotated at q_pos: rotate them back by shift, into segment-local
     # coordinates, in fp32.
     qo = mir.to(tl.int64)[:, None] * s_qt + head[:, None] * s_qh + offs_h[None, :]
     q1 = tl.load(q + qo, mask=valid[:, None], other=0.0).to(tl.float32)
@@ -156,21 +204,14 @@ def _collective_kernel(q, q_pos, shift, kc, vc, table, hide, inv_freq, o_part, l
     q1 = q1.to(q.dtype.element_ty)
     q2 = q2.to(q.dtype.element_ty)
     f = f[:, None]
-    # Tile-aligned splits of the Master; keys past every row's limit are skipped.
-    span = tl.cdiv(tl.cdiv(master_len, nsplit), BLOCK_N) * BLOCK_N
-    lo = sp * span
-    hi = tl.minimum(tl.minimum(lo + span, master_len), tl.max(lim, 0) + 1)
     kc += kvh * s_kh
     vc += kvh * s_kh
     if STEP:  # cos/sin of the first tile, then an exact rotation by BLOCK_N * f per tile
-        ang0 = f * (lo + offs_n)[None, :].to(tl.float32)
+        ang0 = f * (lo - seg + offs_n)[None, :].to(tl.float32)
         c = tl.cos(ang0)
         s = tl.sin(ang0)
         cs = tl.cos(f * BLOCK_N)
         ss = tl.sin(f * BLOCK_N)
-    acc = tl.zeros([BLOCK_M, 2 * HALF], dtype=tl.float32)
-    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     for start in range(lo, hi, BLOCK_N):
         j = start + offs_n
         jm = j < hi
@@ -181,15 +222,15 @@ def _collective_kernel(q, q_pos, shift, kc, vc, table, hide, inv_freq, o_part, l
         k2 = tl.load(kp + HALF, mask=jm[None, :], other=0.0).to(tl.float32)
         v = tl.load(vc + kv_row[:, None] + offs_d[None, :], mask=jm[:, None], other=0.0)
         if not STEP:
-            ang = f * j[None, :].to(tl.float32)
+            ang = f * (j - seg)[None, :].to(tl.float32)
             c = tl.cos(ang)
             s = tl.sin(ang)
         r1 = (k1 * c - k2 * s).to(q1.dtype)
         r2 = (k2 * c + k1 * s).to(q1.dtype)
         qk = _dot(q2, r2, _dot(q1, r1, None, PREC), PREC) * qk_scale
-        hid = tl.load(hide + mir[:, None] * s_hs + j[None, :] * s_ht,
+        hid = tl.load(hide + mir[:, None] * s_hs + j[None, :],
                       mask=valid[:, None] & jm[None, :], other=1)
-        ok = (hid == 0) & (j[None, :] <= lim[:, None])
+        ok = (hid == 0) & ((j - seg)[None, :] <= lim[:, None])
         qk = tl.where(ok, qk, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(qk, 1))
         m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with nothing seen yet
@@ -200,11 +241,43 @@ def _collective_kernel(q, q_pos, shift, kc, vc, table, hide, inv_freq, o_part, l
         m_i = m_new
         if STEP:
             c, s = c * cs - s * ss, s * cs + c * ss
+    return acc, m_i, l_i
+
+
+@triton.jit
+def _collective_kernel(q, q_pos, shift, chunks, kc, vc, table, hide, inv_freq, o_part, lse_part,
+                       n_rows, n_total, split_off,
+                       s_qt, s_qh, s_blk, s_slot, s_kh, s_ss, s_hs, qk_scale,
+                       G: tl.constexpr, B: tl.constexpr, HALF: tl.constexpr,
+                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                       STEP: tl.constexpr, PREC: tl.constexpr):
+    mb = tl.program_id(0)
+    ch = tl.program_id(1)
+    kvh = tl.program_id(2)
+    rows = mb * BLOCK_M + tl.arange(0, BLOCK_M)
+    valid = rows < n_rows
+    mir = rows // G
+    head = kvh * G + rows % G
+    lo = tl.load(chunks + ch * 3)
+    hi = tl.load(chunks + ch * 3 + 1)
+    seg = tl.load(chunks + ch * 3 + 2)  # the segment's slot 0
+    p = tl.load(q_pos + mir, mask=valid, other=0).to(tl.int32)
+    sh = tl.load(shift + mir * s_ss + ch, mask=valid, other=0).to(tl.int32)
+    lim = tl.where(valid, p - sh, -1)  # a row's last causally visible segment slot
+    hi = tl.minimum(hi, seg + tl.max(lim, 0) + 1)  # keys past every row's limit are skipped
+    offs_d = tl.arange(0, 2 * HALF)
+    acc = tl.zeros([BLOCK_M, 2 * HALF], dtype=tl.float32)
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    if lo < hi:  # padding chunks (CUDA graphs plan a fixed count) skip the query rotation
+        acc, m_i, l_i = _chunk(acc, m_i, l_i, q, mir, head, valid, sh, lim, lo, hi, seg, kc, vc,
+                               table, hide, inv_freq, kvh, s_qt, s_qh, s_blk, s_slot, s_kh,
+                               s_hs, qk_scale, B, HALF, BLOCK_N, STEP, PREC)
     # A row that saw nothing leaves weight 0 (lse = -inf) and a zero partial.
     seen = l_i > 0
     l_safe = tl.where(seen, l_i, 1.0)
     lse = tl.where(seen, m_i + tl.log2(l_safe), float("-inf"))
-    base = (mir.to(tl.int64) * (G * tl.num_programs(2)) + head) * nsplit + sp
+    base = (mir.to(tl.int64) * (G * tl.num_programs(2)) + head) * n_total + split_off + ch
     tl.store(o_part + base[:, None] * (2 * HALF) + offs_d[None, :], acc / l_safe[:, None],
              mask=valid[:, None])
     tl.store(lse_part + base, lse, mask=valid)
@@ -303,22 +376,44 @@ def collective_attention_triton(
     ns = num_splits or _num_splits(q.device, tiles * Hkv, master_len, c["block_n"])
     if ns & (ns - 1):
         raise ValueError(f"num_splits={ns} must be a power of two")
+    o_part = _scratch(S, Hq, ns, D, device=q.device)
+    lse_part = _scratch(S, Hq, ns, device=q.device)
+    read = _single(shift, master_table, master_len, hide.contiguous(), ns, c["block_n"])
+    collective_partials(q, q_pos, k_cache, v_cache, read, inv_freq, rope_scale, sm_scale,
+                        o_part, lse_part, 0, cfg=c)
+    _merge_kernel[(S * Hq,)](o_part, lse_part, o, lse, NSPLIT=ns, D=D, num_warps=4)
+    return o, lse
+
+
+def collective_partials(q, q_pos, k_cache, v_cache, read: MasterRead, inv_freq, rope_scale: float,
+                        sm_scale: float, o_part: torch.Tensor, lse_part: torch.Tensor,
+                        split_off: int, cfg: dict | None = None) -> None:
+    """Launch the collective kernel: chunk c's partial (o, log2 lse) of Mirror s, head h
+    goes to o_part[s, h, split_off + c], lse_part[s, h, split_off + c] (float32 buffers
+    [S, Hq, n, D] and [S, Hq, n], contiguous)."""
+    S, Hq, D = q.shape
+    B, Hkv = k_cache.shape[1], k_cache.shape[2]
+    G = Hq // Hkv
+    interp = not q.is_cuda
+    c = {**(INTERP_CFG if interp else COLLECTIVE_CFG), **(cfg or {})}
+    tiles, block_m = row_tiles(S * G, c["block_m"])
+    n_chunks = read.chunks.shape[0]
+    if S == 0 or n_chunks == 0:
+        return
     q = q.contiguous() if q.stride(-1) != 1 else q
     inv_freq = inv_freq.to(device=q.device, dtype=torch.float32).contiguous()
     prec = "ieee" if q.dtype == torch.float32 else "upcast" if interp else "tf32"
     qk_scale = sm_scale * rope_scale * LOG2E  # rope_scale scales rotated keys: fold it in
-    o_part = _scratch(S, Hq, ns, D, device=q.device)
-    lse_part = _scratch(S, Hq, ns, device=q.device)
-    hide_u8 = hide.view(torch.uint8)  # same bytes; Triton's bool loads are int1
-    _collective_kernel[(tiles, ns, Hkv)](
-        q, q_pos, shift, k_cache, v_cache, master_table, hide_u8, inv_freq, o_part, lse_part,
-        master_len, S * G, ns, q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
-        k_cache.stride(2), hide.stride(0), hide.stride(1), qk_scale,
+    hide = read.hide.view(torch.uint8) if read.hide.dtype == torch.bool else read.hide
+    assert hide.stride(1) == 1 and read.shift.stride(1) == 1 and o_part.is_contiguous()
+    _collective_kernel[(tiles, n_chunks, Hkv)](
+        q, q_pos, read.shift, read.chunks, k_cache, v_cache, read.table, hide, inv_freq,
+        o_part, lse_part, S * G, o_part.shape[2], split_off,
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        read.shift.stride(0), hide.stride(0), qk_scale,
         G=G, B=B, HALF=D // 2, BLOCK_M=block_m, BLOCK_N=c["block_n"], STEP=c["step"],
         PREC=prec, num_warps=c["num_warps"], num_stages=c["num_stages"],
     )
-    _merge_kernel[(S * Hq,)](o_part, lse_part, o, lse, NSPLIT=ns, D=D, num_warps=4)
-    return o, lse
 
 
 def collective_attention(
@@ -340,3 +435,24 @@ def collective_attention(
     if q.is_cuda:
         return collective_attention_triton(*args)
     return collective_attention_reference(*args)
+
+
+def master_decode_triton(q, q_pos, cu_q, k_cache, v_cache, block_tables, kv_lens, inv_freq,
+                         rope_scale: float, sm_scale: float, slot_pos, read: MasterRead,
+                         out: torch.Tensor | None = None) -> torch.Tensor:
+    """Decode (one query per sequence) over each sequence's own keys (block_tables,
+    kv_lens, slot_pos as in paged attention) and the batch's Master (read), the Master
+    read collectively: both write partials into one buffer, one reduce merges them."""
+    S, Hq, D = q.shape
+    q = q.contiguous()
+    out = torch.empty_like(q) if out is None else out
+    ns = _num_splits_private(q.device, S * k_cache.shape[2])
+    n = ns + read.chunks.shape[0]
+    o_part = _scratch(S, Hq, n, D, device=q.device)
+    lse_part = _scratch(S, Hq, n, device=q.device)
+    decode_partials(q, q_pos, cu_q, k_cache, v_cache, block_tables, kv_lens, inv_freq, rope_scale,
+                    sm_scale, slot_pos, o_part, lse_part, ns)
+    collective_partials(q, q_pos, k_cache, v_cache, read, inv_freq, rope_scale, sm_scale,
+                        o_part, lse_part, ns)
+    reduce_partials(o_part, lse_part, cu_q, out)
+    return out

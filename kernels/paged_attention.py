@@ -27,6 +27,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from tokendance.kernels.collective import (MasterRead, master_attention_reference,
+                                           master_decode_triton, merge_attention)
 from tokendance.kernels.paged_triton import paged_attention_triton
 from tokendance.kernels.rope import rope_cos_sin, rope_rotate_reference
 
@@ -99,10 +101,11 @@ def paged_attention_reference(
 
 
 def _decode_reference(q, q_pos, k_cache, v_cache, block_tables, kv_lens, inv_freq,
-                      rope_scale, sm_scale, slot_pos=None) -> torch.Tensor:
+                      rope_scale, sm_scale, slot_pos=None, lse: bool = False):
     """One query per sequence: every sequence's keys gathered into one padded batch, then
     two batched matmuls in float32 (a dozen small ops per sequence per layer in a loop,
-    and CPU SDPA with a mask, both cost more than the attention itself)."""
+    and CPU SDPA with a mask, both cost more than the attention itself). With `lse`:
+    (o, natural-log lse [S, Hq]) in float32, for merging with another key set."""
     s, bsz, hkv = q.shape[0], k_cache.shape[1], k_cache.shape[2]
     width = int(kv_lens.max())
     blocks = block_tables[:, : -(-width // bsz)].long().clamp(0, k_cache.shape[0] - 1)
@@ -134,7 +137,20 @@ def _decode_reference(q, q_pos, k_cache, v_cache, block_tables, kv_lens, inv_fre
     visible = live & (kpos <= q_pos[:, None])
     scores.masked_fill_(~visible[:, None, None, :], float("-inf"))
     o = torch.matmul(scores.softmax(-1), v)  # [S, Hkv, G, D]
+    if lse:
+        return o.view(q.shape), torch.logsumexp(scores, -1).view(q.shape[:2])
     return o.view(q.shape).to(q.dtype)
+
+
+def master_decode_reference(q, q_pos, k_cache, v_cache, block_tables, kv_lens, inv_freq,
+                            rope_scale, sm_scale, slot_pos, read: MasterRead) -> torch.Tensor:
+    """Decode over each sequence's own keys and the batch's Master (see kernels/collective.py):
+    the two parts computed apart and merged by their lse."""
+    o1, lse1 = _decode_reference(q, q_pos, k_cache, v_cache, block_tables, kv_lens, inv_freq,
+                                 rope_scale, sm_scale, slot_pos, lse=True)
+    o2, lse2 = master_attention_reference(q, q_pos, k_cache, v_cache, read, inv_freq, rope_scale,
+                                          sm_scale)
+    return merge_attention(o1, lse1, o2, lse2)[0].to(q.dtype)
 
 
 def paged_attention(
@@ -150,11 +166,17 @@ def paged_attention(
     sm_scale: float,
     max_q: int | None = None,
     slot_pos: torch.Tensor | None = None,
+    master: MasterRead | None = None,
 ) -> torch.Tensor:
     """Dispatch: the Triton kernels on CUDA, the reference elsewhere. max_q (the most
-    queries of one sequence) spares the GPU path a host sync."""
+    queries of one sequence) spares the GPU path a host sync. `master` (decode steps
+    only): the batch's Master keys besides each sequence's own, read collectively."""
     args = (q, q_pos, cu_q, k_cache, v_cache, block_tables, kv_lens, inv_freq, rope_scale,
             sm_scale, slot_pos)
+    if master is not None:
+        if q.is_cuda:
+            return master_decode_triton(*args, master)
+        return master_decode_reference(q, q_pos, *args[3:], master)
     if q.is_cuda:
         return paged_attention_triton(*args, max_q=max_q)
     return paged_attention_reference(*args)

@@ -199,7 +199,7 @@ def _prefill_kernel(q, q_pos, cu_q, kc, vc, bt, kpt, kv_lens, inv_freq, out,
 
 
 @triton.jit
-def _decode_kernel(q, q_pos, cu_q, kc, vc, bt, kpt, kv_lens, inv_freq, o_part, lse_part,
+def _decode_kernel(q, q_pos, cu_q, kc, vc, bt, kpt, kv_lens, inv_freq, o_part, lse_part, n_total,
                    s_qt, s_qh, s_blk, s_slot, s_kh, s_bt, s_sp, qk_scale,
                    G: tl.constexpr, B: tl.constexpr, HALF: tl.constexpr,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, NSPLIT: tl.constexpr,
@@ -248,7 +248,7 @@ def _decode_kernel(q, q_pos, cu_q, kc, vc, bt, kpt, kv_lens, inv_freq, o_part, l
     seen = l_i > 0
     l_safe = tl.where(seen, l_i, 1.0)
     lse = tl.where(seen, m_i + tl.log2(l_safe), float("-inf"))
-    base = (seq * (G * tl.num_programs(1)) + head) * NSPLIT + sp
+    base = (seq * (G * tl.num_programs(1)) + head) * n_total + sp
     offs_d = tl.arange(0, 2 * HALF)
     tl.store(o_part + base[:, None] * (2 * HALF) + offs_d[None, :],
              acc / l_safe[:, None], mask=valid[:, None])
@@ -256,7 +256,7 @@ def _decode_kernel(q, q_pos, cu_q, kc, vc, bt, kpt, kv_lens, inv_freq, o_part, l
 
 
 @triton.jit
-def _reduce_kernel(o_part, lse_part, cu_q, out, s_qt, s_qh,
+def _reduce_kernel(o_part, lse_part, cu_q, out, n_total, s_qt, s_qh,
                    NSPLIT: tl.constexpr, D: tl.constexpr):
     seq = tl.program_id(0)
     h = tl.program_id(1)
@@ -264,11 +264,13 @@ def _reduce_kernel(o_part, lse_part, cu_q, out, s_qt, s_qh,
     if tl.load(cu_q + seq + 1) == q_lo:
         return
     sp = tl.arange(0, NSPLIT)
+    used = sp < n_total
     offs_d = tl.arange(0, D)
-    base = (seq * tl.num_programs(1) + h) * NSPLIT + sp
-    lse = tl.load(lse_part + base)
+    base = (seq * tl.num_programs(1) + h) * n_total + sp
+    # Some partials may be empty (-inf), never all: a query always sees its own key.
+    lse = tl.load(lse_part + base, mask=used, other=float("-inf"))
     w = tl.exp2(lse - tl.max(lse, 0))
-    o = tl.load(o_part + base[:, None] * D + offs_d[None, :])
+    o = tl.load(o_part + base[:, None] * D + offs_d[None, :], mask=used[:, None], other=0.0)
     o = tl.sum(o * w[:, None], 0) / tl.sum(w, 0)
     tl.store(out + q_lo.to(tl.int64) * s_qt + h * s_qh + offs_d, o.to(out.dtype.element_ty))
 
@@ -330,38 +332,21 @@ def paged_attention_triton(
     assert out.shape == q.shape and out.is_contiguous()
     if T == 0:
         return out
-    G = Hq // Hkv
-    inv_freq = inv_freq.to(device=q.device, dtype=torch.float32).contiguous()
-    block_tables = block_tables.contiguous()
-    interp = not q.is_cuda
-    prec = "ieee" if q.dtype == torch.float32 else "upcast" if interp else "tf32"
-    qk_scale = sm_scale * rope_scale * LOG2E  # rope_scale scales rotated keys: fold it in
     if max_q is None:
         max_q = int((cu_q[1:] - cu_q[:-1]).max())
-    pos_flag = slot_pos is not None
-    if pos_flag:
-        slot_pos = slot_pos.to(torch.int32).contiguous()
-        assert slot_pos.shape[0] == S and slot_pos.shape[1] >= block_tables.shape[1] * B
-    kpt = slot_pos if pos_flag else kv_lens  # never read without POS
-    common = (k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
-              slot_pos.stride(0) if pos_flag else 0, qk_scale)
     if max_q == 1:
-        c = {**(INTERP_CFG if interp else DECODE_CFG), **(cfg or {})}
         ns = num_splits or _num_splits(q.device, S * Hkv)
         o_part = _scratch(S, Hq, ns, D, device=q.device)
         lse = _scratch(S, Hq, ns, device=q.device)
-        _decode_kernel[(S, Hkv, ns)](
-            q, q_pos, cu_q, k_cache, v_cache, block_tables, kpt, kv_lens, inv_freq, o_part,
-            lse,
-            q.stride(0), q.stride(1), *common,
-            G=G, B=B, HALF=D // 2, BLOCK_M=max(16, triton.next_power_of_2(G)),
-            BLOCK_N=c["block_n"], NSPLIT=ns, STEP=c["step"] and not pos_flag, POS=pos_flag,
-            PREC=prec,
-            num_warps=c["num_warps"], num_stages=c["num_stages"],
-        )
-        _reduce_kernel[(S, Hq)](o_part, lse, cu_q, out, out.stride(0), out.stride(1),
-                                NSPLIT=ns, D=D, num_warps=4)
+        decode_partials(q, q_pos, cu_q, k_cache, v_cache, block_tables, kv_lens, inv_freq,
+                        rope_scale, sm_scale, slot_pos, o_part, lse, ns, cfg)
+        reduce_partials(o_part, lse, cu_q, out)
         return out
+    G = Hq // Hkv
+    interp = not q.is_cuda
+    prec, common, kpt, inv_freq, block_tables = _prep(q, k_cache, block_tables, kv_lens, inv_freq,
+                                                      rope_scale, sm_scale, slot_pos)
+    pos_flag = slot_pos is not None
     c = {**(INTERP_CFG if interp else PREFILL_CFG), **(cfg or {})}
     grid = (triton.cdiv(max_q * G, c["block_m"]), S, Hkv)
     _prefill_kernel[grid](
@@ -372,3 +357,53 @@ def paged_attention_triton(
         num_warps=c["num_warps"], num_stages=c["num_stages"],
     )
     return out
+
+
+def _prep(q, k_cache, block_tables, kv_lens, inv_freq, rope_scale, sm_scale, slot_pos):
+    """(precision, the stride/scale arguments both kernels take, the slot-position table
+    or a stand-in, inv_freq and block tables as the kernels want them)."""
+    prec = "ieee" if q.dtype == torch.float32 else "upcast" if not q.is_cuda else "tf32"
+    qk_scale = sm_scale * rope_scale * LOG2E  # rope_scale scales rotated keys: fold it in
+    if slot_pos is not None:
+        slot_pos = slot_pos.to(torch.int32).contiguous()
+        assert (slot_pos.shape[0] == kv_lens.shape[0]
+                and slot_pos.shape[1] >= block_tables.shape[1] * k_cache.shape[1])
+    kpt = slot_pos if slot_pos is not None else kv_lens  # never read without POS
+    common = (k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
+              slot_pos.stride(0) if slot_pos is not None else 0, qk_scale)
+    return (prec, common, kpt, inv_freq.to(device=q.device, dtype=torch.float32).contiguous(),
+            block_tables.contiguous())
+
+
+def decode_partials(q, q_pos, cu_q, k_cache, v_cache, block_tables, kv_lens, inv_freq,
+                    rope_scale: float, sm_scale: float, slot_pos, o_part: torch.Tensor,
+                    lse_part: torch.Tensor, num_splits: int | None = None,
+                    cfg: dict | None = None) -> int:
+    """Split-K decode (one query per sequence, q contiguous) into partial slots
+    0 .. ns-1 of o_part [S, Hq, n, D] / lse_part [S, Hq, n] (log2); returns ns, at most n
+    (the caller may fill the slots after them, see kernels/collective.py)."""
+    S, Hq, n, D = o_part.shape
+    Hkv, B = k_cache.shape[2], k_cache.shape[1]
+    ns = min(n, num_splits or _num_splits(q.device, S * Hkv))
+    prec, common, kpt, inv_freq, block_tables = _prep(q, k_cache, block_tables, kv_lens, inv_freq,
+                                                      rope_scale, sm_scale, slot_pos)
+    c = {**(DECODE_CFG if q.is_cuda else INTERP_CFG), **(cfg or {})}
+    pos_flag = slot_pos is not None
+    _decode_kernel[(S, Hkv, ns)](
+        q, q_pos, cu_q, k_cache, v_cache, block_tables, kpt, kv_lens, inv_freq, o_part,
+        lse_part, n,
+        q.stride(0), q.stride(1), *common,
+        G=Hq // Hkv, B=B, HALF=D // 2, BLOCK_M=max(16, triton.next_power_of_2(Hq // Hkv)),
+        BLOCK_N=c["block_n"], NSPLIT=ns, STEP=c["step"] and not pos_flag, POS=pos_flag,
+        PREC=prec, num_warps=c["num_warps"], num_stages=c["num_stages"],
+    )
+    return ns
+
+
+def reduce_partials(o_part: torch.Tensor, lse_part: torch.Tensor, cu_q: torch.Tensor,
+                    out: torch.Tensor) -> None:
+    """Merge every sequence's partials (o_part [S, Hq, n, D], log2 lse [S, Hq, n]) into
+    out [T, Hq, D] at its query row."""
+    S, Hq, n, D = o_part.shape
+    _reduce_kernel[(S, Hq)](o_part, lse_part, cu_q, out, n, out.stride(0), out.stride(1),
+                            NSPLIT=triton.next_power_of_2(n), D=D, num_warps=4)

@@ -2,18 +2,12 @@
 
 from __future__ import annotations
 
-import importlib
 import math
 
 import pytest
 import torch
 
 from tokendance.kernels import restore as rs
-
-# An earlier test directory may have imported this module before conftest.py set
-# TRITON_INTERPRET (the list there predates it): decorate the kernel again.
-if rs.triton is not None and type(rs._move_kernel).__name__ != "InterpretedFunction":
-    rs = importlib.reload(rs)
 
 SHAPES = [(2, 3, 4, 2, 16), (3, 5, 8, 3, 32)]  # layers, blocks, B, Hkv, D (Hkv * D not 2^k in one)
 
