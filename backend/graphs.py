@@ -5,7 +5,12 @@ host spends twice as long launching them as the GPU spends running them. Each ba
 bucket's forward is captured once and replayed: the step then costs one launch. Inputs
 live in static buffers; a batch smaller than its bucket is padded with rows that read and
 write one scratch block no sequence owns. A batch with Mirrors among it replays a second
-graph per bucket whose attention reads both views' slot-position tables.
+graph per bucket: each view's own-block tables, and the batch's Master read collectively
+(backend/tables.py) in a fixed number of chunks.
+
+Tables are written in full only when the batch changes; a sequence that gains a block
+rewrites its own row; otherwise a replay refreshes just the token ids, positions, store
+slots and key counts.
 """
 
 from __future__ import annotations
@@ -15,7 +20,10 @@ import torch
 from tokendance.backend.mirror import EARLY, LATE
 from tokendance.backend.model import AttnMeta, Decoder, KVCache
 from tokendance.backend.scheduler import Scheduled
-from tokendance.backend.tables import kv_view
+from tokendance.backend.tables import kv_view, segments
+from tokendance.kernels.collective import NOT_READ, MasterRead
+
+CHUNK_CAP = 64  # Master chunks per Mirror graph (segments of a batch must number fewer)
 
 
 def buckets(max_bs: int) -> list[int]:
@@ -26,86 +34,79 @@ def buckets(max_bs: int) -> list[int]:
 
 class DecodeGraphs:
     def __init__(self, model: Decoder, cache: KVCache, max_bs: int, max_blocks: int, scratch_block: int,
-                 late_from: int = 1):
+                 late_from: int = 1, capture: bool = True):
+        """`capture=False` allocates the buffers only (tests fill them on the CPU)."""
         self.model, self.cache = model, cache
-        self.max_blocks = max_blocks
+        self.max_blocks = max_blocks  # per sequence, and for the batch's Master
         self.late_from = late_from
         self.sizes = buckets(max_bs)
-        dev = model.lm_head.weight.device
-        n = self.sizes[-1]
-        bsz = cache.block_size
-        self.scratch_slot = scratch_block * bsz
-        self.ids = torch.zeros(n, dtype=torch.long, device=dev)
-        self.pos = torch.zeros(n, dtype=torch.long, device=dev)
-        self.slots = torch.full((n,), self.scratch_slot, dtype=torch.long, device=dev)
-        self.cu_q = torch.arange(n + 1, dtype=torch.int32, device=dev)
-        self.tables = torch.full((n, max_blocks), scratch_block, dtype=torch.int32, device=dev)
-        self.kv_lens = torch.ones(n, dtype=torch.int32, device=dev)
-        self.logits = torch.zeros(n, model.cfg.vocab_size, dtype=torch.float32, device=dev)
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.scratch_block = scratch_block
-        # Mirror tables (own blocks, then the Master's): per view, tables, lens, pos.
-        self.mirror_blocks = 2 * max_blocks
+        self.scratch_slot = scratch_block * cache.block_size
+        dev = cache.kv.device
+        n, w, bsz = self.sizes[-1], max_blocks, cache.block_size
+
+        def full(shape, value, dtype=torch.int32):
+            return torch.full(shape, value, dtype=dtype, device=dev)
+
+        self.ids, self.pos = full((n,), 0, torch.long), full((n,), 0, torch.long)
+        self.slots = full((n,), self.scratch_slot, torch.long)
+        self.cu_q = torch.arange(n + 1, dtype=torch.int32, device=dev)
+        self.lens = full((n,), 1)
+        self.logits = torch.zeros(n, model.cfg.vocab_size, dtype=torch.float32, device=dev)
+        self.tables = full((n, w), scratch_block)  # plain batches
+        # Mirror batches: per view, own-block tables and slot positions, and the Master's
+        # hidden slots; the Master's blocks, chunks and shifts are the same in both.
+        self.views = tuple(dict(tables=full((n, w), scratch_block), pos=full((n, w * bsz), -1),
+                                hide=full((n, w * bsz), 0, torch.uint8)) for _ in (EARLY, LATE))
+        self.master = dict(table=full((w,), scratch_block), chunks=full((CHUNK_CAP, 3), 0),
+                           shift=full((n, CHUNK_CAP), 0))
+        self._key: tuple | None = None
+        self._held: list = []  # the sequences _key names (their ids stay theirs meanwhile)
+        self._counts: list[int] = []  # their block counts when their rows were written
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.mirror_graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.views = self._alloc_views()
-        self.pool = None
-        self._capture()
-        for bs in reversed(self.sizes):
-            self._capture_mirror(bs)
+        if capture:
+            self._capture()
 
     def _meta(self, bs: int) -> AttnMeta:
         return AttnMeta(positions=self.pos[:bs], slots=self.slots[:bs], cu_q=self.cu_q[: bs + 1],
-                        block_tables=self.tables[:bs], kv_lens=self.kv_lens[:bs], max_q=1)
+                        block_tables=self.tables[:bs], kv_lens=self.lens[:bs], max_q=1)
+
+    def _mirror_meta(self, bs: int) -> AttnMeta:
+        early, late = (self._meta(bs) for _ in range(2))
+        m = self.master
+        for meta, v in zip((early, late), self.views):
+            meta.block_tables, meta.slot_pos = v["tables"][:bs], v["pos"][:bs]
+            meta.master = MasterRead(m["table"], m["chunks"], m["shift"][:bs], v["hide"][:bs])
+        early.late, early.late_from = late, self.late_from
+        return early
 
     @torch.inference_mode()
     def _capture(self) -> None:
         pool = None
-        for bs in reversed(self.sizes):  # largest first: smaller graphs reuse its memory
-            meta = self._meta(bs)
-            self.logits[:bs] = self.model(self.ids[:bs], meta, self.cache)  # warm-up, compiles kernels
-            torch.cuda.synchronize()
-            g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g, pool):
-                self.logits[:bs] = self.model(self.ids[:bs], meta, self.cache)
-            pool = g.pool() if pool is None else pool
-            self.graphs[bs] = g
-        self.pool = pool
+        for graphs, meta in ((self.graphs, self._meta), (self.mirror_graphs, self._mirror_meta)):
+            for bs in reversed(self.sizes):  # largest first: smaller graphs reuse its memory
+                m = meta(bs)
+                self.logits[:bs] = self.model(self.ids[:bs], m, self.cache)  # warm-up, compiles
+                torch.cuda.synchronize()
+                g = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(g, pool):
+                    self.logits[:bs] = self.model(self.ids[:bs], m, self.cache)
+                pool = g.pool() if pool is None else pool
+                graphs[bs] = g
         torch.cuda.synchronize()
-
-    def _mirror_meta(self, bs: int) -> AttnMeta:
-        early, late = (self._meta(bs) for _ in range(2))
-        for m, v in zip((early, late), self.views):
-            m.block_tables, m.kv_lens, m.slot_pos = v["tables"][:bs], v["lens"][:bs], v["pos"][:bs]
-        early.late, early.late_from = late, self.late_from
-        return early
-
-    def _alloc_views(self) -> tuple[dict[str, torch.Tensor], ...]:
-        n, dev, w = self.sizes[-1], self.ids.device, self.mirror_blocks
-        bsz = self.cache.block_size
-        return tuple(
-            dict(tables=torch.full((n, w), self.scratch_block, dtype=torch.int32, device=dev),
-                 lens=torch.ones(n, dtype=torch.int32, device=dev),
-                 pos=torch.zeros(n, w * bsz, dtype=torch.int32, device=dev))
-            for _ in (EARLY, LATE))
-
-    @torch.inference_mode()
-    def _capture_mirror(self, bs: int) -> None:
-        meta = self._mirror_meta(bs)
-        self.logits[:bs] = self.model(self.ids[:bs], meta, self.cache)  # compiles the kernels
-        torch.cuda.synchronize()
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g, self.pool):
-            self.logits[:bs] = self.model(self.ids[:bs], meta, self.cache)
-        torch.cuda.synchronize()
-        self.mirror_graphs[bs] = g
 
     def fits(self, work: list[Scheduled]) -> bool:
         if len(work) > self.sizes[-1] or not all(w.count == 1 for w in work):
             return False
-        bsz = self.cache.block_size
-        return all(len(w.seq.blocks) <= self.max_blocks if w.seq.mirror is None
-                   else len(w.seq.blocks) + len(w.seq.mirror.master_blocks) <= self.mirror_blocks
-                   for w in work)
+        seqs = [w.seq for w in work]
+        if any(len(s.blocks) > self.max_blocks for s in seqs):
+            return False
+        if all(s.mirror is None for s in seqs):
+            return True
+        segs = segments(seqs)
+        return (len(segs) < CHUNK_CAP
+                and sum(len(sp.blocks) for sp in segs.values()) <= self.max_blocks)
 
     def run(self, work: list[Scheduled]) -> torch.Tensor:
         """Logits [len(work), vocab] of a decode step (every row samples)."""
@@ -115,34 +116,79 @@ class DecodeGraphs:
         return self.logits[: len(work)]
 
     def _fill(self, work: list[Scheduled], bs: int) -> bool:
-        """The step's inputs into the static buffers (both views' tables with Mirrors
-        among them, which it returns). Padding rows read the scratch block's first slot
-        and write only the scratch slot; their logits are dropped."""
+        """The step's inputs into the static buffers; returns whether Mirrors are among
+        them. Padding rows read the scratch block's first slot and write only the
+        scratch slot; their logits are dropped."""
+        n, bsz = len(work), self.cache.block_size
+        seqs = [w.seq for w in work]
+        mirrors = any(s.mirror is not None for s in seqs)
+        key = (bs, mirrors, tuple(id(s) for s in seqs))
+        if key != self._key:
+            self._tables(work, bs, mirrors)
+            self._key, self._held = key, seqs
+            self._counts = [len(s.blocks) for s in seqs]
+        else:  # the same batch: only rows that gained a block change
+            for i, s in enumerate(seqs):
+                if len(s.blocks) != self._counts[i]:
+                    self._row(i, s, mirrors)
+                    self._counts[i] = len(s.blocks)
+        ids = torch.zeros(bs, dtype=torch.long)
+        pos = torch.zeros(bs, dtype=torch.long)
+        slots = torch.full((bs,), self.scratch_slot, dtype=torch.long)
+        lens = torch.ones(bs, dtype=torch.int32)
+        for i, w in enumerate(work):
+            ids[i], pos[i] = w.seq.tokens[w.start], w.start
+            # a decode token's slot is the same in both views
+            slots[i] = w.seq.slots(pos[i:i + 1], EARLY, bsz, self.scratch_slot)[0]
+            lens[i] = w.start + 1 if w.seq.mirror is None else len(w.seq.blocks) * bsz
+        for buf, src in ((self.ids, ids), (self.pos, pos), (self.slots, slots), (self.lens, lens)):
+            buf[:bs].copy_(src, non_blocking=True)
+        return mirrors
+
+    def _tables(self, work: list[Scheduled], bs: int, mirrors: bool) -> None:
+        """Block tables (and, with Mirrors, slot positions and the Master) of both views."""
         n, bsz, cpu = len(work), self.cache.block_size, torch.device("cpu")
         seqs, rows = [w.seq for w in work], [torch.tensor([w.start]) for w in work]
-        mirrors = any(s.mirror is not None for s in seqs)
-        ids = torch.zeros(bs, dtype=torch.long)
-        ids[:n] = torch.tensor([w.seq.tokens[w.start] for w in work])
-        pos = torch.zeros(bs, dtype=torch.long)
-        pos[:n] = torch.tensor([w.start for w in work])
-        plain = dict(tables=self.tables, lens=self.kv_lens)
-        for view, buf in zip((EARLY, LATE), self.views) if mirrors else [(EARLY, plain)]:
-            kv = kv_view(seqs, rows, view, bsz, self.scratch_slot, cpu)
-            width = kv["block_tables"].shape[1]
-            table = torch.full((bs, width), self.scratch_block, dtype=torch.int32)
-            table[:n] = kv["block_tables"]
-            lens = torch.ones(bs, dtype=torch.int32)
-            lens[:n] = kv["kv_lens"]
-            buf["tables"][:bs, :width].copy_(table, non_blocking=True)
-            buf["lens"][:bs].copy_(lens, non_blocking=True)
-            if mirrors:
-                sp = torch.full((bs, width * bsz), -1, dtype=torch.int32)
-                sp[:n] = kv["slot_pos"]
-                sp[n:, 0] = 0
-                buf["pos"][:bs, : width * bsz].copy_(sp, non_blocking=True)
-        slots = torch.full((bs,), self.scratch_slot, dtype=torch.long)
-        slots[:n] = kv["slots"]  # a decode token's slot is the same in both views
-        self.ids[:bs].copy_(ids, non_blocking=True)
-        self.pos[:bs].copy_(pos, non_blocking=True)
-        self.slots[:bs].copy_(slots, non_blocking=True)
-        return mirrors
+        if not mirrors:
+            self._put(self.tables, kv_view(seqs, rows, EARLY, bsz, -1, cpu)["block_tables"], bs,
+                      self.scratch_block)
+            return
+        for view, buf in zip((EARLY, LATE), self.views):
+            kv = kv_view(seqs, rows, view, bsz, -1, cpu, collective=True, chunk_cap=CHUNK_CAP)
+            self._put(buf["tables"], kv["block_tables"], bs, self.scratch_block)
+            width = kv["block_tables"].shape[1] * bsz
+            sp = torch.full((bs, width), -1, dtype=torch.int32)
+            sp[:n] = kv["slot_pos"][:, :width]
+            sp[n:, 0] = 0
+            buf["pos"][:bs, :width].copy_(sp, non_blocking=True)
+            read = kv["master"]
+            self._put(buf["hide"], read.hide, bs, 0)
+        m = self.master
+        m["table"][: len(read.table)].copy_(read.table, non_blocking=True)
+        m["chunks"].copy_(read.chunks, non_blocking=True)
+        self._put(m["shift"], read.shift, bs, NOT_READ)
+
+    def _row(self, i: int, seq, mirrors: bool) -> None:
+        """Row i's block table (and, in a Mirror batch, slot positions) after its
+        sequence gained a block."""
+        bsz = self.cache.block_size
+        if seq.mirror is None:
+            row = torch.tensor(seq.blocks, dtype=torch.int32)
+            for t in [v["tables"] for v in self.views] if mirrors else [self.tables]:
+                t[i, : len(row)].copy_(row, non_blocking=True)
+            n = len(row) * bsz
+            for v in self.views if mirrors else []:
+                v["pos"][i, :n].copy_(torch.arange(n, dtype=torch.int32), non_blocking=True)
+            return
+        for view, buf in zip((EARLY, LATE), self.views):
+            blocks, pos = seq.mirror.table(view, seq.blocks, bsz, master=False)
+            buf["tables"][i, : len(blocks)].copy_(blocks, non_blocking=True)
+            buf["pos"][i, : len(pos)].copy_(pos, non_blocking=True)
+
+    @staticmethod
+    def _put(buf: torch.Tensor, src: torch.Tensor, bs: int, pad: int) -> None:
+        """src [n, w] into buf[:bs, :w], rows n.. padded with `pad`."""
+        n, w = src.shape
+        full = torch.full((bs, w), pad, dtype=buf.dtype)
+        full[:n] = src
+        buf[:bs, :w].copy_(full, non_blocking=True)

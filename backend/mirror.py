@@ -124,20 +124,31 @@ class Mirror:
 
     # -- reads ---------------------------------------------------------------------
 
-    def table(self, view: int, own_blocks: list[int], block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(block table, position of every slot of it) for attention in this view, int32."""
-        key = ("table", view, len(own_blocks))  # changes only when a block is added
+    def table(self, view: int, own_blocks: list[int], block_size: int,
+              master: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+        """(block table, position of every slot of it) for attention in this view, int32:
+        the own blocks, then (with `master`) the Master's."""
+        key = ("table", view, len(own_blocks), master)  # changes only when a block is added
         if key not in self._fixed:
-            if view not in self._fixed:
-                self._fixed[view] = self._positions(view, block_size)
-            head, spans = self._fixed[view]
+            head, spans = self._view(view, block_size)
             assert len(own_blocks) * block_size >= len(head), "own blocks must cover the prompt area"
             tail = torch.arange(self.prompt_len, self.prompt_len + len(own_blocks) * block_size - len(head),
                                 dtype=torch.int32)
-            self._fixed.pop(("table", view, len(own_blocks) - 1), None)
-            self._fixed[key] = (torch.tensor(own_blocks + self.master_blocks, dtype=torch.int32),
-                                torch.cat((head, tail, spans)))
+            self._fixed.pop(("table", view, len(own_blocks) - 1, master), None)
+            blocks = own_blocks + self.master_blocks if master else own_blocks
+            pos = (head, tail, spans) if master else (head, tail)
+            self._fixed[key] = (torch.tensor(blocks, dtype=torch.int32), torch.cat(pos))
         return self._fixed[key]
+
+    def master_pos(self, view: int, block_size: int) -> torch.Tensor:
+        """Position at which this view reads each slot of its spans' blocks (in span
+        order), -1 where it does not (a patch, the last prompt token, past the end)."""
+        return self._view(view, block_size)[1]
+
+    def _view(self, view: int, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if view not in self._fixed:
+            self._fixed[view] = self._positions(view, block_size)
+        return self._fixed[view]
 
     def _positions(self, view: int, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Positions of the prompt area's slots, and of the Master slots (a segment's

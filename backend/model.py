@@ -15,6 +15,7 @@ from torch import nn
 
 from tokendance.backend.config import ModelConfig
 from tokendance.backend.rope_scaling import rope_params
+from tokendance.kernels.collective import MasterRead
 from tokendance.kernels.paged_attention import paged_attention
 from tokendance.kernels.prefill import causal_attention
 from tokendance.kernels.rope import rope_rotate
@@ -34,6 +35,7 @@ class AttnMeta:
     # then runs on this step's own K/V (causal SDPA), without paged reads.
     fresh_cu: list[int] | None = None
     slot_pos: torch.Tensor | None = None  # [S, slots]: positions of table slots (Mirrors)
+    master: MasterRead | None = None  # decode with Mirrors: the Master, read collectively
     # Layers from `late_from` on store and read through `late` (Mirrors read a patched
     # Master there; see backend/mirror.py).
     late: AttnMeta | None = None
@@ -106,7 +108,7 @@ class Attention(nn.Module):
         o = paged_attention(
             q, meta.positions, meta.cu_q, cache.k[self.layer], cache.v[self.layer],
             meta.block_tables, meta.kv_lens, self.rope.inv_freq, self.rope.scale, self.scale,
-            meta.max_q, meta.slot_pos,
+            meta.max_q, meta.slot_pos, meta.master,
         )
         return self.o_proj(o.flatten(1))
 

@@ -34,9 +34,10 @@ def step_meta(work: list[Scheduled], block_size: int, device: torch.device, tras
     if all(s.mirror is None for s in seqs):
         meta = AttnMeta(**common, **kv_view(seqs, rows, EARLY, block_size, trash, device),
                         fresh_cu=cu if all(w.start == 0 for w in work) else None)
-    else:
-        meta = AttnMeta(**common, **kv_view(seqs, rows, EARLY, block_size, trash, device))
-        meta.late = AttnMeta(**common, **kv_view(seqs, rows, LATE, block_size, trash, device))
+    else:  # Mirrors: two views; a decode step reads the Master collectively
+        decode = common["max_q"] == 1
+        meta, meta.late = (AttnMeta(**common, **kv_view(seqs, rows, v, block_size, trash, device, decode))
+                           for v in (EARLY, LATE))
         meta.late_from = late_from
     return t(ids), meta, t(last)
 

@@ -1,7 +1,7 @@
 """CUDA checks that CPU tests cannot make: CUDA-graph decode equals eager decode, the
 engine's greedy tokens equal HF transformers' on the same random weights (bf16 and fp32),
-and Mirrors (the Triton kernels through slot-position tables) give what the dense paths
-give. Run on the GPU machine: python -m tokendance.bench.check_cuda"""
+and Mirrors (the Triton kernels through slot-position tables, and the Master read
+collectively in decode) give what the dense paths give. Run on the GPU machine: python -m tokendance.bench.check_cuda"""
 
 from __future__ import annotations
 
@@ -58,6 +58,38 @@ def graphs_vs_eager(mirrors: bool = False) -> float:
     return float((graph - eager).norm() / eager.norm())
 
 
+def collective_vs_tables(dtype: str) -> float:
+    """Relative error of a decode step over 11 Mirrors with the Master read collectively
+    (the engine's path) against the same step reading each Mirror's whole slot table."""
+    from tokendance.backend.mirror import EARLY, LATE
+    from tokendance.backend.model import AttnMeta
+    from tokendance.backend.runner import step_meta
+    from tokendance.backend.tables import kv_view
+    from tokendance.bench.allgather import make_round
+
+    eng = Engine(EngineConfig(model=str(small_folder()), dtype=dtype, random_weights=True,
+                              kv_tokens=16 * 4096, cuda_graphs=0))
+    rnd = make_round(11, 100, 40, 49152, seed=4)
+    sampling = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    for i, (p, sp) in enumerate(zip(rnd.prompts, rnd.shared)):
+        eng.add(f"c{i}", p, sampling, mode="collective", shared=sp)
+    eng._blend()
+    work, _ = eng.scheduler.schedule()
+    assert all(w.count == 1 and w.seq.mirror is not None for w in work)
+    b, dev, trash = eng.cache.block_size, eng.device, eng.cache.trash
+    ids, meta, _ = step_meta(work, b, dev, trash, eng.runner.late_from)
+    assert meta.master is not None and meta.late.master is not None
+    seqs, rows = [w.seq for w in work], [torch.tensor([w.start]) for w in work]
+    common = dict(positions=meta.positions, cu_q=meta.cu_q, max_q=1)
+    tables = AttnMeta(**common, **kv_view(seqs, rows, EARLY, b, trash, dev))
+    tables.late = AttnMeta(**common, **kv_view(seqs, rows, LATE, b, trash, dev))
+    tables.late_from = eng.runner.late_from
+    with torch.inference_mode():
+        got = eng.model(ids, meta, eng.cache).float()
+        want = eng.model(ids, tables, eng.cache).float()
+    return float((got - want).norm() / want.norm())
+
+
 def greedy_vs_hf(dtype: str) -> bool:
     from transformers import AutoModelForCausalLM
 
@@ -110,7 +142,13 @@ def main() -> int:
     if sys.argv[1:] == ["mirrors"]:
         err = graphs_vs_eager(mirrors=True)
         print(f"CUDA-graph decode vs eager over Mirrors, bf16: relative error {err:.2e}")
-        return 0 if mirrors() and err < 2e-2 else 1
+        ok = err < 2e-2
+        for dtype, tol in (("float32", 1e-4), ("bfloat16", 2e-2)):
+            e = collective_vs_tables(dtype)
+            print(f"Mirror decode, Master read collectively vs whole slot tables, {dtype}: "
+                  f"relative error {e:.2e}")
+            ok &= e < tol
+        return 0 if mirrors() and ok else 1
     err = graphs_vs_eager()
     print(f"CUDA-graph decode vs eager, bf16: relative error {err:.2e}")
     ok = err < 2e-2

@@ -11,6 +11,7 @@ from tokendance.backend.api import SamplingParams
 from tokendance.backend.engine import Engine
 from tokendance.backend.mirror import EARLY, LATE
 from tokendance.backend.scheduler import Scheduled
+from tokendance.kernels.collective import NOT_READ, MasterRead
 from tests.backend.test_reuse import round_prompts
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
@@ -122,44 +123,75 @@ def test_decode_through_mirror_tables_equals_a_dense_copy(engine):
 
 @pytest.mark.parametrize("mode", ["collective", "full"])
 def test_graph_buffers_hold_what_eager_decode_reads(engine, mode):
-    """The CUDA-graph path copies a step's inputs (both views' tables with Mirrors) into
-    static buffers: on the CPU, fill them (no capture) and compare with the eager path's
-    metadata."""
+    """The CUDA-graph path copies a step's inputs (both views' tables with Mirrors, and
+    the Master read collectively) into static buffers, in full when the batch changes and
+    row by row when a sequence gains a block: on the CPU, fill them (no capture) over
+    decode steps that cross block boundaries and compare with the eager path's metadata."""
     from tokendance.backend.graphs import DecodeGraphs
-    from tokendance.backend.runner import step_meta
 
     prompts, spans = round_prompts(3, seed=15)
+    long = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
     for i, (p, sp) in enumerate(zip(prompts, spans)):
-        engine.add(f"g{i}", p, GREEDY, mode=mode, shared=sp)
+        engine.add(f"g{i}", p, long, mode=mode, shared=sp)
     while any(not s.out for s in engine.seqs.values()):
         engine.step()  # the prefill; the next step is a decode
-    work, _ = engine.scheduler.schedule()
-    mirrors = mode == "collective"
-    assert len(work) == 3 and all((w.seq.mirror is not None) == mirrors and w.count == 1 for w in work)
-    b = engine.cache.block_size
-    g = object.__new__(DecodeGraphs)  # the buffers only: capturing needs CUDA
-    g.cache, g.scratch_block, g.scratch_slot = engine.cache, engine.cache.trash_block, engine.cache.trash
+    g = DecodeGraphs(engine.model, engine.cache, 4, 64, engine.cache.trash_block, capture=False)
+    for t in (g.ids, g.pos, g.slots, g.lens, g.tables, *g.master.values(),
+              *(t for v in g.views for t in v.values())):
+        t.fill_(7)  # poison: every entry the step reads must be written
+    grown = 0
+    for _ in range(30):
+        work, _ = engine.scheduler.schedule()
+        before = list(g._counts)
+        _check_buffers(engine, g, work, mode == "collective")
+        grown += g._key is not None and before != g._counts and len(before) == len(work)
+        engine.step()
+    assert grown, "no sequence gained a block while its batch stayed the same"
 
-    def buffers() -> dict:
-        return dict(tables=torch.full((4, 64), -7, dtype=torch.int32),
-                    lens=torch.full((4,), -7, dtype=torch.int32),
-                    pos=torch.full((4, 64 * b), -7, dtype=torch.int32))
-    g.views = (buffers(), buffers())
-    plain = buffers()
-    g.tables, g.kv_lens = plain["tables"], plain["lens"]
-    g.ids, g.pos, g.slots = (torch.full((4,), -7, dtype=torch.long) for _ in range(3))
+
+def _check_buffers(engine, g, work, mirrors: bool) -> None:
+    from tokendance.backend.runner import step_meta
+
+    b = engine.cache.block_size
+    assert len(work) == 3 and all((w.seq.mirror is not None) == mirrors and w.count == 1 for w in work)
     assert g._fill(work, 4) == mirrors
     ids, meta, _ = step_meta(work, b, engine.device, engine.cache.trash, engine.runner.late_from)
     assert torch.equal(g.ids[:3], ids) and torch.equal(g.pos[:3], meta.positions)
     assert torch.equal(g.slots[:3], meta.slots) and g.slots[3] == engine.cache.trash
-    for v, m in zip(g.views if mirrors else [plain], (meta, meta.late)):
-        width = m.block_tables.shape[1]
-        assert torch.equal(v["tables"][:3, :width], m.block_tables)
-        assert torch.equal(v["lens"][:3], m.kv_lens)
-        assert v["lens"][3] == 1 and v["tables"][3, 0] == g.scratch_block
-        if mirrors:
-            assert torch.equal(v["pos"][:3, :width * b], m.slot_pos)
-            assert v["pos"][3, 0] == 0
+    assert torch.equal(g.lens[:3], meta.kv_lens) and g.lens[3] == 1
+    for v, m in zip(g.views if mirrors else [dict(tables=g.tables)], (meta, meta.late)):
+        # Blocks and slots past a row's key count are never read.
+        for i in range(3):
+            n = int(m.kv_lens[i])
+            nb = -(-n // b)
+            assert torch.equal(v["tables"][i, :nb], m.block_tables[i, :nb])
+            if mirrors:
+                assert torch.equal(v["pos"][i, :n], m.slot_pos[i, :n])
+        assert v["tables"][3, 0] == g.scratch_block
+        if not mirrors:
+            continue
+        assert v["pos"][3, 0] == 0
+        read, L = m.master, m.master.hide.shape[1]
+        assert torch.equal(v["hide"][:3, :L], read.hide)
+        assert torch.equal(g.master["table"][: len(read.table)], read.table)
+        # Eager steps plan chunks freely, graphs into a fixed count: compare what each
+        # Mirror reads, slot by slot: the position of every Master slot it sees.
+        seen = [_reads(read, i, b) for i in range(3)]
+        graph = MasterRead(g.master["table"], g.master["chunks"], g.master["shift"], v["hide"])
+        assert [_reads(graph, i, b) for i in range(3)] == seen
+        assert _reads(graph, 3, b) == {}
+        assert all(seen)
+
+
+def _reads(read, s: int, block_size: int) -> dict[int, int]:
+    """Pool slot -> position of every Master slot sequence s reads."""
+    out = {}
+    for c, (lo, hi, base) in enumerate(read.chunks.tolist()):
+        sh = int(read.shift[s, c])
+        for j in range(lo, hi):
+            if sh < NOT_READ and not read.hide[s, j]:
+                out[int(read.table[j // block_size]) * block_size + j % block_size] = sh + j - base
+    return out
 
 
 @pytest.fixture(scope="module")
