@@ -68,7 +68,11 @@ def bench(eng: Engine, agents: list[int], history: int, output: int, repeats: in
     vocab = min(eng.mcfg.vocab_size, len(eng.tokenizer))
     for n in agents:
         rnd = make_round(n, history, output, vocab, seed=seed + n)
-        run_round(eng, rnd, "full")  # warm-up
+        # Warm-up: every mode once, with a few decode steps (Triton compiles a kernel
+        # variant the first time a batch shape needs it).
+        for mode in modes:
+            run_round(eng, rnd, mode, SamplingParams(max_tokens=min(decode, 4), temperature=0,
+                                                     ignore_eos=True))
         res = {}
         for mode in modes:
             times, work, usage = [], 0.0, []
