@@ -23,7 +23,9 @@ from tokendance.backend.scheduler import Scheduled
 from tokendance.backend.tables import kv_view, segments
 from tokendance.kernels.collective import NOT_READ, MasterRead
 
-CHUNK_CAP = 64  # Master chunks per Mirror graph (segments of a batch must number fewer)
+# Master chunks per Mirror graph (a batch's segments must number fewer): with the decode
+# splits, a power of two of partials for the reduce.
+CHUNK_CAP = 48
 
 
 def buckets(max_bs: int) -> list[int]:

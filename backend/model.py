@@ -17,6 +17,7 @@ from tokendance.backend.config import ModelConfig
 from tokendance.backend.rope_scaling import rope_params
 from tokendance.kernels.collective import MasterRead
 from tokendance.kernels.paged_attention import paged_attention
+from tokendance.kernels.paged_triton import trig_table
 from tokendance.kernels.prefill import causal_attention
 from tokendance.kernels.rope import rope_rotate
 
@@ -108,7 +109,7 @@ class Attention(nn.Module):
         o = paged_attention(
             q, meta.positions, meta.cu_q, cache.k[self.layer], cache.v[self.layer],
             meta.block_tables, meta.kv_lens, self.rope.inv_freq, self.rope.scale, self.scale,
-            meta.max_q, meta.slot_pos, meta.master,
+            meta.max_q, meta.slot_pos, meta.master, self.rope.trig,
         )
         return self.o_proj(o.flatten(1))
 
@@ -152,6 +153,8 @@ class Rope(nn.Module):
         super().__init__()
         inv_freq, scale = rope_params(cfg.rope, cfg.head_dim, cfg.max_position)
         self.register_buffer("inv_freq", inv_freq, persistent=False)
+        # cos/sin per position for the kernels' tiles of scattered positions (Mirrors)
+        self.register_buffer("trig", trig_table(inv_freq, cfg.max_position), persistent=False)
         self.scale = scale
 
 

@@ -439,7 +439,8 @@ def collective_attention(
 
 def master_decode_triton(q, q_pos, cu_q, k_cache, v_cache, block_tables, kv_lens, inv_freq,
                          rope_scale: float, sm_scale: float, slot_pos, read: MasterRead,
-                         out: torch.Tensor | None = None) -> torch.Tensor:
+                         out: torch.Tensor | None = None, trig: torch.Tensor | None = None
+                         ) -> torch.Tensor:
     """Decode (one query per sequence) over each sequence's own keys (block_tables,
     kv_lens, slot_pos as in paged attention) and the batch's Master (read), the Master
     read collectively: both write partials into one buffer, one reduce merges them."""
@@ -451,7 +452,7 @@ def master_decode_triton(q, q_pos, cu_q, k_cache, v_cache, block_tables, kv_lens
     o_part = _scratch(S, Hq, n, D, device=q.device)
     lse_part = _scratch(S, Hq, n, device=q.device)
     decode_partials(q, q_pos, cu_q, k_cache, v_cache, block_tables, kv_lens, inv_freq, rope_scale,
-                    sm_scale, slot_pos, o_part, lse_part, ns)
+                    sm_scale, slot_pos, o_part, lse_part, ns, trig=trig)
     collective_partials(q, q_pos, k_cache, v_cache, read, inv_freq, rope_scale, sm_scale,
                         o_part, lse_part, ns)
     reduce_partials(o_part, lse_part, cu_q, out)

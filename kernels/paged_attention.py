@@ -167,16 +167,18 @@ def paged_attention(
     max_q: int | None = None,
     slot_pos: torch.Tensor | None = None,
     master: MasterRead | None = None,
+    trig: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Dispatch: the Triton kernels on CUDA, the reference elsewhere. max_q (the most
     queries of one sequence) spares the GPU path a host sync. `master` (decode steps
-    only): the batch's Master keys besides each sequence's own, read collectively."""
+    only): the batch's Master keys besides each sequence's own, read collectively.
+    `trig` (kernels/paged_triton.py's trig_table) spares the kernels sines and cosines."""
     args = (q, q_pos, cu_q, k_cache, v_cache, block_tables, kv_lens, inv_freq, rope_scale,
             sm_scale, slot_pos)
     if master is not None:
         if q.is_cuda:
-            return master_decode_triton(*args, master)
+            return master_decode_triton(*args, master, trig=trig)
         return master_decode_reference(q, q_pos, *args[3:], master)
     if q.is_cuda:
-        return paged_attention_triton(*args, max_q=max_q)
+        return paged_attention_triton(*args, max_q=max_q, trig=trig)
     return paged_attention_reference(*args)

@@ -69,10 +69,12 @@ def _tile(acc, m_i, l_i, q1, q2, qp, kc, vc, bt, j, jm, kpos, c, s, s_blk, s_slo
 
 @triton.jit
 def _pos_tile(acc, m_i, l_i, q1, q2, qp, kc, vc, bt, f, j, jm, kpos, ct, st, s_blk, s_slot,
-              qk_scale, B: tl.constexpr, HALF: tl.constexpr, BLOCK_N: tl.constexpr,
-              PREC: tl.constexpr):
+              qk_scale, trig, trig_n, B: tl.constexpr, HALF: tl.constexpr, BLOCK_N: tl.constexpr,
+              TRIG: tl.constexpr, PREC: tl.constexpr):
     """A tile read through slot positions: angle addition from its first position when
-    its visible slots are consecutive, else a sine and a cosine per element."""
+    its visible slots are consecutive, else per element from the cos/sin table `trig`
+    ([2, trig_n, HALF] float32) with TRIG, or a sine and a cosine (five times the
+    arithmetic of the rest of the tile)."""
     offs_n = tl.arange(0, BLOCK_N)
     rel = kpos - offs_n
     p0 = tl.max(tl.where(jm, rel, -1), 0)
@@ -82,7 +84,11 @@ def _pos_tile(acc, m_i, l_i, q1, q2, qp, kc, vc, bt, f, j, jm, kpos, ct, st, s_b
         s0 = tl.sin(a0)
         c = c0 * ct - s0 * st
         s = s0 * ct + c0 * st
-    else:  # scattered positions (patches)
+    elif TRIG:  # scattered positions (patches)
+        t = trig + kpos[None, :].to(tl.int64) * HALF + tl.arange(0, HALF)[:, None]
+        c = tl.load(t, mask=jm[None, :], other=1.0)
+        s = tl.load(t + trig_n * HALF, mask=jm[None, :], other=0.0)
+    else:
         ang = f * kpos[None, :].to(tl.float32)
         c = tl.cos(ang)
         s = tl.sin(ang)
@@ -92,9 +98,9 @@ def _pos_tile(acc, m_i, l_i, q1, q2, qp, kc, vc, bt, f, j, jm, kpos, ct, st, s_b
 
 @triton.jit
 def _attend(acc, m_i, l_i, q1, q2, qp, kc, vc, bt, kpt, f, lo, hi, s_blk, s_slot, qk_scale,
-            B: tl.constexpr, HALF: tl.constexpr, BLOCK_N: tl.constexpr,
+            trig, trig_n, B: tl.constexpr, HALF: tl.constexpr, BLOCK_N: tl.constexpr,
             MASK: tl.constexpr, STEP: tl.constexpr, POS: tl.constexpr, SKIP: tl.constexpr,
-            PREC: tl.constexpr):
+            TRIG: tl.constexpr, PREC: tl.constexpr):
     """Online softmax of the rows (q1 | q2) over keys lo .. hi-1 of one sequence.
 
     kc, vc: the kv head's first element in block 0; bt: the block-table row; f:
@@ -132,10 +138,12 @@ def _attend(acc, m_i, l_i, q1, q2, qp, kc, vc, bt, kpt, f, lo, hi, s_blk, s_slot
             if SKIP:
                 if tl.max(jm.to(tl.int32), 0) > 0:
                     acc, m_i, l_i = _pos_tile(acc, m_i, l_i, q1, q2, qp, kc, vc, bt, f, j, jm, kpos,
-                                              ct, st, s_blk, s_slot, qk_scale, B, HALF, BLOCK_N, PREC)
+                                              ct, st, s_blk, s_slot, qk_scale, trig, trig_n, B, HALF,
+                                              BLOCK_N, TRIG, PREC)
             else:
                 acc, m_i, l_i = _pos_tile(acc, m_i, l_i, q1, q2, qp, kc, vc, bt, f, j, jm, kpos,
-                                          ct, st, s_blk, s_slot, qk_scale, B, HALF, BLOCK_N, PREC)
+                                          ct, st, s_blk, s_slot, qk_scale, trig, trig_n, B, HALF,
+                                          BLOCK_N, TRIG, PREC)
         else:
             if not STEP:
                 ang = f * j[None, :].to(tl.float32)
@@ -150,10 +158,10 @@ def _attend(acc, m_i, l_i, q1, q2, qp, kc, vc, bt, kpt, f, lo, hi, s_blk, s_slot
 
 @triton.jit
 def _prefill_kernel(q, q_pos, cu_q, kc, vc, bt, kpt, kv_lens, inv_freq, out,
-                    s_qt, s_qh, s_blk, s_slot, s_kh, s_bt, s_sp, qk_scale,
+                    s_qt, s_qh, s_blk, s_slot, s_kh, s_bt, s_sp, qk_scale, trig, trig_n,
                     G: tl.constexpr, B: tl.constexpr, HALF: tl.constexpr,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                    STEP: tl.constexpr, POS: tl.constexpr, PREC: tl.constexpr):
+                    STEP: tl.constexpr, POS: tl.constexpr, TRIG: tl.constexpr, PREC: tl.constexpr):
     # Last row blocks first: under causality they carry the most keys.
     mb = tl.num_programs(0) - 1 - tl.program_id(0)
     seq = tl.program_id(1)
@@ -189,9 +197,11 @@ def _prefill_kernel(q, q_pos, cu_q, kc, vc, bt, kpt, kv_lens, inv_freq, out,
     bt += seq.to(tl.int64) * s_bt
     kpt += seq.to(tl.int64) * s_sp
     acc, m_i, l_i = _attend(acc, m_i, l_i, q1, q2, qp, kc, vc, bt, kpt, f, 0, full,
-                            s_blk, s_slot, qk_scale, B, HALF, BLOCK_N, False, STEP, POS, POS, PREC)
+                            s_blk, s_slot, qk_scale, trig, trig_n, B, HALF, BLOCK_N, False, STEP,
+                            POS, POS, TRIG, PREC)
     acc, m_i, l_i = _attend(acc, m_i, l_i, q1, q2, qp, kc, vc, bt, kpt, f, full, hi,
-                            s_blk, s_slot, qk_scale, B, HALF, BLOCK_N, True, STEP, POS, POS, PREC)
+                            s_blk, s_slot, qk_scale, trig, trig_n, B, HALF, BLOCK_N, True, STEP,
+                            POS, POS, TRIG, PREC)
     o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     offs_d = tl.arange(0, 2 * HALF)
     oo = tok[:, None] * s_qt + head[:, None] * s_qh + offs_d[None, :]
@@ -200,10 +210,10 @@ def _prefill_kernel(q, q_pos, cu_q, kc, vc, bt, kpt, kv_lens, inv_freq, out,
 
 @triton.jit
 def _decode_kernel(q, q_pos, cu_q, kc, vc, bt, kpt, kv_lens, inv_freq, o_part, lse_part, n_total,
-                   s_qt, s_qh, s_blk, s_slot, s_kh, s_bt, s_sp, qk_scale,
+                   s_qt, s_qh, s_blk, s_slot, s_kh, s_bt, s_sp, qk_scale, trig, trig_n,
                    G: tl.constexpr, B: tl.constexpr, HALF: tl.constexpr,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, NSPLIT: tl.constexpr,
-                   STEP: tl.constexpr, POS: tl.constexpr, PREC: tl.constexpr):
+                   STEP: tl.constexpr, POS: tl.constexpr, TRIG: tl.constexpr, PREC: tl.constexpr):
     seq = tl.program_id(0)
     kvh = tl.program_id(1)
     sp = tl.program_id(2)
@@ -241,9 +251,11 @@ def _decode_kernel(q, q_pos, cu_q, kc, vc, bt, kpt, kv_lens, inv_freq, o_part, l
     bt += seq.to(tl.int64) * s_bt
     kpt += seq.to(tl.int64) * s_sp
     acc, m_i, l_i = _attend(acc, m_i, l_i, q1, q2, qp, kc, vc, bt, kpt, f, lo, full,
-                            s_blk, s_slot, qk_scale, B, HALF, BLOCK_N, False, STEP, POS, False, PREC)
+                            s_blk, s_slot, qk_scale, trig, trig_n, B, HALF, BLOCK_N, False, STEP,
+                            POS, False, TRIG, PREC)
     acc, m_i, l_i = _attend(acc, m_i, l_i, q1, q2, qp, kc, vc, bt, kpt, f, full, hi,
-                            s_blk, s_slot, qk_scale, B, HALF, BLOCK_N, True, STEP, POS, False, PREC)
+                            s_blk, s_slot, qk_scale, trig, trig_n, B, HALF, BLOCK_N, True, STEP,
+                            POS, False, TRIG, PREC)
     # An empty split leaves weight 0 (lse = -inf) and a zero partial.
     seen = l_i > 0
     l_safe = tl.where(seen, l_i, 1.0)
@@ -312,13 +324,15 @@ def paged_attention_triton(
     num_splits: int | None = None,
     cfg: dict | None = None,
     out: torch.Tensor | None = None,
+    trig: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The Triton path of `paged_attention`: the decode kernel when no sequence has
     more than one query, the prefill kernel otherwise.
 
     slot_pos: see `paged_attention`. max_q: the most queries of one sequence, when the
-    caller knows it (else one host sync reads it from cu_q). cfg overrides the launch configuration; out, a
-    contiguous [T, Hq, D] tensor, receives the result.
+    caller knows it (else one host sync reads it from cu_q). cfg overrides the launch
+    configuration; out, a contiguous [T, Hq, D] tensor, receives the result. trig: see
+    `trig_table`, for slots at scattered positions.
     """
     if not q.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
         raise ValueError("paged_attention_triton needs CUDA tensors (or TRITON_INTERPRET=1)")
@@ -339,13 +353,13 @@ def paged_attention_triton(
         o_part = _scratch(S, Hq, ns, D, device=q.device)
         lse = _scratch(S, Hq, ns, device=q.device)
         decode_partials(q, q_pos, cu_q, k_cache, v_cache, block_tables, kv_lens, inv_freq,
-                        rope_scale, sm_scale, slot_pos, o_part, lse, ns, cfg)
+                        rope_scale, sm_scale, slot_pos, o_part, lse, ns, cfg, trig)
         reduce_partials(o_part, lse, cu_q, out)
         return out
     G = Hq // Hkv
     interp = not q.is_cuda
     prec, common, kpt, inv_freq, block_tables = _prep(q, k_cache, block_tables, kv_lens, inv_freq,
-                                                      rope_scale, sm_scale, slot_pos)
+                                                      rope_scale, sm_scale, slot_pos, trig)
     pos_flag = slot_pos is not None
     c = {**(INTERP_CFG if interp else PREFILL_CFG), **(cfg or {})}
     grid = (triton.cdiv(max_q * G, c["block_m"]), S, Hkv)
@@ -353,15 +367,23 @@ def paged_attention_triton(
         q, q_pos, cu_q, k_cache, v_cache, block_tables, kpt, kv_lens, inv_freq, out,
         q.stride(0), q.stride(1), *common,
         G=G, B=B, HALF=D // 2, BLOCK_M=c["block_m"], BLOCK_N=c["block_n"],
-        STEP=c["step"] and not pos_flag, POS=pos_flag, PREC=prec,
+        STEP=c["step"] and not pos_flag, POS=pos_flag, TRIG=trig is not None, PREC=prec,
         num_warps=c["num_warps"], num_stages=c["num_stages"],
     )
     return out
 
 
-def _prep(q, k_cache, block_tables, kv_lens, inv_freq, rope_scale, sm_scale, slot_pos):
-    """(precision, the stride/scale arguments both kernels take, the slot-position table
-    or a stand-in, inv_freq and block tables as the kernels want them)."""
+def trig_table(inv_freq: torch.Tensor, n: int) -> torch.Tensor:
+    """cos and sin of position * inv_freq for positions 0 .. n-1: [2, n, D/2] float32.
+    Kernels read a tile of slots at scattered positions (a Mirror's patches) from it
+    instead of computing a sine and a cosine per element."""
+    ang = torch.arange(n, device=inv_freq.device, dtype=torch.float32)[:, None] * inv_freq.float()
+    return torch.stack((ang.cos(), ang.sin())).contiguous()
+
+
+def _prep(q, k_cache, block_tables, kv_lens, inv_freq, rope_scale, sm_scale, slot_pos, trig=None):
+    """(precision, the stride/scale/table arguments both kernels take, the slot-position
+    table or a stand-in, inv_freq and block tables as the kernels want them)."""
     prec = "ieee" if q.dtype == torch.float32 else "upcast" if not q.is_cuda else "tf32"
     qk_scale = sm_scale * rope_scale * LOG2E  # rope_scale scales rotated keys: fold it in
     if slot_pos is not None:
@@ -369,8 +391,11 @@ def _prep(q, k_cache, block_tables, kv_lens, inv_freq, rope_scale, sm_scale, slo
         assert (slot_pos.shape[0] == kv_lens.shape[0]
                 and slot_pos.shape[1] >= block_tables.shape[1] * k_cache.shape[1])
     kpt = slot_pos if slot_pos is not None else kv_lens  # never read without POS
+    assert trig is None or (trig.dtype == torch.float32 and trig.is_contiguous()
+                            and tuple(trig.shape[::2]) == (2, inv_freq.shape[0]))
     common = (k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
-              slot_pos.stride(0) if slot_pos is not None else 0, qk_scale)
+              slot_pos.stride(0) if slot_pos is not None else 0, qk_scale,
+              kpt if trig is None else trig, 0 if trig is None else trig.shape[1])
     return (prec, common, kpt, inv_freq.to(device=q.device, dtype=torch.float32).contiguous(),
             block_tables.contiguous())
 
@@ -378,7 +403,7 @@ def _prep(q, k_cache, block_tables, kv_lens, inv_freq, rope_scale, sm_scale, slo
 def decode_partials(q, q_pos, cu_q, k_cache, v_cache, block_tables, kv_lens, inv_freq,
                     rope_scale: float, sm_scale: float, slot_pos, o_part: torch.Tensor,
                     lse_part: torch.Tensor, num_splits: int | None = None,
-                    cfg: dict | None = None) -> int:
+                    cfg: dict | None = None, trig: torch.Tensor | None = None) -> int:
     """Split-K decode (one query per sequence, q contiguous) into partial slots
     0 .. ns-1 of o_part [S, Hq, n, D] / lse_part [S, Hq, n] (log2); returns ns, at most n
     (the caller may fill the slots after them, see kernels/collective.py)."""
@@ -386,7 +411,7 @@ def decode_partials(q, q_pos, cu_q, k_cache, v_cache, block_tables, kv_lens, inv
     Hkv, B = k_cache.shape[2], k_cache.shape[1]
     ns = min(n, num_splits or _num_splits(q.device, S * Hkv))
     prec, common, kpt, inv_freq, block_tables = _prep(q, k_cache, block_tables, kv_lens, inv_freq,
-                                                      rope_scale, sm_scale, slot_pos)
+                                                      rope_scale, sm_scale, slot_pos, trig)
     c = {**(DECODE_CFG if q.is_cuda else INTERP_CFG), **(cfg or {})}
     pos_flag = slot_pos is not None
     _decode_kernel[(S, Hkv, ns)](
@@ -395,7 +420,7 @@ def decode_partials(q, q_pos, cu_q, k_cache, v_cache, block_tables, kv_lens, inv
         q.stride(0), q.stride(1), *common,
         G=Hq // Hkv, B=B, HALF=D // 2, BLOCK_M=max(16, triton.next_power_of_2(Hq // Hkv)),
         BLOCK_N=c["block_n"], NSPLIT=ns, STEP=c["step"] and not pos_flag, POS=pos_flag,
-        PREC=prec, num_warps=c["num_warps"], num_stages=c["num_stages"],
+        TRIG=trig is not None, PREC=prec, num_warps=c["num_warps"], num_stages=c["num_stages"],
     )
     return ns
 

@@ -168,3 +168,13 @@ def test_triton_padding_chunks_write_empty_partials():
     got = col.master_decode_triton(q, q_pos, cu, kc, vc, mine[0], mine[1], f, 1.0, 64 ** -0.5,
                                    mine[2], read)
     assert rel(got, full_reference(q, q_pos, cu, kc, vc, full, f)) < 1e-3
+
+
+def test_triton_with_trig_table():
+    from tokendance.kernels.paged_triton import trig_table
+
+    torch.manual_seed(12)
+    q, q_pos, cu, kc, vc, full, mine, read, f = batch([40, 33, 70], [20, 5, 31])
+    got = col.master_decode_triton(q, q_pos, cu, kc, vc, mine[0], mine[1], f, 1.0, 64 ** -0.5,
+                                   mine[2], read, trig=trig_table(f, 1024))
+    assert rel(got, full_reference(q, q_pos, cu, kc, vc, full, f)) < 1e-3

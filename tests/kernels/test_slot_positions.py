@@ -156,3 +156,14 @@ def test_bf16_decode() -> None:
     got = triton(Case(bf, c.slots), num_splits=2)
     assert got.dtype == torch.bfloat16
     assert rel(got.float(), pa.paged_attention_reference(*args32)) < 2e-2
+
+
+@pytest.mark.parametrize("nq", [[1, 1, 1], [6, 37, 2]])
+def test_trig_table_equals_computed_angles(nq: list[int]) -> None:
+    """Scattered tiles read cos/sin from the table: the same attention (decode, prefill)."""
+    c = mirror_case([40, 23, 70], [30, 7, 51], 45, nq, hq=28, hkv=4)
+    trig = pt.trig_table(c.args[7], 512)
+    assert trig.shape == (2, 512, 32)
+    got = triton(c, trig=trig)
+    assert rel(got, pa.paged_attention_reference(*c.args)) < 1e-3
+    assert rel(got, triton(c)) < 1e-5
