@@ -34,6 +34,7 @@ class Job:
     shared: list[tuple[int, int]] | None = None
     tenant: str = ""
     publish: bool = False
+    agent: str | None = None  # session/agent: its next request may resume from this one
 
 
 class TokenStream:
@@ -90,7 +91,8 @@ class AsyncEngine:
         def add() -> None:
             for j in jobs:
                 try:
-                    self.engine.add(j.rid, j.prompt, j.sampling, j.mode, j.shared, j.tenant, j.publish)
+                    self.engine.add(j.rid, j.prompt, j.sampling, j.mode, j.shared, j.tenant, j.publish,
+                                    j.agent)
                 except InvalidRequest as e:
                     self._deliver(j.rid, e)
 

@@ -28,6 +28,7 @@ from tokendance.kernels.deviation import kv_deviation, select_top
 class BlendInput:
     seq: Sequence  # a Mirror with its private blocks reserved for the prompt
     reused: list[bool]  # per prompt token: its K/V is in the Master
+    start: int = 0  # tokens before it are in place already (an idle agent's restored prefix)
 
 
 @dataclass(slots=True)
@@ -58,13 +59,14 @@ def blend(model: Decoder, cache: KVCache, items: list[BlendInput], check_layer: 
           ratio: float) -> BlendResult:
     device = model.lm_head.weight.device
     bsz = cache.block_size
-    full = [torch.arange(len(it.seq.prompt)) for it in items]
-    meta = _meta(items, full, EARLY, cache, device, fresh=True)
-    ids = torch.tensor([t for it in items for t in it.seq.prompt], device=device)
+    full = [torch.arange(it.start, len(it.seq.prompt)) for it in items]
+    # Causal attention over the step's own K/V, unless a prefix sits in the pool.
+    meta = _meta(items, full, EARLY, cache, device, fresh=all(it.start == 0 for it in items))
+    ids = torch.tensor([t for it in items for t in it.seq.prompt[it.start:]], device=device)
     x = model.embed(ids)
     offsets = [0]
-    for it in items:
-        offsets.append(offsets[-1] + len(it.seq.prompt))
+    for r in full:
+        offsets.append(offsets[-1] + len(r))
     selected: list[list[int]] = [[] for _ in items]
     work = 0
     for li, layer in enumerate(model.layers):
@@ -74,18 +76,18 @@ def blend(model: Decoder, cache: KVCache, items: list[BlendInput], check_layer: 
             continue
         attn = layer.self_attn
         q, k, v = attn.qkv(layer.input_layernorm(x))
-        base = torch.cat([it.seq.mirror.master_slots(bsz) for it in items])
+        base = torch.cat([it.seq.mirror.master_slots(bsz)[it.start:] for it in items])
         base = torch.where(base >= 0, base, cache.trash).to(device)
         kc = cache.k[li].view(-1, *k.shape[1:])
         vc = cache.v[li].view(-1, *v.shape[1:])
         dev = kv_deviation(k, v, kc[base], vc[base])
         groups = []
         for i, it in enumerate(items):
-            mask = torch.tensor(it.reused, dtype=torch.bool)
+            mask = torch.tensor(it.reused[it.start:], dtype=torch.bool)
             groups.append(torch.nonzero(mask).flatten().to(device) + offsets[i])
         picks = select_top(dev, groups, ratio)
         for i, it in enumerate(items):
-            selected[i] = (picks[i].cpu() - offsets[i]).tolist()
+            selected[i] = (picks[i].cpu() - offsets[i] + it.start).tolist()
             it.seq.mirror.pick(selected[i])
         meta = _meta(items, full, LATE, cache, device)
         cache.store(li, k, v, meta.slots)
@@ -97,8 +99,9 @@ def blend(model: Decoder, cache: KVCache, items: list[BlendInput], check_layer: 
             keep = ~torch.tensor(it.reused, dtype=torch.bool)
             keep[selected[i]] = True
             keep[-1] = True
+            keep[: it.start] = False
             rows.append(torch.nonzero(keep).flatten())
-        take = torch.cat([r + offsets[i] for i, r in enumerate(rows)]).to(device)
+        take = torch.cat([r - it.start + off for r, it, off in zip(rows, items, offsets)]).to(device)
         x = x[take]
         meta = _meta(items, rows, LATE, cache, device)
     last = meta.cu_q[1:].long() - 1

@@ -24,6 +24,7 @@ from tokendance.backend.api import SamplingParams
 from tokendance.backend.blend import BlendInput, blend
 from tokendance.backend.blocks import BlockManager
 from tokendance.backend.detok import Detok
+from tokendance.backend.idle import IdleAgents, Resume, resumed_mirror
 from tokendance.backend.mirror import EARLY, Mirror, Span
 from tokendance.backend.model import Decoder, KVCache
 from tokendance.backend.runner import Runner
@@ -43,6 +44,12 @@ class ReuseConfig:
 T = TypeVar("T")
 
 
+def _spans(r: Resume) -> list[Span]:
+    """The parked Mirror's spans that lie inside the restored prefix."""
+    m = r.parked.mirror
+    return [sp for sp in (m.spans if m is not None else []) if sp.lo + sp.n <= r.length]
+
+
 def batches(items: list[T], size: Callable[[T], int], budget: int) -> list[list[T]]:
     """Consecutive runs of `items` whose sizes sum to at most `budget` (0: no limit); an
     item larger than the budget makes a run of its own."""
@@ -60,11 +67,11 @@ def batches(items: list[T], size: Callable[[T], int], budget: int) -> list[list[
 
 class Collector:
     def __init__(self, model: Decoder, cache: KVCache, blocks: BlockManager, runner: Runner,
-                 segments: SegmentCache, cfg: ReuseConfig):
+                 segments: SegmentCache, idle: IdleAgents, cfg: ReuseConfig):
         if not 1 <= cfg.check_layer < model.cfg.num_layers:
             raise ValueError(f"check layer must lie in [1, {model.cfg.num_layers - 1}]")
         self.model, self.cache, self.blocks, self.runner = model, cache, blocks, runner
-        self.segments = segments
+        self.segments, self.idle = segments, idle
         self.cfg = cfg
 
     # -- bases ----------------------------------------------------------------------
@@ -114,40 +121,90 @@ class Collector:
     def _mirror(self, seq: Sequence, spans: list[tuple[int, int, int]],
                 entries: dict[int, Entry]) -> list[bool]:
         """Make seq a Mirror of the bases it finds (one reference to each Master block);
-        returns which prompt tokens it reuses."""
+        returns which prompt tokens it reuses (from its restored prefix's end on)."""
+        r = seq.resume
+        if r is not None and any(sp.key not in entries for sp in _spans(r)):
+            self.idle.tier.drop(r.name)  # a Master did not come back: prefill it whole
+            r = seq.resume = None
+        start = r.length if r is not None else 0
         reused = [False] * len(seq.prompt)
         parts = []
         for lo, hi, key in spans:
             e = entries.get(key)
-            if e is not None:
-                parts.append(Span(list(e.blocks), lo, hi - lo))
+            if e is not None and lo >= start:
+                parts.append(Span(list(e.blocks), lo, hi - lo, key, e.source))
                 reused[lo:hi] = [True] * (hi - lo)
         reused[-1] = False  # the last prompt token is always computed: it samples
-        cap = math.ceil(self.cfg.ratio * sum(reused))
-        seq.mirror = Mirror.build(len(seq.prompt), parts, reused, self.cfg.check_layer > 1, cap)
+        dense_early = self.cfg.check_layer > 1
+        if r is None:
+            cap = math.ceil(self.cfg.ratio * sum(reused))
+            seq.mirror = Mirror.build(len(seq.prompt), parts, reused, dense_early, cap)
+        else:
+            old = [Span(list(entries[sp.key].blocks), sp.lo, sp.n, sp.key, entries[sp.key].source)
+                   for sp in _spans(r) if sp.lo + sp.n <= start]
+            seq.mirror = resumed_mirror(r, len(seq.prompt), old, parts, reused[start:], dense_early,
+                                        self.cfg.ratio)
         for b in seq.mirror.master_blocks:
             self.blocks.pool.incref(b)
         return reused
+
+    def _masters(self, group: list[Sequence], pinned: list[Entry]) -> dict[int, torch.Tensor]:
+        """Put the Master segments that resumed requests read back into the segment
+        cache where they left it: fresh blocks, pinned, to be filled by the fused
+        restore (key -> their slots). A request whose Master cannot come back is not
+        resumed."""
+        out: dict[int, torch.Tensor] = {}
+        b = self.cache.block_size
+        for seq in group:
+            r = seq.resume
+            if r is None:
+                continue
+            for sp in _spans(r):
+                if sp.key in out or self.segments.get(sp.key) is not None:
+                    continue
+                holder = Sequence(f"master-{sp.key}", [0] * sp.n, SamplingParams(), Detok(None))
+                if not self.blocks.reserve(holder, sp.n):
+                    self.segments.evict(self.blocks.blocks_for(sp.n))
+                    if not self.blocks.reserve(holder, sp.n):
+                        self.idle.tier.drop(r.name)  # its prefix is prefilled instead
+                        seq.resume = None
+                        break
+                e = self.segments.put(sp.key, sp.n, holder.blocks, sp.source)
+                if e is None or e.blocks is not holder.blocks:  # the cache had no room
+                    self.idle.tier.drop(r.name)
+                    seq.resume = None
+                    break
+                self.segments.pin(e)
+                pinned.append(e)
+                out[sp.key] = holder.slots(torch.arange(sp.n), EARLY, b, -1).to(self.cache.kv.device)
+        return out
 
     # -- the group ------------------------------------------------------------------
 
     def prefill(self, group: list[Sequence], batched: bool) -> tuple[list[Sequence], torch.Tensor | None]:
         """Prefill what fits of `group`; returns those sequences (KV in place, stats set)
         and their next-token logits. Sequences left out stay for a later step."""
-        keys: list[list[tuple[int, int, int]]] = []  # per seq: (start, end, key)
-        missing: dict[int, list[int]] = {}
-        for seq in group:
-            spans = []
-            for lo, hi in seq.shared:
-                key = segment_key(seq.tenant, seq.prompt[lo:hi])
-                spans.append((lo, hi, key))
-                if self.segments.get(key) is None:
-                    missing[key] = seq.prompt[lo:hi]
-            keys.append(spans)
         pinned: list[Entry] = []
         try:
+            # Masters of restored prefixes come back from the host, not prefilled again.
+            masters = self._masters(group, pinned)
+            keys: list[list[tuple[int, int, int]]] = []  # per seq: (start, end, key)
+            missing: dict[int, list[int]] = {}
+            for seq in group:
+                start = seq.resume.length if seq.resume is not None else 0
+                spans = []
+                for lo, hi in seq.shared:
+                    if lo < start:
+                        continue  # inside its restored prefix
+                    key = segment_key(seq.tenant, seq.prompt[lo:hi])
+                    spans.append((lo, hi, key))
+                    if self.segments.get(key) is None:
+                        missing[key] = seq.prompt[lo:hi]
+                keys.append(spans)
             self._standalone(missing)
-            entries = {k: e for spans in keys for _, _, k in spans if (e := self.segments.get(k))}
+            wanted = [k for spans in keys for _, _, k in spans]
+            wanted += [sp.key for seq in group if seq.resume is not None for sp in _spans(seq.resume)]
+            entries = {k: e for k in wanted if (e := self.segments.get(k))}
             for e in entries.values():
                 self.segments.pin(e)
                 pinned.append(e)
@@ -161,10 +218,17 @@ class Collector:
                         self.blocks.free(seq)  # drops the Mirror: it waits for a later step
                         break
                 ready.append(seq)
-                items.append(BlendInput(seq, reused))
+                items.append(BlendInput(seq, reused, seq.resume.length if seq.resume else 0))
+            resumed = [(s.resume, s) for s in ready if s.resume is not None]
+            if resumed or masters:  # one fused restore for the group
+                self.idle.restore(resumed, masters)
         finally:
             for e in pinned:
                 self.segments.unpin(e)
+        for seq in group:
+            if seq.resume is not None and seq not in ready:
+                self.idle.tier.drop(seq.resume.name)  # a later step prefills it whole
+                seq.resume = None
         if not ready:
             return [], None
         if batched:  # per request the math does not depend on the batch: split by budget
@@ -176,11 +240,12 @@ class Collector:
         selected = [sel for p in parts for sel in p.selected]
         self.runner.work += sum(p.work for p in parts)
         for seq, it, sel in zip(ready, items, selected):
-            n_reused = sum(it.reused)
+            n_reused = sum(it.reused[it.start:])
             seq.shared_tokens = sum(hi - lo for lo, hi in seq.shared)
             seq.recomputed = len(sel)
-            seq.cached = n_reused - len(sel)
+            seq.cached = it.start + n_reused - len(sel)  # restored or reused, not computed
             seq.computed = len(seq.prompt)
+            seq.resume = None
         return ready, logits
 
     # -- producer chaining -----------------------------------------------------------

@@ -14,6 +14,7 @@ from tokendance.backend.blocks import BlockManager
 from tokendance.backend.collector import Collector, ReuseConfig, batches
 from tokendance.backend.config import ModelConfig
 from tokendance.backend.detok import Detok
+from tokendance.backend.idle import IdleAgents
 from tokendance.backend.model import KVCache
 from tokendance.backend.pool import BlockPool
 from tokendance.backend.runner import Runner
@@ -43,6 +44,7 @@ class EngineConfig:
     check_layer: int = 1  # pic / collective: where deviating tokens are selected
     recompute_ratio: float = 0.15  # pic / collective: share of reused tokens recomputed
     segment_cache_fraction: float = 0.25  # of the pool, for shared segments' base KV
+    offload_bytes: int = 1 << 30  # host memory for idle agents' KV (backend/idle.py); 0: off
 
 
 def _pick_device(name: str) -> torch.device:
@@ -86,7 +88,9 @@ class Engine:
         self.segments = SegmentCache(self.pool, cfg.block_size,
                                      int(self.cache.num_blocks * cfg.segment_cache_fraction))
         reuse = ReuseConfig(cfg.check_layer, cfg.recompute_ratio, max_tokens=budget)
-        self.collector = Collector(self.model, self.cache, self.blocks, self.runner, self.segments, reuse)
+        self.idle = IdleAgents(self.cache, self.blocks, cfg.offload_bytes)
+        self.collector = Collector(self.model, self.cache, self.blocks, self.runner, self.segments,
+                                   self.idle, reuse)
         self.blend_waiting: list[Sequence] = []
         capacity = self.cache.num_blocks * cfg.block_size
         limits = [self.mcfg.max_position, capacity]
@@ -131,9 +135,13 @@ class Engine:
             raise InvalidRequest(f"token ids must lie in [0, {self.mcfg.vocab_size})", "prompt")
 
     def add(self, rid: str, prompt: list[int], sampling: SamplingParams, mode: str = "full",
-            shared: list[tuple[int, int]] | None = None, tenant: str = "", publish: bool = False) -> None:
+            shared: list[tuple[int, int]] | None = None, tenant: str = "", publish: bool = False,
+            agent: str | None = None) -> None:
         """Queue a request. `shared`: [lo, hi) token spans of shared segments, reused in
-        pic / collective mode; `publish`: keep its output's KV as the next round's base."""
+        pic / collective mode; `publish`: keep its output's KV as the next round's base;
+        `agent`: who sent it (a session's agent): its KV is parked when it finishes, and
+        the agent's next request restores the prefix they share (not in prefix mode,
+        whose block cache does that already)."""
         self.check(prompt, sampling)
         if mode not in MODES:
             raise InvalidRequest(f"unknown mode {mode!r}; choose one of {', '.join(MODES)}", "mode")
@@ -146,7 +154,14 @@ class Engine:
                        generator=gen, mode=mode, shared=list(shared or []), tenant=tenant, publish=publish)
         seq.shared_tokens = sum(hi - lo for lo, hi in seq.shared)
         self.seqs[rid] = seq
-        if mode in ("pic", "collective") and seq.shared:
+        if agent is not None and self.cfg.offload_bytes and mode != "prefix":
+            seq.agent = f"{tenant}\0{agent}"
+            r = self.idle.take(seq.agent, seq.prompt, seq.shared)
+            if r is not None and mode in ("pic", "collective"):
+                seq.resume = r  # the collector restores it with the group
+            elif r is not None and not (mode == "full" and self.idle.restore_plain(r, seq)):
+                self.idle.tier.drop(r.name)
+        if mode in ("pic", "collective") and (seq.shared or seq.resume is not None):
             self.blend_waiting.append(seq)
         else:
             self.scheduler.add(seq)
@@ -157,6 +172,8 @@ class Engine:
             return False
         if seq in self.blend_waiting:
             self.blend_waiting.remove(seq)
+        if seq.resume is not None:
+            self.idle.tier.drop(seq.resume.name)
         self.scheduler.remove(seq)
         seq.status = Status.FINISHED
         return True
@@ -245,6 +262,8 @@ class Engine:
         text = seq.detok.take(final=True)
         if seq.publish and seq.blocks:
             self.collector.publish_output(seq, self.encode(seq.detok.text))
+        if seq.agent is not None:
+            self.idle.park(seq.agent, seq)
         per_token = self.kv_bytes_per_token
         usage = Usage(
             prompt_tokens=len(seq.prompt), completion_tokens=len(seq.out), cached_tokens=seq.cached,
@@ -264,7 +283,9 @@ class Engine:
         return len(seq) - seq.cached if seq.mode == "prefix" else len(seq)
 
     def reset_caches(self) -> None:
-        """Forget every reusable KV (segment bases, prefix blocks): a cold start."""
+        """Forget every reusable KV (segment bases, prefix blocks, idle agents): a cold start."""
+        for name in list(self.idle.parked):
+            self.idle.drop(name)
         self.segments.clear()
         self.pool.forget()
 

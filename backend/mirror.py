@@ -31,6 +31,8 @@ class Span:
     blocks: list[int]  # the Master's blocks holding this segment from slot 0
     lo: int  # position of the segment's first token in the prompt
     n: int
+    key: int = 0  # the segment cache's key: where an idle agent finds its Master again
+    source: str = ""  # which base it read ("standalone", "producer", ...)
 
 
 @dataclass(slots=True, eq=False)

@@ -4,12 +4,16 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from tokendance.backend.api import SamplingParams
 from tokendance.backend.detok import Detok
 from tokendance.backend.mirror import Mirror
+
+if TYPE_CHECKING:
+    from tokendance.backend.idle import Resume
 
 
 class Status(enum.Enum):
@@ -40,6 +44,8 @@ class Sequence:
     shared_tokens: int = 0
     hashes: list[int] = field(default_factory=list)  # chain hash of each full block
     mirror: Mirror | None = None  # pic / collective: shared segments read from the Master
+    agent: str | None = None  # whose next request may resume from this one's KV
+    resume: Resume | None = None  # this request's prefix, parked by its agent's last one
 
     @property
     def prefix_cache(self) -> bool:

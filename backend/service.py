@@ -65,8 +65,9 @@ class EngineBackend:
             tok: Tokens = p.state
             rid = f"{p.request.id}#{next(self._ids)}"
             r = p.request
+            agent = f"{r.session}/{r.agent}" if r.session is not None and r.agent is not None else None
             jobs.append(Job(rid, tok.ids, r.sampling, tok.mode, tok.shared, r.tenant,
-                            publish=r.session is not None))
+                            publish=r.session is not None, agent=agent))
         return list(self.core.submit(jobs))
 
     async def close(self) -> None:

@@ -1,0 +1,163 @@
+"""Idle agents: an agent's KV parked in host memory between its rounds, restored fused.
+
+When a request that names its agent (session/agent) finishes, its KV is parked in the
+host tier (backend/offload.py) instead of being thrown away: a Mirror as its private
+slots plus each Master segment once (shared by every agent that read it), a plain
+sequence as its slots. When the agent's next request arrives and its prompt starts with
+the parked tokens (an agent's next prompt is its last one, its answer, and the round's
+new outputs), that prefix is restored instead of prefilled: the private slots into the
+new request's own blocks, each Master segment back into the segment cache unless it is
+still there, all of a group in one host-to-device copy and one scatter launch. A
+restored Mirror stays a Mirror: its old patches stay patches, its reused tokens read
+the Master again; only the rest of the prompt is prefilled (backend/blend.py).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from tokendance.backend.blocks import BlockManager
+from tokendance.backend.mirror import EARLY, LATE, Mirror, Span
+from tokendance.backend.model import KVCache
+from tokendance.backend.offload import HostTier
+from tokendance.backend.sequence import Sequence
+
+
+@dataclass(slots=True)
+class Parked:
+    tokens: list[int]  # the tokens whose KV is parked (the finished request's computed ones)
+    mirror: Mirror | None  # its layout (block ids in it are stale), None for a plain one
+    slots: int  # private slots parked, in slot order
+
+
+@dataclass(slots=True)
+class Resume:
+    """A request's restorable prefix: the first `length` tokens come from `parked`."""
+
+    name: str
+    parked: Parked
+    length: int
+
+
+def _flat(blocks: list[int], n: int, block_size: int) -> torch.Tensor:
+    """Flat pool slots of the first n slots of a block list."""
+    i = torch.arange(n)
+    return torch.tensor(blocks, dtype=torch.long)[i // block_size] * block_size + i % block_size
+
+
+def _token(parked: Parked, i: int) -> int:
+    """The token whose K/V private slot i holds (-1: unused patch room)."""
+    m = parked.mirror
+    if m is None:
+        return i
+    if i >= m.area:
+        return m.prompt_len + i - m.area
+    late = m.own_pos[LATE][i]
+    return late if late >= 0 else m.own_pos[EARLY][i]
+
+
+class IdleAgents:
+    def __init__(self, cache: KVCache, blocks: BlockManager, budget_bytes: int):
+        self.cache, self.blocks = cache, blocks
+        self.tier = HostTier(cache, budget_bytes)
+        self.parked: dict[str, Parked] = {}
+        self.restored = 0  # prompt tokens restored instead of prefilled, all requests
+
+    @property
+    def bytes(self) -> int:
+        return self.tier.bytes
+
+    def park(self, name: str, seq: Sequence) -> None:
+        """Keep a finished request's KV for its agent's next request (seq still holds its
+        blocks)."""
+        self.drop(name)
+        tokens = seq.tokens[: seq.computed]
+        if not tokens or not seq.blocks:
+            return
+        b = self.cache.block_size
+        n = seq.own_slots(len(tokens))
+        spans = seq.mirror.spans if seq.mirror is not None else []
+        for sp in spans:
+            self.tier.put_master(sp.key, _flat(sp.blocks, sp.n, b).to(self.cache.kv.device))
+        held = self.tier.park(name, _flat(seq.blocks, n, b).to(self.cache.kv.device),
+                              [sp.key for sp in spans])
+        for sp in spans:
+            self.tier.release_master(sp.key)
+        if held:
+            self.parked[name] = Parked(tokens, seq.mirror, n)
+
+    def drop(self, name: str) -> None:
+        self.parked.pop(name, None)
+        self.tier.drop(name)
+
+    def take(self, name: str, prompt: list[int], shared: list[tuple[int, int]]) -> Resume | None:
+        """The agent's parked prefix of `prompt`, if one is worth restoring: the longest
+        common prefix, short of the last prompt token (it samples) and of any segment
+        it would cut. A mismatch forgets what was parked: the agent moved on."""
+        p = self.parked.pop(name, None)
+        if p is None:
+            return None
+        n = 0
+        for a, c in zip(p.tokens, prompt[:-1]):
+            if a != c:
+                break
+            n += 1
+        cuts = list(shared) + [(sp.lo, sp.lo + sp.n) for sp in (p.mirror.spans if p.mirror else [])]
+        while any(lo < n < hi for lo, hi in cuts):
+            n = min(lo for lo, hi in cuts if lo < n < hi)
+        if n < self.cache.block_size:
+            self.tier.drop(name)
+            return None
+        return Resume(name, p, n)
+
+    # -- restore -------------------------------------------------------------------
+
+    def private_slots(self, r: Resume, seq: Sequence) -> torch.Tensor:
+        """Destination of each parked private slot in seq (reserved for its prompt):
+        its token's own slot there, the trash slot for tokens past the prefix."""
+        b, out = self.cache.block_size, []
+        for i in range(r.parked.slots):
+            j = _token(r.parked, i)
+            k = -1
+            if 0 <= j < r.length:
+                k = j if seq.mirror is None else seq.mirror.own_of[j]
+            out.append(seq.blocks[k // b] * b + k % b if k >= 0 else self.cache.trash)
+        return torch.tensor(out, dtype=torch.long, device=self.cache.kv.device)
+
+    def restore(self, items: list[tuple[Resume, Sequence]], masters: dict[int, torch.Tensor]) -> None:
+        """One fused restore: each resumed request's private slots, and the Masters in
+        `masters` (key -> destination slots) once."""
+        self.tier.restore([(r.name, self.private_slots(r, seq)) for r, seq in items], masters)
+        self.restored += sum(r.length for r, _ in items)
+
+    def restore_plain(self, r: Resume, seq: Sequence) -> bool:
+        """A plain request's prefix into its own blocks (False: the pool is short or
+        the parked prefix was a Mirror)."""
+        if r.parked.mirror is not None or not self.blocks.reserve(seq, max(r.length, 1)):
+            self.tier.drop(r.name)
+            return False
+        self.restore([(r, seq)], {})
+        seq.computed = seq.cached = r.length
+        return True
+
+
+def resumed_mirror(r: Resume, prompt_len: int, old_spans: list[Span], new_spans: list[Span],
+                   reused_tail: list[bool], dense_early: bool, ratio: float) -> Mirror:
+    """The Mirror of a request whose first r.length tokens are restored: the parked
+    Mirror's spans (old_spans: the same segments, their Master blocks now) and
+    patches, then the new segments (new_spans, reused_tail: per token from r.length on,
+    which are reused) with patch room for the share `ratio` of them."""
+    old = r.parked.mirror
+    reused = [old is not None and j < old.prompt_len and j in old._span_of for j in range(r.length)]
+    reused += reused_tail
+    patches = []
+    if old is not None:
+        patches = [j for j in range(min(r.length, old.prompt_len))
+                   if reused[j] and old.own_of[j] >= 0 and old.own_pos[LATE][old.own_of[j]] == j]
+    cap = len(patches) + math.ceil(ratio * sum(reused_tail))
+    m = Mirror.build(prompt_len, old_spans + new_spans, reused, dense_early, cap)
+    m.pick(patches)
+    return m

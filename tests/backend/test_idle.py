@@ -1,0 +1,137 @@
+"""Idle agents: a finished request's KV is parked in the host tier and its agent's next
+request restores the prefix they share instead of prefilling it (backend/idle.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tokendance.backend.api import SamplingParams
+from tokendance.backend.engine import Engine
+from tests.backend.test_reuse import round_prompts
+
+GREEDY = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+
+
+def engine(model, **kw) -> Engine:
+    return Engine(model=str(model), dtype="float32", kv_tokens=8192, **kw)
+
+
+def run(eng: Engine, prompts, spans, mode: str, tag: str, agents: bool = True):
+    """Greedy outputs and usage of one round, each request sent as agent a<i>."""
+    usage, toks = {}, {f"{tag}{i}": [] for i in range(len(prompts))}
+    for i, (p, sp) in enumerate(zip(prompts, spans)):
+        eng.add(f"{tag}{i}", p, GREEDY, mode=mode, shared=sp, agent=f"a{i}" if agents else None)
+    while eng.has_work():
+        for rid, d in eng.step():
+            toks[rid] += d.token_ids
+            if d.usage:
+                usage[rid] = d.usage
+    keys = [f"{tag}{i}" for i in range(len(prompts))]
+    return [toks[k] for k in keys], [usage[k] for k in keys]
+
+
+def next_round(prompts, spans, outs, seed: int, n_new: int = 2, size: int = 20):
+    """Each agent's next prompt: its last one, its answer, then `n_new` new shared
+    outputs (the same for every agent) and a private tail; the old spans stay shared."""
+    g = torch.Generator().manual_seed(seed)
+    new = [torch.randint(3, 49152, (size + 3 * k,), generator=g).tolist() for k in range(n_new)]
+    out_p, out_s = [], []
+    for p, sp, o in zip(prompts, spans, outs):
+        ids = p + o + [11]
+        sp = list(sp)
+        for seg in new:
+            sp.append((len(ids), len(ids) + len(seg)))
+            ids += seg + [11]
+        out_p.append(ids + [12, 13])
+        out_s.append(sp)
+    return out_p, out_s
+
+
+def free_blocks_after_reset(eng: Engine) -> bool:
+    eng.reset_caches()
+    return eng.pool.num_free == eng.cache.num_blocks and eng.idle.bytes == 0
+
+
+@pytest.mark.parametrize("mode", ["collective", "pic"])
+def test_resumed_agents_equal_full_at_ratio_1(tiny_llama, mode):
+    """Every reused token recomputed: a Mirror is exact, so restoring one and prefilling
+    only the rest gives full mode's tokens, round after round, even when the Masters
+    left the GPU between rounds (restored from the host once)."""
+    eng, ref = engine(tiny_llama, recompute_ratio=1.0), engine(tiny_llama)
+    prompts, spans = round_prompts(3, seed=21)
+    outs, _ = run(eng, prompts, spans, mode, "r1-")
+    assert outs == run(ref, prompts, spans, "full", "f1-", agents=False)[0]
+    for rnd in (2, 3):
+        prompts, spans = next_round(prompts, spans, outs, seed=rnd)
+        eng.segments.clear()  # the Masters now live only on the host
+        restored = eng.idle.restored
+        work = eng.runner.work
+        outs, usage = run(eng, prompts, spans, mode, f"r{rnd}-")
+        assert outs == run(ref, prompts, spans, "full", f"f{rnd}-", agents=False)[0]
+        assert eng.idle.restored - restored >= sum(len(p) for p in prompts) // 2
+        assert all(u.cached_tokens > len(p) // 2 for u, p in zip(usage, prompts))
+        assert (eng.runner.work - work) / len(eng.model.layers) < sum(len(p) for p in prompts)
+    assert len(eng.idle.parked) == 3
+    assert free_blocks_after_reset(eng)
+
+
+def test_resumed_collective_at_ratio_15(tiny_llama):
+    """The default ratio: resumed agents compute less than a cold round of the same
+    prompts, keep their old patches, and leave no block or host byte behind."""
+    eng = engine(tiny_llama)
+    prompts, spans = round_prompts(4, seed=22)
+    outs, _ = run(eng, prompts, spans, "collective", "a-")
+    prompts, spans = next_round(prompts, spans, outs, seed=5)
+    work = eng.runner.work
+    run(eng, prompts, spans, "collective", "b-")
+    resumed = eng.runner.work - work
+    cold = engine(tiny_llama)
+    run(cold, prompts, spans, "collective", "c-", agents=False)
+    assert resumed < 0.5 * cold.runner.work
+    assert free_blocks_after_reset(eng)
+
+
+def test_full_mode_resumes_a_plain_prefix(tiny_llama):
+    eng, ref = engine(tiny_llama), engine(tiny_llama)
+    prompts, spans = round_prompts(2, seed=23)
+    outs, _ = run(eng, prompts, spans, "full", "a-")
+    prompts, spans = next_round(prompts, spans, outs, seed=6)
+    work = eng.runner.work
+    outs2, usage = run(eng, prompts, spans, "full", "b-")
+    assert outs2 == run(ref, prompts, spans, "full", "f-", agents=False)[0]
+    assert all(u.cached_tokens > 0 for u in usage)
+    assert eng.runner.work - work < sum(len(p) for p in prompts) * len(eng.model.layers) // 2
+    assert free_blocks_after_reset(eng)
+
+
+def test_a_changed_prompt_restores_nothing(tiny_llama):
+    eng = engine(tiny_llama)
+    prompts, spans = round_prompts(2, seed=24)
+    run(eng, prompts, spans, "collective", "a-")
+    assert set(eng.idle.parked) == {"\0a0", "\0a1"} and eng.idle.bytes > 0
+    other, other_spans = round_prompts(2, seed=25)  # unrelated prompts from the same agents
+    restored = eng.idle.restored
+    _, usage = run(eng, other, other_spans, "collective", "b-")
+    assert eng.idle.restored == restored
+    assert all(u.cached_tokens <= u.shared_tokens for u in usage)
+    assert free_blocks_after_reset(eng)
+
+
+def test_offload_off_parks_nothing(tiny_llama):
+    eng = engine(tiny_llama, offload_bytes=0)
+    prompts, spans = round_prompts(2, seed=26)
+    run(eng, prompts, spans, "collective", "a-")
+    assert not eng.idle.parked and eng.idle.bytes == 0
+
+
+def test_abort_of_a_resuming_request_drops_its_parked_kv(tiny_llama):
+    eng = engine(tiny_llama)
+    prompts, spans = round_prompts(2, seed=27)
+    outs, _ = run(eng, prompts, spans, "collective", "a-")
+    prompts, spans = next_round(prompts, spans, outs, seed=7)
+    eng.add("x", prompts[0], GREEDY, mode="collective", shared=spans[0], agent="a0")
+    assert eng.seqs["x"].resume is not None
+    assert eng.abort("x")
+    assert "\0a0" not in eng.idle.tier
+    assert free_blocks_after_reset(eng)
