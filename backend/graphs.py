@@ -21,7 +21,7 @@ from tokendance.backend.mirror import EARLY, LATE
 from tokendance.backend.model import AttnMeta, Decoder, KVCache
 from tokendance.backend.scheduler import Scheduled
 from tokendance.backend.tables import kv_view, segments
-from tokendance.kernels.collective import NOT_READ, MasterRead
+from tokendance.kernels.master import NOT_READ, MasterRead
 
 # Master chunks per Mirror graph (a batch's segments must number fewer): with the decode
 # splits, a power of two of partials for the reduce.

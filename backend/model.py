@@ -15,9 +15,9 @@ from torch import nn
 
 from tokendance.backend.config import ModelConfig
 from tokendance.backend.rope_scaling import rope_params
-from tokendance.kernels.collective import MasterRead
+from tokendance.kernels.master import MasterRead
 from tokendance.kernels.paged_attention import paged_attention
-from tokendance.kernels.paged_triton import trig_table
+from tokendance.kernels.tiles import trig_table
 from tokendance.kernels.prefill import causal_attention
 from tokendance.kernels.rope import rope_rotate
 

@@ -15,7 +15,7 @@ import torch
 
 from tokendance.backend.mirror import Span
 from tokendance.backend.sequence import Sequence
-from tokendance.kernels.collective import NOT_READ, MasterRead, plan_chunks
+from tokendance.kernels.master import NOT_READ, MasterRead, plan_chunks
 
 # About this many chunks of the Master per decode step (each costs a query rotation;
 # on an H200 at 10-20 Mirrors of a 2k-token round one chunk a segment did best).

@@ -35,13 +35,12 @@ from __future__ import annotations
 
 import math
 import os
-from dataclasses import dataclass
 
 import torch
 
-from tokendance.kernels.paged_triton import LOG2E, _dot, decode_partials, reduce_partials
-from tokendance.kernels.paged_triton import _num_splits as _num_splits_private
+from tokendance.kernels.master import MasterRead
 from tokendance.kernels.rope import rope_rotate_reference
+from tokendance.kernels.tiles import LOG2E, _dot
 
 try:
     import triton
@@ -52,36 +51,6 @@ except ImportError:  # a CPU-only install still has the reference
     triton = SimpleNamespace(jit=lambda fn: fn)
 
 LN2 = math.log(2.0)
-NOT_READ = 1 << 30  # a shift that puts a chunk past every query: the Mirror does not read it
-
-
-@dataclass(slots=True)
-class MasterRead:
-    """The Master keys of a decode batch, read collectively. Master slot i lives in
-    pool block table[i // B] at offset i % B; chunk c covers slots [lo, hi) of the
-    segment whose slot 0 is `base` (chunks[c] = lo, hi, base); Mirror s reads segment
-    slot t at position shift[s, c] + t unless hide[s, base + t] is nonzero."""
-
-    table: torch.Tensor  # [blocks] int32
-    chunks: torch.Tensor  # [C, 3] int32
-    shift: torch.Tensor  # [S, C] int32
-    hide: torch.Tensor  # [S, L] uint8 or bool, L >= every chunk's hi
-
-
-def plan_chunks(lens: list[int], block_size: int, target: int, align: int) -> list[tuple[int, int, int]]:
-    """(lo, hi, base) chunks of segments of `lens` tokens laid out block-aligned one after
-    the other: about `target` chunks in all, each a multiple of `align` slots (a tile)."""
-    total = sum(lens)
-    if not total:
-        return []
-    piece = max(align, -(-max(1, -(-total // max(1, target))) // align) * align)
-    out, base = [], 0
-    for n in lens:
-        out += [(lo, min(lo + piece, base + n), base) for lo in range(base, base + n, piece)]
-        base += -(-n // block_size) * block_size
-    return out
-
-
 def _single(shift: torch.Tensor, master_table: torch.Tensor, master_len: int, hide: torch.Tensor,
             n: int, align: int) -> MasterRead:
     """One segment of master_len slots in n equal tile-aligned chunks (some maybe empty)."""
@@ -436,24 +405,3 @@ def collective_attention(
         return collective_attention_triton(*args)
     return collective_attention_reference(*args)
 
-
-def master_decode_triton(q, q_pos, cu_q, k_cache, v_cache, block_tables, kv_lens, inv_freq,
-                         rope_scale: float, sm_scale: float, slot_pos, read: MasterRead,
-                         out: torch.Tensor | None = None, trig: torch.Tensor | None = None
-                         ) -> torch.Tensor:
-    """Decode (one query per sequence) over each sequence's own keys (block_tables,
-    kv_lens, slot_pos as in paged attention) and the batch's Master (read), the Master
-    read collectively: both write partials into one buffer, one reduce merges them."""
-    S, Hq, D = q.shape
-    q = q.contiguous()
-    out = torch.empty_like(q) if out is None else out
-    ns = _num_splits_private(q.device, S * k_cache.shape[2])
-    n = ns + read.chunks.shape[0]
-    o_part = _scratch(S, Hq, n, D, device=q.device)
-    lse_part = _scratch(S, Hq, n, device=q.device)
-    decode_partials(q, q_pos, cu_q, k_cache, v_cache, block_tables, kv_lens, inv_freq, rope_scale,
-                    sm_scale, slot_pos, o_part, lse_part, ns, trig=trig)
-    collective_partials(q, q_pos, k_cache, v_cache, read, inv_freq, rope_scale, sm_scale,
-                        o_part, lse_part, ns)
-    reduce_partials(o_part, lse_part, cu_q, out)
-    return out

@@ -27,9 +27,10 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from tokendance.kernels.collective import (MasterRead, master_attention_reference,
-                                           master_decode_triton, merge_attention)
-from tokendance.kernels.paged_triton import paged_attention_triton
+from tokendance.kernels.collective import collective_partials, master_attention_reference, merge_attention
+from tokendance.kernels.master import MasterRead
+from tokendance.kernels.paged_triton import (decode_partials, decode_splits, paged_attention_triton,
+                                             reduce_partials)
 from tokendance.kernels.rope import rope_cos_sin, rope_rotate_reference
 
 
@@ -151,6 +152,28 @@ def master_decode_reference(q, q_pos, k_cache, v_cache, block_tables, kv_lens, i
     o2, lse2 = master_attention_reference(q, q_pos, k_cache, v_cache, read, inv_freq, rope_scale,
                                           sm_scale)
     return merge_attention(o1, lse1, o2, lse2)[0].to(q.dtype)
+
+
+def master_decode_triton(q, q_pos, cu_q, k_cache, v_cache, block_tables, kv_lens, inv_freq,
+                         rope_scale: float, sm_scale: float, slot_pos, read: MasterRead,
+                         out: torch.Tensor | None = None, trig: torch.Tensor | None = None
+                         ) -> torch.Tensor:
+    """Decode (one query per sequence) over each sequence's own keys (block_tables,
+    kv_lens, slot_pos as in paged attention) and the batch's Master (read), the Master
+    read collectively: both write partials into one buffer, one reduce merges them."""
+    S, Hq, D = q.shape
+    q = q.contiguous()
+    out = torch.empty_like(q) if out is None else out
+    ns = decode_splits(q.device, S * k_cache.shape[2])
+    n = ns + read.chunks.shape[0]
+    o_part = torch.empty(S, Hq, n, D, device=q.device, dtype=torch.float32)
+    lse_part = torch.empty(S, Hq, n, device=q.device, dtype=torch.float32)
+    decode_partials(q, q_pos, cu_q, k_cache, v_cache, block_tables, kv_lens, inv_freq, rope_scale,
+                    sm_scale, slot_pos, o_part, lse_part, ns, trig=trig)
+    collective_partials(q, q_pos, k_cache, v_cache, read, inv_freq, rope_scale, sm_scale,
+                        o_part, lse_part, ns)
+    reduce_partials(o_part, lse_part, cu_q, out)
+    return out
 
 
 def paged_attention(

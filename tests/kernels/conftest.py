@@ -18,8 +18,9 @@ if "triton" in sys.modules:
         for mod in (tl.standard, tl.random, tl):
             importlib.reload(mod)
         # Importers after what they import: paged_attention takes names from collective.
-        for name in ("tokendance.kernels.rope", "tokendance.kernels.paged_triton",
-                     "tokendance.kernels.collective", "tokendance.kernels.paged_attention",
+        for name in ("tokendance.kernels.rope", "tokendance.kernels.tiles",
+                     "tokendance.kernels.paged_triton", "tokendance.kernels.collective",
+                     "tokendance.kernels.paged_attention",
                      "tokendance.kernels.deviation", "tokendance.kernels.restore"):
             if name in sys.modules:
                 importlib.reload(sys.modules[name])

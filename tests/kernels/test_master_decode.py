@@ -1,4 +1,4 @@
-"""Decode over Mirrors with the Master read collectively (kernels/collective.py's
+"""Decode over Mirrors with the Master read collectively (kernels/master.py's
 MasterRead): the same attention as reading each Mirror's whole slot-position table, in
 the reference and in the Triton kernels (interpreted)."""
 
@@ -9,8 +9,9 @@ import math
 import pytest
 import torch
 
-import tokendance.kernels.collective as col
 import tokendance.kernels.paged_attention as pa
+from tokendance.kernels.master import NOT_READ, MasterRead, plan_chunks
+from tokendance.kernels.tiles import trig_table
 
 B = 16
 
@@ -36,9 +37,9 @@ def batch(segs: list[int], hists: list[int | None], hq: int = 8, hkv: int = 2, d
             j = starts[k] + t
             kc[master[j // B], j % B] = torch.randn(hkv, d)
             vc[master[j // B], j % B] = torch.randn(hkv, d)
-    chunks = col.plan_chunks(segs, B, target, align)
+    chunks = plan_chunks(segs, B, target, align)
     S = len(hists)
-    shift = torch.full((S, len(chunks)), col.NOT_READ, dtype=torch.int32)
+    shift = torch.full((S, len(chunks)), NOT_READ, dtype=torch.int32)
     L = len(master) * B
     hide = torch.zeros(S, L, dtype=torch.uint8)
     full_t, full_p, own_t, own_p, q_pos = [], [], [], [], []
@@ -87,7 +88,7 @@ def batch(segs: list[int], hists: list[int | None], hq: int = 8, hkv: int = 2, d
         w = max(len(t) for t in ts)
         return torch.stack([torch.cat([t, t.new_full((w - len(t),), fill)]) for t in ts])
 
-    read = col.MasterRead(torch.tensor(master, dtype=torch.int32),
+    read = MasterRead(torch.tensor(master, dtype=torch.int32),
                           torch.tensor(chunks, dtype=torch.int32), shift, hide)
     full = (pad(full_t, 0), torch.tensor([len(t) * B for t in full_t], dtype=torch.int32),
             pad(full_p, -1))
@@ -128,7 +129,7 @@ def test_triton_equals_reference(segs, hists, target):
     q, q_pos, cu, kc, vc, full, mine, read, f = batch(segs, hists, target=target)
     want = full_reference(q, q_pos, cu, kc, vc, full, f)
     out = torch.full_like(q, math.nan)
-    got = col.master_decode_triton(q, q_pos, cu, kc, vc, mine[0], mine[1], f, 1.0, 64 ** -0.5,
+    got = pa.master_decode_triton(q, q_pos, cu, kc, vc, mine[0], mine[1], f, 1.0, 64 ** -0.5,
                                    mine[2], read, out=out)
     assert got is out
     assert rel(got, want) < 1e-3
@@ -138,7 +139,7 @@ def test_triton_bf16():
     torch.manual_seed(3)
     q, q_pos, cu, kc, vc, full, mine, read, f = batch([48, 30], [10, 25, 4], dtype=torch.bfloat16)
     want = full_reference(q.float(), q_pos, cu, kc.float(), vc.float(), full, f)
-    got = col.master_decode_triton(q, q_pos, cu, kc, vc, mine[0], mine[1], f, 1.0, 64 ** -0.5,
+    got = pa.master_decode_triton(q, q_pos, cu, kc, vc, mine[0], mine[1], f, 1.0, 64 ** -0.5,
                                    mine[2], read)
     assert got.dtype == torch.bfloat16
     assert rel(got.float(), want) < 2e-2
@@ -146,7 +147,7 @@ def test_triton_bf16():
 
 def test_plan_chunks_cover_each_segment_once():
     lens = [40, 1, 70, 16]
-    chunks = col.plan_chunks(lens, B, target=8, align=16)
+    chunks = plan_chunks(lens, B, target=8, align=16)
     starts = [0, 48, 64, 144]
     for base, n in zip(starts, lens):
         mine = sorted((lo, hi) for lo, hi, b in chunks if b == base)
@@ -154,7 +155,7 @@ def test_plan_chunks_cover_each_segment_once():
         assert all(a[1] == b[0] for a, b in zip(mine, mine[1:]))
         assert all((hi - lo) % 16 == 0 or hi == base + n for lo, hi in mine)
     assert len(chunks) <= 8 + len(lens)
-    assert col.plan_chunks([], B, 8, 16) == []
+    assert plan_chunks([], B, 8, 16) == []
 
 
 def test_triton_padding_chunks_write_empty_partials():
@@ -162,19 +163,17 @@ def test_triton_padding_chunks_write_empty_partials():
     torch.manual_seed(11)
     q, q_pos, cu, kc, vc, full, mine, read, f = batch([40, 33], [20, None, 6], target=2)
     c = read.chunks.shape[0]
-    read = col.MasterRead(read.table, torch.cat([read.chunks, torch.zeros(5, 3, dtype=torch.int32)]),
+    read = MasterRead(read.table, torch.cat([read.chunks, torch.zeros(5, 3, dtype=torch.int32)]),
                           torch.cat([read.shift, read.shift.new_zeros(3, 5)], 1), read.hide)
     assert read.chunks.shape[0] == c + 5
-    got = col.master_decode_triton(q, q_pos, cu, kc, vc, mine[0], mine[1], f, 1.0, 64 ** -0.5,
+    got = pa.master_decode_triton(q, q_pos, cu, kc, vc, mine[0], mine[1], f, 1.0, 64 ** -0.5,
                                    mine[2], read)
     assert rel(got, full_reference(q, q_pos, cu, kc, vc, full, f)) < 1e-3
 
 
 def test_triton_with_trig_table():
-    from tokendance.kernels.paged_triton import trig_table
-
     torch.manual_seed(12)
     q, q_pos, cu, kc, vc, full, mine, read, f = batch([40, 33, 70], [20, 5, 31])
-    got = col.master_decode_triton(q, q_pos, cu, kc, vc, mine[0], mine[1], f, 1.0, 64 ** -0.5,
+    got = pa.master_decode_triton(q, q_pos, cu, kc, vc, mine[0], mine[1], f, 1.0, 64 ** -0.5,
                                    mine[2], read, trig=trig_table(f, 1024))
     assert rel(got, full_reference(q, q_pos, cu, kc, vc, full, f)) < 1e-3

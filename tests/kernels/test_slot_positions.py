@@ -13,6 +13,7 @@ import torch
 import tokendance.kernels.paged_attention as pa
 import tokendance.kernels.paged_triton as pt
 from tokendance.kernels.rope import rope_rotate
+from tokendance.kernels.tiles import trig_table
 
 B = 16
 CFG = dict(block_m=32, block_n=16, num_warps=4, num_stages=1, step=True)
@@ -162,7 +163,7 @@ def test_bf16_decode() -> None:
 def test_trig_table_equals_computed_angles(nq: list[int]) -> None:
     """Scattered tiles read cos/sin from the table: the same attention (decode, prefill)."""
     c = mirror_case([40, 23, 70], [30, 7, 51], 45, nq, hq=28, hkv=4)
-    trig = pt.trig_table(c.args[7], 512)
+    trig = trig_table(c.args[7], 512)
     assert trig.shape == (2, 512, 32)
     got = triton(c, trig=trig)
     assert rel(got, pa.paged_attention_reference(*c.args)) < 1e-3

@@ -1,0 +1,179 @@
+"""Triton building blocks of the paged-attention kernels (kernels/paged_triton.py) and
+the collective one (kernels/collective.py): one K/V tile into an online softmax with
+RoPE on read, the loop over a key range, and the host-side argument preparation."""
+
+from __future__ import annotations
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # a CPU-only install still has the reference
+    from types import SimpleNamespace
+
+    triton = SimpleNamespace(jit=lambda fn: fn)
+
+LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _dot(a, b, acc, PREC: tl.constexpr):
+    if PREC == "upcast":  # the interpreter would multiply bf16 bit patterns as integers
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+    return tl.dot(a, b, acc, input_precision=PREC)
+
+
+@triton.jit
+def _tile(acc, m_i, l_i, q1, q2, qp, kc, vc, bt, j, jm, kpos, c, s, s_blk, s_slot, qk_scale,
+          B: tl.constexpr, HALF: tl.constexpr, MASK: tl.constexpr, POS: tl.constexpr,
+          PREC: tl.constexpr):
+    """One key tile (slots j, live where jm, at positions kpos, rotated by c/s) into the
+    online softmax of the rows (q1 | q2)."""
+    offs_h = tl.arange(0, HALF)
+    offs_d = tl.arange(0, 2 * HALF)
+    if MASK:
+        blk = tl.load(bt + j // B, mask=jm, other=0)
+    else:
+        blk = tl.load(bt + j // B)
+    row = blk.to(tl.int64) * s_blk + (j % B) * s_slot
+    kp = kc + row[None, :] + offs_h[:, None]  # K^T halves, [HALF, BLOCK_N]
+    vp = vc + row[:, None] + offs_d[None, :]
+    if MASK:
+        k1 = tl.load(kp, mask=jm[None, :], other=0.0).to(tl.float32)
+        k2 = tl.load(kp + HALF, mask=jm[None, :], other=0.0).to(tl.float32)
+        v = tl.load(vp, mask=jm[:, None], other=0.0)  # slots past hi may be garbage
+    else:
+        k1 = tl.load(kp).to(tl.float32)
+        k2 = tl.load(kp + HALF).to(tl.float32)
+        v = tl.load(vp)
+    r1 = (k1 * c - k2 * s).to(q1.dtype)
+    r2 = (k2 * c + k1 * s).to(q1.dtype)
+    qk = _dot(q2, r2, _dot(q1, r1, None, PREC), PREC) * qk_scale
+    if MASK:
+        ok = jm[None, :] & (kpos[None, :] <= qp[:, None])
+        qk = tl.where(ok, qk, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(qk, 1))
+    if POS:  # a row may have seen no visible key yet: keep exp2 away from -inf - -inf
+        m_new = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(qk - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = _dot(p.to(v.dtype), v, acc * alpha[:, None], PREC)
+    return acc, m_new, l_i
+
+
+@triton.jit
+def _pos_tile(acc, m_i, l_i, q1, q2, qp, kc, vc, bt, f, j, jm, kpos, ct, st, s_blk, s_slot,
+              qk_scale, trig, trig_n, B: tl.constexpr, HALF: tl.constexpr, BLOCK_N: tl.constexpr,
+              TRIG: tl.constexpr, PREC: tl.constexpr):
+    """A tile read through slot positions: angle addition from its first position when
+    its visible slots are consecutive, else per element from the cos/sin table `trig`
+    ([2, trig_n, HALF] float32) with TRIG, or a sine and a cosine (five times the
+    arithmetic of the rest of the tile)."""
+    offs_n = tl.arange(0, BLOCK_N)
+    rel = kpos - offs_n
+    p0 = tl.max(tl.where(jm, rel, -1), 0)
+    if tl.min(tl.where(jm, rel, p0), 0) == p0:
+        a0 = f * p0.to(tl.float32)  # [HALF, 1]
+        c0 = tl.cos(a0)
+        s0 = tl.sin(a0)
+        c = c0 * ct - s0 * st
+        s = s0 * ct + c0 * st
+    elif TRIG:  # scattered positions (patches)
+        t = trig + kpos[None, :].to(tl.int64) * HALF + tl.arange(0, HALF)[:, None]
+        c = tl.load(t, mask=jm[None, :], other=1.0)
+        s = tl.load(t + trig_n * HALF, mask=jm[None, :], other=0.0)
+    else:
+        ang = f * kpos[None, :].to(tl.float32)
+        c = tl.cos(ang)
+        s = tl.sin(ang)
+    return _tile(acc, m_i, l_i, q1, q2, qp, kc, vc, bt, j, jm, kpos, c, s, s_blk, s_slot,
+                 qk_scale, B, HALF, True, True, PREC)
+
+
+@triton.jit
+def _attend(acc, m_i, l_i, q1, q2, qp, kc, vc, bt, kpt, f, lo, hi, s_blk, s_slot, qk_scale,
+            trig, trig_n, B: tl.constexpr, HALF: tl.constexpr, BLOCK_N: tl.constexpr,
+            MASK: tl.constexpr, STEP: tl.constexpr, POS: tl.constexpr, SKIP: tl.constexpr,
+            TRIG: tl.constexpr, PREC: tl.constexpr):
+    """Online softmax of the rows (q1 | q2) over keys lo .. hi-1 of one sequence.
+
+    kc, vc: the kv head's first element in block 0; bt: the block-table row; f:
+    inv_freq as [HALF, 1]. Without MASK every key in range must be visible to every
+    row; with it, key j counts for a row at position p only if j < hi and j <= p.
+    With POS (needs MASK, not STEP), slot j's position is kpt[j] instead of j, and a
+    negative one hides the slot; with SKIP too, tiles no row can see are skipped (worth a
+    branch in prefill, where slot order is not position order; decode keeps its loads at
+    the loop's top level, where they pipeline). Scores are in the log2 domain (qk_scale
+    holds log2 e).
+    """
+    offs_n = tl.arange(0, BLOCK_N)
+    if STEP:
+        # cos/sin of the first tile, then a rotation by the exact angle BLOCK_N * f per
+        # tile: 6 flops per element instead of a sine and a cosine.
+        ang = f * (lo + offs_n)[None, :].to(tl.float32)
+        c = tl.cos(ang)
+        s = tl.sin(ang)
+        cs = tl.cos(f * BLOCK_N)
+        ss = tl.sin(f * BLOCK_N)
+    if POS:
+        # Angles of offsets 0 .. BLOCK_N-1, for tiles whose visible slots sit at
+        # consecutive positions p0 + n (own tokens, runs of the Master): then
+        # cos/sin(f (p0 + n)) follow from cos/sin(f p0) by angle addition.
+        ang = f * offs_n[None, :].to(tl.float32)
+        ct = tl.cos(ang)
+        st = tl.sin(ang)
+        qmax = tl.max(qp, 0)
+    for start in range(lo, hi, BLOCK_N):
+        j = start + offs_n
+        jm = j < hi
+        if POS:
+            kpos = tl.load(kpt + j, mask=jm, other=-1)
+            jm = jm & (kpos >= 0) & (kpos <= qmax)
+            if SKIP:
+                if tl.max(jm.to(tl.int32), 0) > 0:
+                    acc, m_i, l_i = _pos_tile(acc, m_i, l_i, q1, q2, qp, kc, vc, bt, f, j, jm, kpos,
+                                              ct, st, s_blk, s_slot, qk_scale, trig, trig_n, B, HALF,
+                                              BLOCK_N, TRIG, PREC)
+            else:
+                acc, m_i, l_i = _pos_tile(acc, m_i, l_i, q1, q2, qp, kc, vc, bt, f, j, jm, kpos,
+                                          ct, st, s_blk, s_slot, qk_scale, trig, trig_n, B, HALF,
+                                          BLOCK_N, TRIG, PREC)
+        else:
+            if not STEP:
+                ang = f * j[None, :].to(tl.float32)
+                c = tl.cos(ang)
+                s = tl.sin(ang)
+            acc, m_i, l_i = _tile(acc, m_i, l_i, q1, q2, qp, kc, vc, bt, j, jm, j, c, s,
+                                  s_blk, s_slot, qk_scale, B, HALF, MASK, False, PREC)
+            if STEP:
+                c, s = c * cs - s * ss, s * cs + c * ss
+    return acc, m_i, l_i
+
+
+def trig_table(inv_freq: torch.Tensor, n: int) -> torch.Tensor:
+    """cos and sin of position * inv_freq for positions 0 .. n-1: [2, n, D/2] float32.
+    Kernels read a tile of slots at scattered positions (a Mirror's patches) from it
+    instead of computing a sine and a cosine per element."""
+    ang = torch.arange(n, device=inv_freq.device, dtype=torch.float32)[:, None] * inv_freq.float()
+    return torch.stack((ang.cos(), ang.sin())).contiguous()
+
+
+def _prep(q, k_cache, block_tables, kv_lens, inv_freq, rope_scale, sm_scale, slot_pos, trig=None):
+    """(precision, the stride/scale/table arguments both kernels take, the slot-position
+    table or a stand-in, inv_freq and block tables as the kernels want them)."""
+    prec = "ieee" if q.dtype == torch.float32 else "upcast" if not q.is_cuda else "tf32"
+    qk_scale = sm_scale * rope_scale * LOG2E  # rope_scale scales rotated keys: fold it in
+    if slot_pos is not None:
+        slot_pos = slot_pos.to(torch.int32).contiguous()
+        assert (slot_pos.shape[0] == kv_lens.shape[0]
+                and slot_pos.shape[1] >= block_tables.shape[1] * k_cache.shape[1])
+    kpt = slot_pos if slot_pos is not None else kv_lens  # never read without POS
+    assert trig is None or (trig.dtype == torch.float32 and trig.is_contiguous()
+                            and tuple(trig.shape[::2]) == (2, inv_freq.shape[0]))
+    common = (k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
+              slot_pos.stride(0) if slot_pos is not None else 0, qk_scale,
+              kpt if trig is None else trig, 0 if trig is None else trig.shape[1])
+    return (prec, common, kpt, inv_freq.to(device=q.device, dtype=torch.float32).contiguous(),
+            block_tables.contiguous())
