@@ -139,9 +139,9 @@ class Engine:
             agent: str | None = None) -> None:
         """Queue a request. `shared`: [lo, hi) token spans of shared segments, reused in
         pic / collective mode; `publish`: keep its output's KV as the next round's base;
-        `agent`: who sent it (a session's agent): its KV is parked when it finishes, and
-        the agent's next request restores the prefix they share (not in prefix mode,
-        whose block cache does that already)."""
+        `agent`: who sent it (a session's agent): in pic / collective mode its KV is
+        parked when it finishes, and the agent's next request restores the prefix they
+        share (`full` stays the no-reuse baseline; `prefix` has its block cache)."""
         self.check(prompt, sampling)
         if mode not in MODES:
             raise InvalidRequest(f"unknown mode {mode!r}; choose one of {', '.join(MODES)}", "mode")
@@ -154,13 +154,9 @@ class Engine:
                        generator=gen, mode=mode, shared=list(shared or []), tenant=tenant, publish=publish)
         seq.shared_tokens = sum(hi - lo for lo, hi in seq.shared)
         self.seqs[rid] = seq
-        if agent is not None and self.cfg.offload_bytes and mode != "prefix":
+        if agent is not None and self.cfg.offload_bytes and mode in ("pic", "collective"):
             seq.agent = f"{tenant}\0{agent}"
-            r = self.idle.take(seq.agent, seq.prompt, seq.shared)
-            if r is not None and mode in ("pic", "collective"):
-                seq.resume = r  # the collector restores it with the group
-            elif r is not None and not (mode == "full" and self.idle.restore_plain(r, seq)):
-                self.idle.tier.drop(r.name)
+            seq.resume = self.idle.take(seq.agent, seq.prompt, seq.shared)  # restored with its group
         if mode in ("pic", "collective") and (seq.shared or seq.resume is not None):
             self.blend_waiting.append(seq)
         else:

@@ -1,7 +1,7 @@
 """Idle agents: an agent's KV parked in host memory between its rounds, restored fused.
 
-When a request that names its agent (session/agent) finishes, its KV is parked in the
-host tier (backend/offload.py) instead of being thrown away: a Mirror as its private
+When a pic / collective request that names its agent (session/agent) finishes, its KV
+is parked in the host tier (backend/offload.py) instead of being thrown away: a Mirror as its private
 slots plus each Master segment once (shared by every agent that read it), a plain
 sequence as its slots. When the agent's next request arrives and its prompt starts with
 the parked tokens (an agent's next prompt is its last one, its answer, and the round's
@@ -121,9 +121,7 @@ class IdleAgents:
         b, out = self.cache.block_size, []
         for i in range(r.parked.slots):
             j = _token(r.parked, i)
-            k = -1
-            if 0 <= j < r.length:
-                k = j if seq.mirror is None else seq.mirror.own_of[j]
+            k = seq.mirror.own_of[j] if 0 <= j < r.length else -1
             out.append(seq.blocks[k // b] * b + k % b if k >= 0 else self.cache.trash)
         return torch.tensor(out, dtype=torch.long, device=self.cache.kv.device)
 
@@ -132,16 +130,6 @@ class IdleAgents:
         `masters` (key -> destination slots) once."""
         self.tier.restore([(r.name, self.private_slots(r, seq)) for r, seq in items], masters)
         self.restored += sum(r.length for r, _ in items)
-
-    def restore_plain(self, r: Resume, seq: Sequence) -> bool:
-        """A plain request's prefix into its own blocks (False: the pool is short or
-        the parked prefix was a Mirror)."""
-        if r.parked.mirror is not None or not self.blocks.reserve(seq, max(r.length, 1)):
-            self.tier.drop(r.name)
-            return False
-        self.restore([(r, seq)], {})
-        seq.computed = seq.cached = r.length
-        return True
 
 
 def resumed_mirror(r: Resume, prompt_len: int, old_spans: list[Span], new_spans: list[Span],

@@ -12,8 +12,10 @@ from tokendance.backend.tables import kv_view
 
 
 def step_meta(work: list[Scheduled], block_size: int, device: torch.device, trash: int = -1,
-              late_from: int = 1) -> tuple[torch.Tensor, AttnMeta, torch.Tensor]:
-    """(input ids [T], attention metadata, rows to sample) for a step."""
+              late_from: int = 1, collective: bool | None = None) -> tuple[torch.Tensor, AttnMeta, torch.Tensor]:
+    """(input ids [T], attention metadata, rows to sample) for a step. A decode step over
+    Mirrors reads the Master collectively (`collective`, by default on CUDA: the CPU
+    reference gains nothing from it and pays for the plan)."""
     ids: list[int] = []
     pos: list[int] = []
     cu = [0]
@@ -35,7 +37,9 @@ def step_meta(work: list[Scheduled], block_size: int, device: torch.device, tras
         meta = AttnMeta(**common, **kv_view(seqs, rows, EARLY, block_size, trash, device),
                         fresh_cu=cu if all(w.start == 0 for w in work) else None)
     else:  # Mirrors: two views; a decode step reads the Master collectively
-        decode = common["max_q"] == 1
+        if collective is None:
+            collective = torch.device(device).type == "cuda"
+        decode = collective and common["max_q"] == 1
         meta, meta.late = (AttnMeta(**common, **kv_view(seqs, rows, v, block_size, trash, device, decode))
                            for v in (EARLY, LATE))
         meta.late_from = late_from

@@ -92,17 +92,14 @@ def test_resumed_collective_at_ratio_15(tiny_llama):
     assert free_blocks_after_reset(eng)
 
 
-def test_full_mode_resumes_a_plain_prefix(tiny_llama):
-    eng, ref = engine(tiny_llama), engine(tiny_llama)
+def test_full_mode_stays_the_no_reuse_baseline(tiny_llama):
+    eng = engine(tiny_llama)
     prompts, spans = round_prompts(2, seed=23)
     outs, _ = run(eng, prompts, spans, "full", "a-")
+    assert not eng.idle.parked
     prompts, spans = next_round(prompts, spans, outs, seed=6)
-    work = eng.runner.work
-    outs2, usage = run(eng, prompts, spans, "full", "b-")
-    assert outs2 == run(ref, prompts, spans, "full", "f-", agents=False)[0]
-    assert all(u.cached_tokens > 0 for u in usage)
-    assert eng.runner.work - work < sum(len(p) for p in prompts) * len(eng.model.layers) // 2
-    assert free_blocks_after_reset(eng)
+    _, usage = run(eng, prompts, spans, "full", "b-")
+    assert all(u.cached_tokens == 0 for u in usage)
 
 
 def test_a_changed_prompt_restores_nothing(tiny_llama):

@@ -11,7 +11,7 @@ from tokendance.backend.api import SamplingParams
 from tokendance.backend.engine import Engine
 from tokendance.backend.mirror import EARLY, LATE
 from tokendance.backend.scheduler import Scheduled
-from tokendance.kernels.collective import NOT_READ, MasterRead
+from tokendance.kernels.master import NOT_READ, MasterRead
 from tests.backend.test_reuse import round_prompts
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
@@ -155,7 +155,8 @@ def _check_buffers(engine, g, work, mirrors: bool) -> None:
     b = engine.cache.block_size
     assert len(work) == 3 and all((w.seq.mirror is not None) == mirrors and w.count == 1 for w in work)
     assert g._fill(work, 4) == mirrors
-    ids, meta, _ = step_meta(work, b, engine.device, engine.cache.trash, engine.runner.late_from)
+    ids, meta, _ = step_meta(work, b, engine.device, engine.cache.trash, engine.runner.late_from,
+                             collective=True)
     assert torch.equal(g.ids[:3], ids) and torch.equal(g.pos[:3], meta.positions)
     assert torch.equal(g.slots[:3], meta.slots) and g.slots[3] == engine.cache.trash
     assert torch.equal(g.lens[:3], meta.kv_lens) and g.lens[3] == 1
@@ -216,3 +217,23 @@ def test_later_check_layer(four_layers, ratio):
     assert outs["pic"] == outs["collective"]
     if ratio == 1.0:
         assert outs["collective"] == outs["full"]
+
+
+def test_collective_decode_equals_whole_tables(engine):
+    """A decode step reading the batch's Master collectively (the CUDA path, here through
+    its torch reference) gives the logits of reading each Mirror's whole slot table."""
+    from tokendance.backend.runner import step_meta
+
+    prompts, spans = round_prompts(4, seed=17)
+    for i, (p, sp) in enumerate(zip(prompts, spans)):
+        engine.add(f"d{i}", p, GREEDY, mode="collective", shared=sp)
+    while any(not s.out for s in engine.seqs.values()):
+        engine.step()
+    work, _ = engine.scheduler.schedule()
+    args = (work, engine.cache.block_size, engine.device, engine.cache.trash, engine.runner.late_from)
+    ids, meta, _ = step_meta(*args, collective=True)
+    _, tables, _ = step_meta(*args, collective=False)
+    assert meta.master is not None and meta.late.master is not None and tables.master is None
+    with torch.inference_mode():
+        got, want = engine.model(ids, meta, engine.cache), engine.model(ids, tables, engine.cache)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
