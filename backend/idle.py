@@ -98,7 +98,7 @@ class IdleAgents:
         common prefix, short of the last prompt token (it samples) and of any segment
         it would cut. A mismatch forgets what was parked: the agent moved on."""
         p = self.parked.pop(name, None)
-        if p is None:
+        if p is None or name not in self.tier:  # never parked, or evicted for budget
             return None
         n = 0
         for a, c in zip(p.tokens, prompt[:-1]):

@@ -132,3 +132,23 @@ def test_abort_of_a_resuming_request_drops_its_parked_kv(tiny_llama):
     assert eng.abort("x")
     assert "\0a0" not in eng.idle.tier
     assert free_blocks_after_reset(eng)
+
+
+def test_agents_evicted_for_budget_are_prefilled(tiny_llama):
+    """A host budget for about one agent: parking the second evicts the first, whose next
+    request then prefills in full (and still gives full's tokens at ratio 1)."""
+    probe = engine(tiny_llama)
+    prompts, spans = round_prompts(2, seed=28)
+    run(probe, prompts, spans, "collective", "p-")
+    one = max(p.slots for p in probe.idle.parked.values()) * probe.idle.tier.token_bytes()
+    masters = probe.idle.bytes - sum(p.slots for p in probe.idle.parked.values()) * probe.idle.tier.token_bytes()
+    eng, ref = engine(tiny_llama, recompute_ratio=1.0, offload_bytes=masters + one + 1), engine(tiny_llama)
+    outs, _ = run(eng, prompts, spans, "collective", "a-")
+    assert len(eng.idle.tier) == 1 and eng.idle.bytes <= eng.idle.tier.budget
+    longest = max(len(p) + len(o) for p, o in zip(prompts, outs))
+    prompts, spans = next_round(prompts, spans, outs, seed=8)
+    restored = eng.idle.restored
+    outs2, _ = run(eng, prompts, spans, "collective", "b-")
+    assert outs2 == run(ref, prompts, spans, "full", "f-", agents=False)[0]
+    assert 0 < eng.idle.restored - restored <= longest  # one agent's prefix, not two
+    assert free_blocks_after_reset(eng)
