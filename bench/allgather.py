@@ -63,3 +63,19 @@ def make_round(agents: int, history: int, output: int, vocab: int, seed: int = 0
         prompts.append(ids)
         shared.append(spans)
     return Round(prompts, shared, hist, [len(o) for o in outs])
+
+
+def next_round(rnd: Round, answers: list[list[int]], output: int, vocab: int, seed: int = 1,
+               question: int = 16) -> Round:
+    """The round after `rnd`: agent i's prompt is its last one, its answer, then every
+    agent's new output (fresh blocks of ~`output` tokens, agent-specific order) and a new
+    question. Its old shared blocks stay shared."""
+    new = make_round(rnd.agents, 1, output, vocab, seed=seed, question=question)
+    prompts, shared = [], []
+    for i, (p, sp, a) in enumerate(zip(rnd.prompts, rnd.shared, answers)):
+        base = len(p) + len(a)
+        skip = new.history[i]  # make_round's one-token history: dropped
+        prompts.append(p + a + new.prompts[i][skip:])
+        shared.append(list(sp) + [(lo - skip + base, hi - skip + base) for lo, hi in new.shared[i]])
+    return Round(prompts, shared, [len(p) - sum(hi - lo for lo, hi in s)
+                                   for p, s in zip(prompts, shared)], rnd.outputs + new.outputs)

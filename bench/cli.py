@@ -1,4 +1,4 @@
-"""`tokendance bench {engine,reuse,memory,mirror-decode,fidelity,restore}`."""
+"""`tokendance bench {engine,reuse,memory,mirror-decode,fidelity,restore,resume}`."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ KINDS = {
     "mirror-decode": ("tokendance.bench.mirror_decode", "decode steps over N Mirrors against dense caches"),
     "fidelity": ("tokendance.bench.fidelity", "pic / collective against full: KV deviation, agreement, divergence"),
     "restore": ("tokendance.bench.restore", "restoring idle agents from the host tier: fused against dense"),
+    "resume": ("tokendance.bench.resume", "a second round with its agents resumed from the host tier, against without"),
 }
 
 

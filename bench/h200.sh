@@ -10,6 +10,7 @@
 #   mirror-decode: decode steps over N = 10 and 20 Mirrors against dense caches
 #   restore: idle agents back from the host tier, fused (Master once + diffs) vs dense
 #     (no model: a KVCache of the Qwen2.5-7B K/V shape filled with random bf16)
+#   resume: a second round, agents resumed from the host tier vs prefilled
 # The carried folders are git-ignored; make them once on the CPU machine:
 #   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 \
 #     --implementation cp --platform manylinux2014_x86_64 -d .whl structlog
@@ -58,4 +59,8 @@ if want restore; then
   td bench restore --shape qwen2.5-7b --dtype bfloat16 --agents 10,20 --history 512 --output 150 \
     --ratio 0.15,0.05 --generated 128 --repeats 5 --json "$OUT/restore.json" \
     2>&1 | grep -v -i "warn\|deprecat" | tee "$OUT/restore.txt"
+fi
+if want resume; then
+  td bench resume --model qwen2.5-7b --dtype bfloat16 --agents 10,20 --history 512 --output 150 \
+    --answer 128 --repeats 3 2>&1 | grep -v -i "warn\|deprecat" | tee "$OUT/resume.txt"
 fi

@@ -1,0 +1,96 @@
+"""`tokendance bench resume`: the second round of an All-Gather simulation, its agents
+resumed from the host tier against the same round prefilled without it.
+
+Round 1 (bench/allgather.py) runs in `collective` mode, each agent answering `--answer`
+tokens; round 2's prompt of agent i is its round-1 prompt, its answer, and every agent's
+new output. Resumed: round 1's requests named their agents, so round 2 restores each
+agent's parked prefix (backend/idle.py: Masters once, private slots, one fused restore)
+and prefills only the rest. Without: the same rounds with no agent named, so round 2
+reuses the shared blocks but prefills every agent's history and answer. Both start from
+cold caches and run round 1 first; round 2's prefill (to its first tokens) is timed,
+median of repeats.
+
+    tokendance bench resume --agents 4,8 --history 256 --output 100
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from tokendance.backend.api import SamplingParams
+from tokendance.backend.engine import Engine, EngineConfig
+from tokendance.bench.allgather import Round, make_round, next_round
+
+
+def sync(eng: Engine) -> None:
+    if eng.device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def play(eng: Engine, rnd: Round, tag: str, max_tokens: int, agents: bool) -> tuple[list[list[int]], float, float]:
+    """(answers, seconds, tokens computed) of one round in collective mode."""
+    sampling = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+    sync(eng)
+    work0 = eng.runner.work
+    t0 = time.perf_counter()
+    for i, (p, sp) in enumerate(zip(rnd.prompts, rnd.shared)):
+        eng.add(f"{tag}{i}", p, sampling, mode="collective", shared=sp, agent=f"a{i}" if agents else None)
+    answers = {f"{tag}{i}": [] for i in range(rnd.agents)}
+    while eng.has_work():
+        for rid, d in eng.step():
+            answers[rid] += d.token_ids
+    sync(eng)
+    dt = time.perf_counter() - t0
+    return [answers[f"{tag}{i}"] for i in range(rnd.agents)], dt, (eng.runner.work - work0) / len(eng.model.layers)
+
+
+def add_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=None, help="HF folder, .gguf, or a shape name (qwen2.5-7b)")
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--agents", default="4,8")
+    p.add_argument("--history", type=int, default=256)
+    p.add_argument("--output", type=int, default=100)
+    p.add_argument("--answer", type=int, default=32, help="tokens each agent answers in round 1")
+    p.add_argument("--repeats", type=int, default=3)
+
+
+def main(args: argparse.Namespace) -> int:
+    model, random = args.model, False
+    if model and not Path(model).exists():
+        from tokendance.bench.shapes import shape_folder
+
+        model, random = str(shape_folder(model)), True
+    agents = [int(a) for a in args.agents.split(",")]
+    n = max(agents)
+    need = n * 2 * (args.history + 2 * n * args.output + args.answer) + 8192
+    eng = Engine(EngineConfig(model=model, dtype=args.dtype, random_weights=random, kv_tokens=need,
+                              max_batched_tokens=16384, segment_cache_fraction=0.5))
+    vocab = min(eng.mcfg.vocab_size, len(eng.tokenizer))
+    print(f"model {eng.name} on {eng.device}, {eng.dtype}; histories ~{args.history}, outputs "
+          f"~{args.output}, answers {args.answer}; round 2 prefill, median of {args.repeats}")
+    print("| N | round-2 prompt tokens | resumed ms | without ms | speed-up | computed resumed / without "
+          "| restored tokens |\n|---|---|---|---|---|---|---|")
+    for k in agents:
+        r1 = make_round(k, args.history, args.output, vocab, seed=k)
+        res = {True: [], False: []}
+        for rep in range(args.repeats + 1):  # the first pass warms up
+            for resumed in (True, False):
+                eng.reset_caches()
+                answers, _, _ = play(eng, r1, f"{rep}{resumed}a", args.answer, resumed)
+                r2 = next_round(r1, answers, args.output, vocab, seed=100 + k)
+                restored = eng.idle.restored
+                _, dt, work = play(eng, r2, f"{rep}{resumed}b", 1, resumed)
+                if rep:
+                    res[resumed].append((dt, work, eng.idle.restored - restored))
+        t = {r: statistics.median(x[0] for x in v) for r, v in res.items()}
+        w = {r: v[-1][1] for r, v in res.items()}
+        print(f"| {k} | {r2.prompt_tokens} | {1e3 * t[True]:.0f} | {1e3 * t[False]:.0f} | "
+              f"{t[False] / t[True]:.2f}x | {w[True]:.0f} / {w[False]:.0f} | {res[True][-1][2]} |",
+              flush=True)
+    eng.reset_caches()
+    return 0
