@@ -121,7 +121,7 @@ class DecodeGraphs:
         """The step's inputs into the static buffers; returns whether Mirrors are among
         them. Padding rows read the scratch block's first slot and write only the
         scratch slot; their logits are dropped."""
-        n, bsz = len(work), self.cache.block_size
+        bsz = self.cache.block_size
         seqs = [w.seq for w in work]
         mirrors = any(s.mirror is not None for s in seqs)
         key = (bs, mirrors, tuple(id(s) for s in seqs))

@@ -15,6 +15,7 @@ import torch
 
 from tokendance.backend.api import SamplingParams
 from tokendance.backend.engine import Engine, EngineConfig
+from tokendance.bench.shapes import resolve
 
 
 def sync(dev: torch.device) -> None:
@@ -105,11 +106,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    model, random = args.model, False
-    if model and not Path(model).exists():
-        from tokendance.bench.shapes import shape_folder
-
-        model, random = str(shape_folder(model)), True
+    model, random = resolve(args.model)
     pre = [tuple(map(int, s.split("x"))) for s in args.prefill.split(",") if s]
     dec = [tuple(map(int, s.split("x"))) for s in args.decode.split(",") if s]
     need = max([b * (n + args.steps + 16) for b, n in pre + dec]) + 1024

@@ -16,13 +16,13 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
-from pathlib import Path
 
 import torch
 
 from tokendance.backend.api import SamplingParams
 from tokendance.backend.engine import Engine, EngineConfig
 from tokendance.bench.allgather import make_round
+from tokendance.bench.shapes import resolve
 
 
 def sync(eng: Engine) -> None:
@@ -85,11 +85,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    model, random = args.model, False
-    if model and not Path(model).exists():
-        from tokendance.bench.shapes import shape_folder
-
-        model, random = str(shape_folder(model)), True
+    model, random = resolve(args.model)
     agents = [int(a) for a in args.agents.split(",")]
     need = max(agents) * (args.history * 2 + args.shared * 2 + args.steps + 64) + 8192
     eng = Engine(EngineConfig(model=model, dtype=args.dtype, random_weights=random, kv_tokens=need,

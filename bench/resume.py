@@ -18,13 +18,13 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
-from pathlib import Path
 
 import torch
 
 from tokendance.backend.api import SamplingParams
 from tokendance.backend.engine import Engine, EngineConfig
 from tokendance.bench.allgather import Round, make_round, next_round
+from tokendance.bench.shapes import resolve
 
 
 def sync(eng: Engine) -> None:
@@ -60,11 +60,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    model, random = args.model, False
-    if model and not Path(model).exists():
-        from tokendance.bench.shapes import shape_folder
-
-        model, random = str(shape_folder(model)), True
+    model, random = resolve(args.model)
     agents = [int(a) for a in args.agents.split(",")]
     n = max(agents)
     need = n * 2 * (args.history + 2 * n * args.output + args.answer) + 8192

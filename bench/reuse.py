@@ -22,6 +22,7 @@ import torch
 from tokendance.backend.api import MODES, SamplingParams, Usage
 from tokendance.backend.engine import Engine, EngineConfig
 from tokendance.bench.allgather import Round, make_round
+from tokendance.bench.shapes import resolve
 
 ONE = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
 
@@ -122,12 +123,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    model = args.model
-    random = args.random_weights
-    if model and not Path(model).exists():
-        from tokendance.bench.shapes import shape_folder
-
-        model, random = str(shape_folder(model)), True
+    model, random = resolve(args.model, args.random_weights)
     agents = [int(a) for a in args.agents.split(",")]
     need = max(agents) * (args.history * 2 + max(agents) * args.output * 2 + args.decode) + 4096
     eng = Engine(EngineConfig(model=model, dtype=args.dtype, random_weights=random,

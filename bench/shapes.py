@@ -37,3 +37,11 @@ def shape_folder(name: str) -> Path:
         if (src / f).exists():
             shutil.copy(src / f, out / f)
     return out
+
+
+def resolve(model: str | None, random: bool = False) -> tuple[str | None, bool]:
+    """A benchmark's --model: (folder or file to load, random weights?). An existing
+    path (or None, the embedded default) as given; anything else is a shape name."""
+    if model and not Path(model).exists():
+        return str(shape_folder(model)), True
+    return model, random

@@ -322,7 +322,7 @@ def collective_attention_triton(
         raise ValueError("collective_attention_triton needs CUDA tensors (or TRITON_INTERPRET=1)")
     _check(q, q_pos, shift, k_cache, v_cache, master_table, master_len, hide, inv_freq)
     S, Hq, D = q.shape
-    B, Hkv = k_cache.shape[1], k_cache.shape[2]
+    Hkv = k_cache.shape[2]
     if D < 32 or D & (D - 1):
         raise ValueError(f"head dim {D} must be a power of two >= 32")
     if k_cache.stride() != v_cache.stride() or k_cache.stride(-1) != 1:
