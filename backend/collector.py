@@ -44,12 +44,6 @@ class ReuseConfig:
 T = TypeVar("T")
 
 
-def _spans(r: Resume) -> list[Span]:
-    """The parked Mirror's spans that lie inside the restored prefix."""
-    m = r.parked.mirror
-    return [sp for sp in (m.spans if m is not None else []) if sp.lo + sp.n <= r.length]
-
-
 def batches(items: list[T], size: Callable[[T], int], budget: int) -> list[list[T]]:
     """Consecutive runs of `items` whose sizes sum to at most `budget` (0: no limit); an
     item larger than the budget makes a run of its own."""
@@ -63,6 +57,12 @@ def batches(items: list[T], size: Callable[[T], int], budget: int) -> list[list[
         out[-1].append(it)
         total += n
     return out
+
+
+def _spans(r: Resume) -> list[Span]:
+    """The parked Mirror's spans that lie inside the restored prefix."""
+    m = r.parked.mirror
+    return [sp for sp in (m.spans if m is not None else []) if sp.lo + sp.n <= r.length]
 
 
 class Collector:
@@ -141,7 +141,7 @@ class Collector:
             seq.mirror = Mirror.build(len(seq.prompt), parts, reused, dense_early, cap)
         else:
             old = [Span(list(entries[sp.key].blocks), sp.lo, sp.n, sp.key, entries[sp.key].source)
-                   for sp in _spans(r) if sp.lo + sp.n <= start]
+                   for sp in _spans(r)]
             seq.mirror = resumed_mirror(r, len(seq.prompt), old, parts, reused[start:], dense_early,
                                         self.cfg.ratio)
         for b in seq.mirror.master_blocks:
@@ -149,8 +149,8 @@ class Collector:
         return reused
 
     def _masters(self, group: list[Sequence], pinned: list[Entry]) -> dict[int, torch.Tensor]:
-        """Put the Master segments that resumed requests read back into the segment
-        cache where they left it: fresh blocks, pinned, to be filled by the fused
+        """Pin the Master segments that resumed requests read, and put those that left
+        the GPU back into the segment cache: fresh blocks, to be filled by the fused
         restore (key -> their slots). A request whose Master cannot come back is not
         resumed."""
         out: dict[int, torch.Tensor] = {}
@@ -160,7 +160,12 @@ class Collector:
             if r is None:
                 continue
             for sp in _spans(r):
-                if sp.key in out or self.segments.get(sp.key) is not None:
+                if sp.key in out:
+                    continue
+                e = self.segments.get(sp.key)
+                if e is not None:  # still here: pinned, no prefill of this step evicts it
+                    self.segments.pin(e)
+                    pinned.append(e)
                     continue
                 holder = Sequence(f"master-{sp.key}", [0] * sp.n, SamplingParams(), Detok(None))
                 if not self.blocks.reserve(holder, sp.n):
