@@ -111,7 +111,7 @@ def master_read(seqs: list[Sequence], view: int, block_size: int, chunks: int = 
     rows, cols, los, places, hidden = [], [], [], [], []
     starts_t = torch.tensor(starts, dtype=torch.long)
     for s, seq in enumerate(seqs):
-        if seq.mirror is None:
+        if seq.mirror is None or not seq.mirror.spans:
             continue
         ks = [index[key] for key in _keys(seq)]
         rows += [s] * len(ks)
@@ -122,14 +122,16 @@ def master_read(seqs: list[Sequence], view: int, block_size: int, chunks: int = 
         step = torch.repeat_interleave(starts_t[ks] - off, widths)
         places.append(torch.arange(int(widths.sum())) + step + s * len(blocks) * block_size)
         hidden.append(seq.mirror.master_pos(view, block_size) < 0)
-    seg_lo[rows, cols] = torch.tensor(los, dtype=torch.int32)
+    if rows:
+        seg_lo[rows, cols] = torch.tensor(los, dtype=torch.int32)
     hide = torch.zeros(len(seqs) * len(blocks) * block_size, dtype=torch.uint8)
     if places:
         hide[torch.cat(places)] = torch.cat(hidden).to(torch.uint8)
     shift = torch.full((len(seqs), n_chunks), NOT_READ, dtype=torch.int32)
     shift[:, : len(chunk_seg)] = seg_lo[:, chunk_seg]
-    return MasterRead(torch.tensor(blocks, dtype=torch.int32), torch.tensor(plan, dtype=torch.int32),
-                      shift, hide.view(len(seqs), len(blocks) * block_size))
+    return MasterRead(torch.tensor(blocks, dtype=torch.int32),
+                      torch.tensor(plan, dtype=torch.int32).view(-1, 3), shift,
+                      hide.view(len(seqs), len(blocks) * block_size))
 
 
 def to_device(read: MasterRead, device: torch.device) -> MasterRead:

@@ -73,3 +73,36 @@ def test_dense_early_view_for_a_later_check_layer():
     assert all(m.own_slot(j, LATE) == (-1 if reused[j] else j) for j in range(14))
     m.pick([4])
     assert m.own_slot(4, LATE) == 4 and m.held(14) == 14
+
+
+def test_master_read_of_a_batch():
+    """backend/tables.master_read: each segment once, a shift per Mirror and chunk, and
+    hidden slots per view; a plain sequence and a Mirror without spans read nothing."""
+    from tokendance.backend.api import SamplingParams
+    from tokendance.backend.detok import Detok
+    from tokendance.backend.sequence import Sequence
+    from tokendance.backend.tables import master_read
+    from tokendance.kernels.master import NOT_READ
+
+    def seq(mirror):
+        s = Sequence("s", [1] * 14, SamplingParams(), Detok(None))
+        s.mirror = mirror
+        return s
+
+    m, _ = layout()
+    m.pick([5])
+    # The same two segments, in the other order, at other offsets.
+    other = Mirror.build(12, [Span([20], 1, 4), Span([10, 11], 6, 5)],
+                         [False] + [True] * 4 + [False] + [True] * 5 + [False], False, 1)
+    bare = Mirror.build(5, [], [False] * 5, False, 0)
+    read = master_read([seq(m), seq(None), seq(other), seq(bare)], LATE, B, chunks=1)
+    assert read.table.tolist() == [10, 11, 20]
+    assert read.chunks.tolist() == [[0, 5, 0], [8, 12, 8]]  # one chunk a segment
+    assert read.shift.tolist() == [[3, 9], [NOT_READ] * 2, [6, 1], [NOT_READ] * 2]
+    hidden = [[j for j in range(12) if read.hide[s, j]] for s in range(4)]
+    # Mirror 0 hides its patch (token 5: segment A slot 2) and the blocks' unused ends.
+    assert hidden[0] == [2, 5, 6, 7]
+    assert hidden[2] == [5, 6, 7]
+    early = master_read([seq(m)], EARLY, B, chunks=1)
+    assert [j for j in range(12) if early.hide[0, j]] == [5, 6, 7]  # layer 0 reads the patch's base
+    assert master_read([seq(bare)], LATE, B).chunks.shape == (0, 3)
