@@ -19,7 +19,10 @@ The kernels treat the Hq/Hkv query heads that share a kv head as extra query row
 (row r = token r // G, head r % G), so each K/V tile is loaded and rotated once per
 group. Prefill: one program per (row block, sequence, kv head), flash-attention style.
 Decode (one query per sequence): split-K, several programs per (sequence, kv head) over
-disjoint key ranges, then a reduce over the splits.
+disjoint key ranges, then a reduce over the splits. A decode step over Mirrors can take
+the batch's Master apart (`master`, kernels/master.py): the sequences' tables then hold
+their own blocks only, the collective kernel reads the Master once for all of them, and
+the reduce merges both parts (`master_decode_reference` / `master_decode_triton`).
 """
 
 from __future__ import annotations
@@ -145,7 +148,7 @@ def _decode_reference(q, q_pos, k_cache, v_cache, block_tables, kv_lens, inv_fre
 
 def master_decode_reference(q, q_pos, k_cache, v_cache, block_tables, kv_lens, inv_freq,
                             rope_scale, sm_scale, slot_pos, read: MasterRead) -> torch.Tensor:
-    """Decode over each sequence's own keys and the batch's Master (see kernels/collective.py):
+    """Decode over each sequence's own keys and the batch's Master (kernels/master.py):
     the two parts computed apart and merged by their lse."""
     o1, lse1 = _decode_reference(q, q_pos, k_cache, v_cache, block_tables, kv_lens, inv_freq,
                                  rope_scale, sm_scale, slot_pos, lse=True)
