@@ -88,6 +88,8 @@ class IdleAgents:
             self.tier.release_master(sp.key)
         if held:
             self.parked[name] = Parked(tokens, seq.mirror, n)
+        for gone in [k for k in self.parked if k not in self.tier]:  # evicted for budget
+            del self.parked[gone]
 
     def drop(self, name: str) -> None:
         self.parked.pop(name, None)

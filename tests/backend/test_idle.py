@@ -145,6 +145,7 @@ def test_agents_evicted_for_budget_are_prefilled(tiny_llama):
     eng, ref = engine(tiny_llama, recompute_ratio=1.0, offload_bytes=masters + one + 1), engine(tiny_llama)
     outs, _ = run(eng, prompts, spans, "collective", "a-")
     assert len(eng.idle.tier) == 1 and eng.idle.bytes <= eng.idle.tier.budget
+    assert list(eng.idle.parked) == list(eng.idle.tier.agents)  # no record of the evicted one
     longest = max(len(p) + len(o) for p, o in zip(prompts, outs))
     prompts, spans = next_round(prompts, spans, outs, seed=8)
     restored = eng.idle.restored
