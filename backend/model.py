@@ -17,9 +17,9 @@ from tokendance.backend.config import ModelConfig
 from tokendance.backend.rope_scaling import rope_params
 from tokendance.kernels.master import MasterRead
 from tokendance.kernels.paged_attention import paged_attention
-from tokendance.kernels.tiles import trig_table
 from tokendance.kernels.prefill import causal_attention
 from tokendance.kernels.rope import rope_rotate
+from tokendance.kernels.tiles import trig_table
 
 
 @dataclass(slots=True)

@@ -12,7 +12,8 @@ from tokendance.backend.tables import kv_view
 
 
 def step_meta(work: list[Scheduled], block_size: int, device: torch.device, trash: int = -1,
-              late_from: int = 1, collective: bool | None = None) -> tuple[torch.Tensor, AttnMeta, torch.Tensor]:
+              late_from: int = 1, collective: bool | None = None
+              ) -> tuple[torch.Tensor, AttnMeta, torch.Tensor]:
     """(input ids [T], attention metadata, rows to sample) for a step. A decode step over
     Mirrors reads the Master collectively (`collective`, by default on CUDA: the CPU
     reference gains nothing from it and pays for the plan)."""
@@ -40,8 +41,8 @@ def step_meta(work: list[Scheduled], block_size: int, device: torch.device, tras
         if collective is None:
             collective = torch.device(device).type == "cuda"
         decode = collective and common["max_q"] == 1
-        meta, meta.late = (AttnMeta(**common, **kv_view(seqs, rows, v, block_size, trash, device, decode))
-                           for v in (EARLY, LATE))
+        meta = AttnMeta(**common, **kv_view(seqs, rows, EARLY, block_size, trash, device, decode))
+        meta.late = AttnMeta(**common, **kv_view(seqs, rows, LATE, block_size, trash, device, decode))
         meta.late_from = late_from
     return t(ids), meta, t(last)
 
