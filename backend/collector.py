@@ -237,7 +237,7 @@ class Collector:
         if not ready:
             return [], None
         if batched:  # per request the math does not depend on the batch: split by budget
-            subs = batches(items, lambda it: len(it.seq.prompt), self.cfg.max_tokens)
+            subs = batches(items, lambda it: len(it.seq.prompt) - it.start, self.cfg.max_tokens)
         else:
             subs = [[it] for it in items]
         parts = [blend(self.model, self.cache, sub, self.cfg.check_layer, self.cfg.ratio) for sub in subs]

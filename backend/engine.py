@@ -202,7 +202,8 @@ class Engine:
         # own, beside the scheduler's with its own budget: sharing one would stall decodes
         # or plain prefills while a large round drains. A request leaves blend_waiting only
         # once prefilled (or handed to the scheduler), so none runs twice or is lost.
-        take = batches(self.blend_waiting, lambda s: len(s.prompt), self.scheduler.max_tokens)[0]
+        take = batches(self.blend_waiting, lambda s: len(s.prompt) - (s.resume.length if s.resume else 0),
+                       self.scheduler.max_tokens)[0]
         out = []
         for mode in ("collective", "pic"):
             group = [s for s in take if s.mode == mode]
