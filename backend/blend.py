@@ -56,10 +56,7 @@ def _meta(items: list[BlendInput], rows: list[torch.Tensor], view: int, cache: K
 
 @torch.inference_mode()
 def blend(model: Decoder, cache: KVCache, items: list[BlendInput], check_layer: int,
-          ratio: float, sink: int = 0) -> BlendResult:
-    """`sink`: the first tokens of each reused segment are selected before any other
-    (they deviate most on average: attention sinks; EPIC recomputes them always), within
-    the same ratio."""
+          ratio: float) -> BlendResult:
     device = model.lm_head.weight.device
     bsz = cache.block_size
     full = [torch.arange(it.start, len(it.seq.prompt)) for it in items]
@@ -84,10 +81,6 @@ def blend(model: Decoder, cache: KVCache, items: list[BlendInput], check_layer: 
         kc = cache.k[li].view(-1, *k.shape[1:])
         vc = cache.v[li].view(-1, *v.shape[1:])
         dev = kv_deviation(k, v, kc[base], vc[base])
-        if sink:
-            first = [off - it.start + sp.lo + t for it, off in zip(items, offsets)
-                     for sp in it.seq.mirror.spans if sp.lo >= it.start for t in range(min(sink, sp.n))]
-            dev[torch.tensor(first, dtype=torch.long, device=device)] = float("inf")
         groups = []
         for i, it in enumerate(items):
             mask = torch.tensor(it.reused[it.start:], dtype=torch.bool)

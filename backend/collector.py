@@ -39,7 +39,6 @@ class ReuseConfig:
     ratio: float = 0.15  # share of each request's reused tokens recomputed
     cache_fraction: float = 0.25  # of the pool, for segment bases
     max_tokens: int = 0  # prompt tokens per forward (bases, blend); 0: no limit
-    sink: int = 0  # first tokens of each reused segment always among those recomputed
 
 
 T = TypeVar("T")
@@ -241,8 +240,7 @@ class Collector:
             subs = batches(items, lambda it: len(it.seq.prompt) - it.start, self.cfg.max_tokens)
         else:
             subs = [[it] for it in items]
-        parts = [blend(self.model, self.cache, sub, self.cfg.check_layer, self.cfg.ratio, self.cfg.sink)
-                 for sub in subs]
+        parts = [blend(self.model, self.cache, sub, self.cfg.check_layer, self.cfg.ratio) for sub in subs]
         logits = torch.cat([p.logits for p in parts])
         selected = [sel for p in parts for sel in p.selected]
         self.runner.work += sum(p.work for p in parts)

@@ -43,7 +43,6 @@ class EngineConfig:
     cuda_graphs: int = 128  # on CUDA, replay decode steps of up to this many sequences; 0: off
     check_layer: int = 1  # pic / collective: where deviating tokens are selected
     recompute_ratio: float = 0.15  # pic / collective: share of reused tokens recomputed
-    sink_tokens: int = 0  # pic / collective: each segment's first tokens always recomputed
     segment_cache_fraction: float = 0.25  # of the pool, for shared segments' base KV
     offload_bytes: int = 1 << 30  # host memory for idle agents' KV (backend/idle.py); 0: off
 
@@ -88,7 +87,7 @@ class Engine:
             self.runner.capture(min(cfg.cuda_graphs, cfg.max_seqs), max_blocks, self.cache.trash_block)
         self.segments = SegmentCache(self.pool, cfg.block_size,
                                      int(self.cache.num_blocks * cfg.segment_cache_fraction))
-        reuse = ReuseConfig(cfg.check_layer, cfg.recompute_ratio, max_tokens=budget, sink=cfg.sink_tokens)
+        reuse = ReuseConfig(cfg.check_layer, cfg.recompute_ratio, max_tokens=budget)
         self.idle = IdleAgents(self.cache, self.blocks, cfg.offload_bytes)
         self.collector = Collector(self.model, self.cache, self.blocks, self.runner, self.segments,
                                    self.idle, reuse)

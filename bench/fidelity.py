@@ -117,17 +117,14 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-tokens", type=int, default=48)
     p.add_argument("--questions", type=int, default=2)
     p.add_argument("--ratio", type=float, default=0.15)
-    p.add_argument("--sink", type=int, default=0, help="first tokens of each segment always recomputed")
 
 
 def main(args: argparse.Namespace) -> int:
-    eng = Engine(EngineConfig(model=args.model, dtype="float32", kv_tokens=65536, recompute_ratio=args.ratio,
-                              sink_tokens=args.sink))
+    eng = Engine(EngineConfig(model=args.model, dtype="float32", kv_tokens=65536, recompute_ratio=args.ratio))
     be = EngineBackend(eng)
     greedy = SamplingParams(max_tokens=args.max_tokens, temperature=0)
     modes = ["full", "pic", "collective"]
-    print(f"model {eng.name}, float32, recompute ratio {args.ratio}, check layer {eng.collector.cfg.check_layer}, "
-          f"sink tokens {args.sink}")
+    print(f"model {eng.name}, float32, recompute ratio {args.ratio}, check layer {eng.collector.cfg.check_layer}")
     # 1 + 2: one round-2 prompt set per question, built from full's round-1 answers.
     devs = {m: [] for m in modes[1:]}
     agree = {m: [] for m in modes}

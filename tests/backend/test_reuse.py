@@ -85,8 +85,8 @@ def test_selected_tokens_identical(engine, monkeypatch):
     seen: dict[str, list] = {"pic": [], "collective": []}
     real = blend_mod.blend
 
-    def spy(model, cache, items, *args):
-        res = real(model, cache, items, *args)
+    def spy(model, cache, items, check_layer, ratio):
+        res = real(model, cache, items, check_layer, ratio)
         seen[current].extend(res.selected)
         return res
 
@@ -196,8 +196,8 @@ def budget_round(folder, mode: str, budget: int, prompts, spans, monkeypatch):
     eng = Engine(model=str(folder), dtype="float32", kv_tokens=8192, max_batched_tokens=budget)
     step, calls, forwards, selected = 0, [], [], {}
 
-    def spy(model, cache, items, *args):
-        res = blend_mod.blend(model, cache, items, *args)
+    def spy(model, cache, items, check_layer, ratio):
+        res = blend_mod.blend(model, cache, items, check_layer, ratio)
         calls.append((step, [len(it.seq.prompt) for it in items]))
         selected.update((it.seq.id, sel) for it, sel in zip(items, res.selected))
         return res
@@ -252,19 +252,3 @@ def test_collector_splits_group_by_budget(tiny_llama, monkeypatch):
     _, col_logits = prefill(eng, "collective", prompts, spans)
     assert sizes == [2, 2, 1]
     torch.testing.assert_close(col_logits, pic_logits, rtol=1e-4, atol=1e-4)
-
-
-@pytest.mark.parametrize("mode", ["pic", "collective"])
-def test_sink_tokens_are_always_recomputed(tiny_llama, mode):
-    """sink_tokens = 2: each reused segment's first two tokens are among the selected,
-    and the number selected stays ceil(ratio * reused)."""
-    eng = Engine(model=str(tiny_llama), dtype="float32", kv_tokens=8192, sink_tokens=2)
-    prompts, spans = round_prompts(3, seed=31)
-    for i, (p, sp) in enumerate(zip(prompts, spans)):
-        eng.add(f"s{i}", p, GREEDY, mode=mode, shared=sp)
-    eng.step()  # the round's prefill
-    for i, sp in enumerate(spans):
-        m = eng.seqs[f"s{i}"].mirror
-        picked = {j for j in m._span_of if m.own_slot(j, LATE) >= 0}
-        assert all({lo, lo + 1} <= picked for lo, _ in sp)
-        assert len(picked) == -(-15 * sum(hi - lo for lo, hi in sp) // 100)
