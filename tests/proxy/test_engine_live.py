@@ -93,3 +93,32 @@ async def test_disconnect_mid_stream_frees_the_engines_kv(engine_live, model):
     while engine.pool.num_free != free or engine.has_work():
         assert time.monotonic() < end, "the engine kept the aborted sequence"
         await asyncio.sleep(0.02)
+
+
+async def test_an_agents_next_turn_resumes_its_parked_kv(engine_live, model):
+    """Session and agent travel from the SDK to the engine: each agent's KV is parked when
+    its turn ends, and its next turn (the same chat plus its answer and a new question)
+    restores that prefix instead of prefilling it, reported as cached tokens."""
+    engine = engine_live.backend.engine
+    c = openai.AsyncOpenAI(base_url=engine_live.url + "/v1", api_key="sk-test", max_retries=0)
+    chats = {a: user(f"I am {a}. Name a colour.") for a in ("p", "q")}
+
+    async def turn(a: str, r: int) -> openai.types.chat.ChatCompletion:
+        return await c.chat.completions.create(
+            model=model, messages=chats[a], max_tokens=4, temperature=0,
+            extra_body={"tokendance": {"session": "resume", "agent": a, "round": r, "mode": "collective"}})
+
+    async with httpx.AsyncClient() as http:
+        for r in (1, 2):
+            opened = await http.post(engine_live.url + f"/v1/tokendance/sessions/resume/rounds/{r}",
+                                     json={"agents": list(chats)})
+            assert opened.status_code == 200
+    first = await asyncio.gather(*[turn(a, 1) for a in chats])
+    for a, resp in zip(chats, first):
+        chats[a] = chats[a] + [{"role": "assistant", "content": resp.choices[0].message.content},
+                               *user("And another one?")]
+    restored = engine.idle.restored
+    second = await asyncio.gather(*[turn(a, 2) for a in chats])
+    assert engine.idle.restored > restored
+    assert all(x.usage.prompt_tokens_details.cached_tokens >= 16 for x in second)
+    await c.close()
