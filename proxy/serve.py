@@ -26,6 +26,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--dtype", default="auto", help="auto, float32, bfloat16, float16")
     p.add_argument("--mode", choices=MODES, default=DEFAULT_MODE, help="default KV reuse mode")
+    p.add_argument("--offload-gib", type=float, default=1.0,
+                   help="host memory for idle agents' KV between their rounds (0: off)")
     p.add_argument("--mqtt", default=None, metavar="URL", help="control plane broker, mqtt://host:port")
     p.add_argument("--barrier-timeout-ms", type=float, default=250.0,
                    help="longest hold at a round barrier, from the group's first arrival")
@@ -45,7 +47,8 @@ def load_backend(args: argparse.Namespace) -> Backend:
     # Imported here: torch and the model load only when a server is really started.
     from tokendance.backend.service import EngineBackend
 
-    return EngineBackend.load(args.model, dtype=args.dtype, mode=args.mode)
+    return EngineBackend.load(args.model, dtype=args.dtype, mode=args.mode,
+                              offload_bytes=int(args.offload_gib * 2**30))
 
 
 def config(args: argparse.Namespace) -> Config:
@@ -74,6 +77,8 @@ def main(args: argparse.Namespace) -> int:
         raise ValueError("--max-group must be at least 1")
     if args.barrier_timeout_ms < 0:
         raise ValueError("--barrier-timeout-ms must not be negative")
+    if args.offload_gib < 0:
+        raise ValueError("--offload-gib must not be negative")
     if args.mqtt:
         address(args.mqtt)  # a bad URL fails before the model loads
     server = Server(load_backend(args), config(args), args.mqtt)

@@ -35,8 +35,8 @@ def parse(*argv: str) -> argparse.Namespace:
 
 def test_flags():
     a = parse()
-    assert (a.host, a.port, a.model, a.mqtt, a.mode, a.barrier_timeout_ms) == \
-        ("127.0.0.1", 8000, None, None, serve.DEFAULT_MODE, 250.0)
+    assert (a.host, a.port, a.model, a.mqtt, a.mode, a.barrier_timeout_ms, a.offload_gib) == \
+        ("127.0.0.1", 8000, None, None, serve.DEFAULT_MODE, 250.0, 1.0)
     a = parse("--port", "9001", "--mqtt", "mqtt://127.0.0.1:1883", "--barrier-timeout-ms", "40",
               "--mode", "prefix", "--dtype", "float32", "--model", "/m")
     c = serve.config(a)
@@ -48,6 +48,7 @@ def test_flags():
     (["--mqtt", "http://127.0.0.1:1"], "expected mqtt://host:port"),
     (["--max-group", "0"], "--max-group"),
     (["--barrier-timeout-ms", "-1"], "--barrier-timeout-ms"),
+    (["--offload-gib", "-2"], "--offload-gib"),
 ])
 def test_bad_flags_fail_in_one_line_before_loading_the_model(monkeypatch, capsys, argv, message):
     def never(args):
@@ -98,3 +99,12 @@ def test_sigterm_drains_the_request_in_flight(tmp_path):
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+def test_offload_flag_reaches_the_engine_config(monkeypatch):
+    from tokendance.backend.service import EngineBackend
+
+    seen = {}
+    monkeypatch.setattr(EngineBackend, "load", classmethod(lambda cls, model, **kw: seen.update(kw)))
+    serve.load_backend(parse("--offload-gib", "0.5"))
+    assert seen["offload_bytes"] == 2**29
