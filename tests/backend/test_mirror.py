@@ -154,6 +154,7 @@ def _check_buffers(engine, g, work, mirrors: bool) -> None:
 
     b = engine.cache.block_size
     assert len(work) == 3 and all((w.seq.mirror is not None) == mirrors and w.count == 1 for w in work)
+    assert g.fits(work)
     assert g._fill(work, 4) == mirrors
     ids, meta, _ = step_meta(work, b, engine.device, engine.cache.trash, engine.runner.late_from,
                              collective=True)
