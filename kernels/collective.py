@@ -40,7 +40,7 @@ import torch
 
 from tokendance.kernels.master import MasterRead
 from tokendance.kernels.rope import rope_rotate_reference
-from tokendance.kernels.tiles import LOG2E, _dot
+from tokendance.kernels.tiles import _dot, _scratch, scales
 
 try:
     import triton
@@ -50,7 +50,7 @@ except ImportError:  # a CPU-only install still has the reference
 
     triton = SimpleNamespace(jit=lambda fn: fn)
 
-LN2 = math.log(2.0)
+
 def _single(shift: torch.Tensor, master_table: torch.Tensor, master_len: int, hide: torch.Tensor,
             n: int, align: int) -> MasterRead:
     """One segment of master_len slots in n equal tile-aligned chunks (some maybe empty)."""
@@ -278,11 +278,6 @@ COLLECTIVE_CFG = dict(block_m=64, block_n=32, num_warps=8, num_stages=2, step=Tr
 INTERP_CFG = dict(block_m=32, block_n=16, num_warps=4, num_stages=1, step=True)
 
 
-def _scratch(*shape: int, device: torch.device) -> torch.Tensor:
-    """fp32 workspace for the per-split partials (tests poison it)."""
-    return torch.empty(shape, device=device, dtype=torch.float32)
-
-
 def _num_splits(dev: torch.device, programs: int, master_len: int, block_n: int) -> int:
     """Splits of the Master: about two programs per SM in all, at least a tile each."""
     sms = torch.cuda.get_device_properties(dev).multi_processor_count if dev.type == "cuda" else 2
@@ -363,16 +358,14 @@ def collective_partials(q, q_pos, k_cache, v_cache, read: MasterRead, inv_freq, 
     S, Hq, D = q.shape
     B, Hkv = k_cache.shape[1], k_cache.shape[2]
     G = Hq // Hkv
-    interp = not q.is_cuda
-    c = {**(INTERP_CFG if interp else COLLECTIVE_CFG), **(cfg or {})}
+    c = {**(COLLECTIVE_CFG if q.is_cuda else INTERP_CFG), **(cfg or {})}
     tiles, block_m = row_tiles(S * G, c["block_m"])
     n_chunks = read.chunks.shape[0]
     if S == 0 or n_chunks == 0:
         return
     q = q.contiguous() if q.stride(-1) != 1 else q
     inv_freq = inv_freq.to(device=q.device, dtype=torch.float32).contiguous()
-    prec = "ieee" if q.dtype == torch.float32 else "upcast" if interp else "tf32"
-    qk_scale = sm_scale * rope_scale * LOG2E  # rope_scale scales rotated keys: fold it in
+    prec, qk_scale = scales(q, sm_scale, rope_scale)
     hide = read.hide.view(torch.uint8) if read.hide.dtype == torch.bool else read.hide
     assert hide.stride(1) == 1 and read.shift.stride(1) == 1 and o_part.is_contiguous()
     _collective_kernel[(tiles, n_chunks, Hkv)](

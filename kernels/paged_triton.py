@@ -11,7 +11,7 @@ import os
 
 import torch
 
-from tokendance.kernels.tiles import _attend, _prep
+from tokendance.kernels.tiles import _attend, _prep, _scratch
 
 try:
     import triton
@@ -160,11 +160,6 @@ def _reduce_kernel(o_part, lse_part, cu_q, out, n_total, s_qt, s_qh,
 PREFILL_CFG = dict(block_m=128, block_n=64, num_warps=8, num_stages=2, step=True)
 DECODE_CFG = dict(block_n=32, num_warps=4, num_stages=2, step=True)
 INTERP_CFG = dict(block_m=32, block_n=16, num_warps=4, num_stages=1, step=True)
-
-
-def _scratch(*shape: int, device: torch.device) -> torch.Tensor:
-    """fp32 workspace for decode partials (tests poison it)."""
-    return torch.empty(shape, device=device, dtype=torch.float32)
 
 
 def decode_splits(dev: torch.device, work: int) -> int:

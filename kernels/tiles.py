@@ -160,11 +160,21 @@ def trig_table(inv_freq: torch.Tensor, n: int) -> torch.Tensor:
     return torch.stack((ang.cos(), ang.sin())).contiguous()
 
 
+def _scratch(*shape: int, device: torch.device) -> torch.Tensor:
+    """fp32 workspace for partial results (tests poison it through the importing module)."""
+    return torch.empty(shape, device=device, dtype=torch.float32)
+
+
+def scales(q: torch.Tensor, sm_scale: float, rope_scale: float) -> tuple[str, float]:
+    """(tl.dot precision for q's dtype and device, score scale in the log2 domain)."""
+    prec = "ieee" if q.dtype == torch.float32 else "upcast" if not q.is_cuda else "tf32"
+    return prec, sm_scale * rope_scale * LOG2E  # rope_scale scales rotated keys: fold it in
+
+
 def _prep(q, k_cache, block_tables, kv_lens, inv_freq, rope_scale, sm_scale, slot_pos, trig=None):
     """(precision, the stride/scale/table arguments both kernels take, the slot-position
     table or a stand-in, inv_freq and block tables as the kernels want them)."""
-    prec = "ieee" if q.dtype == torch.float32 else "upcast" if not q.is_cuda else "tf32"
-    qk_scale = sm_scale * rope_scale * LOG2E  # rope_scale scales rotated keys: fold it in
+    prec, qk_scale = scales(q, sm_scale, rope_scale)
     if slot_pos is not None:
         slot_pos = slot_pos.to(torch.int32).contiguous()
         assert (slot_pos.shape[0] == kv_lens.shape[0]
