@@ -20,9 +20,9 @@ import time
 import torch
 
 from tokendance.backend.api import SamplingParams
-from tokendance.backend.engine import Engine, EngineConfig
+from tokendance.backend.engine import Engine
 from tokendance.bench.allgather import make_round
-from tokendance.bench.shapes import resolve
+from tokendance.bench.shapes import round_engine
 
 
 def sync(eng: Engine) -> None:
@@ -85,12 +85,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    model, random = resolve(args.model)
     agents = [int(a) for a in args.agents.split(",")]
     need = max(agents) * (args.history * 2 + args.shared * 2 + args.steps + 64) + 8192
-    eng = Engine(EngineConfig(model=model, dtype=args.dtype, random_weights=random, kv_tokens=need,
-                              max_batched_tokens=16384, segment_cache_fraction=0.5))
-    vocab = min(eng.mcfg.vocab_size, len(eng.tokenizer))
+    eng, vocab = round_engine(args.model, args.dtype, need)
     print(f"model {eng.name} on {eng.device}, {eng.dtype}; shared {args.shared} tokens per round, "
           f"histories ~{args.history}; median decode step over {args.steps} steps")
     print("| N | N Mirrors (collective) | N dense caches (full) | one dense cache | Mirrors / dense | "

@@ -22,9 +22,9 @@ import time
 import torch
 
 from tokendance.backend.api import SamplingParams
-from tokendance.backend.engine import Engine, EngineConfig
+from tokendance.backend.engine import Engine
 from tokendance.bench.allgather import Round, make_round, next_round
-from tokendance.bench.shapes import resolve
+from tokendance.bench.shapes import round_engine
 
 
 def sync(eng: Engine) -> None:
@@ -60,13 +60,10 @@ def add_args(p: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    model, random = resolve(args.model)
     agents = [int(a) for a in args.agents.split(",")]
     n = max(agents)
-    need = n * 2 * (args.history + 2 * n * args.output + args.answer) + 8192
-    eng = Engine(EngineConfig(model=model, dtype=args.dtype, random_weights=random, kv_tokens=need,
-                              max_batched_tokens=16384, segment_cache_fraction=0.5))
-    vocab = min(eng.mcfg.vocab_size, len(eng.tokenizer))
+    eng, vocab = round_engine(args.model, args.dtype, n * 2 * (args.history + 2 * n * args.output
+                                                              + args.answer) + 8192)
     print(f"model {eng.name} on {eng.device}, {eng.dtype}; histories ~{args.history}, outputs "
           f"~{args.output}, answers {args.answer}; round 2 prefill, median of {args.repeats}")
     print("| N | round-2 prompt tokens | resumed ms | without ms | speed-up | computed resumed / without "

@@ -20,9 +20,9 @@ from pathlib import Path
 import torch
 
 from tokendance.backend.api import MODES, SamplingParams, Usage
-from tokendance.backend.engine import Engine, EngineConfig
+from tokendance.backend.engine import Engine
 from tokendance.bench.allgather import Round, make_round
-from tokendance.bench.shapes import resolve
+from tokendance.bench.shapes import round_engine
 
 ONE = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
 
@@ -123,15 +123,12 @@ def add_args(p: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    model, random = resolve(args.model, args.random_weights)
     agents = [int(a) for a in args.agents.split(",")]
     need = max(agents) * (args.history * 2 + max(agents) * args.output * 2 + args.decode) + 4096
-    eng = Engine(EngineConfig(model=model, dtype=args.dtype, random_weights=random,
-                              kv_tokens=args.kv_tokens or need, max_batched_tokens=16384,
-                              segment_cache_fraction=0.5, recompute_ratio=args.ratio))
+    eng, vocab = round_engine(args.model, args.dtype, args.kv_tokens or need, args.random_weights,
+                              recompute_ratio=args.ratio)
     modes = args.modes.split(",")
     if args.dump_prompts:
-        vocab = min(eng.mcfg.vocab_size, len(eng.tokenizer))
         rounds = {n: make_round(n, args.history, args.output, vocab, seed=n).prompts for n in agents}
         Path(args.dump_prompts).write_text(json.dumps(rounds))
     rows = bench(eng, agents, args.history, args.output, args.repeats, modes, decode=args.decode)

@@ -12,6 +12,7 @@ import shutil
 from pathlib import Path
 
 from tokendance.backend import loader
+from tokendance.backend.engine import Engine, EngineConfig
 
 QWEN_COMMON = dict(architectures=["Qwen2ForCausalLM"], model_type="qwen2", vocab_size=152064,
                    max_position_embeddings=32768, rope_theta=1000000.0, rms_norm_eps=1e-6,
@@ -45,3 +46,13 @@ def resolve(model: str | None, random: bool = False) -> tuple[str | None, bool]:
     if model and not Path(model).exists():
         return str(shape_folder(model)), True
     return model, random
+
+
+def round_engine(model: str | None, dtype: str, kv_tokens: int, random: bool = False,
+                 **cfg) -> tuple[Engine, int]:
+    """The round benchmarks' engine (--model a path or a shape name; 16 k tokens a step,
+    half the pool for segment bases), and the vocabulary their token ids are drawn below."""
+    folder, random = resolve(model, random)
+    eng = Engine(EngineConfig(model=folder, dtype=dtype, random_weights=random, kv_tokens=kv_tokens,
+                              max_batched_tokens=16384, segment_cache_fraction=0.5, **cfg))
+    return eng, min(eng.mcfg.vocab_size, len(eng.tokenizer))

@@ -2,18 +2,12 @@
 
 from __future__ import annotations
 
-import argparse
-
 from tokendance.bench import fidelity
 
 
-def test_fidelity_report(tiny_llama, capsys):
-    p = argparse.ArgumentParser()
-    fidelity.add_args(p)
-    args = p.parse_args(["--model", str(tiny_llama), "--agents", "2", "--rounds", "2",
-                         "--max-tokens", "4", "--questions", "1"])
-    assert fidelity.main(args) == 0
-    out = capsys.readouterr().out
+def test_fidelity_report(tiny_llama, bench):
+    out = bench(fidelity, "--model", str(tiny_llama), "--agents", "2", "--rounds", "2",
+                "--max-tokens", "4", "--questions", "1")
     assert "| full | 1.000 |" in out  # full reproduces its own continuation
     for mode in ("pic", "collective"):
         assert f"| 2 | {mode} |" in out

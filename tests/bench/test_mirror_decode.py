@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import argparse
-
 from tokendance.backend.engine import Engine
 from tokendance.bench import mirror_decode
 from tokendance.bench.allgather import make_round
@@ -19,11 +17,7 @@ def test_decode_steps_of_mirrors_and_dense(tiny_llama):
             [b for e in eng.segments.entries.values() for b in e.blocks])
 
 
-def test_main_prints_the_table(tiny_llama, capsys):
-    p = argparse.ArgumentParser()
-    mirror_decode.add_args(p)
-    args = p.parse_args(["--model", str(tiny_llama), "--agents", "2", "--shared", "24",
-                         "--history", "16", "--steps", "2"])
-    assert mirror_decode.main(args) == 0
-    out = capsys.readouterr().out
+def test_main_prints_the_table(tiny_llama, bench):
+    out = bench(mirror_decode, "--model", str(tiny_llama), "--agents", "2", "--shared", "24",
+                "--history", "16", "--steps", "2")
     assert "| 2 |" in out and "Mirrors / dense" in out

@@ -2,22 +2,17 @@
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 
 from tokendance.bench import restore
 
 
-def test_main_prints_the_table(tmp_path, capsys):
-    p = argparse.ArgumentParser()
-    restore.add_args(p)
+def test_main_prints_the_table(tmp_path, bench):
     out = tmp_path / "rows.json"
-    args = p.parse_args(["--device", "cpu", "--layers", "2", "--kv-heads", "2", "--head-dim", "16",
-                         "--agents", "2,3", "--history", "20", "--output", "7", "--generated", "5",
-                         "--ratio", "0.15,0.05", "--repeats", "2", "--json", str(out)])
-    assert restore.main(args) == 0
-    text = capsys.readouterr().out
+    text = bench(restore, "--device", "cpu", "--layers", "2", "--kv-heads", "2", "--head-dim", "16",
+                 "--agents", "2,3", "--history", "20", "--output", "7", "--generated", "5",
+                 "--ratio", "0.15,0.05", "--repeats", "2", "--json", str(out))
     assert "| N | r | MB fused | MB dense | ms fused | ms dense | speed-up |" in text
     assert "| 2 | 0.15 |" in text and "| 3 | 0.05 |" in text
     tok = 2 * 2 * 2 * 16 * 2  # layers, K and V, heads, head_dim, bf16

@@ -3,8 +3,6 @@ the benchmark's table (counts, not timings)."""
 
 from __future__ import annotations
 
-import argparse
-
 from tokendance.bench import resume
 from tokendance.bench.allgather import make_round, next_round
 
@@ -24,11 +22,10 @@ def test_next_round_keeps_old_blocks_and_adds_new_ones():
     assert len(new) == 3 and r2.outputs[:3] == r1.outputs
 
 
-def test_bench_resume_table(tiny_llama, capsys):
-    args = argparse.Namespace(model=str(tiny_llama), dtype="float32", agents="2", history=40,
-                              output=20, answer=6, repeats=1)
-    assert resume.main(args) == 0
-    row = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| 2 |")][0]
+def test_bench_resume_table(tiny_llama, bench):
+    out = bench(resume, "--model", str(tiny_llama), "--dtype", "float32", "--agents", "2",
+                "--history", "40", "--output", "20", "--answer", "6", "--repeats", "1")
+    row = [line for line in out.splitlines() if line.startswith("| 2 |")][0]
     cells = [c.strip() for c in row.strip("|").split("|")]
     resumed, without = (float(x) for x in cells[5].split("/"))
     assert resumed < without and int(cells[6]) > 0
