@@ -88,7 +88,7 @@ class Engine:
         self.segments = SegmentCache(self.pool, cfg.block_size,
                                      int(self.cache.num_blocks * cfg.segment_cache_fraction))
         reuse = ReuseConfig(cfg.check_layer, cfg.recompute_ratio, max_tokens=budget)
-        self.idle = IdleAgents(self.cache, self.blocks, cfg.offload_bytes)
+        self.idle = IdleAgents(self.cache, cfg.offload_bytes)
         self.collector = Collector(self.model, self.cache, self.blocks, self.runner, self.segments,
                                    self.idle, reuse)
         self.blend_waiting: list[Sequence] = []

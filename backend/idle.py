@@ -19,7 +19,6 @@ from dataclasses import dataclass
 
 import torch
 
-from tokendance.backend.blocks import BlockManager
 from tokendance.backend.mirror import EARLY, LATE, Mirror, Span
 from tokendance.backend.model import KVCache
 from tokendance.backend.offload import HostTier
@@ -60,8 +59,8 @@ def _token(parked: Parked, i: int) -> int:
 
 
 class IdleAgents:
-    def __init__(self, cache: KVCache, blocks: BlockManager, budget_bytes: int):
-        self.cache, self.blocks = cache, blocks
+    def __init__(self, cache: KVCache, budget_bytes: int):
+        self.cache = cache
         self.tier = HostTier(cache, budget_bytes)
         self.parked: dict[str, Parked] = {}
         self.restored = 0  # prompt tokens restored instead of prefilled, all requests

@@ -61,10 +61,7 @@ def graphs_vs_eager(mirrors: bool = False) -> float:
 def collective_vs_tables(dtype: str) -> float:
     """Relative error of a decode step over 11 Mirrors with the Master read collectively
     (the engine's path) against the same step reading each Mirror's whole slot table."""
-    from tokendance.backend.mirror import EARLY, LATE
-    from tokendance.backend.model import AttnMeta
     from tokendance.backend.runner import step_meta
-    from tokendance.backend.tables import kv_view
     from tokendance.bench.allgather import make_round
 
     eng = Engine(EngineConfig(model=str(small_folder()), dtype=dtype, random_weights=True,
@@ -76,14 +73,10 @@ def collective_vs_tables(dtype: str) -> float:
     eng._blend()
     work, _ = eng.scheduler.schedule()
     assert all(w.count == 1 and w.seq.mirror is not None for w in work)
-    b, dev, trash = eng.cache.block_size, eng.device, eng.cache.trash
-    ids, meta, _ = step_meta(work, b, dev, trash, eng.runner.late_from)
+    args = (work, eng.cache.block_size, eng.device, eng.cache.trash, eng.runner.late_from)
+    ids, meta, _ = step_meta(*args, collective=True)
+    _, tables, _ = step_meta(*args, collective=False)
     assert meta.master is not None and meta.late.master is not None
-    seqs, rows = [w.seq for w in work], [torch.tensor([w.start]) for w in work]
-    common = dict(positions=meta.positions, cu_q=meta.cu_q, max_q=1)
-    tables = AttnMeta(**common, **kv_view(seqs, rows, EARLY, b, trash, dev))
-    tables.late = AttnMeta(**common, **kv_view(seqs, rows, LATE, b, trash, dev))
-    tables.late_from = eng.runner.late_from
     with torch.inference_mode():
         got = eng.model(ids, meta, eng.cache).float()
         want = eng.model(ids, tables, eng.cache).float()
