@@ -5,9 +5,10 @@
     sequences x 4096 context and prefill of 10 x 2048 tokens, against the reference and
     torch SDPA (flash) on dense, pre-rotated K/V; launch configurations swept.
 
-    PYTHONPATH=<dir holding tokendance/> python bench/kernels.py [--smoke]
+    PYTHONPATH=<dir holding tokendance/> python bench/kernels.py [--smoke] [--decode]
 
---smoke runs tiny shapes under TRITON_INTERPRET=1 on the CPU (checks the script only).
+--smoke runs tiny shapes under TRITON_INTERPRET=1 on the CPU (checks the script only);
+--decode times the decode kernel only.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from tokendance.bench.kernel_timing import (  # noqa: E402
 from tokendance.kernels import paged_attention as pa  # noqa: E402
 from tokendance.kernels import paged_triton as pt  # noqa: E402
 from tokendance.kernels.rope import rope_rotate  # noqa: E402
+from tokendance.kernels.tiles import trig_table  # noqa: E402
 
 DEV = "cpu" if SMOKE else "cuda"
 bench = partial(median_ms, smoke=SMOKE)
@@ -161,7 +163,7 @@ def section(kind: str, args: tuple, base: dict, variants: list[tuple[dict, dict]
             say(f"  (sweep cut at {deadline} s)")
             break
         c = {**base, **cfg}
-        name = " ".join(f"{k.replace('block_', '').replace('num_', '')[:5]}={int(v)}"
+        name = " ".join(f"{k.replace('block_', '').replace('num_', '')[:5]}={v if isinstance(v, str) else int(v)}"
                         for k, v in c.items()) + f" splits={kw.get('num_splits') or 'auto'}" * (
                             kind == "decode")
         try:
@@ -189,13 +191,19 @@ def timings() -> list[str]:
         bw = kv_bytes / (ms * 1e-3)
         return f"{bw / 1e12:5.2f} TB/s ({bw / COPY_CEILING:4.0%} of 4.1)"
 
-    cfgs = [dict(), dict(step=False), dict(block_n=64), dict(block_n=128),
-            dict(block_n=64, num_warps=8), dict(num_stages=3), dict(block_n=128, num_warps=8),
-            dict(block_n=64, step=False)]
-    variants = [(c, dict(max_q=1)) for c in cfgs]
-    variants += [(dict(block_n=64), dict(max_q=1, num_splits=n)) for n in (4, 8, 16, 32)]
-    variants += [(dict(), dict(max_q=1, num_splits=n)) for n in (4, 16)]
-    rows = section("decode", args, pt.DECODE_CFG, variants, bandwidth, 200)
+    # step="table": keys rotated by rows of the cos/sin table instead of per-tile steps.
+    trig = trig_table(args[7], L + 64)
+    cfgs = [dict(), dict(step="table"), dict(step=False), dict(num_stages=3), dict(num_stages=4),
+            dict(step="table", num_stages=3), dict(step="table", num_stages=4),
+            dict(block_n=16), dict(block_n=16, step="table"), dict(block_n=64),
+            dict(block_n=64, step="table"), dict(block_n=64, step="table", num_warps=8),
+            dict(num_warps=2), dict(step="table", num_warps=2)]
+    variants = [(c, dict(max_q=1, trig=trig)) for c in cfgs]
+    variants += [(c, dict(max_q=1, trig=trig, num_splits=n))
+                 for n in (4, 16) for c in (dict(), dict(step="table"))]
+    rows = section("decode", args, pt.DECODE_CFG, variants, bandwidth, 240)
+    if "--decode" in sys.argv:
+        return rows
 
     S, L = (2, 128) if SMOKE else (10, 2048)
     say(f"(b) prefill: {S} x {L} tokens from scratch, Hq={Hq} Hkv={Hkv} D={D} bf16")

@@ -154,12 +154,24 @@ def _reduce_kernel(o_part, lse_part, cu_q, out, n_total, s_qt, s_qh,
 
 
 # Launch configurations on a GPU, and the small tiles the interpreter runs faster with.
-# Picked by bench/kernels.py on an H200 (Triton 3.6, Qwen2.5-7B shape): decode is bound
-# by registers (148 a thread at block_n=32, 239 at 64), so the small tile with 8 splits
-# wins; step=False (a sine and a cosine per element) cost 1.5x in decode, 1.7x in prefill.
+# Picked by bench/kernels.py on an H200 (Triton 3.6, Qwen2.5-7B shape, 32 x 4k decode):
+# decode is bound by registers; rotating keys by rows of the cos/sin table (step="table")
+# instead of carrying cos/sin across tiles takes it from 148 registers and spills to 104
+# and none, 150 -> 127 us (2.11 TB/s); step=False (a sine and a cosine per element) cost
+# 1.5x in decode, 1.7x in prefill.
 PREFILL_CFG = dict(block_m=128, block_n=64, num_warps=8, num_stages=2, step=True)
-DECODE_CFG = dict(block_n=32, num_warps=4, num_stages=2, step=True)
+DECODE_CFG = dict(block_n=32, num_warps=4, num_stages=2, step="table")
 INTERP_CFG = dict(block_m=32, block_n=16, num_warps=4, num_stages=1, step=True)
+
+
+def _rotation(step: bool | str, pos: bool, trig: torch.Tensor | None) -> int:
+    """The kernels' STEP for a launch configuration's `step`: True, rotate per tile;
+    "table", read the cos/sin table (when there is one); False, sines and cosines."""
+    if pos:
+        return 0
+    if step == "table":
+        return 2 if trig is not None else 1
+    return int(bool(step))
 
 
 def decode_splits(dev: torch.device, work: int) -> int:
@@ -228,7 +240,7 @@ def paged_attention_triton(
         q, q_pos, cu_q, k_cache, v_cache, block_tables, kpt, kv_lens, inv_freq, out,
         q.stride(0), q.stride(1), *common,
         G=G, B=B, HALF=D // 2, BLOCK_M=c["block_m"], BLOCK_N=c["block_n"],
-        STEP=c["step"] and not pos_flag, POS=pos_flag, TRIG=trig is not None, PREC=prec,
+        STEP=_rotation(c["step"], pos_flag, trig), POS=pos_flag, TRIG=trig is not None, PREC=prec,
         num_warps=c["num_warps"], num_stages=c["num_stages"],
     )
     return out
@@ -253,7 +265,7 @@ def decode_partials(q, q_pos, cu_q, k_cache, v_cache, block_tables, kv_lens, inv
         lse_part, n,
         q.stride(0), q.stride(1), *common,
         G=Hq // Hkv, B=B, HALF=D // 2, BLOCK_M=max(16, triton.next_power_of_2(Hq // Hkv)),
-        BLOCK_N=c["block_n"], NSPLIT=ns, STEP=c["step"] and not pos_flag, POS=pos_flag,
+        BLOCK_N=c["block_n"], NSPLIT=ns, STEP=_rotation(c["step"], pos_flag, trig), POS=pos_flag,
         TRIG=trig is not None, PREC=prec, num_warps=c["num_warps"], num_stages=c["num_stages"],
     )
     return ns

@@ -67,27 +67,28 @@ def _tile(acc, m_i, l_i, q1, q2, qp, kc, vc, bt, j, jm, kpos, c, s, s_blk, s_slo
 def _pos_tile(acc, m_i, l_i, q1, q2, qp, kc, vc, bt, f, j, jm, kpos, ct, st, s_blk, s_slot,
               qk_scale, trig, trig_n, B: tl.constexpr, HALF: tl.constexpr, BLOCK_N: tl.constexpr,
               TRIG: tl.constexpr, PREC: tl.constexpr):
-    """A tile read through slot positions: angle addition from its first position when
-    its visible slots are consecutive, else per element from the cos/sin table `trig`
-    ([2, trig_n, HALF] float32) with TRIG, or a sine and a cosine (five times the
-    arithmetic of the rest of the tile)."""
-    offs_n = tl.arange(0, BLOCK_N)
-    rel = kpos - offs_n
-    p0 = tl.max(tl.where(jm, rel, -1), 0)
-    if tl.min(tl.where(jm, rel, p0), 0) == p0:
-        a0 = f * p0.to(tl.float32)  # [HALF, 1]
-        c0 = tl.cos(a0)
-        s0 = tl.sin(a0)
-        c = c0 * ct - s0 * st
-        s = s0 * ct + c0 * st
-    elif TRIG:  # scattered positions (patches)
+    """A tile read through slot positions, rotated by rows of the cos/sin table `trig`
+    ([2, trig_n, HALF] float32) with TRIG; without it, by angle addition from its first
+    position when its visible slots are consecutive, else by a sine and a cosine per
+    element (five times the arithmetic of the rest of the tile)."""
+    if TRIG:
         t = trig + kpos[None, :].to(tl.int64) * HALF + tl.arange(0, HALF)[:, None]
         c = tl.load(t, mask=jm[None, :], other=1.0)
         s = tl.load(t + trig_n * HALF, mask=jm[None, :], other=0.0)
     else:
-        ang = f * kpos[None, :].to(tl.float32)
-        c = tl.cos(ang)
-        s = tl.sin(ang)
+        offs_n = tl.arange(0, BLOCK_N)
+        rel = kpos - offs_n
+        p0 = tl.max(tl.where(jm, rel, -1), 0)
+        if tl.min(tl.where(jm, rel, p0), 0) == p0:
+            a0 = f * p0.to(tl.float32)  # [HALF, 1]
+            c0 = tl.cos(a0)
+            s0 = tl.sin(a0)
+            c = c0 * ct - s0 * st
+            s = s0 * ct + c0 * st
+        else:
+            ang = f * kpos[None, :].to(tl.float32)
+            c = tl.cos(ang)
+            s = tl.sin(ang)
     return _tile(acc, m_i, l_i, q1, q2, qp, kc, vc, bt, j, jm, kpos, c, s, s_blk, s_slot,
                  qk_scale, B, HALF, True, True, PREC)
 
@@ -102,14 +103,17 @@ def _attend(acc, m_i, l_i, q1, q2, qp, kc, vc, bt, kpt, f, lo, hi, s_blk, s_slot
     kc, vc: the kv head's first element in block 0; bt: the block-table row; f:
     inv_freq as [HALF, 1]. Without MASK every key in range must be visible to every
     row; with it, key j counts for a row at position p only if j < hi and j <= p.
-    With POS (needs MASK, not STEP), slot j's position is kpt[j] instead of j, and a
+    STEP picks how keys at consecutive positions are rotated: 1, cos/sin of the first
+    tile and an exact rotation per tile; 2, rows of the cos/sin table `trig`; 0, a sine
+    and a cosine per element. With POS (needs MASK, STEP 0), slot j's position is kpt[j]
+    instead of j, and a
     negative one hides the slot; with SKIP too, tiles no row can see are skipped (worth a
     branch in prefill, where slot order is not position order; decode keeps its loads at
     the loop's top level, where they pipeline). Scores are in the log2 domain (qk_scale
     holds log2 e).
     """
     offs_n = tl.arange(0, BLOCK_N)
-    if STEP:
+    if STEP == 1:
         # cos/sin of the first tile, then a rotation by the exact angle BLOCK_N * f per
         # tile: 6 flops per element instead of a sine and a cosine.
         ang = f * (lo + offs_n)[None, :].to(tl.float32)
@@ -117,13 +121,16 @@ def _attend(acc, m_i, l_i, q1, q2, qp, kc, vc, bt, kpt, f, lo, hi, s_blk, s_slot
         s = tl.sin(ang)
         cs = tl.cos(f * BLOCK_N)
         ss = tl.sin(f * BLOCK_N)
-    if POS:
+    ct = f  # unused with TRIG
+    st = f
+    if POS and not TRIG:
         # Angles of offsets 0 .. BLOCK_N-1, for tiles whose visible slots sit at
         # consecutive positions p0 + n (own tokens, runs of the Master): then
         # cos/sin(f (p0 + n)) follow from cos/sin(f p0) by angle addition.
         ang = f * offs_n[None, :].to(tl.float32)
         ct = tl.cos(ang)
         st = tl.sin(ang)
+    if POS:
         qmax = tl.max(qp, 0)
     for start in range(lo, hi, BLOCK_N):
         j = start + offs_n
@@ -141,13 +148,17 @@ def _attend(acc, m_i, l_i, q1, q2, qp, kc, vc, bt, kpt, f, lo, hi, s_blk, s_slot
                                           ct, st, s_blk, s_slot, qk_scale, trig, trig_n, B, HALF,
                                           BLOCK_N, TRIG, PREC)
         else:
-            if not STEP:
+            if STEP == 2:
+                t = trig + j[None, :].to(tl.int64) * HALF + tl.arange(0, HALF)[:, None]
+                c = tl.load(t, mask=jm[None, :], other=1.0)
+                s = tl.load(t + trig_n * HALF, mask=jm[None, :], other=0.0)
+            elif STEP == 0:
                 ang = f * j[None, :].to(tl.float32)
                 c = tl.cos(ang)
                 s = tl.sin(ang)
             acc, m_i, l_i = _tile(acc, m_i, l_i, q1, q2, qp, kc, vc, bt, j, jm, j, c, s,
                                   s_blk, s_slot, qk_scale, B, HALF, MASK, False, PREC)
-            if STEP:
+            if STEP == 1:
                 c, s = c * cs - s * ss, s * cs + c * ss
     return acc, m_i, l_i
 

@@ -12,6 +12,7 @@ import torch
 import tokendance.kernels.paged_attention as pa
 import tokendance.kernels.paged_triton as pt
 from tokendance.kernels.rope import rope_rotate
+from tokendance.kernels.tiles import trig_table
 
 B = 16
 # Small tiles so that every case spans several key tiles and row blocks.
@@ -161,11 +162,13 @@ def test_prefill_from_scratch(hq: int, hkv: int, d: int, scratch: list[tuple]) -
     assert not scratch
 
 
-@pytest.mark.parametrize("d", [64, 128])
-def test_chunked_prefill(d: int) -> None:
+@pytest.mark.parametrize("d,step", [(64, True), (128, True), (64, "table")])
+def test_chunked_prefill(d: int, step: bool | str) -> None:
     lens = [90, 41, 16]
     c = make_case(lens, suffix(lens, [13, 41, 3]), d=d)
-    assert rel(run_triton(c), pa.paged_attention_reference(*c.args())) < 1e-3
+    trig = trig_table(c.inv_freq, 96) if step == "table" else None
+    got = run_triton(c, cfg=dict(step=step), trig=trig)
+    assert rel(got, pa.paged_attention_reference(*c.args())) < 1e-3
 
 
 @pytest.mark.parametrize("step", [True, False])
@@ -218,12 +221,14 @@ def test_decode_query_before_the_end() -> None:
     assert rel(got, pa.paged_attention_reference(*c.args())) < 1e-3
 
 
-@pytest.mark.parametrize("step", [True, False])
-def test_decode_long_context(step: bool) -> None:
-    """Positions in the thousands: RoPE angles far past 2 pi, many tiles per split."""
+@pytest.mark.parametrize("step", [True, False, "table"])
+def test_decode_long_context(step: bool | str) -> None:
+    """Positions in the thousands: RoPE angles far past 2 pi, many tiles per split; keys
+    rotated per tile, per element, or from the cos/sin table."""
     lens = [2100, 1500]
     c = make_case(lens, suffix(lens, [1, 1]), hq=8, hkv=2, theta=1e6)
-    got = run_triton(c, num_splits=4, cfg=dict(block_n=64, step=step))
+    trig = trig_table(c.inv_freq, 2200) if step == "table" else None
+    got = run_triton(c, num_splits=4, cfg=dict(block_n=64, step=step), trig=trig)
     assert rel(got, pa.paged_attention_reference(*c.args())) < 1e-3
 
 
