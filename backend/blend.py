@@ -91,8 +91,8 @@ def blend(model: Decoder, cache: KVCache, items: list[BlendInput], check_layer: 
             it.seq.mirror.pick(selected[i])
         meta = _meta(items, full, LATE, cache, device)
         cache.store(li, k, v, meta.slots)
-        x = x + attn.attend(q, meta, cache)
-        x = x + layer.mlp(layer.post_attention_layernorm(x))
+        h, x = layer.post_attention_layernorm.add(attn.attend(q, meta, cache), x)
+        x = x + layer.mlp(h)
         # From here on only fresh tokens, the selected ones and each prompt's last token.
         rows = []
         for i, it in enumerate(items):

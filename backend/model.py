@@ -16,6 +16,7 @@ from torch import nn
 from tokendance.backend.config import ModelConfig
 from tokendance.backend.rope_scaling import rope_params
 from tokendance.kernels.master import MasterRead
+from tokendance.kernels.norm import rms_norm
 from tokendance.kernels.paged_attention import paged_attention
 from tokendance.kernels.prefill import causal_attention
 from tokendance.kernels.rope import rope_rotate
@@ -82,9 +83,11 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(x.dtype)
+        return rms_norm(x, self.weight, self.eps)[0]
+
+    def add(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm(x + residual), x + residual), in one pass on CUDA."""
+        return rms_norm(x, self.weight, self.eps, residual)
 
 
 class Attention(nn.Module):
@@ -144,8 +147,8 @@ class Layer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(self, x: torch.Tensor, meta: AttnMeta, cache: KVCache) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), meta, cache)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        h, x = self.post_attention_layernorm.add(self.self_attn(self.input_layernorm(x), meta, cache), x)
+        return x + self.mlp(h)
 
 
 class Rope(nn.Module):
