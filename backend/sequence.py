@@ -62,13 +62,16 @@ class Sequence:
         """Pool slots where tokens `rows` keep their K/V in this view (a Mirror keeps
         reused tokens in the Master: their rows go to the trash slot)."""
         if len(rows) == 1:  # a decode step: plain Python beats five tensor ops
-            j = int(rows[0])
-            i = j if self.mirror is None else self.mirror.own_slot(j, view)
-            return torch.tensor([self.blocks[i // block_size] * block_size + i % block_size if i >= 0 else trash])
+            return torch.tensor([self.slot(int(rows[0]), view, block_size, trash)])
         own = rows if self.mirror is None else self.mirror.own_index(view, rows)
         i = own.clamp_min(0)
         flat = torch.tensor(self.blocks, dtype=torch.long)[i // block_size] * block_size + i % block_size
         return torch.where(own >= 0, flat, trash)
+
+    def slot(self, row: int, view: int, block_size: int, trash: int) -> int:
+        """`slots` of one token, as a plain int."""
+        i = row if self.mirror is None else self.mirror.own_slot(row, view)
+        return self.blocks[i // block_size] * block_size + i % block_size if i >= 0 else trash
 
     def read_slots(self, rows: torch.Tensor, view: int, block_size: int) -> torch.Tensor:
         """Pool slots that attention reads tokens `rows` from in this view."""
