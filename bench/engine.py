@@ -103,6 +103,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--decode", default="1x256,8x256", help="BATCHxCONTEXT,...")
     p.add_argument("--steps", type=int, default=32)
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--breakdown", action="store_true",
+                   help="then split each decode step into GPU forward and host time")
 
 
 def main(args: argparse.Namespace) -> int:
@@ -129,4 +131,9 @@ def main(args: argparse.Namespace) -> int:
     print("| what | ours | HF | ratio |\n|---|---|---|---|")
     for name, a, h, unit in rows:
         print(f"| {name} | {a:,.0f} {unit} | {h:,.0f} {unit} | {a / h:.2f}x |")
+    if args.breakdown:
+        from tokendance.bench.step_split import breakdown
+
+        for b, n in dec:
+            print("\n" + breakdown(eng, rand_prompts(b, n, vocab, seed=n + 2), args.steps))
     return 0

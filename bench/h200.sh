@@ -11,6 +11,8 @@
 #   restore: idle agents back from the host tier, fused (Master once + diffs) vs dense
 #     (no model: a KVCache of the Qwen2.5-7B K/V shape filled with random bf16)
 #   resume: a second round, agents resumed from the host tier vs prefilled
+#   sweep: the paged decode kernel's launch configurations (bench/kernels.py --decode)
+#   steps: a decode step at batch 32 x 4k split into GPU forward and host time
 # The carried folders are git-ignored; make them once on the CPU machine:
 #   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 \
 #     --implementation cp --platform manylinux2014_x86_64 -d .whl structlog
@@ -59,6 +61,13 @@ if want restore; then
   td bench restore --shape qwen2.5-7b --dtype bfloat16 --agents 10,20 --history 512 --output 150 \
     --ratio 0.15,0.05 --generated 128 --repeats 5 --json "$OUT/restore.json" \
     2>&1 | grep -v -i "warn\|deprecat" | tee "$OUT/restore.txt"
+fi
+if want sweep; then
+  timeout 420 python3 bench/kernels.py --decode 2>&1 | grep -v -i "warn\|deprecat" | tee "$OUT/sweep.txt"
+fi
+if want steps; then
+  td bench engine --model qwen2.5-7b --dtype bfloat16 --prefill "" --decode 32x4096 --steps 48 \
+    --repeats 1 --breakdown 2>&1 | grep -v -i "warn\|deprecat\|forward_call" | tee "$OUT/steps.txt"
 fi
 if want resume; then
   td bench resume --model qwen2.5-7b --dtype bfloat16 --agents 10,20 --history 512 --output 150 \
