@@ -112,6 +112,7 @@ class IdleAgents:
         if n < self.cache.block_size:
             self.tier.drop(name)
             return None
+        self.tier.take(name)  # until its group restores it: agents parked meanwhile evict others
         return Resume(name, p, n)
 
     # -- restore -------------------------------------------------------------------

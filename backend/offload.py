@@ -21,6 +21,8 @@ References: every `put_master` holds one reference for its caller until
 restored, dropped or evicted. A Master with no references left is freed. The budget
 (host bytes, Masters counted once) is enforced when agents are parked: least recently
 parked agents are evicted first, and an agent that cannot fit even then is not parked.
+An agent `take`n (its next request plans to restore it) is never evicted: it leaves
+only by `restore` or `drop`.
 """
 
 from __future__ import annotations
@@ -49,6 +51,7 @@ class _Master:
 class _Parked:
     data: torch.Tensor  # host [n, layers, 2, Hkv, D]
     masters: list[int]
+    taken: bool = False  # a request will restore it: not evictable
 
     @property
     def nbytes(self) -> int:
@@ -115,17 +118,26 @@ class HostTier:
             self.masters[key].readers += 1
         self.drop(name)
         need = slots.numel() * self.token_bytes()
-        # What stays if every other agent went: Masters put and still held, and the
-        # ones this agent reads.
-        floor = sum(m.nbytes for k, m in self.masters.items() if m.puts or k in masters)
-        if floor + need > self.budget:
+        # What stays if every agent that may be evicted went: taken agents, Masters put
+        # and still held, the ones this agent or a taken one reads.
+        taken = [e for e in self.agents.values() if e.taken]
+        keep = set(masters).union(*(e.masters for e in taken))
+        floor = sum(m.nbytes for k, m in self.masters.items() if m.puts or k in keep)
+        if floor + sum(e.nbytes for e in taken) + need > self.budget:
             self._release(masters)
             return 0
         while self._bytes + need > self.budget:
-            self.drop(next(iter(self.agents)))
+            self.drop(next(n for n, e in self.agents.items() if not e.taken))
         entry = self.agents[name] = _Parked(self._to_host(slots), masters)
         self._bytes += entry.nbytes
         return entry.nbytes
+
+    def take(self, name: str) -> None:
+        """Keep a parked agent until it is restored or dropped: no park evicts it."""
+        entry = self.agents.get(name)
+        if entry is None:
+            raise KeyError(f"take: agent {name!r} is not parked")
+        entry.taken = True
 
     def drop(self, name: str) -> None:
         """Forget a parked agent (no-op when it is not parked)."""

@@ -153,3 +153,28 @@ def test_agents_evicted_for_budget_are_prefilled(tiny_llama):
     assert outs2 == run(ref, prompts, spans, "full", "f-", agents=False)[0]
     assert 0 < eng.idle.restored - restored <= longest  # one agent's prefix, not two
     assert free_blocks_after_reset(eng)
+
+
+def test_agents_parked_while_a_round_restores_evict_no_taken_agent(tiny_llama):
+    """Requests restore in sub-batches (a small token budget) and finish at once (one
+    token), so agents park while others still wait to restore. With a host budget for
+    about one round, parking must not evict an agent whose request is waiting: that
+    request would have nothing to restore."""
+    probe = engine(tiny_llama)
+    prompts, spans = round_prompts(4, seed=29)
+    run(probe, prompts, spans, "collective", "p-")
+    eng = engine(tiny_llama, max_batched_tokens=64, offload_bytes=probe.idle.bytes + 1)
+    outs, _ = run(eng, prompts, spans, "collective", "a-")
+    assert len(eng.idle.tier) == 4
+    prompts, spans = next_round(prompts, spans, outs, seed=9)
+    one = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
+    for i, (p, sp) in enumerate(zip(prompts, spans)):
+        eng.add(f"b{i}", p, one, mode="collective", shared=sp, agent=f"a{i}")
+    assert all(s.resume is not None for s in eng.seqs.values())
+    done, overlapped, restored = 0, False, eng.idle.restored
+    while eng.has_work():
+        done += sum(d.finish_reason is not None for _, d in eng.step())
+        overlapped |= done > 0 and bool(eng.blend_waiting)
+    assert done == 4 and overlapped, "no agent parked while another waited to restore"
+    assert eng.idle.restored - restored >= sum(len(p) for p in prompts) // 2  # all four resumed
+    assert free_blocks_after_reset(eng)

@@ -121,6 +121,28 @@ def test_park_replaces_and_lru_eviction():
     assert tier.bytes == 16 * TOKEN
 
 
+def test_a_taken_agent_is_never_evicted():
+    """An agent whose next request will restore it stays until restored or dropped:
+    parking others evicts the agents nobody takes, and refuses what cannot fit beside it."""
+    cache = make_cache()
+    tier = HostTier(cache, 20 * TOKEN)
+    alloc = Slots(cache.num_blocks, 9)
+    tier.put_master(1, alloc.take(4))
+    tier.park("a", alloc.take(6), [1])
+    tier.release_master(1)  # only a holds it now
+    tier.park("b", alloc.take(4), [])
+    tier.take("a")
+    assert tier.park("c", alloc.take(7), []) == 7 * TOKEN  # evicts b, the newer one
+    assert "a" in tier and "b" not in tier and tier.bytes == 17 * TOKEN
+    assert tier.park("d", alloc.take(11), []) == 0  # only c may go: a and its Master stay
+    assert "a" in tier and "c" in tier and "d" not in tier
+    dst = alloc.take(6)
+    tier.restore([("a", dst)], {})
+    assert "a" not in tier and 1 not in tier.masters and tier.bytes == 7 * TOKEN
+    with pytest.raises(KeyError, match="take: agent 'a' is not parked"):
+        tier.take("a")
+
+
 def test_agent_bigger_than_budget_is_refused():
     cache = make_cache()
     tier = HostTier(cache, 20 * TOKEN)
