@@ -66,7 +66,8 @@ class BlockManager:
         """Make the sequence's newly completed full blocks findable."""
         if not seq.prefix_cache:
             return
-        for i in range(len(seq.hashes), seq.computed // self.size):
+        known = min(seq.computed, len(seq) - seq.lookahead)  # tokens the host has read
+        for i in range(len(seq.hashes), known // self.size):
             h = self._hash(seq, i)
             seq.hashes.append(h)
             self.pool.publish(seq.blocks[i], h)

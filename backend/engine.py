@@ -15,11 +15,12 @@ from tokendance.backend.collector import Collector, ReuseConfig, batches
 from tokendance.backend.config import ModelConfig
 from tokendance.backend.detok import Detok
 from tokendance.backend.idle import IdleAgents
+from tokendance.backend.lookahead import Inflight, eligible, launch
 from tokendance.backend.model import KVCache
 from tokendance.backend.pool import BlockPool
 from tokendance.backend.runner import Runner
 from tokendance.backend.sampler import Sampled, sample
-from tokendance.backend.scheduler import Scheduler
+from tokendance.backend.scheduler import Scheduled, Scheduler
 from tokendance.backend.segments import SegmentCache
 from tokendance.backend.sequence import Sequence, Status
 
@@ -45,6 +46,7 @@ class EngineConfig:
     recompute_ratio: float = 0.15  # pic / collective: share of reused tokens recomputed
     segment_cache_fraction: float = 0.25  # of the pool, for shared segments' base KV
     offload_bytes: int = 1 << 30  # host memory for idle agents' KV (backend/idle.py); 0: off
+    overlap: bool | None = None  # decode steps overlap host and GPU (backend/lookahead.py); None: on CUDA
 
 
 def _pick_device(name: str) -> torch.device:
@@ -100,6 +102,8 @@ class Engine:
             limits.append(cfg.max_model_len)
         self.max_model_len = min(limits)
         self.seqs: dict[str, Sequence] = {}
+        self.overlap = cfg.overlap if cfg.overlap is not None else self.device.type == "cuda"
+        self.inflight: Inflight | None = None  # the last decode step's tokens, not read yet
         self.generator = torch.Generator(device=self.device).manual_seed(cfg.seed)
         log.info("engine ready", model=str(self.folder), device=str(self.device), dtype=dtype,
                  kv_blocks=self.cache.num_blocks, max_model_len=self.max_model_len)
@@ -175,23 +179,53 @@ class Engine:
         return True
 
     def has_work(self) -> bool:
-        return bool(self.blend_waiting) or self.scheduler.has_work()
+        return bool(self.blend_waiting) or self.scheduler.has_work() or self.inflight is not None
 
     # -- the loop ------------------------------------------------------------------
 
     def step(self) -> list[tuple[str, Delta]]:
-        out = self._blend() if self.blend_waiting else []
+        out = []
+        if self.inflight is not None and (self.blend_waiting or self.scheduler.waiting):
+            out += self._land()
+        out += self._blend() if self.blend_waiting else []
         work, starved = self.scheduler.schedule()
-        out += [(s.id, self._finish(s, "length")) for s in starved]
+        # The last step's tokens feed this one on the device only if it decodes the
+        # same batch; otherwise the host reads them first.
+        chain = (self.inflight is not None and not starved
+                 and [w.seq for w in work] == self.inflight.seqs and self._decode(work))
+        if self.inflight is not None and not chain:
+            out += self._land()
+            work = [w for w in work if w.seq.status is Status.RUNNING]
+        out += [(s.id, self._finish(s, "length")) for s in starved if s.status is not Status.FINISHED]
         if not work:
             return out
-        logits = self.runner.run(work)
+        logits = self.runner.run(work, self.inflight.tokens) if chain else self.runner.run(work)
         for w in work:
             w.seq.computed = w.start + w.count
             self.blocks.publish(w.seq)
         ready = [w.seq for w in work if w.samples]
+        if self.overlap and self._decode(work) and eligible(ready):
+            launched = launch(logits, ready, self.generator)
+            out += self._land() if chain else []  # while the GPU runs this step
+            self.inflight = launched
+            return out
         for seq, pick in zip(ready, sample(logits, ready, self.generator)):
             out.append((seq.id, self._advance(seq, pick)))
+        return out
+
+    def _decode(self, work: list[Scheduled]) -> bool:
+        """A step of single-token decodes with room for one more token each."""
+        return all(w.count == 1 and w.samples and len(w.seq) < self.max_model_len for w in work)
+
+    def _land(self) -> list[tuple[str, Delta]]:
+        """Read the last step's tokens (waiting for them) and advance their sequences;
+        aborted or finished ones are skipped."""
+        inflight, self.inflight = self.inflight, None
+        out = []
+        for seq, tok in zip(inflight.seqs, inflight.wait()):
+            if seq.status is Status.FINISHED:
+                continue
+            out.append((seq.id, self._advance(seq, Sampled(tok), at=len(seq.out) - seq.lookahead)))
         return out
 
     def _blend(self) -> list[tuple[str, Delta]]:
@@ -225,18 +259,28 @@ class Engine:
                 out.append((seq.id, self._advance(seq, pick)))
         return out
 
-    def _advance(self, seq: Sequence, pick: Sampled) -> Delta:
+    def _advance(self, seq: Sequence, pick: Sampled, at: int | None = None) -> Delta:
+        """Take a sampled token: appended, or landing at out[at] in place of PENDING."""
         tok = pick.token
-        seq.out.append(tok)
+        if at is None:
+            seq.out.append(tok)
+            at = len(seq.out) - 1
+        else:
+            seq.out[at] = tok
+            seq.lookahead -= 1
+        n = at + 1  # tokens generated, this one included
         p = seq.sampling
         reason = None
         if tok in p.stop_token_ids or (tok in self.eos and not p.ignore_eos):
             reason = "stop"
         elif seq.detok.add(tok) is not None:
             reason = "stop"
-        elif len(seq.out) >= p.max_tokens or len(seq) >= self.max_model_len:
+        elif n >= p.max_tokens or len(seq.prompt) + n >= self.max_model_len:
             reason = "length"
         if reason:
+            del seq.out[n:]  # a token sampled past the end, by a step of lookahead
+            seq.lookahead = 0
+            seq.computed = min(seq.computed, len(seq))
             delta = self._finish(seq, reason)
         else:
             delta = Delta(text=seq.detok.take(final=False))

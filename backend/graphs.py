@@ -114,10 +114,13 @@ class DecodeGraphs:
         return (len(segs) < CHUNK_CAP
                 and sum(len(sp.blocks) for sp in segs.values()) <= self.max_blocks)
 
-    def run(self, work: list[Scheduled]) -> torch.Tensor:
-        """Logits [len(work), vocab] of a decode step (every row samples)."""
+    def run(self, work: list[Scheduled], ids: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits [len(work), vocab] of a decode step (every row samples). ids: the
+        rows' input tokens on the device (the last step's, not yet read by the host)."""
         bs = next(b for b in self.sizes if b >= len(work))
         mirrors = self._fill(work, bs)
+        if ids is not None:
+            self.ids[: len(work)].copy_(ids)
         (self.mirror_graphs if mirrors else self.graphs)[bs].replay()
         return self.logits[: len(work)]
 

@@ -62,12 +62,14 @@ class Runner:
                                    self.late_from)
 
     @torch.inference_mode()
-    def run(self, work: list[Scheduled]) -> torch.Tensor:
-        """Logits [rows that sample, vocab] in float32."""
+    def run(self, work: list[Scheduled], ids: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits [rows that sample, vocab] in float32. ids: a decode step's input
+        tokens on the device, when the host has not read them (backend/lookahead.py)."""
         if self.graphs is not None and self.graphs.fits(work):
             self.work += len(work) * len(self.model.layers)
-            return self.graphs.run(work)
-        ids, meta, last = step_meta(work, self.cache.block_size, self.device, self.cache.trash,
-                                    self.late_from)
+            return self.graphs.run(work, ids)
+        tokens, meta, last = step_meta(work, self.cache.block_size, self.device, self.cache.trash,
+                                       self.late_from)
+        ids = tokens if ids is None else ids
         self.work += len(ids) * len(self.model.layers)
         return self.model(ids, meta, self.cache, last)

@@ -28,19 +28,30 @@ def _filter(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> t
     return torch.empty_like(logits).scatter_(-1, order, sorted_logits)
 
 
-def sample(logits: torch.Tensor, seqs: list[Sequence], default: torch.Generator | None) -> list[Sampled]:
-    """logits [S, V] float32, one row per sequence."""
+def choose(logits: torch.Tensor, seqs: list[Sequence], default: torch.Generator | None) -> torch.Tensor:
+    """Token ids [S] on the logits' device, without waiting for the device: a decode
+    step's tokens can feed the next step before the host reads them."""
     params = [s.sampling for s in seqs]
     chosen = logits.argmax(-1)
     if not all(p.greedy for p in params):
-        temp = torch.tensor([p.temperature or 1.0 for p in params], device=logits.device)
-        top_k = torch.tensor([p.top_k for p in params], device=logits.device)
-        top_p = torch.tensor([p.top_p for p in params], device=logits.device)
+        def dev(xs: list) -> torch.Tensor:
+            return torch.tensor(xs).to(logits.device, non_blocking=True)
+
+        temp = dev([p.temperature or 1.0 for p in params])
+        top_k = dev([p.top_k for p in params])
+        top_p = dev([p.top_p for p in params])
         probs = _filter(logits / temp[:, None], top_k, top_p).softmax(-1)
         for i, seq in enumerate(seqs):
             if not params[i].greedy:
                 gen = seq.generator or default
                 chosen[i] = torch.multinomial(probs[i], 1, generator=gen)[0]
+    return chosen
+
+
+def sample(logits: torch.Tensor, seqs: list[Sequence], default: torch.Generator | None) -> list[Sampled]:
+    """logits [S, V] float32, one row per sequence."""
+    params = [s.sampling for s in seqs]
+    chosen = choose(logits, seqs, default)
     out = [Sampled(int(t)) for t in chosen.tolist()]
     want = [i for i, p in enumerate(params) if p.logprobs]
     if want:

@@ -46,6 +46,7 @@ class Sequence:
     mirror: Mirror | None = None  # pic / collective: shared segments read from the Master
     agent: str | None = None  # whose next request may resume from this one's KV
     resume: Resume | None = None  # this request's prefix, parked by its agent's last one
+    lookahead: int = 0  # trailing tokens of `out` sampled but not read yet (backend/lookahead.py)
 
     @property
     def prefix_cache(self) -> bool:

@@ -1,5 +1,5 @@
-"""CUDA checks that CPU tests cannot make: CUDA-graph decode equals eager decode, the
-engine's greedy tokens equal HF transformers' on the same random weights (bf16 and fp32),
+"""CUDA checks that CPU tests cannot make: CUDA-graph decode equals eager decode, decode
+with lookahead equals decode without, the engine's greedy tokens equal HF transformers' on the same random weights (bf16 and fp32),
 and Mirrors (the Triton kernels through slot-position tables, and the Master read
 collectively in decode) give what the dense paths give. Run on the GPU machine: python -m tokendance.bench.check_cuda"""
 
@@ -56,6 +56,44 @@ def graphs_vs_eager(mirrors: bool = False) -> float:
     eager = eng.runner.run(work)
     eng.runner.graphs = saved
     return float((graph - eager).norm() / eager.norm())
+
+
+def overlap_vs_sync() -> tuple[bool, int]:
+    """Decode with lookahead (a step's tokens feed the next on the device, the graphs'
+    path) against without: the same tokens for plain sequences and Mirrors, greedy and
+    seeded sampling, limits that end requests at different steps. Returns (equal, steps
+    that took their ids from the device)."""
+    from tokendance.bench.allgather import make_round
+
+    eng = Engine(EngineConfig(model=str(small_folder()), dtype="bfloat16", random_weights=True,
+                              kv_tokens=16 * 4096, cuda_graphs=32))
+    rnd = make_round(6, 100, 40, 49152, seed=5)
+    plain = rand_prompts(8, 200, 49152, 6)
+    chained, real = [0], eng.runner.run
+
+    def spy(work, ids=None):
+        chained[0] += ids is not None
+        return real(work, ids) if ids is not None else real(work)
+
+    def run(overlap: bool) -> list[list[int]]:
+        eng.reset_caches()
+        eng.overlap = overlap
+        for i, p in enumerate(plain):
+            sp = SamplingParams(max_tokens=6 + 3 * i, temperature=0.8 if i % 3 == 0 else 0,
+                                seed=i, ignore_eos=True)
+            eng.add(f"p{i}", p[: 80 + 15 * i], sp)
+        for i, (p, sh) in enumerate(zip(rnd.prompts, rnd.shared)):
+            eng.add(f"m{i}", p, SamplingParams(max_tokens=10 + i, temperature=0, ignore_eos=True),
+                    mode="collective", shared=sh)
+        toks: dict[str, list[int]] = {}
+        while eng.has_work():
+            for rid, d in eng.step():
+                toks.setdefault(rid, []).extend(d.token_ids)
+        return [toks[k] for k in sorted(toks)]
+
+    eng.runner.run = spy
+    same = run(False) == run(True)
+    return same, chained[0]
 
 
 def collective_vs_tables(dtype: str) -> float:
@@ -148,6 +186,10 @@ def main() -> int:
     err = graphs_vs_eager(mirrors=True)
     print(f"CUDA-graph decode vs eager over Mirrors, bf16: relative error {err:.2e}")
     ok &= err < 2e-2
+    same, chained = overlap_vs_sync()
+    print(f"decode with lookahead vs without (graphs, bf16): same tokens {same}, "
+          f"{chained} steps fed from the device")
+    ok &= same and chained > 0
     ok &= greedy_vs_hf("float32")
     ok &= mirrors()
     greedy_vs_hf("bfloat16")  # informational: bf16 rounding differs between implementations

@@ -23,9 +23,9 @@ def breakdown(eng: Engine, prompts: list[list[int]], steps: int, top: int = 8) -
     run = eng.runner.run
     enqueue: list[float] = []
 
-    def timed_run(work):
+    def timed_run(work, ids=None):
         t0 = time.perf_counter()
-        out = run(work)
+        out = run(work, ids)
         enqueue.append(time.perf_counter() - t0)
         return out
 
