@@ -139,6 +139,16 @@ class ModelInfo:
     kv_bytes_per_token: int
 
 
+@dataclass(slots=True)
+class Gauge:
+    """One figure of the backend's state for /metrics, as tokendance_engine_<name>."""
+
+    name: str
+    help: str
+    value: float
+    kind: str = "gauge"  # or "counter"
+
+
 class Stream(Protocol):
     def __aiter__(self) -> AsyncIterator[Delta]: ...
 
@@ -156,5 +166,8 @@ class Backend(Protocol):
 
     def generate(self, group: list[Prepared]) -> list[Stream]:
         """Start every request of one barrier group together; one stream each."""
+
+    def gauges(self) -> list[Gauge]:
+        """The backend's state for /metrics (KV pool, host tier, queues); may be empty."""
 
     async def close(self) -> None: ...

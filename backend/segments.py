@@ -11,7 +11,7 @@ pool; the least recently used are evicted past a byte budget.
 from __future__ import annotations
 
 from collections import OrderedDict
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from tokendance.backend.pool import BlockPool
 
@@ -27,7 +27,6 @@ class Entry:
     blocks: list[int]
     source: str  # "producer" | "standalone"
     pins: int = 0  # in-flight requests reading it
-    hits: int = field(default=0)
 
 
 class SegmentCache:
@@ -42,7 +41,6 @@ class SegmentCache:
         e = self.entries.get(key)
         if e is not None:
             self.entries.move_to_end(key)
-            e.hits += 1
         return e
 
     def put(self, key: int, ntokens: int, blocks: list[int], source: str) -> Entry | None:

@@ -6,7 +6,7 @@ import itertools
 from dataclasses import dataclass
 from typing import Any
 
-from tokendance.backend.api import MODES, InvalidRequest, ModelInfo, Prepared, Request, Stream
+from tokendance.backend.api import MODES, Gauge, InvalidRequest, ModelInfo, Prepared, Request, Stream
 from tokendance.backend.async_engine import AsyncEngine, Job
 from tokendance.backend.engine import Engine, EngineConfig
 
@@ -69,6 +69,25 @@ class EngineBackend:
             jobs.append(Job(rid, tok.ids, r.sampling, tok.mode, tok.shared, r.tenant,
                             publish=r.session is not None, agent=agent))
         return list(self.core.submit(jobs))
+
+    def gauges(self) -> list[Gauge]:
+        """Read from the engine's thread without a lock: each figure is one int read."""
+        e = self.engine
+        return [
+            Gauge("kv_blocks", "blocks in the KV pool", e.cache.num_blocks),
+            Gauge("kv_blocks_free", "KV pool blocks free or held only by the prefix cache",
+                  e.pool.num_free),
+            Gauge("segment_blocks", "KV pool blocks held by shared segments' base KV (Masters)",
+                  e.segments.held),
+            Gauge("sequences_running", "requests decoding or prefilling", len(e.scheduler.running)),
+            Gauge("sequences_waiting", "requests waiting for the KV pool or their reuse prefill",
+                  len(e.scheduler.waiting) + len(e.blend_waiting)),
+            Gauge("host_tier_bytes", "host memory holding idle agents' KV (each Master once)",
+                  e.idle.bytes),
+            Gauge("parked_agents", "idle agents whose KV waits in the host tier", len(e.idle.tier)),
+            Gauge("restored_tokens_total", "prompt tokens restored from the host tier instead of prefilled",
+                  e.idle.restored, "counter"),
+        ]
 
     async def close(self) -> None:
         await self.core.close()

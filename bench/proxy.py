@@ -71,6 +71,9 @@ class InstantBackend:
         self.generated.append((time.perf_counter(), [p.request.id for p in group]))
         return [InstantStream(Usage(p.prompt_tokens, len(REPLY))) for p in group]
 
+    def gauges(self) -> list:
+        return []
+
     async def close(self) -> None:
         pass
 

@@ -97,6 +97,9 @@ class EchoBackend:
         finish = "length" if len(words) == req.sampling.max_tokens else "stop"
         return EchoStream(words, finish, usage)
 
+    def gauges(self) -> list:
+        return []
+
     async def close(self) -> None:
         self.seen.clear()
 

@@ -116,7 +116,7 @@ async def metrics(req: web.Request) -> web.Response:
     control = req.app[CONTROL]
     if control is not None:
         px.metrics.mqtt.set(float(control.connected))
-    return web.Response(text=px.metrics.render(), content_type="text/plain", charset="utf-8",
+    return web.Response(text=px.metrics.render(px.backend.gauges()), content_type="text/plain", charset="utf-8",
                         headers={"X-Content-Type-Options": "nosniff"})
 
 

@@ -6,7 +6,7 @@ import bisect
 from dataclasses import dataclass, field
 from typing import Any
 
-from tokendance.backend.api import Usage
+from tokendance.backend.api import Gauge, Usage
 
 
 @dataclass(slots=True)
@@ -134,8 +134,13 @@ class Metrics:
         self.group_size = Histogram("tokendance_group_size", "requests per group",
                                     [1, 2, 4, 8, 16, 32, 64, 128, 256, 512])
 
-    def render(self) -> str:
+    def render(self, gauges: list[Gauge] = ()) -> str:
+        """The proxy's metrics, then the backend's `gauges` as tokendance_engine_*."""
         lines: list[str] = []
         for m in vars(self).values():
+            lines += m.render()
+        for g in gauges:
+            m = Metric(f"tokendance_engine_{g.name}", g.help, g.kind)
+            m.set(g.value)
             lines += m.render()
         return "\n".join(lines) + "\n"

@@ -15,7 +15,7 @@ import zlib
 from collections.abc import AsyncIterator
 from typing import Any
 
-from tokendance.backend.api import (BackendError, Delta, InvalidRequest, ModelInfo, Prepared,
+from tokendance.backend.api import (BackendError, Delta, Gauge, InvalidRequest, ModelInfo, Prepared,
                                     Request, TokenLogprob, TopLogprob, Usage)
 
 WORD = re.compile(r"\S+\s*|\s+")
@@ -87,6 +87,9 @@ class FakeBackend:
             k = sp.seed % len(ws)
             ws = ws[k:] + ws[:k]
         return [w + " " for w in ws[:-1]] + [ws[-1]]
+
+    def gauges(self) -> list[Gauge]:
+        return [Gauge("groups", "groups generated", len(self.groups))]
 
     async def close(self) -> None:
         self.closed = True

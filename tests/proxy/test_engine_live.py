@@ -122,3 +122,12 @@ async def test_an_agents_next_turn_resumes_its_parked_kv(engine_live, model):
     assert engine.idle.restored > restored
     assert all(x.usage.prompt_tokens_details.cached_tokens >= 16 for x in second)
     await c.close()
+    async with httpx.AsyncClient() as http:
+        text = (await http.get(engine_live.url + "/metrics")).text
+    # Both agents parked again after their second turn (earlier tests' agents may be
+    # there too); /metrics shows the host tier.
+    assert f"tokendance_engine_parked_agents {len(engine.idle.tier)}" in text
+    assert {k.split("\0")[1] for k in engine.idle.parked} >= {"resume/p", "resume/q"}
+    assert f"tokendance_engine_host_tier_bytes {engine.idle.bytes:g}" in text and engine.idle.bytes > 0
+    assert f"tokendance_engine_restored_tokens_total {engine.idle.restored:g}" in text
+    assert "# TYPE tokendance_engine_restored_tokens_total counter" in text

@@ -152,3 +152,4 @@ async def test_health_and_metrics(server):
     assert 'tokendance_groups_total{reason="bypass"} 1' in text
     assert "tokendance_barrier_wait_seconds_count 1" in text
     assert "tokendance_requests_in_flight 0" in text
+    assert "# TYPE tokendance_engine_groups gauge\ntokendance_engine_groups 1" in text  # the backend's
