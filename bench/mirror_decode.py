@@ -45,8 +45,9 @@ def decode_steps(eng: Engine, prompts, shared, mode: str, steps: int, window: in
     back (a step's host work overlaps the GPU's, backend/lookahead.py: a sync per step
     would hide that), after the prompts are prefilled (first token out)."""
     prefilled(eng, prompts, shared, mode, steps)
+    window = min(window, steps)
     times = []
-    for _ in range(max(1, steps // window)):
+    for _ in range(steps // window):
         sync(eng)
         t0 = time.perf_counter()
         for _ in range(window):

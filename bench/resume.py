@@ -17,36 +17,15 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
-
-import torch
 
 from tokendance.backend.api import SamplingParams
-from tokendance.backend.engine import Engine
-from tokendance.bench.allgather import Round, make_round, next_round
+from tokendance.bench.allgather import make_round, next_round
+from tokendance.bench.reuse import play
 from tokendance.bench.shapes import round_engine
 
 
-def sync(eng: Engine) -> None:
-    if eng.device.type == "cuda":
-        torch.cuda.synchronize()
-
-
-def play(eng: Engine, rnd: Round, tag: str, max_tokens: int, agents: bool) -> tuple[list[list[int]], float, float]:
-    """(answers, seconds, tokens computed) of one round in collective mode."""
-    sampling = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
-    sync(eng)
-    work0 = eng.runner.work
-    t0 = time.perf_counter()
-    for i, (p, sp) in enumerate(zip(rnd.prompts, rnd.shared)):
-        eng.add(f"{tag}{i}", p, sampling, mode="collective", shared=sp, agent=f"a{i}" if agents else None)
-    answers = {f"{tag}{i}": [] for i in range(rnd.agents)}
-    while eng.has_work():
-        for rid, d in eng.step():
-            answers[rid] += d.token_ids
-    sync(eng)
-    dt = time.perf_counter() - t0
-    return [answers[f"{tag}{i}"] for i in range(rnd.agents)], dt, (eng.runner.work - work0) / len(eng.model.layers)
+def greedy(tokens: int) -> SamplingParams:
+    return SamplingParams(max_tokens=tokens, temperature=0, ignore_eos=True)
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
@@ -74,12 +53,12 @@ def main(args: argparse.Namespace) -> int:
         for rep in range(args.repeats + 1):  # the first pass warms up
             for resumed in (True, False):
                 eng.reset_caches()
-                answers, _, _ = play(eng, r1, f"{rep}{resumed}a", args.answer, resumed)
-                r2 = next_round(r1, answers, args.output, vocab, seed=100 + k)
+                first = play(eng, r1, "collective", greedy(args.answer), f"{rep}{resumed}a", resumed)
+                r2 = next_round(r1, first.answers, args.output, vocab, seed=100 + k)
                 restored = eng.idle.restored
-                _, dt, work = play(eng, r2, f"{rep}{resumed}b", 1, resumed)
+                second = play(eng, r2, "collective", greedy(1), f"{rep}{resumed}b", resumed)
                 if rep:
-                    res[resumed].append((dt, work, eng.idle.restored - restored))
+                    res[resumed].append((second.seconds, second.computed, eng.idle.restored - restored))
         t = {r: statistics.median(x[0] for x in v) for r, v in res.items()}
         w = {r: v[-1][1] for r, v in res.items()}
         print(f"| {k} | {r2.prompt_tokens} | {1e3 * t[True]:.0f} | {1e3 * t[False]:.0f} | "

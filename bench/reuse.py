@@ -15,6 +15,7 @@ import argparse
 import json
 import statistics
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -32,24 +33,41 @@ def sync(eng: Engine) -> None:
         torch.cuda.synchronize()
 
 
-def run_round(eng: Engine, rnd: Round, mode: str, sampling: SamplingParams = ONE
-              ) -> tuple[float, float, list[Usage]]:
-    """(seconds, tokens computed, usage per agent) for the round, cold (prefill, and
-    decode past one token)."""
-    eng.reset_caches()
+@dataclass(slots=True)
+class Played:
+    answers: list[list[int]]  # per agent
+    seconds: float
+    computed: float  # tokens computed: token-layers / layers
+    usage: list[Usage]  # per agent
+
+
+def play(eng: Engine, rnd: Round, mode: str, sampling: SamplingParams = ONE, tag: str = "r",
+         agents: bool = False) -> Played:
+    """One round to its end on the engine as it is (callers reset caches for a cold one);
+    with `agents`, request i names agent a<i> (its KV is parked, backend/idle.py)."""
     sync(eng)
     work0 = eng.runner.work
+    ids = [f"{tag}{i}" for i in range(rnd.agents)]
+    answers: dict[str, list[int]] = {rid: [] for rid in ids}
     usage: dict[str, Usage] = {}
     t0 = time.perf_counter()
-    for i, (p, sp) in enumerate(zip(rnd.prompts, rnd.shared)):
-        eng.add(f"r{i}", p, sampling, mode=mode, shared=sp)
+    for i, (rid, p, sp) in enumerate(zip(ids, rnd.prompts, rnd.shared)):
+        eng.add(rid, p, sampling, mode=mode, shared=sp, agent=f"a{i}" if agents else None)
     while eng.has_work():
         for rid, d in eng.step():
+            answers[rid] += d.token_ids
             if d.usage is not None:
                 usage[rid] = d.usage
     sync(eng)
     dt = time.perf_counter() - t0
-    return dt, (eng.runner.work - work0) / len(eng.model.layers), list(usage.values())
+    return Played([answers[r] for r in ids], dt, (eng.runner.work - work0) / len(eng.model.layers),
+                  [usage[r] for r in ids])
+
+
+def cold(eng: Engine, rnd: Round, mode: str, sampling: SamplingParams = ONE) -> Played:
+    """The round from cold caches (prefill, and decode past one token)."""
+    eng.reset_caches()
+    return play(eng, rnd, mode, sampling)
 
 
 def footprint(eng: Engine, rnd: Round, mode: str, usage: list[Usage]) -> tuple[float, float | None]:
@@ -72,14 +90,15 @@ def bench(eng: Engine, agents: list[int], history: int, output: int, repeats: in
         # Warm-up: every mode once, with a few decode steps (Triton compiles a kernel
         # variant the first time a batch shape needs it).
         for mode in modes:
-            run_round(eng, rnd, mode, SamplingParams(max_tokens=min(decode, 4), temperature=0,
-                                                     ignore_eos=True))
+            cold(eng, rnd, mode, SamplingParams(max_tokens=min(decode, 4), temperature=0,
+                                                ignore_eos=True))
         res = {}
         for mode in modes:
             times, work, usage = [], 0.0, []
             for _ in range(repeats):
-                dt, work, usage = run_round(eng, rnd, mode, sampling)
-                times.append(dt)
+                p = cold(eng, rnd, mode, sampling)
+                times.append(p.seconds)
+                work, usage = p.computed, p.usage
             res[mode] = (statistics.median(times), work, *footprint(eng, rnd, mode, usage))
         limit = rnd.limit(eng.collector.cfg.ratio)
         for mode in modes:

@@ -11,7 +11,7 @@ def test_decode_steps_of_mirrors_and_dense(tiny_llama):
     eng = Engine(model=str(tiny_llama), dtype="float32", kv_tokens=8192)
     rnd = make_round(3, 20, 12, 1000, seed=1)
     for mode in ("collective", "full"):
-        times = mirror_decode.decode_steps(eng, rnd.prompts, rnd.shared, mode, 3)
+        times = mirror_decode.decode_steps(eng, rnd.prompts, rnd.shared, mode, 6, window=2)
         assert len(times) == 3 and all(t > 0 for t in times)
         assert not eng.seqs and eng.pool.num_free == eng.cache.num_blocks - len(
             [b for e in eng.segments.entries.values() for b in e.blocks])
