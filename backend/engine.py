@@ -189,10 +189,12 @@ class Engine:
             out += self._land()
         out += self._blend() if self.blend_waiting else []
         work, starved = self.scheduler.schedule()
-        # The last step's tokens feed this one on the device only if it decodes the
-        # same batch; otherwise the host reads them first.
-        chain = (self.inflight is not None and not starved
-                 and [w.seq for w in work] == self.inflight.seqs and self._decode(work))
+        # A step of decodes leaves its tokens on the device (lookahead); the last step's
+        # feed this one there only if it decodes the same batch, else the host reads
+        # them first.
+        ahead = self.overlap and self._decode(work) and eligible([w.seq for w in work])
+        chain = (ahead and self.inflight is not None and not starved
+                 and [w.seq for w in work] == self.inflight.seqs)
         if self.inflight is not None and not chain:
             out += self._land()
             work = [w for w in work if w.seq.status is Status.RUNNING]
@@ -204,7 +206,7 @@ class Engine:
             w.seq.computed = w.start + w.count
             self.blocks.publish(w.seq)
         ready = [w.seq for w in work if w.samples]
-        if self.overlap and self._decode(work) and eligible(ready):
+        if ahead:
             launched = launch(logits, ready, self.generator)
             out += self._land() if chain else []  # while the GPU runs this step
             self.inflight = launched

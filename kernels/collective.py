@@ -42,13 +42,7 @@ from tokendance.kernels.master import MasterRead
 from tokendance.kernels.rope import rope_rotate_reference
 from tokendance.kernels.tiles import _dot, _scratch, scales
 
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # a CPU-only install still has the reference
-    from types import SimpleNamespace
-
-    triton = SimpleNamespace(jit=lambda fn: fn)
+from tokendance.kernels.jit import tl, triton
 
 
 def _single(shift: torch.Tensor, master_table: torch.Tensor, master_len: int, hide: torch.Tensor,

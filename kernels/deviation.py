@@ -13,11 +13,7 @@ import math
 
 import torch
 
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # pragma: no cover - the reference covers machines without Triton
-    triton = None
+from tokendance.kernels.jit import HAVE_TRITON, tl, triton
 
 
 def kv_deviation_reference(k_new: torch.Tensor, v_new: torch.Tensor,
@@ -29,29 +25,27 @@ def kv_deviation_reference(k_new: torch.Tensor, v_new: torch.Tensor,
     return dk / kn.pow(2).sum(-1).clamp_min(1e-12) + dv / vn.pow(2).sum(-1).clamp_min(1e-12)
 
 
-if triton is not None:
-
-    @triton.jit
-    def _deviation_kernel(kn, vn, ko, vo, out, width, BLOCK: tl.constexpr):
-        row = tl.program_id(0)
-        base = row.to(tl.int64) * width
-        dk = tl.zeros([BLOCK], dtype=tl.float32)
-        nk = tl.zeros([BLOCK], dtype=tl.float32)
-        dv = tl.zeros([BLOCK], dtype=tl.float32)
-        nv = tl.zeros([BLOCK], dtype=tl.float32)
-        for start in range(0, width, BLOCK):
-            offs = start + tl.arange(0, BLOCK)
-            m = offs < width
-            a = tl.load(kn + base + offs, mask=m, other=0.0).to(tl.float32)
-            b = tl.load(ko + base + offs, mask=m, other=0.0).to(tl.float32)
-            c = tl.load(vn + base + offs, mask=m, other=0.0).to(tl.float32)
-            d = tl.load(vo + base + offs, mask=m, other=0.0).to(tl.float32)
-            dk += (a - b) * (a - b)
-            nk += a * a
-            dv += (c - d) * (c - d)
-            nv += c * c
-        acc = tl.sum(dk, 0) / tl.maximum(tl.sum(nk, 0), 1e-12) + tl.sum(dv, 0) / tl.maximum(tl.sum(nv, 0), 1e-12)
-        tl.store(out + row, acc)
+@triton.jit
+def _deviation_kernel(kn, vn, ko, vo, out, width, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    base = row.to(tl.int64) * width
+    dk = tl.zeros([BLOCK], dtype=tl.float32)
+    nk = tl.zeros([BLOCK], dtype=tl.float32)
+    dv = tl.zeros([BLOCK], dtype=tl.float32)
+    nv = tl.zeros([BLOCK], dtype=tl.float32)
+    for start in range(0, width, BLOCK):
+        offs = start + tl.arange(0, BLOCK)
+        m = offs < width
+        a = tl.load(kn + base + offs, mask=m, other=0.0).to(tl.float32)
+        b = tl.load(ko + base + offs, mask=m, other=0.0).to(tl.float32)
+        c = tl.load(vn + base + offs, mask=m, other=0.0).to(tl.float32)
+        d = tl.load(vo + base + offs, mask=m, other=0.0).to(tl.float32)
+        dk += (a - b) * (a - b)
+        nk += a * a
+        dv += (c - d) * (c - d)
+        nv += c * c
+    acc = tl.sum(dk, 0) / tl.maximum(tl.sum(nk, 0), 1e-12) + tl.sum(dv, 0) / tl.maximum(tl.sum(nv, 0), 1e-12)
+    tl.store(out + row, acc)
 
 
 def kv_deviation_triton(k_new: torch.Tensor, v_new: torch.Tensor,
@@ -68,7 +62,7 @@ def kv_deviation_triton(k_new: torch.Tensor, v_new: torch.Tensor,
 def kv_deviation(k_new: torch.Tensor, v_new: torch.Tensor,
                  k_old: torch.Tensor, v_old: torch.Tensor) -> torch.Tensor:
     """Dispatch: the Triton kernel on CUDA, the reference elsewhere."""
-    if k_new.is_cuda and triton is not None and k_new.shape[0]:
+    if k_new.is_cuda and HAVE_TRITON and k_new.shape[0]:
         return kv_deviation_triton(k_new, v_new, k_old, v_old)
     return kv_deviation_reference(k_new, v_new, k_old, v_old)
 

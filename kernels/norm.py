@@ -11,11 +11,7 @@ from __future__ import annotations
 
 import torch
 
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # pragma: no cover - the reference covers machines without Triton
-    triton = None
+from tokendance.kernels.jit import HAVE_TRITON, tl, triton
 
 
 def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float,
@@ -30,25 +26,23 @@ def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float,
     return weight * xf.to(x.dtype), x if residual is not None else None
 
 
-if triton is not None:
-
-    @triton.jit
-    def _rms_kernel(x, res, w, y, r_out, n, eps, s_x, s_r, s_y, s_ro,
-                    HAS_RES: tl.constexpr, BLOCK: tl.constexpr):
-        row = tl.program_id(0).to(tl.int64)
-        offs = tl.arange(0, BLOCK)
-        m = offs < n
-        h = tl.load(x + row * s_x + offs, mask=m, other=0.0)
-        if HAS_RES:
-            r = tl.load(res + row * s_r + offs, mask=m, other=0.0)
-            h = (h.to(tl.float32) + r.to(tl.float32)).to(h.dtype, fp_downcast_rounding="rtne")
-            tl.store(r_out + row * s_ro + offs, h, mask=m)
-        hf = h.to(tl.float32)
-        inv = 1.0 / tl.sqrt(tl.sum(hf * hf, 0) / n + eps)
-        normed = (hf * inv).to(h.dtype, fp_downcast_rounding="rtne").to(tl.float32)
-        wt = tl.load(w + offs, mask=m, other=0.0).to(tl.float32)
-        out = (wt * normed).to(y.dtype.element_ty, fp_downcast_rounding="rtne")
-        tl.store(y + row * s_y + offs, out, mask=m)
+@triton.jit
+def _rms_kernel(x, res, w, y, r_out, n, eps, s_x, s_r, s_y, s_ro,
+                HAS_RES: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK)
+    m = offs < n
+    h = tl.load(x + row * s_x + offs, mask=m, other=0.0)
+    if HAS_RES:
+        r = tl.load(res + row * s_r + offs, mask=m, other=0.0)
+        h = (h.to(tl.float32) + r.to(tl.float32)).to(h.dtype, fp_downcast_rounding="rtne")
+        tl.store(r_out + row * s_ro + offs, h, mask=m)
+    hf = h.to(tl.float32)
+    inv = 1.0 / tl.sqrt(tl.sum(hf * hf, 0) / n + eps)
+    normed = (hf * inv).to(h.dtype, fp_downcast_rounding="rtne").to(tl.float32)
+    wt = tl.load(w + offs, mask=m, other=0.0).to(tl.float32)
+    out = (wt * normed).to(y.dtype.element_ty, fp_downcast_rounding="rtne")
+    tl.store(y + row * s_y + offs, out, mask=m)
 
 
 def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float,
@@ -76,6 +70,6 @@ def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float,
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
              residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Dispatch: the Triton kernel on CUDA, the reference elsewhere."""
-    if x.is_cuda and triton is not None and x.dim() == 2:
+    if x.is_cuda and HAVE_TRITON and x.dim() == 2:
         return rms_norm_triton(x, weight, eps, residual)
     return rms_norm_reference(x, weight, eps, residual)

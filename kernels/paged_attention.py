@@ -31,6 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from tokendance.kernels.collective import collective_partials, master_attention_reference, merge_attention
+from tokendance.kernels.jit import HAVE_TRITON
 from tokendance.kernels.master import MasterRead
 from tokendance.kernels.paged_triton import (decode_partials, decode_splits, paged_attention_triton,
                                              reduce_partials)
@@ -201,10 +202,11 @@ def paged_attention(
     `trig` (kernels/paged_triton.py's trig_table) spares the kernels sines and cosines."""
     args = (q, q_pos, cu_q, k_cache, v_cache, block_tables, kv_lens, inv_freq, rope_scale,
             sm_scale, slot_pos)
+    triton = q.is_cuda and HAVE_TRITON
     if master is not None:
-        if q.is_cuda:
+        if triton:
             return master_decode_triton(*args, master, trig=trig)
         return master_decode_reference(q, q_pos, *args[3:], master)
-    if q.is_cuda:
+    if triton:
         return paged_attention_triton(*args, max_q=max_q, trig=trig)
     return paged_attention_reference(*args)

@@ -13,13 +13,7 @@ import torch
 
 from tokendance.kernels.tiles import _attend, _prep, _scratch
 
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # a CPU-only install still has the reference
-    from types import SimpleNamespace
-
-    triton = SimpleNamespace(jit=lambda fn: fn)
+from tokendance.kernels.jit import tl, triton
 
 
 @triton.jit

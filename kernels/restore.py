@@ -17,11 +17,7 @@ from __future__ import annotations
 
 import torch
 
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # pragma: no cover - the reference covers machines without Triton
-    triton = None
+from tokendance.kernels.jit import HAVE_TRITON, tl, triton
 
 
 def _check(kv: torch.Tensor, slots: torch.Tensor, name: str) -> None:
@@ -73,28 +69,26 @@ def scatter_slots_reference(kv: torch.Tensor, slots: torch.Tensor, packed: torch
     _flat(kv).index_copy_(2, slots, packed)
 
 
-if triton is not None:
-
-    @triton.jit
-    def _move_kernel(kv, packed, slots, n, s_layer, s_kv, p_layer, p_kv, p_row, W,
-                     TO_PACKED: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_W: tl.constexpr):
-        # program (tile of slots, layer * 2 + K|V): BLOCK_T rows of W = Hkv * D elements
-        lc = tl.program_id(1)
-        rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
-        rm = rows < n
-        s = tl.load(slots + rows, mask=rm, other=0)
-        layer, c = (lc // 2).to(tl.int64), (lc % 2).to(tl.int64)
-        pool = layer * s_layer + c * s_kv + s * W
-        pack = layer * p_layer + c * p_kv + rows.to(tl.int64) * p_row
-        for w0 in range(0, W, BLOCK_W):
-            cols = w0 + tl.arange(0, BLOCK_W)
-            m = rm[:, None] & (cols < W)[None, :]
-            a = kv + pool[:, None] + cols[None, :]
-            b = packed + pack[:, None] + cols[None, :]
-            if TO_PACKED:
-                tl.store(b, tl.load(a, mask=m), mask=m)
-            else:
-                tl.store(a, tl.load(b, mask=m), mask=m)
+@triton.jit
+def _move_kernel(kv, packed, slots, n, s_layer, s_kv, p_layer, p_kv, p_row, W,
+                 TO_PACKED: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_W: tl.constexpr):
+    # program (tile of slots, layer * 2 + K|V): BLOCK_T rows of W = Hkv * D elements
+    lc = tl.program_id(1)
+    rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    rm = rows < n
+    s = tl.load(slots + rows, mask=rm, other=0)
+    layer, c = (lc // 2).to(tl.int64), (lc % 2).to(tl.int64)
+    pool = layer * s_layer + c * s_kv + s * W
+    pack = layer * p_layer + c * p_kv + rows.to(tl.int64) * p_row
+    for w0 in range(0, W, BLOCK_W):
+        cols = w0 + tl.arange(0, BLOCK_W)
+        m = rm[:, None] & (cols < W)[None, :]
+        a = kv + pool[:, None] + cols[None, :]
+        b = packed + pack[:, None] + cols[None, :]
+        if TO_PACKED:
+            tl.store(b, tl.load(a, mask=m), mask=m)
+        else:
+            tl.store(a, tl.load(b, mask=m), mask=m)
 
 
 def _launch(kv: torch.Tensor, slots: torch.Tensor, packed: torch.Tensor, to_packed: bool) -> None:
@@ -130,7 +124,7 @@ def gather_slots(kv: torch.Tensor, slots: torch.Tensor, out: torch.Tensor | None
     _check(kv, slots, "gather_slots")
     if out is not None:
         _check_packed(kv, slots.numel(), out, "gather_slots")
-    if kv.is_cuda and triton is not None:
+    if kv.is_cuda and HAVE_TRITON:
         return gather_slots_triton(kv, slots, out)
     return gather_slots_reference(kv, slots, out)
 
@@ -139,7 +133,7 @@ def scatter_slots(kv: torch.Tensor, slots: torch.Tensor, packed: torch.Tensor) -
     """Write packed [layers, 2, n, Hkv, D] into flat slots `slots` [n] of every layer."""
     _check(kv, slots, "scatter_slots")
     _check_packed(kv, slots.numel(), packed, "scatter_slots")
-    if kv.is_cuda and triton is not None:
+    if kv.is_cuda and HAVE_TRITON:
         scatter_slots_triton(kv, slots, packed)
     else:
         scatter_slots_reference(kv, slots, packed)

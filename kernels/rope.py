@@ -11,11 +11,7 @@ from __future__ import annotations
 
 import torch
 
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # pragma: no cover - the reference covers machines without Triton
-    triton = None
+from tokendance.kernels.jit import HAVE_TRITON, tl, triton
 
 # (inv_freq storage, layout, scale) -> (cos, sin, inv_freq) tables over positions
 # 0..n-1. Every layer of every step rotates by the same positions: compute cos/sin once,
@@ -70,24 +66,22 @@ def rope_rotate_reference(
     return out.to(x.dtype)
 
 
-if triton is not None:
-
-    @triton.jit
-    def _rope_kernel(x, pos, inv_freq, out, sxt, sxh, sot, soh, H, scale,
-                     HALF: tl.constexpr, BLOCK_H: tl.constexpr):
-        t = tl.program_id(0)
-        d = tl.arange(0, HALF)
-        h = tl.arange(0, BLOCK_H)[:, None]
-        ang = tl.load(pos + t).to(tl.float32) * tl.load(inv_freq + d).to(tl.float32)
-        c = (tl.cos(ang) * scale)[None, :]
-        s = (tl.sin(ang) * scale)[None, :]
-        m = h < H
-        src = x + t.to(tl.int64) * sxt + h * sxh + d[None, :]
-        x1 = tl.load(src, mask=m, other=0.0).to(tl.float32)
-        x2 = tl.load(src + HALF, mask=m, other=0.0).to(tl.float32)
-        dst = out + t.to(tl.int64) * sot + h * soh + d[None, :]
-        tl.store(dst, (x1 * c - x2 * s).to(out.dtype.element_ty), mask=m)
-        tl.store(dst + HALF, (x2 * c + x1 * s).to(out.dtype.element_ty), mask=m)
+@triton.jit
+def _rope_kernel(x, pos, inv_freq, out, sxt, sxh, sot, soh, H, scale,
+                 HALF: tl.constexpr, BLOCK_H: tl.constexpr):
+    t = tl.program_id(0)
+    d = tl.arange(0, HALF)
+    h = tl.arange(0, BLOCK_H)[:, None]
+    ang = tl.load(pos + t).to(tl.float32) * tl.load(inv_freq + d).to(tl.float32)
+    c = (tl.cos(ang) * scale)[None, :]
+    s = (tl.sin(ang) * scale)[None, :]
+    m = h < H
+    src = x + t.to(tl.int64) * sxt + h * sxh + d[None, :]
+    x1 = tl.load(src, mask=m, other=0.0).to(tl.float32)
+    x2 = tl.load(src + HALF, mask=m, other=0.0).to(tl.float32)
+    dst = out + t.to(tl.int64) * sot + h * soh + d[None, :]
+    tl.store(dst, (x1 * c - x2 * s).to(out.dtype.element_ty), mask=m)
+    tl.store(dst + HALF, (x2 * c + x1 * s).to(out.dtype.element_ty), mask=m)
 
 
 def rope_rotate_triton(x: torch.Tensor, pos: torch.Tensor, inv_freq: torch.Tensor,
@@ -106,6 +100,6 @@ def rope_rotate_triton(x: torch.Tensor, pos: torch.Tensor, inv_freq: torch.Tenso
 def rope_rotate(x: torch.Tensor, pos: torch.Tensor, inv_freq: torch.Tensor,
                 scale: float = 1.0) -> torch.Tensor:
     """Dispatch: the Triton kernel on CUDA (one pass instead of ten), the reference elsewhere."""
-    if x.is_cuda and triton is not None:
+    if x.is_cuda and HAVE_TRITON:
         return rope_rotate_triton(x, pos, inv_freq, scale)
     return rope_rotate_reference(x, pos, inv_freq, scale)

@@ -6,13 +6,7 @@ from __future__ import annotations
 
 import torch
 
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # a CPU-only install still has the reference
-    from types import SimpleNamespace
-
-    triton = SimpleNamespace(jit=lambda fn: fn)
+from tokendance.kernels.jit import tl, triton
 
 LOG2E = 1.4426950408889634
 
