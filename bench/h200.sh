@@ -2,7 +2,8 @@
 # The GPU benchmarks in one call on the lent H200: `bash bench/h200.sh [section ...]`
 # (default: all), run by the `device` tool from the repository root with `.whl`
 # (structlog) and `.device/tok` (tokenizer files) carried. Sections:
-#   engine: Qwen2.5-7B shape, random bf16 weights, against HF transformers SDPA
+#   engine: the CUDA checks, then Qwen2.5-7B shape, random bf16 weights, against HF SDPA
+#   check: the CUDA checks alone (bench/check_cuda.py)
 #   reuse:  one All-Gather round, N = 10 and 20, every mode (and r = 5 % at N = 10)
 #   mirrors: CUDA checks of Mirrors (graphs = eager, pic = collective, ratio 1 = full)
 #   collective: collective decode attention against paged decode (bench/collective.py)
@@ -30,8 +31,10 @@ td() { python3 -c "import sys; from tokendance.examples.cli import main; sys.exi
 nvidia-smi --query-gpu=name,memory.total,clocks.sm --format=csv,noheader
 what=" ${*:-all} "
 want() { [[ "$what" == *" all "* || "$what" == *" $1 "* ]]; }
-if want engine; then
+if want engine || want check; then
   python3 -m tokendance.bench.check_cuda 2>&1 | grep -v -i "warn\|deprecat" | tee "$OUT/check.txt"
+fi
+if want engine; then
   td bench engine --model qwen2.5-7b --dtype bfloat16 --prefill 10x2048 --decode 32x4096 \
     --steps 48 --repeats 3 2>&1 | grep -v -i "warn\|deprecat\|forward_call" | tee "$OUT/engine.txt"
 fi
