@@ -100,11 +100,10 @@ def _attend(acc, m_i, l_i, q1, q2, qp, kc, vc, bt, kpt, f, lo, hi, s_blk, s_slot
     STEP picks how keys at consecutive positions are rotated: 1, cos/sin of the first
     tile and an exact rotation per tile; 2, rows of the cos/sin table `trig`; 0, a sine
     and a cosine per element. With POS (needs MASK, STEP 0), slot j's position is kpt[j]
-    instead of j, and a
-    negative one hides the slot; with SKIP too, tiles no row can see are skipped (worth a
-    branch in prefill, where slot order is not position order; decode keeps its loads at
-    the loop's top level, where they pipeline). Scores are in the log2 domain (qk_scale
-    holds log2 e).
+    instead of j, and a negative one hides the slot; with SKIP too, tiles no row can see
+    are skipped (worth a branch in prefill, where slot order is not position order;
+    decode keeps its loads at the loop's top level, where they pipeline). Scores are in
+    the log2 domain (qk_scale holds log2 e).
     """
     offs_n = tl.arange(0, BLOCK_N)
     if STEP == 1:
