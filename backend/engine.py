@@ -23,6 +23,7 @@ from tokendance.backend.sampler import Sampled, sample
 from tokendance.backend.scheduler import Scheduled, Scheduler
 from tokendance.backend.segments import SegmentCache
 from tokendance.backend.sequence import Sequence, Status
+from tokendance.kernels.jit import HAVE_TRITON
 
 log = structlog.get_logger(__name__)
 
@@ -84,7 +85,7 @@ class Engine:
         self.scheduler = Scheduler(self.blocks, cfg.max_seqs, budget)
         self.runner = Runner(self.model, self.cache)
         self.runner.late_from = cfg.check_layer
-        if self.device.type == "cuda" and cfg.cuda_graphs:
+        if self.device.type == "cuda" and cfg.cuda_graphs and HAVE_TRITON:  # graphs replay Triton kernels
             max_blocks = -(-self.mcfg.max_position // cfg.block_size)
             self.runner.capture(min(cfg.cuda_graphs, cfg.max_seqs), max_blocks, self.cache.trash_block)
         self.segments = SegmentCache(self.pool, cfg.block_size,

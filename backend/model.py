@@ -7,7 +7,7 @@ KV. Projections are fused (qkv, gate_up); `loader.py` maps checkpoint names onto
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -42,6 +42,9 @@ class AttnMeta:
     # Master there; see backend/mirror.py).
     late: AttnMeta | None = None
     late_from: int = 0
+    # What attention works out once for all layers of the step (the CPU reference's
+    # decode layout); each view has its own.
+    plan: dict = field(default_factory=dict)
 
     def at(self, layer: int) -> AttnMeta:
         return self.late if self.late is not None and layer >= self.late_from else self
@@ -112,7 +115,7 @@ class Attention(nn.Module):
         o = paged_attention(
             q, meta.positions, meta.cu_q, cache.k[self.layer], cache.v[self.layer],
             meta.block_tables, meta.kv_lens, self.rope.inv_freq, self.rope.scale, self.scale,
-            meta.max_q, meta.slot_pos, meta.master, self.rope.trig,
+            meta.max_q, meta.slot_pos, meta.master, self.rope.trig, meta.plan,
         )
         return self.o_proj(o.flatten(1))
 

@@ -60,13 +60,15 @@ def paged_attention_reference(
     rope_scale: float,
     sm_scale: float,
     slot_pos: torch.Tensor | None = None,
+    plan: dict | None = None,
 ) -> torch.Tensor:
     """Attention output [T, Hq, D] in q.dtype. slot_pos: [S, >= slots in the tables]
-    positions of the table slots, or None for slot j at position j."""
+    positions of the table slots, or None for slot j at position j. plan: a dict the
+    layers of one step share (AttnMeta.plan): decode computes its layout once in it."""
     starts = cu_q.tolist()
     if starts[-1] == len(starts) - 1:  # one query per sequence
         return _decode_reference(q, q_pos, k_cache, v_cache, block_tables, kv_lens,
-                                 inv_freq, rope_scale, sm_scale, slot_pos)
+                                 inv_freq, rope_scale, sm_scale, slot_pos, plan=plan)
     out = torch.empty_like(q)
     lens = kv_lens.tolist()
     for s, kv_len in enumerate(lens):
@@ -105,31 +107,47 @@ def paged_attention_reference(
     return out
 
 
-def _decode_reference(q, q_pos, k_cache, v_cache, block_tables, kv_lens, inv_freq,
-                      rope_scale, sm_scale, slot_pos=None, lse: bool = False):
-    """One query per sequence: every sequence's keys gathered into one padded batch, then
-    two batched matmuls in float32 (a dozen small ops per sequence per layer in a loop,
-    and CPU SDPA with a mask, both cost more than the attention itself). With `lse`:
-    (o, natural-log lse [S, Hq]) in float32, for merging with another key set."""
-    s, bsz, hkv = q.shape[0], k_cache.shape[1], k_cache.shape[2]
+def _decode_layout(q_pos, block_tables, kv_lens, inv_freq, rope_scale, slot_pos, bsz: int,
+                   nblocks: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """What every layer of a decode step reads the same way: pool slots to gather [S, L],
+    the keys' cos and sin, which keys each query sees [S, L]."""
+    s = kv_lens.shape[0]
     width = int(kv_lens.max())
-    blocks = block_tables[:, : -(-width // bsz)].long().clamp(0, k_cache.shape[0] - 1)
-    kpos = torch.arange(width, device=q.device)
+    blocks = block_tables[:, : -(-width // bsz)].long().clamp(0, nblocks - 1)
+    kpos = torch.arange(width, device=kv_lens.device)
     live = kpos[None, :] < kv_lens[:, None]
     idx = blocks.gather(1, (kpos // bsz).expand(s, -1)) * bsz + kpos % bsz  # [S, L] pool slots
     if slot_pos is not None:
         kpos = slot_pos[:, :width].long()  # [S, L]
         live &= kpos >= 0
     # Padding and hidden slots may hold anything (NaN would survive a zero weight): read a
-    # live slot of the same sequence in their place; the mask below drops them.
+    # live slot of the same sequence in their place; the mask drops them.
     idx = torch.where(live, idx, idx.gather(1, live.to(torch.uint8).argmax(1, keepdim=True)))
+    cos, sin = rope_cos_sin(kpos.clamp_min(0).flatten(), inv_freq, rope_scale)
+    if slot_pos is not None:  # [S, 1, L, D/2]; else the same positions for every sequence
+        cos, sin = cos.view(s, 1, width, -1), sin.view(s, 1, width, -1)
+    return idx, cos, sin, live & (kpos <= q_pos[:, None])
+
+
+def _decode_reference(q, q_pos, k_cache, v_cache, block_tables, kv_lens, inv_freq,
+                      rope_scale, sm_scale, slot_pos=None, lse: bool = False, plan: dict | None = None):
+    """One query per sequence: every sequence's keys gathered into one padded batch, then
+    two batched matmuls in float32 (a dozen small ops per sequence per layer in a loop,
+    and CPU SDPA with a mask, both cost more than the attention itself). With `lse`:
+    (o, natural-log lse [S, Hq]) in float32, for merging with another key set. `plan`
+    keeps the layout for the step's other layers."""
+    s, hkv = q.shape[0], k_cache.shape[2]
+    layout = plan.get("decode") if plan is not None else None
+    if layout is None:
+        layout = _decode_layout(q_pos, block_tables, kv_lens, inv_freq, rope_scale, slot_pos,
+                                k_cache.shape[1], k_cache.shape[0])
+        if plan is not None:
+            plan["decode"] = layout
+    idx, cos, sin, visible = layout
     f32 = dict(dtype=torch.float32, memory_format=torch.contiguous_format)
     # [S, Hkv, L, D] in float32, so that both matmuls below read their operands in place.
     k = k_cache.flatten(0, 1)[idx].transpose(1, 2).to(**f32)
     v = v_cache.flatten(0, 1)[idx].transpose(1, 2).to(**f32)
-    cos, sin = rope_cos_sin(kpos.clamp_min(0).flatten(), inv_freq, rope_scale)
-    if slot_pos is not None:  # [S, 1, L, D/2]; else the same positions for every sequence
-        cos, sin = cos.view(s, 1, width, -1), sin.view(s, 1, width, -1)
     half = k.shape[-1] // 2
     k1, k2 = k[..., :half], k[..., half:]
     rot = torch.empty_like(k)  # four half-width passes, no temporaries
@@ -139,7 +157,6 @@ def _decode_reference(q, q_pos, k_cache, v_cache, block_tables, kv_lens, inv_fre
     k = rot
     qg = q.float().view(s, hkv, -1, q.shape[-1])  # [S, Hkv, G, D]
     scores = torch.matmul(qg, k.transpose(-1, -2)) * sm_scale  # [S, Hkv, G, L]
-    visible = live & (kpos <= q_pos[:, None])
     scores.masked_fill_(~visible[:, None, None, :], float("-inf"))
     o = torch.matmul(scores.softmax(-1), v)  # [S, Hkv, G, D]
     if lse:
@@ -195,11 +212,13 @@ def paged_attention(
     slot_pos: torch.Tensor | None = None,
     master: MasterRead | None = None,
     trig: torch.Tensor | None = None,
+    plan: dict | None = None,
 ) -> torch.Tensor:
     """Dispatch: the Triton kernels on CUDA, the reference elsewhere. max_q (the most
     queries of one sequence) spares the GPU path a host sync. `master` (decode steps
     only): the batch's Master keys besides each sequence's own, read collectively.
-    `trig` (kernels/paged_triton.py's trig_table) spares the kernels sines and cosines."""
+    `trig` (kernels/paged_triton.py's trig_table) spares the kernels sines and cosines;
+    `plan`, a dict shared by one step's layers, the reference its per-layer layout work."""
     args = (q, q_pos, cu_q, k_cache, v_cache, block_tables, kv_lens, inv_freq, rope_scale,
             sm_scale, slot_pos)
     triton = q.is_cuda and HAVE_TRITON
@@ -209,4 +228,4 @@ def paged_attention(
         return master_decode_reference(q, q_pos, *args[3:], master)
     if triton:
         return paged_attention_triton(*args, max_q=max_q, trig=trig)
-    return paged_attention_reference(*args)
+    return paged_attention_reference(*args, plan=plan)
