@@ -19,25 +19,15 @@ import time
 
 import torch
 
-from tokendance.backend.api import SamplingParams
 from tokendance.backend.engine import Engine
 from tokendance.bench.allgather import make_round
 from tokendance.bench.shapes import round_engine
+from tokendance.bench.step_split import prefilled, profile_steps
 
 
 def sync(eng: Engine) -> None:
     if eng.device.type == "cuda":
         torch.cuda.synchronize()
-
-
-def prefilled(eng: Engine, prompts, shared, mode: str, steps: int) -> None:
-    """Cold caches, then the prompts prefilled (first token out) with `steps` more to go."""
-    eng.reset_caches()
-    sampling = SamplingParams(max_tokens=steps + 2, temperature=0, ignore_eos=True)
-    for i, (p, sp) in enumerate(zip(prompts, shared)):
-        eng.add(f"d{i}", p, sampling, mode=mode, shared=sp)
-    while any(s.computed < len(s.prompt) or not s.out for s in eng.seqs.values()):
-        eng.step()
 
 
 def decode_steps(eng: Engine, prompts, shared, mode: str, steps: int, window: int = 8) -> list[float]:
@@ -60,22 +50,16 @@ def decode_steps(eng: Engine, prompts, shared, mode: str, steps: int, window: in
 
 
 def kernel_table(eng: Engine, prompts, shared, mode: str, steps: int, top: int = 8) -> str:
-    from torch.profiler import ProfilerActivity, profile
-
+    """The top kernels of `steps` decode steps run eagerly (graphs off)."""
     graphs, eng.runner.graphs = eng.runner.graphs, None
     try:
         prefilled(eng, prompts, shared, mode, steps)
-        acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if eng.device.type == "cuda" else [])
-        with profile(activities=acts) as prof:
-            for _ in range(steps):
-                eng.step()
-            sync(eng)
+        table = profile_steps(eng, steps, top)[1]
         while eng.has_work():
             eng.step()
     finally:
         eng.runner.graphs = graphs
-    key = "self_device_time_total" if eng.device.type == "cuda" else "self_cpu_time_total"
-    return prof.key_averages().table(sort_by=key, row_limit=top)
+    return table
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
@@ -107,6 +91,6 @@ def main(args: argparse.Namespace) -> int:
               f"{ms['mirrors'] / ms['dense']:.2f}x | {ms['mirrors'] / ms['one']:.2f}x |")
         if args.profile:
             for mode in ("collective", "full"):
-                print(f"\nN = {n}, {mode}, eager, GPU time per kernel over {args.steps} steps:")
+                print(f"\nN = {n}, {mode}, eager, time per op on the device over {args.steps} steps:")
                 print(kernel_table(eng, rnd.prompts, rnd.shared, mode, args.steps))
     return 0

@@ -14,12 +14,20 @@ from tokendance.backend.api import SamplingParams
 from tokendance.backend.engine import Engine
 
 
-def breakdown(eng: Engine, prompts: list[list[int]], steps: int, top: int = 8) -> str:
-    """A table of medians over `steps` decode steps and, on CUDA, the top kernels."""
-    for i, p in enumerate(prompts):
-        eng.add(f"b{i}", p, SamplingParams(max_tokens=2 * steps + 8, temperature=0, ignore_eos=True))
+def prefilled(eng: Engine, prompts, shared, mode: str, steps: int) -> None:
+    """Cold caches, then the prompts prefilled (first token out) with more than `steps`
+    tokens to go."""
+    eng.reset_caches()
+    sampling = SamplingParams(max_tokens=steps + 2, temperature=0, ignore_eos=True)
+    for i, (p, sp) in enumerate(zip(prompts, shared)):
+        eng.add(f"d{i}", p, sampling, mode=mode, shared=sp)
     while any(s.computed < len(s.prompt) or not s.out for s in eng.seqs.values()):
         eng.step()
+
+
+def breakdown(eng: Engine, prompts: list[list[int]], steps: int, top: int = 8) -> str:
+    """A table of medians over `steps` decode steps and, on CUDA, the top kernels."""
+    prefilled(eng, prompts, [[] for _ in prompts], "full", 2 * steps + 6)
     run = eng.runner.run
     enqueue: list[float] = []
 
@@ -44,23 +52,27 @@ def breakdown(eng: Engine, prompts: list[list[int]], steps: int, top: int = 8) -
              f"| wall time of a step | {ms(wall):.2f} |",
              f"| host time in the runner (inputs, launch; the forward on a CPU) | {ms(enqueue):.2f} |"]
     if eng.device.type == "cuda":
-        busy, table = kernels(eng, steps, top)
+        busy, table = profile_steps(eng, steps, top)
         lines += [f"| GPU busy (kernels and copies) | {busy:.2f} |",
-                  f"| wall - GPU busy (the GPU waits on the host) | {ms(wall) - busy:.2f} |", "", table]
+                  f"| wall - GPU busy (the GPU waits on the host) | {ms(wall) - busy:.2f} |", "",
+                  f"GPU time by kernel over {steps} steps:\n{table}"]
     while eng.has_work():
         eng.step()
     return "\n".join(lines)
 
 
-def kernels(eng: Engine, steps: int, top: int) -> tuple[float, str]:
-    """(GPU milliseconds a step, the top kernels) over `steps` more steps."""
+def profile_steps(eng: Engine, steps: int, top: int) -> tuple[float, str]:
+    """(device milliseconds a step, the top ops by device time: GPU kernels on CUDA, CPU
+    ops elsewhere) over `steps` more steps."""
     from torch.profiler import ProfilerActivity, profile
 
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+    cuda = eng.device.type == "cuda"
+    with profile(activities=[ProfilerActivity.CPU] + [ProfilerActivity.CUDA] * cuda) as prof:
         for _ in range(steps):
             eng.step()
-        torch.cuda.synchronize()
+        if cuda:
+            torch.cuda.synchronize()
     events = prof.key_averages()
-    busy = sum(e.self_device_time_total for e in events) / 1e3 / steps
-    return busy, (f"GPU time by kernel over {steps} steps:\n"
-                  + events.table(sort_by="self_device_time_total", row_limit=top))
+    key = "self_device_time_total" if cuda else "self_cpu_time_total"
+    busy = sum(getattr(e, key) for e in events) / 1e3 / steps
+    return busy, events.table(sort_by=key, row_limit=top)

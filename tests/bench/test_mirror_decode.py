@@ -21,3 +21,9 @@ def test_main_prints_the_table(tiny_llama, bench):
     out = bench(mirror_decode, "--model", str(tiny_llama), "--agents", "2", "--shared", "24",
                 "--history", "16", "--steps", "2")
     assert "| 2 |" in out and "Mirrors / dense" in out
+
+
+def test_profile_prints_each_modes_top_ops(tiny_llama, bench):
+    out = bench(mirror_decode, "--model", str(tiny_llama), "--agents", "2", "--shared", "24",
+                "--history", "16", "--steps", "2", "--profile")
+    assert out.count("eager, time per op on the device") == 2 and out.count("aten::") >= 4
