@@ -248,10 +248,14 @@ class Engine:
                 continue
             ready, logits = self.collector.prefill(group, batched=mode == "collective")
             if not ready and not self.scheduler.running:
-                # Not even one fits the pool beside the segment cache: prefill it plainly.
+                # Not even one fits the pool beside the segment cache: prefill it plainly
+                # (its parked prefix, if any, leaves the host tier now, not when it ends).
                 first = group[0]
                 self.blend_waiting.remove(first)
                 first.shared = []
+                if first.resume is not None:
+                    self.idle.tier.drop(first.resume.name)
+                    first.resume = None
                 self.scheduler.add(first)
                 continue
             for seq in ready:

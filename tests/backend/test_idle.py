@@ -178,3 +178,23 @@ def test_agents_parked_while_a_round_restores_evict_no_taken_agent(tiny_llama):
     assert done == 4 and overlapped, "no agent parked while another waited to restore"
     assert eng.idle.restored - restored >= sum(len(p) for p in prompts) // 2  # all four resumed
     assert free_blocks_after_reset(eng)
+
+
+def test_a_resume_that_falls_back_to_plain_prefill_frees_its_parked_kv(tiny_llama, monkeypatch):
+    """When not even one waiting request fits the pool beside the segment cache, the
+    first is prefilled plainly: its parked prefix leaves the host tier at once (a taken
+    agent is never evicted, so keeping it would hold host memory until the request ends)."""
+    eng, ref = engine(tiny_llama), engine(tiny_llama)
+    prompts, spans = round_prompts(1, seed=30)
+    outs, _ = run(eng, prompts, spans, "collective", "a-")
+    prompts, spans = next_round(prompts, spans, outs, seed=10)
+    eng.add("x", prompts[0], GREEDY, mode="collective", shared=spans[0], agent="a0")
+    assert eng.seqs["x"].resume is not None and "\0a0" in eng.idle.tier
+    monkeypatch.setattr(eng.collector, "prefill", lambda group, batched: ([], None))
+    toks = [t for _, d in eng.step() for t in d.token_ids]  # the fallback, prefilled plainly
+    assert "\0a0" not in eng.idle.tier and eng.seqs["x"].resume is None
+    while eng.has_work():
+        for _, d in eng.step():
+            toks += d.token_ids
+    assert toks == ref.generate([prompts[0]], GREEDY)[0][0]
+    assert free_blocks_after_reset(eng)
