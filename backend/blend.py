@@ -57,7 +57,7 @@ def _meta(items: list[BlendInput], rows: list[torch.Tensor], view: int, cache: K
 @torch.inference_mode()
 def blend(model: Decoder, cache: KVCache, items: list[BlendInput], check_layer: int,
           ratio: float) -> BlendResult:
-    device = model.lm_head.weight.device
+    device = model.rope.inv_freq.device
     bsz = cache.block_size
     full = [torch.arange(it.start, len(it.seq.prompt)) for it in items]
     # Causal attention over the step's own K/V, unless a prefix sits in the pool.

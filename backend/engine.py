@@ -23,6 +23,7 @@ from tokendance.backend.sampler import Sampled, sample
 from tokendance.backend.scheduler import Scheduled, Scheduler
 from tokendance.backend.segments import SegmentCache
 from tokendance.backend.sequence import Sequence, Status
+from tokendance.kernels import packed
 from tokendance.kernels.jit import HAVE_TRITON
 
 log = structlog.get_logger(__name__)
@@ -70,6 +71,7 @@ class Engine:
             self.model = loader.build(ModelConfig.load(self.folder), self.dtype, self.device)
         else:
             self.model = loader.load(self.folder, self.dtype, self.device)
+        packed.pack(self.model)
         self.mcfg = self.model.cfg
         from transformers import AutoTokenizer
 
