@@ -56,7 +56,7 @@ def _meta(items: list[BlendInput], rows: list[torch.Tensor], view: int, cache: K
 
 @torch.inference_mode()
 def blend(model: Decoder, cache: KVCache, items: list[BlendInput], check_layer: int,
-          ratio: float) -> BlendResult:
+          ratio: float, floor: float = 0.0) -> BlendResult:
     device = model.rope.inv_freq.device
     bsz = cache.block_size
     full = [torch.arange(it.start, len(it.seq.prompt)) for it in items]
@@ -85,7 +85,7 @@ def blend(model: Decoder, cache: KVCache, items: list[BlendInput], check_layer: 
         for i, it in enumerate(items):
             mask = torch.tensor(it.reused[it.start:], dtype=torch.bool)
             groups.append(torch.nonzero(mask).flatten().to(device) + offsets[i])
-        picks = select_top(dev, groups, ratio)
+        picks = select_top(dev, groups, ratio, floor)
         for i, it in enumerate(items):
             selected[i] = (picks[i].cpu() - offsets[i] + it.start).tolist()
             it.seq.mirror.pick(selected[i])

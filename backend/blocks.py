@@ -30,6 +30,12 @@ class BlockManager:
         seq.blocks.extend(self.pool.allocate() for _ in range(need))
         return True
 
+    def trim(self, seq: Sequence) -> None:
+        """Release the blocks past what seq's tokens need (a Mirror whose patch room shrank)."""
+        keep = self.blocks_for(seq.own_slots(len(seq)))
+        while len(seq.blocks) > keep:
+            self.pool.decref(seq.blocks.pop())
+
     def free(self, seq: Sequence) -> None:
         for b in reversed(seq.blocks):
             self.pool.decref(b)

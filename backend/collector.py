@@ -20,7 +20,7 @@ from typing import TypeVar
 
 import torch
 
-from tokendance.backend.api import SamplingParams
+from tokendance.backend.api import InvalidRequest, SamplingParams
 from tokendance.backend.blend import BlendInput, blend
 from tokendance.backend.blocks import BlockManager
 from tokendance.backend.detok import Detok
@@ -36,7 +36,8 @@ from tokendance.backend.sequence import Sequence
 @dataclass(slots=True)
 class ReuseConfig:
     check_layer: int = 1
-    ratio: float = 0.15  # share of each request's reused tokens recomputed
+    ratio: float = 0.15  # share of each request's reused tokens recomputed, at most
+    floor: float = 0.0  # > 0: of those, only tokens whose KV deviation exceeds it
     cache_fraction: float = 0.25  # of the pool, for segment bases
     max_tokens: int = 0  # prompt tokens per forward (bases, blend); 0: no limit
 
@@ -69,7 +70,11 @@ class Collector:
     def __init__(self, model: Decoder, cache: KVCache, blocks: BlockManager, runner: Runner,
                  segments: SegmentCache, idle: IdleAgents, cfg: ReuseConfig):
         if not 1 <= cfg.check_layer < model.cfg.num_layers:
-            raise ValueError(f"check layer must lie in [1, {model.cfg.num_layers - 1}]")
+            raise InvalidRequest(f"check layer must lie in [1, {model.cfg.num_layers - 1}]", "check_layer")
+        if not 0.0 <= cfg.ratio <= 1.0:
+            raise InvalidRequest(f"recompute ratio must lie in [0, 1], got {cfg.ratio}", "recompute_ratio")
+        if cfg.floor < 0.0:
+            raise InvalidRequest(f"recompute floor must be >= 0, got {cfg.floor}", "recompute_floor")
         self.model, self.cache, self.blocks, self.runner = model, cache, blocks, runner
         self.segments, self.idle = segments, idle
         self.cfg = cfg
@@ -240,7 +245,8 @@ class Collector:
             subs = batches(items, lambda it: len(it.seq.prompt) - it.start, self.cfg.max_tokens)
         else:
             subs = [[it] for it in items]
-        parts = [blend(self.model, self.cache, sub, self.cfg.check_layer, self.cfg.ratio) for sub in subs]
+        parts = [blend(self.model, self.cache, sub, self.cfg.check_layer, self.cfg.ratio, self.cfg.floor)
+                 for sub in subs]
         logits = torch.cat([p.logits for p in parts])
         selected = [sel for p in parts for sel in p.selected]
         self.runner.work += sum(p.work for p in parts)
@@ -251,6 +257,8 @@ class Collector:
             seq.cached = it.start + n_reused - len(sel)  # restored or reused, not computed
             seq.computed = len(seq.prompt)
             seq.resume = None
+            if seq.mirror.trim():  # a floor left patch room unused: its blocks go back
+                self.blocks.trim(seq)
         return ready, logits
 
     # -- producer chaining -----------------------------------------------------------

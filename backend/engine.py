@@ -45,7 +45,8 @@ class EngineConfig:
     random_weights: bool = False  # timing only: the folder needs config.json (and a tokenizer)
     cuda_graphs: int = 128  # on CUDA, replay decode steps of up to this many sequences; 0: off
     check_layer: int = 1  # pic / collective: where deviating tokens are selected
-    recompute_ratio: float = 0.15  # pic / collective: share of reused tokens recomputed
+    recompute_ratio: float = 0.15  # pic / collective: share of reused tokens recomputed, at most
+    recompute_floor: float = 0.0  # pic / collective: recompute only tokens deviating above this
     segment_cache_fraction: float = 0.25  # of the pool, for shared segments' base KV
     offload_bytes: int = 1 << 30  # host memory for idle agents' KV (backend/idle.py); 0: off
     overlap: bool | None = None  # decode steps overlap host and GPU (backend/lookahead.py); None: on CUDA
@@ -92,7 +93,7 @@ class Engine:
             self.runner.capture(min(cfg.cuda_graphs, cfg.max_seqs), max_blocks, self.cache.trash_block)
         self.segments = SegmentCache(self.pool, cfg.block_size,
                                      int(self.cache.num_blocks * cfg.segment_cache_fraction))
-        reuse = ReuseConfig(cfg.check_layer, cfg.recompute_ratio, max_tokens=budget)
+        reuse = ReuseConfig(cfg.check_layer, cfg.recompute_ratio, cfg.recompute_floor, max_tokens=budget)
         self.idle = IdleAgents(self.cache, cfg.offload_bytes)
         self.collector = Collector(self.model, self.cache, self.blocks, self.runner, self.segments,
                                    self.idle, reuse)

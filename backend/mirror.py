@@ -83,6 +83,22 @@ class Mirror:
             self.own_pos[LATE][self.own_of[j]] = j
         self._fixed.clear()
 
+    def trim(self) -> int:
+        """Drop the patch room selection left unused (with a deviation floor, fewer
+        tokens than the cap); returns the slots dropped. Patches take the lowest free
+        slots, so the unused ones end the prompt area; call before any generated token
+        has a slot (they follow the area)."""
+        n = len(self.patch_free)
+        if not n:
+            return 0
+        area = self.area
+        assert sorted(self.patch_free) == list(range(area - n, area)), "unused patch room must end the area"
+        for pos in self.own_pos:
+            del pos[area - n:]
+        self.patch_free.clear()
+        self._fixed.clear()
+        return n
+
     def own_slot(self, j: int, view: int) -> int:
         """Private slot index where token j's K/V for this view goes, -1 for nowhere
         (the view reads the Master's copy)."""

@@ -4,7 +4,8 @@
 reused ones: the squared L2 distance summed over heads, for K and V, relative to the
 squared norm of the fresh values (so tokens with large activations do not dominate).
 `select_top` picks, per request, the ceil(ratio * n) reused tokens that deviate most,
-for all requests at once (one sort over a padded [N, max_len] matrix).
+for all requests at once (one sort over a padded [N, max_len] matrix); with a `floor`,
+only those of them whose deviation exceeds it (recompute what deviates, at most r %).
 """
 
 from __future__ import annotations
@@ -67,17 +68,22 @@ def kv_deviation(k_new: torch.Tensor, v_new: torch.Tensor,
     return kv_deviation_reference(k_new, v_new, k_old, v_old)
 
 
-def select_top_reference(dev: torch.Tensor, groups: list[torch.Tensor], ratio: float) -> list[torch.Tensor]:
-    """For each group (indices into dev), the ceil(ratio * len) indices with the largest deviation."""
+def select_top_reference(dev: torch.Tensor, groups: list[torch.Tensor], ratio: float,
+                         floor: float = 0.0) -> list[torch.Tensor]:
+    """For each group (indices into dev), the ceil(ratio * len) indices with the largest
+    deviation, less those whose deviation is at most `floor` (if floor > 0)."""
     out = []
     for idx in groups:
         k = math.ceil(ratio * len(idx))
-        top = dev[idx].topk(k).indices if k else idx[:0]
-        out.append(idx[top].sort().values)
+        top = idx[dev[idx].topk(k).indices] if k else idx[:0]
+        if floor > 0:
+            top = top[dev[top] > floor]
+        out.append(top.sort().values)
     return out
 
 
-def select_top(dev: torch.Tensor, groups: list[torch.Tensor], ratio: float) -> list[torch.Tensor]:
+def select_top(dev: torch.Tensor, groups: list[torch.Tensor], ratio: float,
+               floor: float = 0.0) -> list[torch.Tensor]:
     """Batched `select_top_reference`: one sort over all groups, padded with -inf."""
     if not groups:
         return []
@@ -89,9 +95,10 @@ def select_top(dev: torch.Tensor, groups: list[torch.Tensor], ratio: float) -> l
     for i, g in enumerate(groups):
         idx[i, : len(g)] = g
     vals = torch.where(idx >= 0, dev[idx.clamp_min(0)], torch.full_like(idx, float("-inf"), dtype=dev.dtype))
-    order = vals.sort(dim=1, descending=True, stable=True).indices
+    top = vals.sort(dim=1, descending=True, stable=True)
+    above = (top.values > floor).sum(1).tolist() if floor > 0 else [width] * n
     out = []
     for i, g in enumerate(groups):
-        k = math.ceil(ratio * len(g))
-        out.append(idx[i, order[i, :k]].sort().values)
+        k = min(math.ceil(ratio * len(g)), above[i])
+        out.append(idx[i, top.indices[i, :k]].sort().values)
     return out

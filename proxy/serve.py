@@ -26,6 +26,11 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--dtype", default="auto", help="auto, float32, bfloat16, float16")
     p.add_argument("--mode", choices=MODES, default=DEFAULT_MODE, help="default KV reuse mode")
+    p.add_argument("--recompute-ratio", type=float, default=0.15,
+                   help="pic / collective: share of each request's reused tokens recomputed, at most")
+    p.add_argument("--recompute-floor", type=float, default=0.0,
+                   help="pic / collective: of those, only tokens whose KV deviation at the check "
+                        "layer exceeds this (0: all of them; docs/fidelity.md)")
     p.add_argument("--offload-gib", type=float, default=1.0,
                    help="host memory for idle agents' KV between their rounds (0: off)")
     p.add_argument("--mqtt", default=None, metavar="URL", help="control plane broker, mqtt://host:port")
@@ -48,7 +53,8 @@ def load_backend(args: argparse.Namespace) -> Backend:
     from tokendance.backend.service import EngineBackend
 
     return EngineBackend.load(args.model, dtype=args.dtype, mode=args.mode,
-                              offload_bytes=int(args.offload_gib * 2**30))
+                              offload_bytes=int(args.offload_gib * 2**30),
+                              recompute_ratio=args.recompute_ratio, recompute_floor=args.recompute_floor)
 
 
 def config(args: argparse.Namespace) -> Config:

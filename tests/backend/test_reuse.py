@@ -85,8 +85,8 @@ def test_selected_tokens_identical(engine, monkeypatch):
     seen: dict[str, list] = {"pic": [], "collective": []}
     real = blend_mod.blend
 
-    def spy(model, cache, items, check_layer, ratio):
-        res = real(model, cache, items, check_layer, ratio)
+    def spy(model, cache, items, check_layer, ratio, floor):
+        res = real(model, cache, items, check_layer, ratio, floor)
         seen[current].extend(res.selected)
         return res
 
@@ -196,8 +196,8 @@ def budget_round(folder, mode: str, budget: int, prompts, spans, monkeypatch):
     eng = Engine(model=str(folder), dtype="float32", kv_tokens=8192, max_batched_tokens=budget)
     step, calls, forwards, selected = 0, [], [], {}
 
-    def spy(model, cache, items, check_layer, ratio):
-        res = blend_mod.blend(model, cache, items, check_layer, ratio)
+    def spy(model, cache, items, check_layer, ratio, floor):
+        res = blend_mod.blend(model, cache, items, check_layer, ratio, floor)
         calls.append((step, [len(it.seq.prompt) for it in items]))
         selected.update((it.seq.id, sel) for it, sel in zip(items, res.selected))
         return res

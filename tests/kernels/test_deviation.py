@@ -37,3 +37,23 @@ def test_select_top_batched_equals_reference():
         a = dv.select_top(dev, groups, ratio)
         b = dv.select_top_reference(dev, groups, ratio)
         assert [x.tolist() for x in a] == [x.tolist() for x in b]
+
+
+def test_floor_keeps_only_what_deviates():
+    g = torch.Generator().manual_seed(1)
+    dev = torch.rand(300, generator=g)
+    groups = [torch.arange(0, 40), torch.arange(50, 51), torch.arange(60, 60), torch.arange(100, 300, 3)]
+    for ratio in (0.15, 0.5, 1.0):
+        for floor in (0.3, 0.9, 2.0):
+            a = dv.select_top(dev, groups, ratio, floor)
+            b = dv.select_top_reference(dev, groups, ratio, floor)
+            assert [x.tolist() for x in a] == [x.tolist() for x in b]
+            capped = dv.select_top(dev, groups, ratio)
+            for idx, pick, cap in zip(groups, a, capped):
+                # the capped selection's tokens above the floor, no more, no fewer
+                assert pick.tolist() == [i for i in cap.tolist() if dev[i] > floor]
+                assert len(pick) <= len(cap)
+    assert all(len(x) == 0 for x in dv.select_top(dev, groups, 1.0, 2.0))
+    # a floor below every deviation changes nothing
+    assert ([x.tolist() for x in dv.select_top(dev, groups, 0.15, 1e-9)]
+            == [x.tolist() for x in dv.select_top(dev, groups, 0.15)])

@@ -101,10 +101,19 @@ def test_sigterm_drains_the_request_in_flight(tmp_path):
             proc.kill()
 
 
-def test_offload_flag_reaches_the_engine_config(monkeypatch):
+def test_engine_flags_reach_the_engine_config(monkeypatch):
     from tokendance.backend.service import EngineBackend
 
     seen = {}
     monkeypatch.setattr(EngineBackend, "load", classmethod(lambda cls, model, **kw: seen.update(kw)))
-    serve.load_backend(parse("--offload-gib", "0.5"))
+    serve.load_backend(parse("--offload-gib", "0.5", "--recompute-ratio", "0.2", "--recompute-floor", "0.3"))
     assert seen["offload_bytes"] == 2**29
+    assert seen["recompute_ratio"] == 0.2 and seen["recompute_floor"] == 0.3
+
+
+def test_bad_reuse_flag_is_one_line(tiny_llama, capsys):
+    from tokendance.examples.cli import main
+
+    code = main(["serve", "--model", str(tiny_llama), "--port", "0", "--recompute-floor", "-1"])
+    err = capsys.readouterr().err.strip()
+    assert code == 1 and err == "tokendance serve: recompute floor must be >= 0, got -1.0"
