@@ -77,9 +77,11 @@ def layer_kv(eng: Engine, seq) -> torch.Tensor:
 
 
 @torch.inference_mode()
-def teacher_forced(eng: Engine, prepared, mode: str, cont: list[list[int]]) -> tuple[list[float], float]:
-    """The prompts' KV per layer after this mode's prefill, and the share of full's
-    continuation tokens this mode's argmax reproduces when fed them."""
+def teacher_forced(eng: Engine, prepared, mode: str, cont: list[list[int]]
+                   ) -> tuple[list[torch.Tensor], float, tuple[int, int]]:
+    """The prompts' KV per layer after this mode's prefill, the share of full's
+    continuation tokens this mode's argmax reproduces when fed them, and (shared
+    tokens, recomputed tokens) over the prompts."""
     eng.reset_caches()
     seqs = []
     for i, p in enumerate(prepared):
@@ -95,6 +97,7 @@ def teacher_forced(eng: Engine, prepared, mode: str, cont: list[list[int]]) -> t
             assert eng.blocks.reserve(s, len(s.prompt))
         eng.runner.run([Scheduled(s, 0, len(s.prompt)) for s in seqs])
     kvs = [layer_kv(eng, s) for s in seqs]
+    counts = (sum(s.shared_tokens for s in seqs), sum(s.recomputed for s in seqs))
     hits = total = 0
     for s, c in zip(seqs, cont):
         s.out = list(c[:-1])
@@ -107,7 +110,65 @@ def teacher_forced(eng: Engine, prepared, mode: str, cont: list[list[int]]) -> t
         total += len(c) - 1
     for s in seqs:
         eng.abort(s.id)
-    return kvs, hits / max(total, 1)
+    return kvs, hits / max(total, 1), counts
+
+
+def open_loop(eng: Engine, be: EngineBackend, modes: list[str], n0: int, questions: int,
+              greedy: SamplingParams) -> str:
+    """Sections 1 and 2 on round-2 prompts of `questions` debates of n0 agents."""
+    out: list[str] = []
+    # 1 + 2: one round-2 prompt set per question, built from full's round-1 answers.
+    devs = {m: [] for m in modes[1:]}
+    agree = {m: [] for m in modes}
+    counts = {m: [0, 0] for m in modes[1:]}  # shared tokens, recomputed
+    for q in QUESTIONS[:questions]:
+        first = run(eng, requests(be, "full", q, None, n0, greedy), "full")
+        prepared = {m: requests(be, m, q, first, n0, greedy) for m in modes}
+        full_out = eng.generate([p.state.ids for p in prepared["full"]], SamplingParams(max_tokens=24, temperature=0, ignore_eos=True))
+        cont = [toks for toks, _, _ in full_out]
+        exact, a, _ = teacher_forced(eng, prepared["full"], "full", cont)
+        agree["full"].append(a)
+        for m in modes[1:]:
+            kvs, a, (shared, recomputed) = teacher_forced(eng, prepared[m], m, cont)
+            agree[m].append(a)
+            counts[m][0] += shared
+            counts[m][1] += recomputed
+            for kv, ex, p in zip(kvs, exact, prepared[m]):
+                mask = torch.zeros(kv.shape[2], dtype=torch.bool)
+                for lo, hi in p.state.shared:
+                    mask[lo:hi] = True
+                diff = (kv[:, 1, mask] - ex[:, 1, mask]).flatten(2).norm(dim=-1)
+                devs[m].append((diff / ex[:, 1, mask].flatten(2).norm(dim=-1).clamp_min(1e-9)).mean(-1))
+    layers = eng.mcfg.num_layers
+    picks = sorted(l for l in {1, 2, 5, 10, layers // 2, layers - 1} if l < layers)
+    out.append("\nPer-layer mean relative V deviation of reused tokens from exact (round-2 prompts):")
+    out.append("| mode | " + " | ".join(f"layer {l}" for l in picks) + " |\n|---|" + "---|" * len(picks))
+    for m in modes[1:]:
+        d = torch.stack(devs[m]).mean(0)
+        out.append(f"| {m} | " + " | ".join(f"{d[l]:.3f}" for l in picks) + " |")
+    out.append("\nTeacher-forced greedy agreement with full (24 tokens per agent), and the shared")
+    out.append("tokens recomputed (Mirror compression = shared / recomputed):")
+    out.append("| mode | agreement | shared tokens | recomputed | compression |\n|---|---|---|---|---|")
+    for m in modes:
+        shared, rec = counts.get(m, (0, 0))
+        comp = f"{shared / rec:.2f}x" if rec else "-"
+        out.append(f"| {m} | {statistics.mean(agree[m]):.3f} | {shared or '-'} | {rec if m != 'full' else '-'} | {comp} |")
+    return "\n".join(out)
+
+
+def closed_loop(eng: Engine, be: EngineBackend, n: int, question: str, modes: list[str], rounds: int,
+                sampling: SamplingParams) -> dict[str, list[int | None]]:
+    """Each mode debates on its own answers; per mode other than full and per agent, the
+    first round (from 1) whose answer differs from full's, None if none does."""
+    hist: dict[str, list[list[str]]] = {}
+    for m in modes:
+        answers = None
+        hist[m] = []
+        for _ in range(rounds):
+            answers = run(eng, requests(be, m, question, answers, n, sampling), m)
+            hist[m].append(answers)
+    return {m: [next((r + 1 for r in range(rounds) if hist[m][r][i] != hist["full"][r][i]), None)
+                for i in range(n)] for m in modes[1:]}
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
@@ -117,63 +178,37 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-tokens", type=int, default=48)
     p.add_argument("--questions", type=int, default=2)
     p.add_argument("--ratio", type=float, default=0.15)
+    p.add_argument("--modes", default="pic,collective", help="reuse modes compared with full")
+    p.add_argument("--loops", type=int, default=1, help="closed-loop debates per N (each on its own question)")
+    p.add_argument("--floor", type=float, default=0.0,
+                   help="recompute only reused tokens whose check-layer deviation exceeds this")
 
 
 def main(args: argparse.Namespace) -> int:
-    eng = Engine(EngineConfig(model=args.model, dtype="float32", kv_tokens=65536, recompute_ratio=args.ratio))
+    eng = Engine(EngineConfig(model=args.model, dtype="float32", kv_tokens=65536, recompute_ratio=args.ratio,
+                              recompute_floor=args.floor))
     be = EngineBackend(eng)
     greedy = SamplingParams(max_tokens=args.max_tokens, temperature=0)
-    modes = ["full", "pic", "collective"]
-    print(f"model {eng.name}, float32, recompute ratio {args.ratio}, check layer {eng.collector.cfg.check_layer}")
-    # 1 + 2: one round-2 prompt set per question, built from full's round-1 answers.
-    devs = {m: [] for m in modes[1:]}
-    agree = {m: [] for m in modes}
-    n0 = int(args.agents.split(",")[0])
-    for q in QUESTIONS[: args.questions]:
-        first = run(eng, requests(be, "full", q, None, n0, greedy), "full")
-        prepared = {m: requests(be, m, q, first, n0, greedy) for m in modes}
-        full_out = eng.generate([p.state.ids for p in prepared["full"]], SamplingParams(max_tokens=24, temperature=0, ignore_eos=True))
-        cont = [toks for toks, _, _ in full_out]
-        exact, a = teacher_forced(eng, prepared["full"], "full", cont)
-        agree["full"].append(a)
-        for m in modes[1:]:
-            kvs, a = teacher_forced(eng, prepared[m], m, cont)
-            agree[m].append(a)
-            for kv, ex, p in zip(kvs, exact, prepared[m]):
-                mask = torch.zeros(kv.shape[2], dtype=torch.bool)
-                for lo, hi in p.state.shared:
-                    mask[lo:hi] = True
-                diff = (kv[:, 1, mask] - ex[:, 1, mask]).flatten(2).norm(dim=-1)
-                devs[m].append((diff / ex[:, 1, mask].flatten(2).norm(dim=-1).clamp_min(1e-9)).mean(-1))
-    layers = eng.mcfg.num_layers
-    picks = sorted(l for l in {1, 2, 5, 10, layers // 2, layers - 1} if l < layers)
-    print("\nPer-layer mean relative V deviation of reused tokens from exact (round-2 prompts):")
-    print("| mode | " + " | ".join(f"layer {l}" for l in picks) + " |\n|---|" + "---|" * len(picks))
-    for m in modes[1:]:
-        d = torch.stack(devs[m]).mean(0)
-        print(f"| {m} | " + " | ".join(f"{d[l]:.3f}" for l in picks) + " |")
-    print("\nTeacher-forced greedy agreement with full (24 tokens per agent):")
-    print("| mode | agreement |\n|---|---|")
-    for m in modes:
-        print(f"| {m} | {statistics.mean(agree[m]):.3f} |")
+    modes = ["full", *args.modes.split(",")]
+    print(f"model {eng.name}, float32, recompute ratio {args.ratio}, floor {args.floor}, "
+          f"check layer {eng.collector.cfg.check_layer}")
+    if args.questions:
+        print(open_loop(eng, be, modes, int(args.agents.split(",")[0]), args.questions, greedy))
     # 3: closed loop.
-    print(f"\nClosed-loop debate, {args.rounds} rounds, greedy, {args.max_tokens} tokens per answer:")
-    print("| N | mode | agents never diverged | mean first divergent round (diverged agents) |\n|---|---|---|---|")
+    print(f"\nClosed-loop debate, {args.rounds} rounds, greedy, {args.max_tokens} tokens per answer, "
+          f"{args.loops} question(s) per N:")
+    print("| N | mode | debates with no divergence | agents never diverged | "
+          "mean first divergent round (diverged agents) |\n|---|---|---|---|---|")
     for n in map(int, args.agents.split(",")):
-        q = QUESTIONS[n % len(QUESTIONS)]
-        hist = {}
-        for m in modes:
-            answers = None
-            hist[m] = []
-            for _ in range(args.rounds):
-                answers = run(eng, requests(be, m, q, answers, n, greedy), m)
-                hist[m].append(answers)
+        firsts: dict[str, list[int | None]] = {m: [] for m in modes[1:]}
+        clean = {m: 0 for m in modes[1:]}
+        for k in range(args.loops):
+            q = QUESTIONS[(n + k) % len(QUESTIONS)]
+            for m, f in closed_loop(eng, be, n, q, modes, args.rounds, greedy).items():
+                firsts[m] += f
+                clean[m] += all(r is None for r in f)
         for m in modes[1:]:
-            firsts = []
-            for i in range(n):
-                r = next((r for r in range(args.rounds) if hist[m][r][i] != hist["full"][r][i]), None)
-                if r is not None:
-                    firsts.append(r + 1)
-            mean = f"{statistics.mean(firsts):.2f}" if firsts else "-"
-            print(f"| {n} | {m} | {n - len(firsts)}/{n} | {mean} |")
+            div = [r for r in firsts[m] if r is not None]
+            mean = f"{statistics.mean(div):.2f}" if div else "-"
+            print(f"| {n} | {m} | {clean[m]}/{args.loops} | {len(firsts[m]) - len(div)}/{len(firsts[m])} | {mean} |")
     return 0

@@ -4,10 +4,14 @@
 # (structlog) and `.device/tok` (tokenizer files) carried. Sections:
 #   engine: the CUDA checks, then Qwen2.5-7B shape, random bf16 weights, against HF SDPA
 #   check: the CUDA checks alone (bench/check_cuda.py)
-#   reuse:  one All-Gather round, N = 10 and 20, every mode (and r = 5 % at N = 10)
+#   reuse:  one All-Gather round, N = 10 and 20, every mode, profiled at N = 10 (and
+#     r = 5 % at N = 10)
+#   policy: the same rounds at r = 4.5 %, the share the recommended policy (floor 0.3,
+#     docs/fidelity.md) recomputes on SmolLM2's debate prompts (random weights here)
 #   mirrors: CUDA checks of Mirrors (graphs = eager, pic = collective, ratio 1 = full)
 #   collective: collective decode attention against paged decode (bench/collective.py)
-#   capacity: round latency with 128 decoded tokens per agent, prefix vs collective
+#   capacity: round latency with 128 decoded tokens per agent, prefix vs collective (and
+#     collective at r = 4.5 %)
 #   mirror-decode: decode steps over N = 10 and 20 Mirrors against dense caches
 #   restore: idle agents back from the host tier, fused (Master once + diffs) vs dense
 #     (no model: a KVCache of the Qwen2.5-7B K/V shape filled with random bf16)
@@ -46,15 +50,23 @@ if want collective; then
 fi
 if want reuse; then
   td bench reuse --model qwen2.5-7b --dtype bfloat16 --agents 10,20 --history 512 --output 150 \
-    --repeats 3 --json "$OUT/reuse.json" 2>&1 | grep -v -i "warn\|deprecat" | tee "$OUT/reuse.txt"
+    --repeats 3 --profile 14 --json "$OUT/reuse.json" 2>&1 | grep -v -i "warn\|deprecat" | tee "$OUT/reuse.txt"
   td bench reuse --model qwen2.5-7b --dtype bfloat16 --agents 10 --history 512 --output 150 \
     --repeats 3 --ratio 0.05 --modes pic,collective 2>&1 | grep -v -i "warn\|deprecat" | tee "$OUT/reuse_r05.txt"
 fi
+if want policy; then
+  td bench reuse --model qwen2.5-7b --dtype bfloat16 --agents 10,20 --history 512 --output 150 \
+    --repeats 3 --ratio 0.045 --modes full,pic,collective --json "$OUT/policy.json" \
+    2>&1 | grep -v -i "warn\|deprecat" | tee "$OUT/policy.txt"
+fi
 if want capacity; then
   # Capacity: round latency (prefill + 128 tokens per agent) against the 1500 ms SLO.
-  td bench reuse --model qwen2.5-7b --dtype bfloat16 --agents 2,4,8,16,32 --history 512 \
+  td bench reuse --model qwen2.5-7b --dtype bfloat16 --agents 2,4,8,10,12,14,16,20,32 --history 512 \
     --output 150 --repeats 1 --decode 128 --modes prefix,collective \
     --json "$OUT/capacity.json" 2>&1 | grep -v -i "warn\|deprecat" | tee "$OUT/capacity.txt"
+  td bench reuse --model qwen2.5-7b --dtype bfloat16 --agents 8,10,12,14,16,20 --history 512 \
+    --output 150 --repeats 1 --decode 128 --modes collective --ratio 0.045 \
+    --json "$OUT/capacity_policy.json" 2>&1 | grep -v -i "warn\|deprecat" | tee "$OUT/capacity_policy.txt"
 fi
 if want mirror-decode; then
   td bench mirror-decode --model qwen2.5-7b --dtype bfloat16 --agents 10,20 --steps 32 \

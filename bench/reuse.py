@@ -24,6 +24,7 @@ from tokendance.backend.api import MODES, SamplingParams, Usage
 from tokendance.backend.engine import Engine
 from tokendance.bench.allgather import Round, make_round
 from tokendance.bench.shapes import round_engine
+from tokendance.bench.step_split import profiled
 
 ONE = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
 
@@ -125,6 +126,24 @@ def table(rows: list[dict]) -> str:
     return "\n".join(out)
 
 
+def profiles(eng: Engine, rows: list[dict], n: int, history: int, output: int, modes: list[str],
+             decode: int, top: int) -> str:
+    """Per mode, one more cold round of n agents under the profiler: how much of the
+    timed round (its median in rows) keeps the device busy, and the top ops."""
+    rnd = make_round(n, history, output, min(eng.mcfg.vocab_size, len(eng.tokenizer)), seed=n)
+    sampling = SamplingParams(max_tokens=decode, temperature=0, ignore_eos=True)
+    out = [f"\nProfiled: N = {n}, one cold round per mode", "| mode | round ms | device busy ms | busy share |",
+           "|---|---|---|---|"]
+    tables = []
+    for mode in modes:
+        ms = next(r["ms"] for r in rows if r["agents"] == n and r["mode"] == mode)
+        eng.reset_caches()
+        busy, ops = profiled(eng, lambda: play(eng, rnd, mode, sampling), top)
+        out.append(f"| {mode} | {ms:.0f} | {busy:.0f} | {busy / ms:.2f} |")
+        tables.append(f"\n{mode}:\n{ops}")
+    return "\n".join(out + tables)
+
+
 def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="HF folder, .gguf, or a shape name (qwen2.5-7b)")
     p.add_argument("--random-weights", action="store_true")
@@ -139,13 +158,18 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dump-prompts", default=None, help="write each round's prompts (for vLLM)")
     p.add_argument("--decode", type=int, default=1, help="max_tokens per agent (1: prefill to the first token)")
     p.add_argument("--ratio", type=float, default=0.15, help="share of reused tokens recomputed")
+    p.add_argument("--floor", type=float, default=0.0,
+                   help="recompute only reused tokens whose check-layer deviation exceeds this")
+    p.add_argument("--profile", type=int, default=0, metavar="TOP",
+                   help="then profile one cold round per mode at the first N: device busy time "
+                        "against the timed round, and the TOP ops")
 
 
 def main(args: argparse.Namespace) -> int:
     agents = [int(a) for a in args.agents.split(",")]
     need = max(agents) * (args.history * 2 + max(agents) * args.output * 2 + args.decode) + 4096
     eng, vocab = round_engine(args.model, args.dtype, args.kv_tokens or need, args.random_weights,
-                              recompute_ratio=args.ratio)
+                              recompute_ratio=args.ratio, recompute_floor=args.floor)
     modes = args.modes.split(",")
     if args.dump_prompts:
         rounds = {n: make_round(n, args.history, args.output, vocab, seed=n).prompts for n in agents}
@@ -153,8 +177,10 @@ def main(args: argparse.Namespace) -> int:
     rows = bench(eng, agents, args.history, args.output, args.repeats, modes, decode=args.decode)
     print(f"model {eng.name} ({eng.mcfg.num_layers} layers) on {eng.device}, {eng.dtype}; "
           f"histories ~{args.history}, outputs ~{args.output}, max_tokens {args.decode}, "
-          f"ratio {eng.collector.cfg.ratio}")
+          f"ratio {eng.collector.cfg.ratio}, floor {eng.collector.cfg.floor}")
     print(table(rows))
+    if args.profile:
+        print(profiles(eng, rows, agents[0], args.history, args.output, modes, args.decode, args.profile))
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))
     return 0

@@ -64,15 +64,25 @@ def breakdown(eng: Engine, prompts: list[list[int]], steps: int, top: int = 8) -
 def profile_steps(eng: Engine, steps: int, top: int) -> tuple[float, str]:
     """(device milliseconds a step, the top ops by device time: GPU kernels on CUDA, CPU
     ops elsewhere) over `steps` more steps."""
+    busy, table = profiled(eng, lambda: [eng.step() for _ in range(steps)], top)
+    return busy / steps, table
+
+
+def profiled(eng: Engine, fn, top: int) -> tuple[float, str]:
+    """(device milliseconds fn keeps busy, the top ops by device time) of one call."""
+    from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
     cuda = eng.device.type == "cuda"
     with profile(activities=[ProfilerActivity.CPU] + [ProfilerActivity.CUDA] * cuda) as prof:
-        for _ in range(steps):
-            eng.step()
+        fn()
         if cuda:
             torch.cuda.synchronize()
     events = prof.key_averages()
-    key = "self_device_time_total" if cuda else "self_cpu_time_total"
-    busy = sum(getattr(e, key) for e in events) / 1e3 / steps
-    return busy, events.table(sort_by=key, row_limit=top)
+    if cuda:  # the kernels and copies themselves: an op's self device time repeats its kernels'
+        key = "self_device_time_total"
+        busy = sum(e.self_device_time_total for e in events if e.device_type != DeviceType.CPU)
+    else:
+        key = "self_cpu_time_total"
+        busy = sum(e.self_cpu_time_total for e in events)
+    return busy / 1e3, events.table(sort_by=key, row_limit=top)

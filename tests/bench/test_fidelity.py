@@ -2,12 +2,34 @@
 
 from __future__ import annotations
 
+import re
+
+import pytest
+
 from tokendance.bench import fidelity
 
 
-def test_fidelity_report(tiny_llama, bench):
+@pytest.mark.parametrize("floor", ["0", "1e9"])
+def test_fidelity_report(tiny_llama, bench, floor):
     out = bench(fidelity, "--model", str(tiny_llama), "--agents", "2", "--rounds", "2",
-                "--max-tokens", "4", "--questions", "1")
+                "--max-tokens", "4", "--questions", "1", "--floor", floor)
     assert "| full | 1.000 |" in out  # full reproduces its own continuation
     for mode in ("pic", "collective"):
         assert f"| 2 | {mode} |" in out
+        row = re.search(rf"\| {mode} \| [0-9.]+ \| (\d+) \| (\d+) \| ([^|]+) \|", out)
+        shared, recomputed, comp = int(row[1]), int(row[2]), row[3].strip()
+        assert shared > 0
+        if floor == "0":  # 15 % of each prompt's reused tokens, rounded up
+            assert recomputed > 0 and comp == f"{shared / recomputed:.2f}x"
+        else:  # nothing deviates that much: nothing recomputed
+            assert recomputed == 0 and comp == "-"
+
+
+def test_closed_loop_only(tiny_llama, bench):
+    out = bench(fidelity, "--model", str(tiny_llama), "--agents", "2", "--rounds", "2", "--max-tokens", "4",
+                "--questions", "0", "--loops", "2", "--modes", "collective")
+    assert "Teacher-forced" not in out
+    row = next(line for line in out.splitlines() if line.startswith("| 2 | collective |"))
+    clean, agents = row.split("|")[3].strip(), row.split("|")[4].strip()
+    assert clean.endswith("/2") and agents.endswith("/4")  # 2 debates of 2 agents
+    assert "| 2 | pic |" not in out

@@ -20,3 +20,15 @@ def test_footprint_and_compression(tiny_llama, ratio: float):
     assert 0.8 / ratio < col["compression"] <= 1 / ratio
     assert col["footprint"] > 1.5
     assert "Mirror compression" in reuse.table(list(rows.values()))
+
+
+def test_floor_and_profile_flags(tiny_llama, bench):
+    out = bench(reuse, "--model", str(tiny_llama), "--dtype", "float32", "--agents", "3", "--history", "24",
+                "--output", "30", "--repeats", "1", "--modes", "full,collective", "--floor", "1e9",
+                "--profile", "3")
+    assert "ratio 0.15, floor 1000000000.0" in out
+    row = next(line for line in out.splitlines() if line.startswith("| 3 | collective |"))
+    assert row.split("|")[-2].strip() == ""  # nothing recomputed: no compression figure
+    assert "| mode | round ms | device busy ms | busy share |" in out
+    for mode in ("full", "collective"):
+        assert f"\n{mode}:\n" in out and f"| {mode} | " in out.split("Profiled")[1]
