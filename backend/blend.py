@@ -86,8 +86,9 @@ def blend(model: Decoder, cache: KVCache, items: list[BlendInput], check_layer: 
             mask = torch.tensor(it.reused[it.start:], dtype=torch.bool)
             groups.append(torch.nonzero(mask).flatten().to(device) + offsets[i])
         picks = select_top(dev, groups, ratio, floor)
+        host = torch.cat(picks).cpu().split([len(p) for p in picks])  # one transfer
         for i, it in enumerate(items):
-            selected[i] = (picks[i].cpu() - offsets[i] + it.start).tolist()
+            selected[i] = (host[i] - offsets[i] + it.start).tolist()
             it.seq.mirror.pick(selected[i])
         meta = _meta(items, full, LATE, cache, device)
         cache.store(li, k, v, meta.slots)

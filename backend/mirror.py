@@ -109,12 +109,21 @@ class Mirror:
 
     def own_index(self, view: int, rows: torch.Tensor) -> torch.Tensor:
         """`own_slot` of each token in rows (ascending), as a tensor."""
-        key = ("own", view)
-        if key not in self._fixed:
-            self._fixed[key] = torch.tensor([self.own_slot(j, view) for j in range(self.prompt_len)])
-        head = self._fixed[key]
+        head = self._own_head(view)
         tail = self.area + rows - self.prompt_len
         return torch.where(rows < self.prompt_len, head[rows.clamp_max(self.prompt_len - 1)], tail)
+
+    def _own_head(self, view: int) -> torch.Tensor:
+        """`own_slot` of every prompt token (vectorised: the host builds this for every
+        Mirror of a round right after the selection, while the GPU waits)."""
+        key = ("own", view)
+        if key not in self._fixed:
+            of = torch.tensor(self.own_of, dtype=torch.long)
+            pos = torch.tensor(self.own_pos[view], dtype=torch.long)
+            has = of >= 0
+            has[has.clone()] = pos[of[has]] >= 0
+            self._fixed[key] = torch.where(has, of, -1)
+        return self._fixed[key]
 
     def master_slots(self, block_size: int) -> torch.Tensor:
         """Flat pool slot of each prompt token's base K/V in the Master (-1: none)."""
@@ -171,13 +180,12 @@ class Mirror:
     def _positions(self, view: int, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Positions of the prompt area's slots, and of the Master slots (a segment's
         token is read there unless this view has a private copy of it)."""
+        head = self._own_head(view)  # a span's tokens that are not reused are private: >= 0
         parts = []
         for sp in self.spans:
-            pos = [-1] * (len(sp.blocks) * block_size)
-            for t in range(sp.n):
-                j = sp.lo + t
-                if j in self._span_of and self.own_slot(j, view) < 0:
-                    pos[t] = j
-            parts.append(torch.tensor(pos, dtype=torch.int32))
+            pos = torch.full((len(sp.blocks) * block_size,), -1, dtype=torch.int32)
+            j = torch.arange(sp.lo, sp.lo + sp.n)
+            pos[:sp.n] = torch.where(head[j] < 0, j, -1)
+            parts.append(pos)
         spans = torch.cat(parts) if parts else torch.zeros(0, dtype=torch.int32)
         return torch.tensor(self.own_pos[view], dtype=torch.int32), spans

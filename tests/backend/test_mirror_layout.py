@@ -106,3 +106,30 @@ def test_master_read_of_a_batch():
     early = master_read([seq(m)], EARLY, B, chunks=1)
     assert [j for j in range(12) if early.hide[0, j]] == [5, 6, 7]  # layer 0 reads the patch's base
     assert master_read([seq(bare)], LATE, B).chunks.shape == (0, 3)
+
+
+def test_vectorised_tables_equal_the_token_by_token_definition():
+    g = torch.Generator().manual_seed(5)
+    for trial in range(20):
+        n, spans, reused, lo = 60, [], [False] * 60, 2
+        while lo < 50:  # segments of 3-9 tokens with private gaps, some tokens not reused
+            size = int(torch.randint(3, 10, (1,), generator=g))
+            spans.append(Span(list(range(100 + 10 * len(spans), 100 + 10 * len(spans) + 3)), lo, size))
+            for t in range(lo, lo + size):
+                reused[t] = bool(torch.rand(1, generator=g) < 0.9)
+            lo += size + int(torch.randint(0, 4, (1,), generator=g))
+        m = Mirror.build(n, spans, reused, trial % 4 == 0, patch_cap=6)
+        picked = [j for j in range(n) if reused[j]]
+        m.pick(picked[:: max(1, len(picked) // 5)][:5])
+        for view in (EARLY, LATE):
+            rows = torch.arange(n + 3)  # and three generated tokens
+            assert m.own_index(view, rows).tolist() == [m.own_slot(int(j), view) for j in rows]
+            want = []
+            for sp in spans:
+                pos = [-1] * (len(sp.blocks) * B)
+                for t in range(sp.n):
+                    j = sp.lo + t
+                    if reused[j] and m.own_slot(j, view) < 0:
+                        pos[t] = j
+                want += pos
+            assert m.master_pos(view, B).tolist() == want
