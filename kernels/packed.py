@@ -2,7 +2,7 @@
 
 `F.linear` on a CPU bf16 weight hands oneDNN a plain row-major weight on every call; a
 weight reordered once into oneDNN's own layout at load gives identical outputs (measured:
-no difference on SmolLM2's shapes) 1.7-2.8x faster for 1-8 rows, 1.05-1.15x for
+no difference on SmolLM2's shapes) 1.6-3.5x faster for 1-8 rows, 1.05-1.15x for
 prefill-sized inputs, on this project's CPU. The reference is `F.linear` on the unpacked
 weight; tests compare the two.
 """
