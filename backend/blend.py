@@ -21,6 +21,7 @@ from tokendance.backend.mirror import EARLY, LATE
 from tokendance.backend.model import AttnMeta, Decoder, KVCache
 from tokendance.backend.sequence import Sequence
 from tokendance.backend.tables import kv_view
+from tokendance.backend.upload import upload, upload_list
 from tokendance.kernels.deviation import kv_deviation, select_top
 
 
@@ -46,8 +47,8 @@ def _meta(items: list[BlendInput], rows: list[torch.Tensor], view: int, cache: K
     for r in rows:
         cu.append(cu[-1] + len(r))
     return AttnMeta(
-        positions=torch.cat(rows).to(device),
-        cu_q=torch.tensor(cu, dtype=torch.int32, device=device),
+        positions=upload(torch.cat(rows), device),
+        cu_q=upload_list(cu, torch.int32, device),
         max_q=max(len(r) for r in rows),
         fresh_cu=cu if fresh else None,
         **kv_view([it.seq for it in items], rows, view, cache.block_size, cache.trash, device),
@@ -62,7 +63,7 @@ def blend(model: Decoder, cache: KVCache, items: list[BlendInput], check_layer: 
     full = [torch.arange(it.start, len(it.seq.prompt)) for it in items]
     # Causal attention over the step's own K/V, unless a prefix sits in the pool.
     meta = _meta(items, full, EARLY, cache, device, fresh=all(it.start == 0 for it in items))
-    ids = torch.tensor([t for it in items for t in it.seq.prompt[it.start:]], device=device)
+    ids = upload_list([t for it in items for t in it.seq.prompt[it.start:]], torch.long, device)
     x = model.embed(ids)
     offsets = [0]
     for r in full:
@@ -77,14 +78,16 @@ def blend(model: Decoder, cache: KVCache, items: list[BlendInput], check_layer: 
         attn = layer.self_attn
         q, k, v = attn.qkv(layer.input_layernorm(x))
         base = torch.cat([it.seq.mirror.master_slots(bsz)[it.start:] for it in items])
-        base = torch.where(base >= 0, base, cache.trash).to(device)
+        base = upload(torch.where(base >= 0, base, cache.trash), device)
         kc = cache.k[li].view(-1, *k.shape[1:])
         vc = cache.v[li].view(-1, *v.shape[1:])
         dev = kv_deviation(k, v, kc[base], vc[base])
         groups = []
         for i, it in enumerate(items):
             mask = torch.tensor(it.reused[it.start:], dtype=torch.bool)
-            groups.append(torch.nonzero(mask).flatten().to(device) + offsets[i])
+            groups.append(torch.nonzero(mask).flatten() + offsets[i])
+        sizes = [len(g) for g in groups]
+        groups = list(upload(torch.cat(groups), device).split(sizes))
         picks = select_top(dev, groups, ratio, floor)
         host = torch.cat(picks).cpu().split([len(p) for p in picks])  # one transfer
         for i, it in enumerate(items):
@@ -102,7 +105,7 @@ def blend(model: Decoder, cache: KVCache, items: list[BlendInput], check_layer: 
             keep[-1] = True
             keep[: it.start] = False
             rows.append(torch.nonzero(keep).flatten())
-        take = torch.cat([r - it.start + off for r, it, off in zip(rows, items, offsets)]).to(device)
+        take = upload(torch.cat([r - it.start + off for r, it, off in zip(rows, items, offsets)]), device)
         x = x[take]
         meta = _meta(items, rows, LATE, cache, device)
     last = meta.cu_q[1:].long() - 1

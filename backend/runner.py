@@ -9,6 +9,7 @@ from tokendance.backend.mirror import EARLY, LATE
 from tokendance.backend.model import AttnMeta, Decoder, KVCache
 from tokendance.backend.scheduler import Scheduled
 from tokendance.backend.tables import kv_view
+from tokendance.backend.upload import upload_list
 
 
 def step_meta(work: list[Scheduled], block_size: int, device: torch.device, trash: int = -1,
@@ -29,7 +30,7 @@ def step_meta(work: list[Scheduled], block_size: int, device: torch.device, tras
             last.append(cu[-1] - 1)
 
     def t(x: list[int], dtype: torch.dtype = torch.int64) -> torch.Tensor:
-        return torch.tensor(x, dtype=dtype).to(device, non_blocking=True)
+        return upload_list(x, dtype, device)
 
     common = dict(positions=t(pos), cu_q=t(cu, torch.int32), max_q=max(w.count for w in work))
     seqs = [w.seq for w in work]

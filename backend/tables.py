@@ -15,6 +15,7 @@ import torch
 
 from tokendance.backend.mirror import Span
 from tokendance.backend.sequence import Sequence
+from tokendance.backend.upload import upload
 from tokendance.kernels.master import NOT_READ, MasterRead, plan_chunks
 
 # About this many chunks of the Master per decode step (each costs a query rotation;
@@ -56,7 +57,7 @@ def kv_view(seqs: list[Sequence], rows: list[torch.Tensor], view: int, block_siz
         for i, p in enumerate(spos):
             sp[i, :len(p)] = p
         out["slot_pos"] = sp
-    out = {k: v.to(device, non_blocking=True) for k, v in out.items()}
+    out = {k: upload(v, device) for k, v in out.items()}
     if collective:
         out["master"] = to_device(master_read(seqs, view, block_size, cap=chunk_cap), device)
     return out
@@ -135,5 +136,4 @@ def master_read(seqs: list[Sequence], view: int, block_size: int, chunks: int = 
 
 
 def to_device(read: MasterRead, device: torch.device) -> MasterRead:
-    return MasterRead(*(t.to(device, non_blocking=True) for t in
-                        (read.table, read.chunks, read.shift, read.hide)))
+    return MasterRead(*(upload(t, device) for t in (read.table, read.chunks, read.shift, read.hide)))
