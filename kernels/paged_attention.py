@@ -89,6 +89,11 @@ def paged_attention_reference(
         qs = q[lo:hi]
         mask = None
         qp = q_pos[lo:hi]
+        n = hi - lo
+        if (live is None and n > 1 and _FLASH_LSE is not None and not q.is_cuda
+                and torch.equal(qp.long(), torch.arange(kv_len - n, kv_len, device=qp.device))):
+            out[lo:hi] = _chunk_attention(qs, k, v, kv_len - n, sm_scale)
+            continue
         # Decode (one query at or past the last slot) needs no mask.
         if live is not None:
             mask = live[None, :] & (kpos[None, :] <= qp[:, None].to(kpos.dtype))
@@ -105,6 +110,29 @@ def paged_attention_reference(
         )
         out[lo:hi] = o[0].transpose(0, 1)
     return out
+
+
+# CPU flash attention that also returns the log-sum-exp (what F.scaled_dot_product_attention
+# runs on CPU, minus the lse); absent from some builds, then the masked call serves.
+_FLASH_LSE = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+
+
+def _chunk_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p: int,
+                     sm_scale: float) -> torch.Tensor:
+    """Queries at positions p .. p+n-1 over keys 0 .. p+n-1 (rotated), as a chunked
+    prefill continues its own sequence: the first p keys, seen by every query, and the
+    chunk's own, causal, in two unmasked calls merged by their lse. One call with a mask
+    would compute every score, twice the work at p = n, and CPU SDPA runs a mask slower
+    per score than its causal path. [n, Hq, D] out, in q.dtype."""
+    g = q.shape[1] // k.shape[1]
+    qh = q.transpose(0, 1)[None].contiguous()  # [1, Hq, n, D]
+    kh = k.to(q.dtype).transpose(0, 1).repeat_interleave(g, 0)[None]  # [1, Hq, p+n, D]
+    vh = v.transpose(0, 1).repeat_interleave(g, 0)[None]
+    o, lse = _FLASH_LSE(qh, kh[:, :, p:], vh[:, :, p:], 0.0, True, scale=sm_scale)
+    if p:
+        o1, lse1 = _FLASH_LSE(qh, kh[:, :, :p], vh[:, :, :p], 0.0, False, scale=sm_scale)
+        o, lse = merge_attention(o1.float(), lse1, o.float(), lse)
+    return o[0].transpose(0, 1).to(q.dtype)
 
 
 def _decode_layout(q_pos, block_tables, kv_lens, inv_freq, rope_scale, slot_pos, bsz: int,

@@ -242,3 +242,22 @@ def test_bf16(decode: bool) -> None:
     got = run_triton(c.to(torch.bfloat16), num_splits=2)
     assert got.dtype == torch.bfloat16
     assert rel(got.float(), ref32) < 2e-2
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_chunk_split_equals_masked_call(monkeypatch, dtype: torch.dtype) -> None:
+    """A chunk that continues its own sequence (CPU): prefix and own keys in two unmasked
+    calls merged by lse, against one masked call, and the dense definition."""
+    lens = [70, 37, 19, 50]
+    # chunks after a prefix, a whole prompt (no prefix), and non-contiguous queries
+    c = make_case(lens, suffix(lens[:3], [30, 37, 6]) + [torch.tensor([10, 20, 49])]).to(dtype)
+    calls = []
+    real = pa._chunk_attention
+    monkeypatch.setattr(pa, "_chunk_attention", lambda *a: calls.append(a[3]) or real(*a))
+    split = pa.paged_attention_reference(*c.args())
+    assert sorted(calls) == [0, 13, 40]  # prefix lengths; the scattered queries keep the mask
+    monkeypatch.setattr(pa, "_FLASH_LSE", None)
+    masked = pa.paged_attention_reference(*c.args())
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    assert rel(split.float(), masked.float()) < tol
+    assert rel(split.float(), dense_attention(c.to(torch.float32))) < (1e-5 if dtype == torch.float32 else 2e-2)
