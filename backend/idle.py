@@ -22,6 +22,7 @@ import torch
 from tokendance.backend.mirror import EARLY, LATE, Mirror, Span
 from tokendance.backend.model import KVCache
 from tokendance.backend.offload import HostTier
+from tokendance.backend.pool import flat_slots
 from tokendance.backend.sequence import Sequence
 
 
@@ -39,12 +40,6 @@ class Resume:
     name: str
     parked: Parked
     length: int
-
-
-def _flat(blocks: list[int], n: int, block_size: int) -> torch.Tensor:
-    """Flat pool slots of the first n slots of a block list."""
-    i = torch.arange(n)
-    return torch.tensor(blocks, dtype=torch.long)[i // block_size] * block_size + i % block_size
 
 
 def _token(parked: Parked, i: int) -> int:
@@ -76,12 +71,12 @@ class IdleAgents:
         tokens = seq.tokens[: seq.computed]
         if not tokens or not seq.blocks:
             return
-        b = self.cache.block_size
+        b, dev = self.cache.block_size, self.cache.kv.device
         n = seq.own_slots(len(tokens))
         spans = seq.mirror.spans if seq.mirror is not None else []
         for sp in spans:
-            self.tier.put_master(sp.key, _flat(sp.blocks, sp.n, b).to(self.cache.kv.device))
-        held = self.tier.park(name, _flat(seq.blocks, n, b).to(self.cache.kv.device),
+            self.tier.put_master(sp.key, flat_slots(sp.blocks, torch.arange(sp.n), b).to(dev))
+        held = self.tier.park(name, flat_slots(seq.blocks, torch.arange(n), b).to(dev),
                               [sp.key for sp in spans])
         for sp in spans:
             self.tier.release_master(sp.key)

@@ -9,9 +9,16 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
+import torch
+
 
 class OutOfBlocks(RuntimeError):
     pass
+
+
+def flat_slots(blocks: list[int], idx: torch.Tensor, block_size: int) -> torch.Tensor:
+    """Pool slots (block * block_size + offset) of the slots `idx` of a block list."""
+    return torch.tensor(blocks, dtype=torch.long)[idx // block_size] * block_size + idx % block_size
 
 
 class BlockPool:

@@ -11,6 +11,7 @@ import torch
 from tokendance.backend.api import SamplingParams
 from tokendance.backend.detok import Detok
 from tokendance.backend.mirror import Mirror
+from tokendance.backend.pool import flat_slots
 
 if TYPE_CHECKING:
     from tokendance.backend.idle import Resume
@@ -66,8 +67,7 @@ class Sequence:
             return torch.tensor([self.slot(int(rows[0]), view, block_size, trash)])
         own = rows if self.mirror is None else self.mirror.own_index(view, rows)
         i = own.clamp_min(0)
-        flat = torch.tensor(self.blocks, dtype=torch.long)[i // block_size] * block_size + i % block_size
-        return torch.where(own >= 0, flat, trash)
+        return torch.where(own >= 0, flat_slots(self.blocks, i, block_size), trash)
 
     def slot(self, row: int, view: int, block_size: int, trash: int) -> int:
         """`slots` of one token, as a plain int."""
