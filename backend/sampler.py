@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from tokendance.backend.sequence import Sequence
+from tokendance.backend.upload import upload
 
 
 @dataclass(slots=True)
@@ -34,12 +35,9 @@ def choose(logits: torch.Tensor, seqs: list[Sequence], default: torch.Generator 
     params = [s.sampling for s in seqs]
     chosen = logits.argmax(-1)
     if not all(p.greedy for p in params):
-        def dev(xs: list) -> torch.Tensor:
-            return torch.tensor(xs).to(logits.device, non_blocking=True)
-
-        temp = dev([p.temperature or 1.0 for p in params])
-        top_k = dev([p.top_k for p in params])
-        top_p = dev([p.top_p for p in params])
+        temp = upload(torch.tensor([p.temperature or 1.0 for p in params]), logits.device)
+        top_k = upload(torch.tensor([p.top_k for p in params]), logits.device)
+        top_p = upload(torch.tensor([p.top_p for p in params]), logits.device)
         probs = _filter(logits / temp[:, None], top_k, top_p).softmax(-1)
         for i, seq in enumerate(seqs):
             if not params[i].greedy:
