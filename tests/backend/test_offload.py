@@ -22,6 +22,12 @@ def make_cache(blocks: int = 64, seed: int = 0) -> KVCache:
     return cache
 
 
+def budgeted(tokens: int, seed: int) -> tuple[HostTier, Slots]:
+    """A host tier of `tokens` tokens' budget over a fresh cache, and slots to park."""
+    cache = make_cache()
+    return HostTier(cache, tokens * TOKEN), Slots(cache.num_blocks, seed)
+
+
 def kv_of(cache: KVCache, slots: torch.Tensor) -> torch.Tensor:
     return cache.kv.view(LAYERS, 2, -1, HKV, D)[:, :, slots].clone()
 
@@ -109,9 +115,7 @@ def test_master_freed_with_its_last_reader():
 
 
 def test_park_replaces_and_lru_eviction():
-    cache = make_cache()
-    tier = HostTier(cache, 20 * TOKEN)
-    alloc = Slots(cache.num_blocks, 6)
+    tier, alloc = budgeted(20, 6)
     for name in ("a", "b", "c"):
         assert tier.park(name, alloc.take(6), []) == 6 * TOKEN
     assert tier.park("a", alloc.take(4), []) == 4 * TOKEN  # replaces a: now the newest
@@ -124,9 +128,7 @@ def test_park_replaces_and_lru_eviction():
 def test_a_taken_agent_is_never_evicted():
     """An agent whose next request will restore it stays until restored or dropped:
     parking others evicts the agents nobody takes, and refuses what cannot fit beside it."""
-    cache = make_cache()
-    tier = HostTier(cache, 20 * TOKEN)
-    alloc = Slots(cache.num_blocks, 9)
+    tier, alloc = budgeted(20, 9)
     tier.put_master(1, alloc.take(4))
     tier.park("a", alloc.take(6), [1])
     tier.release_master(1)  # only a holds it now
@@ -144,9 +146,7 @@ def test_a_taken_agent_is_never_evicted():
 
 
 def test_agent_bigger_than_budget_is_refused():
-    cache = make_cache()
-    tier = HostTier(cache, 20 * TOKEN)
-    alloc = Slots(cache.num_blocks, 7)
+    tier, alloc = budgeted(20, 7)
     tier.put_master(1, alloc.take(10))
     assert tier.park("small", alloc.take(4), [1]) == 4 * TOKEN
     assert tier.park("huge", alloc.take(21), []) == 0
@@ -159,9 +159,7 @@ def test_agent_bigger_than_budget_is_refused():
 
 
 def test_eviction_keeps_the_masters_the_new_agent_reads():
-    cache = make_cache()
-    tier = HostTier(cache, 24 * TOKEN)
-    alloc = Slots(cache.num_blocks, 8)
+    tier, alloc = budgeted(24, 8)
     tier.put_master(1, alloc.take(10))
     tier.park("a", alloc.take(6), [1])
     tier.release_master(1)  # only a holds it now
