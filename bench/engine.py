@@ -23,16 +23,20 @@ def sync(dev: torch.device) -> None:
         torch.cuda.synchronize()
 
 
-def timed(fn, dev: torch.device, repeats: int) -> float:
-    fn()  # warm-up
-    out = []
-    for _ in range(repeats):
-        sync(dev)
-        t0 = time.perf_counter()
-        fn()
-        sync(dev)
-        out.append(time.perf_counter() - t0)
-    return statistics.median(out)
+def timed(fn, dev: torch.device) -> float:
+    sync(dev)
+    t0 = time.perf_counter()
+    fn()
+    sync(dev)
+    return time.perf_counter() - t0
+
+
+def paired(ours, hf, repeats: int) -> tuple[float, float]:
+    """Medians of `repeats` runs of each side, taken in alternating pairs after one
+    warm-up each: a noisy machine's slow spell then hits both sides alike, not one."""
+    ours(), hf()
+    runs = [(ours(), hf()) for _ in range(repeats)]
+    return statistics.median(a for a, _ in runs), statistics.median(b for _, b in runs)
 
 
 def rand_prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
@@ -117,15 +121,15 @@ def main(args: argparse.Namespace) -> int:
     rows = []
     for b, n in pre:
         ps = rand_prompts(b, n, vocab, seed=n)
-        t_ours = timed(lambda: ours_prefill(eng, ps), dev, args.repeats)
-        t_hf = timed(lambda: hf_prefill(hf, ps, dev), dev, args.repeats)
+        t_ours, t_hf = paired(lambda: timed(lambda: ours_prefill(eng, ps), dev),
+                              lambda: timed(lambda: hf_prefill(hf, ps, dev), dev), args.repeats)
         rows.append((f"prefill {b}x{n}", b * n / t_ours, b * n / t_hf, "tok/s"))
     for b, n in dec:
         ps = rand_prompts(b, n, vocab, seed=n + 1)
-        t_ours = statistics.median(ours_decode(eng, ps, args.steps) for _ in range(args.repeats))
-        t_hf = statistics.median(hf_decode(hf, ps, args.steps, dev) for _ in range(args.repeats))
+        t_ours, t_hf = paired(lambda: ours_decode(eng, ps, args.steps),
+                              lambda: hf_decode(hf, ps, args.steps, dev), args.repeats)
         rows.append((f"decode batch {b}, context {n}", b / t_ours, b / t_hf, "tok/s"))
-    print(f"model {eng.name} on {dev}, {eng.dtype}; HF transformers SDPA in the same run, medians of {args.repeats}")
+    print(f"model {eng.name} on {dev}, {eng.dtype}; HF transformers SDPA in the same run, medians of {args.repeats} alternating pairs")
     print("| what | ours | HF | ratio |\n|---|---|---|---|")
     for name, a, h, unit in rows:
         print(f"| {name} | {a:,.0f} {unit} | {h:,.0f} {unit} | {a / h:.2f}x |")
