@@ -24,7 +24,7 @@ from tokendance.backend.api import MODES, SamplingParams, Usage
 from tokendance.backend.engine import Engine
 from tokendance.bench.allgather import Round, make_round
 from tokendance.bench.shapes import round_engine
-from tokendance.bench.step_split import profiled
+from tokendance.bench.step_split import profiled, traced
 
 ONE = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
 
@@ -127,9 +127,10 @@ def table(rows: list[dict]) -> str:
 
 
 def profiles(eng: Engine, rows: list[dict], n: int, history: int, output: int, modes: list[str],
-             decode: int, top: int) -> str:
+             decode: int, top: int, trace: str | None = None) -> str:
     """Per mode, one more cold round of n agents under the profiler: how much of the
-    timed round (its median in rows) keeps the device busy, and the top ops."""
+    timed round (its median in rows) keeps the device busy, and the top ops. With
+    `trace` (a folder), one more per mode with Python stacks: its chrome trace there."""
     rnd = make_round(n, history, output, min(eng.mcfg.vocab_size, len(eng.tokenizer)), seed=n)
     sampling = SamplingParams(max_tokens=decode, temperature=0, ignore_eos=True)
     out = [f"\nProfiled: N = {n}, one cold round per mode", "| mode | round ms | device busy ms | busy share |",
@@ -140,6 +141,9 @@ def profiles(eng: Engine, rows: list[dict], n: int, history: int, output: int, m
         eng.reset_caches()
         busy, ops = profiled(eng, lambda: play(eng, rnd, mode, sampling), top)
         out.append(f"| {mode} | {ms:.0f} | {busy:.0f} | {busy / ms:.2f} |")
+        if trace:
+            eng.reset_caches()
+            traced(eng, lambda: play(eng, rnd, mode, sampling), str(Path(trace) / f"{mode}-n{n}.json.gz"))
         tables.append(f"\n{mode}:\n{ops}")
     return "\n".join(out + tables)
 
@@ -163,6 +167,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--profile", type=int, default=0, metavar="TOP",
                    help="then profile one cold round per mode at the first N: device busy time "
                         "against the timed round, and the TOP ops")
+    p.add_argument("--trace", default=None, metavar="DIR",
+                   help="with --profile: also a chrome trace per mode with Python stacks in DIR "
+                        "(python -m tokendance.bench.gaps reads them)")
 
 
 def main(args: argparse.Namespace) -> int:
@@ -180,7 +187,8 @@ def main(args: argparse.Namespace) -> int:
           f"ratio {eng.collector.cfg.ratio}, floor {eng.collector.cfg.floor}")
     print(table(rows))
     if args.profile:
-        print(profiles(eng, rows, agents[0], args.history, args.output, modes, args.decode, args.profile))
+        print(profiles(eng, rows, agents[0], args.history, args.output, modes, args.decode, args.profile,
+                       args.trace))
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))
     return 0

@@ -86,3 +86,17 @@ def profiled(eng: Engine, fn, top: int) -> tuple[float, str]:
         key = "self_cpu_time_total"
         busy = sum(e.self_cpu_time_total for e in events)
     return busy / 1e3, events.table(sort_by=key, row_limit=top)
+
+
+def traced(eng: Engine, fn, path: str) -> None:
+    """One call of fn under the profiler with Python stacks, its chrome trace written to
+    path (gzipped when it ends in .gz), for bench/gaps.py. Apart from `profiled`: the
+    stack tracer slows the host, so busy shares come from runs without it."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = eng.device.type == "cuda"
+    with profile(activities=[ProfilerActivity.CPU] + [ProfilerActivity.CUDA] * cuda, with_stack=True) as prof:
+        fn()
+        if cuda:
+            torch.cuda.synchronize()
+    prof.export_chrome_trace(path)
