@@ -42,15 +42,15 @@ class Resume:
     length: int
 
 
-def _token(parked: Parked, i: int) -> int:
-    """The token whose K/V private slot i holds (-1: unused patch room)."""
+def _tokens(parked: Parked) -> torch.Tensor:
+    """The token whose K/V each parked private slot holds (-1: unused patch room)."""
+    i = torch.arange(parked.slots)
     m = parked.mirror
     if m is None:
         return i
-    if i >= m.area:
-        return m.prompt_len + i - m.area
-    late = m.own_pos[LATE][i]
-    return late if late >= 0 else m.own_pos[EARLY][i]
+    head = i.clamp_max(m.area - 1)
+    late, early = m.own_pos[LATE][head], m.own_pos[EARLY][head]
+    return torch.where(i >= m.area, m.prompt_len + i - m.area, torch.where(late >= 0, late, early))
 
 
 class IdleAgents:
@@ -115,12 +115,12 @@ class IdleAgents:
     def private_slots(self, r: Resume, seq: Sequence) -> torch.Tensor:
         """Destination of each parked private slot in seq (reserved for its prompt):
         its token's own slot there, the trash slot for tokens past the prefix."""
-        b, out = self.cache.block_size, []
-        for i in range(r.parked.slots):
-            j = _token(r.parked, i)
-            k = seq.mirror.own_of[j] if 0 <= j < r.length else -1
-            out.append(seq.blocks[k // b] * b + k % b if k >= 0 else self.cache.trash)
-        return torch.tensor(out, dtype=torch.long, device=self.cache.kv.device)
+        j = _tokens(r.parked)
+        inside = (j >= 0) & (j < r.length)
+        k = torch.where(inside, seq.mirror.own_of[j.clamp(0, r.length - 1)], -1)
+        out = torch.where(k >= 0, flat_slots(seq.blocks, k.clamp_min(0), self.cache.block_size),
+                          self.cache.trash)
+        return out.to(self.cache.kv.device)
 
     def restore(self, items: list[tuple[Resume, Sequence]], masters: dict[int, torch.Tensor]) -> None:
         """One fused restore: each resumed request's private slots, and the Masters in
@@ -136,12 +136,16 @@ def resumed_mirror(r: Resume, prompt_len: int, old_spans: list[Span], new_spans:
     patches, then the new segments (new_spans, reused_tail: per token from r.length on,
     which are reused) with patch room for the share `ratio` of them."""
     old = r.parked.mirror
-    reused = [old is not None and j < old.prompt_len and j in old._span_of for j in range(r.length)]
-    reused += reused_tail
-    patches = []
+    head = torch.zeros(r.length, dtype=torch.bool)
+    patches: list[int] = []
     if old is not None:
-        patches = [j for j in range(min(r.length, old.prompt_len))
-                   if reused[j] and old.own_of[j] >= 0 and old.own_pos[LATE][old.own_of[j]] == j]
+        n = min(r.length, old.prompt_len)
+        head[:n] = old.reused[:n]
+        j = torch.arange(n)
+        of = old.own_of[:n]
+        late = torch.cat([old.own_pos[LATE], torch.tensor([-1])])[of]  # of = -1 reads that -1
+        patches = torch.nonzero(head[:n] & (of >= 0) & (late == j)).flatten().tolist()
+    reused = head.tolist() + reused_tail
     cap = len(patches) + math.ceil(ratio * sum(reused_tail))
     m = Mirror.build(prompt_len, old_spans + new_spans, reused, dense_early, cap)
     m.pick(patches)

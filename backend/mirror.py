@@ -35,52 +35,64 @@ class Span:
     source: str = ""  # which base it read ("standalone", "producer", ...)
 
 
+def ranges(starts: list[int], counts: list[int]) -> torch.Tensor:
+    """starts[i] .. starts[i] + counts[i] - 1 for every i, concatenated (long). One
+    arange per range: torch.repeat_interleave took 0.5-7 ms a call on the H200's host."""
+    if not starts:
+        return torch.zeros(0, dtype=torch.long)
+    return torch.cat([torch.arange(a, a + n) for a, n in zip(starts, counts)])
+
+
 @dataclass(slots=True, eq=False)
 class Mirror:
+    """Tensors on the host (long): a round builds and reads one per request while the
+    GPU waits, so nothing here loops over tokens in Python."""
+
     prompt_len: int
     spans: list[Span]
     # Per private slot of the prompt area, per view: the token's position, -1 if that
     # view does not read this slot. Generated tokens follow the prompt area.
-    own_pos: tuple[list[int], list[int]]
-    own_of: list[int]  # per prompt token: its private slot, -1 if it has none
+    own_pos: tuple[torch.Tensor, torch.Tensor]
+    own_of: torch.Tensor  # per prompt token: its private slot, -1 if it has none
+    reused: torch.Tensor  # per prompt token (bool): its base K/V is in one of the spans
     master_blocks: list[int] = field(default_factory=list)  # every span's, in order
     patch_free: list[int] = field(default_factory=list)  # unused patch slots (check layer 1)
-    _span_of: dict[int, tuple[int, int]] = field(default_factory=dict)  # token -> (span, t)
-    _fixed: dict = field(default_factory=dict)  # tensors derived from the above, per view
+    _fixed: dict = field(default_factory=dict)  # tensors derived from the above
 
     @classmethod
     def build(cls, prompt_len: int, spans: list[Span], reused: list[bool], dense_early: bool,
               patch_cap: int) -> Mirror:
         """Private slots for the tokens not reused; for every reused token too when
         dense_early (check layer > 1), else `patch_cap` spare slots for patches."""
-        own_of = [-1] * prompt_len
-        early: list[int] = []
-        for j in range(prompt_len):
-            if not reused[j] or dense_early:
-                own_of[j] = len(early)
-                early.append(j)
-        late = [j if own_of[j] >= 0 and not reused[j] else -1 for j in early]
-        free = []
+        r = torch.tensor(reused, dtype=torch.bool)
+        early = torch.nonzero(torch.ones_like(r) if dense_early else ~r).flatten()
+        own_of = torch.full((prompt_len,), -1, dtype=torch.long)
+        own_of[early] = torch.arange(len(early))
+        late = torch.where(r[early], -1, early)
+        free: list[int] = []
         if not dense_early:
-            free = list(range(len(early), len(early) + patch_cap))
-            early += [-1] * patch_cap
-            late += [-1] * patch_cap
-        m = cls(prompt_len, spans, (early, late), own_of, [b for sp in spans for b in sp.blocks],
-                patch_free=free[::-1])
-        for si, sp in enumerate(spans):
-            for t in range(sp.n):
-                if reused[sp.lo + t]:
-                    m._span_of[sp.lo + t] = (si, t)
-        return m
+            free = list(range(len(early) + patch_cap - 1, len(early) - 1, -1))  # pop() takes the lowest
+            room = torch.full((patch_cap,), -1, dtype=torch.long)
+            early, late = torch.cat([early, room]), torch.cat([late, room])
+        return cls(prompt_len, spans, (early, late), own_of, r, [b for sp in spans for b in sp.blocks],
+                   patch_free=free)
 
     # -- writes --------------------------------------------------------------------
 
     def pick(self, tokens: list[int]) -> None:
-        """Reused tokens recomputed from the check layer on: they get a private patch."""
-        for j in tokens:
-            if self.own_of[j] < 0:
-                self.own_of[j] = self.patch_free.pop()
-            self.own_pos[LATE][self.own_of[j]] = j
+        """Reused tokens (distinct) recomputed from the check layer on: they get a private
+        patch, the lowest free slot first, in the given order."""
+        if not tokens:
+            return
+        j = torch.tensor(tokens, dtype=torch.long)
+        new = j[self.own_of[j] < 0]
+        if len(new):
+            if len(new) > len(self.patch_free):
+                raise ValueError(f"{len(new)} patches picked, room for {len(self.patch_free)}")
+            cut = len(self.patch_free) - len(new)
+            self.own_of[new] = torch.tensor(self.patch_free[cut:][::-1], dtype=torch.long)
+            del self.patch_free[cut:]
+        self.own_pos[LATE][self.own_of[j]] = j
         self._fixed.clear()
 
     def trim(self) -> int:
@@ -93,8 +105,7 @@ class Mirror:
             return 0
         area = self.area
         assert sorted(self.patch_free) == list(range(area - n, area)), "unused patch room must end the area"
-        for pos in self.own_pos:
-            del pos[area - n:]
+        self.own_pos = (self.own_pos[EARLY][: area - n], self.own_pos[LATE][: area - n])
         self.patch_free.clear()
         self._fixed.clear()
         return n
@@ -104,8 +115,8 @@ class Mirror:
         (the view reads the Master's copy)."""
         if j >= self.prompt_len:
             return self.area + j - self.prompt_len
-        i = self.own_of[j]
-        return i if i >= 0 and self.own_pos[view][i] >= 0 else -1
+        i = int(self.own_of[j])
+        return i if i >= 0 and int(self.own_pos[view][i]) >= 0 else -1
 
     def own_index(self, view: int, rows: torch.Tensor) -> torch.Tensor:
         """`own_slot` of each token in rows (ascending), as a tensor."""
@@ -114,24 +125,35 @@ class Mirror:
         return torch.where(rows < self.prompt_len, head[rows.clamp_max(self.prompt_len - 1)], tail)
 
     def _own_head(self, view: int) -> torch.Tensor:
-        """`own_slot` of every prompt token (vectorised: the host builds this for every
-        Mirror of a round right after the selection, while the GPU waits)."""
+        """`own_slot` of every prompt token."""
         key = ("own", view)
         if key not in self._fixed:
-            of = torch.tensor(self.own_of, dtype=torch.long)
-            pos = torch.tensor(self.own_pos[view], dtype=torch.long)
-            has = of >= 0
-            has[has.clone()] = pos[of[has]] >= 0
-            self._fixed[key] = torch.where(has, of, -1)
+            pos = torch.cat([self.own_pos[view], torch.tensor([-1])])  # of = -1 reads that last -1
+            self._fixed[key] = torch.where(pos[self.own_of] >= 0, self.own_of, -1)
+        return self._fixed[key]
+
+    def _geometry(self, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(prompt position of every span token, its slot in the spans' blocks laid end
+        to end), in span order."""
+        key = ("geometry", block_size)
+        if key not in self._fixed:
+            n = [sp.n for sp in self.spans]
+            first = [0]
+            for sp in self.spans[:-1]:
+                first.append(first[-1] + len(sp.blocks) * block_size)
+            self._fixed[key] = (ranges([sp.lo for sp in self.spans], n), ranges(first, n))
         return self._fixed[key]
 
     def master_slots(self, block_size: int) -> torch.Tensor:
         """Flat pool slot of each prompt token's base K/V in the Master (-1: none)."""
         if "master" not in self._fixed:
-            out = [-1] * self.prompt_len
-            for j, (si, t) in self._span_of.items():
-                out[j] = self.spans[si].blocks[t // block_size] * block_size + t % block_size
-            self._fixed["master"] = torch.tensor(out)
+            tok, at = self._geometry(block_size)
+            blocks = torch.tensor(self.master_blocks, dtype=torch.long)
+            out = torch.full((self.prompt_len,), -1, dtype=torch.long)
+            if len(tok):
+                slot = blocks[at // block_size] * block_size + at % block_size
+                out[tok] = torch.where(self.reused[tok], slot, -1)
+            self._fixed["master"] = out
         return self._fixed["master"]
 
     # -- sizes ---------------------------------------------------------------------
@@ -181,11 +203,7 @@ class Mirror:
         """Positions of the prompt area's slots, and of the Master slots (a segment's
         token is read there unless this view has a private copy of it)."""
         head = self._own_head(view)  # a span's tokens that are not reused are private: >= 0
-        parts = []
-        for sp in self.spans:
-            pos = torch.full((len(sp.blocks) * block_size,), -1, dtype=torch.int32)
-            j = torch.arange(sp.lo, sp.lo + sp.n)
-            pos[:sp.n] = torch.where(head[j] < 0, j, -1)
-            parts.append(pos)
-        spans = torch.cat(parts) if parts else torch.zeros(0, dtype=torch.int32)
-        return torch.tensor(self.own_pos[view], dtype=torch.int32), spans
+        tok, at = self._geometry(block_size)
+        spans = torch.full((len(self.master_blocks) * block_size,), -1, dtype=torch.int32)
+        spans[at] = torch.where(head[tok] < 0, tok, -1).to(torch.int32)
+        return self.own_pos[view].to(torch.int32), spans

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from tokendance.backend.mirror import Span
+from tokendance.backend.mirror import Span, ranges
 from tokendance.backend.sequence import Sequence
 from tokendance.backend.upload import upload
 from tokendance.kernels.master import NOT_READ, MasterRead, plan_chunks
@@ -110,7 +110,6 @@ def master_read(seqs: list[Sequence], view: int, block_size: int, chunks: int = 
     # tensor writes costs ~15 us each: 30 ms for 32 Mirrors of 32 segments).
     seg_lo = torch.full((len(seqs), len(segs)), NOT_READ, dtype=torch.int32)
     rows, cols, los, places, hidden = [], [], [], [], []
-    starts_t = torch.tensor(starts, dtype=torch.long)
     for s, seq in enumerate(seqs):
         if seq.mirror is None or not seq.mirror.spans:
             continue
@@ -118,10 +117,9 @@ def master_read(seqs: list[Sequence], view: int, block_size: int, chunks: int = 
         rows += [s] * len(ks)
         cols += ks
         los += [sp.lo for sp in seq.mirror.spans]
-        widths = torch.tensor([len(sp.blocks) * block_size for sp in seq.mirror.spans])
-        off = widths.cumsum(0) - widths  # where each span starts in master_pos
-        step = torch.repeat_interleave(starts_t[ks] - off, widths)
-        places.append(torch.arange(int(widths.sum())) + step + s * len(blocks) * block_size)
+        base = s * len(blocks) * block_size  # this sequence's row of `hide`
+        places.append(ranges([starts[k] + base for k in ks],
+                             [len(sp.blocks) * block_size for sp in seq.mirror.spans]))
         hidden.append(seq.mirror.master_pos(view, block_size) < 0)
     if rows:
         seg_lo[rows, cols] = torch.tensor(los, dtype=torch.int32)

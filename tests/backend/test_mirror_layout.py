@@ -133,3 +133,26 @@ def test_vectorised_tables_equal_the_token_by_token_definition():
                         pos[t] = j
                 want += pos
             assert m.master_pos(view, B).tolist() == want
+        slots = [-1] * n
+        for sp in spans:
+            for t in range(sp.n):
+                if reused[sp.lo + t]:
+                    slots[sp.lo + t] = sp.blocks[t // B] * B + t % B
+        assert m.master_slots(B).tolist() == slots
+
+
+def test_a_resumed_mirror_keeps_the_parked_patches():
+    from tokendance.backend.idle import Parked, Resume, resumed_mirror
+
+    for dense_early in (False, True):
+        old, reused = layout(dense_early)
+        old.pick([5, 10])
+        parked = Parked([0] * 14, old, old.area)
+        # The first 12 tokens come back; 8 new ones follow (4 of them a new segment).
+        new = resumed_mirror(Resume("a", parked, 12), 20, old.spans, [Span([30], 14, 4)],
+                             [False, False] + [True] * 4 + [False, False], dense_early, 0.5)
+        assert new.reused.tolist() == reused[:12] + [False, False] + [True] * 4 + [False, False]
+        late = [j for j in range(20) if new.reused[j] and new.own_slot(j, LATE) >= 0]
+        assert late == [5, 10]  # the old patches, and none of the new segment's yet
+        assert new.own_slot(5, EARLY) == (5 if dense_early else -1)
+        assert len(new.patch_free) == (0 if dense_early else 2)  # ceil(0.5 * 4) for the new one
