@@ -127,7 +127,7 @@ class Attention(nn.Module):
         rot = self.rope
         q = rope_rotate(q, meta.positions, rot.inv_freq, rot.scale)
         k = rope_rotate(k, meta.positions, rot.inv_freq, rot.scale)
-        return self.o_proj(causal_attention(q, k, v, meta.fresh_cu, self.scale).flatten(1))
+        return self.o_proj(causal_attention(q, k, v, meta.fresh_cu, self.scale, meta.cu_q).flatten(1))
 
 
 class MLP(nn.Module):

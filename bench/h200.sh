@@ -3,9 +3,11 @@
 # (default: all), run by the `device` tool from the repository root with `.whl`
 # (structlog) and `.device/tok` (tokenizer files) carried. Sections:
 #   engine: the CUDA checks, then Qwen2.5-7B shape, random bf16 weights, against HF SDPA
-#   check: the CUDA checks alone (bench/check_cuda.py)
+#   check: the CUDA checks alone (bench/check_cuda.py), and the GPU-only tests
 #   reuse:  one All-Gather round, N = 10 and 20, every mode, profiled at N = 10 (and
 #     r = 5 % at N = 10)
+#   gaps: one cold N = 10 round per mode traced with Python stacks: where the GPU waits
+#     on the host, and which of our code runs meanwhile (bench/gaps.py)
 #   policy: the same rounds at r = 4.5 %, the share the recommended policy (floor 0.3,
 #     docs/fidelity.md) recomputes on SmolLM2's debate prompts (random weights here)
 #   mirrors: CUDA checks of Mirrors (graphs = eager, pic = collective, ratio 1 = full)
@@ -37,6 +39,9 @@ what=" ${*:-all} "
 want() { [[ "$what" == *" all "* || "$what" == *" $1 "* ]]; }
 if want engine || want check; then
   python3 -m tokendance.bench.check_cuda 2>&1 | grep -v -i "warn\|deprecat" | tee "$OUT/check.txt"
+  # The GPU-only tests (skipped on the CPU machine).
+  python3 -m pytest -q -p no:cacheprovider -rs tests/kernels/test_prefill.py tests/backend/test_upload.py \
+    2>&1 | tail -4 | tee "$OUT/gpu_tests.txt"
 fi
 if want engine; then
   td bench engine --model qwen2.5-7b --dtype bfloat16 --prefill 10x2048 --decode 32x4096 \
@@ -53,6 +58,12 @@ if want reuse; then
     --repeats 3 --profile 14 --json "$OUT/reuse.json" 2>&1 | grep -v -i "warn\|deprecat" | tee "$OUT/reuse.txt"
   td bench reuse --model qwen2.5-7b --dtype bfloat16 --agents 10 --history 512 --output 150 \
     --repeats 3 --ratio 0.05 --modes pic,collective 2>&1 | grep -v -i "warn\|deprecat" | tee "$OUT/reuse_r05.txt"
+fi
+if want gaps; then
+  td bench reuse --model qwen2.5-7b --dtype bfloat16 --agents 10 --history 512 --output 150 \
+    --repeats 3 --modes full,pic,collective --profile 5 --trace "$OUT" \
+    2>&1 | grep -v -i "warn\|deprecat" | tee "$OUT/gaps_reuse.txt"
+  python3 -m tokendance.bench.gaps "$OUT"/*-n10.json.gz | tee "$OUT/gaps.txt"
 fi
 if want policy; then
   td bench reuse --model qwen2.5-7b --dtype bfloat16 --agents 10,20 --history 512 --output 150 \

@@ -3,8 +3,10 @@
 When every sequence of a step starts at position 0, its keys and values are exactly the
 ones this step computed: attention needs no paged reads and no rotation on read, and
 plain causal SDPA (flash on CUDA, the fused kernel on CPU) is the fastest exact way.
-Equal-length neighbours share one call. Same function as `paged_attention` with
-kv_lens equal to the query counts (tests/kernels/test_prefill.py checks it).
+Equal-length neighbours share one call; on CUDA in half precision, sequences of several
+lengths share one varlen flash-attention launch instead (short segments, one call
+each, left the GPU waiting on the host's launches). Same function as `paged_attention`
+with kv_lens equal to the query counts (tests/kernels/test_prefill.py checks it).
 """
 
 from __future__ import annotations
@@ -13,12 +15,22 @@ import torch
 import torch.nn.functional as F
 
 
+# Flash attention over packed sequences (cu_seqlens), GQA included; absent from some builds.
+_VARLEN = getattr(torch.ops.aten, "_flash_attention_forward", None)
+
+
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: list[int],
-                     sm_scale: float) -> torch.Tensor:
+                     sm_scale: float, cu_dev: torch.Tensor | None = None) -> torch.Tensor:
     """q [T, Hq, D] and k [T, Hkv, D] rotated at positions 0..n-1 of each sequence, v
-    [T, Hkv, D]; sequence s is rows cu[s]..cu[s+1]-1. Returns [T, Hq, D]."""
-    out = torch.empty_like(q)
+    [T, Hkv, D]; sequence s is rows cu[s]..cu[s+1]-1 (cu_dev: the same offsets, int32 on
+    q's device, for the varlen launch). Returns [T, Hq, D]."""
     v = v.contiguous()  # a view into the fused qkv output
+    lens = [b - a for a, b in zip(cu, cu[1:])]
+    if (cu_dev is not None and _VARLEN is not None and q.is_cuda and q.dtype in (torch.float16, torch.bfloat16)
+            and any(n != lens[0] for n in lens)):
+        n = max(lens)
+        return _VARLEN(q, k.to(q.dtype), v, cu_dev, cu_dev, n, n, 0.0, True, False, scale=sm_scale)[0]
+    out = torch.empty_like(q)
     # CPU SDPA reads [b, H, n, D] 5-8 % faster when contiguous (SmolLM2, 4 k tokens) than
     # the copies cost; CUDA's flash kernel takes the strided views.
     dense = not q.is_cuda

@@ -41,3 +41,23 @@ def test_equals_paged_reference(lens):
                                     torch.tensor(lens, dtype=torch.int32), inv, 1.0, d ** -0.5)
     out = causal_attention(qr, rope_rotate_reference(k, pos, inv), v, cu, d ** -0.5)
     torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_varlen_launch_equals_one_call_per_sequence_on_cuda(dtype):
+    """Sequences of several lengths go through one varlen flash launch on CUDA; each
+    must equal its own causal SDPA call (GQA: 28 query heads over 4 kv heads)."""
+    g = torch.Generator(device="cuda").manual_seed(3)
+    lens = [150, 37, 512, 1, 150, 90]
+    cu = [0]
+    for n in lens:
+        cu.append(cu[-1] + n)
+    q, k, v = (torch.randn(cu[-1], h, 128, generator=g, device="cuda", dtype=dtype) for h in (28, 4, 4))
+    out = torch.full_like(q, float("nan"))
+    out.copy_(causal_attention(q, k, v, cu, 128 ** -0.5, torch.tensor(cu, dtype=torch.int32, device="cuda")))
+    for a, b in zip(cu, cu[1:]):
+        ref = torch.nn.functional.scaled_dot_product_attention(
+            q[a:b].transpose(0, 1).float(), k[a:b].transpose(0, 1).float(), v[a:b].transpose(0, 1).float(),
+            is_causal=True, scale=128 ** -0.5, enable_gqa=True).transpose(0, 1)
+        torch.testing.assert_close(out[a:b].float(), ref, rtol=2e-2, atol=2e-2)
