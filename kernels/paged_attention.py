@@ -77,38 +77,68 @@ def paged_attention_reference(
             continue
         k = gather_kv(k_cache, block_tables[s], kv_len)
         v = gather_kv(v_cache, block_tables[s], kv_len)
+        qp = q_pos[lo:hi].long()
         kpos = torch.arange(kv_len, device=q.device)
-        live = None
         if slot_pos is not None:
+            # Hidden slots (which may hold anything) dropped, the rest in position order:
+            # a Mirror's keys are then positions 0 .. P, as a plain sequence's are.
             kpos = slot_pos[s, :kv_len].long()
-            live = kpos >= 0
-            # Hidden slots may hold anything, and SDPA adds its mask to the scores.
-            k = k.masked_fill(~live[:, None, None], 0)
-            v = v.masked_fill(~live[:, None, None], 0)
-        k = rope_rotate_reference(k, kpos.clamp_min(0), inv_freq, rope_scale)
-        qs = q[lo:hi]
-        mask = None
-        qp = q_pos[lo:hi]
-        n = hi - lo
-        if (live is None and n > 1 and _FLASH_LSE is not None and not q.is_cuda
-                and torch.equal(qp.long(), torch.arange(kv_len - n, kv_len, device=qp.device))):
-            out[lo:hi] = _chunk_attention(qs, k, v, kv_len - n, sm_scale)
-            continue
-        # Decode (one query at or past the last slot) needs no mask.
-        if live is not None:
-            mask = live[None, :] & (kpos[None, :] <= qp[:, None].to(kpos.dtype))
-        elif not (hi - lo == 1 and int(qp[0]) >= kv_len - 1):
-            mask = kpos[None, :] <= qp[:, None].to(kpos.dtype)
-        # 4-D inputs: on CPU this takes SDPA's fused path, 3-D ones the slow math path.
-        o = F.scaled_dot_product_attention(
-            qs.transpose(0, 1)[None],
-            k.transpose(0, 1).to(qs.dtype)[None],
-            v.transpose(0, 1)[None],
-            attn_mask=mask,
-            scale=sm_scale,
-            enable_gqa=True,
-        )
-        out[lo:hi] = o[0].transpose(0, 1)
+            keep = torch.nonzero((kpos >= 0) & (kpos <= qp.max())).flatten()
+            keep = keep[kpos[keep].argsort()]
+            k, v, kpos = k[keep], v[keep], kpos[keep]
+        k = rope_rotate_reference(k, kpos, inv_freq, rope_scale)
+        if (hi - lo > 1 and _FLASH_LSE is not None and not q.is_cuda
+                and torch.equal(kpos, torch.arange(len(kpos), device=kpos.device))):
+            out[lo:hi] = _runs_attention(q[lo:hi], qp, k, v, sm_scale)
+        else:
+            out[lo:hi] = _masked_attention(q[lo:hi], qp, k, v, kpos, sm_scale)
+    return out
+
+
+def _masked_attention(q: torch.Tensor, qp: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                      kpos: torch.Tensor, sm_scale: float) -> torch.Tensor:
+    """Queries at positions qp over rotated keys at kpos, each seeing kpos <= its own:
+    one SDPA call with a mask (none for one query at or past the last key)."""
+    mask = None
+    if not (len(qp) == 1 and int(qp[0]) >= int(kpos.max())):
+        mask = kpos[None, :] <= qp[:, None]
+    # 4-D inputs: on CPU this takes SDPA's fused path, 3-D ones the slow math path.
+    o = F.scaled_dot_product_attention(
+        q.transpose(0, 1)[None],
+        k.transpose(0, 1).to(q.dtype)[None],
+        v.transpose(0, 1)[None],
+        attn_mask=mask,
+        scale=sm_scale,
+        enable_gqa=True,
+    )
+    return o[0].transpose(0, 1)
+
+
+MIN_RUN = 16  # consecutive query positions worth a chunk call of their own
+
+
+def _runs_attention(q: torch.Tensor, qp: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                    sm_scale: float) -> torch.Tensor:
+    """Queries at positions qp over keys at positions 0 .. L-1 (rotated, in order). Each
+    run of at least MIN_RUN rows at consecutive positions is a chunk continuing its
+    sequence (`_chunk_attention`: unmasked and causal flash calls); the other rows go
+    together through one masked call. A prefill or chunk is one run; a blend's later
+    layers are a Mirror's history (a run) and its scattered patches: one masked call
+    over all keys for every row did 3x the masked work."""
+    cut = (torch.nonzero(qp[1:] != qp[:-1] + 1).flatten() + 1).tolist()
+    bounds = [0] + cut + [len(qp)]
+    out = torch.empty_like(q)
+    rest = []
+    for a, b in zip(bounds, bounds[1:]):
+        if b - a >= MIN_RUN:
+            p = int(qp[a])
+            out[a:b] = _chunk_attention(q[a:b], k[: p + b - a], v[: p + b - a], p, sm_scale)
+        else:
+            rest.append(torch.arange(a, b))
+    if rest:
+        r = torch.cat(rest)
+        end = int(qp[r].max()) + 1
+        out[r] = _masked_attention(q[r], qp[r], k[:end], v[:end], torch.arange(end), sm_scale)
     return out
 
 

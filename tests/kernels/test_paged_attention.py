@@ -246,16 +246,19 @@ def test_bf16(decode: bool) -> None:
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_chunk_split_equals_masked_call(monkeypatch, dtype: torch.dtype) -> None:
-    """A chunk that continues its own sequence (CPU): prefix and own keys in two unmasked
-    calls merged by lse, against one masked call, and the dense definition."""
+    """A run of queries at consecutive positions continuing its sequence (CPU): prefix and
+    own keys in two unmasked calls merged by lse; shorter runs and scattered queries in
+    one masked call; against all in one masked call, and the dense definition."""
     lens = [70, 37, 19, 50]
-    # chunks after a prefix, a whole prompt (no prefix), and non-contiguous queries
-    c = make_case(lens, suffix(lens[:3], [30, 37, 6]) + [torch.tensor([10, 20, 49])]).to(dtype)
+    # chunks after a prefix, a whole prompt (no prefix), a run of MIN_RUN, and a run from
+    # position 0 followed by scattered queries (a Mirror's history and patches)
+    run = torch.cat([torch.arange(0, 20), torch.tensor([30, 31, 41, 49])])
+    c = make_case(lens, suffix(lens[:3], [30, 37, pa.MIN_RUN]) + [run]).to(dtype)
     calls = []
     real = pa._chunk_attention
     monkeypatch.setattr(pa, "_chunk_attention", lambda *a: calls.append(a[3]) or real(*a))
     split = pa.paged_attention_reference(*c.args())
-    assert sorted(calls) == [0, 13, 40]  # prefix lengths; the scattered queries keep the mask
+    assert sorted(calls) == [0, 0, 19 - pa.MIN_RUN, 40]  # prefix lengths of the runs
     monkeypatch.setattr(pa, "_FLASH_LSE", None)
     masked = pa.paged_attention_reference(*c.args())
     tol = 1e-5 if dtype == torch.float32 else 1e-2

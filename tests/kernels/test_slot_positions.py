@@ -168,3 +168,20 @@ def test_trig_table_equals_computed_angles(nq: list[int]) -> None:
     got = triton(c, trig=trig)
     assert rel(got, pa.paged_attention_reference(*c.args)) < 1e-3
     assert rel(got, triton(c)) < 1e-5
+
+
+def test_reference_over_a_patched_mirror_takes_runs(monkeypatch) -> None:
+    """A blend's later layers: each Mirror's queries are its history (positions from 0, a
+    run) and scattered tokens. With no Master slot hidden the sorted keys are positions
+    0 .. P, so the runs go through the chunk path; it must equal the naive definition."""
+    c = mirror_case([70, 60], [40, 30], 48, [1, 1], hide=0.0)
+    q_pos = [torch.cat([torch.arange(0, 40), torch.tensor([45, 52, 53, 87, 117])]),
+             torch.cat([torch.arange(0, 30), torch.tensor([31, 77, 107])])]
+    qp = torch.cat(q_pos)
+    cu = torch.tensor([0, len(q_pos[0]), len(qp)], dtype=torch.int32)
+    c = Case((torch.randn(len(qp), *c.args[0].shape[1:]), qp, cu) + c.args[3:], c.slots)
+    calls = []
+    real = pa._chunk_attention
+    monkeypatch.setattr(pa, "_chunk_attention", lambda *a: calls.append(a[3]) or real(*a))
+    assert rel(pa.paged_attention_reference(*c.args), naive(c)) < 1e-5
+    assert calls == [0, 0]  # each history run from position 0; the rest masked
