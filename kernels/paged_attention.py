@@ -27,6 +27,8 @@ the reduce merges both parts (`master_decode_reference` / `master_decode_triton`
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.nn.functional as F
 
@@ -247,12 +249,31 @@ def master_decode_triton(q, q_pos, cu_q, k_cache, v_cache, block_tables, kv_lens
     n = ns + read.chunks.shape[0]
     o_part = torch.empty(S, Hq, n, D, device=q.device, dtype=torch.float32)
     lse_part = torch.empty(S, Hq, n, device=q.device, dtype=torch.float32)
+    # The two launches fill disjoint partial slots and are each too small to fill the GPU
+    # at a decode batch: on CUDA the collective one runs on a side stream beside the
+    # other (a fork and join that CUDA graphs capture), the reduce waits for both.
+    side = _side_stream(q.device) if q.is_cuda else None
+    if side is not None:
+        side.wait_stream(torch.cuda.current_stream(q.device))
+    with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
+        collective_partials(q, q_pos, k_cache, v_cache, read, inv_freq, rope_scale, sm_scale,
+                            o_part, lse_part, ns)
     decode_partials(q, q_pos, cu_q, k_cache, v_cache, block_tables, kv_lens, inv_freq, rope_scale,
                     sm_scale, slot_pos, o_part, lse_part, ns, trig=trig)
-    collective_partials(q, q_pos, k_cache, v_cache, read, inv_freq, rope_scale, sm_scale,
-                        o_part, lse_part, ns)
+    if side is not None:
+        torch.cuda.current_stream(q.device).wait_stream(side)
     reduce_partials(o_part, lse_part, cu_q, out)
     return out
+
+
+_SIDE: dict[int, torch.cuda.Stream] = {}
+
+
+def _side_stream(device: torch.device) -> torch.cuda.Stream:
+    i = device.index if device.index is not None else torch.cuda.current_device()
+    if i not in _SIDE:
+        _SIDE[i] = torch.cuda.Stream(device=i)
+    return _SIDE[i]
 
 
 def paged_attention(
