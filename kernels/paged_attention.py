@@ -117,30 +117,32 @@ def _masked_attention(q: torch.Tensor, qp: torch.Tensor, k: torch.Tensor, v: tor
 
 
 MIN_RUN = 16  # consecutive query positions worth a chunk call of their own
+REST_GROUP = 64  # the other queries: masked calls of this many, in position order
 
 
 def _runs_attention(q: torch.Tensor, qp: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                     sm_scale: float) -> torch.Tensor:
     """Queries at positions qp over keys at positions 0 .. L-1 (rotated, in order). Each
     run of at least MIN_RUN rows at consecutive positions is a chunk continuing its
-    sequence (`_chunk_attention`: unmasked and causal flash calls); the other rows go
-    together through one masked call. A prefill or chunk is one run; a blend's later
-    layers are a Mirror's history (a run) and its scattered patches: one masked call
-    over all keys for every row did 3x the masked work."""
+    sequence (`_chunk_attention`: unmasked and causal flash calls). The other rows go in
+    position order through masked calls of REST_GROUP rows, each over the keys up to its
+    last position: a masked call computes every score it is given. A prefill or chunk is
+    one run; a blend's later layers are a Mirror's history (a run) and its scattered
+    patches: one masked call over all keys for every row did 3x the masked work."""
     cut = (torch.nonzero(qp[1:] != qp[:-1] + 1).flatten() + 1).tolist()
     bounds = [0] + cut + [len(qp)]
     out = torch.empty_like(q)
-    rest = []
+    rest = torch.ones(len(qp), dtype=torch.bool)
     for a, b in zip(bounds, bounds[1:]):
         if b - a >= MIN_RUN:
             p = int(qp[a])
             out[a:b] = _chunk_attention(q[a:b], k[: p + b - a], v[: p + b - a], p, sm_scale)
-        else:
-            rest.append(torch.arange(a, b))
-    if rest:
-        r = torch.cat(rest)
-        end = int(qp[r].max()) + 1
-        out[r] = _masked_attention(q[r], qp[r], k[:end], v[:end], torch.arange(end), sm_scale)
+            rest[a:b] = False
+    r = torch.nonzero(rest).flatten()
+    r = r[qp[r].argsort()]
+    for g in r.split(REST_GROUP) if len(r) else ():
+        end = int(qp[g[-1]]) + 1
+        out[g] = _masked_attention(q[g], qp[g], k[:end], v[:end], torch.arange(end), sm_scale)
     return out
 
 

@@ -170,10 +170,14 @@ def test_trig_table_equals_computed_angles(nq: list[int]) -> None:
     assert rel(got, triton(c)) < 1e-5
 
 
-def test_reference_over_a_patched_mirror_takes_runs(monkeypatch) -> None:
+@pytest.mark.parametrize("group", [pa.REST_GROUP, 2])
+def test_reference_over_a_patched_mirror_takes_runs(monkeypatch, group: int) -> None:
     """A blend's later layers: each Mirror's queries are its history (positions from 0, a
     run) and scattered tokens. With no Master slot hidden the sorted keys are positions
-    0 .. P, so the runs go through the chunk path; it must equal the naive definition."""
+    0 .. P, so the runs go through the chunk path and the scattered rows through masked
+    calls of `group` rows over the keys up to their last; it must equal the naive
+    definition."""
+    monkeypatch.setattr(pa, "REST_GROUP", group)
     c = mirror_case([70, 60], [40, 30], 48, [1, 1], hide=0.0)
     q_pos = [torch.cat([torch.arange(0, 40), torch.tensor([45, 52, 53, 87, 117])]),
              torch.cat([torch.arange(0, 30), torch.tensor([31, 77, 107])])]
