@@ -45,7 +45,7 @@ def ranges(starts: list[int], counts: list[int]) -> torch.Tensor:
 
 @dataclass(slots=True, eq=False)
 class Mirror:
-    """Tensors on the host (long): a round builds and reads one per request while the
+    """Tensors on the host: a round builds and reads one per request while the
     GPU waits, so nothing here loops over tokens in Python."""
 
     prompt_len: int
@@ -71,7 +71,7 @@ class Mirror:
         late = torch.where(r[early], -1, early)
         free: list[int] = []
         if not dense_early:
-            free = list(range(len(early) + patch_cap - 1, len(early) - 1, -1))  # pop() takes the lowest
+            free = list(range(len(early) + patch_cap - 1, len(early) - 1, -1))  # pick() takes from the end
             room = torch.full((patch_cap,), -1, dtype=torch.long)
             early, late = torch.cat([early, room]), torch.cat([late, room])
         return cls(prompt_len, spans, (early, late), own_of, r, [b for sp in spans for b in sp.blocks],
