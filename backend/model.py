@@ -10,11 +10,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from tokendance.backend.config import ModelConfig
 from tokendance.backend.rope_scaling import rope_params
+from tokendance.kernels.act import silu_mul
 from tokendance.kernels.master import MasterRead
 from tokendance.kernels.norm import rms_norm
 from tokendance.kernels.paged_attention import paged_attention
@@ -137,8 +137,7 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, -1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(silu_mul(self.gate_up_proj(x)))
 
 
 class Layer(nn.Module):

@@ -3,6 +3,8 @@
 # (default: all), run by the `device` tool from the repository root with `.whl`
 # (structlog) and `.device/tok` (tokenizer files) carried. Sections:
 #   engine: the CUDA checks, then Qwen2.5-7B shape, random bf16 weights, against HF SDPA
+#   act: the fused SwiGLU activation against torch's two ops (error, time)
+#   prefill: the engine's prefill alone against HF (10 x 2 k)
 #   check: the CUDA checks alone (bench/check_cuda.py), and the GPU-only tests
 #   reuse:  one All-Gather round, N = 10 and 20, every mode, profiled at N = 10 (and
 #     r = 5 % at N = 10)
@@ -42,6 +44,13 @@ if want engine || want check; then
   # The GPU-only tests (skipped on the CPU machine).
   python3 -m pytest -q -p no:cacheprovider -rs tests/kernels/test_prefill.py tests/backend/test_upload.py \
     2>&1 | tail -4 | tee "$OUT/gpu_tests.txt"
+fi
+if want act; then
+  python3 -m tokendance.bench.check_cuda act 2>&1 | tee "$OUT/act.txt"
+fi
+if want prefill; then
+  td bench engine --model qwen2.5-7b --dtype bfloat16 --prefill 10x2048 --decode "" --repeats 3 \
+    2>&1 | grep -v -i "warn\|deprecat\|forward_call" | tee "$OUT/prefill.txt"
 fi
 if want engine; then
   td bench engine --model qwen2.5-7b --dtype bfloat16 --prefill 10x2048 --decode 32x4096 \
