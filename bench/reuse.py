@@ -173,6 +173,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
+    if args.trace and not args.profile:
+        raise ValueError("--trace needs --profile TOP (it traces the profiled rounds)")
     agents = [int(a) for a in args.agents.split(",")]
     need = max(agents) * (args.history * 2 + max(agents) * args.output * 2 + args.decode) + 4096
     eng, vocab = round_engine(args.model, args.dtype, args.kv_tokens or need, args.random_weights,

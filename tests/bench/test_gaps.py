@@ -3,8 +3,11 @@
 
 from __future__ import annotations
 
+import argparse
 import gzip
 import json
+
+import pytest
 
 from tokendance.bench import gaps, reuse
 
@@ -48,3 +51,10 @@ def test_reuse_trace_flag_writes_one_trace_per_mode(tiny_llama, bench, tmp_path)
         names = {e.get("name", "") for e in gaps.load(str(tmp_path / f"{mode}-n2.json.gz"))}
         assert any("collector.py" in n for n in names) == (mode == "collective")
         assert any("engine.py" in n and "step" in n for n in names)
+
+
+def test_trace_without_profile_is_refused(tmp_path):
+    p = argparse.ArgumentParser()
+    reuse.add_args(p)
+    with pytest.raises(ValueError, match="--trace needs --profile"):
+        reuse.main(p.parse_args(["--trace", str(tmp_path)]))
