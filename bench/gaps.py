@@ -7,7 +7,7 @@ between device work (kernels, copies, memsets), from the first host event on, wi
 innermost frame of our own code at each gap's middle, then the idle time per own
 function, sampled across every gap.
 
-    python -m tokendance.bench.gaps TRACE.json.gz [--top 12] [--min-us 100]
+    tokendance bench gaps TRACE.json.gz [--top 12] [--min-us 100]
 """
 
 from __future__ import annotations
@@ -33,7 +33,10 @@ class Frame:
 def load(path: str) -> list[dict]:
     opener = gzip.open if path.endswith(".gz") else open
     with opener(path, "rt") as f:
-        return json.load(f)["traceEvents"]
+        trace = json.load(f)
+    if not isinstance(trace, dict) or "traceEvents" not in trace:
+        raise ValueError(f"{path}: not a chrome trace (no traceEvents)")
+    return trace["traceEvents"]
 
 
 def busy(events: list[dict]) -> list[tuple[float, float]]:
@@ -109,15 +112,18 @@ def report(path: str, top: int, min_us: float) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("traces", nargs="+")
-    p.add_argument("--top", type=int, default=12)
-    p.add_argument("--min-us", type=float, default=100.0)
-    args = p.parse_args(argv)
+def add_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("traces", nargs="+", help="chrome traces (`bench reuse --profile N --trace DIR`)")
+    p.add_argument("--top", type=int, default=12, help="gaps and functions listed")
+    p.add_argument("--min-us", type=float, default=100.0, help="shortest gap counted")
+
+
+def main(args: argparse.Namespace) -> int:
     print("\n\n".join(report(t, args.top, args.min_us) for t in args.traces))
     return 0
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add_args(parser)
+    raise SystemExit(main(parser.parse_args()))

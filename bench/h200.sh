@@ -72,7 +72,7 @@ if want gaps; then
   td bench reuse --model qwen2.5-7b --dtype bfloat16 --agents 10 --history 512 --output 150 \
     --repeats 3 --modes full,pic,collective --profile 5 --trace "$OUT" \
     2>&1 | grep -v -i "warn\|deprecat" | tee "$OUT/gaps_reuse.txt"
-  python3 -m tokendance.bench.gaps "$OUT"/*-n10.json.gz | tee "$OUT/gaps.txt"
+  td bench gaps "$OUT"/*-n10.json.gz | tee "$OUT/gaps.txt"
 fi
 if want policy; then
   td bench reuse --model qwen2.5-7b --dtype bfloat16 --agents 10,20 --history 512 --output 150 \

@@ -169,7 +169,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
                         "against the timed round, and the TOP ops")
     p.add_argument("--trace", default=None, metavar="DIR",
                    help="with --profile: also a chrome trace per mode with Python stacks in DIR "
-                        "(python -m tokendance.bench.gaps reads them)")
+                        "(tokendance bench gaps reads them)")
 
 
 def main(args: argparse.Namespace) -> int:

@@ -58,3 +58,17 @@ def test_trace_without_profile_is_refused(tmp_path):
     reuse.add_args(p)
     with pytest.raises(ValueError, match="--trace needs --profile"):
         reuse.main(p.parse_args(["--trace", str(tmp_path)]))
+
+
+def test_cli_reads_a_trace_and_refuses_bad_input_in_one_line(tmp_path, capsys):
+    from tokendance.examples import cli
+
+    path = tmp_path / "t.json"
+    path.write_text(json.dumps({"traceEvents": [_x("kernel", "k", 50, 10), _x("cpu_op", "a", 0, 5)]}))
+    assert cli.main(["bench", "gaps", str(path), "--min-us", "10"]) == 0
+    assert "device idle 0.1 ms in 1 gaps" in capsys.readouterr().out
+    (tmp_path / "bad.json").write_text("{}")
+    for bad in (tmp_path / "missing.json.gz", tmp_path / "bad.json"):
+        assert cli.main(["bench", "gaps", str(bad)]) == 1
+        err = capsys.readouterr().err
+        assert err.startswith("tokendance bench: ") and err.count("\n") == 1
