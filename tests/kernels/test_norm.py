@@ -51,3 +51,15 @@ def test_reference_is_the_definition() -> None:
 def test_empty_batch() -> None:
     y, r = rms_norm_triton(torch.empty(0, 64), torch.ones(64), 1e-6, torch.empty(0, 64))
     assert y.shape == (0, 64) and r.shape == (0, 64)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("n", [64, 576, 3584])
+def test_reference_equals_the_written_out_ops_bit_for_bit(dtype: torch.dtype, n: int) -> None:
+    """HF's RMSNorm is these ops; greedy equality with HF in fp32 rests on the same bits."""
+    torch.manual_seed(n)
+    x = torch.randn(33, n, dtype=dtype) * 3
+    w = (torch.rand(n) + 0.5).to(dtype)
+    xf = x.float()
+    want = w * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-5)).to(dtype)
+    assert torch.equal(rms_norm_reference(x, w, 1e-5)[0], want)
