@@ -141,10 +141,8 @@ def resumed_mirror(r: Resume, prompt_len: int, old_spans: list[Span], new_spans:
     if old is not None:
         n = min(r.length, old.prompt_len)
         head[:n] = old.reused[:n]
-        j = torch.arange(n)
-        of = old.own_of[:n]
-        late = torch.cat([old.own_pos[LATE], torch.tensor([-1])])[of]  # of = -1 reads that -1
-        patches = torch.nonzero(head[:n] & (of >= 0) & (late == j)).flatten().tolist()
+        # A reused token with a private slot in the late view is a patch.
+        patches = torch.nonzero(head[:n] & (old.own_index(LATE, torch.arange(n)) >= 0)).flatten().tolist()
     reused = head.tolist() + reused_tail
     cap = len(patches) + math.ceil(ratio * sum(reused_tail))
     m = Mirror.build(prompt_len, old_spans + new_spans, reused, dense_early, cap)

@@ -23,6 +23,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from tokendance.backend.pool import flat_slots
+
 EARLY, LATE = 0, 1
 
 
@@ -148,11 +150,9 @@ class Mirror:
         """Flat pool slot of each prompt token's base K/V in the Master (-1: none)."""
         if "master" not in self._fixed:
             tok, at = self._geometry(block_size)
-            blocks = torch.tensor(self.master_blocks, dtype=torch.long)
             out = torch.full((self.prompt_len,), -1, dtype=torch.long)
             if len(tok):
-                slot = blocks[at // block_size] * block_size + at % block_size
-                out[tok] = torch.where(self.reused[tok], slot, -1)
+                out[tok] = torch.where(self.reused[tok], flat_slots(self.master_blocks, at, block_size), -1)
             self._fixed["master"] = out
         return self._fixed["master"]
 

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from tokendance.backend.sequence import Sequence
-from tokendance.backend.upload import upload
+from tokendance.backend.upload import upload_list
 
 
 @dataclass(slots=True)
@@ -35,9 +35,9 @@ def choose(logits: torch.Tensor, seqs: list[Sequence], default: torch.Generator 
     params = [s.sampling for s in seqs]
     chosen = logits.argmax(-1)
     if not all(p.greedy for p in params):
-        temp = upload(torch.tensor([p.temperature or 1.0 for p in params]), logits.device)
-        top_k = upload(torch.tensor([p.top_k for p in params]), logits.device)
-        top_p = upload(torch.tensor([p.top_p for p in params]), logits.device)
+        temp = upload_list([p.temperature or 1.0 for p in params], torch.float32, logits.device)
+        top_k = upload_list([p.top_k for p in params], torch.long, logits.device)
+        top_p = upload_list([p.top_p for p in params], torch.float32, logits.device)
         probs = _filter(logits / temp[:, None], top_k, top_p).softmax(-1)
         for i, seq in enumerate(seqs):
             if not params[i].greedy:

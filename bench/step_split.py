@@ -68,18 +68,24 @@ def profile_steps(eng: Engine, steps: int, top: int) -> tuple[float, str]:
     return busy / steps, table
 
 
-def profiled(eng: Engine, fn, top: int) -> tuple[float, str]:
-    """(device milliseconds fn keeps busy, the top ops by device time) of one call."""
-    from torch.autograd import DeviceType
+def _profile(eng: Engine, fn, stacks: bool = False):
+    """One call of fn under the torch profiler (CPU ops, and the device's on CUDA)."""
     from torch.profiler import ProfilerActivity, profile
 
     cuda = eng.device.type == "cuda"
-    with profile(activities=[ProfilerActivity.CPU] + [ProfilerActivity.CUDA] * cuda) as prof:
+    with profile(activities=[ProfilerActivity.CPU] + [ProfilerActivity.CUDA] * cuda, with_stack=stacks) as prof:
         fn()
         if cuda:
             torch.cuda.synchronize()
-    events = prof.key_averages()
-    if cuda:  # the kernels and copies themselves: an op's self device time repeats its kernels'
+    return prof
+
+
+def profiled(eng: Engine, fn, top: int) -> tuple[float, str]:
+    """(device milliseconds fn keeps busy, the top ops by device time) of one call."""
+    from torch.autograd import DeviceType
+
+    events = _profile(eng, fn).key_averages()
+    if eng.device.type == "cuda":  # the kernels and copies themselves: an op's self device time repeats its kernels'
         key = "self_device_time_total"
         busy = sum(e.self_device_time_total for e in events if e.device_type != DeviceType.CPU)
     else:
@@ -92,11 +98,4 @@ def traced(eng: Engine, fn, path: str) -> None:
     """One call of fn under the profiler with Python stacks, its chrome trace written to
     path (gzipped when it ends in .gz), for bench/gaps.py. Apart from `profiled`: the
     stack tracer slows the host, so busy shares come from runs without it."""
-    from torch.profiler import ProfilerActivity, profile
-
-    cuda = eng.device.type == "cuda"
-    with profile(activities=[ProfilerActivity.CPU] + [ProfilerActivity.CUDA] * cuda, with_stack=True) as prof:
-        fn()
-        if cuda:
-            torch.cuda.synchronize()
-    prof.export_chrome_trace(path)
+    _profile(eng, fn, stacks=True).export_chrome_trace(path)
