@@ -49,7 +49,9 @@ class EngineConfig:
     recompute_floor: float = 0.0  # pic / collective: recompute only tokens deviating above this
     segment_cache_fraction: float = 0.25  # of the pool, for shared segments' base KV
     offload_bytes: int = 1 << 30  # host memory for idle agents' KV (backend/idle.py); 0: off
-    overlap: bool | None = None  # decode steps overlap host and GPU (backend/lookahead.py); None: on CUDA
+    # Host and GPU overlap: decode steps (backend/lookahead.py), a collective blend in two
+    # pipelined waves (backend/blend.py). None: on CUDA.
+    overlap: bool | None = None
 
 
 def _pick_device(name: str) -> torch.device:
@@ -93,7 +95,10 @@ class Engine:
             self.runner.capture(min(cfg.cuda_graphs, cfg.max_seqs), max_blocks, self.cache.trash_block)
         self.segments = SegmentCache(self.pool, cfg.block_size,
                                      int(self.cache.num_blocks * cfg.segment_cache_fraction))
-        reuse = ReuseConfig(cfg.check_layer, cfg.recompute_ratio, cfg.recompute_floor, max_tokens=budget)
+        self.overlap = cfg.overlap if cfg.overlap is not None else self.device.type == "cuda"
+        # With host/device overlap a collective blend runs in two pipelined waves.
+        reuse = ReuseConfig(cfg.check_layer, cfg.recompute_ratio, cfg.recompute_floor, max_tokens=budget,
+                            waves=2 if self.overlap else 1)
         self.idle = IdleAgents(self.cache, cfg.offload_bytes)
         self.collector = Collector(self.model, self.cache, self.blocks, self.runner, self.segments,
                                    self.idle, reuse)
@@ -106,7 +111,6 @@ class Engine:
             limits.append(cfg.max_model_len)
         self.max_model_len = min(limits)
         self.seqs: dict[str, Sequence] = {}
-        self.overlap = cfg.overlap if cfg.overlap is not None else self.device.type == "cuda"
         self.inflight: Inflight | None = None  # the last decode step's tokens, not read yet
         self.generator = torch.Generator(device=self.device).manual_seed(cfg.seed)
         log.info("engine ready", model=str(self.folder), device=str(self.device), dtype=dtype,

@@ -6,6 +6,7 @@ squared norm of the fresh values (so tokens with large activations do not domina
 `select_top` picks, per request, the ceil(ratio * n) reused tokens that deviate most,
 for all requests at once (one sort over a padded [N, max_len] matrix); with a `floor`,
 only those of them whose deviation exceeds it (recompute what deviates, at most r %).
+`select_top_padded` leaves them on the device for one read-back by the caller.
 """
 
 from __future__ import annotations
@@ -82,23 +83,39 @@ def select_top_reference(dev: torch.Tensor, groups: list[torch.Tensor], ratio: f
     return out
 
 
-def select_top(dev: torch.Tensor, groups: list[torch.Tensor], ratio: float,
-               floor: float = 0.0) -> list[torch.Tensor]:
-    """Batched `select_top_reference`: one sort over all groups, padded with -inf."""
-    if not groups:
-        return []
-    width = max(len(g) for g in groups)
-    if width == 0:
-        return [g for g in groups]
+def select_top_padded(dev: torch.Tensor, groups: list[torch.Tensor], ratio: float,
+                      floor: float = 0.0) -> torch.Tensor:
+    """`select_top_reference`'s picks for all groups at once, as one [len(groups), k]
+    long tensor on dev's device: row i holds group i's picks ascending, then -1s. One
+    sort over a padded [N, max_len] matrix, and nothing the host waits for: the caller
+    reads the picks back in one copy, when it needs them."""
     n = len(groups)
+    caps = [math.ceil(ratio * len(g)) for g in groups]  # Python floats, as the reference
+    k = max(caps, default=0)
+    if k == 0:
+        return torch.full((n, 0), -1, dtype=torch.long, device=dev.device)
+    width = max(len(g) for g in groups)
     idx = torch.full((n, width), -1, dtype=torch.long, device=dev.device)
     for i, g in enumerate(groups):
         idx[i, : len(g)] = g
     vals = torch.where(idx >= 0, dev[idx.clamp_min(0)], torch.full_like(idx, float("-inf"), dtype=dev.dtype))
     top = vals.sort(dim=1, descending=True, stable=True)
-    above = (top.values > floor).sum(1).tolist() if floor > 0 else [width] * n
-    out = []
-    for i, g in enumerate(groups):
-        k = min(math.ceil(ratio * len(g)), above[i])
-        out.append(idx[i, top.indices[i, :k]].sort().values)
-    return out
+    # The cap of each row, from the same double-precision product as the reference.
+    cap = torch.ceil((idx >= 0).sum(1, keepdim=True).double() * ratio).long()
+    keep = torch.arange(k, device=dev.device) < cap
+    if floor > 0:
+        keep &= top.values[:, :k] > floor
+    big = torch.iinfo(torch.long).max
+    chosen = torch.where(keep, idx.gather(1, top.indices[:, :k]), big).sort(dim=1).values
+    return torch.where(chosen == big, -1, chosen)
+
+
+def unpad(picks: torch.Tensor) -> list[torch.Tensor]:
+    """The rows of `select_top_padded` without their -1s."""
+    return [row[row >= 0] for row in picks]
+
+
+def select_top(dev: torch.Tensor, groups: list[torch.Tensor], ratio: float,
+               floor: float = 0.0) -> list[torch.Tensor]:
+    """Batched `select_top_reference` (see `select_top_padded`)."""
+    return unpad(select_top_padded(dev, groups, ratio, floor))

@@ -9,6 +9,7 @@ import torch
 from tokendance.backend import blend as blend_mod
 from tokendance.backend.api import InvalidRequest
 from tokendance.backend.engine import Engine
+from tokendance.kernels.deviation import unpad
 
 from .test_reuse import GREEDY, kv_of, prefill, round_prompts
 
@@ -16,14 +17,14 @@ from .test_reuse import GREEDY, kv_of, prefill, round_prompts
 def spied(monkeypatch) -> list:
     """Record (deviations, groups, picks) of every selection the blend makes."""
     seen = []
-    real = blend_mod.select_top
+    real = blend_mod.select_top_padded
 
     def spy(dev, groups, ratio, floor=0.0):
         picks = real(dev, groups, ratio, floor)
-        seen.append((dev.clone(), groups, picks))
+        seen.append((dev.clone(), groups, unpad(picks)))
         return picks
 
-    monkeypatch.setattr(blend_mod, "select_top", spy)
+    monkeypatch.setattr(blend_mod, "select_top_padded", spy)
     return seen
 
 

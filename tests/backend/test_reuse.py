@@ -85,8 +85,8 @@ def test_selected_tokens_identical(engine, monkeypatch):
     seen: dict[str, list] = {"pic": [], "collective": []}
     real = blend_mod.blend
 
-    def spy(model, cache, items, check_layer, ratio, floor):
-        res = real(model, cache, items, check_layer, ratio, floor)
+    def spy(model, cache, items, *a):
+        res = real(model, cache, items, *a)
         seen[current].extend(res.selected)
         return res
 
@@ -95,6 +95,40 @@ def test_selected_tokens_identical(engine, monkeypatch):
     for current in ("pic", "collective"):
         prefill(engine, current, prompts, spans)
     assert seen["pic"] == seen["collective"] and all(seen["pic"])
+
+
+@pytest.mark.parametrize("floor", [0.0, 1e-3])
+def test_waves_change_the_schedule_not_the_result(tiny_llama, floor):
+    """A collective blend in pipelined waves selects the same tokens and leaves the same
+    KV and logits as one wave; every request's selection lands on its own Mirror."""
+    prompts, spans = round_prompts(5, seed=4)
+    got = []
+    for waves in (1, 2, 3):
+        eng = Engine(model=str(tiny_llama), dtype="float32", kv_tokens=8192, recompute_floor=floor)
+        eng.collector.cfg.waves = waves
+        seqs, logits = prefill(eng, "collective", prompts, spans)
+        got.append(([s.recomputed for s in seqs], [kv_of(eng, s) for s in seqs], logits,
+                    [s.mirror.own_pos[LATE].tolist() for s in seqs]))
+    (rec, kv, logits, own), rest = got[0], got[1:]
+    assert sum(rec) > 0
+    for r, k, lg, o in rest:
+        assert r == rec and o == own
+        for a, b in zip(k, kv):
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(lg, logits, rtol=1e-4, atol=1e-4)
+
+
+def test_waves_split_by_tokens():
+    from tokendance.backend.blend import BlendInput, _split
+
+    class S:
+        def __init__(self, n):
+            self.prompt = [0] * n
+
+    items = [BlendInput(S(n), []) for n in (30, 30, 40, 10)]
+    assert [[len(it.seq.prompt) for it in w] for w in _split(items, 2)] == [[30, 30], [40, 10]]
+    assert len(_split(items, 1)) == 1 and len(_split(items, 9)) == 4
+    assert [it for w in _split(items, 3) for it in w] == items
 
 
 def test_full_recompute_equals_full_prefill(engine):
@@ -196,8 +230,8 @@ def budget_round(folder, mode: str, budget: int, prompts, spans, monkeypatch):
     eng = Engine(model=str(folder), dtype="float32", kv_tokens=8192, max_batched_tokens=budget)
     step, calls, forwards, selected = 0, [], [], {}
 
-    def spy(model, cache, items, check_layer, ratio, floor):
-        res = blend_mod.blend(model, cache, items, check_layer, ratio, floor)
+    def spy(model, cache, items, *a):
+        res = blend_mod.blend(model, cache, items, *a)
         calls.append((step, [len(it.seq.prompt) for it in items]))
         selected.update((it.seq.id, sel) for it, sel in zip(items, res.selected))
         return res
