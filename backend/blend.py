@@ -55,110 +55,57 @@ def _meta(items: list[BlendInput], rows: list[torch.Tensor], view: int, cache: K
     )
 
 
-@dataclass(slots=True)
-class _Wave:
-    """A part of the batch between its check-layer selection and the read-back of it."""
-
-    items: list[BlendInput]
-    full: list[torch.Tensor]  # per prompt: the token positions computed up to the check layer
-    offsets: list[int]  # per prompt: its first row in x
-    x: torch.Tensor  # hidden states entering the check layer
-    qkv: tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # the check layer's, every row
-    picks: torch.Tensor  # per prompt: rows of x selected (select_top_padded), on the host
-    ready: torch.cuda.Event | None  # when `picks` has arrived (None: it already has)
-    work: int
-
-
-def _split(items: list[BlendInput], waves: int) -> list[list[BlendInput]]:
-    """Consecutive parts of about equal tokens, at most `waves` of them."""
-    sizes = [len(it.seq.prompt) - it.start for it in items]
-    total, out, acc = sum(sizes), [], 0
-    for it, n in zip(items, sizes):
-        if not out or (len(out) < waves and acc >= total * len(out) / waves):
-            out.append([])
-        out[-1].append(it)
-        acc += n
-    return out
-
-
-def _early(model: Decoder, cache: KVCache, items: list[BlendInput], check_layer: int, ratio: float,
-           floor: float) -> _Wave:
-    """Queue the layers before the check layer, the check layer's K/V and the selection,
-    and its copy to the host; the host does not wait for any of it."""
+@torch.inference_mode()
+def blend(model: Decoder, cache: KVCache, items: list[BlendInput], check_layer: int,
+          ratio: float, floor: float = 0.0) -> BlendResult:
     device = model.rope.inv_freq.device
+    bsz = cache.block_size
     full = [torch.arange(it.start, len(it.seq.prompt)) for it in items]
     # Causal attention over the step's own K/V, unless a prefix sits in the pool.
     meta = _meta(items, full, EARLY, cache, device, fresh=all(it.start == 0 for it in items))
-    x = model.embed(upload_list([t for it in items for t in it.seq.prompt[it.start:]], torch.long, device))
+    ids = upload_list([t for it in items for t in it.seq.prompt[it.start:]], torch.long, device)
+    x = model.embed(ids)
     offsets = [0]
     for r in full:
         offsets.append(offsets[-1] + len(r))
-    for layer in model.layers[:check_layer]:
-        x = layer(x, meta, cache)
-    layer = model.layers[check_layer]
-    q, k, v = layer.self_attn.qkv(layer.input_layernorm(x))
-    base = torch.cat([it.seq.mirror.master_slots(cache.block_size)[it.start:] for it in items])
-    base = upload(torch.where(base >= 0, base, cache.trash), device)
-    kc = cache.k[check_layer].view(-1, *k.shape[1:])
-    vc = cache.v[check_layer].view(-1, *v.shape[1:])
-    dev = kv_deviation(k, v, kc[base], vc[base])
-    groups = [torch.nonzero(torch.tensor(it.reused[it.start:], dtype=torch.bool)).flatten() + off
-              for it, off in zip(items, offsets)]
-    sizes = [len(g) for g in groups]
-    picks = select_top_padded(dev, list(upload(torch.cat(groups), device).split(sizes)), ratio, floor)
-    ready = None
-    if picks.is_cuda:
-        host = torch.empty(picks.shape, dtype=picks.dtype, pin_memory=True)
-        picks = host.copy_(picks, non_blocking=True)
-        ready = torch.cuda.Event()
-        ready.record()
-    return _Wave(items, full, offsets, x, (q, k, v), picks, ready, x.shape[0] * (check_layer + 1))
-
-
-def _late(model: Decoder, cache: KVCache, w: _Wave, check_layer: int) -> BlendResult:
-    """Read the wave's selection back, patch its Mirrors, and run the check layer's
-    attention and every later layer on the fresh and selected tokens."""
-    device = model.rope.inv_freq.device
-    if w.ready is not None:
-        w.ready.synchronize()
-    items, offsets = w.items, w.offsets
-    selected = []
-    for it, row, off in zip(items, w.picks, offsets):
-        selected.append((row[row >= 0] - off + it.start).tolist())
-        it.seq.mirror.pick(selected[-1])
-    layer = model.layers[check_layer]
-    q, k, v = w.qkv
-    meta = _meta(items, w.full, LATE, cache, device)
-    cache.store(check_layer, k, v, meta.slots)
-    h, x = layer.post_attention_layernorm.add(layer.self_attn.attend(q, meta, cache), w.x)
-    x = x + layer.mlp(h)
-    # From here on only fresh tokens, the selected ones and each prompt's last token.
-    rows = []
-    for it, sel in zip(items, selected):
-        keep = ~torch.tensor(it.reused, dtype=torch.bool)
-        keep[sel] = True
-        keep[-1] = True
-        keep[: it.start] = False
-        rows.append(torch.nonzero(keep).flatten())
-    x = x[upload(torch.cat([r - it.start + off for r, it, off in zip(rows, items, offsets)]), device)]
-    meta = _meta(items, rows, LATE, cache, device)
-    work = w.work
-    for layer in model.layers[check_layer + 1:]:
+    selected: list[list[int]] = [[] for _ in items]
+    work = 0
+    for li, layer in enumerate(model.layers):
         work += x.shape[0]
-        x = layer(x, meta, cache)
+        if li != check_layer:
+            x = layer(x, meta, cache)
+            continue
+        attn = layer.self_attn
+        q, k, v = attn.qkv(layer.input_layernorm(x))
+        base = torch.cat([it.seq.mirror.master_slots(bsz)[it.start:] for it in items])
+        base = upload(torch.where(base >= 0, base, cache.trash), device)
+        kc = cache.k[li].view(-1, *k.shape[1:])
+        vc = cache.v[li].view(-1, *v.shape[1:])
+        dev = kv_deviation(k, v, kc[base], vc[base])
+        groups = []
+        for i, it in enumerate(items):
+            mask = torch.tensor(it.reused[it.start:], dtype=torch.bool)
+            groups.append(torch.nonzero(mask).flatten() + offsets[i])
+        sizes = [len(g) for g in groups]
+        groups = list(upload(torch.cat(groups), device).split(sizes))
+        picks = select_top_padded(dev, groups, ratio, floor).cpu()  # the one wait for the GPU
+        for i, (it, row) in enumerate(zip(items, picks)):
+            selected[i] = (row[row >= 0] - offsets[i] + it.start).tolist()
+            it.seq.mirror.pick(selected[i])
+        meta = _meta(items, full, LATE, cache, device)
+        cache.store(li, k, v, meta.slots)
+        h, x = layer.post_attention_layernorm.add(attn.attend(q, meta, cache), x)
+        x = x + layer.mlp(h)
+        # From here on only fresh tokens, the selected ones and each prompt's last token.
+        rows = []
+        for i, it in enumerate(items):
+            keep = ~torch.tensor(it.reused, dtype=torch.bool)
+            keep[selected[i]] = True
+            keep[-1] = True
+            keep[: it.start] = False
+            rows.append(torch.nonzero(keep).flatten())
+        take = upload(torch.cat([r - it.start + off for r, it, off in zip(rows, items, offsets)]), device)
+        x = x[take]
+        meta = _meta(items, rows, LATE, cache, device)
     last = meta.cu_q[1:].long() - 1
     return BlendResult(model.logits(x[last]), selected, work)
-
-
-@torch.inference_mode()
-def blend(model: Decoder, cache: KVCache, items: list[BlendInput], check_layer: int,
-          ratio: float, floor: float = 0.0, waves: int = 1) -> BlendResult:
-    """The batch in up to `waves` consecutive parts, pipelined: every part's work up to
-    its selection is queued first, so while the host reads one part's selection back
-    and patches its Mirrors, the device computes the next part's early layers, and
-    while the host prepares that next part, the device runs the first one's later
-    layers. Per prompt the result does not depend on `waves`."""
-    parts = [_early(model, cache, part, check_layer, ratio, floor) for part in _split(items, waves)]
-    done = [_late(model, cache, w, check_layer) for w in parts]
-    return BlendResult(torch.cat([d.logits for d in done]), [s for d in done for s in d.selected],
-                       sum(d.work for d in done))

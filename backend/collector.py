@@ -40,7 +40,6 @@ class ReuseConfig:
     floor: float = 0.0  # > 0: of those, only tokens whose KV deviation exceeds it
     cache_fraction: float = 0.25  # of the pool, for segment bases
     max_tokens: int = 0  # prompt tokens per forward (bases, blend); 0: no limit
-    waves: int = 1  # a collective blend's pipelined parts (backend/blend.py); > 1 pays on a GPU
 
 
 T = TypeVar("T")
@@ -246,8 +245,8 @@ class Collector:
             subs = batches(items, lambda it: len(it.seq.prompt) - it.start, self.cfg.max_tokens)
         else:
             subs = [[it] for it in items]
-        parts = [blend(self.model, self.cache, sub, self.cfg.check_layer, self.cfg.ratio, self.cfg.floor,
-                       self.cfg.waves if batched else 1) for sub in subs]
+        parts = [blend(self.model, self.cache, sub, self.cfg.check_layer, self.cfg.ratio, self.cfg.floor)
+                 for sub in subs]
         logits = torch.cat([p.logits for p in parts])
         selected = [sel for p in parts for sel in p.selected]
         self.runner.work += sum(p.work for p in parts)

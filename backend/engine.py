@@ -49,9 +49,7 @@ class EngineConfig:
     recompute_floor: float = 0.0  # pic / collective: recompute only tokens deviating above this
     segment_cache_fraction: float = 0.25  # of the pool, for shared segments' base KV
     offload_bytes: int = 1 << 30  # host memory for idle agents' KV (backend/idle.py); 0: off
-    # Host and GPU overlap: decode steps (backend/lookahead.py), a collective blend in two
-    # pipelined waves (backend/blend.py). None: on CUDA.
-    overlap: bool | None = None
+    overlap: bool | None = None  # decode steps overlap host and GPU (backend/lookahead.py); None: on CUDA
 
 
 def _pick_device(name: str) -> torch.device:
@@ -95,10 +93,7 @@ class Engine:
             self.runner.capture(min(cfg.cuda_graphs, cfg.max_seqs), max_blocks, self.cache.trash_block)
         self.segments = SegmentCache(self.pool, cfg.block_size,
                                      int(self.cache.num_blocks * cfg.segment_cache_fraction))
-        self.overlap = cfg.overlap if cfg.overlap is not None else self.device.type == "cuda"
-        # With host/device overlap a collective blend runs in two pipelined waves.
-        reuse = ReuseConfig(cfg.check_layer, cfg.recompute_ratio, cfg.recompute_floor, max_tokens=budget,
-                            waves=2 if self.overlap else 1)
+        reuse = ReuseConfig(cfg.check_layer, cfg.recompute_ratio, cfg.recompute_floor, max_tokens=budget)
         self.idle = IdleAgents(self.cache, cfg.offload_bytes)
         self.collector = Collector(self.model, self.cache, self.blocks, self.runner, self.segments,
                                    self.idle, reuse)
@@ -111,6 +106,7 @@ class Engine:
             limits.append(cfg.max_model_len)
         self.max_model_len = min(limits)
         self.seqs: dict[str, Sequence] = {}
+        self.overlap = cfg.overlap if cfg.overlap is not None else self.device.type == "cuda"
         self.inflight: Inflight | None = None  # the last decode step's tokens, not read yet
         self.generator = torch.Generator(device=self.device).manual_seed(cfg.seed)
         log.info("engine ready", model=str(self.folder), device=str(self.device), dtype=dtype,
@@ -244,10 +240,16 @@ class Engine:
         # budget (the first one alone if it is longer), so running sequences decode between
         # sub-batches as they do between chunks of a plain prefill. Its forwards are its
         # own, beside the scheduler's with its own budget: sharing one would stall decodes
-        # or plain prefills while a large round drains. A request leaves blend_waiting only
-        # once prefilled (or handed to the scheduler), so none runs twice or is lost.
-        take = batches(self.blend_waiting, lambda s: len(s.prompt) - (s.resume.length if s.resume else 0),
-                       self.scheduler.max_tokens)[0]
+        # or plain prefills while a large round drains. With nothing running or waiting
+        # there, the step takes every waiting request and the collector runs their
+        # sub-batches back to back: a step boundary would only make the GPU wait for the
+        # host (a sync for the first tokens, then the next sub-batch's Mirrors and tables).
+        # A request leaves blend_waiting only once prefilled (or handed to the
+        # scheduler), so none runs twice or is lost.
+        take = self.blend_waiting[:]
+        if self.scheduler.has_work():
+            take = batches(take, lambda s: len(s.prompt) - (s.resume.length if s.resume else 0),
+                           self.scheduler.max_tokens)[0]
         out = []
         for mode in ("collective", "pic"):
             group = [s for s in take if s.mode == mode]

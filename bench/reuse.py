@@ -81,22 +81,9 @@ def footprint(eng: Engine, rnd: Round, mode: str, usage: list[Usage]) -> tuple[f
     return dense / held, (shared / patches if mode in ("pic", "collective") and patches else None)
 
 
-def variants(modes: list[str], waves: list[int]) -> list[tuple[str, str, int]]:
-    """(label, mode, blend waves) per timed variant: `collective` once per waves value
-    (labelled with it when there are several), the others as they are (0: the engine's)."""
-    out = []
-    for m in modes:
-        if m == "collective" and waves:
-            out += [(m if len(waves) == 1 else f"{m}/{w}w", m, w) for w in waves]
-        else:
-            out.append((m, m, 0))
-    return out
-
-
 def bench(eng: Engine, agents: list[int], history: int, output: int, repeats: int, modes: list[str],
-          seed: int = 0, decode: int = 1, waves: list[int] | None = None) -> list[dict]:
+          seed: int = 0, decode: int = 1) -> list[dict]:
     rows = []
-    default = eng.collector.cfg.waves
     sampling = SamplingParams(max_tokens=decode, temperature=0, ignore_eos=True)
     vocab = min(eng.mcfg.vocab_size, len(eng.tokenizer))
     for n in agents:
@@ -107,19 +94,17 @@ def bench(eng: Engine, agents: list[int], history: int, output: int, repeats: in
             cold(eng, rnd, mode, SamplingParams(max_tokens=min(decode, 4), temperature=0,
                                                 ignore_eos=True))
         res = {}
-        for label, mode, w in variants(modes, waves or []):
-            eng.collector.cfg.waves = w or default
+        for mode in modes:
             times, work, usage = [], 0.0, []
             for _ in range(repeats):
                 p = cold(eng, rnd, mode, sampling)
                 times.append(p.seconds)
                 work, usage = p.computed, p.usage
-            res[label] = (statistics.median(times), work, *footprint(eng, rnd, mode, usage))
-        eng.collector.cfg.waves = default
+            res[mode] = (statistics.median(times), work, *footprint(eng, rnd, mode, usage))
         limit = rnd.limit(eng.collector.cfg.ratio)
-        for label, mode, _ in variants(modes, waves or []):
-            t, w, foot, comp = res[label]
-            rows.append(dict(agents=n, mode=label, max_tokens=decode, ms=1000 * t, computed=w, limit=limit,
+        for mode in modes:
+            t, w, foot, comp = res[mode]
+            rows.append(dict(agents=n, mode=mode, max_tokens=decode, ms=1000 * t, computed=w, limit=limit,
                              footprint=foot, compression=comp, ratio=eng.collector.cfg.ratio,
                              prompt_tokens=rnd.prompt_tokens, shared=rnd.shared_tokens,
                              vs_pic=res["pic"][0] / t if "pic" in res else None,
@@ -142,7 +127,7 @@ def table(rows: list[dict]) -> str:
 
 
 def profiles(eng: Engine, rows: list[dict], n: int, history: int, output: int, modes: list[str],
-             decode: int, top: int, trace: str | None = None, waves: list[int] | None = None) -> str:
+             decode: int, top: int, trace: str | None = None) -> str:
     """Per mode, one more cold round of n agents under the profiler: how much of the
     timed round (its median in rows) keeps the device busy, and the top ops. With
     `trace` (a folder), one more per mode with Python stacks: its chrome trace there."""
@@ -151,19 +136,15 @@ def profiles(eng: Engine, rows: list[dict], n: int, history: int, output: int, m
     out = [f"\nProfiled: N = {n}, one cold round per mode", "| mode | round ms | device busy ms | busy share |",
            "|---|---|---|---|"]
     tables = []
-    default = eng.collector.cfg.waves
-    for label, mode, w in variants(modes, waves or []):
-        eng.collector.cfg.waves = w or default
-        ms = next(r["ms"] for r in rows if r["agents"] == n and r["mode"] == label)
+    for mode in modes:
+        ms = next(r["ms"] for r in rows if r["agents"] == n and r["mode"] == mode)
         eng.reset_caches()
         busy, ops = profiled(eng, lambda: play(eng, rnd, mode, sampling), top)
-        out.append(f"| {label} | {ms:.0f} | {busy:.0f} | {busy / ms:.2f} |")
+        out.append(f"| {mode} | {ms:.0f} | {busy:.0f} | {busy / ms:.2f} |")
         if trace:
             eng.reset_caches()
-            name = label.replace("/", "-")
-            traced(eng, lambda: play(eng, rnd, mode, sampling), str(Path(trace) / f"{name}-n{n}.json.gz"))
-        tables.append(f"\n{label}:\n{ops}")
-    eng.collector.cfg.waves = default
+            traced(eng, lambda: play(eng, rnd, mode, sampling), str(Path(trace) / f"{mode}-n{n}.json.gz"))
+        tables.append(f"\n{mode}:\n{ops}")
     return "\n".join(out + tables)
 
 
@@ -183,9 +164,6 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ratio", type=float, default=0.15, help="share of reused tokens recomputed")
     p.add_argument("--floor", type=float, default=0.0,
                    help="recompute only reused tokens whose check-layer deviation exceeds this")
-    p.add_argument("--waves", default="",
-                   help="collective's blend in this many pipelined waves; a list (1,2) times each "
-                        "(default: the engine's, 2 on a GPU)")
     p.add_argument("--profile", type=int, default=0, metavar="TOP",
                    help="then profile one cold round per mode at the first N: device busy time "
                         "against the timed round, and the TOP ops")
@@ -198,9 +176,6 @@ def main(args: argparse.Namespace) -> int:
     if args.trace and not args.profile:
         raise ValueError("--trace needs --profile TOP (it traces the profiled rounds)")
     agents = [int(a) for a in args.agents.split(",")]
-    waves = [int(w) for w in args.waves.split(",") if w]
-    if any(w < 1 for w in waves):
-        raise ValueError(f"--waves must be positive, got {args.waves}")
     need = max(agents) * (args.history * 2 + max(agents) * args.output * 2 + args.decode) + 4096
     eng, vocab = round_engine(args.model, args.dtype, args.kv_tokens or need, args.random_weights,
                               recompute_ratio=args.ratio, recompute_floor=args.floor)
@@ -208,14 +183,14 @@ def main(args: argparse.Namespace) -> int:
     if args.dump_prompts:
         rounds = {n: make_round(n, args.history, args.output, vocab, seed=n).prompts for n in agents}
         Path(args.dump_prompts).write_text(json.dumps(rounds))
-    rows = bench(eng, agents, args.history, args.output, args.repeats, modes, decode=args.decode, waves=waves)
+    rows = bench(eng, agents, args.history, args.output, args.repeats, modes, decode=args.decode)
     print(f"model {eng.name} ({eng.mcfg.num_layers} layers) on {eng.device}, {eng.dtype}; "
           f"histories ~{args.history}, outputs ~{args.output}, max_tokens {args.decode}, "
           f"ratio {eng.collector.cfg.ratio}, floor {eng.collector.cfg.floor}")
     print(table(rows))
     if args.profile:
         print(profiles(eng, rows, agents[0], args.history, args.output, modes, args.decode, args.profile,
-                       args.trace, waves))
+                       args.trace))
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))
     return 0

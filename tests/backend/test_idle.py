@@ -167,15 +167,19 @@ def test_agents_parked_while_a_round_restores_evict_no_taken_agent(tiny_llama):
     outs, _ = run(eng, prompts, spans, "collective", "a-")
     assert len(eng.idle.tier) == 4
     prompts, spans = next_round(prompts, spans, outs, seed=9)
+    # A plain request decoding meanwhile: sub-batches then run one per step.
+    eng.add("other", [5] * 8, SamplingParams(max_tokens=200, temperature=0, ignore_eos=True))
+    eng.step()
     one = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
     for i, (p, sp) in enumerate(zip(prompts, spans)):
         eng.add(f"b{i}", p, one, mode="collective", shared=sp, agent=f"a{i}")
-    assert all(s.resume is not None for s in eng.seqs.values())
+    assert all(s.resume is not None for rid, s in eng.seqs.items() if rid != "other")
     done, overlapped, restored = 0, False, eng.idle.restored
-    while eng.has_work():
-        done += sum(d.finish_reason is not None for _, d in eng.step())
+    while done < 4:
+        done += sum(d.finish_reason is not None for rid, d in eng.step() if rid != "other")
         overlapped |= done > 0 and bool(eng.blend_waiting)
-    assert done == 4 and overlapped, "no agent parked while another waited to restore"
+    eng.abort("other")
+    assert overlapped, "no agent parked while another waited to restore"
     assert eng.idle.restored - restored >= sum(len(p) for p in prompts) // 2  # all four resumed
     assert free_blocks_after_reset(eng)
 

@@ -97,40 +97,6 @@ def test_selected_tokens_identical(engine, monkeypatch):
     assert seen["pic"] == seen["collective"] and all(seen["pic"])
 
 
-@pytest.mark.parametrize("floor", [0.0, 1e-3])
-def test_waves_change_the_schedule_not_the_result(tiny_llama, floor):
-    """A collective blend in pipelined waves selects the same tokens and leaves the same
-    KV and logits as one wave; every request's selection lands on its own Mirror."""
-    prompts, spans = round_prompts(5, seed=4)
-    got = []
-    for waves in (1, 2, 3):
-        eng = Engine(model=str(tiny_llama), dtype="float32", kv_tokens=8192, recompute_floor=floor)
-        eng.collector.cfg.waves = waves
-        seqs, logits = prefill(eng, "collective", prompts, spans)
-        got.append(([s.recomputed for s in seqs], [kv_of(eng, s) for s in seqs], logits,
-                    [s.mirror.own_pos[LATE].tolist() for s in seqs]))
-    (rec, kv, logits, own), rest = got[0], got[1:]
-    assert sum(rec) > 0
-    for r, k, lg, o in rest:
-        assert r == rec and o == own
-        for a, b in zip(k, kv):
-            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
-        torch.testing.assert_close(lg, logits, rtol=1e-4, atol=1e-4)
-
-
-def test_waves_split_by_tokens():
-    from tokendance.backend.blend import BlendInput, _split
-
-    class S:
-        def __init__(self, n):
-            self.prompt = [0] * n
-
-    items = [BlendInput(S(n), []) for n in (30, 30, 40, 10)]
-    assert [[len(it.seq.prompt) for it in w] for w in _split(items, 2)] == [[30, 30], [40, 10]]
-    assert len(_split(items, 1)) == 1 and len(_split(items, 9)) == 4
-    assert [it for w in _split(items, 3) for it in w] == items
-
-
 def test_full_recompute_equals_full_prefill(engine):
     prompts, spans = round_prompts(3, seed=4)
     ref = [kv_of(engine, s) for s in prefill_full(engine, prompts)]
@@ -250,8 +216,7 @@ def budget_round(folder, mode: str, budget: int, prompts, spans, monkeypatch):
                 usage[rid] = (d.usage.recomputed_tokens, d.usage.cached_tokens)
         step += 1
     assert max(forwards) <= budget  # bases and the scheduler's forwards
-    for s in {s for s, _ in calls}:  # reuse prefill per step: the budget, or one request
-        lens = [n for t, ls in calls if t == s for n in ls]
+    for _, lens in calls:  # each blend forward: the budget, or one request
         assert sum(lens) <= budget or len(lens) == 1
     eng.reset_caches()
     assert eng.pool.num_free == eng.cache.num_blocks
@@ -265,12 +230,38 @@ def test_collective_within_token_budget(tiny_llama, monkeypatch, budget):
     assert len(ref[3]) == 1  # one batched blend for the whole round
     small = budget_round(tiny_llama, "collective", budget, prompts, spans, monkeypatch)
     pic = budget_round(tiny_llama, "pic", budget, prompts, spans, monkeypatch)
-    assert len({s for s, _ in small[3]}) > 1  # sub-batches in several steps
+    assert len(small[3]) > 1  # several sub-batches
     if budget == 450:
         assert max(len(ls) for _, ls in small[3]) > 1  # still batched
     assert all(len(toks) == 10 for toks in small[0].values())
     for got in (small, pic):
         assert got[:3] == ref[:3]
+
+
+def test_idle_engine_takes_the_whole_round_in_one_step(tiny_llama, monkeypatch):
+    """Sub-batches run one per step while other sequences decode, so those decode
+    between them; with nothing else running, one step takes them all back to back."""
+    prompts, spans = round_prompts(5, seed=9)
+    steps = {}
+    for busy in (False, True):
+        eng = Engine(model=str(tiny_llama), dtype="float32", kv_tokens=8192, max_batched_tokens=450)
+        if busy:
+            eng.add("other", [5] * 20, SamplingParams(max_tokens=400, temperature=0, ignore_eos=True))
+            eng.step()  # prefilled: it decodes from now on
+        calls = []
+        real = eng.collector.prefill
+        monkeypatch.setattr(eng.collector, "prefill", lambda g, batched: calls.append(len(g)) or real(g, batched))
+        for i, (p, sp) in enumerate(zip(prompts, spans)):
+            eng.add(f"r{i}", p, GREEDY, mode="collective", shared=sp)
+        n, decoded = 0, 0
+        while eng.blend_waiting:
+            decoded += sum(rid == "other" for rid, _ in eng.step())
+            n += 1
+        steps[busy] = (n, calls, decoded)
+    assert steps[False][:2] == (1, [5])
+    n, calls, decoded = steps[True]
+    assert n == len(calls) > 1 and sum(calls) == 5 and max(calls) < 5
+    assert decoded >= n - 1  # the running sequence decoded between sub-batches
 
 
 def test_collector_splits_group_by_budget(tiny_llama, monkeypatch):

@@ -32,19 +32,3 @@ def test_floor_and_profile_flags(tiny_llama, bench):
     assert "| mode | round ms | device busy ms | busy share |" in out
     for mode in ("full", "collective"):
         assert f"\n{mode}:\n" in out and f"| {mode} | " in out.split("Profiled")[1]
-
-
-def test_waves_flag_times_collective_per_waves(tiny_llama, bench):
-    out = bench(reuse, "--model", str(tiny_llama), "--dtype", "float32", "--agents", "3", "--history", "24",
-                "--output", "30", "--repeats", "1", "--modes", "full,collective", "--waves", "1,2",
-                "--profile", "3")
-    table, profiled = out.split("Profiled")
-    rows = {line.split("|")[2].strip(): line.split("|") for line in table.splitlines() if line.startswith("| 3 |")}
-    assert set(rows) == {"full", "collective/1w", "collective/2w"}
-    assert rows["collective/1w"][4] == rows["collective/2w"][4]  # the same tokens computed
-    assert "| collective/2w | " in profiled and "\ncollective/1w:\n" in profiled
-
-
-def test_waves_flag_rejects_zero(tiny_llama, bench):
-    with pytest.raises(ValueError, match="--waves must be positive"):
-        bench(reuse, "--model", str(tiny_llama), "--agents", "2", "--waves", "0")
