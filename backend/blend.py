@@ -9,6 +9,11 @@ are selected: they get private patches, in this layer and every later one. Later
 layers run only the fresh and selected tokens (their hidden states carry forward);
 every other reused token is read from the Master. The math per prompt does not depend
 on which other prompts share the batch: attention is per sequence.
+
+A batch may also carry bases: shared segments computed in this same forward (sequences
+without a Mirror, nothing reused, every layer in full). They come before the Mirrors that
+read them, and at the check layer their K/V are stored before any Mirror's deviation
+reads them; in every other layer each token's K/V are stored before attention reads any.
 """
 
 from __future__ import annotations
@@ -27,8 +32,8 @@ from tokendance.kernels.deviation import kv_deviation, select_top_padded
 
 @dataclass(slots=True)
 class BlendInput:
-    seq: Sequence  # a Mirror with its private blocks reserved for the prompt
-    reused: list[bool]  # per prompt token: its K/V is in the Master
+    seq: Sequence  # a Mirror with its private blocks reserved for the prompt, or a base
+    reused: list[bool]  # per prompt token: its K/V is in the Master (a base: none)
     start: int = 0  # tokens before it are in place already (an idle agent's restored prefix)
 
 
@@ -77,10 +82,15 @@ def blend(model: Decoder, cache: KVCache, items: list[BlendInput], check_layer: 
             continue
         attn = layer.self_attn
         q, k, v = attn.qkv(layer.input_layernorm(x))
-        base = torch.cat([it.seq.mirror.master_slots(bsz)[it.start:] for it in items])
+        base = torch.cat([it.seq.mirror.master_slots(bsz)[it.start:] if it.seq.mirror is not None
+                          else torch.full((len(r),), -1) for it, r in zip(items, full)])
         base = upload(torch.where(base >= 0, base, cache.trash), device)
         kc = cache.k[li].view(-1, *k.shape[1:])
         vc = cache.v[li].view(-1, *v.shape[1:])
+        bases = [i for i, it in enumerate(items) if it.seq.mirror is None]
+        if bases:  # the Master computed in this forward: in place before anyone compares
+            own = upload(torch.cat([torch.arange(offsets[i], offsets[i + 1]) for i in bases]), device)
+            cache.store(li, k[own], v[own], meta.slots[own])
         dev = kv_deviation(k, v, kc[base], vc[base])
         groups = []
         for i, it in enumerate(items):
@@ -91,7 +101,8 @@ def blend(model: Decoder, cache: KVCache, items: list[BlendInput], check_layer: 
         picks = select_top_padded(dev, groups, ratio, floor).cpu()  # the one wait for the GPU
         for i, (it, row) in enumerate(zip(items, picks)):
             selected[i] = (row[row >= 0] - offsets[i] + it.start).tolist()
-            it.seq.mirror.pick(selected[i])
+            if it.seq.mirror is not None:
+                it.seq.mirror.pick(selected[i])
         meta = _meta(items, full, LATE, cache, device)
         cache.store(li, k, v, meta.slots)
         h, x = layer.post_attention_layernorm.add(attn.attend(q, meta, cache), x)

@@ -1,8 +1,9 @@
 """The KV Collector: prefill a round's requests by reusing shared segments' KV.
 
 For a group of requests it (1) finds each shared segment's base KV in the segment cache
-and prefills the missing ones standalone, once for the whole group, in batched
-forwards; (2) makes each request a Mirror of those bases, the round's Master: it reads
+and computes the missing ones once for the whole group: in `collective`, in the same
+batched forward as the requests that read them (backend/blend.py), in `pic` standalone
+before them; (2) makes each request a Mirror of those bases, the round's Master: it reads
 them in place at its own offsets (keys are stored before RoPE, so placement needs no
 re-rotation and no copy) and owns private blocks only for its own tokens and patches;
 (3) runs selective recomputation: `collective` as one batched computation per
@@ -81,23 +82,32 @@ class Collector:
 
     # -- bases ----------------------------------------------------------------------
 
-    def _standalone(self, missing: dict[int, list[int]]) -> None:
-        """Prefill every missing segment alone, in forwards of at most max_tokens tokens (a
-        segment may be split across two, as a chunked prefill); the blocks become the bases."""
-        scratch: list[tuple[int, Sequence]] = []
+    def _bases(self, missing: dict[int, list[int]], pinned: list[Entry]) -> list[Sequence]:
+        """Reserve blocks for every missing segment and enter them in the segment cache,
+        pinned (no later reservation may evict a base before it is computed), to be filled
+        by the caller's forwards. A segment without room is left out: requests compute it
+        as private text."""
+        out = []
         for key, ids in missing.items():
             seq = Sequence(f"segment-{key}", ids, SamplingParams(), Detok(None))
             if not self.blocks.reserve(seq, len(ids)):
                 self.segments.evict(self.blocks.blocks_for(len(ids)))
                 if not self.blocks.reserve(seq, len(ids)):
-                    continue  # no room: requests compute this segment as private text
-            scratch.append((key, seq))
-        if not scratch:
-            return
-        budget = self.cfg.max_tokens or sum(len(s.prompt) for _, s in scratch)
+                    continue
+            e = self.segments.put(key, len(ids), seq.blocks, "standalone")
+            if e is not None:
+                self.segments.pin(e)
+                pinned.append(e)
+                out.append(seq)
+        return out
+
+    def _standalone(self, bases: list[Sequence]) -> None:
+        """Prefill bases alone, in forwards of at most max_tokens tokens (a segment may be
+        split across two, as a chunked prefill)."""
+        budget = self.cfg.max_tokens or sum(len(s.prompt) for s in bases)
         work: list[Scheduled] = []
         left = budget
-        for _, seq in scratch:
+        for seq in bases:
             start = 0
             while start < len(seq.prompt):
                 n = min(len(seq.prompt) - start, left)
@@ -108,8 +118,6 @@ class Collector:
                     work, left = [], budget
         if work:
             self.runner.run(work)
-        for key, seq in scratch:
-            self.segments.put(key, len(seq.prompt), seq.blocks, "standalone")
 
     def _copy(self, src: list[int], dst: list[int]) -> None:
         """Copy K/V of flat pool slots src -> dst in every layer."""
@@ -211,7 +219,12 @@ class Collector:
                     if self.segments.get(key) is None:
                         missing[key] = seq.prompt[lo:hi]
                 keys.append(spans)
-            self._standalone(missing)
+            bases = self._bases(missing, pinned)
+            # collective computes the bases in its first blend forward, beside the
+            # Mirrors that read them, when each fits a forward; pic before, alone.
+            fold = batched and all(len(b.prompt) <= (self.cfg.max_tokens or len(b.prompt)) for b in bases)
+            if not fold:
+                self._standalone(bases)
             wanted = [k for spans in keys for _, _, k in spans]
             wanted += [sp.key for seq in group if seq.resume is not None for sp in _spans(seq.resume)]
             entries = {k: e for k in wanted if (e := self.segments.get(k))}
@@ -240,15 +253,18 @@ class Collector:
                 self.idle.tier.drop(seq.resume.name)  # a later step prefills it whole
                 seq.resume = None
         if not ready:
+            if fold:
+                self._standalone(bases)
             return [], None
+        lead = [BlendInput(b, [False] * len(b.prompt)) for b in bases] if fold else []
         if batched:  # per request the math does not depend on the batch: split by budget
-            subs = batches(items, lambda it: len(it.seq.prompt) - it.start, self.cfg.max_tokens)
+            subs = batches(lead + items, lambda it: len(it.seq.prompt) - it.start, self.cfg.max_tokens)
         else:
             subs = [[it] for it in items]
         parts = [blend(self.model, self.cache, sub, self.cfg.check_layer, self.cfg.ratio, self.cfg.floor)
                  for sub in subs]
-        logits = torch.cat([p.logits for p in parts])
-        selected = [sel for p in parts for sel in p.selected]
+        logits = torch.cat([p.logits for p in parts])[len(lead):]
+        selected = [sel for p in parts for sel in p.selected][len(lead):]
         self.runner.work += sum(p.work for p in parts)
         for seq, it, sel in zip(ready, items, selected):
             n_reused = sum(it.reused[it.start:])

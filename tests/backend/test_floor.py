@@ -15,13 +15,15 @@ from .test_reuse import GREEDY, kv_of, prefill, round_prompts
 
 
 def spied(monkeypatch) -> list:
-    """Record (deviations, groups, picks) of every selection the blend makes."""
+    """Record (deviations, groups, picks) of every selection the blend makes, for the
+    Mirrors in its batch."""
     seen = []
     real = blend_mod.select_top_padded
 
     def spy(dev, groups, ratio, floor=0.0):
         picks = real(dev, groups, ratio, floor)
-        seen.append((dev.clone(), groups, unpad(picks)))
+        mirrors = [i for i, g in enumerate(groups) if len(g)]  # not the bases computed beside them
+        seen.append((dev.clone(), [groups[i] for i in mirrors], [unpad(picks)[i] for i in mirrors]))
         return picks
 
     monkeypatch.setattr(blend_mod, "select_top_padded", spy)

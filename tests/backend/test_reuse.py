@@ -125,18 +125,48 @@ def test_ratio_one_gives_full_greedy_output(tiny_llama):
     assert eng.generate(prompts, GREEDY, mode="collective", shared=spans) == full
 
 
-def test_bases_prefilled_once_per_round(engine, monkeypatch):
+def test_bases_prefilled_once_per_round(tiny_llama, monkeypatch):
+    """Each unique segment is computed once per round: in collective's one blend forward,
+    beside the Mirrors that read it; in pic's one standalone forward before them."""
+    from tokendance.backend import blend as blend_mod
+
     prompts, spans = round_prompts(4, seed=6)
-    calls = []
-    real = engine.runner.run
-    monkeypatch.setattr(engine.runner, "run", lambda work: calls.append(len(work)) or real(work))
-    prefill(engine, "collective", prompts, spans)
-    assert calls == [4]  # one forward, four unique segments
-    assert len(engine.segments.entries) == 4
-    for s in engine.seqs.values():
-        assert s.cached + s.recomputed == sum(hi - lo for lo, hi in s.shared)
-    prefill(engine, "pic", prompts, spans)
-    assert calls == [4]  # the second round of the same outputs prefills nothing
+    runs, blends = [], []
+    monkeypatch.setattr("tokendance.backend.collector.blend", lambda m, c, items, *a: blends.append(
+        sum(it.seq.mirror is None for it in items)) or blend_mod.blend(m, c, items, *a))
+    for mode in ("collective", "pic"):
+        eng = Engine(model=str(tiny_llama), dtype="float32", kv_tokens=8192)
+        real = eng.runner.run
+        monkeypatch.setattr(eng.runner, "run", lambda work: runs.append(len(work)) or real(work))
+        runs.clear(), blends.clear()
+        prefill(eng, mode, prompts, spans)
+        if mode == "collective":
+            assert runs == [] and blends == [4]  # one forward: four unique segments, four Mirrors
+        else:
+            assert runs == [4] and blends == [0] * 4  # one forward of the segments, then each request
+        assert len(eng.segments.entries) == 4
+        for s in eng.seqs.values():
+            assert s.cached + s.recomputed == sum(hi - lo for lo, hi in s.shared)
+        runs.clear(), blends.clear()
+        prefill(eng, "pic" if mode == "collective" else "collective", prompts, spans)
+        assert runs == [] and sum(blends) == 0  # the next round of the same outputs: none again
+
+
+def test_bases_in_the_blend_forward_equal_standalone(tiny_llama):
+    """Bases computed beside their readers (collective, cold) leave the same Master, the
+    same selection and KV, and the same logits as bases prefilled alone first (pic)."""
+    prompts, spans = round_prompts(4, seed=11)
+    got = {}
+    for mode in ("pic", "collective"):
+        eng = Engine(model=str(tiny_llama), dtype="float32", kv_tokens=8192)
+        seqs, logits = prefill(eng, mode, prompts, spans)
+        # kv_of reads each prompt's reused tokens from the Master: the bases are compared too
+        got[mode] = ([s.recomputed for s in seqs], [kv_of(eng, s) for s in seqs], logits)
+    (rp, kp, lp), (rc, kc, lc) = got["pic"], got["collective"]
+    assert rp == rc and all(rp)
+    for a, b in zip(kp, kc):
+        torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(lc, lp, rtol=1e-4, atol=1e-4)
 
 
 def test_producer_output_becomes_base(smollm2):
@@ -199,7 +229,7 @@ def budget_round(folder, mode: str, budget: int, prompts, spans, monkeypatch):
     def spy(model, cache, items, *a):
         res = blend_mod.blend(model, cache, items, *a)
         calls.append((step, [len(it.seq.prompt) for it in items]))
-        selected.update((it.seq.id, sel) for it, sel in zip(items, res.selected))
+        selected.update((it.seq.id, sel) for it, sel in zip(items, res.selected) if it.seq.mirror is not None)
         return res
 
     monkeypatch.setattr("tokendance.backend.collector.blend", spy)
