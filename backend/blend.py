@@ -56,7 +56,7 @@ def _meta(items: list[BlendInput], rows: list[torch.Tensor], view: int, cache: K
         cu_q=upload_list(cu, torch.int32, device),
         max_q=max(len(r) for r in rows),
         fresh_cu=cu if fresh else None,
-        **kv_view([it.seq for it in items], rows, view, cache.block_size, cache.trash, device),
+        **kv_view([it.seq for it in items], rows, view, cache.block_size, cache.trash, device, reads=not fresh),
     )
 
 

@@ -36,8 +36,9 @@ def step_meta(work: list[Scheduled], block_size: int, device: torch.device, tras
     seqs = [w.seq for w in work]
     rows = [torch.arange(w.start, w.start + w.count) for w in work]
     if all(s.mirror is None for s in seqs):
-        meta = AttnMeta(**common, **kv_view(seqs, rows, EARLY, block_size, trash, device),
-                        fresh_cu=cu if all(w.start == 0 for w in work) else None)
+        fresh = all(w.start == 0 for w in work)  # attention over the step's own K/V only
+        meta = AttnMeta(**common, **kv_view(seqs, rows, EARLY, block_size, trash, device, reads=not fresh),
+                        fresh_cu=cu if fresh else None)
     else:  # Mirrors: two views; a decode step reads the Master collectively
         if collective is None:
             collective = torch.device(device).type == "cuda"

@@ -26,11 +26,17 @@ ALIGN = 32  # chunk length granularity: the collective kernel's key tile on a GP
 
 def kv_view(seqs: list[Sequence], rows: list[torch.Tensor], view: int, block_size: int,
             trash: int, device: torch.device, collective: bool = False,
-            chunk_cap: int | None = None) -> dict:
+            chunk_cap: int | None = None, reads: bool = True) -> dict:
     """AttnMeta's store slots, block tables and key counts for computing token rows[i]
     (ascending) of seqs[i] in a view; with any Mirror among them, slot positions too,
     and with `collective` (a decode step) the Master apart, as `master` (see
-    `master_read` for chunk_cap)."""
+    `master_read` for chunk_cap). Without `reads` (attention over the step's own K/V
+    only) the store slots alone, and empty tables."""
+    if not reads:
+        slots = torch.cat([seq.slots(r, view, block_size, trash) for seq, r in zip(seqs, rows)])
+        return dict(slots=upload(slots, device),
+                    block_tables=torch.zeros(len(seqs), 0, dtype=torch.int32, device=device),
+                    kv_lens=torch.zeros(len(seqs), dtype=torch.int32, device=device))
     mirrors = any(s.mirror is not None for s in seqs)
     collective = collective and mirrors
     slots, tables, lens, spos = [], [], [], []

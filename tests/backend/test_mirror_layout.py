@@ -156,3 +156,24 @@ def test_a_resumed_mirror_keeps_the_parked_patches():
         assert late == [5, 10]  # the old patches, and none of the new segment's yet
         assert new.own_slot(5, EARLY) == (5 if dense_early else -1)
         assert len(new.patch_free) == (0 if dense_early else 2)  # ceil(0.5 * 4) for the new one
+
+
+def test_store_slots_without_reads():
+    """kv_view(reads=False), for attention over the step's own K/V: the same store slots
+    as the full view, and no tables."""
+    from tokendance.backend.api import SamplingParams
+    from tokendance.backend.detok import Detok
+    from tokendance.backend.sequence import Sequence
+    from tokendance.backend.tables import kv_view
+
+    seqs = []
+    for mirror in (layout()[0], None):
+        s = Sequence("s", [1] * 14, SamplingParams(), Detok(None))
+        s.mirror, s.blocks = mirror, [3, 7, 9, 4]
+        seqs.append(s)
+    rows = [torch.arange(14), torch.arange(2, 14)]
+    for view in (EARLY, LATE):
+        full = kv_view(seqs, rows, view, B, trash=99, device="cpu")
+        bare = kv_view(seqs, rows, view, B, trash=99, device="cpu", reads=False)
+        assert torch.equal(bare["slots"], full["slots"]) and (bare["slots"] == 99).sum() == 9
+        assert bare["block_tables"].shape == (2, 0) and "slot_pos" not in bare
