@@ -3,11 +3,11 @@
 Every prompt arrives as a Mirror (backend/mirror.py): its reused tokens' base K/V sit in
 the round's Master, its own tokens have private slots still to fill. Layers before the
 check layer run in full (their K/V are then exact for every token; the early view keeps
-them where the Mirror reads them). At the check layer all tokens are computed once
-more, and each prompt's reused tokens whose fresh K/V deviate most from the Master's
-are selected: they get private patches, in this layer and every later one. Later
-layers run only the fresh and selected tokens (their hidden states carry forward);
-every other reused token is read from the Master. The math per prompt does not depend
+them where the Mirror reads them). At the check layer every token's K/V are computed
+once more, and each prompt's reused tokens whose fresh K/V deviate most from the
+Master's are selected: they get private patches, in this layer and every later one.
+From the check layer's attention on, only the fresh and selected tokens run (their
+hidden states carry forward); every other reused token is read from the Master. The math per prompt does not depend
 on which other prompts share the batch: attention is per sequence.
 
 A batch may also carry bases: shared segments computed in this same forward (sequences
@@ -103,11 +103,9 @@ def blend(model: Decoder, cache: KVCache, items: list[BlendInput], check_layer: 
             selected[i] = (row[row >= 0] - offsets[i] + it.start).tolist()
             if it.seq.mirror is not None:
                 it.seq.mirror.pick(selected[i])
-        meta = _meta(items, full, LATE, cache, device)
-        cache.store(li, k, v, meta.slots)
-        h, x = layer.post_attention_layernorm.add(attn.attend(q, meta, cache), x)
-        x = x + layer.mlp(h)
-        # From here on only fresh tokens, the selected ones and each prompt's last token.
+        # From here on only fresh tokens, the selected ones and each prompt's last token,
+        # from this layer's attention on: every other row's output would be dropped
+        # (its K/V are the Master's in this view, read from there).
         rows = []
         for i, it in enumerate(items):
             keep = ~torch.tensor(it.reused, dtype=torch.bool)
@@ -116,7 +114,9 @@ def blend(model: Decoder, cache: KVCache, items: list[BlendInput], check_layer: 
             keep[: it.start] = False
             rows.append(torch.nonzero(keep).flatten())
         take = upload(torch.cat([r - it.start + off for r, it, off in zip(rows, items, offsets)]), device)
-        x = x[take]
         meta = _meta(items, rows, LATE, cache, device)
+        cache.store(li, k[take], v[take], meta.slots)
+        h, x = layer.post_attention_layernorm.add(attn.attend(q[take], meta, cache), x[take])
+        x = x + layer.mlp(h)
     last = meta.cu_q[1:].long() - 1
     return BlendResult(model.logits(x[last]), selected, work)
