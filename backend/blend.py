@@ -60,22 +60,67 @@ def _meta(items: list[BlendInput], rows: list[torch.Tensor], view: int, cache: K
     )
 
 
+@dataclass(slots=True)
+class Early:
+    """The layers before the check layer of whole fresh prompts, queued before their
+    Mirrors exist (their attention reads only the step's own K/V), so the GPU computes
+    them while the host builds the Mirrors; their K/V wait here until `blend` stores them
+    where the Mirrors say."""
+
+    seqs: list[Sequence]
+    x: torch.Tensor  # hidden states entering the check layer
+    kv: list[tuple[torch.Tensor, torch.Tensor]]  # per early layer
+
+
+class _Held:
+    """Stands in for the KV cache in `early`: keeps each layer's K/V instead."""
+
+    def __init__(self):
+        self.kv: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def store(self, layer: int, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
+        self.kv.append((k, v))
+
+
+@torch.inference_mode()
+def early(model: Decoder, seqs: list[Sequence], check_layer: int) -> Early:
+    device = model.rope.inv_freq.device
+    cu = [0]
+    for s in seqs:
+        cu.append(cu[-1] + len(s.prompt))
+    none = torch.zeros(len(seqs), 0, dtype=torch.int32, device=device)  # nothing stored or read
+    meta = AttnMeta(positions=upload(torch.cat([torch.arange(len(s.prompt)) for s in seqs]), device),
+                    slots=none, cu_q=upload_list(cu, torch.int32, device), block_tables=none,
+                    kv_lens=none.sum(1), max_q=max(len(s.prompt) for s in seqs), fresh_cu=cu)
+    x = model.embed(upload_list([t for s in seqs for t in s.prompt], torch.long, device))
+    held = _Held()
+    for layer in model.layers[:check_layer]:
+        x = layer(x, meta, held)
+    return Early(seqs, x, held.kv)
+
+
 @torch.inference_mode()
 def blend(model: Decoder, cache: KVCache, items: list[BlendInput], check_layer: int,
-          ratio: float, floor: float = 0.0) -> BlendResult:
+          ratio: float, floor: float = 0.0, pre: Early | None = None) -> BlendResult:
+    """`pre`: these items' early layers, if `early` ran them (else ignored)."""
     device = model.rope.inv_freq.device
     bsz = cache.block_size
     full = [torch.arange(it.start, len(it.seq.prompt)) for it in items]
     # Causal attention over the step's own K/V, unless a prefix sits in the pool.
     meta = _meta(items, full, EARLY, cache, device, fresh=all(it.start == 0 for it in items))
-    ids = upload_list([t for it in items for t in it.seq.prompt[it.start:]], torch.long, device)
-    x = model.embed(ids)
     offsets = [0]
     for r in full:
         offsets.append(offsets[-1] + len(r))
     selected: list[list[int]] = [[] for _ in items]
-    work = 0
-    for li, layer in enumerate(model.layers):
+    work, first = 0, 0
+    if pre is not None and len(pre.seqs) == len(items) and all(
+            s is it.seq and it.start == 0 for s, it in zip(pre.seqs, items)):
+        for li, (k, v) in enumerate(pre.kv):
+            cache.store(li, k, v, meta.slots)
+        x, first, work = pre.x, check_layer, pre.x.shape[0] * check_layer
+    else:
+        x = model.embed(upload_list([t for it in items for t in it.seq.prompt[it.start:]], torch.long, device))
+    for li, layer in enumerate(model.layers[first:], first):
         work += x.shape[0]
         if li != check_layer:
             x = layer(x, meta, cache)

@@ -22,7 +22,7 @@ from typing import TypeVar
 import torch
 
 from tokendance.backend.api import InvalidRequest, SamplingParams
-from tokendance.backend.blend import BlendInput, blend
+from tokendance.backend.blend import BlendInput, blend, early
 from tokendance.backend.blocks import BlockManager
 from tokendance.backend.detok import Detok
 from tokendance.backend.idle import IdleAgents, Resume, resumed_mirror
@@ -225,6 +225,10 @@ class Collector:
             fold = batched and all(len(b.prompt) <= (self.cfg.max_tokens or len(b.prompt)) for b in bases)
             if not fold:
                 self._standalone(bases)
+            pre = None
+            if fold and all(s.resume is None for s in group):  # fresh prompts: the GPU starts now
+                pre = early(self.model, batches(bases + group, lambda s: len(s.prompt), self.cfg.max_tokens)[0],
+                            self.cfg.check_layer)
             wanted = [k for spans in keys for _, _, k in spans]
             wanted += [sp.key for seq in group if seq.resume is not None for sp in _spans(seq.resume)]
             entries = {k: e for k in wanted if (e := self.segments.get(k))}
@@ -261,8 +265,8 @@ class Collector:
             subs = batches(lead + items, lambda it: len(it.seq.prompt) - it.start, self.cfg.max_tokens)
         else:
             subs = [[it] for it in items]
-        parts = [blend(self.model, self.cache, sub, self.cfg.check_layer, self.cfg.ratio, self.cfg.floor)
-                 for sub in subs]
+        parts = [blend(self.model, self.cache, sub, self.cfg.check_layer, self.cfg.ratio, self.cfg.floor,
+                       pre if i == 0 else None) for i, sub in enumerate(subs)]
         logits = torch.cat([p.logits for p in parts])[len(lead):]
         selected = [sel for p in parts for sel in p.selected][len(lead):]
         self.runner.work += sum(p.work for p in parts)

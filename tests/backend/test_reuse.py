@@ -97,6 +97,32 @@ def test_selected_tokens_identical(engine, monkeypatch):
     assert seen["pic"] == seen["collective"] and all(seen["pic"])
 
 
+def test_early_layers_run_before_the_mirrors_exist(tiny_llama, monkeypatch):
+    """A cold collective round queues its first forward's layers before the check layer
+    ahead of building its Mirrors (blend.early), and the blend stores their K/V where the
+    Mirrors say instead of computing them again: the same selection, KV and logits as
+    computing them inside the blend."""
+    from tokendance.backend import collector as col
+
+    prompts, spans = round_prompts(4, seed=12)
+    got = []
+    for ahead in (True, False):
+        eng = Engine(model=str(tiny_llama), dtype="float32", kv_tokens=8192)
+        embeds, calls = [], []
+        embed, real_early = eng.model.embed, col.early
+        monkeypatch.setattr(eng.model, "embed", lambda ids: embeds.append(len(ids)) or embed(ids))
+        monkeypatch.setattr(col, "early", lambda *a: calls.append(a) or (real_early(*a) if ahead else None))
+        seqs, logits = prefill(eng, "collective", prompts, spans)
+        got.append(([s.recomputed for s in seqs], [kv_of(eng, s) for s in seqs], logits))
+        monkeypatch.undo()
+        assert len(calls) == 1 and len(embeds) == 1  # computed once, ahead or in the blend
+    (r1, k1, l1), (r2, k2, l2) = got
+    assert r1 == r2 and all(r1)
+    for a, b in zip(k1, k2):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(l1, l2, rtol=1e-5, atol=1e-5)
+
+
 def test_full_recompute_equals_full_prefill(engine):
     prompts, spans = round_prompts(3, seed=4)
     ref = [kv_of(engine, s) for s in prefill_full(engine, prompts)]
