@@ -7,8 +7,9 @@ them where the Mirror reads them). At the check layer every token's K/V are comp
 once more, and each prompt's reused tokens whose fresh K/V deviate most from the
 Master's are selected: they get private patches, in this layer and every later one.
 From the check layer's attention on, only the fresh and selected tokens run (their
-hidden states carry forward); every other reused token is read from the Master. The math per prompt does not depend
-on which other prompts share the batch: attention is per sequence.
+hidden states carry forward); every other reused token is read from the Master. The
+math per prompt does not depend on which other prompts share the batch: attention is
+per sequence.
 
 A batch may also carry bases: shared segments computed in this same forward (sequences
 without a Mirror, nothing reused, every layer in full). They come before the Mirrors that
@@ -84,6 +85,7 @@ class _Held:
 
 @torch.inference_mode()
 def early(model: Decoder, seqs: list[Sequence], check_layer: int) -> Early:
+    """Queue the layers before the check layer over whole prompts (see `Early`)."""
     device = model.rope.inv_freq.device
     cu = [0]
     for s in seqs:
