@@ -164,7 +164,8 @@ def test_bases_prefilled_once_per_round(tiny_llama, monkeypatch):
         eng = Engine(model=str(tiny_llama), dtype="float32", kv_tokens=8192)
         real = eng.runner.run
         monkeypatch.setattr(eng.runner, "run", lambda work: runs.append(len(work)) or real(work))
-        runs.clear(), blends.clear()
+        runs.clear()
+        blends.clear()
         prefill(eng, mode, prompts, spans)
         if mode == "collective":
             assert runs == [] and blends == [4]  # one forward: four unique segments, four Mirrors
@@ -173,7 +174,8 @@ def test_bases_prefilled_once_per_round(tiny_llama, monkeypatch):
         assert len(eng.segments.entries) == 4
         for s in eng.seqs.values():
             assert s.cached + s.recomputed == sum(hi - lo for lo, hi in s.shared)
-        runs.clear(), blends.clear()
+        runs.clear()
+        blends.clear()
         prefill(eng, "pic" if mode == "collective" else "collective", prompts, spans)
         assert runs == [] and sum(blends) == 0  # the next round of the same outputs: none again
 
