@@ -57,7 +57,8 @@ def _meta(items: list[BlendInput], rows: list[torch.Tensor], view: int, cache: K
         cu_q=upload_list(cu, torch.int32, device),
         max_q=max(len(r) for r in rows),
         fresh_cu=cu if fresh else None,
-        **kv_view([it.seq for it in items], rows, view, cache.block_size, cache.trash, device, reads=not fresh),
+        **kv_view([it.seq for it in items], rows, view, cache.block_size, cache.trash, device,
+                  reads=not fresh),
     )
 
 
@@ -121,7 +122,8 @@ def blend(model: Decoder, cache: KVCache, items: list[BlendInput], check_layer: 
             cache.store(li, k, v, meta.slots)
         x, first, work = pre.x, check_layer, pre.x.shape[0] * check_layer
     else:
-        x = model.embed(upload_list([t for it in items for t in it.seq.prompt[it.start:]], torch.long, device))
+        ids = [t for it in items for t in it.seq.prompt[it.start:]]
+        x = model.embed(upload_list(ids, torch.long, device))
     for li, layer in enumerate(model.layers[first:], first):
         work += x.shape[0]
         if li != check_layer:

@@ -82,11 +82,12 @@ class Collector:
 
     # -- bases ----------------------------------------------------------------------
 
-    def _bases(self, missing: dict[int, list[int]], pinned: list[Entry]) -> list[Sequence]:
+    def _bases(self, missing: dict[int, list[int]], pinned: list[Entry],
+               entered: list[Entry]) -> list[Sequence]:
         """Reserve blocks for every missing segment and enter them in the segment cache,
         pinned (no later reservation may evict a base before it is computed), to be filled
-        by the caller's forwards. A segment without room is left out: requests compute it
-        as private text."""
+        by the caller's forwards; `entered` gets the entries. A segment without room is
+        left out: requests compute it as private text."""
         out = []
         for key, ids in missing.items():
             seq = Sequence(f"segment-{key}", ids, SamplingParams(), Detok(None))
@@ -98,6 +99,7 @@ class Collector:
             if e is not None:
                 self.segments.pin(e)
                 pinned.append(e)
+                entered.append(e)
                 out.append(seq)
         return out
 
@@ -201,7 +203,19 @@ class Collector:
 
     def prefill(self, group: list[Sequence], batched: bool) -> tuple[list[Sequence], torch.Tensor | None]:
         """Prefill what fits of `group`; returns those sequences (KV in place, stats set)
-        and their next-token logits. Sequences left out stay for a later step."""
+        and their next-token logits. Sequences left out stay for a later step. If it fails,
+        the bases it entered in the segment cache leave it: they may never have been
+        computed, and nobody may read an empty base."""
+        entered: list[Entry] = []
+        try:
+            return self._prefill(group, batched, entered)
+        except BaseException:
+            for e in entered:
+                self.segments.discard(e)
+            raise
+
+    def _prefill(self, group: list[Sequence], batched: bool,
+                 entered: list[Entry]) -> tuple[list[Sequence], torch.Tensor | None]:
         pinned: list[Entry] = []
         try:
             # Masters of restored prefixes come back from the host, not prefilled again.
@@ -219,7 +233,7 @@ class Collector:
                     if self.segments.get(key) is None:
                         missing[key] = seq.prompt[lo:hi]
                 keys.append(spans)
-            bases = self._bases(missing, pinned)
+            bases = self._bases(missing, pinned, entered)
             # collective computes the bases in its first blend forward, beside the
             # Mirrors that read them, when each fits a forward; pic before, alone.
             fold = batched and all(len(b.prompt) <= (self.cfg.max_tokens or len(b.prompt)) for b in bases)
@@ -227,8 +241,8 @@ class Collector:
                 self._standalone(bases)
             pre = None
             if fold and all(s.resume is None for s in group):  # fresh prompts: the GPU starts now
-                pre = early(self.model, batches(bases + group, lambda s: len(s.prompt), self.cfg.max_tokens)[0],
-                            self.cfg.check_layer)
+                first = batches(bases + group, lambda s: len(s.prompt), self.cfg.max_tokens)[0]
+                pre = early(self.model, first, self.cfg.check_layer)
             wanted = [k for spans in keys for _, _, k in spans]
             wanted += [sp.key for seq in group if seq.resume is not None for sp in _spans(seq.resume)]
             entries = {k: e for k in wanted if (e := self.segments.get(k))}

@@ -78,6 +78,11 @@ class SegmentCache:
     def unpin(self, e: Entry) -> None:
         e.pins -= 1
 
+    def discard(self, e: Entry) -> None:
+        """Drop this entry, pinned or not, if it is still the one under its key."""
+        if self.entries.get(e.key) is e:
+            self._drop(e)
+
     def clear(self) -> None:
         for e in list(self.entries.values()):
             if e.pins == 0:

@@ -197,6 +197,32 @@ def test_bases_in_the_blend_forward_equal_standalone(tiny_llama):
     torch.testing.assert_close(lc, lp, rtol=1e-4, atol=1e-4)
 
 
+def test_a_failed_round_leaves_no_empty_base(tiny_llama, monkeypatch):
+    """Collective enters a round's bases in the segment cache before its forward computes
+    them. If the round fails first, they leave the cache again: the next round computes
+    them instead of reading empty blocks, and nothing leaks."""
+    prompts, spans = round_prompts(3, seed=13)
+    eng = Engine(model=str(tiny_llama), dtype="float32", kv_tokens=8192)
+
+    def lost(*a):
+        raise RuntimeError("device lost")
+
+    monkeypatch.setattr("tokendance.backend.collector.blend", lost)
+    with pytest.raises(RuntimeError, match="device lost"):
+        prefill(eng, "collective", prompts, spans)
+    assert not eng.segments.entries
+    monkeypatch.undo()
+    for rid in list(eng.seqs):  # what the server does with a failed step's requests
+        eng.abort(rid)
+    _, logits = prefill(eng, "collective", prompts, spans)
+    _, want = prefill(Engine(model=str(tiny_llama), dtype="float32", kv_tokens=8192), "collective", prompts, spans)
+    torch.testing.assert_close(logits, want)
+    for rid in list(eng.seqs):
+        eng.abort(rid)
+    eng.reset_caches()
+    assert eng.pool.num_free == eng.cache.num_blocks
+
+
 def test_producer_output_becomes_base(smollm2):
     # A real model: its outputs tokenize back to the tokens it generated.
     engine = Engine(model=str(smollm2), dtype="float32", kv_tokens=2048)
