@@ -172,25 +172,15 @@ def mirrors() -> bool:
 def silu_mul_vs_reference() -> tuple[float, float, float]:
     """The fused SwiGLU activation on a Qwen2.5-7B-sized prefill (4 k rows, bf16): its
     largest relative error against the two torch ops (bf16 keeps 8 bits: 2^-6 is two
-    roundings), and both times (ms, medians of 20 with CUDA events)."""
+    roundings), and both times (median ms, bench/kernel_timing.py)."""
+    from tokendance.bench.kernel_timing import median_ms
     from tokendance.kernels.act import silu_mul_reference, silu_mul_triton
 
     x = torch.randn(4096, 2 * SHAPES["qwen2.5-7b"]["intermediate_size"], device="cuda",
                     dtype=torch.bfloat16) * 4
     ref, got = silu_mul_reference(x).float(), silu_mul_triton(x).float()
     rel = ((got - ref).abs() / ref.abs().clamp_min(1e-6)).max().item()
-    times = []
-    for fn in (silu_mul_triton, silu_mul_reference):
-        ts = []
-        for _ in range(21):
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            fn(x)
-            b.record()
-            torch.cuda.synchronize()
-            ts.append(a.elapsed_time(b))
-        times.append(sorted(ts[1:])[10])
-    return rel, times[0], times[1]
+    return rel, median_ms(lambda: silu_mul_triton(x), False), median_ms(lambda: silu_mul_reference(x), False)
 
 
 def act() -> bool:
