@@ -8,8 +8,10 @@ once more, and each prompt's reused tokens whose fresh K/V deviate most from the
 Master's are selected: they get private patches, in this layer and every later one.
 From the check layer's attention on, only the fresh and selected tokens run (their
 hidden states carry forward); every other reused token is read from the Master. The
-math per prompt does not depend on which other prompts share the batch: attention is
-per sequence.
+selection stays on the device: the later layers' metadata is built there from it
+(backend/late.py), and the host reads it back for the Mirrors only once every layer is
+queued. The math per prompt does not depend on which other prompts share the batch:
+attention is per sequence.
 
 A batch may also carry bases: shared segments computed in this same forward (sequences
 without a Mirror, nothing reused, every layer in full). They come before the Mirrors that
@@ -23,12 +25,13 @@ from dataclasses import dataclass
 
 import torch
 
-from tokendance.backend.mirror import EARLY, LATE
+from tokendance.backend.late import plan
+from tokendance.backend.mirror import EARLY
 from tokendance.backend.model import AttnMeta, Decoder, KVCache
 from tokendance.backend.sequence import Sequence
 from tokendance.backend.tables import kv_view
-from tokendance.backend.upload import upload, upload_list
-from tokendance.kernels.deviation import kv_deviation, select_top_padded
+from tokendance.backend.upload import Download, download, upload, upload_list
+from tokendance.kernels.deviation import caps, kv_deviation, select_top_padded
 
 
 @dataclass(slots=True)
@@ -45,10 +48,10 @@ class BlendResult:
     work: int  # token-layers computed
 
 
-def _meta(items: list[BlendInput], rows: list[torch.Tensor], view: int, cache: KVCache,
-          device, fresh: bool = False) -> AttnMeta:
-    """Attention metadata for the given token positions (rows) of each prompt; `fresh`
-    when every row of every prompt is being computed (layers before the check layer)."""
+def _early_meta(items: list[BlendInput], rows: list[torch.Tensor], cache: KVCache, device,
+                fresh: bool) -> AttnMeta:
+    """Attention metadata of the layers before the check layer, every row computed;
+    `fresh`: no prompt has a prefix in the pool (attention reads the step's own K/V)."""
     cu = [0]
     for r in rows:
         cu.append(cu[-1] + len(r))
@@ -57,7 +60,7 @@ def _meta(items: list[BlendInput], rows: list[torch.Tensor], view: int, cache: K
         cu_q=upload_list(cu, torch.int32, device),
         max_q=max(len(r) for r in rows),
         fresh_cu=cu if fresh else None,
-        **kv_view([it.seq for it in items], rows, view, cache.block_size, cache.trash, device,
+        **kv_view([it.seq for it in items], rows, EARLY, cache.block_size, cache.trash, device,
                   reads=not fresh),
     )
 
@@ -110,11 +113,12 @@ def blend(model: Decoder, cache: KVCache, items: list[BlendInput], check_layer: 
     bsz = cache.block_size
     full = [torch.arange(it.start, len(it.seq.prompt)) for it in items]
     # Causal attention over the step's own K/V, unless a prefix sits in the pool.
-    meta = _meta(items, full, EARLY, cache, device, fresh=all(it.start == 0 for it in items))
+    meta = _early_meta(items, full, cache, device, fresh=all(it.start == 0 for it in items))
     offsets = [0]
     for r in full:
         offsets.append(offsets[-1] + len(r))
-    selected: list[list[int]] = [[] for _ in items]
+    reused = [torch.tensor(it.reused, dtype=torch.bool) for it in items]
+    back: Download | None = None  # the check layer's picks, on their way to the host
     work, first = 0, 0
     if pre is not None and len(pre.seqs) == len(items) and all(
             s is it.seq and it.start == 0 for s, it in zip(pre.seqs, items)):
@@ -141,31 +145,24 @@ def blend(model: Decoder, cache: KVCache, items: list[BlendInput], check_layer: 
             own = upload(torch.cat([torch.arange(offsets[i], offsets[i + 1]) for i in bases]), device)
             cache.store(li, k[own], v[own], meta.slots[own])
         dev = kv_deviation(k, v, kc[base], vc[base])
-        groups = []
-        for i, it in enumerate(items):
-            mask = torch.tensor(it.reused[it.start:], dtype=torch.bool)
-            groups.append(torch.nonzero(mask).flatten() + offsets[i])
+        groups = [torch.nonzero(r[it.start:]).flatten() + off for r, it, off in zip(reused, items, offsets)]
         sizes = [len(g) for g in groups]
-        groups = list(upload(torch.cat(groups), device).split(sizes))
-        picks = select_top_padded(dev, groups, ratio, floor).cpu()  # the one wait for the GPU
-        for i, (it, row) in enumerate(zip(items, picks)):
-            selected[i] = (row[row >= 0] - offsets[i] + it.start).tolist()
-            if it.seq.mirror is not None:
-                it.seq.mirror.pick(selected[i])
-        # From here on only fresh tokens, the selected ones and each prompt's last token,
-        # from this layer's attention on: every other row's output would be dropped
-        # (its K/V are the Master's in this view, read from there).
-        rows = []
-        for i, it in enumerate(items):
-            keep = ~torch.tensor(it.reused, dtype=torch.bool)
-            keep[selected[i]] = True
-            keep[-1] = True
-            keep[: it.start] = False
-            rows.append(torch.nonzero(keep).flatten())
-        take = upload(torch.cat([r - it.start + off for r, it, off in zip(rows, items, offsets)]), device)
-        meta = _meta(items, rows, LATE, cache, device)
+        picks = select_top_padded(dev, list(upload(torch.cat(groups), device).split(sizes)), ratio, floor)
+        back = download(picks)
+        # The host plans the later layers while the GPU selects; with a floor it must
+        # wait for the counts (they depend on the deviations).
+        late = plan([it.seq for it in items], reused, [it.start for it in items], offsets, bsz,
+                    cache.trash, device)
+        counts = caps(sizes, ratio) if floor <= 0 else (back.get() >= 0).sum(1).tolist()
+        meta, take = late.meta(picks, counts)
         cache.store(li, k[take], v[take], meta.slots)
         h, x = layer.post_attention_layernorm.add(attn.attend(q[take], meta, cache), x[take])
         x = x + layer.mlp(h)
-    last = meta.cu_q[1:].long() - 1
-    return BlendResult(model.logits(x[last]), selected, work)
+    logits = model.logits(x[meta.cu_q[1:].long() - 1])
+    selected: list[list[int]] = [[] for _ in items]
+    if back is not None:  # every layer is queued: the Mirrors take their patches now
+        for i, (it, row) in enumerate(zip(items, back.get())):
+            selected[i] = (row[row >= 0] - offsets[i] + it.start).tolist()
+            if it.seq.mirror is not None:
+                it.seq.mirror.pick(selected[i])
+    return BlendResult(logits, selected, work)

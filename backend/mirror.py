@@ -89,13 +89,16 @@ class Mirror:
         j = torch.tensor(tokens, dtype=torch.long)
         new = j[self.own_of[j] < 0]
         if len(new):
-            if len(new) > len(self.patch_free):
-                raise ValueError(f"{len(new)} patches picked, room for {len(self.patch_free)}")
-            cut = len(self.patch_free) - len(new)
-            self.own_of[new] = torch.tensor(self.patch_free[cut:][::-1], dtype=torch.long)
-            del self.patch_free[cut:]
+            self.own_of[new] = torch.tensor(self.room(len(new)), dtype=torch.long)
+            del self.patch_free[len(self.patch_free) - len(new):]
         self.own_pos[LATE][self.own_of[j]] = j
         self._fixed.clear()
+
+    def room(self, n: int) -> list[int]:
+        """The private slots the next n new patches get, in `pick` order."""
+        if n > len(self.patch_free):
+            raise ValueError(f"{n} patches picked, room for {len(self.patch_free)}")
+        return self.patch_free[len(self.patch_free) - n:][::-1]
 
     def trim(self) -> int:
         """Drop the patch room selection left unused (with a deviation floor, fewer
@@ -188,6 +191,14 @@ class Mirror:
             pos = (head, tail, spans) if master else (head, tail)
             self._fixed[key] = (torch.tensor(blocks, dtype=torch.int32), torch.cat(pos))
         return self._fixed[key]
+
+    def master_cols(self, own_blocks: int, block_size: int) -> torch.Tensor:
+        """Per prompt token: the column of `table`'s slots (with the Master, over
+        `own_blocks` own blocks) where its Master copy sits, -1 if it has none."""
+        tok, at = self._geometry(block_size)
+        out = torch.full((self.prompt_len,), -1, dtype=torch.long)
+        out[tok] = torch.where(self.reused[tok], own_blocks * block_size + at, -1)
+        return out
 
     def master_pos(self, view: int, block_size: int) -> torch.Tensor:
         """Position at which this view reads each slot of its spans' blocks (in span

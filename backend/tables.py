@@ -37,18 +37,31 @@ def kv_view(seqs: list[Sequence], rows: list[torch.Tensor], view: int, block_siz
         return dict(slots=upload(slots, device),
                     block_tables=torch.zeros(len(seqs), 0, dtype=torch.int32, device=device),
                     kv_lens=torch.zeros(len(seqs), dtype=torch.int32, device=device))
+    collective = collective and any(s.mirror is not None for s in seqs)
+    out = dict(slots=torch.cat([seq.slots(r, view, block_size, trash) for seq, r in zip(seqs, rows)]),
+               **read_tables(seqs, [int(r[-1]) + 1 for r in rows], view, block_size, master=not collective))
+    out = {k: upload(v, device) for k, v in out.items()}
+    if collective:
+        out["master"] = to_device(master_read(seqs, view, block_size, cap=chunk_cap), device)
+    return out
+
+
+def read_tables(seqs: list[Sequence], ends: list[int], view: int, block_size: int,
+                master: bool = True) -> dict:
+    """Block tables and key counts of seqs in a view (host tensors); with any Mirror
+    among them, slot positions too. ends[i]: keys of a sequence without a Mirror (a
+    Mirror reads its whole table); `master`: a Mirror's table holds the Master's blocks
+    after its own (without: they are read collectively)."""
     mirrors = any(s.mirror is not None for s in seqs)
-    collective = collective and mirrors
-    slots, tables, lens, spos = [], [], [], []
-    for seq, r in zip(seqs, rows):
-        slots.append(seq.slots(r, view, block_size, trash))
+    tables, lens, spos = [], [], []
+    for seq, end in zip(seqs, ends):
         if seq.mirror is None:
             tables.append(torch.tensor(seq.blocks, dtype=torch.int32))
-            lens.append(int(r[-1]) + 1)
+            lens.append(end)
             if mirrors:
                 spos.append(torch.arange(len(seq.blocks) * block_size, dtype=torch.int32))
         else:
-            blocks, p = seq.mirror.table(view, seq.blocks, block_size, master=not collective)
+            blocks, p = seq.mirror.table(view, seq.blocks, block_size, master=master)
             tables.append(blocks)
             lens.append(len(blocks) * block_size)
             spos.append(p)
@@ -56,16 +69,12 @@ def kv_view(seqs: list[Sequence], rows: list[torch.Tensor], view: int, block_siz
     table = torch.zeros(len(seqs), width, dtype=torch.int32)
     for i, b in enumerate(tables):
         table[i, :len(b)] = b
-    out = dict(slots=torch.cat(slots), block_tables=table,
-               kv_lens=torch.tensor(lens, dtype=torch.int32))
+    out = dict(block_tables=table, kv_lens=torch.tensor(lens, dtype=torch.int32))
     if mirrors:
         sp = torch.full((len(seqs), width * block_size), -1, dtype=torch.int32)
         for i, p in enumerate(spos):
             sp[i, :len(p)] = p
         out["slot_pos"] = sp
-    out = {k: upload(v, device) for k, v in out.items()}
-    if collective:
-        out["master"] = to_device(master_read(seqs, view, block_size, cap=chunk_cap), device)
     return out
 
 

@@ -10,6 +10,8 @@ pinned memory is queued like a kernel and the host goes on.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 
@@ -22,3 +24,27 @@ def upload(t: torch.Tensor, device: torch.device | str) -> torch.Tensor:
 
 def upload_list(values: list, dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
     return upload(torch.tensor(values, dtype=dtype), device)
+
+
+@dataclass(slots=True)
+class Download:
+    """A device tensor's copy to the host, queued where it was asked for; `get` waits
+    only for the work queued before it, not for what the host queued since."""
+
+    host: torch.Tensor
+    done: torch.cuda.Event | None
+
+    def get(self) -> torch.Tensor:
+        if self.done is not None:
+            self.done.synchronize()
+        return self.host
+
+
+def download(t: torch.Tensor) -> Download:
+    if not t.is_cuda:
+        return Download(t, None)
+    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    host.copy_(t, non_blocking=True)
+    done = torch.cuda.Event()
+    done.record()
+    return Download(host, done)

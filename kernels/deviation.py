@@ -83,6 +83,12 @@ def select_top_reference(dev: torch.Tensor, groups: list[torch.Tensor], ratio: f
     return out
 
 
+def caps(sizes: list[int], ratio: float) -> list[int]:
+    """How many of each group `select_top` picks without a floor: ceil(ratio * size),
+    in Python floats (the device computes the same double-precision product)."""
+    return [math.ceil(ratio * n) for n in sizes]
+
+
 def select_top_padded(dev: torch.Tensor, groups: list[torch.Tensor], ratio: float,
                       floor: float = 0.0) -> torch.Tensor:
     """`select_top_reference`'s picks for all groups at once, as one [len(groups), k]
@@ -90,8 +96,7 @@ def select_top_padded(dev: torch.Tensor, groups: list[torch.Tensor], ratio: floa
     sort over a padded [N, max_len] matrix, and nothing the host waits for: the caller
     reads the picks back in one copy, when it needs them."""
     n = len(groups)
-    caps = [math.ceil(ratio * len(g)) for g in groups]  # Python floats, as the reference
-    k = max(caps, default=0)
+    k = max(caps([len(g) for g in groups], ratio), default=0)
     if k == 0:
         return torch.full((n, 0), -1, dtype=torch.long, device=dev.device)
     width = max(len(g) for g in groups)
