@@ -239,10 +239,10 @@ class Collector:
             fold = batched and all(len(b.prompt) <= (self.cfg.max_tokens or len(b.prompt)) for b in bases)
             if not fold:
                 self._standalone(bases)
-            pre = None
-            if fold and all(s.resume is None for s in group):  # fresh prompts: the GPU starts now
-                first = batches(bases + group, lambda s: len(s.prompt), self.cfg.max_tokens)[0]
-                pre = early(self.model, first, self.cfg.check_layer)
+            pre = []  # fresh prompts: the GPU starts now, on every forward's early layers
+            if fold and all(s.resume is None for s in group):
+                pre = [early(self.model, sub, self.cfg.check_layer)
+                       for sub in batches(bases + group, lambda s: len(s.prompt), self.cfg.max_tokens)]
             wanted = [k for spans in keys for _, _, k in spans]
             wanted += [sp.key for seq in group if seq.resume is not None for sp in _spans(seq.resume)]
             entries = {k: e for k in wanted if (e := self.segments.get(k))}
@@ -280,7 +280,7 @@ class Collector:
         else:
             subs = [[it] for it in items]
         parts = [blend(self.model, self.cache, sub, self.cfg.check_layer, self.cfg.ratio, self.cfg.floor,
-                       pre if i == 0 else None) for i, sub in enumerate(subs)]
+                       pre[i] if i < len(pre) else None) for i, sub in enumerate(subs)]
         logits = torch.cat([p.logits for p in parts])[len(lead):]
         selected = [sel for p in parts for sel in p.selected][len(lead):]
         self.runner.work += sum(p.work for p in parts)
