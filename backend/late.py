@@ -56,8 +56,8 @@ class Plan:
         room = torch.zeros(n, k, dtype=torch.long)
         for i, r in enumerate(self.room):
             room[i, : min(len(r), k)] = torch.tensor(r[:k], dtype=torch.long)
-        own = self.own_of[rows]
-        slot = torch.where(own >= 0, own, upload(room, dev)).masked_fill(~valid, 0)  # into own blocks
+        has = self.own_of[rows]  # a later check layer: the pick's own slot
+        slot = torch.where(has >= 0, has, upload(room, dev)).masked_fill(~valid, 0)  # into own blocks
         bsz = self.block_size
         tables = self.reads["block_tables"]
         pool = tables.gather(1, slot // bsz).long() * bsz + slot % bsz
@@ -99,7 +99,6 @@ def plan(seqs: list[Sequence], reused: list[torch.Tensor], starts: list[int], of
     the tokens the check layer may pick."""
     own, room, pos, slots, steps, own_of, cols = [], [], [], [], [], [], []
     reads = read_tables(seqs, [len(s.prompt) for s in seqs], LATE, block_size)
-    width = reads["block_tables"].shape[1]
     for seq, r, start, off in zip(seqs, reused, starts, offsets):
         assert not r[-1], "a prompt's last token is always computed: it samples"
         mine = torch.nonzero(~r[start:]).flatten() + start
@@ -117,9 +116,11 @@ def plan(seqs: list[Sequence], reused: list[torch.Tensor], starts: list[int], of
         room.append(m.room(len(m.patch_free)))
         own_of.append(m.own_of[start:])
         cols.append(m.master_cols(len(seq.blocks), block_size)[start:])
-        assert len(seq.blocks) <= width
     w = max(own)
-    pad = lambda ts, v: torch.stack([torch.cat([t, t.new_full((w - len(t),), v)]) for t in ts])  # noqa: E731
+
+    def pad(ts: list[torch.Tensor], value: int) -> torch.Tensor:
+        return torch.stack([torch.cat([t, t.new_full((w - len(t),), value)]) for t in ts])
+
     return Plan(own, room, upload(pad(pos, LAST), device), upload(pad(slots, trash), device),
                 upload(pad(steps, 0), device),
                 upload(torch.tensor([[off - start] for off, start in zip(offsets, starts)]), device),
