@@ -45,6 +45,11 @@ class ReuseConfig:
 
 T = TypeVar("T")
 
+# Forwards whose layers before the check layer a cold round queues before building its
+# Mirrors: each holds its hidden states until its blend (at 16 k tokens of a 7B model,
+# ~115 MB), so a large round does not hold them all at once.
+AHEAD = 4
+
 
 def batches(items: list[T], size: Callable[[T], int], budget: int) -> list[list[T]]:
     """Consecutive runs of `items` whose sizes sum to at most `budget` (0: no limit); an
@@ -239,10 +244,10 @@ class Collector:
             fold = batched and all(len(b.prompt) <= (self.cfg.max_tokens or len(b.prompt)) for b in bases)
             if not fold:
                 self._standalone(bases)
-            pre = []  # fresh prompts: the GPU starts now, on every forward's early layers
+            pre = []  # fresh prompts: the GPU starts now, on the first forwards' early layers
             if fold and all(s.resume is None for s in group):
-                pre = [early(self.model, sub, self.cfg.check_layer)
-                       for sub in batches(bases + group, lambda s: len(s.prompt), self.cfg.max_tokens)]
+                subs = batches(bases + group, lambda s: len(s.prompt), self.cfg.max_tokens)
+                pre = [early(self.model, sub, self.cfg.check_layer) for sub in subs[:AHEAD]]
             wanted = [k for spans in keys for _, _, k in spans]
             wanted += [sp.key for seq in group if seq.resume is not None for sp in _spans(seq.resume)]
             entries = {k: e for k in wanted if (e := self.segments.get(k))}

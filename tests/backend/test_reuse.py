@@ -97,10 +97,12 @@ def test_selected_tokens_identical(engine, monkeypatch):
     assert seen["pic"] == seen["collective"] and all(seen["pic"])
 
 
-@pytest.mark.parametrize("budget", [0, 600])  # 600: two forwards (four prompts of ~200 tokens)
-def test_early_layers_run_before_the_mirrors_exist(tiny_llama, monkeypatch, budget):
-    """A cold collective round queues each forward's layers before the check layer ahead
-    of building its Mirrors (blend.early), and the blend stores their K/V where the
+# 600: two forwards (four prompts of ~200 tokens); 100: the four bases (~35 tokens) in
+# two, every prompt alone (six forwards: only the first AHEAD run ahead).
+@pytest.mark.parametrize("budget, forwards", [(0, 1), (600, 2), (100, 6)])
+def test_early_layers_run_before_the_mirrors_exist(tiny_llama, monkeypatch, budget, forwards):
+    """A cold collective round queues its first forwards' layers before the check layer
+    ahead of building its Mirrors (blend.early), and the blend stores their K/V where the
     Mirrors say instead of computing them again: the same selection, KV and logits as
     computing them inside the blend."""
     from tokendance.backend import collector as col
@@ -117,7 +119,8 @@ def test_early_layers_run_before_the_mirrors_exist(tiny_llama, monkeypatch, budg
         seqs, logits = prefill(eng, "collective", prompts, spans)
         got.append(([s.recomputed for s in seqs], [kv_of(eng, s) for s in seqs], logits))
         monkeypatch.undo()
-        assert len(calls) == len(embeds) == (2 if budget else 1)  # computed once, ahead or in the blend
+        assert len(embeds) == forwards  # computed once, ahead or in the blend
+        assert len(calls) == min(forwards, col.AHEAD)
     (r1, k1, l1), (r2, k2, l2) = got
     assert r1 == r2 and all(r1)
     for a, b in zip(k1, k2):
