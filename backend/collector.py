@@ -246,8 +246,8 @@ class Collector:
                 self._standalone(bases)
             pre = []  # fresh prompts: the GPU starts now, on the first forwards' early layers
             if fold and all(s.resume is None for s in group):
-                subs = batches(bases + group, lambda s: len(s.prompt), self.cfg.max_tokens)
-                pre = [early(self.model, sub, self.cfg.check_layer) for sub in subs[:AHEAD]]
+                runs = batches(bases + group, lambda s: len(s.prompt), self.cfg.max_tokens)
+                pre = [early(self.model, run, self.cfg.check_layer) for run in runs[:AHEAD]]
             wanted = [k for spans in keys for _, _, k in spans]
             wanted += [sp.key for seq in group if seq.resume is not None for sp in _spans(seq.resume)]
             entries = {k: e for k in wanted if (e := self.segments.get(k))}
