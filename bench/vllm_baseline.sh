@@ -4,13 +4,13 @@
 #   bench/vllm_baseline.sh [OUT_DIR]
 # Environment (defaults): AGENTS=2,4,8,10,16  REPS=3  DECODE=1 (max_tokens, comma list)
 #   MODES=full,prefix,pic,collective  HISTORY=512  OUTPUT=150  DTYPE=float32 (both sides; or
-#   bfloat16)  VLLM_ARGS="" (more vllm_cpu.py flags)
+#   bfloat16)  RATIO=0.15 (our recompute ratio)  VLLM_ARGS="" (more vllm_cpu.py flags)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${1:-${TMPDIR:-/tmp}/tokendance-vllm-$(date +%Y%m%d-%H%M%S)}
 AGENTS=${AGENTS:-2,4,8,10,16} REPS=${REPS:-3} DECODE=${DECODE:-1}
 MODES=${MODES:-full,prefix,pic,collective} HISTORY=${HISTORY:-512} OUTPUT=${OUTPUT:-150}
-DTYPE=${DTYPE:-float32}
+DTYPE=${DTYPE:-float32} RATIO=${RATIO:-0.15}
 mkdir -p "$OUT"
 echo "results in $OUT"
 for r in $(seq 1 "$REPS"); do
@@ -18,7 +18,7 @@ for r in $(seq 1 "$REPS"); do
     for d in ${DECODE//,/ }; do
       echo "pass $r N=$n decode $d ours   $(date +%T) load $(cut -d' ' -f1-3 /proc/loadavg)" | tee -a "$OUT/load.txt"
       .venv/bin/tokendance bench reuse --agents "$n" --dtype "$DTYPE" --repeats 1 --history "$HISTORY" --output "$OUTPUT" \
-        --decode "$d" --modes "$MODES" --dump-prompts "$OUT/prompts-$n.json" \
+        --ratio "$RATIO" --decode "$d" --modes "$MODES" --dump-prompts "$OUT/prompts-$n.json" \
         --json "$OUT/ours-d$d-n$n-r$r.json" >> "$OUT/ours.log" 2>&1
     done
     echo "pass $r N=$n decode $DECODE vllm $(date +%T) load $(cut -d' ' -f1-3 /proc/loadavg)" | tee -a "$OUT/load.txt"
