@@ -35,7 +35,7 @@ class Plan:
     """What the late view needs besides the picks; tensors on the device."""
 
     own: list[int]  # per prompt: its own rows (not reused), the picks come on top
-    room: list[list[int]]  # per prompt: patch room slots in pick order
+    room: torch.Tensor  # [n, r] patch room slots in pick order, 0-padded
     own_pos: torch.Tensor  # [n, w] own rows' positions, LAST-padded
     own_slots: torch.Tensor  # [n, w] their store slots
     own_rows: torch.Tensor  # [n, w] their rows in the step
@@ -53,11 +53,9 @@ class Plan:
         valid = picks >= 0
         rows = picks.clamp_min(0)
         pos = rows - self.row0
-        room = torch.zeros(n, k, dtype=torch.long)
-        for i, r in enumerate(self.room):
-            room[i, : min(len(r), k)] = torch.tensor(r[:k], dtype=torch.long)
+        room = torch.nn.functional.pad(self.room[:, :k], (0, max(0, k - self.room.shape[1])))
         has = self.own_of[rows]  # a later check layer: the pick's own slot
-        slot = torch.where(has >= 0, has, upload(room, dev)).masked_fill(~valid, 0)  # into own blocks
+        slot = torch.where(has >= 0, has, room).masked_fill(~valid, 0)  # into own blocks
         bsz = self.block_size
         tables = self.reads["block_tables"]
         pool = tables.gather(1, slot // bsz).long() * bsz + slot % bsz
@@ -109,20 +107,19 @@ def plan(seqs: list[Sequence], reused: list[torch.Tensor], starts: list[int], of
         m = seq.mirror
         n = len(seq.prompt) - start
         if m is None:
-            room.append([])
+            room.append(torch.zeros(0, dtype=torch.long))
             own_of.append(torch.full((n,), -1, dtype=torch.long))
             cols.append(torch.full((n,), -1, dtype=torch.long))
             continue
-        room.append(m.room(len(m.patch_free)))
+        room.append(torch.tensor(m.room(len(m.patch_free)), dtype=torch.long))
         own_of.append(m.own_of[start:])
         cols.append(m.master_cols(len(seq.blocks), block_size)[start:])
-    w = max(own)
-
     def pad(ts: list[torch.Tensor], value: int) -> torch.Tensor:
+        w = max(len(t) for t in ts)
         return torch.stack([torch.cat([t, t.new_full((w - len(t),), value)]) for t in ts])
 
-    return Plan(own, room, upload(pad(pos, LAST), device), upload(pad(slots, trash), device),
-                upload(pad(steps, 0), device),
+    return Plan(own, upload(pad(room, 0), device), upload(pad(pos, LAST), device),
+                upload(pad(slots, trash), device), upload(pad(steps, 0), device),
                 upload(torch.tensor([[off - start] for off, start in zip(offsets, starts)]), device),
                 upload(torch.cat(own_of), device), upload(torch.cat(cols), device),
                 {k: upload(v, device) for k, v in reads.items()}, block_size)

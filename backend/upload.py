@@ -5,7 +5,9 @@ pageable memory the host takes part in it: a blocking copy (`.to(device)`,
 `torch.tensor(..., device=...)`) returns only once the queue has drained, and a
 `non_blocking` one may wait as well once it exceeds the driver's staging buffer. Each
 such wait leaves the GPU idle while the host then builds the next launches. A copy from
-pinned memory is queued like a kernel and the host goes on.
+pinned memory is queued like a kernel and the host goes on. The way back (`download`)
+likewise queues the copy into pinned memory and waits, when asked, only for the work
+queued before it.
 """
 
 from __future__ import annotations
