@@ -6,6 +6,8 @@ tokens, N = 10 and 20 Mirrors each hiding ~15 % of its Master slots. Per layer:
 (a) collective_attention over the N Mirrors (Master read once), launch configs swept;
 (b) paged decode over N dense copies of the 2k shared part (N sequences, own blocks);
 (c) paged decode over ONE dense 2k cache (the floor (a) aims at: (a)/(c) <= 1.1).
+Each timed as the engine runs it: 28 calls (a step's layers) in one CUDA graph, the
+median of 30 replays, per call; every case rotates by rows of the cos/sin table.
 
     PYTHONPATH=<dir holding tokendance/> python bench/collective.py [--smoke]
 
@@ -28,13 +30,14 @@ import torch  # noqa: E402
 import triton  # noqa: E402
 
 from tokendance.bench.kernel_timing import (  # noqa: E402
-    COPY_CEILING, T0, kernel_stats, median_ms, rel, save_log, say,
+    COPY_CEILING, T0, graph_ms, kernel_stats, rel, save_log, say,
 )
 from tokendance.kernels import collective as col  # noqa: E402
 from tokendance.kernels import paged_triton as pt  # noqa: E402
+from tokendance.kernels.tiles import trig_table  # noqa: E402
 
 DEV = "cpu" if SMOKE else "cuda"
-bench = partial(median_ms, smoke=SMOKE)
+bench = partial(graph_ms, smoke=SMOKE)
 B = 16
 HQ, HKV, D = 28, 4, 128
 M = 64 if SMOKE else 2048
@@ -68,12 +71,13 @@ def setup(n: int, dtype: torch.dtype = torch.bfloat16, theta: float = 1e6) -> di
     hide = torch.rand(n, M, device=DEV) < 0.15
     q = torch.randn(n, HQ, D, device=DEV, dtype=dtype)
     a = (q, q_pos, shift, kc, vc, master, M, hide, inv, 1.0, sm)
+    trig = trig_table(inv, 8192)
     cu = torch.arange(n + 1, device=DEV, dtype=torch.int32)
     lens = torch.full((n,), M, device=DEV, dtype=torch.int32)
     last = torch.full((n,), M - 1, device=DEV)
     b = (q, last, cu, kc, vc, copies, lens, inv, 1.0, sm)
     c = (q[:1], last[:1], cu[:2], kc, vc, master[None], lens[:1], inv, 1.0, sm)
-    return dict(a=a, b=b, c=c)
+    return dict(a=a, b=b, c=c, trig=trig)
 
 
 def check(n: int, args: tuple) -> bool:
@@ -90,12 +94,13 @@ def check(n: int, args: tuple) -> bool:
     return ok
 
 
-def sweep(n: int, args: tuple, ref: torch.Tensor, deadline: float) -> tuple[float, str]:
+def sweep(n: int, args: tuple, trig: torch.Tensor, ref: torch.Tensor,
+          deadline: float) -> tuple[float, str]:
     """Time (a) under a few launch configs; the best (ms, name)."""
-    w4 = dict(num_warps=4)
-    variants = [({}, None), (dict(block_n=16), None), (dict(block_m=32, **w4), None),
-                (dict(block_m=16, **w4), None), (dict(block_m=128, block_n=16), None),
-                ({}, 8), ({}, 32), (dict(block_m=32, **w4), 32), (dict(block_m=16, **w4), 32)]
+    w8 = dict(num_warps=8)
+    variants = [({}, None), (dict(block_n=32), None), (dict(block_n=32, **w8), None),
+                (dict(block_m=32), None), (dict(block_m=64), None), (dict(block_m=64, **w8), None),
+                ({}, 8), ({}, 32), (dict(block_n=32), 32)]
     if SMOKE:
         variants = [variants[0], variants[2], variants[5]]
     best = (math.inf, "")
@@ -109,7 +114,7 @@ def sweep(n: int, args: tuple, ref: torch.Tensor, deadline: float) -> tuple[floa
         name = (f"m={bm}x{tiles} n={c['block_n']} warps={c['num_warps']} "
                 f"stages={c['num_stages']} splits={ns}")
         try:
-            fn = lambda: col.collective_attention_triton(*args, cfg=c, num_splits=ns)  # noqa: E731
+            fn = lambda: col.collective_attention_triton(*args, cfg=c, num_splits=ns, trig=trig)  # noqa: E731
             err = rel(fn()[0], ref)
             ms = bench(fn)
         except Exception as e:  # keep sweeping: report what broke
@@ -140,27 +145,28 @@ def main() -> None:
         say(f"N = {n}: correctness, (a) vs reference")
         ok &= check(n, case["a"])
         ref = col.collective_attention_reference(*case["a"])[0]
-        a_ms, a_name = sweep(n, case["a"], ref, deadline=45 + 45 * i)
-        b_ms = bench(lambda args=case["b"]: pt.paged_attention_triton(*args, max_q=1))
-        c_ms = bench(lambda args=case["c"]: pt.paged_attention_triton(*args, max_q=1))
+        a_ms, a_name = sweep(n, case["a"], case["trig"], ref, deadline=45 + 45 * i)
+        b_ms = bench(lambda args=case["b"]: pt.paged_attention_triton(*args, max_q=1, trig=case["trig"]))
+        c_ms = bench(lambda args=case["c"]: pt.paged_attention_triton(*args, max_q=1, trig=case["trig"]))
         say(f"  (b) paged, {n} dense copies {b_ms * 1e3:8.1f} us; "
             f"(c) paged, one copy {c_ms * 1e3:8.1f} us; best (a): {a_name}")
         hide_bytes = n * M
-        for label, ms, nbytes in (("(a) collective", a_ms, kv_bytes(1) + hide_bytes),
+        rotated = kv_bytes(1)  # the rotated keys, written to a workspace and read back
+        for label, ms, nbytes in (("(a) collective", a_ms, kv_bytes(1) + hide_bytes + rotated),
                                   ("(b) paged, N copies", b_ms, kv_bytes(n)),
                                   ("(c) paged, one copy", c_ms, kv_bytes(1))):
             bw = nbytes / (ms * 1e-3)
             rows.append(f"| {n} | {label} | {ms:.4f} | {ms / c_ms:.2f} | {nbytes / 1e6:.1f} | "
                         f"{bw / 1e12:.2f} | {bw / COPY_CEILING:.0%} |")
     if not SMOKE:
-        kernel_stats((col._collective_kernel, col._merge_kernel))
+        kernel_stats((col._rotate_kernel, col._collective_kernel, col._merge_kernel))
     table = ["| N | case | ms | vs (c) | MB moved | TB/s | of 4.1 TB/s |",
              "| --- | --- | --- | --- | --- | --- | --- |"] + rows
     say("\n==== summary ====")
     say(f"correctness: {'all ok' if ok else 'FAILURES'}")
     for line in table:
         say(line)
-    say(f"goal: (a)/(c) <= 1.1. MB moved: Master K/V (+ hide masks for (a)); total "
+    say(f"goal: (a)/(c) <= 1.1. MB moved: Master K/V (+ hide masks and rotated keys for (a)); total "
         f"{time.time() - T0:.0f} s")
     save_log("bench_collective.log")
 

@@ -40,6 +40,36 @@ def median_ms(fn, smoke: bool) -> float:
     return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
 
 
+def graph_ms(fn, smoke: bool, launches: int = 28, replays: int = 30) -> float:
+    """Median milliseconds of one call of fn inside a CUDA graph of `launches` calls (a
+    decode step's layers: what the engine replays, without per-launch host overhead);
+    under the interpreter, `median_ms`."""
+    if smoke:
+        return median_ms(fn, smoke)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up (compiles) off the capture
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for _ in range(launches):
+            fn()
+    for _ in range(5):
+        g.replay()
+    times = []
+    for _ in range(replays):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        g.replay()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) / launches)
+    return sorted(times)[len(times) // 2]
+
+
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     if a.isnan().any():
         return math.inf

@@ -8,10 +8,10 @@ query per head at position q_pos[s], already rotated there. Since
 
     (R(q_pos) q) . (R(shift + t) k) = (R(-shift) R(q_pos) q) . (R(t) k),
 
-rotating each query by -shift[s] lets one Master-local rotation of each key tile serve
-every Mirror: a tile is loaded and rotated once, then scored against the S*G query rows
-of its kv head (row r = Mirror r // G, head kvh * G + r % G) in one tl.dot. Master
-traffic then does not grow with the number of Mirrors.
+rotating each query by -shift[s] lets one Master-local rotation of each key serve every
+Mirror: each key tile is scored against the S*G query rows of its kv head (row r =
+Mirror r // G, head kvh * G + r % G) in one tl.dot. Master traffic then does not grow
+with the number of Mirrors.
 
 The result covers only the Master keys: o [S, Hq, D] and the natural-log lse [S, Hq],
 both float32 (lse = -inf and o = 0 where nothing is visible). `merge_attention` adds
@@ -22,13 +22,17 @@ own offset in each Mirror's prompt: `MasterRead` describes it as chunks, slot ra
 that each lie inside one segment, with a shift per (Mirror, chunk). The single-segment
 API above is the case of one segment cut into equal chunks.
 
-Kernel: grid (row tile, chunk, kv head). Row tiles hold at most cfg["block_m"] of the
-S*G rows (padded to a power of two >= 16). Each program writes a partial (o, lse) per
-chunk into a partial buffer (at split index `split_off + chunk`, so that the engine's
-paged decode of the private part can share it and one reduce merges both); a second
-kernel merges the chunks for the standalone API. Scores are in the log2 domain inside
-the kernels. Every Master slot of a chunk must hold finite values, hidden or not (a
-hidden key still gets loaded, with weight 0).
+Kernels: first the Master's keys are rotated at their segment-local positions into a
+workspace (grid (chunk, kv head)), once per step, so that the several row tiles that
+read a key tile do not each rotate it again (on an H200 that rotation was 30 % of the
+scoring kernel's time). Then the scoring kernel, grid (row tile, chunk, kv head): row
+tiles hold at most cfg["block_m"] of the S*G rows (padded to a power of two >= 16);
+each program writes a partial (o, lse) per chunk into a partial buffer (at split index
+`split_off + chunk`, so that the engine's paged decode of the private part can share it
+and one reduce merges both); a third kernel merges the chunks for the standalone API.
+Rotations read rows of the cos/sin table (`tiles.trig_table`). Scores are in the log2
+domain inside the kernels. Every Master slot of a chunk must hold finite values, hidden
+or not (a hidden key still gets loaded, with weight 0).
 """
 
 from __future__ import annotations
@@ -40,18 +44,19 @@ import torch
 
 from tokendance.kernels.master import MasterRead
 from tokendance.kernels.rope import rope_rotate_reference
-from tokendance.kernels.tiles import _dot, _scratch, scales
+from tokendance.kernels.tiles import _dot, _scratch, scales, trig_table
 
 from tokendance.kernels.jit import tl, triton
 
 
 def _single(shift: torch.Tensor, master_table: torch.Tensor, master_len: int, hide: torch.Tensor,
             n: int, align: int) -> MasterRead:
-    """One segment of master_len slots in n equal tile-aligned chunks (some maybe empty)."""
+    """One segment of master_len slots in n equal tile-aligned chunks (some maybe empty),
+    built on shift's device (no host copy: CUDA graphs can capture it)."""
     span = -(-max(1, -(-master_len // n)) // align) * align
-    chunks = [(min(c * span, master_len), min((c + 1) * span, master_len), 0) for c in range(n)]
-    dev = shift.device
-    return MasterRead(master_table, torch.tensor(chunks, dtype=torch.int32, device=dev),
+    lo = torch.arange(n, device=shift.device, dtype=torch.int32) * span
+    chunks = torch.stack((lo.clamp_max(master_len), (lo + span).clamp_max(master_len), lo * 0), 1)
+    return MasterRead(master_table, chunks.contiguous(),
                       shift.to(torch.int32)[:, None].expand(-1, n).contiguous(), hide)
 
 
@@ -145,75 +150,39 @@ def merge_attention(
 
 
 @triton.jit
-def _chunk(acc, m_i, l_i, q, mir, head, valid, sh, lim, lo, hi, seg, kc, vc, table, hide,
-           inv_freq, kvh, s_qt, s_qh, s_blk, s_slot, s_kh, s_hs, qk_scale,
-           B: tl.constexpr, HALF: tl.constexpr, BLOCK_N: tl.constexpr, STEP: tl.constexpr,
-           PREC: tl.constexpr):
-    """Online softmax of one program's rows over Master slots [lo, hi) of one segment."""
+def _rotate_kernel(chunks, kc, table, trig, trig_n, kr, s_blk, s_slot, s_kh, s_rj, s_rh,
+                   B: tl.constexpr, HALF: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Keys of one chunk and kv head rotated at their segment-local positions (rows of the
+    cos/sin table) into kr, at their Master slot: once per step, not once per row tile."""
+    ch = tl.program_id(0)
+    kvh = tl.program_id(1)
+    lo = tl.load(chunks + ch * 3)
+    hi = tl.load(chunks + ch * 3 + 1)
+    seg = tl.load(chunks + ch * 3 + 2)
     offs_h = tl.arange(0, HALF)
-    offs_d = tl.arange(0, 2 * HALF)
     offs_n = tl.arange(0, BLOCK_N)
-    f = tl.load(inv_freq + offs_h)
-    # Queries arrive rotated at q_pos: rotate them back by shift, into segment-local
-    # coordinates, in fp32.
-    qo = mir.to(tl.int64)[:, None] * s_qt + head[:, None] * s_qh + offs_h[None, :]
-    q1 = tl.load(q + qo, mask=valid[:, None], other=0.0).to(tl.float32)
-    q2 = tl.load(q + qo + HALF, mask=valid[:, None], other=0.0).to(tl.float32)
-    # (names differ from the loop's: Triton would take them for loop-carried values)
-    qang = sh.to(tl.float32)[:, None] * f[None, :]
-    cq = tl.cos(qang)
-    sq = tl.sin(qang)
-    q1, q2 = q1 * cq + q2 * sq, q2 * cq - q1 * sq
-    q1 = q1.to(q.dtype.element_ty)
-    q2 = q2.to(q.dtype.element_ty)
-    f = f[:, None]
     kc += kvh * s_kh
-    vc += kvh * s_kh
-    if STEP:  # cos/sin of the first tile, then an exact rotation by BLOCK_N * f per tile
-        ang0 = f * (lo - seg + offs_n)[None, :].to(tl.float32)
-        c = tl.cos(ang0)
-        s = tl.sin(ang0)
-        cs = tl.cos(f * BLOCK_N)
-        ss = tl.sin(f * BLOCK_N)
     for start in range(lo, hi, BLOCK_N):
         j = start + offs_n
         jm = j < hi
         blk = tl.load(table + j // B, mask=jm, other=0)
-        kv_row = blk.to(tl.int64) * s_blk + (j % B) * s_slot
-        kp = kc + kv_row[None, :] + offs_h[:, None]  # K^T halves, [HALF, BLOCK_N]
-        k1 = tl.load(kp, mask=jm[None, :], other=0.0).to(tl.float32)
-        k2 = tl.load(kp + HALF, mask=jm[None, :], other=0.0).to(tl.float32)
-        v = tl.load(vc + kv_row[:, None] + offs_d[None, :], mask=jm[:, None], other=0.0)
-        if not STEP:
-            ang = f * (j - seg)[None, :].to(tl.float32)
-            c = tl.cos(ang)
-            s = tl.sin(ang)
-        r1 = (k1 * c - k2 * s).to(q1.dtype)
-        r2 = (k2 * c + k1 * s).to(q1.dtype)
-        qk = _dot(q2, r2, _dot(q1, r1, None, PREC), PREC) * qk_scale
-        hid = tl.load(hide + mir[:, None] * s_hs + j[None, :],
-                      mask=valid[:, None] & jm[None, :], other=1)
-        ok = (hid == 0) & ((j - seg)[None, :] <= lim[:, None])
-        qk = tl.where(ok, qk, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(qk, 1))
-        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with nothing seen yet
-        alpha = tl.exp2(m_i - m_use)
-        pr = tl.exp2(qk - m_use[:, None])
-        l_i = l_i * alpha + tl.sum(pr, 1)
-        acc = _dot(pr.to(v.dtype), v, acc * alpha[:, None], PREC)
-        m_i = m_new
-        if STEP:
-            c, s = c * cs - s * ss, s * cs + c * ss
-    return acc, m_i, l_i
+        kp = kc + (blk.to(tl.int64) * s_blk + (j % B) * s_slot)[:, None] + offs_h[None, :]
+        k1 = tl.load(kp, mask=jm[:, None], other=0.0).to(tl.float32)
+        k2 = tl.load(kp + HALF, mask=jm[:, None], other=0.0).to(tl.float32)
+        t = trig + (j - seg)[:, None].to(tl.int64) * HALF + offs_h[None, :]
+        c = tl.load(t, mask=jm[:, None], other=1.0)
+        s = tl.load(t + trig_n * HALF, mask=jm[:, None], other=0.0)
+        o = kr + j[:, None].to(tl.int64) * s_rj + kvh * s_rh + offs_h[None, :]
+        tl.store(o, (k1 * c - k2 * s).to(kr.dtype.element_ty), mask=jm[:, None])
+        tl.store(o + HALF, (k2 * c + k1 * s).to(kr.dtype.element_ty), mask=jm[:, None])
 
 
 @triton.jit
-def _collective_kernel(q, q_pos, shift, chunks, kc, vc, table, hide, inv_freq, o_part, lse_part,
-                       n_rows, n_total, split_off,
-                       s_qt, s_qh, s_blk, s_slot, s_kh, s_ss, s_hs, qk_scale,
+def _collective_kernel(q, q_pos, shift, chunks, kr, vc, table, hide, trig, trig_n, o_part,
+                       lse_part, n_rows, n_total, split_off, s_qt, s_qh, s_blk, s_slot, s_kh,
+                       s_rj, s_rh, s_ss, s_hs, qk_scale,
                        G: tl.constexpr, B: tl.constexpr, HALF: tl.constexpr,
-                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                       STEP: tl.constexpr, PREC: tl.constexpr):
+                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PREC: tl.constexpr):
     mb = tl.program_id(0)
     ch = tl.program_id(1)
     kvh = tl.program_id(2)
@@ -228,14 +197,45 @@ def _collective_kernel(q, q_pos, shift, chunks, kc, vc, table, hide, inv_freq, o
     sh = tl.load(shift + mir * s_ss + ch, mask=valid, other=0).to(tl.int32)
     lim = tl.where(valid, p - sh, -1)  # a row's last causally visible segment slot
     hi = tl.minimum(hi, seg + tl.max(lim, 0) + 1)  # keys past every row's limit are skipped
+    offs_h = tl.arange(0, HALF)
     offs_d = tl.arange(0, 2 * HALF)
+    offs_n = tl.arange(0, BLOCK_N)
     acc = tl.zeros([BLOCK_M, 2 * HALF], dtype=tl.float32)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     if lo < hi:  # padding chunks (CUDA graphs plan a fixed count) skip the query rotation
-        acc, m_i, l_i = _chunk(acc, m_i, l_i, q, mir, head, valid, sh, lim, lo, hi, seg, kc, vc,
-                               table, hide, inv_freq, kvh, s_qt, s_qh, s_blk, s_slot, s_kh,
-                               s_hs, qk_scale, B, HALF, BLOCK_N, STEP, PREC)
+        # Queries arrive rotated at q_pos: rotate them back by shift (a row of the cos/sin
+        # table, clamped: a shift past the table is a segment the row does not read).
+        qo = mir.to(tl.int64)[:, None] * s_qt + head[:, None] * s_qh + offs_h[None, :]
+        q1 = tl.load(q + qo, mask=valid[:, None], other=0.0).to(tl.float32)
+        q2 = tl.load(q + qo + HALF, mask=valid[:, None], other=0.0).to(tl.float32)
+        t = trig + tl.minimum(tl.maximum(sh, 0), trig_n - 1).to(tl.int64)[:, None] * HALF + offs_h[None, :]
+        c = tl.load(t)
+        s = tl.load(t + trig_n * HALF)
+        qa = (q1 * c + q2 * s).to(q.dtype.element_ty)
+        qb = (q2 * c - q1 * s).to(q.dtype.element_ty)
+        qr = tl.join(qa, qb).permute(0, 2, 1).reshape(BLOCK_M, 2 * HALF)
+        vc += kvh * s_kh
+        for start in range(lo, hi, BLOCK_N):
+            j = start + offs_n
+            jm = j < hi
+            blk = tl.load(table + j // B, mask=jm, other=0)
+            k = tl.load(kr + j[None, :].to(tl.int64) * s_rj + kvh * s_rh + offs_d[:, None],
+                        mask=jm[None, :], other=0.0)  # K^T, rotated
+            v = tl.load(vc + (blk.to(tl.int64) * s_blk + (j % B) * s_slot)[:, None] + offs_d[None, :],
+                        mask=jm[:, None], other=0.0)
+            qk = _dot(qr, k, None, PREC) * qk_scale
+            hid = tl.load(hide + mir[:, None] * s_hs + j[None, :],
+                          mask=valid[:, None] & jm[None, :], other=1)
+            ok = (hid == 0) & ((j - seg)[None, :] <= lim[:, None])
+            qk = tl.where(ok, qk, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(qk, 1))
+            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with nothing seen yet
+            alpha = tl.exp2(m_i - m_use)
+            pr = tl.exp2(qk - m_use[:, None])
+            l_i = l_i * alpha + tl.sum(pr, 1)
+            acc = _dot(pr.to(v.dtype), v, acc * alpha[:, None], PREC)
+            m_i = m_new
     # A row that saw nothing leaves weight 0 (lse = -inf) and a zero partial.
     seen = l_i > 0
     l_safe = tl.where(seen, l_i, 1.0)
@@ -265,13 +265,14 @@ def _merge_kernel(o_part, lse_part, out, lse_out, NSPLIT: tl.constexpr, D: tl.co
     tl.store(lse_out + r, tl.where(seen, (m + tl.log2(den)) * 0.6931471805599453, float("-inf")))
 
 
-# Launch configurations: for the GPU, picked in the engine's decode graph on an H200
-# (Qwen2.5-7B shape, Mirrors of a 2 k-token round; step ms at N = 10 / 20): rows of 16
-# (more programs: the Master is small) 6.19 / 7.23, of 32 6.41 / 7.56, of 64 6.53 / 7.48;
-# keys of 64 or 4 warps no better. The small tiles the interpreter runs faster with.
-# block_m caps the rows of one program.
-COLLECTIVE_CFG = dict(block_m=16, block_n=32, num_warps=8, num_stages=2, step=True)
-INTERP_CFG = dict(block_m=32, block_n=16, num_warps=4, num_stages=1, step=True)
+# Launch configurations: for the GPU, picked on an H200 on the engine's own decode inputs
+# (Qwen2.5-7B shape, N Mirrors of a 2 k-token round, ~20 chunks; µs per layer inside a
+# CUDA graph, N = 10 / 20): rows of 16, keys of 64, 4 warps 13.1 / 23.7 (+ 3.7 for the
+# rotation); keys of 32 with 8 warps 18.7 / 27.1; rows of 64 with 4 warps 23.6 / 23.3.
+# block_m caps the rows of one program. The small tiles the interpreter runs faster with.
+COLLECTIVE_CFG = dict(block_m=16, block_n=64, num_warps=4, num_stages=2)
+INTERP_CFG = dict(block_m=32, block_n=16, num_warps=4, num_stages=1)
+ROTATE_TILE = 32  # keys per step of the rotation kernel
 
 
 def _num_splits(dev: torch.device, programs: int, master_len: int, block_n: int) -> int:
@@ -306,9 +307,12 @@ def collective_attention_triton(
     num_splits: int | None = None,
     cfg: dict | None = None,
     out: tuple[torch.Tensor, torch.Tensor] | None = None,
+    trig: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The Triton path of `collective_attention`. num_splits (a power of two) and cfg
-    override the launch; out, contiguous float32 ([S, Hq, D], [S, Hq]), gets the result."""
+    override the launch; out, contiguous float32 ([S, Hq, D], [S, Hq]), gets the result;
+    trig (`tiles.trig_table` of inv_freq, rows past every position used) spares building
+    one (and a host sync for its length)."""
     if not q.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
         raise ValueError("collective_attention_triton needs CUDA tensors (or TRITON_INTERPRET=1)")
     _check(q, q_pos, shift, k_cache, v_cache, master_table, master_len, hide, inv_freq)
@@ -339,18 +343,21 @@ def collective_attention_triton(
     o_part = _scratch(S, Hq, ns, D, device=q.device)
     lse_part = _scratch(S, Hq, ns, device=q.device)
     read = _single(shift, master_table, master_len, hide.contiguous(), ns, c["block_n"])
-    collective_partials(q, q_pos, k_cache, v_cache, read, inv_freq, rope_scale, sm_scale,
+    if trig is None:
+        trig = trig_table(inv_freq.to(q.device), max(master_len, int(q_pos.max()) + 1))
+    collective_partials(q, q_pos, k_cache, v_cache, read, trig, rope_scale, sm_scale,
                         o_part, lse_part, 0, cfg=c)
     _merge_kernel[(S * Hq,)](o_part, lse_part, o, lse, NSPLIT=ns, D=D, num_warps=4)
     return o, lse
 
 
-def collective_partials(q, q_pos, k_cache, v_cache, read: MasterRead, inv_freq, rope_scale: float,
-                        sm_scale: float, o_part: torch.Tensor, lse_part: torch.Tensor,
-                        split_off: int, cfg: dict | None = None) -> None:
-    """Launch the collective kernel: chunk c's partial (o, log2 lse) of Mirror s, head h
-    goes to o_part[s, h, split_off + c], lse_part[s, h, split_off + c] (float32 buffers
-    [S, Hq, n, D] and [S, Hq, n], contiguous)."""
+def collective_partials(q, q_pos, k_cache, v_cache, read: MasterRead, trig: torch.Tensor,
+                        rope_scale: float, sm_scale: float, o_part: torch.Tensor,
+                        lse_part: torch.Tensor, split_off: int, cfg: dict | None = None) -> None:
+    """Launch the collective kernels: the Master's keys rotated into a workspace, then
+    chunk c's partial (o, log2 lse) of Mirror s, head h into o_part[s, h, split_off + c],
+    lse_part[s, h, split_off + c] (float32 buffers [S, Hq, n, D] and [S, Hq, n],
+    contiguous). trig: `tiles.trig_table`, with a row for every shift and segment slot."""
     S, Hq, D = q.shape
     B, Hkv = k_cache.shape[1], k_cache.shape[2]
     G = Hq // Hkv
@@ -360,17 +367,24 @@ def collective_partials(q, q_pos, k_cache, v_cache, read: MasterRead, inv_freq, 
     if S == 0 or n_chunks == 0:
         return
     q = q.contiguous() if q.stride(-1) != 1 else q
-    inv_freq = inv_freq.to(device=q.device, dtype=torch.float32).contiguous()
+    assert trig.dtype == torch.float32 and trig.is_contiguous() and tuple(trig.shape[::2]) == (2, D // 2)
     prec, qk_scale = scales(q, sm_scale, rope_scale)
     hide = read.hide.view(torch.uint8) if read.hide.dtype == torch.bool else read.hide
     assert hide.stride(1) == 1 and read.shift.stride(1) == 1 and o_part.is_contiguous()
+    # Rotated keys at their Master slots (only the chunks' slots are written or read).
+    kr = torch.empty(read.table.numel() * B, Hkv, D, device=q.device, dtype=k_cache.dtype)
+    _rotate_kernel[(n_chunks, Hkv)](
+        read.chunks, k_cache, read.table, trig, trig.shape[1], kr,
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), kr.stride(0), kr.stride(1),
+        B=B, HALF=D // 2, BLOCK_N=ROTATE_TILE if q.is_cuda else c["block_n"], num_warps=4,
+    )
     _collective_kernel[(tiles, n_chunks, Hkv)](
-        q, q_pos, read.shift, read.chunks, k_cache, v_cache, read.table, hide, inv_freq,
+        q, q_pos, read.shift, read.chunks, kr, v_cache, read.table, hide, trig, trig.shape[1],
         o_part, lse_part, S * G, o_part.shape[2], split_off,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        read.shift.stride(0), hide.stride(0), qk_scale,
-        G=G, B=B, HALF=D // 2, BLOCK_M=block_m, BLOCK_N=c["block_n"], STEP=c["step"],
-        PREC=prec, num_warps=c["num_warps"], num_stages=c["num_stages"],
+        kr.stride(0), kr.stride(1), read.shift.stride(0), hide.stride(0), qk_scale,
+        G=G, B=B, HALF=D // 2, BLOCK_M=block_m, BLOCK_N=c["block_n"], PREC=prec,
+        num_warps=c["num_warps"], num_stages=c["num_stages"],
     )
 
 

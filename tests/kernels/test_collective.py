@@ -16,7 +16,7 @@ from tokendance.kernels.rope import rope_rotate
 
 B = 16
 # Small tiles so that every case spans several key tiles, splits and row tiles.
-CFG = dict(block_m=32, block_n=16, num_warps=4, num_stages=1, step=True)
+CFG = dict(block_m=32, block_n=16, num_warps=4, num_stages=1)
 
 
 @dataclass
@@ -195,7 +195,7 @@ def test_triton_matches_reference(s: int, g: int, hkv: int, d: int, scratch: lis
 @pytest.mark.parametrize("cfg,splits", [
     (dict(block_m=16), 1),             # many row tiles
     (dict(block_n=32), 4),             # tiles across pages, some splits empty
-    (dict(step=False), 8),             # cos/sin per tile; more splits than tiles
+    (dict(num_warps=8), 8),            # more splits than tiles
     (dict(block_m=128, block_n=64), 2),
 ])
 def test_triton_launch_configs(cfg: dict, splits: int) -> None:
