@@ -42,22 +42,11 @@ import os
 
 import torch
 
-from tokendance.kernels.master import MasterRead
+from tokendance.kernels.master import MasterRead, one_segment
 from tokendance.kernels.rope import rope_rotate_reference
 from tokendance.kernels.tiles import _dot, _scratch, scales, trig_table
 
 from tokendance.kernels.jit import tl, triton
-
-
-def _single(shift: torch.Tensor, master_table: torch.Tensor, master_len: int, hide: torch.Tensor,
-            n: int, align: int) -> MasterRead:
-    """One segment of master_len slots in n equal tile-aligned chunks (some maybe empty),
-    built on shift's device (no host copy: CUDA graphs can capture it)."""
-    span = -(-max(1, -(-master_len // n)) // align) * align
-    lo = torch.arange(n, device=shift.device, dtype=torch.int32) * span
-    chunks = torch.stack((lo.clamp_max(master_len), (lo + span).clamp_max(master_len), lo * 0), 1)
-    return MasterRead(master_table, chunks.contiguous(),
-                      shift.to(torch.int32)[:, None].expand(-1, n).contiguous(), hide)
 
 
 def _check(q, q_pos, shift, k_cache, v_cache, master_table, master_len, hide, inv_freq) -> None:
@@ -100,7 +89,7 @@ def collective_attention_reference(
     """Attention of each Mirror's query over its visible Master keys: o [S, Hq, D] and
     natural-log lse [S, Hq], float32."""
     _check(q, q_pos, shift, k_cache, v_cache, master_table, master_len, hide, inv_freq)
-    read = _single(shift, master_table, master_len, hide, 1, 1)
+    read = one_segment(shift, master_table, master_len, hide, 1, 1)
     return master_attention_reference(q, q_pos, k_cache, v_cache, read, inv_freq, rope_scale, sm_scale)
 
 
@@ -342,7 +331,7 @@ def collective_attention_triton(
         raise ValueError(f"num_splits={ns} must be a power of two")
     o_part = _scratch(S, Hq, ns, D, device=q.device)
     lse_part = _scratch(S, Hq, ns, device=q.device)
-    read = _single(shift, master_table, master_len, hide.contiguous(), ns, c["block_n"])
+    read = one_segment(shift, master_table, master_len, hide.contiguous(), ns, c["block_n"])
     if trig is None:
         trig = trig_table(inv_freq.to(q.device), max(master_len, int(q_pos.max()) + 1))
     collective_partials(q, q_pos, k_cache, v_cache, read, trig, rope_scale, sm_scale,

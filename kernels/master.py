@@ -36,3 +36,15 @@ def plan_chunks(lens: list[int], block_size: int, target: int, align: int) -> li
         out += [(lo, min(lo + piece, base + n), base) for lo in range(base, base + n, piece)]
         base += -(-n // block_size) * block_size
     return out
+
+
+def one_segment(shift: torch.Tensor, master_table: torch.Tensor, master_len: int,
+                hide: torch.Tensor, n: int, align: int) -> MasterRead:
+    """The Master as one segment of master_len slots at shift[s] in Mirror s, cut into n
+    equal chunks of a multiple of `align` slots (some maybe empty); built on shift's
+    device (no host copy: CUDA graphs can capture it)."""
+    span = -(-max(1, -(-master_len // n)) // align) * align
+    lo = torch.arange(n, device=shift.device, dtype=torch.int32) * span
+    chunks = torch.stack((lo.clamp_max(master_len), (lo + span).clamp_max(master_len), lo * 0), 1)
+    return MasterRead(master_table, chunks.contiguous(),
+                      shift.to(torch.int32)[:, None].expand(-1, n).contiguous(), hide)
