@@ -32,14 +32,14 @@ def kv_view(seqs: list[Sequence], rows: list[torch.Tensor], view: int, block_siz
     and with `collective` (a decode step) the Master apart, as `master` (see
     `master_read` for chunk_cap). Without `reads` (attention over the step's own K/V
     only) the store slots alone, and empty tables."""
+    slots = torch.cat([seq.slots(r, view, block_size, trash) for seq, r in zip(seqs, rows)])
     if not reads:
-        slots = torch.cat([seq.slots(r, view, block_size, trash) for seq, r in zip(seqs, rows)])
         return dict(slots=upload(slots, device),
                     block_tables=torch.zeros(len(seqs), 0, dtype=torch.int32, device=device),
                     kv_lens=torch.zeros(len(seqs), dtype=torch.int32, device=device))
     collective = collective and any(s.mirror is not None for s in seqs)
-    out = dict(slots=torch.cat([seq.slots(r, view, block_size, trash) for seq, r in zip(seqs, rows)]),
-               **read_tables(seqs, [int(r[-1]) + 1 for r in rows], view, block_size, master=not collective))
+    out = dict(slots=slots, **read_tables(seqs, [int(r[-1]) + 1 for r in rows], view, block_size,
+                                          master=not collective))
     out = {k: upload(v, device) for k, v in out.items()}
     if collective:
         out["master"] = to_device(master_read(seqs, view, block_size, cap=chunk_cap), device)

@@ -300,8 +300,7 @@ def collective_attention_triton(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The Triton path of `collective_attention`. num_splits (a power of two) and cfg
     override the launch; out, contiguous float32 ([S, Hq, D], [S, Hq]), gets the result;
-    trig (`tiles.trig_table` of inv_freq, rows past every position used) spares building
-    one (and a host sync for its length)."""
+    trig: see `collective_partials`."""
     if not q.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
         raise ValueError("collective_attention_triton needs CUDA tensors (or TRITON_INTERPRET=1)")
     _check(q, q_pos, shift, k_cache, v_cache, master_table, master_len, hide, inv_freq)
@@ -332,21 +331,22 @@ def collective_attention_triton(
     o_part = _scratch(S, Hq, ns, D, device=q.device)
     lse_part = _scratch(S, Hq, ns, device=q.device)
     read = one_segment(shift, master_table, master_len, hide.contiguous(), ns, c["block_n"])
-    if trig is None:
-        trig = trig_table(inv_freq.to(q.device), max(master_len, int(q_pos.max()) + 1))
-    collective_partials(q, q_pos, k_cache, v_cache, read, trig, rope_scale, sm_scale,
-                        o_part, lse_part, 0, cfg=c)
+    collective_partials(q, q_pos, k_cache, v_cache, read, inv_freq, rope_scale, sm_scale,
+                        o_part, lse_part, 0, cfg=c, trig=trig)
     _merge_kernel[(S * Hq,)](o_part, lse_part, o, lse, NSPLIT=ns, D=D, num_warps=4)
     return o, lse
 
 
-def collective_partials(q, q_pos, k_cache, v_cache, read: MasterRead, trig: torch.Tensor,
+def collective_partials(q, q_pos, k_cache, v_cache, read: MasterRead, inv_freq,
                         rope_scale: float, sm_scale: float, o_part: torch.Tensor,
-                        lse_part: torch.Tensor, split_off: int, cfg: dict | None = None) -> None:
+                        lse_part: torch.Tensor, split_off: int, cfg: dict | None = None,
+                        trig: torch.Tensor | None = None) -> None:
     """Launch the collective kernels: the Master's keys rotated into a workspace, then
     chunk c's partial (o, log2 lse) of Mirror s, head h into o_part[s, h, split_off + c],
     lse_part[s, h, split_off + c] (float32 buffers [S, Hq, n, D] and [S, Hq, n],
-    contiguous). trig: `tiles.trig_table`, with a row for every shift and segment slot."""
+    contiguous). Rotations read rows of trig (`tiles.trig_table` of inv_freq, a row for
+    every shift and segment slot); without it one is built, after a host sync for its
+    length (not the engine's path)."""
     S, Hq, D = q.shape
     B, Hkv = k_cache.shape[1], k_cache.shape[2]
     G = Hq // Hkv
@@ -356,6 +356,8 @@ def collective_partials(q, q_pos, k_cache, v_cache, read: MasterRead, trig: torc
     if S == 0 or n_chunks == 0:
         return
     q = q.contiguous() if q.stride(-1) != 1 else q
+    if trig is None:
+        trig = trig_table(inv_freq.to(q.device), max(int(q_pos.max()) + 1, read.table.numel() * B))
     assert trig.dtype == torch.float32 and trig.is_contiguous() and tuple(trig.shape[::2]) == (2, D // 2)
     prec, qk_scale = scales(q, sm_scale, rope_scale)
     hide = read.hide.view(torch.uint8) if read.hide.dtype == torch.bool else read.hide

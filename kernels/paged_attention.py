@@ -38,7 +38,6 @@ from tokendance.kernels.master import MasterRead
 from tokendance.kernels.paged_triton import (decode_partials, decode_splits, paged_attention_triton,
                                              reduce_partials)
 from tokendance.kernels.rope import rope_cos_sin, rope_rotate_reference
-from tokendance.kernels.tiles import trig_table
 
 
 def gather_kv(
@@ -258,13 +257,9 @@ def master_decode_triton(q, q_pos, cu_q, k_cache, v_cache, block_tables, kv_lens
     side = _side_stream(q.device) if q.is_cuda else None
     if side is not None:
         side.wait_stream(torch.cuda.current_stream(q.device))
-    # The collective kernels rotate by rows of the cos/sin table; without one (not the
-    # engine's path) a table as long as every shift and segment slot needs a host sync.
-    rows = trig if trig is not None else trig_table(
-        inv_freq.to(q.device), max(int(q_pos.max()) + 1, read.table.numel() * k_cache.shape[1]))
     with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
-        collective_partials(q, q_pos, k_cache, v_cache, read, rows, rope_scale, sm_scale,
-                            o_part, lse_part, ns)
+        collective_partials(q, q_pos, k_cache, v_cache, read, inv_freq, rope_scale, sm_scale,
+                            o_part, lse_part, ns, trig=trig)
     decode_partials(q, q_pos, cu_q, k_cache, v_cache, block_tables, kv_lens, inv_freq, rope_scale,
                     sm_scale, slot_pos, o_part, lse_part, ns, trig=trig)
     if side is not None:
