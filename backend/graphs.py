@@ -23,8 +23,8 @@ from tokendance.backend.scheduler import Scheduled
 from tokendance.backend.tables import kv_view, segments
 from tokendance.kernels.master import NOT_READ, MasterRead
 
-# Master chunks per Mirror graph (a batch's segments must number fewer): with the decode
-# splits, a power of two of partials for the reduce.
+# Master chunks per Mirror graph (a batch's segments must number fewer); their partials
+# follow the own parts' decode splits in the buffer the reduce merges.
 CHUNK_CAP = 48
 
 

@@ -168,10 +168,12 @@ def _rotation(step: bool | str, pos: bool, trig: torch.Tensor | None) -> int:
     return int(bool(step))
 
 
-def decode_splits(dev: torch.device, work: int) -> int:
-    """Splits per (sequence, kv head): about eight programs per SM in all."""
+def decode_splits(dev: torch.device, work: int, per_sm: int = 8) -> int:
+    """Splits per (sequence, kv head): about `per_sm` programs per SM in all, at most 32
+    (on an H200, Qwen2.5-7B shape, one 2.4 k-token sequence's decode step took 4.91 ms
+    with 32 splits, 5.00 with 16; 64 did no better)."""
     sms = torch.cuda.get_device_properties(dev).multi_processor_count if dev.type == "cuda" else 2
-    return min(16, triton.next_power_of_2(max(1, 8 * sms // max(work, 1))))
+    return min(32, triton.next_power_of_2(max(1, per_sm * sms // max(work, 1))))
 
 
 def paged_attention_triton(

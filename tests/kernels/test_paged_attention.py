@@ -205,6 +205,15 @@ def test_decode_mixed_lengths(d: int, splits: int, scratch: list[tuple]) -> None
     assert scratch[0] == (5, 28, splits, d), "one query per sequence takes the decode kernel"
 
 
+def test_decode_splits_fill_the_device_up_to_the_cap() -> None:
+    """About per_sm programs per SM (2 SMs off a GPU), a power of two, 1 to 32."""
+    cpu = torch.device("cpu")
+    got = [pt.decode_splits(cpu, w) for w in (1, 2, 3, 8, 16, 100)]
+    assert got == [16, 8, 8, 2, 1, 1]
+    assert pt.decode_splits(cpu, 1, per_sm=32) == 32 == pt.decode_splits(cpu, 1, per_sm=64)
+    assert pt.decode_splits(cpu, 4, per_sm=2) == 1
+
+
 def test_decode_shared_blocks_some_sequences_idle() -> None:
     lens = [40, 64, 33, 50]
     c = make_case(lens, [torch.tensor([39]), torch.tensor([63]), torch.arange(0, 0),
