@@ -85,6 +85,10 @@ def main(args: argparse.Namespace) -> int:
         raise ValueError("--barrier-timeout-ms must not be negative")
     if args.offload_gib < 0:
         raise ValueError("--offload-gib must not be negative")
+    if args.drain_timeout < 0:
+        raise ValueError("--drain-timeout must not be negative")
+    if not 0 <= args.port <= 65535:
+        raise ValueError(f"--port must lie in 0..65535, got {args.port}")
     if args.mqtt:
         address(args.mqtt)  # a bad URL fails before the model loads
     server = Server(load_backend(args), config(args), args.mqtt)

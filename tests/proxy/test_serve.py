@@ -49,6 +49,9 @@ def test_flags():
     (["--max-group", "0"], "--max-group"),
     (["--barrier-timeout-ms", "-1"], "--barrier-timeout-ms"),
     (["--offload-gib", "-2"], "--offload-gib"),
+    (["--drain-timeout", "-1"], "--drain-timeout"),
+    (["--port", "65536"], "--port must lie in 0..65535"),
+    (["--port", "-5"], "--port"),
 ])
 def test_bad_flags_fail_in_one_line_before_loading_the_model(monkeypatch, capsys, argv, message):
     def never(args):
