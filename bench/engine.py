@@ -15,6 +15,7 @@ import torch
 
 from tokendance.backend.api import SamplingParams
 from tokendance.backend.engine import Engine, EngineConfig
+from tokendance.bench.options import batches, positive
 from tokendance.bench.shapes import resolve
 
 
@@ -101,18 +102,17 @@ def hf_decode(hf, prompts: list[list[int]], steps: int, dev: torch.device) -> fl
 def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="HF folder, .gguf, or a shape name (qwen2.5-7b)")
     p.add_argument("--dtype", default="bfloat16")
-    p.add_argument("--prefill", default="1x1024,1x4096", help="BATCHxLEN,...")
-    p.add_argument("--decode", default="1x256,8x256", help="BATCHxCONTEXT,...")
-    p.add_argument("--steps", type=int, default=32)
-    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--prefill", type=batches, default="1x1024,1x4096", help="BATCHxLEN,...")
+    p.add_argument("--decode", type=batches, default="1x256,8x256", help="BATCHxCONTEXT,...")
+    p.add_argument("--steps", type=positive, default=32)
+    p.add_argument("--repeats", type=positive, default=3)
     p.add_argument("--breakdown", action="store_true",
                    help="then split each decode step into GPU forward and host time")
 
 
 def main(args: argparse.Namespace) -> int:
     model, random = resolve(args.model)
-    pre = [tuple(map(int, s.split("x"))) for s in args.prefill.split(",") if s]
-    dec = [tuple(map(int, s.split("x"))) for s in args.decode.split(",") if s]
+    pre, dec = args.prefill, args.decode
     need = max([b * (n + args.steps + 16) for b, n in pre + dec]) + 1024
     eng = Engine(EngineConfig(model=model, dtype=args.dtype, random_weights=random, kv_tokens=need,
                               max_batched_tokens=max(b * n for b, n in pre + dec)))

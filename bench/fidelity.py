@@ -22,6 +22,7 @@ from tokendance.backend.mirror import EARLY, LATE
 from tokendance.backend.runner import step_meta
 from tokendance.backend.scheduler import Scheduled
 from tokendance.backend.service import EngineBackend
+from tokendance.bench.options import counts, natural, positive
 from tokendance.proxy.segment import detect
 
 QUESTIONS = [
@@ -173,13 +174,13 @@ def closed_loop(eng: Engine, be: EngineBackend, n: int, question: str, modes: li
 
 def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None)
-    p.add_argument("--agents", default="4,8")
-    p.add_argument("--rounds", type=int, default=4)
-    p.add_argument("--max-tokens", type=int, default=48)
-    p.add_argument("--questions", type=int, default=2)
+    p.add_argument("--agents", type=counts, default="4,8", help="N, comma list")
+    p.add_argument("--rounds", type=positive, default=4)
+    p.add_argument("--max-tokens", type=positive, default=48)
+    p.add_argument("--questions", type=natural, default=2)
     p.add_argument("--ratio", type=float, default=0.15)
     p.add_argument("--modes", default="pic,collective", help="reuse modes compared with full")
-    p.add_argument("--loops", type=int, default=1, help="closed-loop debates per N (each on its own question)")
+    p.add_argument("--loops", type=positive, default=1, help="closed-loop debates per N (each on its own question)")
     p.add_argument("--floor", type=float, default=0.0,
                    help="recompute only reused tokens whose check-layer deviation exceeds this")
 
@@ -193,13 +194,13 @@ def main(args: argparse.Namespace) -> int:
     print(f"model {eng.name}, float32, recompute ratio {args.ratio}, floor {args.floor}, "
           f"check layer {eng.collector.cfg.check_layer}")
     if args.questions:
-        print(open_loop(eng, be, modes, int(args.agents.split(",")[0]), args.questions, greedy))
+        print(open_loop(eng, be, modes, args.agents[0], args.questions, greedy))
     # 3: closed loop.
     print(f"\nClosed-loop debate, {args.rounds} rounds, greedy, {args.max_tokens} tokens per answer, "
           f"{args.loops} question(s) per N:")
     print("| N | mode | debates with no divergence | agents never diverged | "
           "mean first divergent round (diverged agents) |\n|---|---|---|---|---|")
-    for n in map(int, args.agents.split(",")):
+    for n in args.agents:
         firsts: dict[str, list[int | None]] = {m: [] for m in modes[1:]}
         clean = {m: 0 for m in modes[1:]}
         for k in range(args.loops):

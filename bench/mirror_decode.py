@@ -21,6 +21,7 @@ import torch
 
 from tokendance.backend.engine import Engine
 from tokendance.bench.allgather import make_round
+from tokendance.bench.options import counts, natural, positive
 from tokendance.bench.shapes import round_engine
 from tokendance.bench.step_split import prefilled, profile_steps
 
@@ -65,15 +66,15 @@ def kernel_table(eng: Engine, prompts, shared, mode: str, steps: int, top: int =
 def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="HF folder, .gguf, or a shape name (qwen2.5-7b)")
     p.add_argument("--dtype", default="auto")
-    p.add_argument("--agents", default="10,20")
-    p.add_argument("--shared", type=int, default=2048, help="tokens of all outputs together")
-    p.add_argument("--history", type=int, default=512)
-    p.add_argument("--steps", type=int, default=32)
+    p.add_argument("--agents", type=counts, default="10,20", help="N, comma list")
+    p.add_argument("--shared", type=positive, default=2048, help="tokens of all outputs together")
+    p.add_argument("--history", type=natural, default=512)
+    p.add_argument("--steps", type=positive, default=32)
     p.add_argument("--profile", action="store_true")
 
 
 def main(args: argparse.Namespace) -> int:
-    agents = [int(a) for a in args.agents.split(",")]
+    agents = args.agents
     need = max(agents) * (args.history * 2 + args.shared * 2 + args.steps + 64) + 8192
     eng, vocab = round_engine(args.model, args.dtype, need)
     print(f"model {eng.name} on {eng.device}, {eng.dtype}; shared {args.shared} tokens per round, "

@@ -26,6 +26,7 @@ import torch
 
 from tokendance.backend.model import KVCache
 from tokendance.backend.offload import HostTier
+from tokendance.bench.options import counts, natural, positive, shares
 from tokendance.kernels.restore import gather_slots
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
@@ -33,18 +34,18 @@ DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch
 
 def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--shape", default="qwen2.5-7b", help="a name from bench/shapes.py")
-    p.add_argument("--layers", type=int, help="override the shape's layers")
-    p.add_argument("--kv-heads", type=int, help="override the shape's KV heads")
-    p.add_argument("--head-dim", type=int, help="override the shape's head_dim")
+    p.add_argument("--layers", type=positive, help="override the shape's layers")
+    p.add_argument("--kv-heads", type=positive, help="override the shape's KV heads")
+    p.add_argument("--head-dim", type=positive, help="override the shape's head_dim")
     p.add_argument("--dtype", default="bfloat16", choices=list(DTYPES))
-    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--block-size", type=positive, default=16)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--agents", default="10,20")
-    p.add_argument("--history", type=int, default=512)
-    p.add_argument("--output", type=int, default=150)
-    p.add_argument("--ratio", default="0.15,0.05", help="recompute ratios, comma list")
-    p.add_argument("--generated", type=int, default=128)
-    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--agents", type=counts, default="10,20", help="N, comma list")
+    p.add_argument("--history", type=natural, default=512)
+    p.add_argument("--output", type=natural, default=150)
+    p.add_argument("--ratio", type=shares, default="0.15,0.05", help="recompute ratios, comma list")
+    p.add_argument("--generated", type=natural, default=128)
+    p.add_argument("--repeats", type=positive, default=5)
     p.add_argument("--json", help="write the rows here")
 
 
@@ -161,8 +162,7 @@ def run(n: int, ratios: list[float], args: argparse.Namespace, shape: tuple[int,
 
 def main(args: argparse.Namespace) -> int:
     shape = dims(args)
-    ratios = [float(r) for r in args.ratio.split(",")]
-    agents = [int(a) for a in args.agents.split(",")]
+    ratios, agents = args.ratio, args.agents
     tok = shape[0] * 2 * shape[1] * shape[2] * DTYPES[args.dtype].itemsize
     print(f"restore from the host tier on {args.device}: {args.shape} K/V ({shape[0]} layers, "
           f"{shape[1]} KV heads, head_dim {shape[2]}, {args.dtype}, {tok} bytes/token), block "

@@ -20,6 +20,7 @@ import statistics
 
 from tokendance.backend.api import SamplingParams
 from tokendance.bench.allgather import make_round, next_round
+from tokendance.bench.options import counts, natural, positive
 from tokendance.bench.reuse import play
 from tokendance.bench.shapes import round_engine
 
@@ -31,15 +32,15 @@ def greedy(tokens: int) -> SamplingParams:
 def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="HF folder, .gguf, or a shape name (qwen2.5-7b)")
     p.add_argument("--dtype", default="auto")
-    p.add_argument("--agents", default="4,8")
-    p.add_argument("--history", type=int, default=256)
-    p.add_argument("--output", type=int, default=100)
-    p.add_argument("--answer", type=int, default=32, help="tokens each agent answers in round 1")
-    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--agents", type=counts, default="4,8", help="N, comma list")
+    p.add_argument("--history", type=natural, default=256)
+    p.add_argument("--output", type=natural, default=100)
+    p.add_argument("--answer", type=positive, default=32, help="tokens each agent answers in round 1")
+    p.add_argument("--repeats", type=positive, default=3)
 
 
 def main(args: argparse.Namespace) -> int:
-    agents = [int(a) for a in args.agents.split(",")]
+    agents = args.agents
     n = max(agents)
     eng, vocab = round_engine(args.model, args.dtype, n * 2 * (args.history + 2 * n * args.output
                                                               + args.answer) + 8192)

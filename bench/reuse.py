@@ -23,6 +23,7 @@ import torch
 from tokendance.backend.api import MODES, SamplingParams, Usage
 from tokendance.backend.engine import Engine
 from tokendance.bench.allgather import Round, make_round
+from tokendance.bench.options import counts, natural, positive
 from tokendance.bench.shapes import round_engine
 from tokendance.bench.step_split import profiled, traced
 
@@ -152,19 +153,19 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="HF folder, .gguf, or a shape name (qwen2.5-7b)")
     p.add_argument("--random-weights", action="store_true")
     p.add_argument("--dtype", default="auto")
-    p.add_argument("--agents", default="2,4,8,16")
-    p.add_argument("--history", type=int, default=512)
-    p.add_argument("--output", type=int, default=150)
-    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--agents", type=counts, default="2,4,8,16", help="N, comma list")
+    p.add_argument("--history", type=natural, default=512)
+    p.add_argument("--output", type=natural, default=150)
+    p.add_argument("--repeats", type=positive, default=3)
     p.add_argument("--modes", default=",".join(MODES))
-    p.add_argument("--kv-tokens", type=int, default=0)
+    p.add_argument("--kv-tokens", type=natural, default=0)
     p.add_argument("--json", default=None, help="write rows here")
     p.add_argument("--dump-prompts", default=None, help="write each round's prompts (for vLLM)")
-    p.add_argument("--decode", type=int, default=1, help="max_tokens per agent (1: prefill to the first token)")
+    p.add_argument("--decode", type=positive, default=1, help="max_tokens per agent (1: prefill to the first token)")
     p.add_argument("--ratio", type=float, default=0.15, help="share of reused tokens recomputed")
     p.add_argument("--floor", type=float, default=0.0,
                    help="recompute only reused tokens whose check-layer deviation exceeds this")
-    p.add_argument("--profile", type=int, default=0, metavar="TOP",
+    p.add_argument("--profile", type=natural, default=0, metavar="TOP",
                    help="then profile one cold round per mode at the first N: device busy time "
                         "against the timed round, and the TOP ops")
     p.add_argument("--trace", default=None, metavar="DIR",
@@ -175,7 +176,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
 def main(args: argparse.Namespace) -> int:
     if args.trace and not args.profile:
         raise ValueError("--trace needs --profile TOP (it traces the profiled rounds)")
-    agents = [int(a) for a in args.agents.split(",")]
+    agents = args.agents
     need = max(agents) * (args.history * 2 + max(agents) * args.output * 2 + args.decode) + 4096
     eng, vocab = round_engine(args.model, args.dtype, args.kv_tokens or need, args.random_weights,
                               recompute_ratio=args.ratio, recompute_floor=args.floor)

@@ -1,0 +1,67 @@
+"""Option types of the benchmarks' command lines (argparse `type=`): a bad value is a
+one-line usage error when the command line is parsed, before any model loads."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Callable
+
+
+def at_least(low: int) -> Callable[[str], int]:
+    """An integer option of at least `low`."""
+
+    def parse(text: str) -> int:
+        try:
+            n = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        if n < low:
+            raise argparse.ArgumentTypeError(f"must be at least {low}, got {n}")
+        return n
+
+    parse.__name__ = f"integer >= {low}"  # argparse names the type in some messages
+    return parse
+
+
+positive = at_least(1)
+natural = at_least(0)
+
+
+def _numbers(text: str, kind: type, what: str) -> list:
+    try:
+        return [kind(x) for x in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected {what} separated by commas, got {text!r}") from None
+
+
+def counts(text: str) -> list[int]:
+    """'10,20' -> [10, 20]: integers of at least 1."""
+    out = _numbers(text, int, "integers")
+    if min(out) < 1:
+        raise argparse.ArgumentTypeError(f"every count must be at least 1, got {text!r}")
+    return out
+
+
+def shares(text: str) -> list[float]:
+    """'0.15,0.05' -> [0.15, 0.05]: numbers in [0, 1]."""
+    out = _numbers(text, float, "numbers")
+    if not all(0 <= x <= 1 for x in out):
+        raise argparse.ArgumentTypeError(f"every share must lie in [0, 1], got {text!r}")
+    return out
+
+
+def batches(text: str) -> list[tuple[int, int]]:
+    """'1x1024,8x256' -> [(1, 1024), (8, 256)]: BATCHxLEN pairs of integers of at least 1
+    ('' is none)."""
+    out = []
+    for item in filter(None, text.split(",")):
+        parts = item.split("x")
+        try:
+            pair = tuple(int(p) for p in parts)
+        except ValueError:
+            pair = ()
+        if len(pair) != 2 or min(pair) < 1:
+            raise argparse.ArgumentTypeError(f"expected BATCHxLEN pairs of positive integers, "
+                                             f"got {item!r}")
+        out.append(pair)
+    return out
