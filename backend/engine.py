@@ -53,9 +53,21 @@ class EngineConfig:
 
 
 def _pick_device(name: str) -> torch.device:
+    """The engine's device: "auto" (CUDA when there is one), "cpu", "cuda" or "cuda:N";
+    InvalidRequest for anything else or a GPU this machine lacks."""
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
+    try:
+        dev = torch.device(name)
+    except RuntimeError:
+        dev = None
+    if dev is None or dev.type not in ("cpu", "cuda"):
+        raise InvalidRequest(f"unsupported device {name!r}; choose auto, cpu, cuda or cuda:N", "device")
+    if dev.type == "cuda" and (not torch.cuda.is_available()
+                               or (dev.index or 0) >= torch.cuda.device_count()):
+        raise InvalidRequest(f"device {name!r} is not available here "
+                             f"({torch.cuda.device_count()} CUDA devices)", "device")
+    return dev
 
 
 class Engine:

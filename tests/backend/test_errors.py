@@ -67,3 +67,11 @@ def test_invalid_sampling(engine, field, value, param):
 def test_bad_dtype(tiny_llama):
     with pytest.raises(InvalidRequest, match="unsupported dtype"):
         Engine(model=str(tiny_llama), dtype="int8")
+
+
+@pytest.mark.parametrize("device,message", [("nonsense", "unsupported device"), ("mps", "unsupported device"),
+                                            ("cuda:99", "is not available here")])
+def test_bad_device(tiny_llama, device, message):
+    with pytest.raises(InvalidRequest, match=message) as e:
+        Engine(model=str(tiny_llama), device=device)
+    assert e.value.param == "device"
