@@ -67,7 +67,12 @@ def main(args: argparse.Namespace) -> int:
     if args.agents < 1 or args.rounds < 1 or args.max_tokens < 1:
         raise ValueError("--agents, --rounds and --max-tokens must be at least 1")
     quiet(args.log_level)
-    print(asyncio.run(simulate(args)))
+    from tokendance.adapters.rounds import ProxyError
+
+    try:
+        print(asyncio.run(simulate(args)))
+    except ProxyError as e:  # the proxy refused a request (a 4xx names the bad argument)
+        raise ValueError(str(e)) from e
     return 0
 
 

@@ -58,6 +58,9 @@ def test_user_mistakes_are_one_line(capsys) -> None:
     assert capsys.readouterr().err.strip().endswith("must be at least 1")
     assert cli.main(["simulate", "debate", "--url", "http://127.0.0.1:9"]) == 1
     assert "no proxy answers at http://127.0.0.1:9" in capsys.readouterr().err
+    assert cli.main(["simulate", "debate", "--model", "echo", "--rounds", "1", "--temperature", "-1"]) == 1
+    err = capsys.readouterr().err.strip()
+    assert err.endswith("proxy answered 400: temperature must be between 0 and 2") and "\n" not in err
 
 
 async def test_loop_and_divergence() -> None:
