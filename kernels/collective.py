@@ -30,6 +30,7 @@ tiles hold at most cfg["block_m"] of the S*G rows (padded to a power of two >= 1
 each program writes a partial (o, lse) per chunk into a partial buffer (at split index
 `split_off + chunk`, so that the engine's paged decode of the private part can share it
 and one reduce merges both); a third kernel merges the chunks for the standalone API.
+An empty chunk (lo = hi: padding) has no partial: its slot is neither written nor read.
 Rotations read rows of the cos/sin table (`tiles.trig_table`). Scores are in the log2
 domain inside the kernels. Every Master slot of a chunk must hold finite values, hidden
 or not (a hidden key still gets loaded, with weight 0).
@@ -181,6 +182,8 @@ def _collective_kernel(q, q_pos, shift, chunks, kr, vc, table, hide, trig, trig_
     head = kvh * G + rows % G
     lo = tl.load(chunks + ch * 3)
     hi = tl.load(chunks + ch * 3 + 1)
+    if hi <= lo:  # a padding chunk (CUDA graphs plan a fixed count): its slot is never read
+        return
     seg = tl.load(chunks + ch * 3 + 2)  # the segment's slot 0
     p = tl.load(q_pos + mir, mask=valid, other=0).to(tl.int32)
     sh = tl.load(shift + mir * s_ss + ch, mask=valid, other=0).to(tl.int32)
@@ -192,7 +195,7 @@ def _collective_kernel(q, q_pos, shift, chunks, kr, vc, table, hide, trig, trig_
     acc = tl.zeros([BLOCK_M, 2 * HALF], dtype=tl.float32)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    if lo < hi:  # padding chunks (CUDA graphs plan a fixed count) skip the query rotation
+    if lo < hi:  # else no row of the tile sees the chunk: an empty partial
         # Queries arrive rotated at q_pos: rotate them back by shift (a row of the cos/sin
         # table, clamped: a shift past the table is a segment the row does not read).
         qo = mir.to(tl.int64)[:, None] * s_qt + head[:, None] * s_qh + offs_h[None, :]
@@ -236,19 +239,20 @@ def _collective_kernel(q, q_pos, shift, chunks, kr, vc, table, hide, trig, trig_
 
 
 @triton.jit
-def _merge_kernel(o_part, lse_part, out, lse_out, NSPLIT: tl.constexpr, D: tl.constexpr):
+def _merge_kernel(o_part, lse_part, chunks, out, lse_out, NSPLIT: tl.constexpr, D: tl.constexpr):
     r = tl.program_id(0)  # Mirror * Hq + head
     sp = tl.arange(0, NSPLIT)
+    live = tl.load(chunks + sp * 3 + 1) > tl.load(chunks + sp * 3)  # empty chunks wrote nothing
     offs_d = tl.arange(0, D)
     base = r.to(tl.int64) * NSPLIT + sp
-    lse = tl.load(lse_part + base)
+    lse = tl.load(lse_part + base, mask=live, other=float("-inf"))
     m = tl.max(lse, 0)
     m = tl.where(m == float("-inf"), 0.0, m)
     w = tl.exp2(lse - m)
     den = tl.sum(w, 0)
     seen = den > 0
     den = tl.where(seen, den, 1.0)
-    o = tl.load(o_part + base[:, None] * D + offs_d[None, :])
+    o = tl.load(o_part + base[:, None] * D + offs_d[None, :], mask=live[:, None], other=0.0)
     tl.store(out + r.to(tl.int64) * D + offs_d, tl.sum(o * w[:, None], 0) / den)
     # back to the natural log: ln x = log2 x * ln 2
     tl.store(lse_out + r, tl.where(seen, (m + tl.log2(den)) * 0.6931471805599453, float("-inf")))
@@ -333,7 +337,7 @@ def collective_attention_triton(
     read = one_segment(shift, master_table, master_len, hide.contiguous(), ns, c["block_n"])
     collective_partials(q, q_pos, k_cache, v_cache, read, inv_freq, rope_scale, sm_scale,
                         o_part, lse_part, 0, cfg=c, trig=trig)
-    _merge_kernel[(S * Hq,)](o_part, lse_part, o, lse, NSPLIT=ns, D=D, num_warps=4)
+    _merge_kernel[(S * Hq,)](o_part, lse_part, read.chunks, o, lse, NSPLIT=ns, D=D, num_warps=4)
     return o, lse
 
 
@@ -344,7 +348,7 @@ def collective_partials(q, q_pos, k_cache, v_cache, read: MasterRead, inv_freq,
     """Launch the collective kernels: the Master's keys rotated into a workspace, then
     chunk c's partial (o, log2 lse) of Mirror s, head h into o_part[s, h, split_off + c],
     lse_part[s, h, split_off + c] (float32 buffers [S, Hq, n, D] and [S, Hq, n],
-    contiguous). Rotations read rows of trig (`tiles.trig_table` of inv_freq, a row for
+    contiguous), for every chunk that is not empty. Rotations read rows of trig (`tiles.trig_table` of inv_freq, a row for
     every shift and segment slot); without it one is built, after a host sync for its
     length (not the engine's path)."""
     S, Hq, D = q.shape

@@ -38,6 +38,7 @@ from tokendance.kernels.master import MasterRead
 from tokendance.kernels.paged_triton import (decode_partials, decode_splits, paged_attention_triton,
                                              reduce_partials)
 from tokendance.kernels.rope import rope_cos_sin, rope_rotate_reference
+from tokendance.kernels.tiles import _scratch
 
 
 def gather_kv(
@@ -252,8 +253,8 @@ def master_decode_triton(q, q_pos, cu_q, k_cache, v_cache, block_tables, kv_lens
     # Mirrors stepped in 5.71 and 6.39 ms with 8 and 4 splits, 5.75 and 6.46 with 16.
     ns = decode_splits(q.device, S * k_cache.shape[2], per_sm=4)
     n = ns + read.chunks.shape[0]
-    o_part = torch.empty(S, Hq, n, D, device=q.device, dtype=torch.float32)
-    lse_part = torch.empty(S, Hq, n, device=q.device, dtype=torch.float32)
+    o_part = _scratch(S, Hq, n, D, device=q.device)
+    lse_part = _scratch(S, Hq, n, device=q.device)
     # The two launches fill disjoint partial slots and are each too small to fill the GPU
     # at a decode batch: on CUDA the collective one runs on a side stream beside the
     # other (a fork and join that CUDA graphs capture), the reduce waits for both.
@@ -267,7 +268,7 @@ def master_decode_triton(q, q_pos, cu_q, k_cache, v_cache, block_tables, kv_lens
                     sm_scale, slot_pos, o_part, lse_part, ns, trig=trig)
     if side is not None:
         torch.cuda.current_stream(q.device).wait_stream(side)
-    reduce_partials(o_part, lse_part, cu_q, out)
+    reduce_partials(o_part, lse_part, cu_q, out, read.chunks)
     return out
 
 

@@ -128,7 +128,7 @@ def _decode_kernel(q, q_pos, cu_q, kc, vc, bt, kpt, kv_lens, inv_freq, o_part, l
 
 
 @triton.jit
-def _reduce_kernel(o_part, lse_part, cu_q, out, n_total, s_qt, s_qh,
+def _reduce_kernel(o_part, lse_part, cu_q, chunks, out, n_total, n_own, s_qt, s_qh,
                    NSPLIT: tl.constexpr, D: tl.constexpr):
     seq = tl.program_id(0)
     h = tl.program_id(1)
@@ -137,6 +137,11 @@ def _reduce_kernel(o_part, lse_part, cu_q, out, n_total, s_qt, s_qh,
         return
     sp = tl.arange(0, NSPLIT)
     used = sp < n_total
+    # Partials from n_own on are Master chunks' (kernels/collective.py): an empty chunk
+    # (padding) wrote none.
+    ch = used & (sp >= n_own)
+    c = tl.where(ch, sp - n_own, 0)
+    used = used & (tl.load(chunks + c * 3 + 1, mask=ch, other=1) > tl.load(chunks + c * 3, mask=ch, other=0))
     offs_d = tl.arange(0, D)
     base = (seq * tl.num_programs(1) + h) * n_total + sp
     # Some partials may be empty (-inf), never all: a query always sees its own key.
@@ -268,9 +273,12 @@ def decode_partials(q, q_pos, cu_q, k_cache, v_cache, block_tables, kv_lens, inv
 
 
 def reduce_partials(o_part: torch.Tensor, lse_part: torch.Tensor, cu_q: torch.Tensor,
-                    out: torch.Tensor) -> None:
+                    out: torch.Tensor, chunks: torch.Tensor | None = None) -> None:
     """Merge every sequence's partials (o_part [S, Hq, n, D], log2 lse [S, Hq, n]) into
-    out [T, Hq, D] at its query row."""
+    out [T, Hq, D] at its query row. With `chunks` (a MasterRead's), the last
+    len(chunks) partials are the Master chunks', and empty chunks' are skipped."""
     S, Hq, n, D = o_part.shape
-    _reduce_kernel[(S, Hq)](o_part, lse_part, cu_q, out, n, out.stride(0), out.stride(1),
+    n_own = n if chunks is None else n - chunks.shape[0]
+    _reduce_kernel[(S, Hq)](o_part, lse_part, cu_q, cu_q if chunks is None else chunks, out, n,
+                            n_own, out.stride(0), out.stride(1),
                             NSPLIT=triton.next_power_of_2(n), D=D, num_warps=4)

@@ -16,6 +16,13 @@ from tokendance.kernels.tiles import trig_table
 B = 16
 
 
+@pytest.fixture(autouse=True)
+def poisoned(monkeypatch) -> None:
+    """Partials start as NaN: a slot read but never written (a padding chunk's) poisons
+    its row."""
+    monkeypatch.setattr(pa, "_scratch", lambda *shape, device: torch.full(shape, math.nan))
+
+
 def batch(segs: list[int], hists: list[int | None], hq: int = 8, hkv: int = 2, d: int = 64,
           patch: float = 0.15, dtype: torch.dtype = torch.float32, align: int = 16, target: int = 6):
     """Sequences over one Master of segments `segs` (block-aligned, in shuffled pool
@@ -158,8 +165,9 @@ def test_plan_chunks_cover_each_segment_once():
     assert plan_chunks([], B, 8, 16) == []
 
 
-def test_triton_padding_chunks_write_empty_partials():
-    """CUDA graphs pad the chunk list to a fixed count with empty chunks (0, 0, 0)."""
+def test_triton_padding_chunks_are_skipped():
+    """CUDA graphs pad the chunk list to a fixed count with empty chunks (0, 0, 0): their
+    partial slots are neither written nor read (they stay NaN)."""
     torch.manual_seed(11)
     q, q_pos, cu, kc, vc, full, mine, read, f = batch([40, 33], [20, None, 6], target=2)
     c = read.chunks.shape[0]
