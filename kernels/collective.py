@@ -348,9 +348,9 @@ def collective_partials(q, q_pos, k_cache, v_cache, read: MasterRead, inv_freq,
     """Launch the collective kernels: the Master's keys rotated into a workspace, then
     chunk c's partial (o, log2 lse) of Mirror s, head h into o_part[s, h, split_off + c],
     lse_part[s, h, split_off + c] (float32 buffers [S, Hq, n, D] and [S, Hq, n],
-    contiguous), for every chunk that is not empty. Rotations read rows of trig (`tiles.trig_table` of inv_freq, a row for
-    every shift and segment slot); without it one is built, after a host sync for its
-    length (not the engine's path)."""
+    contiguous), for every chunk that is not empty. Rotations read rows of trig
+    (`tiles.trig_table` of inv_freq, a row for every shift and segment slot); without it
+    one is built, after a host sync for its length (not the engine's path)."""
     S, Hq, D = q.shape
     B, Hkv = k_cache.shape[1], k_cache.shape[2]
     G = Hq // Hkv

@@ -141,7 +141,8 @@ def _reduce_kernel(o_part, lse_part, cu_q, chunks, out, n_total, n_own, s_qt, s_
     # (padding) wrote none.
     ch = used & (sp >= n_own)
     c = tl.where(ch, sp - n_own, 0)
-    used = used & (tl.load(chunks + c * 3 + 1, mask=ch, other=1) > tl.load(chunks + c * 3, mask=ch, other=0))
+    lo = tl.load(chunks + c * 3, mask=ch, other=0)
+    used = used & (tl.load(chunks + c * 3 + 1, mask=ch, other=1) > lo)
     offs_d = tl.arange(0, D)
     base = (seq * tl.num_programs(1) + h) * n_total + sp
     # Some partials may be empty (-inf), never all: a query always sees its own key.
