@@ -46,6 +46,12 @@ def test_prompt_longer_than_context(engine):
     assert e.value.code == "context_length_exceeded"
 
 
+def test_max_tokens_past_the_context_stops_at_its_end(engine):
+    """As the proxy documents: not an error, the generation ends where the context does."""
+    (toks, _, reason), = engine.generate([[5] * 250], SamplingParams(max_tokens=100, ignore_eos=True))
+    assert len(toks) == 256 - 250 and reason == "length"
+
+
 def test_empty_prompt_and_bad_ids(engine):
     with pytest.raises(InvalidRequest, match="empty"):
         engine.add("a", [], SamplingParams())
