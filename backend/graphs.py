@@ -29,9 +29,12 @@ CHUNK_CAP = 48
 
 
 def buckets(max_bs: int) -> list[int]:
+    """Batch sizes with a graph: 1, 2, 4, 8, then steps of 8 (a batch pads to the next),
+    and max_bs. (On an H200, 20 sequences stepped 1.5-3 % faster in a graph of 24 rows
+    than of 32, with or without Mirrors.)"""
     out = [b for b in (1, 2, 4, 8) if b <= max_bs]
-    out += list(range(16, max_bs + 1, 16))
-    return out
+    out += list(range(16, max_bs + 1, 8))
+    return out + [max_bs] if out[-1] != max_bs else out
 
 
 class DecodeGraphs:
