@@ -90,6 +90,19 @@ async def test_seal_releases_a_partial_group_and_lets_latecomers_through(start, 
     assert (stats["groups"], stats["group_sizes"], stats["agents"]) == (2, [2, 1], ["a", "b", "c"])
 
 
+async def test_a_round_sealed_before_it_opens_holds_nobody(start):
+    """Sealing may come first (a framework that never waits for its agents): the round
+    exists from then on, sealed, and its requests go at once."""
+    server = await start(barrier_timeout=5.0)
+    base = "/v1/tokendance/sessions/early/rounds/3"
+    st, view, _ = await post(server.url, base + "/seal")
+    assert st == 200 and view["sealed"] and view["requests"] == 0
+    t0 = time.perf_counter()
+    st, body, h = await chat(server.url, "first", headers("early", "a", **{"X-TokenDance-Round": "3"}))
+    assert st == 200 and body["choices"][0]["message"]["content"] == "first"
+    assert h["X-TokenDance-Round"] == "3" and time.perf_counter() - t0 < 1.0
+
+
 async def test_timeout_releases_and_bounds_the_wait(start):
     server = await start(barrier_timeout=0.1)
     await post(server.url, "/v1/tokendance/sessions/t/rounds/1", {"agents": ["a", "b"]})
