@@ -66,7 +66,7 @@ class Control:
         self._wake.set()
 
     async def _run(self) -> None:
-        delay = self.backoff[0]
+        delay, warned = self.backoff[0], False  # one warning per outage, not per retry
         while True:
             try:
                 async with aiomqtt.Client(self.host, self.port, username=self.user,
@@ -74,7 +74,7 @@ class Control:
                                           identifier=f"tokendance-{secrets.token_hex(4)}") as c:
                     await c.subscribe(f"{PREFIX}/+/round/+/open", qos=1)
                     await c.subscribe(f"{PREFIX}/+/round/+/seal", qos=1)
-                    self.connected, delay = True, self.backoff[0]
+                    self.connected, delay, warned = True, self.backoff[0], False
                     log.info("mqtt connected", host=self.host, port=self.port)
                     sender = asyncio.create_task(self._send(c))
                     try:
@@ -83,8 +83,10 @@ class Control:
                     finally:
                         sender.cancel()
             except aiomqtt.MqttError as exc:
-                if self.connected:
-                    log.warning("mqtt disconnected", error=str(exc))
+                if not warned:
+                    log.warning("mqtt disconnected" if self.connected else "mqtt broker unreachable, retrying",
+                                host=self.host, port=self.port, error=str(exc))
+                    warned = True
             self.connected = False
             await asyncio.sleep(delay)
             delay = min(delay * 2, self.backoff[1])

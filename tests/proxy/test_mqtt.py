@@ -6,6 +6,7 @@ import json
 
 import aiohttp
 import aiomqtt
+import structlog
 
 MODEL = "fake-tiny"
 
@@ -78,10 +79,14 @@ async def test_bad_control_messages_are_ignored(start, broker, until):
 
 
 async def test_starts_without_a_broker_and_reconnects_after_a_restart(start, idle_broker, until):
-    server = await start(mqtt=idle_broker.url, barrier_timeout=0.05)
-    server.control.backoff = (0.05, 0.2)
-    assert await ask(server, "nb", "a") == 200  # serves with no broker at all
+    with structlog.testing.capture_logs() as logs:
+        server = await start(mqtt=idle_broker.url, barrier_timeout=0.05)
+        server.control.backoff = (0.05, 0.2)
+        assert await ask(server, "nb", "a") == 200  # serves with no broker at all
+        await asyncio.sleep(0.3)  # several retries
     assert not server.control.connected
+    said = [e["event"] for e in logs if e["log_level"] == "warning"]
+    assert said == ["mqtt broker unreachable, retrying"]  # once, not once per retry
     await idle_broker.start()
     await until(lambda: server.control.connected)
     await idle_broker.stop()
