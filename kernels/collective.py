@@ -383,23 +383,14 @@ def collective_partials(q, q_pos, k_cache, v_cache, read: MasterRead, inv_freq,
     )
 
 
-def collective_attention(
-    q: torch.Tensor,
-    q_pos: torch.Tensor,
-    shift: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    master_table: torch.Tensor,
-    master_len: int,
-    hide: torch.Tensor,
-    inv_freq: torch.Tensor,
-    rope_scale: float,
-    sm_scale: float,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Dispatch: the Triton kernels on CUDA, the reference elsewhere."""
+def collective_attention(q: torch.Tensor, q_pos: torch.Tensor, shift: torch.Tensor,
+                         k_cache: torch.Tensor, v_cache: torch.Tensor, master_table: torch.Tensor,
+                         master_len: int, hide: torch.Tensor, inv_freq: torch.Tensor,
+                         rope_scale: float, sm_scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dispatch: the Triton kernels on CUDA, the reference elsewhere (the arguments are
+    `collective_attention_reference`'s)."""
     args = (q, q_pos, shift, k_cache, v_cache, master_table, master_len, hide, inv_freq,
             rope_scale, sm_scale)
     if q.is_cuda:
         return collective_attention_triton(*args)
     return collective_attention_reference(*args)
-
