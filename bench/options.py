@@ -19,7 +19,6 @@ def at_least(low: int) -> Callable[[str], int]:
             raise argparse.ArgumentTypeError(f"must be at least {low}, got {n}")
         return n
 
-    parse.__name__ = f"integer >= {low}"  # argparse names the type in some messages
     return parse
 
 
