@@ -155,8 +155,8 @@ def blend(model: Decoder, cache: KVCache, items: list[BlendInput], check_layer: 
                     cache.trash, device)
         counts = caps(sizes, ratio) if floor <= 0 else (back.get() >= 0).sum(1).tolist()
         meta, take = late.meta(picks, counts)
-        cache.store(li, k[take], v[take], meta.slots)
-        h, x = layer.post_attention_layernorm.add(attn.attend(q[take], meta, cache), x[take])
+        q = attn.store(q[take], k[take], v[take], meta, cache)
+        h, x = layer.post_attention_layernorm.add(attn.attend(q, meta, cache), x[take])
         x = x + layer.mlp(h)
     logits = model.logits(x[meta.cu_q[1:].long() - 1])
     selected: list[list[int]] = [[] for _ in items]

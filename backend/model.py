@@ -20,6 +20,7 @@ from tokendance.kernels.norm import rms_norm
 from tokendance.kernels.paged_attention import paged_attention
 from tokendance.kernels.prefill import causal_attention
 from tokendance.kernels.rope import rope_rotate
+from tokendance.kernels.store import store
 from tokendance.kernels.tiles import trig_table
 
 
@@ -70,9 +71,7 @@ class KVCache:
         self.trash = num_blocks * block_size  # its first flat slot
 
     def store(self, layer: int, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
-        h, d = k.shape[1], k.shape[2]
-        self.k[layer].view(-1, h, d).index_copy_(0, slots, k)
-        self.v[layer].view(-1, h, d).index_copy_(0, slots, v)
+        store(k, v, slots, self.k[layer], self.v[layer])
 
     @property
     def nbytes(self) -> int:
@@ -109,9 +108,16 @@ class Attention(nn.Module):
         t = x.shape[0]
         return q.view(t, self.nq, self.d), k.view(t, self.nkv, self.d), v.view(t, self.nkv, self.d)
 
+    def store(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttnMeta,
+              cache: KVCache) -> torch.Tensor:
+        """k, v into the cache at meta.slots; returns q rotated to meta.positions (one
+        launch on CUDA)."""
+        rot = self.rope
+        return store(k, v, meta.slots, cache.k[self.layer], cache.v[self.layer], q, meta.positions,
+                     rot.inv_freq, rot.scale)
+
     def attend(self, q: torch.Tensor, meta: AttnMeta, cache: KVCache) -> torch.Tensor:
-        """Attention of un-rotated queries over what the cache holds; [T, hidden]."""
-        q = rope_rotate(q, meta.positions, self.rope.inv_freq, self.rope.scale)
+        """Attention of rotated queries over what the cache holds; [T, hidden]."""
         o = paged_attention(
             q, meta.positions, meta.cu_q, cache.k[self.layer], cache.v[self.layer],
             meta.block_tables, meta.kv_lens, self.rope.inv_freq, self.rope.scale, self.scale,
@@ -121,9 +127,9 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, meta: AttnMeta, cache: KVCache) -> torch.Tensor:
         q, k, v = self.qkv(x)
-        cache.store(self.layer, k, v, meta.slots)
         if meta.fresh_cu is None:
-            return self.attend(q, meta, cache)
+            return self.attend(self.store(q, k, v, meta, cache), meta, cache)
+        cache.store(self.layer, k, v, meta.slots)
         rot = self.rope
         q = rope_rotate(q, meta.positions, rot.inv_freq, rot.scale)
         k = rope_rotate(k, meta.positions, rot.inv_freq, rot.scale)

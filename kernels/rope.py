@@ -67,9 +67,10 @@ def rope_rotate_reference(
 
 
 @triton.jit
-def _rope_kernel(x, pos, inv_freq, out, sxt, sxh, sot, soh, H, scale,
-                 HALF: tl.constexpr, BLOCK_H: tl.constexpr):
-    t = tl.program_id(0)
+def _rotate_token(x, pos, inv_freq, out, t, sxt, sxh, sot, soh, H, scale,
+                  HALF: tl.constexpr, BLOCK_H: tl.constexpr):
+    """Token t's H heads of x rotated by pos[t] into out, in float32 (kernels/store.py
+    rotates queries with it too)."""
     d = tl.arange(0, HALF)
     h = tl.arange(0, BLOCK_H)[:, None]
     ang = tl.load(pos + t).to(tl.float32) * tl.load(inv_freq + d).to(tl.float32)
@@ -82,6 +83,12 @@ def _rope_kernel(x, pos, inv_freq, out, sxt, sxh, sot, soh, H, scale,
     dst = out + t.to(tl.int64) * sot + h * soh + d[None, :]
     tl.store(dst, (x1 * c - x2 * s).to(out.dtype.element_ty), mask=m)
     tl.store(dst + HALF, (x2 * c + x1 * s).to(out.dtype.element_ty), mask=m)
+
+
+@triton.jit
+def _rope_kernel(x, pos, inv_freq, out, sxt, sxh, sot, soh, H, scale,
+                 HALF: tl.constexpr, BLOCK_H: tl.constexpr):
+    _rotate_token(x, pos, inv_freq, out, tl.program_id(0), sxt, sxh, sot, soh, H, scale, HALF, BLOCK_H)
 
 
 def rope_rotate_triton(x: torch.Tensor, pos: torch.Tensor, inv_freq: torch.Tensor,
