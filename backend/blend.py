@@ -73,7 +73,7 @@ class Early:
     where the Mirrors say."""
 
     seqs: list[Sequence]
-    x: torch.Tensor  # hidden states entering the check layer
+    x: tuple[torch.Tensor, torch.Tensor]  # hidden states entering the check layer (a pair)
     kv: list[tuple[torch.Tensor, torch.Tensor]]  # per early layer
 
 
@@ -98,11 +98,11 @@ def early(model: Decoder, seqs: list[Sequence], check_layer: int) -> Early:
     meta = AttnMeta(positions=upload(torch.cat([torch.arange(len(s.prompt)) for s in seqs]), device),
                     slots=none, cu_q=upload_list(cu, torch.int32, device), block_tables=none,
                     kv_lens=none.sum(1), max_q=max(len(s.prompt) for s in seqs), fresh_cu=cu)
-    x = model.embed(upload_list([t for s in seqs for t in s.prompt], torch.long, device))
+    x, res = model.embed(upload_list([t for s in seqs for t in s.prompt], torch.long, device)), None
     held = _Held()
     for layer in model.layers[:check_layer]:
-        x = layer(x, meta, held)
-    return Early(seqs, x, held.kv)
+        x, res = layer(x, meta, held, res)
+    return Early(seqs, (x, res), held.kv)
 
 
 @torch.inference_mode()
@@ -124,17 +124,19 @@ def blend(model: Decoder, cache: KVCache, items: list[BlendInput], check_layer: 
             s is it.seq and it.start == 0 for s, it in zip(pre.seqs, items)):
         for li, (k, v) in enumerate(pre.kv):
             cache.store(li, k, v, meta.slots)
-        x, first, work = pre.x, check_layer, pre.x.shape[0] * check_layer
+        (x, res), first = pre.x, check_layer
+        work = x.shape[0] * check_layer
     else:
         ids = [t for it in items for t in it.seq.prompt[it.start:]]
-        x = model.embed(upload_list(ids, torch.long, device))
+        x, res = model.embed(upload_list(ids, torch.long, device)), None
     for li, layer in enumerate(model.layers[first:], first):
         work += x.shape[0]
         if li != check_layer:
-            x = layer(x, meta, cache)
+            x, res = layer(x, meta, cache, res)
             continue
         attn = layer.self_attn
-        q, k, v = attn.qkv(layer.input_layernorm(x))
+        h, res = layer.norm_in(x, res)
+        q, k, v = attn.qkv(h)
         base = torch.cat([it.seq.mirror.master_slots(bsz)[it.start:] if it.seq.mirror is not None
                           else torch.full((len(r),), -1) for it, r in zip(items, full)])
         base = upload(torch.where(base >= 0, base, cache.trash), device)
@@ -156,9 +158,10 @@ def blend(model: Decoder, cache: KVCache, items: list[BlendInput], check_layer: 
         counts = caps(sizes, ratio) if floor <= 0 else (back.get() >= 0).sum(1).tolist()
         meta, take = late.meta(picks, counts)
         q = attn.store(q[take], k[take], v[take], meta, cache)
-        h, x = layer.post_attention_layernorm.add(attn.attend(q, meta, cache), x[take])
-        x = x + layer.mlp(h)
-    logits = model.logits(x[meta.cu_q[1:].long() - 1])
+        h, res = layer.post_attention_layernorm.add(attn.attend(q, meta, cache), res[take])
+        x = layer.mlp(h)
+    last = meta.cu_q[1:].long() - 1
+    logits = model.logits(x[last], res[last])
     selected: list[list[int]] = [[] for _ in items]
     if back is not None:  # every layer is queued: the Mirrors take their patches now
         for i, (it, row) in enumerate(zip(items, back.get())):

@@ -154,9 +154,19 @@ class Layer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, x: torch.Tensor, meta: AttnMeta, cache: KVCache) -> torch.Tensor:
-        h, x = self.post_attention_layernorm.add(self.self_attn(self.input_layernorm(x), meta, cache), x)
-        return x + self.mlp(h)
+    def forward(self, x: torch.Tensor, meta: AttnMeta, cache: KVCache,
+                residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The hidden state x + residual (x alone if residual is None) through the layer,
+        as the next such pair: each residual add runs inside the norm after it."""
+        h, residual = self.norm_in(x, residual)
+        h, residual = self.post_attention_layernorm.add(self.self_attn(h, meta, cache), residual)
+        return self.mlp(h), residual
+
+    def norm_in(self, x: torch.Tensor, residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(input norm of x + residual, x + residual)."""
+        if residual is None:
+            return self.input_layernorm(x), x
+        return self.input_layernorm.add(x, residual)
 
 
 class Rope(nn.Module):
@@ -191,13 +201,14 @@ class Decoder(nn.Module):
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         return self.model.embed_tokens(ids)
 
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(self.model.norm(hidden)).float()
+    def logits(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        """Next-token logits of the hidden states x + residual (a last layer's pair)."""
+        return self.lm_head(self.model.norm.add(x, residual)[0]).float()
 
     def forward(self, ids: torch.Tensor, meta: AttnMeta, cache: KVCache,
                 last: torch.Tensor | None = None) -> torch.Tensor:
         """Logits [len(last), vocab] of the rows `last` (all rows if None)."""
-        x = self.embed(ids)
+        x, residual = self.embed(ids), None
         for i, layer in enumerate(self.layers):
-            x = layer(x, meta.at(i), cache)
-        return self.logits(x if last is None else x[last])
+            x, residual = layer(x, meta.at(i), cache, residual)
+        return self.logits(x, residual) if last is None else self.logits(x[last], residual[last])
