@@ -1,8 +1,10 @@
 """CUDA graphs for decode steps.
 
-A decode step launches about forty small kernels per layer; at batch 32 on an H200 the
-host spends twice as long launching them as the GPU spends running them. Each batch-size
-bucket's forward is captured once and replayed: the step then costs one launch. Inputs
+A decode step runs about a dozen kernels per layer, several hundred a step, most of them
+a few microseconds long: launched one by one, the host cannot keep up (when steps ran
+eagerly, at batch 32 on an H200, it spent twice as long launching kernels as the GPU
+spent running them). Each batch-size bucket's forward is captured once and replayed:
+the step then costs one launch. Inputs
 live in static buffers; a batch smaller than its bucket is padded with rows that read and
 write one scratch block no sequence owns. A batch with Mirrors among it replays a second
 graph per bucket: each view's own-block tables, and the batch's Master read collectively
