@@ -4,11 +4,11 @@ A decode step runs about a dozen kernels per layer, several hundred a step, most
 a few microseconds long: launched one by one, the host cannot keep up (when steps ran
 eagerly, at batch 32 on an H200, it spent twice as long launching kernels as the GPU
 spent running them). Each batch-size bucket's forward is captured once and replayed:
-the step then costs one launch. Inputs
-live in static buffers; a batch smaller than its bucket is padded with rows that read and
-write one scratch block no sequence owns. A batch with Mirrors among it replays a second
-graph per bucket: each view's own-block tables, and the batch's Master read collectively
-(backend/tables.py) in a fixed number of chunks.
+the step then costs one launch. Inputs live in static buffers; a batch smaller than its
+bucket is padded with rows that read and write one scratch block no sequence owns. A
+batch with Mirrors among it replays a second graph per bucket: each view's own-block
+tables, and the batch's Master read collectively (backend/tables.py) in a fixed number
+of chunks.
 
 Tables are written in full only when the batch changes; a sequence that gains a block
 rewrites its own row; otherwise a replay refreshes just the token ids, positions, store

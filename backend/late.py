@@ -114,6 +114,7 @@ def plan(seqs: list[Sequence], reused: list[torch.Tensor], starts: list[int], of
         room.append(torch.tensor(m.room(len(m.patch_free)), dtype=torch.long))
         own_of.append(m.own_of[start:])
         cols.append(m.master_cols(len(seq.blocks), block_size)[start:])
+
     def pad(ts: list[torch.Tensor], value: int) -> torch.Tensor:
         w = max(len(t) for t in ts)
         return torch.stack([torch.cat([t, t.new_full((w - len(t),), value)]) for t in ts])
