@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -14,6 +15,7 @@ from tokendance.backend.blocks import BlockManager
 from tokendance.backend.collector import Collector, ReuseConfig, batches
 from tokendance.backend.config import ModelConfig
 from tokendance.backend.detok import Detok
+from tokendance.backend.device import host_threads, pick_device
 from tokendance.backend.idle import IdleAgents
 from tokendance.backend.lookahead import Inflight, eligible, launch
 from tokendance.backend.model import KVCache
@@ -52,29 +54,16 @@ class EngineConfig:
     overlap: bool | None = None  # decode steps overlap host and GPU (backend/lookahead.py); None: on CUDA
 
 
-def _pick_device(name: str) -> torch.device:
-    """The engine's device: "auto" (CUDA when there is one), "cpu", "cuda" or "cuda:N";
-    InvalidRequest for anything else or a GPU this machine lacks."""
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        dev = torch.device(name)
-    except RuntimeError:
-        dev = None
-    if dev is None or dev.type not in ("cpu", "cuda"):
-        raise InvalidRequest(f"unsupported device {name!r}; choose auto, cpu, cuda or cuda:N", "device")
-    if dev.type == "cuda" and (not torch.cuda.is_available()
-                               or (dev.index or 0) >= torch.cuda.device_count()):
-        raise InvalidRequest(f"device {name!r} is not available here "
-                             f"({torch.cuda.device_count()} CUDA devices)", "device")
-    return dev
-
-
 class Engine:
     def __init__(self, cfg: EngineConfig | None = None, **overrides):
         cfg = cfg or EngineConfig(**overrides)
         self.cfg = cfg
-        self.device = _pick_device(cfg.device)
+        self.device = pick_device(cfg.device)
+        threads = host_threads(self.device, os.environ)
+        if threads is not None and threads != torch.get_num_threads():
+            log.info("torch CPU threads", before=torch.get_num_threads(), now=threads,
+                     hint="OMP_NUM_THREADS chooses")
+            torch.set_num_threads(threads)
         dtype = cfg.dtype if cfg.dtype != "auto" else ("bfloat16" if self.device.type == "cuda" else "float32")
         if dtype not in DTYPES:
             raise InvalidRequest(f"unsupported dtype {dtype!r}; choose one of {', '.join(DTYPES)}", "dtype")
