@@ -7,6 +7,7 @@ tokens/s at several batch sizes with a given context; medians of repeats.
 from __future__ import annotations
 
 import argparse
+import inspect
 import statistics
 import time
 from pathlib import Path
@@ -86,13 +87,16 @@ def hf_prefill(hf, prompts: list[list[int]], dev: torch.device) -> None:
 
 @torch.inference_mode()
 def hf_decode(hf, prompts: list[list[int]], steps: int, dev: torch.device) -> float:
+    # The KV cache's argument and output field: `cache` in newer transformers (which
+    # deprecate `past_key_values`), `past_key_values` before.
+    kw = "cache" if "cache" in inspect.signature(hf.forward).parameters else "past_key_values"
     out = hf(torch.tensor(prompts, device=dev), use_cache=True, logits_to_keep=1)
-    pkv, nxt = out.past_key_values, out.logits[:, -1].argmax(-1, keepdim=True)
+    pkv, nxt = getattr(out, kw), out.logits[:, -1].argmax(-1, keepdim=True)
     sync(dev)
     t0 = time.perf_counter()
     for _ in range(steps):
-        out = hf(nxt, past_key_values=pkv, use_cache=True)
-        pkv, nxt = out.past_key_values, out.logits[:, -1].argmax(-1, keepdim=True)
+        out = hf(nxt, use_cache=True, **{kw: pkv})
+        pkv, nxt = getattr(out, kw), out.logits[:, -1].argmax(-1, keepdim=True)
     sync(dev)
     return (time.perf_counter() - t0) / steps
 
