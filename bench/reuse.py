@@ -2,8 +2,9 @@
 
 For each mode, in one run on one engine: the round's prefill time (every agent's
 prompt up to its first token, or with --decode N up to its N-th; median of repeats,
-caches cleared before each), the tokens computed (token-layers / layers), the compute
-limit N·P + S + r·N·S, and what the round's KV holds in the live pool:
+the modes taking turns, caches cleared before each round), the tokens computed
+(token-layers / layers), the compute limit N·P + S + r·N·S, and what the round's KV
+holds in the live pool:
 - round footprint: the N agents' dense caches / everything held for the round (each
   request's private KV at its end, plus the Master: the shared segments' bases);
 - Mirror compression: the dense KV of the shared segments / the patches held for them.
@@ -94,14 +95,16 @@ def bench(eng: Engine, agents: list[int], history: int, output: int, repeats: in
         for mode in modes:
             cold(eng, rnd, mode, SamplingParams(max_tokens=min(decode, 4), temperature=0,
                                                 ignore_eos=True))
-        res = {}
-        for mode in modes:
-            times, work, usage = [], 0.0, []
-            for _ in range(repeats):
-                p = cold(eng, rnd, mode, sampling)
-                times.append(p.seconds)
-                work, usage = p.computed, p.usage
-            res[mode] = (statistics.median(times), work, *footprint(eng, rnd, mode, usage))
+        # The modes take turns, repeat by repeat: a slow spell of the machine then falls
+        # on every mode alike instead of on one mode's repeats.
+        times: dict[str, list[float]] = {mode: [] for mode in modes}
+        last: dict[str, Played] = {}
+        for _ in range(repeats):
+            for mode in modes:
+                last[mode] = cold(eng, rnd, mode, sampling)
+                times[mode].append(last[mode].seconds)
+        res = {mode: (statistics.median(times[mode]), last[mode].computed,
+                      *footprint(eng, rnd, mode, last[mode].usage)) for mode in modes}
         limit = rnd.limit(eng.collector.cfg.ratio)
         for mode in modes:
             t, w, foot, comp = res[mode]

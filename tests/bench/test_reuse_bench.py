@@ -1,5 +1,5 @@
-"""`bench reuse` reports what a round holds: full holds every dense cache, Mirrors hold
-their own tokens and patches beside one Master."""
+"""`bench reuse`: what a round holds (full holds every dense cache, Mirrors hold their own
+tokens and patches beside one Master), its flags, and the order it times the modes in."""
 
 from __future__ import annotations
 
@@ -32,3 +32,13 @@ def test_floor_and_profile_flags(tiny_llama, bench):
     assert "| mode | round ms | device busy ms | busy share |" in out
     for mode in ("full", "collective"):
         assert f"\n{mode}:\n" in out and f"| {mode} | " in out.split("Profiled")[1]
+
+
+def test_modes_take_turns(tiny_llama, monkeypatch):
+    """Repeat by repeat, every mode once: a slow spell falls on all of them alike."""
+    eng = Engine(model=str(tiny_llama), dtype="float32", kv_tokens=8192)
+    order = []
+    real = reuse.cold
+    monkeypatch.setattr(reuse, "cold", lambda e, rnd, mode, sp=reuse.ONE: order.append(mode) or real(e, rnd, mode, sp))
+    reuse.bench(eng, [2], 24, 8, 3, ["full", "pic", "collective"])
+    assert order[3:] == ["full", "pic", "collective"] * 3  # after one warm-up round each
