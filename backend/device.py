@@ -37,3 +37,10 @@ def host_threads(device: torch.device, env: Mapping[str, str]) -> int | None:
     if device.type != "cuda" or "OMP_NUM_THREADS" in env:
         return None
     return 1
+
+
+def sync(device: torch.device) -> None:
+    """Wait for the work queued on `device` (nothing to wait for on the CPU): what a
+    wall-clock timing of GPU work brackets."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)

@@ -15,14 +15,10 @@ from pathlib import Path
 import torch
 
 from tokendance.backend.api import SamplingParams
+from tokendance.backend.device import sync
 from tokendance.backend.engine import Engine, EngineConfig
 from tokendance.bench.options import batches, positive
 from tokendance.bench.shapes import resolve
-
-
-def sync(dev: torch.device) -> None:
-    if dev.type == "cuda":
-        torch.cuda.synchronize()
 
 
 def timed(fn, dev: torch.device) -> float:

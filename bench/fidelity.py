@@ -22,7 +22,7 @@ from tokendance.backend.mirror import EARLY, LATE
 from tokendance.backend.runner import step_meta
 from tokendance.backend.scheduler import Scheduled
 from tokendance.backend.service import EngineBackend
-from tokendance.bench.options import counts, natural, positive
+from tokendance.bench.options import counts, natural, nonnegative, positive, share
 from tokendance.proxy.segment import detect
 
 QUESTIONS = [
@@ -178,10 +178,10 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rounds", type=positive, default=4)
     p.add_argument("--max-tokens", type=positive, default=48)
     p.add_argument("--questions", type=natural, default=2)
-    p.add_argument("--ratio", type=float, default=0.15)
+    p.add_argument("--ratio", type=share, default=0.15)
     p.add_argument("--modes", default="pic,collective", help="reuse modes compared with full")
     p.add_argument("--loops", type=positive, default=1, help="closed-loop debates per N (each on its own question)")
-    p.add_argument("--floor", type=float, default=0.0,
+    p.add_argument("--floor", type=nonnegative, default=0.0,
                    help="recompute only reused tokens whose check-layer deviation exceeds this")
 
 

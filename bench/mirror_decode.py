@@ -19,20 +19,15 @@ import argparse
 import statistics
 import time
 
-import torch
 from torch import nn
 
+from tokendance.backend.device import sync
 from tokendance.backend.engine import Engine
 from tokendance.bench.allgather import make_round
 from tokendance.bench.options import counts, natural, positive
 from tokendance.bench.shapes import round_engine
 from tokendance.bench.step_split import prefilled, profile_steps
 from tokendance.kernels.packed import PackedLinear
-
-
-def sync(eng: Engine) -> None:
-    if eng.device.type == "cuda":
-        torch.cuda.synchronize()
 
 
 def kv_read(eng: Engine, master: int) -> int:
@@ -63,11 +58,11 @@ def decode_steps(eng: Engine, prompts, shared, mode: str, steps: int, window: in
     window = min(window, steps)
     times = []
     for _ in range(steps // window):
-        sync(eng)
+        sync(eng.device)
         t0 = time.perf_counter()
         for _ in range(window):
             eng.step()
-        sync(eng)
+        sync(eng.device)
         times.append((time.perf_counter() - t0) / window)
     while eng.has_work():
         eng.step()

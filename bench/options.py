@@ -49,6 +49,29 @@ def shares(text: str) -> list[float]:
     return out
 
 
+def share(text: str) -> float:
+    """'0.15' -> 0.15: one number in [0, 1]."""
+    x = _number(text)
+    if not 0 <= x <= 1:
+        raise argparse.ArgumentTypeError(f"must lie in [0, 1], got {text!r}")
+    return x
+
+
+def nonnegative(text: str) -> float:
+    """'0.3' -> 0.3: one number of at least 0."""
+    x = _number(text)
+    if not x >= 0:
+        raise argparse.ArgumentTypeError(f"must be at least 0, got {text!r}")
+    return x
+
+
+def _number(text: str) -> float:
+    try:
+        return float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+
+
 def batches(text: str) -> list[tuple[int, int]]:
     """'1x1024,8x256' -> [(1, 1024), (8, 256)]: BATCHxLEN pairs of integers of at least 1
     ('' is none)."""

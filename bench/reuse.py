@@ -19,21 +19,15 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
-
 from tokendance.backend.api import MODES, SamplingParams, Usage
+from tokendance.backend.device import sync
 from tokendance.backend.engine import Engine
 from tokendance.bench.allgather import Round, make_round
-from tokendance.bench.options import counts, natural, positive
+from tokendance.bench.options import counts, natural, nonnegative, positive, share
 from tokendance.bench.shapes import round_engine
 from tokendance.bench.step_split import profiled, traced
 
 ONE = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
-
-
-def sync(eng: Engine) -> None:
-    if eng.device.type == "cuda":
-        torch.cuda.synchronize()
 
 
 @dataclass(slots=True)
@@ -48,7 +42,7 @@ def play(eng: Engine, rnd: Round, mode: str, sampling: SamplingParams = ONE, tag
          agents: bool = False) -> Played:
     """One round to its end on the engine as it is (callers reset caches for a cold one);
     with `agents`, request i names agent a<i> (its KV is parked, backend/idle.py)."""
-    sync(eng)
+    sync(eng.device)
     work0 = eng.runner.work
     ids = [f"{tag}{i}" for i in range(rnd.agents)]
     answers: dict[str, list[int]] = {rid: [] for rid in ids}
@@ -61,7 +55,7 @@ def play(eng: Engine, rnd: Round, mode: str, sampling: SamplingParams = ONE, tag
             answers[rid] += d.token_ids
             if d.usage is not None:
                 usage[rid] = d.usage
-    sync(eng)
+    sync(eng.device)
     dt = time.perf_counter() - t0
     return Played([answers[r] for r in ids], dt, (eng.runner.work - work0) / len(eng.model.layers),
                   [usage[r] for r in ids])
@@ -165,8 +159,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", default=None, help="write rows here")
     p.add_argument("--dump-prompts", default=None, help="write each round's prompts (for vLLM)")
     p.add_argument("--decode", type=positive, default=1, help="max_tokens per agent (1: prefill to the first token)")
-    p.add_argument("--ratio", type=float, default=0.15, help="share of reused tokens recomputed")
-    p.add_argument("--floor", type=float, default=0.0,
+    p.add_argument("--ratio", type=share, default=0.15, help="share of reused tokens recomputed")
+    p.add_argument("--floor", type=nonnegative, default=0.0,
                    help="recompute only reused tokens whose check-layer deviation exceeds this")
     p.add_argument("--profile", type=natural, default=0, metavar="TOP",
                    help="then profile one cold round per mode at the first N: device busy time "

@@ -5,7 +5,7 @@ import argparse
 
 import pytest
 
-from tokendance.bench.options import batches, counts, natural, positive, shares
+from tokendance.bench.options import batches, counts, natural, nonnegative, positive, share, shares
 from tokendance.examples import cli
 
 
@@ -15,12 +15,15 @@ def test_values():
     assert batches("1x1024,8x256") == [(1, 1024), (8, 256)]
     assert batches("") == []
     assert positive("3") == 3 and natural("0") == 0
+    assert share("0.045") == 0.045 and share("1") == 1.0 and nonnegative("0.3") == 0.3
 
 
 @pytest.mark.parametrize("parse,text", [(counts, "x"), (counts, "2,0"), (counts, ""), (counts, "3,,4"),
                                         (shares, "0.1,1.5"), (shares, "a"), (batches, "10"),
                                         (batches, "2x0"), (batches, "1x2x3"), (batches, "ax4"),
-                                        (positive, "0"), (positive, "1.5"), (natural, "-1")])
+                                        (positive, "0"), (positive, "1.5"), (natural, "-1"),
+                                        (share, "1.5"), (share, "nan"), (share, "x"),
+                                        (nonnegative, "-0.1"), (nonnegative, "nan")])
 def test_bad_values(parse, text):
     with pytest.raises(argparse.ArgumentTypeError):
         parse(text)
@@ -35,6 +38,8 @@ def test_bad_values(parse, text):
     (["mirror-decode", "--steps", "0"], "argument --steps: must be at least 1, got 0"),
     (["reuse", "--history", "-5"], "argument --history: must be at least 0, got -5"),
     (["resume", "--repeats", "x"], "argument --repeats: expected an integer, got 'x'"),
+    (["reuse", "--ratio", "1.5"], "argument --ratio: must lie in [0, 1], got '1.5'"),
+    (["fidelity", "--floor", "-1"], "argument --floor: must be at least 0, got '-1'"),
 ])
 def test_bad_lists_are_one_line_usage_errors(capsys, argv, message):
     with pytest.raises(SystemExit) as e:
