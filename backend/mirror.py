@@ -40,9 +40,8 @@ class Span:
 def ranges(starts: list[int], counts: list[int]) -> torch.Tensor:
     """starts[i] .. starts[i] + counts[i] - 1 for every i, concatenated (long). One
     arange per range: torch.repeat_interleave took 0.5-7 ms a call on the H200's host."""
-    if not starts:
-        return torch.zeros(0, dtype=torch.long)
-    return torch.cat([torch.arange(a, a + n) for a, n in zip(starts, counts)])
+    parts = [torch.arange(a, a + n) for a, n in zip(starts, counts)]
+    return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.long)
 
 
 @dataclass(slots=True, eq=False)

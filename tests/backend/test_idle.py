@@ -76,6 +76,22 @@ def test_resumed_agents_equal_full_at_ratio_1(tiny_llama, mode):
     assert free_blocks_after_reset(eng)
 
 
+@pytest.mark.parametrize("mode", ["collective", "pic"])
+def test_an_agent_resumed_without_shared_segments(tiny_llama, mode):
+    """A chat that only goes on (nothing shared, in either turn): its Mirror has its
+    restored prefix and no Master at all, and is exact."""
+    eng, ref = engine(tiny_llama), engine(tiny_llama)
+    prompts = [round_prompts(2, seed=4)[0][i][:50 + 9 * i] for i in range(2)]
+    spans = [[], []]
+    outs, _ = run(eng, prompts, spans, mode, "r1-")
+    prompts, _ = next_round(prompts, spans, outs, seed=5, n_new=0)
+    restored = eng.idle.restored
+    outs, usage = run(eng, prompts, spans, mode, "r2-")
+    assert outs == run(ref, prompts, spans, "full", "f2-", agents=False)[0]
+    assert eng.idle.restored > restored and all(u.cached_tokens >= 48 for u in usage)
+    assert free_blocks_after_reset(eng)
+
+
 def test_resumed_collective_at_ratio_15(tiny_llama):
     """The default ratio: resumed agents compute less than a cold round of the same
     prompts, keep their old patches, and leave no block or host byte behind."""
