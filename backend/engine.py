@@ -109,6 +109,7 @@ class Engine:
         self.seqs: dict[str, Sequence] = {}
         self.overlap = cfg.overlap if cfg.overlap is not None else self.device.type == "cuda"
         self.inflight: Inflight | None = None  # the last decode step's tokens, not read yet
+        self.tails: list[tuple[Sequence, list[int]]] = []  # finished, K/V of their ends due
         self.generator = torch.Generator(device=self.device).manual_seed(cfg.seed)
         log.info("engine ready", model=str(self.folder), device=str(self.device), dtype=dtype,
                  kv_blocks=self.cache.num_blocks, max_model_len=self.max_model_len)
@@ -189,6 +190,12 @@ class Engine:
     # -- the loop ------------------------------------------------------------------
 
     def step(self) -> list[tuple[str, Delta]]:
+        out = self._step()
+        if self.tails:
+            self._close_tails()
+        return out
+
+    def _step(self) -> list[tuple[str, Delta]]:
         out = []
         if self.inflight is not None and (self.blend_waiting or self.scheduler.waiting):
             out += self._land()
@@ -318,19 +325,43 @@ class Engine:
         seq.status = Status.FINISHED
         seq.finish_reason = reason
         text = seq.detok.take(final=True)
-        if seq.publish and seq.blocks:
-            self.collector.publish_output(seq, self.encode(seq.detok.text))
-        if seq.agent is not None:
-            self.idle.park(seq.agent, seq)
         per_token = self.kv_bytes_per_token
         usage = Usage(
             prompt_tokens=len(seq.prompt), completion_tokens=len(seq.out), cached_tokens=seq.cached,
             recomputed_tokens=seq.recomputed, shared_tokens=seq.shared_tokens,
             kv_dense_bytes=len(seq) * per_token, kv_held_bytes=self._held(seq) * per_token,
         )
-        self.scheduler.remove(seq)
         self.seqs.pop(seq.id, None)
+        ids = self.encode(seq.detok.text) if seq.publish and seq.blocks else []  # as prompts hold it
+        if ids and seq.out[: len(ids)] == ids and len(seq.prompt) + len(ids) > seq.computed:
+            # Ended by length on a token it never fed: that K/V first (_close_tails).
+            self.scheduler.remove(seq, keep_blocks=True)
+            self.tails.append((seq, ids))
+        else:
+            self._close(seq, ids)
         return Delta(text=text, finish_reason=reason, usage=usage)
+
+    def _close(self, seq: Sequence, ids: list[int]) -> None:
+        """A finished request lets go of its KV: its output's (ids) kept as their base for
+        the next round when it publishes, its agent's parked, its blocks freed."""
+        if ids:
+            self.collector.publish_output(seq, ids)
+        if seq.agent is not None:
+            self.idle.park(seq.agent, seq)
+        self.scheduler.remove(seq)
+
+    def _close_tails(self) -> None:
+        """The K/V of publishing requests' unfed ends, in one forward (its logits unused),
+        then they close: without room for it, their outputs are not published."""
+        tails, self.tails = self.tails, []
+        work = [Scheduled(s, s.computed, len(s.prompt) + len(ids) - s.computed) for s, ids in tails
+                if self.blocks.reserve(s, len(s.prompt) + len(ids))]
+        if work:
+            self.runner.run(work)
+            for w in work:
+                w.seq.computed = w.start + w.count
+        for s, ids in tails:
+            self._close(s, ids)
 
     @staticmethod
     def _held(seq: Sequence) -> int:

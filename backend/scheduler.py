@@ -42,12 +42,15 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def remove(self, seq: Sequence) -> None:
+    def remove(self, seq: Sequence, keep_blocks: bool = False) -> None:
+        """Out of the queues; its blocks freed unless `keep_blocks` (its caller frees
+        them with a later remove)."""
         if seq in self.running:
             self.running.remove(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
-        self.blocks.free(seq)
+        if not keep_blocks:
+            self.blocks.free(seq)
 
     def preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
