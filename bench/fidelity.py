@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import statistics
+from collections import Counter
 
 import torch
 
@@ -20,6 +21,7 @@ from tokendance.backend.api import Request, SamplingParams, Segment
 from tokendance.backend.engine import Engine, EngineConfig
 from tokendance.backend.mirror import EARLY, LATE
 from tokendance.backend.runner import step_meta
+from tokendance.backend.segments import segment_key
 from tokendance.backend.scheduler import Scheduled
 from tokendance.backend.service import EngineBackend
 from tokendance.bench.options import counts, natural, nonnegative, positive, share
@@ -58,11 +60,15 @@ def requests(be: EngineBackend, mode: str, question: str, answers: list[str] | N
     return out
 
 
-def run(eng: Engine, prepared, mode: str) -> list[str]:
-    eng.reset_caches()
+def run(eng: Engine, prepared, mode: str, producer: bool = False) -> list[str]:
+    """One round's answers. Without `producer` every reusable KV is forgotten first, so
+    each shared segment's base is prefilled standalone; with it, as served, each answer's
+    KV is kept as its base for the next round (producer chaining)."""
+    if not producer:
+        eng.reset_caches()
     toks = [p.state for p in prepared]
     res = eng.generate([t.ids for t in toks], prepared[0].request.sampling, mode=mode,
-                       shared=[t.shared for t in toks])
+                       shared=[t.shared for t in toks], publish=producer)
     return [text for _, text, _ in res]
 
 
@@ -157,16 +163,32 @@ def open_loop(eng: Engine, be: EngineBackend, modes: list[str], n0: int, questio
     return "\n".join(out)
 
 
+def tally(eng: Engine, prepared, bases: Counter) -> None:
+    """Count the round's shared segments by where their base KV will come from: a
+    producer's output kept from the last round, else a standalone prefill."""
+    for p in prepared:
+        for lo, hi in p.state.shared:
+            e = eng.segments.get(segment_key(p.request.tenant, p.state.ids[lo:hi]))
+            bases[e.source if e is not None else "standalone"] += 1
+
+
 def closed_loop(eng: Engine, be: EngineBackend, n: int, question: str, modes: list[str], rounds: int,
-                sampling: SamplingParams) -> dict[str, list[int | None]]:
+                sampling: SamplingParams, producer: bool = False, bases: Counter | None = None
+                ) -> dict[str, list[int | None]]:
     """Each mode debates on its own answers; per mode other than full and per agent, the
-    first round (from 1) whose answer differs from full's, None if none does."""
+    first round (from 1) whose answer differs from full's, None if none does. `bases`
+    counts the shared segments of the reusing modes by the source of their base KV."""
+    bases = Counter() if bases is None else bases
     hist: dict[str, list[list[str]]] = {}
     for m in modes:
         answers = None
         hist[m] = []
+        eng.reset_caches()
         for _ in range(rounds):
-            answers = run(eng, requests(be, m, question, answers, n, sampling), m)
+            prepared = requests(be, m, question, answers, n, sampling)
+            if m != "full":
+                tally(eng, prepared, bases)
+            answers = run(eng, prepared, m, producer)
             hist[m].append(answers)
     return {m: [next((r + 1 for r in range(rounds) if hist[m][r][i] != hist["full"][r][i]), None)
                 for i in range(n)] for m in modes[1:]}
@@ -183,6 +205,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--loops", type=positive, default=1, help="closed-loop debates per N (each on its own question)")
     p.add_argument("--floor", type=nonnegative, default=0.0,
                    help="recompute only reused tokens whose check-layer deviation exceeds this")
+    p.add_argument("--bases", choices=("standalone", "producer"), default="standalone",
+                   help="closed loop: shared segments' base KV prefilled standalone every round "
+                        "(the worst case), or kept from the agent that produced them (as served)")
 
 
 def main(args: argparse.Namespace) -> int:
@@ -197,19 +222,23 @@ def main(args: argparse.Namespace) -> int:
         print(open_loop(eng, be, modes, args.agents[0], args.questions, greedy))
     # 3: closed loop.
     print(f"\nClosed-loop debate, {args.rounds} rounds, greedy, {args.max_tokens} tokens per answer, "
-          f"{args.loops} question(s) per N:")
+          f"{args.loops} question(s) per N, {args.bases} bases:")
     print("| N | mode | debates with no divergence | agents never diverged | "
           "mean first divergent round (diverged agents) |\n|---|---|---|---|---|")
+    bases: Counter = Counter()
     for n in args.agents:
         firsts: dict[str, list[int | None]] = {m: [] for m in modes[1:]}
         clean = {m: 0 for m in modes[1:]}
         for k in range(args.loops):
             q = QUESTIONS[(n + k) % len(QUESTIONS)]
-            for m, f in closed_loop(eng, be, n, q, modes, args.rounds, greedy).items():
+            for m, f in closed_loop(eng, be, n, q, modes, args.rounds, greedy,
+                                    args.bases == "producer", bases).items():
                 firsts[m] += f
                 clean[m] += all(r is None for r in f)
         for m in modes[1:]:
             div = [r for r in firsts[m] if r is not None]
             mean = f"{statistics.mean(div):.2f}" if div else "-"
             print(f"| {n} | {m} | {clean[m]}/{args.loops} | {len(firsts[m]) - len(div)}/{len(firsts[m])} | {mean} |")
+    print(f"Shared segments by base: {bases['producer']} a producer's output, "
+          f"{bases['standalone']} prefilled standalone.")
     return 0

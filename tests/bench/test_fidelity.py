@@ -33,3 +33,16 @@ def test_closed_loop_only(tiny_llama, bench):
     clean, agents = row.split("|")[3].strip(), row.split("|")[4].strip()
     assert clean.endswith("/2") and agents.endswith("/4")  # 2 debates of 2 agents
     assert "| 2 | pic |" not in out
+
+
+@pytest.mark.parametrize("bases", ["standalone", "producer"])
+def test_closed_loop_bases(smollm2, bench, bases):
+    # The real model: its answers tokenize back to what it generated, so producers
+    # publish them (ended by length or not) and the next round's segments find them.
+    out = bench(fidelity, "--model", str(smollm2), "--agents", "2", "--rounds", "2", "--max-tokens", "6",
+                "--questions", "0", "--modes", "collective", "--bases", bases)
+    found = re.search(r"Shared segments by base: (\d+) a producer's output, (\d+) prefilled standalone", out)
+    producer, standalone = int(found[1]), int(found[2])
+    # Round 2: each of 2 agents sees both round-1 answers (its own and the other's).
+    assert producer + standalone == 4
+    assert (producer, standalone) == ((4, 0) if bases == "producer" else (0, 4))
