@@ -1,4 +1,5 @@
-"""Model configuration read from an HF folder's config.json."""
+"""Configuration: the engine's (EngineConfig) and the model's (ModelConfig, read from an
+HF folder's config.json)."""
 
 from __future__ import annotations
 
@@ -6,7 +7,34 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import torch
+
 from tokendance.backend.api import InvalidRequest
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(slots=True)
+class EngineConfig:
+    model: str | None = None  # HF folder, .gguf, or None for the embedded default
+    dtype: str = "auto"  # auto: bfloat16 on CUDA, float32 on CPU
+    device: str = "auto"
+    block_size: int = 16
+    kv_tokens: int = 0  # pool size in tokens; 0: 16k on CPU, 85 % of free memory on CUDA
+    max_seqs: int = 256
+    max_batched_tokens: int = 0  # per step; 0: 2048 on CPU, 16384 on CUDA
+    max_model_len: int = 0  # 0: the model's limit (capped by the pool)
+    seed: int = 0
+    random_weights: bool = False  # timing only: the folder needs config.json (and a tokenizer)
+    cuda_graphs: int = 128  # on CUDA, replay decode steps of up to this many sequences; 0: off
+    check_layer: int = 1  # pic / collective: where deviating tokens are selected
+    recompute_ratio: float = 0.15  # pic / collective: share of reused tokens recomputed, at most
+    recompute_floor: float = 0.0  # pic / collective: recompute only tokens deviating above this
+    bases: str = "standalone"  # pic / collective: where a shared segment's base KV comes from (BASES)
+    segment_cache_fraction: float = 0.25  # of the pool, for shared segments' base KV
+    offload_bytes: int = 1 << 30  # host memory for idle agents' KV (backend/idle.py); 0: off
+    overlap: bool | None = None  # decode steps overlap host and GPU (backend/lookahead.py); None: on CUDA
+
 
 ARCHITECTURES = {
     "LlamaForCausalLM": "llama",

@@ -3,17 +3,16 @@
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
 from pathlib import Path
 
 import structlog
 import torch
 
 from tokendance.backend import loader
-from tokendance.backend.api import MODES, Delta, InvalidRequest, SamplingParams, TokenLogprob, TopLogprob, Usage
+from tokendance.backend.api import BASES, MODES, Delta, InvalidRequest, SamplingParams, TokenLogprob, TopLogprob, Usage
 from tokendance.backend.blocks import BlockManager
 from tokendance.backend.collector import Collector, ReuseConfig, batches
-from tokendance.backend.config import ModelConfig
+from tokendance.backend.config import DTYPES, EngineConfig, ModelConfig
 from tokendance.backend.detok import Detok
 from tokendance.backend.device import host_threads, pick_device
 from tokendance.backend.idle import IdleAgents
@@ -30,30 +29,6 @@ from tokendance.kernels.jit import HAVE_TRITON
 
 log = structlog.get_logger(__name__)
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-@dataclass(slots=True)
-class EngineConfig:
-    model: str | None = None  # HF folder, .gguf, or None for the embedded default
-    dtype: str = "auto"  # auto: bfloat16 on CUDA, float32 on CPU
-    device: str = "auto"
-    block_size: int = 16
-    kv_tokens: int = 0  # pool size in tokens; 0: 16k on CPU, 85 % of free memory on CUDA
-    max_seqs: int = 256
-    max_batched_tokens: int = 0  # per step; 0: 2048 on CPU, 16384 on CUDA
-    max_model_len: int = 0  # 0: the model's limit (capped by the pool)
-    seed: int = 0
-    random_weights: bool = False  # timing only: the folder needs config.json (and a tokenizer)
-    cuda_graphs: int = 128  # on CUDA, replay decode steps of up to this many sequences; 0: off
-    check_layer: int = 1  # pic / collective: where deviating tokens are selected
-    recompute_ratio: float = 0.15  # pic / collective: share of reused tokens recomputed, at most
-    recompute_floor: float = 0.0  # pic / collective: recompute only tokens deviating above this
-    segment_cache_fraction: float = 0.25  # of the pool, for shared segments' base KV
-    offload_bytes: int = 1 << 30  # host memory for idle agents' KV (backend/idle.py); 0: off
-    overlap: bool | None = None  # decode steps overlap host and GPU (backend/lookahead.py); None: on CUDA
-
-
 class Engine:
     def __init__(self, cfg: EngineConfig | None = None, **overrides):
         cfg = cfg or EngineConfig(**overrides)
@@ -64,6 +39,8 @@ class Engine:
             log.info("torch CPU threads", before=torch.get_num_threads(), now=threads,
                      hint="OMP_NUM_THREADS chooses")
             torch.set_num_threads(threads)
+        if cfg.bases not in BASES:
+            raise InvalidRequest(f"unknown bases {cfg.bases!r}; choose one of {', '.join(BASES)}", "bases")
         dtype = cfg.dtype if cfg.dtype != "auto" else ("bfloat16" if self.device.type == "cuda" else "float32")
         if dtype not in DTYPES:
             raise InvalidRequest(f"unsupported dtype {dtype!r}; choose one of {', '.join(DTYPES)}", "dtype")
@@ -148,7 +125,8 @@ class Engine:
             shared: list[tuple[int, int]] | None = None, tenant: str = "", publish: bool = False,
             agent: str | None = None) -> None:
         """Queue a request. `shared`: [lo, hi) token spans of shared segments, reused in
-        pic / collective mode; `publish`: keep its output's KV as the next round's base;
+        pic / collective mode; `publish`: keep its output's KV as the next round's base
+        (with producer bases only);
         `agent`: who sent it (a session's agent): in pic / collective mode its KV is
         parked when it finishes, and the agent's next request restores the prefix they
         share (`full` stays the no-reuse baseline; `prefix` has its block cache)."""
@@ -161,7 +139,8 @@ class Engine:
         if sampling.seed is not None:
             gen = torch.Generator(device=self.device).manual_seed(sampling.seed)
         seq = Sequence(rid, list(prompt), sampling, Detok(self.tokenizer, list(sampling.stop)),
-                       generator=gen, mode=mode, shared=list(shared or []), tenant=tenant, publish=publish)
+                       generator=gen, mode=mode, shared=list(shared or []), tenant=tenant,
+                       publish=publish and self.cfg.bases == "producer")
         seq.shared_tokens = sum(hi - lo for lo, hi in seq.shared)
         self.seqs[rid] = seq
         if agent is not None and self.cfg.offload_bytes and mode in ("pic", "collective"):

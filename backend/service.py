@@ -8,7 +8,8 @@ from typing import Any
 
 from tokendance.backend.api import MODES, Gauge, InvalidRequest, ModelInfo, Prepared, Request, Stream
 from tokendance.backend.async_engine import AsyncEngine, Job
-from tokendance.backend.engine import Engine, EngineConfig
+from tokendance.backend.config import EngineConfig
+from tokendance.backend.engine import Engine
 
 
 @dataclass(slots=True)

@@ -12,7 +12,8 @@ import sys
 import torch
 
 from tokendance.backend.api import SamplingParams
-from tokendance.backend.engine import Engine, EngineConfig
+from tokendance.backend.config import EngineConfig
+from tokendance.backend.engine import Engine
 from tokendance.bench.engine import rand_prompts
 from tokendance.bench.shapes import SHAPES, shape_folder
 

@@ -16,7 +16,8 @@ import torch
 
 from tokendance.backend.api import SamplingParams
 from tokendance.backend.device import sync
-from tokendance.backend.engine import Engine, EngineConfig
+from tokendance.backend.config import EngineConfig
+from tokendance.backend.engine import Engine
 from tokendance.bench.options import batches, positive
 from tokendance.bench.shapes import resolve
 

@@ -24,13 +24,11 @@ from types import SimpleNamespace
 
 import torch
 
+from tokendance.backend.config import DTYPES
 from tokendance.backend.model import KVCache
 from tokendance.backend.offload import HostTier
 from tokendance.bench.options import counts, natural, positive, shares
 from tokendance.kernels.restore import gather_slots
-
-DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
-
 
 def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--shape", default="qwen2.5-7b", help="a name from bench/shapes.py")

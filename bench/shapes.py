@@ -12,7 +12,8 @@ import shutil
 from pathlib import Path
 
 from tokendance.backend import loader
-from tokendance.backend.engine import Engine, EngineConfig
+from tokendance.backend.config import EngineConfig
+from tokendance.backend.engine import Engine
 
 QWEN_COMMON = dict(architectures=["Qwen2ForCausalLM"], model_type="qwen2", vocab_size=152064,
                    max_position_embeddings=32768, rope_theta=1000000.0, rms_norm_eps=1e-6,

@@ -9,7 +9,7 @@ import signal
 
 import structlog
 
-from tokendance.backend.api import MODES, Backend
+from tokendance.backend.api import BASES, MODES, Backend
 
 from .app import Server
 from .core import Config
@@ -31,6 +31,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     p.add_argument("--recompute-floor", type=float, default=0.0,
                    help="pic / collective: of those, only tokens whose KV deviation at the check "
                         "layer exceeds this (0: all of them; docs/fidelity.md)")
+    p.add_argument("--bases", choices=BASES, default="standalone",
+                   help="pic / collective: a shared segment's base KV prefilled standalone once per "
+                        "round, or its producer's own KV of it (no prefill; lower fidelity on "
+                        "SmolLM2, docs/fidelity.md)")
     p.add_argument("--offload-gib", type=float, default=1.0,
                    help="host memory for idle agents' KV between their rounds (0: off)")
     p.add_argument("--mqtt", default=None, metavar="URL", help="control plane broker, mqtt://host:port")
@@ -54,7 +58,8 @@ def load_backend(args: argparse.Namespace) -> Backend:
 
     return EngineBackend.load(args.model, dtype=args.dtype, mode=args.mode,
                               offload_bytes=int(args.offload_gib * 2**30),
-                              recompute_ratio=args.recompute_ratio, recompute_floor=args.recompute_floor)
+                              recompute_ratio=args.recompute_ratio, recompute_floor=args.recompute_floor,
+                              bases=args.bases)
 
 
 def config(args: argparse.Namespace) -> Config:

@@ -75,6 +75,11 @@ def test_bad_dtype(tiny_llama):
         Engine(model=str(tiny_llama), dtype="int8")
 
 
+def test_bad_bases(tiny_llama):
+    with pytest.raises(InvalidRequest, match="unknown bases 'agent'; choose one of standalone, producer"):
+        Engine(model=str(tiny_llama), bases="agent")
+
+
 @pytest.mark.parametrize("device,message", [("nonsense", "unsupported device"), ("mps", "unsupported device"),
                                             ("cuda:99", "is not available here")])
 def test_bad_device(tiny_llama, device, message):

@@ -232,7 +232,7 @@ def test_a_failed_round_leaves_no_empty_base(tiny_llama, monkeypatch):
 def test_producer_output_becomes_base(smollm2, max_tokens, reason):
     # A real model: its outputs tokenize back to the tokens it generated. Ended by
     # length, the last token was never fed: the engine computes its K/V before publishing.
-    engine = Engine(model=str(smollm2), dtype="float32", kv_tokens=2048)
+    engine = Engine(model=str(smollm2), dtype="float32", kv_tokens=2048, bases="producer")
     prompt = engine.encode(engine.chat_prompt([{"role": "user", "content": "Name two colours."}]))
     sampling = SamplingParams(max_tokens=max_tokens, temperature=0)
     engine.add("p", prompt, sampling, publish=True)
@@ -258,10 +258,21 @@ def test_producer_output_becomes_base(smollm2, max_tokens, reason):
                                    rtol=1e-4, atol=1e-5)
 
 
+def test_standalone_bases_publish_nothing(smollm2):
+    # The default: a shared segment's base is prefilled standalone, so a request's
+    # output is not kept for the next round even when it asks to publish (the same
+    # request publishes with producer bases: test_producer_output_becomes_base).
+    eng = Engine(model=str(smollm2), dtype="float32", kv_tokens=2048)
+    assert eng.cfg.bases == "standalone"
+    prompt = eng.encode(eng.chat_prompt([{"role": "user", "content": "Name two colours."}]))
+    eng.generate([prompt], SamplingParams(max_tokens=7, temperature=0), publish=True)
+    assert not eng.segments.entries and eng.pool.num_free == eng.cache.num_blocks
+
+
 def test_mirrors_ending_by_length_publish_their_whole_output(smollm2):
     # Two agents of a collective round end by length: one forward computes both last
     # tokens' K/V (through their Mirrors), then each output is the next round's base.
-    engine = Engine(model=str(smollm2), dtype="float32", kv_tokens=4096)
+    engine = Engine(model=str(smollm2), dtype="float32", kv_tokens=4096, bases="producer")
     shared = engine.encode("Red, yellow and blue are the primary colours of paint: mixed in pairs they "
                            "give orange, green and purple, and all three together a muddy brown.")
     sampling = SamplingParams(max_tokens=6, temperature=0)

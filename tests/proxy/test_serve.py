@@ -112,6 +112,9 @@ def test_engine_flags_reach_the_engine_config(monkeypatch):
     serve.load_backend(parse("--offload-gib", "0.5", "--recompute-ratio", "0.2", "--recompute-floor", "0.3"))
     assert seen["offload_bytes"] == 2**29
     assert seen["recompute_ratio"] == 0.2 and seen["recompute_floor"] == 0.3
+    assert seen["bases"] == "standalone"
+    serve.load_backend(parse("--bases", "producer"))
+    assert seen["bases"] == "producer"
 
 
 def test_bad_reuse_flag_is_one_line(tiny_llama, capsys):
