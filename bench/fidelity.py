@@ -17,8 +17,9 @@ from collections import Counter
 
 import torch
 
-from tokendance.backend.api import Request, SamplingParams, Segment
-from tokendance.backend.engine import Engine, EngineConfig
+from tokendance.backend.api import BASES, Request, SamplingParams, Segment
+from tokendance.backend.config import EngineConfig
+from tokendance.backend.engine import Engine
 from tokendance.backend.mirror import EARLY, LATE
 from tokendance.backend.runner import step_meta
 from tokendance.backend.segments import segment_key
@@ -62,8 +63,8 @@ def requests(be: EngineBackend, mode: str, question: str, answers: list[str] | N
 
 def run(eng: Engine, prepared, mode: str, producer: bool = False) -> list[str]:
     """One round's answers. Without `producer` every reusable KV is forgotten first, so
-    each shared segment's base is prefilled standalone; with it, as served, each answer's
-    KV is kept as its base for the next round (producer chaining)."""
+    each shared segment's base is prefilled standalone; with it (`--bases producer`), each
+    answer's KV is kept as its base for the next round (producer chaining)."""
     if not producer:
         eng.reset_caches()
     toks = [p.state for p in prepared]
@@ -84,12 +85,14 @@ def layer_kv(eng: Engine, seq) -> torch.Tensor:
 
 
 @torch.inference_mode()
-def teacher_forced(eng: Engine, prepared, mode: str, cont: list[list[int]]
-                   ) -> tuple[list[torch.Tensor], float, tuple[int, int]]:
-    """The prompts' KV per layer after this mode's prefill, the share of full's
-    continuation tokens this mode's argmax reproduces when fed them, and (shared
-    tokens, recomputed tokens) over the prompts."""
-    eng.reset_caches()
+def teacher_forced(eng: Engine, prepared, mode: str, cont: list[list[int]], producer: bool = False
+                   ) -> tuple[list[torch.Tensor], list[list[bool]], tuple[int, int]]:
+    """The prompts' KV per layer after this mode's prefill, per token of full's
+    continuations whether this mode's argmax picks it (the first from the prefill's
+    logits, each later one fed the ones before), and (shared tokens, recomputed tokens)
+    over the prompts. With `producer`, the segment cache keeps its producers' bases."""
+    if not producer:
+        eng.reset_caches()
     seqs = []
     for i, p in enumerate(prepared):
         tok = p.state
@@ -97,47 +100,47 @@ def teacher_forced(eng: Engine, prepared, mode: str, cont: list[list[int]]
                 shared=tok.shared)
         seqs.append(eng.seqs[f"tf-{mode}-{i}"])
     if mode in ("pic", "collective"):
-        ready, _ = eng.collector.prefill(seqs, batched=mode == "collective")
+        ready, first = eng.collector.prefill(seqs, batched=mode == "collective")
         assert ready == seqs
     else:
         for s in seqs:
             assert eng.blocks.reserve(s, len(s.prompt))
-        eng.runner.run([Scheduled(s, 0, len(s.prompt)) for s in seqs])
+        first = eng.runner.run([Scheduled(s, 0, len(s.prompt)) for s in seqs])
     kvs = [layer_kv(eng, s) for s in seqs]
     counts = (sum(s.shared_tokens for s in seqs), sum(s.recomputed for s in seqs))
-    hits = total = 0
-    for s, c in zip(seqs, cont):
+    hits = []
+    for s, c, f in zip(seqs, cont, first.argmax(-1).tolist()):
         s.out = list(c[:-1])
         assert eng.blocks.reserve(s, len(s))
         ids, meta, _ = step_meta([Scheduled(s, len(s.prompt), len(c) - 1)], eng.cache.block_size,
                                  eng.device, eng.cache.trash, eng.runner.late_from)
-        logits = eng.model(ids, meta, eng.cache)
-        pred = logits.argmax(-1).tolist()
-        hits += sum(a == b for a, b in zip(pred, c[1:]))
-        total += len(c) - 1
+        pred = [f] + eng.model(ids, meta, eng.cache).argmax(-1).tolist()
+        hits.append([a == b for a, b in zip(pred, c)])
     for s in seqs:
         eng.abort(s.id)
-    return kvs, hits / max(total, 1), counts
+    return kvs, hits, counts
 
 
 def open_loop(eng: Engine, be: EngineBackend, modes: list[str], n0: int, questions: int,
-              greedy: SamplingParams) -> str:
-    """Sections 1 and 2 on round-2 prompts of `questions` debates of n0 agents."""
+              greedy: SamplingParams, producer: bool = False) -> str:
+    """Sections 1 and 2 on round-2 prompts of `questions` debates of n0 agents (with
+    `producer`, their bases are full's round-1 answers' own KV)."""
     out: list[str] = []
     # 1 + 2: one round-2 prompt set per question, built from full's round-1 answers.
     devs = {m: [] for m in modes[1:]}
     agree = {m: [] for m in modes}
     counts = {m: [0, 0] for m in modes[1:]}  # shared tokens, recomputed
     for q in QUESTIONS[:questions]:
-        first = run(eng, requests(be, "full", q, None, n0, greedy), "full")
+        eng.reset_caches()
+        first = run(eng, requests(be, "full", q, None, n0, greedy), "full", producer)
         prepared = {m: requests(be, m, q, first, n0, greedy) for m in modes}
         full_out = eng.generate([p.state.ids for p in prepared["full"]], SamplingParams(max_tokens=24, temperature=0, ignore_eos=True))
         cont = [toks for toks, _, _ in full_out]
-        exact, a, _ = teacher_forced(eng, prepared["full"], "full", cont)
-        agree["full"].append(a)
+        exact, a, _ = teacher_forced(eng, prepared["full"], "full", cont, producer)
+        agree["full"] += a
         for m in modes[1:]:
-            kvs, a, (shared, recomputed) = teacher_forced(eng, prepared[m], m, cont)
-            agree[m].append(a)
+            kvs, a, (shared, recomputed) = teacher_forced(eng, prepared[m], m, cont, producer)
+            agree[m] += a
             counts[m][0] += shared
             counts[m][1] += recomputed
             for kv, ex, p in zip(kvs, exact, prepared[m]):
@@ -153,13 +156,17 @@ def open_loop(eng: Engine, be: EngineBackend, modes: list[str], n0: int, questio
     for m in modes[1:]:
         d = torch.stack(devs[m]).mean(0)
         out.append(f"| {m} | " + " | ".join(f"{d[l]:.3f}" for l in picks) + " |")
-    out.append("\nTeacher-forced greedy agreement with full (24 tokens per agent), and the shared")
-    out.append("tokens recomputed (Mirror compression = shared / recomputed):")
-    out.append("| mode | agreement | shared tokens | recomputed | compression |\n|---|---|---|---|---|")
+    out.append("\nTeacher-forced greedy agreement with full (24 tokens per agent; the first token")
+    out.append("alone), and the shared tokens recomputed (Mirror compression = shared / recomputed):")
+    out.append("| mode | agreement | first token | shared tokens | recomputed | compression |\n"
+               "|---|---|---|---|---|---|")
     for m in modes:
         shared, rec = counts.get(m, (0, 0))
         comp = f"{shared / rec:.2f}x" if rec else "-"
-        out.append(f"| {m} | {statistics.mean(agree[m]):.3f} | {shared or '-'} | {rec if m != 'full' else '-'} | {comp} |")
+        every = statistics.mean(x for h in agree[m] for x in h)
+        first = statistics.mean(h[0] for h in agree[m])
+        out.append(f"| {m} | {every:.3f} | {first:.3f} | {shared or '-'} | {rec if m != 'full' else '-'} "
+                   f"| {comp} |")
     return "\n".join(out)
 
 
@@ -205,21 +212,21 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--loops", type=positive, default=1, help="closed-loop debates per N (each on its own question)")
     p.add_argument("--floor", type=nonnegative, default=0.0,
                    help="recompute only reused tokens whose check-layer deviation exceeds this")
-    p.add_argument("--bases", choices=("standalone", "producer"), default="standalone",
-                   help="closed loop: shared segments' base KV prefilled standalone every round "
-                        "(the worst case), or kept from the agent that produced them (as served)")
+    p.add_argument("--bases", choices=BASES, default="standalone",
+                   help="shared segments' base KV prefilled standalone, or the KV their producer "
+                        "computed (the open loop's producers are full's round-1 answers)")
 
 
 def main(args: argparse.Namespace) -> int:
     eng = Engine(EngineConfig(model=args.model, dtype="float32", kv_tokens=65536, recompute_ratio=args.ratio,
-                              recompute_floor=args.floor))
+                              recompute_floor=args.floor, bases=args.bases))
     be = EngineBackend(eng)
     greedy = SamplingParams(max_tokens=args.max_tokens, temperature=0)
     modes = ["full", *args.modes.split(",")]
     print(f"model {eng.name}, float32, recompute ratio {args.ratio}, floor {args.floor}, "
           f"check layer {eng.collector.cfg.check_layer}")
     if args.questions:
-        print(open_loop(eng, be, modes, args.agents[0], args.questions, greedy))
+        print(open_loop(eng, be, modes, args.agents[0], args.questions, greedy, args.bases == "producer"))
     # 3: closed loop.
     print(f"\nClosed-loop debate, {args.rounds} rounds, greedy, {args.max_tokens} tokens per answer, "
           f"{args.loops} question(s) per N, {args.bases} bases:")

@@ -13,10 +13,10 @@ from tokendance.bench import fidelity
 def test_fidelity_report(tiny_llama, bench, floor):
     out = bench(fidelity, "--model", str(tiny_llama), "--agents", "2", "--rounds", "2",
                 "--max-tokens", "4", "--questions", "1", "--floor", floor)
-    assert "| full | 1.000 |" in out  # full reproduces its own continuation
+    assert "| full | 1.000 | 1.000 |" in out  # full reproduces its own continuation
     for mode in ("pic", "collective"):
         assert f"| 2 | {mode} |" in out
-        row = re.search(rf"\| {mode} \| [0-9.]+ \| (\d+) \| (\d+) \| ([^|]+) \|", out)
+        row = re.search(rf"\| {mode} \| [0-9.]+ \| [0-9.]+ \| (\d+) \| (\d+) \| ([^|]+) \|", out)
         shared, recomputed, comp = int(row[1]), int(row[2]), row[3].strip()
         assert shared > 0
         if floor == "0":  # 15 % of each prompt's reused tokens, rounded up
