@@ -160,9 +160,12 @@ def open_loop(eng: Engine, be: EngineBackend, modes: list[str], n0: int, questio
     out.append("alone), and the shared tokens recomputed (Mirror compression = shared / recomputed):")
     out.append("| mode | agreement | first token | shared tokens | recomputed | compression |\n"
                "|---|---|---|---|---|---|")
+    # After a check layer past 1 every reused token holds a private slot (its early layers).
+    dense = eng.collector.cfg.check_layer > 1
     for m in modes:
         shared, rec = counts.get(m, (0, 0))
-        comp = f"{shared / rec:.2f}x" if rec else "-"
+        held = shared if dense and m != "full" else rec
+        comp = f"{shared / held:.2f}x" if held else "-"
         every = statistics.mean(x for h in agree[m] for x in h)
         first = statistics.mean(h[0] for h in agree[m])
         out.append(f"| {m} | {every:.3f} | {first:.3f} | {shared or '-'} | {rec if m != 'full' else '-'} "
@@ -212,6 +215,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--loops", type=positive, default=1, help="closed-loop debates per N (each on its own question)")
     p.add_argument("--floor", type=nonnegative, default=0.0,
                    help="recompute only reused tokens whose check-layer deviation exceeds this")
+    p.add_argument("--check-layer", type=positive, default=1,
+                   help="where deviating tokens are selected (every reused token is recomputed before it)")
     p.add_argument("--bases", choices=BASES, default="standalone",
                    help="shared segments' base KV prefilled standalone, or the KV their producer "
                         "computed (the open loop's producers are full's round-1 answers)")
@@ -219,7 +224,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
 
 def main(args: argparse.Namespace) -> int:
     eng = Engine(EngineConfig(model=args.model, dtype="float32", kv_tokens=65536, recompute_ratio=args.ratio,
-                              recompute_floor=args.floor, bases=args.bases))
+                              recompute_floor=args.floor, bases=args.bases, check_layer=args.check_layer))
     be = EngineBackend(eng)
     greedy = SamplingParams(max_tokens=args.max_tokens, temperature=0)
     modes = ["full", *args.modes.split(",")]

@@ -25,6 +25,15 @@ def test_fidelity_report(tiny_llama, bench, floor):
             assert recomputed == 0 and comp == "-"
 
 
+def test_a_later_check_layer_holds_every_reused_token(make_model, bench):
+    model = make_model("llama", num_hidden_layers=3)
+    out = bench(fidelity, "--model", str(model), "--agents", "2", "--rounds", "1", "--max-tokens", "4",
+                "--questions", "1", "--check-layer", "2", "--modes", "collective")
+    assert "check layer 2" in out
+    row = re.search(r"\| collective \| [0-9.]+ \| [0-9.]+ \| (\d+) \| (\d+) \| ([^|]+) \|", out)
+    assert int(row[2]) > 0 and row[3].strip() == "1.00x"  # a private slot for every reused token
+
+
 def test_closed_loop_only(tiny_llama, bench):
     out = bench(fidelity, "--model", str(tiny_llama), "--agents", "2", "--rounds", "2", "--max-tokens", "4",
                 "--questions", "0", "--loops", "2", "--modes", "collective")
