@@ -22,8 +22,8 @@ from tokendance.backend.config import EngineConfig
 from tokendance.backend.engine import Engine
 from tokendance.backend.mirror import EARLY, LATE
 from tokendance.backend.runner import step_meta
-from tokendance.backend.segments import segment_key
 from tokendance.backend.scheduler import Scheduled
+from tokendance.backend.segments import segment_key
 from tokendance.backend.service import EngineBackend
 from tokendance.bench.options import counts, natural, nonnegative, positive, share
 from tokendance.proxy.segment import detect
