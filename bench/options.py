@@ -72,6 +72,20 @@ def _number(text: str) -> float:
         raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
 
 
+def names(allowed: tuple[str, ...]) -> Callable[[str], list[str]]:
+    """A comma list of names out of `allowed` ('' is none)."""
+
+    def parse(text: str) -> list[str]:
+        out = [x for x in text.split(",") if x]
+        bad = [x for x in out if x not in allowed]
+        if bad:
+            raise argparse.ArgumentTypeError(f"unknown {', '.join(map(repr, bad))}: expected some of "
+                                             f"{','.join(allowed)}")
+        return out
+
+    return parse
+
+
 def batches(text: str) -> list[tuple[int, int]]:
     """'1x1024,8x256' -> [(1, 1024), (8, 256)]: BATCHxLEN pairs of integers of at least 1
     ('' is none)."""

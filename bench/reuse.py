@@ -23,7 +23,7 @@ from tokendance.backend.api import MODES, SamplingParams, Usage
 from tokendance.backend.device import sync
 from tokendance.backend.engine import Engine
 from tokendance.bench.allgather import Round, make_round
-from tokendance.bench.options import counts, natural, nonnegative, positive, share
+from tokendance.bench.options import counts, names, natural, nonnegative, positive, share
 from tokendance.bench.shapes import round_engine
 from tokendance.bench.step_split import profiled, traced
 
@@ -39,32 +39,39 @@ class Played:
 
 
 def play(eng: Engine, rnd: Round, mode: str, sampling: SamplingParams = ONE, tag: str = "r",
-         agents: bool = False) -> Played:
+         agents: bool = False, serial: bool = False) -> Played:
     """One round to its end on the engine as it is (callers reset caches for a cold one);
-    with `agents`, request i names agent a<i> (its KV is parked, backend/idle.py)."""
+    with `agents`, request i names agent a<i> (its KV is parked, backend/idle.py); with
+    `serial`, each request is added only once the one before it has finished."""
     sync(eng.device)
     work0 = eng.runner.work
     ids = [f"{tag}{i}" for i in range(rnd.agents)]
     answers: dict[str, list[int]] = {rid: [] for rid in ids}
     usage: dict[str, Usage] = {}
+
+    def drain() -> None:
+        while eng.has_work():
+            for rid, d in eng.step():
+                answers[rid] += d.token_ids
+                if d.usage is not None:
+                    usage[rid] = d.usage
+
     t0 = time.perf_counter()
     for i, (rid, p, sp) in enumerate(zip(ids, rnd.prompts, rnd.shared)):
         eng.add(rid, p, sampling, mode=mode, shared=sp, agent=f"a{i}" if agents else None)
-    while eng.has_work():
-        for rid, d in eng.step():
-            answers[rid] += d.token_ids
-            if d.usage is not None:
-                usage[rid] = d.usage
+        if serial:
+            drain()
+    drain()
     sync(eng.device)
     dt = time.perf_counter() - t0
     return Played([answers[r] for r in ids], dt, (eng.runner.work - work0) / len(eng.model.layers),
                   [usage[r] for r in ids])
 
 
-def cold(eng: Engine, rnd: Round, mode: str, sampling: SamplingParams = ONE) -> Played:
+def cold(eng: Engine, rnd: Round, mode: str, sampling: SamplingParams = ONE, serial: bool = False) -> Played:
     """The round from cold caches (prefill, and decode past one token)."""
     eng.reset_caches()
-    return play(eng, rnd, mode, sampling)
+    return play(eng, rnd, mode, sampling, serial=serial)
 
 
 def footprint(eng: Engine, rnd: Round, mode: str, usage: list[Usage]) -> tuple[float, float | None]:
@@ -78,49 +85,53 @@ def footprint(eng: Engine, rnd: Round, mode: str, usage: list[Usage]) -> tuple[f
 
 
 def bench(eng: Engine, agents: list[int], history: int, output: int, repeats: int, modes: list[str],
-          seed: int = 0, decode: int = 1) -> list[dict]:
+          seed: int = 0, decode: int = 1, serial: list[str] = ()) -> list[dict]:
+    """Rows of the table, one per mode and N; each mode in `serial` also gets a row of its
+    own served one request at a time ("serial pic": what per-request reuse costs when
+    every agent's request is handled alone, the paper's baseline for collective reuse)."""
     rows = []
     sampling = SamplingParams(max_tokens=decode, temperature=0, ignore_eos=True)
     vocab = min(eng.mcfg.vocab_size, len(eng.tokenizer))
+    runs = {mode: (mode, False) for mode in modes} | {f"serial {mode}": (mode, True) for mode in serial}
     for n in agents:
         rnd = make_round(n, history, output, vocab, seed=seed + n)
         # Warm-up: every mode once, with a few decode steps (Triton compiles a kernel
         # variant the first time a batch shape needs it).
-        for mode in modes:
+        for mode, one in runs.values():
             cold(eng, rnd, mode, SamplingParams(max_tokens=min(decode, 4), temperature=0,
-                                                ignore_eos=True))
+                                                ignore_eos=True), one)
         # The modes take turns, repeat by repeat: a slow spell of the machine then falls
         # on every mode alike instead of on one mode's repeats.
-        times: dict[str, list[float]] = {mode: [] for mode in modes}
+        times: dict[str, list[float]] = {name: [] for name in runs}
         last: dict[str, Played] = {}
         for _ in range(repeats):
-            for mode in modes:
-                last[mode] = cold(eng, rnd, mode, sampling)
-                times[mode].append(last[mode].seconds)
-        res = {mode: (statistics.median(times[mode]), last[mode].computed,
-                      *footprint(eng, rnd, mode, last[mode].usage)) for mode in modes}
+            for name, (mode, one) in runs.items():
+                last[name] = cold(eng, rnd, mode, sampling, one)
+                times[name].append(last[name].seconds)
+        res = {name: (statistics.median(times[name]), last[name].computed,
+                      *footprint(eng, rnd, mode, last[name].usage)) for name, (mode, _) in runs.items()}
         limit = rnd.limit(eng.collector.cfg.ratio)
-        for mode in modes:
-            t, w, foot, comp = res[mode]
-            rows.append(dict(agents=n, mode=mode, max_tokens=decode, ms=1000 * t, computed=w, limit=limit,
+        vs = lambda name, t: res[name][0] / t if name in res else None  # noqa: E731
+        for name in runs:
+            t, w, foot, comp = res[name]
+            rows.append(dict(agents=n, mode=name, max_tokens=decode, ms=1000 * t, computed=w, limit=limit,
                              footprint=foot, compression=comp, ratio=eng.collector.cfg.ratio,
                              prompt_tokens=rnd.prompt_tokens, shared=rnd.shared_tokens,
-                             vs_pic=res["pic"][0] / t if "pic" in res else None,
-                             vs_full=res["full"][0] / t if "full" in res else None))
+                             vs_pic=vs("pic", t), vs_serial_pic=vs("serial pic", t), vs_full=vs("full", t)))
     return rows
 
 
 def table(rows: list[dict]) -> str:
     d = rows[0].get("max_tokens", 1) if rows else 1
     what = "round prefill ms" if d == 1 else f"round ms ({d} tokens)"
-    head = (f"| N | mode | {what} | tokens computed | limit | computed/limit | speedup vs pic | vs full "
-            f"| round footprint | Mirror compression |")
-    out = [head, "|" + "---|" * 10]
+    head = (f"| N | mode | {what} | tokens computed | limit | computed/limit | speedup vs pic "
+            f"| vs serial pic | vs full | round footprint | Mirror compression |")
+    out = [head, "|" + "---|" * 11]
     for r in rows:
         f = lambda v: "" if v is None else f"{v:.2f}x"  # noqa: E731
         out.append(f"| {r['agents']} | {r['mode']} | {r['ms']:.0f} | {r['computed']:.0f} | {r['limit']:.0f} | "
-                   f"{r['computed'] / r['limit']:.2f} | {f(r['vs_pic'])} | {f(r['vs_full'])} | "
-                   f"{f(r['footprint'])} | {f(r['compression'])} |")
+                   f"{r['computed'] / r['limit']:.2f} | {f(r['vs_pic'])} | {f(r.get('vs_serial_pic'))} | "
+                   f"{f(r['vs_full'])} | {f(r['footprint'])} | {f(r['compression'])} |")
     return "\n".join(out)
 
 
@@ -154,7 +165,10 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--history", type=natural, default=512)
     p.add_argument("--output", type=natural, default=150)
     p.add_argument("--repeats", type=positive, default=3)
-    p.add_argument("--modes", default=",".join(MODES))
+    p.add_argument("--modes", type=names(MODES), default=",".join(MODES))
+    p.add_argument("--serial", type=names(MODES), default="",
+                   help="modes also timed with each agent's request served alone, one after another "
+                        "(a row 'serial pic' for pic)")
     p.add_argument("--kv-tokens", type=natural, default=0)
     p.add_argument("--json", default=None, help="write rows here")
     p.add_argument("--dump-prompts", default=None, help="write each round's prompts (for vLLM)")
@@ -177,11 +191,12 @@ def main(args: argparse.Namespace) -> int:
     need = max(agents) * (args.history * 2 + max(agents) * args.output * 2 + args.decode) + 4096
     eng, vocab = round_engine(args.model, args.dtype, args.kv_tokens or need, args.random_weights,
                               recompute_ratio=args.ratio, recompute_floor=args.floor)
-    modes = args.modes.split(",")
+    modes = args.modes
     if args.dump_prompts:
         rounds = {n: make_round(n, args.history, args.output, vocab, seed=n).prompts for n in agents}
         Path(args.dump_prompts).write_text(json.dumps(rounds))
-    rows = bench(eng, agents, args.history, args.output, args.repeats, modes, decode=args.decode)
+    rows = bench(eng, agents, args.history, args.output, args.repeats, modes, decode=args.decode,
+                 serial=args.serial)
     print(f"model {eng.name} ({eng.mcfg.num_layers} layers) on {eng.device}, {eng.dtype}; "
           f"histories ~{args.history}, outputs ~{args.output}, max_tokens {args.decode}, "
           f"ratio {eng.collector.cfg.ratio}, floor {eng.collector.cfg.floor}")

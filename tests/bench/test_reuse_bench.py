@@ -3,6 +3,8 @@ tokens and patches beside one Master), its flags, and the order it times the mod
 
 from __future__ import annotations
 
+import argparse
+
 import pytest
 
 from tokendance.backend.engine import Engine
@@ -39,6 +41,46 @@ def test_modes_take_turns(tiny_llama, monkeypatch):
     eng = Engine(model=str(tiny_llama), dtype="float32", kv_tokens=8192)
     order = []
     real = reuse.cold
-    monkeypatch.setattr(reuse, "cold", lambda e, rnd, mode, sp=reuse.ONE: order.append(mode) or real(e, rnd, mode, sp))
-    reuse.bench(eng, [2], 24, 8, 3, ["full", "pic", "collective"])
-    assert order[3:] == ["full", "pic", "collective"] * 3  # after one warm-up round each
+    monkeypatch.setattr(reuse, "cold", lambda e, rnd, mode, sp=reuse.ONE, one=False:
+                        order.append((mode, one)) or real(e, rnd, mode, sp, one))
+    reuse.bench(eng, [2], 24, 8, 3, ["full", "pic", "collective"], serial=["pic"])
+    turn = [("full", False), ("pic", False), ("collective", False), ("pic", True)]
+    assert order[4:] == turn * 3  # after one warm-up round each
+
+
+def test_serial_pic(tiny_llama, monkeypatch):
+    """A serial mode adds each request only once the one before it has finished, and
+    answers as its batched twin does."""
+    eng = Engine(model=str(tiny_llama), dtype="float32", kv_tokens=8192)
+    rnd = reuse.make_round(3, 24, 16, eng.mcfg.vocab_size, seed=1)
+    busy = []
+    add = eng.add
+    monkeypatch.setattr(eng, "add", lambda *a, **k: busy.append(eng.has_work()) or add(*a, **k))
+    sampling = reuse.SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)
+    one = reuse.cold(eng, rnd, "pic", sampling, serial=True)
+    assert busy == [False] * 3
+    busy.clear()
+    batched = reuse.cold(eng, rnd, "pic", sampling)
+    assert busy == [False, True, True]
+    assert one.answers == batched.answers
+    assert [u.recomputed_tokens for u in one.usage] == [u.recomputed_tokens for u in batched.usage]
+
+
+def test_serial_rows(tiny_llama, bench):
+    out = bench(reuse, "--model", str(tiny_llama), "--dtype", "float32", "--agents", "3", "--history", "24",
+                "--output", "20", "--repeats", "1", "--modes", "pic,collective", "--serial", "pic")
+    lines = out.splitlines()
+    assert "| vs serial pic |" in next(line for line in lines if line.startswith("| N |"))
+    row = next(line.split("|") for line in lines if line.startswith("| 3 | collective |"))
+    assert row[8].strip().endswith("x")  # collective against serial pic
+    assert any(line.startswith("| 3 | serial pic |") for line in lines)
+
+
+@pytest.mark.parametrize("flag", [["--modes", "pic,nope"], ["--serial", "bogus"]])
+def test_unknown_modes_are_usage_errors(flag, capsys):
+    p = argparse.ArgumentParser()
+    reuse.add_args(p)
+    with pytest.raises(SystemExit) as e:
+        p.parse_args(flag)
+    assert e.value.code == 2
+    assert "unknown" in capsys.readouterr().err
