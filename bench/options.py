@@ -72,15 +72,15 @@ def _number(text: str) -> float:
         raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
 
 
-def names(allowed: tuple[str, ...]) -> Callable[[str], list[str]]:
-    """A comma list of names out of `allowed` ('' is none)."""
+def names(allowed: tuple[str, ...], least: int = 0) -> Callable[[str], list[str]]:
+    """A comma list of at least `least` names out of `allowed` ('' is none)."""
 
     def parse(text: str) -> list[str]:
         out = [x for x in text.split(",") if x]
         bad = [x for x in out if x not in allowed]
-        if bad:
-            raise argparse.ArgumentTypeError(f"unknown {', '.join(map(repr, bad))}: expected some of "
-                                             f"{','.join(allowed)}")
+        if bad or len(out) < least:
+            what = f"unknown {', '.join(map(repr, bad))}" if bad else f"at least {least} needed"
+            raise argparse.ArgumentTypeError(f"{what}: expected some of {','.join(allowed)}")
         return out
 
     return parse

@@ -130,7 +130,7 @@ def table(rows: list[dict]) -> str:
     for r in rows:
         f = lambda v: "" if v is None else f"{v:.2f}x"  # noqa: E731
         out.append(f"| {r['agents']} | {r['mode']} | {r['ms']:.0f} | {r['computed']:.0f} | {r['limit']:.0f} | "
-                   f"{r['computed'] / r['limit']:.2f} | {f(r['vs_pic'])} | {f(r.get('vs_serial_pic'))} | "
+                   f"{r['computed'] / r['limit']:.2f} | {f(r['vs_pic'])} | {f(r['vs_serial_pic'])} | "
                    f"{f(r['vs_full'])} | {f(r['footprint'])} | {f(r['compression'])} |")
     return "\n".join(out)
 
@@ -165,7 +165,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--history", type=natural, default=512)
     p.add_argument("--output", type=natural, default=150)
     p.add_argument("--repeats", type=positive, default=3)
-    p.add_argument("--modes", type=names(MODES), default=",".join(MODES))
+    p.add_argument("--modes", type=names(MODES, least=1), default=",".join(MODES))
     p.add_argument("--serial", type=names(MODES), default="",
                    help="modes also timed with each agent's request served alone, one after another "
                         "(a row 'serial pic' for pic)")

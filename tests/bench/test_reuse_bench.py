@@ -76,11 +76,13 @@ def test_serial_rows(tiny_llama, bench):
     assert any(line.startswith("| 3 | serial pic |") for line in lines)
 
 
-@pytest.mark.parametrize("flag", [["--modes", "pic,nope"], ["--serial", "bogus"]])
-def test_unknown_modes_are_usage_errors(flag, capsys):
+@pytest.mark.parametrize("flag,why", [(["--modes", "pic,nope"], "unknown 'nope'"),
+                                      (["--serial", "bogus"], "unknown 'bogus'"),
+                                      (["--modes", ""], "at least 1 needed")])
+def test_bad_modes_are_usage_errors(flag, why, capsys):
     p = argparse.ArgumentParser()
     reuse.add_args(p)
     with pytest.raises(SystemExit) as e:
         p.parse_args(flag)
     assert e.value.code == 2
-    assert "unknown" in capsys.readouterr().err
+    assert why in capsys.readouterr().err
