@@ -17,7 +17,7 @@ from collections import Counter
 
 import torch
 
-from tokendance.backend.api import BASES, Request, SamplingParams, Segment
+from tokendance.backend.api import BASES, MODES, Request, SamplingParams, Segment
 from tokendance.backend.config import EngineConfig
 from tokendance.backend.engine import Engine
 from tokendance.backend.mirror import EARLY, LATE
@@ -25,7 +25,7 @@ from tokendance.backend.runner import step_meta
 from tokendance.backend.scheduler import Scheduled
 from tokendance.backend.segments import segment_key
 from tokendance.backend.service import EngineBackend
-from tokendance.bench.options import counts, natural, nonnegative, positive, share
+from tokendance.bench.options import counts, names, natural, nonnegative, positive, share
 from tokendance.proxy.segment import detect
 
 QUESTIONS = [
@@ -211,7 +211,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-tokens", type=positive, default=48)
     p.add_argument("--questions", type=natural, default=2)
     p.add_argument("--ratio", type=share, default=0.15)
-    p.add_argument("--modes", default="pic,collective", help="reuse modes compared with full")
+    p.add_argument("--modes", type=names(tuple(m for m in MODES if m != "full"), least=1), default="pic,collective",
+                   help="reuse modes compared with full")
     p.add_argument("--loops", type=positive, default=1, help="closed-loop debates per N (each on its own question)")
     p.add_argument("--floor", type=nonnegative, default=0.0,
                    help="recompute only reused tokens whose check-layer deviation exceeds this")
@@ -227,7 +228,7 @@ def main(args: argparse.Namespace) -> int:
                               recompute_floor=args.floor, bases=args.bases, check_layer=args.check_layer))
     be = EngineBackend(eng)
     greedy = SamplingParams(max_tokens=args.max_tokens, temperature=0)
-    modes = ["full", *args.modes.split(",")]
+    modes = ["full", *args.modes]
     print(f"model {eng.name}, float32, recompute ratio {args.ratio}, floor {args.floor}, "
           f"check layer {eng.collector.cfg.check_layer}")
     if args.questions:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import re
 
 import pytest
@@ -55,3 +56,12 @@ def test_closed_loop_bases(smollm2, bench, bases):
     # Round 2: each of 2 agents sees both round-1 answers (its own and the other's).
     assert producer + standalone == 4
     assert (producer, standalone) == ((4, 0) if bases == "producer" else (0, 4))
+
+
+@pytest.mark.parametrize("modes", ["full", "pic,bogus", ""])
+def test_modes_other_than_reuse_ones_are_usage_errors(modes, capsys):
+    p = argparse.ArgumentParser()
+    fidelity.add_args(p)
+    with pytest.raises(SystemExit) as e:
+        p.parse_args(["--modes", modes])
+    assert e.value.code == 2 and "expected some of prefix,pic,collective" in capsys.readouterr().err
