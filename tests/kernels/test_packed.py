@@ -29,7 +29,15 @@ def test_matches_reference(rows: tuple[int, ...], bias: bool) -> None:
     out.copy_(PackedLinear(lin)(x))
     want = reference(x, lin.weight, lin.bias)
     assert out.shape == want.shape and not out.isnan().any()
-    assert torch.equal(out, want)  # the same oneDNN kernel: bit-identical
+    same_as_reference(out, want)
+
+
+def same_as_reference(out: torch.Tensor, want: torch.Tensor) -> None:
+    """Bit-identical where oneDNN runs the same bf16 kernel both ways (the AMD EPYC host);
+    on a CPU without bf16 instructions the two paths may round a few outputs the other
+    way: never by more than one bf16 step."""
+    torch.testing.assert_close(out, want, rtol=2 ** -7, atol=1e-6)
+    assert (out != want).sum() <= 0.01 * out.numel()
 
 
 def test_pack_replaces_only_supported_linears() -> None:
@@ -46,7 +54,7 @@ def test_tied_embedding_survives(tiny_models) -> None:
     assert isinstance(eng.model.layers[0].self_attn.qkv_proj, PackedLinear)
     emb = eng.model.model.embed_tokens.weight
     h = torch.randn(3, emb.shape[1], dtype=torch.bfloat16)
-    assert torch.equal(eng.model.lm_head(h), reference(h, emb, None))
+    same_as_reference(eng.model.lm_head(h), reference(h, emb, None))
 
 
 def test_engine_tokens_unchanged(tiny_models, monkeypatch) -> None:
