@@ -1,7 +1,9 @@
 """CUDA checks that CPU tests cannot make: CUDA-graph decode equals eager decode, decode
-with lookahead equals decode without, the engine's greedy tokens equal HF transformers' on the same random weights (bf16 and fp32),
-and Mirrors (the Triton kernels through slot-position tables, and the Master read
-collectively in decode) give what the dense paths give. Run on the GPU machine: python -m tokendance.bench.check_cuda"""
+with lookahead equals decode without, the engine's greedy tokens equal HF transformers'
+on the same random weights (bf16 and fp32), Mirrors (the Triton kernels through
+slot-position tables, and the Master read collectively in decode) give what the dense
+paths give, and with producer bases requests ended by length publish exact K/V. Run on
+the GPU machine: python -m tokendance.bench.check_cuda"""
 
 from __future__ import annotations
 

@@ -211,8 +211,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-tokens", type=positive, default=48)
     p.add_argument("--questions", type=natural, default=2)
     p.add_argument("--ratio", type=share, default=0.15)
-    p.add_argument("--modes", type=names(tuple(m for m in MODES if m != "full"), least=1), default="pic,collective",
-                   help="reuse modes compared with full")
+    p.add_argument("--modes", type=names(tuple(m for m in MODES if m != "full"), least=1),
+                   default="pic,collective", help="reuse modes compared with full")
     p.add_argument("--loops", type=positive, default=1, help="closed-loop debates per N (each on its own question)")
     p.add_argument("--floor", type=nonnegative, default=0.0,
                    help="recompute only reused tokens whose check-layer deviation exceeds this")

@@ -1,5 +1,6 @@
 """`bench reuse`: what a round holds (full holds every dense cache, Mirrors hold their own
-tokens and patches beside one Master), its flags, and the order it times the modes in."""
+tokens and patches beside one Master), its flags, the order it times the modes in, and
+serial modes (each request served alone)."""
 
 from __future__ import annotations
 
