@@ -16,6 +16,7 @@ import torch
 from tokendance.backend.api import SamplingParams
 from tokendance.backend.config import EngineConfig
 from tokendance.backend.engine import Engine
+from tokendance.backend.pool import flat_slots
 from tokendance.bench.engine import rand_prompts
 from tokendance.bench.shapes import SHAPES, shape_folder
 
@@ -31,6 +32,16 @@ def small_folder(layers: int = 4):
         if f.name != "config.json":
             shutil.copy(f, out / f.name)
     return out
+
+
+def seeded(**cfg) -> Engine:
+    """An fp32 engine on small_folder(2) whose random weights are the same in every engine
+    made here."""
+    eng = Engine(EngineConfig(model=str(small_folder(2)), dtype="float32", random_weights=True, seed=0, **cfg))
+    torch.manual_seed(0)
+    for p in eng.model.parameters():
+        p.data.normal_(0, 0.02)
+    return eng
 
 
 def graphs_vs_eager(mirrors: bool = False, n: int = 11) -> float:
@@ -108,15 +119,7 @@ def producer_tails() -> tuple[float, bool]:
     from tokendance.backend.segments import segment_key
     from tokendance.bench.allgather import make_round
 
-    def engine(graphs: int) -> Engine:
-        eng = Engine(EngineConfig(model=str(small_folder(2)), dtype="float32", random_weights=True,
-                                  kv_tokens=16 * 4096, cuda_graphs=graphs, bases="producer", seed=0))
-        torch.manual_seed(0)
-        for p in eng.model.parameters():  # the same random weights in both engines
-            p.data.normal_(0, 0.02)
-        return eng
-
-    eng = engine(32)
+    eng = seeded(kv_tokens=16 * 4096, cuda_graphs=32, bases="producer")
     rnd = make_round(4, 100, 40, 49152, seed=7)
     plain = rand_prompts(5, 200, 49152, 8)
     for i, p in enumerate(plain):
@@ -137,7 +140,7 @@ def producer_tails() -> tuple[float, bool]:
     eng._finish = spy
     while eng.has_work():
         eng.step()
-    ref = engine(0)
+    ref = seeded(kv_tokens=16 * 4096, cuda_graphs=0, bases="producer")
     worst, whole = 0.0, True
     b = eng.cache.block_size
     for s in seqs:
@@ -149,9 +152,8 @@ def producer_tails() -> tuple[float, bool]:
         ref.add("ref", s.prompt + s.out, SamplingParams(max_tokens=2, temperature=0, ignore_eos=True))
         rseq = ref.seqs["ref"]
         ref.step()  # the prefill: its KV stays until the request finishes
-        src = torch.tensor([entry.blocks[j // b] * b + j % b for j in range(len(s.out))])
-        dst = torch.tensor([rseq.blocks[j // b] * b + j % b
-                            for j in range(len(s.prompt), len(s.prompt) + len(s.out))])
+        src = flat_slots(entry.blocks, torch.arange(len(s.out)), b)
+        dst = flat_slots(rseq.blocks, torch.arange(len(s.prompt), len(s.prompt) + len(s.out)), b)
         for got, want in zip(eng.cache.k + eng.cache.v, ref.cache.k + ref.cache.v):
             g, w = got.view(-1, *got.shape[2:])[src], want.view(-1, *want.shape[2:])[dst]
             worst = max(worst, float((g - w).norm() / w.norm()))
@@ -221,11 +223,7 @@ def mirrors() -> bool:
     greedy = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
     out = {}
     for mode, ratio in (("full", 0.15), ("collective", 1.0), ("pic", 0.15), ("collective", 0.15)):
-        eng = Engine(EngineConfig(model=str(small_folder(2)), dtype="float32", random_weights=True,
-                                  kv_tokens=16384, recompute_ratio=ratio, seed=0))
-        torch.manual_seed(0)
-        for p in eng.model.parameters():  # the same random weights for every engine
-            p.data.normal_(0, 0.02)
+        eng = seeded(kv_tokens=16384, recompute_ratio=ratio)
         out[mode, ratio] = [t for t, _, _ in eng.generate(rnd.prompts, greedy, mode=mode, shared=rnd.shared)]
     a = out["full", 0.15] == out["collective", 1.0]
     b = out["pic", 0.15] == out["collective", 0.15]

@@ -229,10 +229,11 @@ def main(args: argparse.Namespace) -> int:
     be = EngineBackend(eng)
     greedy = SamplingParams(max_tokens=args.max_tokens, temperature=0)
     modes = ["full", *args.modes]
+    producer = args.bases == "producer"
     print(f"model {eng.name}, float32, recompute ratio {args.ratio}, floor {args.floor}, "
           f"check layer {eng.collector.cfg.check_layer}")
     if args.questions:
-        print(open_loop(eng, be, modes, args.agents[0], args.questions, greedy, args.bases == "producer"))
+        print(open_loop(eng, be, modes, args.agents[0], args.questions, greedy, producer))
     # 3: closed loop.
     print(f"\nClosed-loop debate, {args.rounds} rounds, greedy, {args.max_tokens} tokens per answer, "
           f"{args.loops} question(s) per N, {args.bases} bases:")
@@ -245,7 +246,7 @@ def main(args: argparse.Namespace) -> int:
         for k in range(args.loops):
             q = QUESTIONS[(n + k) % len(QUESTIONS)]
             for m, f in closed_loop(eng, be, n, q, modes, args.rounds, greedy,
-                                    args.bases == "producer", bases).items():
+                                    producer, bases).items():
                 firsts[m] += f
                 clean[m] += all(r is None for r in f)
         for m in modes[1:]:

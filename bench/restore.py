@@ -30,6 +30,7 @@ from tokendance.backend.offload import HostTier
 from tokendance.bench.options import counts, natural, positive, shares
 from tokendance.kernels.restore import gather_slots
 
+
 def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--shape", default="qwen2.5-7b", help="a name from bench/shapes.py")
     p.add_argument("--layers", type=positive, help="override the shape's layers")

@@ -8,6 +8,7 @@ import torch
 
 from tokendance.backend.api import SamplingParams
 from tokendance.backend.engine import Engine
+from tokendance.backend.pool import flat_slots
 from tokendance.backend.segments import segment_key
 from tests.backend.test_reuse import prefill_full
 
@@ -33,8 +34,8 @@ def test_producer_output_becomes_base(smollm2, max_tokens, reason):
     ref = Engine(model=str(engine.folder), dtype="float32", kv_tokens=4096)
     rseq, = prefill_full(ref, [prompt + seq.out])
     b = engine.cache.block_size
-    src = torch.tensor([entry.blocks[j // b] * b + j % b for j in range(len(ids))])
-    dst = torch.tensor([rseq.blocks[j // b] * b + j % b for j in range(len(prompt), len(prompt) + len(ids))])
+    src = flat_slots(entry.blocks, torch.arange(len(ids)), b)
+    dst = flat_slots(rseq.blocks, torch.arange(len(prompt), len(prompt) + len(ids)), b)
     for k0, k1 in zip(engine.cache.k, ref.cache.k):
         torch.testing.assert_close(k0.view(-1, *k0.shape[2:])[src], k1.view(-1, *k1.shape[2:])[dst],
                                    rtol=1e-4, atol=1e-5)
