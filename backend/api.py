@@ -13,10 +13,11 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 MODES = ("full", "prefix", "pic", "collective")
-# pic / collective: a shared segment's base KV, prefilled standalone once per round, or
-# the KV its producer computed as its output (producer chaining: no prefill; on SmolLM2
-# it kept fewer debates identical to exact prefill, docs/fidelity.md).
-BASES = ("standalone", "producer")
+# pic / collective: a shared segment's base KV, prefilled standalone once per round; the
+# KV its producer computed as its output (producer chaining: no prefill; on SmolLM2 it
+# kept fewer debates identical to exact prefill); or the KV of it in a reader's context
+# (two requests of the group prefilled in full; docs/fidelity.md).
+BASES = ("standalone", "producer", "reader")
 
 
 class InvalidRequest(ValueError):

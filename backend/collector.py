@@ -41,9 +41,16 @@ class ReuseConfig:
     floor: float = 0.0  # > 0: of those, only tokens whose KV deviation exceeds it
     cache_fraction: float = 0.25  # of the pool, for segment bases
     max_tokens: int = 0  # prompt tokens per forward (bases, blend); 0: no limit
+    readers: bool = False  # bases from readers' exact prefill (`--bases reader`)
 
 
 T = TypeVar("T")
+
+# Reader bases: requests of a group prefilled in full, whose KV of the shared segments in
+# their prompts becomes those segments' bases. Two, since a reader's own last output sits
+# in its history, where it reads as its own turn, while every other reader sees it among
+# the others' outputs (the latest occurrence is kept).
+READERS = 2
 
 # Forwards whose layers before the check layer a cold round queues before building its
 # Mirrors: each holds its hidden states until its blend (at 16 k tokens of a 7B model,
@@ -113,23 +120,68 @@ class Collector:
                 out.append(seq)
         return out
 
-    def _standalone(self, bases: list[Sequence]) -> None:
-        """Prefill bases alone, in forwards of at most max_tokens tokens (a segment may be
-        split across two, as a chunked prefill)."""
-        budget = self.cfg.max_tokens or sum(len(s.prompt) for s in bases)
+    def _standalone(self, seqs: list[Sequence]) -> torch.Tensor | None:
+        """Prefill seqs in full, alone, in forwards of at most max_tokens tokens (a prompt
+        may be split across two, as a chunked prefill); their next-token logits in order."""
+        budget = self.cfg.max_tokens or sum(len(s.prompt) for s in seqs)
         work: list[Scheduled] = []
         left = budget
-        for seq in bases:
+        logits = []
+        for seq in seqs:
             start = 0
             while start < len(seq.prompt):
                 n = min(len(seq.prompt) - start, left)
                 work.append(Scheduled(seq, start, n))
                 start, left = start + n, left - n
                 if not left:
-                    self.runner.run(work)
+                    logits.append(self.runner.run(work))
                     work, left = [], budget
         if work:
-            self.runner.run(work)
+            logits.append(self.runner.run(work))
+        return torch.cat(logits) if logits else None
+
+    def _readers(self, group: list[Sequence], keys: list[list[tuple[int, int, int]]],
+                 missing: dict[int, list[int]], pinned: list[Entry]) -> tuple[list[Sequence], torch.Tensor | None]:
+        """Reader bases: prefill up to READERS fresh requests that hold missing segments
+        in full (they get the exact answer) and take each segment they hold from its
+        latest occurrence there, in their context, into a segment entry (pinned). Those
+        segments leave `missing`; the rest are prefilled standalone as usual."""
+        spans = {id(s): sp for s, sp in zip(group, keys)}
+        leads = []
+        for seq in group:
+            if len(leads) == READERS:
+                break
+            if seq.resume is None and any(k in missing for _, _, k in spans[id(seq)]):
+                if not self.blocks.reserve(seq, len(seq.prompt)):
+                    self.segments.evict(self.blocks.blocks_for(len(seq.prompt)))
+                    if not self.blocks.reserve(seq, len(seq.prompt)):
+                        continue
+                leads.append(seq)
+        if not leads:
+            return [], None
+        logits = self._standalone(leads)
+        best: dict[int, tuple[Sequence, int, int]] = {}
+        for seq in leads:
+            for lo, hi, key in spans[id(seq)]:
+                if key in missing and (key not in best or lo > best[key][1]):
+                    best[key] = (seq, lo, hi)
+        b = self.cache.block_size
+        for key, (seq, lo, hi) in best.items():
+            holder = Sequence(f"reader-{key}", missing[key], SamplingParams(), Detok(None))
+            if not self.blocks.reserve(holder, hi - lo):
+                continue  # no room: prefilled standalone, or read as private text
+            src = seq.slots(torch.arange(lo, hi), EARLY, b, self.cache.trash)
+            self._copy(src.tolist(), holder.slots(torch.arange(hi - lo), EARLY, b, -1).tolist())
+            e = self.segments.put(key, hi - lo, holder.blocks, "reader")
+            if e is not None:
+                self.segments.pin(e)
+                pinned.append(e)
+                del missing[key]
+        for seq in leads:
+            seq.shared_tokens = sum(hi - lo for lo, hi in seq.shared)
+            seq.recomputed = seq.cached = 0
+            seq.computed = len(seq.prompt)
+        return leads, logits
 
     def _copy(self, src: list[int], dst: list[int]) -> None:
         """Copy K/V of flat pool slots src -> dst in every layer."""
@@ -243,6 +295,11 @@ class Collector:
                     if self.segments.get(key) is None:
                         missing[key] = seq.prompt[lo:hi]
                 keys.append(spans)
+            leads, first = [], None
+            if self.cfg.readers and missing:
+                leads, first = self._readers(group, keys, missing, pinned)
+                keys = [sp for seq, sp in zip(group, keys) if seq not in leads]
+                group = [seq for seq in group if seq not in leads]
             bases = self._bases(missing, pinned, entered)
             # collective computes the bases in its first blend forward, beside the
             # Mirrors that read them, when each fits a forward; pic before, alone.
@@ -284,7 +341,7 @@ class Collector:
         if not ready:
             if fold:
                 self._standalone(bases)
-            return [], None
+            return leads, first
         lead = [BlendInput(b, [False] * len(b.prompt)) for b in bases] if fold else []
         if batched:
             # Per request the math does not depend on the batch: split by budget, the
@@ -309,7 +366,7 @@ class Collector:
             seq.resume = None
             if seq.mirror.trim():  # a floor left patch room unused: its blocks go back
                 self.blocks.trim(seq)
-        return ready, logits
+        return leads + ready, logits if first is None else torch.cat([first, logits])
 
     # -- producer chaining -----------------------------------------------------------
 

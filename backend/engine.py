@@ -71,7 +71,8 @@ class Engine:
             self.runner.capture(min(cfg.cuda_graphs, cfg.max_seqs), max_blocks, self.cache.trash_block)
         self.segments = SegmentCache(self.pool, cfg.block_size,
                                      int(self.cache.num_blocks * cfg.segment_cache_fraction))
-        reuse = ReuseConfig(cfg.check_layer, cfg.recompute_ratio, cfg.recompute_floor, max_tokens=budget)
+        reuse = ReuseConfig(cfg.check_layer, cfg.recompute_ratio, cfg.recompute_floor, max_tokens=budget,
+                            readers=cfg.bases == "reader")
         self.idle = IdleAgents(self.cache, cfg.offload_bytes)
         self.collector = Collector(self.model, self.cache, self.blocks, self.runner, self.segments,
                                    self.idle, reuse)

@@ -86,11 +86,12 @@ def layer_kv(eng: Engine, seq) -> torch.Tensor:
 
 @torch.inference_mode()
 def teacher_forced(eng: Engine, prepared, mode: str, cont: list[list[int]], producer: bool = False
-                   ) -> tuple[list[torch.Tensor], list[list[bool]], tuple[int, int]]:
+                   ) -> tuple[list[torch.Tensor], list[list[bool]], tuple[int, int], torch.Tensor]:
     """The prompts' KV per layer after this mode's prefill, per token of full's
     continuations whether this mode's argmax picks it (the first from the prefill's
-    logits, each later one fed the ones before), and (shared tokens, recomputed tokens)
-    over the prompts. With `producer`, the segment cache keeps its producers' bases."""
+    logits, each later one fed the ones before), (shared tokens, recomputed tokens) over
+    the prompts, and the prefill's next-token log-probabilities [N, vocab]. With
+    `producer`, the segment cache keeps its producers' bases."""
     if not producer:
         eng.reset_caches()
     seqs = []
@@ -118,7 +119,7 @@ def teacher_forced(eng: Engine, prepared, mode: str, cont: list[list[int]], prod
         hits.append([a == b for a, b in zip(pred, c)])
     for s in seqs:
         eng.abort(s.id)
-    return kvs, hits, counts
+    return kvs, hits, counts, first.float().log_softmax(-1)
 
 
 def open_loop(eng: Engine, be: EngineBackend, modes: list[str], n0: int, questions: int,
@@ -129,6 +130,7 @@ def open_loop(eng: Engine, be: EngineBackend, modes: list[str], n0: int, questio
     # 1 + 2: one round-2 prompt set per question, built from full's round-1 answers.
     devs = {m: [] for m in modes[1:]}
     agree = {m: [] for m in modes}
+    kl = {m: [] for m in modes}  # per agent: KL(full || mode) of the first token's distribution
     counts = {m: [0, 0] for m in modes[1:]}  # shared tokens, recomputed
     for q in QUESTIONS[:questions]:
         eng.reset_caches()
@@ -136,11 +138,13 @@ def open_loop(eng: Engine, be: EngineBackend, modes: list[str], n0: int, questio
         prepared = {m: requests(be, m, q, first, n0, greedy) for m in modes}
         full_out = eng.generate([p.state.ids for p in prepared["full"]], SamplingParams(max_tokens=24, temperature=0, ignore_eos=True))
         cont = [toks for toks, _, _ in full_out]
-        exact, a, _ = teacher_forced(eng, prepared["full"], "full", cont, producer)
+        exact, a, _, ref = teacher_forced(eng, prepared["full"], "full", cont, producer)
         agree["full"] += a
+        kl["full"] += [0.0] * len(a)
         for m in modes[1:]:
-            kvs, a, (shared, recomputed) = teacher_forced(eng, prepared[m], m, cont, producer)
+            kvs, a, (shared, recomputed), lp = teacher_forced(eng, prepared[m], m, cont, producer)
             agree[m] += a
+            kl[m] += (ref.exp() * (ref - lp)).sum(-1).tolist()
             counts[m][0] += shared
             counts[m][1] += recomputed
             for kv, ex, p in zip(kvs, exact, prepared[m]):
@@ -157,9 +161,10 @@ def open_loop(eng: Engine, be: EngineBackend, modes: list[str], n0: int, questio
         d = torch.stack(devs[m]).mean(0)
         out.append(f"| {m} | " + " | ".join(f"{d[l]:.3f}" for l in picks) + " |")
     out.append("\nTeacher-forced greedy agreement with full (24 tokens per agent; the first token")
-    out.append("alone), and the shared tokens recomputed (Mirror compression = shared / recomputed):")
-    out.append("| mode | agreement | first token | shared tokens | recomputed | compression |\n"
-               "|---|---|---|---|---|---|")
+    out.append("alone), the first token's KL(full || mode), mean and largest over the agents, and the")
+    out.append("shared tokens recomputed (Mirror compression = shared / recomputed):")
+    out.append("| mode | agreement | first token | KL mean | KL max | shared tokens | recomputed | compression |\n"
+               "|---|---|---|---|---|---|---|---|")
     # After a check layer past 1 every reused token holds a private slot (its early layers).
     dense = eng.collector.cfg.check_layer > 1
     for m in modes:
@@ -168,18 +173,20 @@ def open_loop(eng: Engine, be: EngineBackend, modes: list[str], n0: int, questio
         comp = f"{shared / held:.2f}x" if held else "-"
         every = statistics.mean(x for h in agree[m] for x in h)
         first = statistics.mean(h[0] for h in agree[m])
-        out.append(f"| {m} | {every:.3f} | {first:.3f} | {shared or '-'} | {rec if m != 'full' else '-'} "
-                   f"| {comp} |")
+        out.append(f"| {m} | {every:.3f} | {first:.3f} | {statistics.mean(kl[m]):.4f} | {max(kl[m]):.4f} "
+                   f"| {shared or '-'} | {rec if m != 'full' else '-'} | {comp} |")
     return "\n".join(out)
 
 
-def tally(eng: Engine, prepared, bases: Counter) -> None:
-    """Count the round's shared segments by where their base KV will come from: a
-    producer's output kept from the last round, else a standalone prefill."""
+def tally(eng: Engine, prepared, bases: Counter, absent: str) -> None:
+    """Count the round's shared segments by the source of their base KV in the segment
+    cache, `absent` where it holds none. Before a round with producer bases: a producer's
+    output kept from the last round, else a standalone prefill to come; after any other
+    round: the base the round made (`standalone` or `reader`)."""
     for p in prepared:
         for lo, hi in p.state.shared:
             e = eng.segments.get(segment_key(p.request.tenant, p.state.ids[lo:hi]))
-            bases[e.source if e is not None else "standalone"] += 1
+            bases[e.source if e is not None else absent] += 1
 
 
 def closed_loop(eng: Engine, be: EngineBackend, n: int, question: str, modes: list[str], rounds: int,
@@ -196,9 +203,11 @@ def closed_loop(eng: Engine, be: EngineBackend, n: int, question: str, modes: li
         eng.reset_caches()
         for _ in range(rounds):
             prepared = requests(be, m, question, answers, n, sampling)
-            if m != "full":
-                tally(eng, prepared, bases)
+            if m != "full" and producer:
+                tally(eng, prepared, bases, "standalone")
             answers = run(eng, prepared, m, producer)
+            if m != "full" and not producer:
+                tally(eng, prepared, bases, "private text")
             hist[m].append(answers)
     return {m: [next((r + 1 for r in range(rounds) if hist[m][r][i] != hist["full"][r][i]), None)
                 for i in range(n)] for m in modes[1:]}
@@ -253,6 +262,5 @@ def main(args: argparse.Namespace) -> int:
             div = [r for r in firsts[m] if r is not None]
             mean = f"{statistics.mean(div):.2f}" if div else "-"
             print(f"| {n} | {m} | {clean[m]}/{args.loops} | {len(firsts[m]) - len(div)}/{len(firsts[m])} | {mean} |")
-    print(f"Shared segments by base: {bases['producer']} a producer's output, "
-          f"{bases['standalone']} prefilled standalone.")
+    print("Shared segments by base: " + ", ".join(f"{n} {src}" for src, n in sorted(bases.items())) + ".")
     return 0

@@ -33,8 +33,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
                         "layer exceeds this (0: all of them; docs/fidelity.md)")
     p.add_argument("--bases", choices=BASES, default="standalone",
                    help="pic / collective: a shared segment's base KV prefilled standalone once per "
-                        "round, or its producer's own KV of it (no prefill; lower fidelity on "
-                        "SmolLM2, docs/fidelity.md)")
+                        "round; its producer's own KV of it (no prefill; lower fidelity on SmolLM2); "
+                        "or its KV in a reader's context (two requests of a round prefilled in full; "
+                        "closer to exact prefill; docs/fidelity.md)")
     p.add_argument("--offload-gib", type=float, default=1.0,
                    help="host memory for idle agents' KV between their rounds (0: off)")
     p.add_argument("--mqtt", default=None, metavar="URL", help="control plane broker, mqtt://host:port")

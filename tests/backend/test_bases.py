@@ -1,5 +1,6 @@
 """Where a shared segment's base KV comes from: a standalone prefill once per round (the
-default), or with producer bases the KV its producer computed for its own output."""
+default); with producer bases the KV its producer computed for its own output; with
+reader bases the KV of it in one of the round's requests, prefilled in full."""
 
 from __future__ import annotations
 
@@ -9,8 +10,9 @@ import torch
 from tokendance.backend.api import SamplingParams
 from tokendance.backend.engine import Engine
 from tokendance.backend.pool import flat_slots
+from tokendance.backend.scheduler import Scheduled
 from tokendance.backend.segments import segment_key
-from tests.backend.test_reuse import prefill_full
+from tests.backend.test_reuse import GREEDY, prefill, prefill_full, round_prompts
 
 
 @pytest.mark.parametrize("max_tokens,reason", [(40, "stop"), (7, "length")])
@@ -82,3 +84,71 @@ def test_mirrors_ending_by_length_publish_their_whole_output(smollm2):
     assert forwards[-1] == 2  # the two ends in one forward
     base = engine.segments.get(segment_key("", shared))
     assert engine.pool.num_free == engine.cache.num_blocks - held - len(base.blocks)
+
+
+def _reader_round(tiny_llama, bases: str, extra: bool = False):
+    """A collective round of four agents (each sees the other three outputs); with
+    `extra`, the last agent also holds a segment no other prompt has."""
+    prompts, spans = round_prompts(4, seed=21)
+    if extra:
+        lo = len(prompts[3])
+        prompts[3] = prompts[3] + list(range(100, 140)) + [12]
+        spans[3] = spans[3] + [(lo, lo + 40)]
+    eng = Engine(model=str(tiny_llama), dtype="float32", kv_tokens=8192, bases=bases)
+    seqs, logits = prefill(eng, "collective", prompts, spans)
+    return eng, prompts, spans, seqs, logits
+
+
+def test_reader_bases_are_a_readers_exact_kv(tiny_llama):
+    # The first two requests are prefilled in full (exact); every segment they hold takes
+    # its base from its latest occurrence in them; the others are Mirrors of those bases.
+    eng, prompts, spans, seqs, logits = _reader_round(tiny_llama, "reader")
+    ref = Engine(model=str(tiny_llama), dtype="float32", kv_tokens=8192)
+    full = prefill_full(ref, prompts)
+    lead_logits = ref.runner.run([Scheduled(s, len(s.prompt) - 1, 1) for s in full[:2]])
+    torch.testing.assert_close(logits[:2], lead_logits, rtol=1e-4, atol=1e-5)
+    for s in seqs[:2]:
+        assert s.mirror is None and s.cached == s.recomputed == 0 and s.computed == len(s.prompt)
+    for s in seqs[2:]:
+        assert s.mirror is not None and s.cached > 0
+        assert s.cached + s.recomputed == sum(hi - lo for lo, hi in s.shared)
+    b = eng.cache.block_size
+    assert len(eng.segments.entries) == 4 and {e.source for e in eng.segments.entries.values()} == {"reader"}
+    for key, e in eng.segments.entries.items():
+        found = [(lo, i) for i in range(2) for lo, hi in spans[i]
+                 if segment_key("", prompts[i][lo:hi]) == key]
+        lo, i = max(found)
+        src = flat_slots(e.blocks, torch.arange(e.ntokens), b)
+        dst = flat_slots(full[i].blocks, torch.arange(lo, lo + e.ntokens), b)
+        for k0, k1 in zip(eng.cache.k, ref.cache.k):
+            torch.testing.assert_close(k0.view(-1, *k0.shape[2:])[src], k1.view(-1, *k1.shape[2:])[dst],
+                                       rtol=1e-4, atol=1e-5)
+
+
+def test_segments_no_reader_holds_are_prefilled_standalone(tiny_llama):
+    eng, *_ = _reader_round(tiny_llama, "reader", extra=True)
+    sources = sorted(e.source for e in eng.segments.entries.values())
+    assert sources == ["reader"] * 4 + ["standalone"]
+
+
+def test_reader_bases_collective_equals_pic(tiny_llama):
+    prompts, spans = round_prompts(4, seed=22)
+    got = {}
+    for mode in ("pic", "collective"):
+        eng = Engine(model=str(tiny_llama), dtype="float32", kv_tokens=8192, bases="reader")
+        seqs, logits = prefill(eng, mode, prompts, spans)
+        got[mode] = [s.recomputed for s in seqs], logits
+    assert got["pic"][0] == got["collective"][0] and all(got["pic"][0][2:])
+    torch.testing.assert_close(got["pic"][1], got["collective"][1], rtol=1e-4, atol=1e-5)
+
+
+def test_readers_answer_exactly_beside_their_mirrors(tiny_llama):
+    # Generated end to end: the readers decode in one batch with the Mirrors and give
+    # what full prefill gives; the round frees everything but the bases.
+    prompts, spans = round_prompts(4, seed=23)
+    full = Engine(model=str(tiny_llama), dtype="float32", kv_tokens=8192).generate(prompts, GREEDY)
+    eng = Engine(model=str(tiny_llama), dtype="float32", kv_tokens=8192, bases="reader")
+    out = eng.generate(prompts, GREEDY, mode="collective", shared=spans)
+    assert out[:2] == full[:2] and len(out) == 4
+    held = sum(len(e.blocks) for e in eng.segments.entries.values())
+    assert eng.pool.num_free == eng.cache.num_blocks - held
