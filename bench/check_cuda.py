@@ -216,19 +216,27 @@ def greedy_vs_hf(dtype: str) -> bool:
 
 
 def mirrors() -> bool:
-    """fp32: collective with every reused token recomputed = full; pic = collective."""
+    """fp32: collective with every reused token recomputed = full; pic = collective; with
+    reader bases too, and the two readers (prefilled in full) answer as full does."""
     from tokendance.bench.allgather import make_round
 
     rnd = make_round(4, 120, 60, 49152, seed=3)
     greedy = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
     out = {}
-    for mode, ratio in (("full", 0.15), ("collective", 1.0), ("pic", 0.15), ("collective", 0.15)):
-        eng = seeded(kv_tokens=16384, recompute_ratio=ratio)
-        out[mode, ratio] = [t for t, _, _ in eng.generate(rnd.prompts, greedy, mode=mode, shared=rnd.shared)]
-    a = out["full", 0.15] == out["collective", 1.0]
-    b = out["pic", 0.15] == out["collective", 0.15]
-    print(f"Mirrors on CUDA (fp32): ratio 1 = full {a}; pic = collective {b}")
-    return a and b
+    for mode, ratio, bases in (("full", 0.15, "standalone"), ("collective", 1.0, "standalone"),
+                               ("pic", 0.15, "standalone"), ("collective", 0.15, "standalone"),
+                               ("pic", 0.15, "reader"), ("collective", 0.15, "reader")):
+        eng = seeded(kv_tokens=16384, recompute_ratio=ratio, bases=bases)
+        out[mode, ratio, bases] = [t for t, _, _ in eng.generate(rnd.prompts, greedy, mode=mode,
+                                                                 shared=rnd.shared)]
+    full = out["full", 0.15, "standalone"]
+    a = full == out["collective", 1.0, "standalone"]
+    b = out["pic", 0.15, "standalone"] == out["collective", 0.15, "standalone"]
+    c = out["pic", 0.15, "reader"] == out["collective", 0.15, "reader"]
+    d = out["collective", 0.15, "reader"][:2] == full[:2]
+    print(f"Mirrors on CUDA (fp32): ratio 1 = full {a}; pic = collective {b}; with reader bases "
+          f"pic = collective {c}, readers = full {d}")
+    return a and b and c and d
 
 
 def silu_mul_vs_reference() -> tuple[float, float, float]:

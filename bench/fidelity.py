@@ -86,12 +86,14 @@ def layer_kv(eng: Engine, seq) -> torch.Tensor:
 
 @torch.inference_mode()
 def teacher_forced(eng: Engine, prepared, mode: str, cont: list[list[int]], producer: bool = False
-                   ) -> tuple[list[torch.Tensor], list[list[bool]], tuple[int, int], torch.Tensor]:
+                   ) -> tuple[list[torch.Tensor], list[list[bool]], tuple[int, int], torch.Tensor, list[bool]]:
     """The prompts' KV per layer after this mode's prefill, per token of full's
     continuations whether this mode's argmax picks it (the first from the prefill's
-    logits, each later one fed the ones before), (shared tokens, recomputed tokens) over
-    the prompts, and the prefill's next-token log-probabilities [N, vocab]. With
-    `producer`, the segment cache keeps its producers' bases."""
+    logits, each later one fed the ones before), (shared tokens, of them held privately:
+    recomputed, or a reader's) over the prompts, the prefill's next-token
+    log-probabilities [N, vocab], and which prompts read reused KV (Mirrors; not
+    readers, which reader bases prefill in full). With `producer`, the segment cache
+    keeps its producers' bases."""
     if not producer:
         eng.reset_caches()
     seqs = []
@@ -108,7 +110,8 @@ def teacher_forced(eng: Engine, prepared, mode: str, cont: list[list[int]], prod
             assert eng.blocks.reserve(s, len(s.prompt))
         first = eng.runner.run([Scheduled(s, 0, len(s.prompt)) for s in seqs])
     kvs = [layer_kv(eng, s) for s in seqs]
-    counts = (sum(s.shared_tokens for s in seqs), sum(s.recomputed for s in seqs))
+    counts = (sum(s.shared_tokens for s in seqs), sum(s.shared_tokens - s.cached for s in seqs))
+    mirrors = [s.mirror is not None for s in seqs]
     hits = []
     for s, c, f in zip(seqs, cont, first.argmax(-1).tolist()):
         s.out = list(c[:-1])
@@ -119,7 +122,7 @@ def teacher_forced(eng: Engine, prepared, mode: str, cont: list[list[int]], prod
         hits.append([a == b for a, b in zip(pred, c)])
     for s in seqs:
         eng.abort(s.id)
-    return kvs, hits, counts, first.float().log_softmax(-1)
+    return kvs, hits, counts, first.float().log_softmax(-1), mirrors
 
 
 def open_loop(eng: Engine, be: EngineBackend, modes: list[str], n0: int, questions: int,
@@ -131,23 +134,25 @@ def open_loop(eng: Engine, be: EngineBackend, modes: list[str], n0: int, questio
     devs = {m: [] for m in modes[1:]}
     agree = {m: [] for m in modes}
     kl = {m: [] for m in modes}  # per agent: KL(full || mode) of the first token's distribution
-    counts = {m: [0, 0] for m in modes[1:]}  # shared tokens, recomputed
+    counts = {m: [0, 0] for m in modes[1:]}  # shared tokens, held privately
     for q in QUESTIONS[:questions]:
         eng.reset_caches()
         first = run(eng, requests(be, "full", q, None, n0, greedy), "full", producer)
         prepared = {m: requests(be, m, q, first, n0, greedy) for m in modes}
         full_out = eng.generate([p.state.ids for p in prepared["full"]], SamplingParams(max_tokens=24, temperature=0, ignore_eos=True))
         cont = [toks for toks, _, _ in full_out]
-        exact, a, _, ref = teacher_forced(eng, prepared["full"], "full", cont, producer)
+        exact, a, _, ref, _ = teacher_forced(eng, prepared["full"], "full", cont, producer)
         agree["full"] += a
         kl["full"] += [0.0] * len(a)
         for m in modes[1:]:
-            kvs, a, (shared, recomputed), lp = teacher_forced(eng, prepared[m], m, cont, producer)
-            agree[m] += a
-            kl[m] += (ref.exp() * (ref - lp)).sum(-1).tolist()
+            kvs, a, (shared, held), lp, reads = teacher_forced(eng, prepared[m], m, cont, producer)
+            agree[m] += [h for h, r in zip(a, reads) if r]
+            kl[m] += [d for d, r in zip((ref.exp() * (ref - lp)).sum(-1).tolist(), reads) if r]
             counts[m][0] += shared
-            counts[m][1] += recomputed
-            for kv, ex, p in zip(kvs, exact, prepared[m]):
+            counts[m][1] += held
+            for kv, ex, p, r in zip(kvs, exact, prepared[m], reads):
+                if not r:
+                    continue
                 mask = torch.zeros(kv.shape[2], dtype=torch.bool)
                 for lo, hi in p.state.shared:
                     mask[lo:hi] = True
@@ -155,15 +160,17 @@ def open_loop(eng: Engine, be: EngineBackend, modes: list[str], n0: int, questio
                 devs[m].append((diff / ex[:, 1, mask].flatten(2).norm(dim=-1).clamp_min(1e-9)).mean(-1))
     layers = eng.mcfg.num_layers
     picks = sorted(l for l in {1, 2, 5, 10, layers // 2, layers - 1} if l < layers)
-    out.append("\nPer-layer mean relative V deviation of reused tokens from exact (round-2 prompts):")
+    out.append("\nPer-layer mean relative V deviation of reused tokens from exact (round-2 prompts; here")
+    out.append("and below, over the prompts that read reused KV: with reader bases, not the readers):")
     out.append("| mode | " + " | ".join(f"layer {l}" for l in picks) + " |\n|---|" + "---|" * len(picks))
     for m in modes[1:]:
         d = torch.stack(devs[m]).mean(0)
         out.append(f"| {m} | " + " | ".join(f"{d[l]:.3f}" for l in picks) + " |")
     out.append("\nTeacher-forced greedy agreement with full (24 tokens per agent; the first token")
-    out.append("alone), the first token's KL(full || mode), mean and largest over the agents, and the")
-    out.append("shared tokens recomputed (Mirror compression = shared / recomputed):")
-    out.append("| mode | agreement | first token | KL mean | KL max | shared tokens | recomputed | compression |\n"
+    out.append("alone), the first token's KL(full || mode), mean and largest over the agents, and, over")
+    out.append("every prompt, the shared tokens held privately (recomputed, or a reader's whole copy;")
+    out.append("Mirror compression = shared / held privately):")
+    out.append("| mode | agreement | first token | KL mean | KL max | shared tokens | held privately | compression |\n"
                "|---|---|---|---|---|---|---|---|")
     # After a check layer past 1 every reused token holds a private slot (its early layers).
     dense = eng.collector.cfg.check_layer > 1

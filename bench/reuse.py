@@ -7,7 +7,8 @@ the modes taking turns, caches cleared before each round), the tokens computed
 holds in the live pool:
 - round footprint: the N agents' dense caches / everything held for the round (each
   request's private KV at its end, plus the Master: the shared segments' bases);
-- Mirror compression: the dense KV of the shared segments / the patches held for them.
+- Mirror compression: the dense KV of the shared segments / what the requests hold
+  privately for them (a Mirror its patches; a reader, with reader bases, all of it).
 """
 
 from __future__ import annotations
@@ -68,10 +69,17 @@ def play(eng: Engine, rnd: Round, mode: str, sampling: SamplingParams = ONE, tag
                   [usage[r] for r in ids])
 
 
-def cold(eng: Engine, rnd: Round, mode: str, sampling: SamplingParams = ONE, serial: bool = False) -> Played:
-    """The round from cold caches (prefill, and decode past one token)."""
+def cold(eng: Engine, rnd: Round, mode: str, sampling: SamplingParams = ONE, serial: bool = False,
+         readers: bool = False) -> Played:
+    """The round from cold caches (prefill, and decode past one token); with `readers`,
+    its shared segments' bases come from readers (`--bases reader`), else as configured."""
     eng.reset_caches()
-    return play(eng, rnd, mode, sampling, serial=serial)
+    own = eng.collector.cfg.readers
+    eng.collector.cfg.readers = readers or own
+    try:
+        return play(eng, rnd, mode, sampling, serial=serial)
+    finally:
+        eng.collector.cfg.readers = own
 
 
 def footprint(eng: Engine, rnd: Round, mode: str, usage: list[Usage]) -> tuple[float, float | None]:
@@ -79,37 +87,40 @@ def footprint(eng: Engine, rnd: Round, mode: str, usage: list[Usage]) -> tuple[f
     dense = sum(u.kv_dense_bytes for u in usage)
     master = rnd.shared_tokens * eng.kv_bytes_per_token if mode in ("pic", "collective") else 0
     held = sum(u.kv_held_bytes for u in usage) + master
-    patches = sum(u.recomputed_tokens for u in usage)
     shared = sum(u.shared_tokens for u in usage)
-    return dense / held, (shared / patches if mode in ("pic", "collective") and patches else None)
+    private = shared - sum(u.cached_tokens for u in usage)  # read from the Master: cached
+    return dense / held, (shared / private if mode in ("pic", "collective") and private else None)
 
 
 def bench(eng: Engine, agents: list[int], history: int, output: int, repeats: int, modes: list[str],
-          seed: int = 0, decode: int = 1, serial: list[str] = ()) -> list[dict]:
+          seed: int = 0, decode: int = 1, serial: list[str] = (), readers: list[str] = ()) -> list[dict]:
     """Rows of the table, one per mode and N; each mode in `serial` also gets a row of its
     own served one request at a time ("serial pic": what per-request reuse costs when
-    every agent's request is handled alone, the paper's baseline for collective reuse)."""
+    every agent's request is handled alone, the paper's baseline for collective reuse),
+    and each in `readers` one with reader bases ("reader collective")."""
     rows = []
     sampling = SamplingParams(max_tokens=decode, temperature=0, ignore_eos=True)
     vocab = min(eng.mcfg.vocab_size, len(eng.tokenizer))
-    runs = {mode: (mode, False) for mode in modes} | {f"serial {mode}": (mode, True) for mode in serial}
+    runs = ({mode: (mode, False, False) for mode in modes}
+            | {f"serial {mode}": (mode, True, False) for mode in serial}
+            | {f"reader {mode}": (mode, False, True) for mode in readers})
     for n in agents:
         rnd = make_round(n, history, output, vocab, seed=seed + n)
         # Warm-up: every mode once, with a few decode steps (Triton compiles a kernel
         # variant the first time a batch shape needs it).
-        for mode, one in runs.values():
+        for mode, one, rd in runs.values():
             cold(eng, rnd, mode, SamplingParams(max_tokens=min(decode, 4), temperature=0,
-                                                ignore_eos=True), one)
+                                                ignore_eos=True), one, rd)
         # The modes take turns, repeat by repeat: a slow spell of the machine then falls
         # on every mode alike instead of on one mode's repeats.
         times: dict[str, list[float]] = {name: [] for name in runs}
         last: dict[str, Played] = {}
         for _ in range(repeats):
-            for name, (mode, one) in runs.items():
-                last[name] = cold(eng, rnd, mode, sampling, one)
+            for name, (mode, one, rd) in runs.items():
+                last[name] = cold(eng, rnd, mode, sampling, one, rd)
                 times[name].append(last[name].seconds)
         res = {name: (statistics.median(times[name]), last[name].computed,
-                      *footprint(eng, rnd, mode, last[name].usage)) for name, (mode, _) in runs.items()}
+                      *footprint(eng, rnd, mode, last[name].usage)) for name, (mode, *_) in runs.items()}
         limit = rnd.limit(eng.collector.cfg.ratio)
         vs = lambda name, t: res[name][0] / t if name in res else None  # noqa: E731
         for name in runs:
@@ -169,6 +180,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--serial", type=names(MODES), default="",
                    help="modes also timed with each agent's request served alone, one after another "
                         "(a row 'serial pic' for pic)")
+    p.add_argument("--readers", type=names(("pic", "collective")), default="",
+                   help="reuse modes also timed with reader bases (a row 'reader collective' for "
+                        "collective; docs/fidelity.md)")
     p.add_argument("--kv-tokens", type=natural, default=0)
     p.add_argument("--json", default=None, help="write rows here")
     p.add_argument("--dump-prompts", default=None, help="write each round's prompts (for vLLM)")
@@ -196,7 +210,7 @@ def main(args: argparse.Namespace) -> int:
         rounds = {n: make_round(n, args.history, args.output, vocab, seed=n).prompts for n in agents}
         Path(args.dump_prompts).write_text(json.dumps(rounds))
     rows = bench(eng, agents, args.history, args.output, args.repeats, modes, decode=args.decode,
-                 serial=args.serial)
+                 serial=args.serial, readers=args.readers)
     print(f"model {eng.name} ({eng.mcfg.num_layers} layers) on {eng.device}, {eng.dtype}; "
           f"histories ~{args.history}, outputs ~{args.output}, max_tokens {args.decode}, "
           f"ratio {eng.collector.cfg.ratio}, floor {eng.collector.cfg.floor}")

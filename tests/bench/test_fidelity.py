@@ -66,3 +66,14 @@ def test_modes_other_than_reuse_ones_are_usage_errors(modes, capsys):
     with pytest.raises(SystemExit) as e:
         p.parse_args(["--modes", modes])
     assert e.value.code == 2 and "expected some of prefix,pic,collective" in capsys.readouterr().err
+
+
+def test_open_loop_with_reader_bases(tiny_llama, bench):
+    # Four agents: two readers (prefilled in full) and two Mirrors; the figures cover the
+    # Mirrors, and the readers' whole copies count as held privately.
+    out = bench(fidelity, "--model", str(tiny_llama), "--agents", "4", "--rounds", "1", "--max-tokens", "4",
+                "--questions", "1", "--modes", "collective", "--bases", "reader")
+    row = re.search(r"\| collective \| [0-9.]+ \| [0-9.]+ \| ([0-9.]+) \| ([0-9.]+) \| (\d+) \| (\d+) \| ([^|]+) \|", out)
+    shared, held = int(row[3]), int(row[4])
+    # Each prompt holds the other three answers (and its own): the readers' share is half.
+    assert shared / 2 < held < shared and row[5].strip() == f"{shared / held:.2f}x"

@@ -42,11 +42,31 @@ def test_modes_take_turns(tiny_llama, monkeypatch):
     eng = Engine(model=str(tiny_llama), dtype="float32", kv_tokens=8192)
     order = []
     real = reuse.cold
-    monkeypatch.setattr(reuse, "cold", lambda e, rnd, mode, sp=reuse.ONE, one=False:
-                        order.append((mode, one)) or real(e, rnd, mode, sp, one))
-    reuse.bench(eng, [2], 24, 8, 3, ["full", "pic", "collective"], serial=["pic"])
-    turn = [("full", False), ("pic", False), ("collective", False), ("pic", True)]
-    assert order[4:] == turn * 3  # after one warm-up round each
+    monkeypatch.setattr(reuse, "cold", lambda e, rnd, mode, sp=reuse.ONE, one=False, rd=False:
+                        order.append((mode, one, rd)) or real(e, rnd, mode, sp, one, rd))
+    reuse.bench(eng, [2], 24, 8, 3, ["full", "pic", "collective"], serial=["pic"], readers=["collective"])
+    turn = [("full", False, False), ("pic", False, False), ("collective", False, False),
+            ("pic", True, False), ("collective", False, True)]
+    assert order[5:] == turn * 3  # after one warm-up round each
+
+
+def test_reader_round(tiny_llama):
+    """A round with reader bases: the first two agents are prefilled in full (exact,
+    everything they hold is private), the others read the Master; the engine's own
+    setting is back afterwards."""
+    eng = Engine(model=str(tiny_llama), dtype="float32", kv_tokens=8192)
+    rnd = reuse.make_round(4, 24, 16, eng.mcfg.vocab_size, seed=2)
+    sampling = reuse.SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)
+    played = reuse.cold(eng, rnd, "collective", sampling, readers=True)
+    assert not eng.collector.cfg.readers
+    assert {e.source for e in eng.segments.entries.values()} == {"reader"}
+    assert [u.cached_tokens for u in played.usage[:2]] == [0, 0] and all(u.cached_tokens for u in played.usage[2:])
+    full = reuse.cold(eng, rnd, "full", sampling)
+    assert played.answers[:2] == full.answers[:2]
+    mirrors = sum(u.shared_tokens for u in played.usage[2:])
+    held = sum(u.shared_tokens for u in played.usage[:2]) + sum(u.recomputed_tokens for u in played.usage[2:])
+    assert reuse.footprint(eng, rnd, "collective", played.usage)[1] == pytest.approx(
+        (mirrors + sum(u.shared_tokens for u in played.usage[:2])) / held)
 
 
 def test_serial_pic(tiny_llama, monkeypatch):
@@ -75,6 +95,12 @@ def test_serial_rows(tiny_llama, bench):
     row = next(line.split("|") for line in lines if line.startswith("| 3 | collective |"))
     assert row[8].strip().endswith("x")  # collective against serial pic
     assert any(line.startswith("| 3 | serial pic |") for line in lines)
+
+
+def test_reader_rows(tiny_llama, bench):
+    out = bench(reuse, "--model", str(tiny_llama), "--dtype", "float32", "--agents", "3", "--history", "24",
+                "--output", "20", "--repeats", "1", "--modes", "collective", "--readers", "collective")
+    assert any(line.startswith("| 3 | reader collective |") for line in out.splitlines())
 
 
 @pytest.mark.parametrize("flag,why", [(["--modes", "pic,nope"], "unknown 'nope'"),
