@@ -6,13 +6,14 @@
 #   act: the fused SwiGLU activation against torch's two ops (error, time)
 #   prefill: the engine's prefill alone against HF (10 x 2 k)
 #   check: the CUDA checks alone (bench/check_cuda.py), and the GPU-only tests
-#   reuse:  one All-Gather round, N = 10 and 20, every mode and serial pic, profiled at
-#     N = 10 (and r = 5 % at N = 10)
+#   reuse:  one All-Gather round, N = 10 and 20, every mode, serial pic and collective with
+#     reader bases, profiled at N = 10 (and r = 5 % at N = 10)
 #   gaps: one cold N = 10 round per mode traced with Python stacks: where the GPU waits
 #     on the host, and which of our code runs meanwhile (bench/gaps.py)
 #   policy: the same rounds at r = 4.5 %, the share the recommended policy (floor 0.3,
 #     docs/fidelity.md) recomputes on SmolLM2's debate prompts (random weights here)
-#   mirrors: CUDA checks of Mirrors (graphs = eager, pic = collective, ratio 1 = full)
+#   mirrors: CUDA checks of Mirrors (graphs = eager, pic = collective, ratio 1 = full; with
+#     reader bases pic = collective and readers = full)
 #   collective: collective decode attention against paged decode (bench/collective.py)
 #   capacity: round latency with 128 decoded tokens per agent, prefix vs collective (and
 #     collective at r = 4.5 %)
@@ -64,7 +65,7 @@ if want collective; then
 fi
 if want reuse; then
   td bench reuse --model qwen2.5-7b --dtype bfloat16 --agents 10,20 --history 512 --output 150 \
-    --repeats 3 --serial pic --profile 14 --json "$OUT/reuse.json" 2>&1 | grep -v -i "warn\|deprecat" | tee "$OUT/reuse.txt"
+    --repeats 3 --serial pic --readers collective --profile 14 --json "$OUT/reuse.json" 2>&1 | grep -v -i "warn\|deprecat" | tee "$OUT/reuse.txt"
   td bench reuse --model qwen2.5-7b --dtype bfloat16 --agents 10 --history 512 --output 150 \
     --repeats 3 --ratio 0.05 --modes pic,collective --serial pic 2>&1 | grep -v -i "warn\|deprecat" | tee "$OUT/reuse_r05.txt"
 fi
