@@ -3,7 +3,8 @@
 For a group of requests it (1) finds each shared segment's base KV in the segment cache
 and computes the missing ones once for the whole group: in `collective`, in the same
 batched forward as the requests that read them (backend/blend.py), in `pic` standalone
-before them; (2) makes each request a Mirror of those bases, the round's Master: it reads
+before them; with reader bases, from two of the group's requests prefilled in full
+first; (2) makes each request a Mirror of those bases, the round's Master: it reads
 them in place at its own offsets (keys are stored before RoPE, so placement needs no
 re-rotation and no copy) and owns private blocks only for its own tokens and patches;
 (3) runs selective recomputation: `collective` as one batched computation per

@@ -1,10 +1,11 @@
 """The segment cache: base KV of shared segments, keyed by content, not position.
 
 An entry holds the K/V of a segment's tokens in pool blocks, laid out from slot 0 of
-its first block (keys before RoPE, so the same blocks serve any offset). Two kinds of
-base: `producer` (the KV the agent that wrote the text computed while generating it,
-in its own context) and `standalone` (the segment prefilled alone). A producer base is
-preferred and replaces a standalone one. Entries are reference-counted through the
+its first block (keys before RoPE, so the same blocks serve any offset). Three kinds
+of base: `producer` (the KV the agent that wrote the text computed while generating it,
+in its own context), `reader` (the KV of the segment in a request of the round that read
+it, prefilled in full) and `standalone` (the segment prefilled alone). A producer base is
+preferred and replaces any other. Entries are reference-counted through the
 pool; the least recently used are evicted past a byte budget.
 """
 
@@ -25,7 +26,7 @@ class Entry:
     key: int
     ntokens: int
     blocks: list[int]
-    source: str  # "producer" | "standalone"
+    source: str  # "producer" | "reader" | "standalone"
     pins: int = 0  # in-flight requests reading it
 
 

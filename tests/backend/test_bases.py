@@ -86,7 +86,7 @@ def test_mirrors_ending_by_length_publish_their_whole_output(smollm2):
     assert engine.pool.num_free == engine.cache.num_blocks - held - len(base.blocks)
 
 
-def _reader_round(tiny_llama, bases: str, extra: bool = False):
+def _reader_round(tiny_llama, bases: str, extra: bool = False, **cfg):
     """A collective round of four agents (each sees the other three outputs); with
     `extra`, the last agent also holds a segment no other prompt has."""
     prompts, spans = round_prompts(4, seed=21)
@@ -94,15 +94,17 @@ def _reader_round(tiny_llama, bases: str, extra: bool = False):
         lo = len(prompts[3])
         prompts[3] = prompts[3] + list(range(100, 140)) + [12]
         spans[3] = spans[3] + [(lo, lo + 40)]
-    eng = Engine(model=str(tiny_llama), dtype="float32", kv_tokens=8192, bases=bases)
+    eng = Engine(model=str(tiny_llama), dtype="float32", kv_tokens=8192, bases=bases, **cfg)
     seqs, logits = prefill(eng, "collective", prompts, spans)
     return eng, prompts, spans, seqs, logits
 
 
-def test_reader_bases_are_a_readers_exact_kv(tiny_llama):
-    # The first two requests are prefilled in full (exact); every segment they hold takes
-    # its base from its latest occurrence in them; the others are Mirrors of those bases.
-    eng, prompts, spans, seqs, logits = _reader_round(tiny_llama, "reader")
+@pytest.mark.parametrize("budget", [0, 100])
+def test_reader_bases_are_a_readers_exact_kv(tiny_llama, budget):
+    # The first two requests are prefilled in full (exact; with a budget of 100 tokens
+    # per forward, in chunks); every segment they hold takes its base from its latest
+    # occurrence in them; the others are Mirrors of those bases.
+    eng, prompts, spans, seqs, logits = _reader_round(tiny_llama, "reader", max_batched_tokens=budget)
     ref = Engine(model=str(tiny_llama), dtype="float32", kv_tokens=8192)
     full = prefill_full(ref, prompts)
     lead_logits = ref.runner.run([Scheduled(s, len(s.prompt) - 1, 1) for s in full[:2]])
