@@ -100,6 +100,24 @@ class Collector:
 
     # -- bases ----------------------------------------------------------------------
 
+    def _reserve(self, seq: Sequence, n: int) -> bool:
+        """Blocks for seq's first n tokens, evicting unpinned bases if the pool is short."""
+        if self.blocks.reserve(seq, n):
+            return True
+        self.segments.evict(self.blocks.blocks_for(n))
+        return self.blocks.reserve(seq, n)
+
+    def _keep(self, seq: Sequence, lo: int, ids: list[int], key: int, source: str) -> Entry | None:
+        """Copy seq's K/V of positions lo .. lo + len(ids) into fresh blocks entered in the
+        segment cache under key: a base made of KV computed in seq's context."""
+        holder = Sequence(f"{source}-{key}", ids, SamplingParams(), Detok(None))
+        if not self._reserve(holder, len(ids)):
+            return None
+        b = self.cache.block_size
+        src = seq.slots(torch.arange(lo, lo + len(ids)), EARLY, b, self.cache.trash)
+        self._copy(src.tolist(), holder.slots(torch.arange(len(ids)), EARLY, b, -1).tolist())
+        return self.segments.put(key, len(ids), holder.blocks, source)
+
     def _bases(self, missing: dict[int, list[int]], pinned: list[Entry],
                entered: list[Entry]) -> list[Sequence]:
         """Reserve blocks for every missing segment and enter them in the segment cache,
@@ -109,10 +127,8 @@ class Collector:
         out = []
         for key, ids in missing.items():
             seq = Sequence(f"segment-{key}", ids, SamplingParams(), Detok(None))
-            if not self.blocks.reserve(seq, len(ids)):
-                self.segments.evict(self.blocks.blocks_for(len(ids)))
-                if not self.blocks.reserve(seq, len(ids)):
-                    continue
+            if not self._reserve(seq, len(ids)):
+                continue
             e = self.segments.put(key, len(ids), seq.blocks, "standalone")
             if e is not None:
                 self.segments.pin(e)
@@ -121,9 +137,10 @@ class Collector:
                 out.append(seq)
         return out
 
-    def _standalone(self, seqs: list[Sequence]) -> torch.Tensor | None:
+    def _standalone(self, seqs: list[Sequence]) -> list[torch.Tensor]:
         """Prefill seqs in full, alone, in forwards of at most max_tokens tokens (a prompt
-        may be split across two, as a chunked prefill); their next-token logits in order."""
+        may be split across two, as a chunked prefill); each forward's next-token logits
+        (of the prompts it ends), in order."""
         budget = self.cfg.max_tokens or sum(len(s.prompt) for s in seqs)
         work: list[Scheduled] = []
         left = budget
@@ -139,7 +156,7 @@ class Collector:
                     work, left = [], budget
         if work:
             logits.append(self.runner.run(work))
-        return torch.cat(logits) if logits else None
+        return logits
 
     def _readers(self, group: list[Sequence], keys: list[list[tuple[int, int, int]]],
                  missing: dict[int, list[int]], pinned: list[Entry]) -> tuple[list[Sequence], torch.Tensor | None]:
@@ -147,42 +164,32 @@ class Collector:
         in full (they get the exact answer) and take each segment they hold from its
         latest occurrence there, in their context, into a segment entry (pinned). Those
         segments leave `missing`; the rest are prefilled standalone as usual."""
-        spans = {id(s): sp for s, sp in zip(group, keys)}
-        leads = []
-        for seq in group:
+        leads: list[tuple[Sequence, list[tuple[int, int, int]]]] = []
+        for seq, spans in zip(group, keys):
             if len(leads) == READERS:
                 break
-            if seq.resume is None and any(k in missing for _, _, k in spans[id(seq)]):
-                if not self.blocks.reserve(seq, len(seq.prompt)):
-                    self.segments.evict(self.blocks.blocks_for(len(seq.prompt)))
-                    if not self.blocks.reserve(seq, len(seq.prompt)):
-                        continue
-                leads.append(seq)
+            if (seq.resume is None and any(k in missing for _, _, k in spans)
+                    and self._reserve(seq, len(seq.prompt))):
+                leads.append((seq, spans))
         if not leads:
             return [], None
-        logits = self._standalone(leads)
-        best: dict[int, tuple[Sequence, int, int]] = {}
-        for seq in leads:
-            for lo, hi, key in spans[id(seq)]:
+        logits = torch.cat(self._standalone([seq for seq, _ in leads]))
+        best: dict[int, tuple[Sequence, int]] = {}
+        for seq, spans in leads:
+            for lo, _, key in spans:
                 if key in missing and (key not in best or lo > best[key][1]):
-                    best[key] = (seq, lo, hi)
-        b = self.cache.block_size
-        for key, (seq, lo, hi) in best.items():
-            holder = Sequence(f"reader-{key}", missing[key], SamplingParams(), Detok(None))
-            if not self.blocks.reserve(holder, hi - lo):
-                continue  # no room: prefilled standalone, or read as private text
-            src = seq.slots(torch.arange(lo, hi), EARLY, b, self.cache.trash)
-            self._copy(src.tolist(), holder.slots(torch.arange(hi - lo), EARLY, b, -1).tolist())
-            e = self.segments.put(key, hi - lo, holder.blocks, "reader")
-            if e is not None:
+                    best[key] = (seq, lo)
+        for key, (seq, lo) in best.items():
+            e = self._keep(seq, lo, missing[key], key, "reader")
+            if e is not None:  # else prefilled standalone, or read as private text
                 self.segments.pin(e)
                 pinned.append(e)
                 del missing[key]
-        for seq in leads:
+        for seq, _ in leads:
             seq.shared_tokens = sum(hi - lo for lo, hi in seq.shared)
             seq.recomputed = seq.cached = 0
             seq.computed = len(seq.prompt)
-        return leads, logits
+        return [seq for seq, _ in leads], logits
 
     def _copy(self, src: list[int], dst: list[int]) -> None:
         """Copy K/V of flat pool slots src -> dst in every layer."""
@@ -246,12 +253,10 @@ class Collector:
                     pinned.append(e)
                     continue
                 holder = Sequence(f"master-{sp.key}", [0] * sp.n, SamplingParams(), Detok(None))
-                if not self.blocks.reserve(holder, sp.n):
-                    self.segments.evict(self.blocks.blocks_for(sp.n))
-                    if not self.blocks.reserve(holder, sp.n):
-                        self.idle.tier.drop(r.name)  # its prefix is prefilled instead
-                        seq.resume = None
-                        break
+                if not self._reserve(holder, sp.n):
+                    self.idle.tier.drop(r.name)  # its prefix is prefilled instead
+                    seq.resume = None
+                    break
                 e = self.segments.put(sp.key, sp.n, holder.blocks, sp.source)
                 if e is None or e.blocks is not holder.blocks:  # the cache had no room
                     self.idle.tier.drop(r.name)
@@ -376,12 +381,4 @@ class Collector:
         start = len(seq.prompt)
         if not ids or seq.out[: len(ids)] != ids or start + len(ids) > seq.computed:
             return
-        holder = Sequence(f"out-{seq.id}", ids, SamplingParams(), Detok(None))
-        if not self.blocks.reserve(holder, len(ids)):
-            self.segments.evict(self.blocks.blocks_for(len(ids)))
-            if not self.blocks.reserve(holder, len(ids)):
-                return
-        b = self.cache.block_size
-        src = seq.slots(torch.arange(start, start + len(ids)), EARLY, b, self.cache.trash)
-        self._copy(src.tolist(), holder.slots(torch.arange(len(ids)), EARLY, b, -1).tolist())
-        self.segments.put(segment_key(seq.tenant, ids), len(ids), holder.blocks, "producer")
+        self._keep(seq, start, ids, segment_key(seq.tenant, ids), "producer")
