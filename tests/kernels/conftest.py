@@ -21,7 +21,7 @@ if "triton" in sys.modules:
         for name in ("tokendance.kernels.rope", "tokendance.kernels.tiles",
                      "tokendance.kernels.paged_triton", "tokendance.kernels.collective",
                      "tokendance.kernels.paged_attention",
-                     "tokendance.kernels.deviation", "tokendance.kernels.restore",
+                     "tokendance.kernels.deviation", "tokendance.kernels.diff", "tokendance.kernels.restore",
                      "tokendance.kernels.norm", "tokendance.kernels.act", "tokendance.kernels.store"):
             if name in sys.modules:
                 importlib.reload(sys.modules[name])
