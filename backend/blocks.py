@@ -41,6 +41,7 @@ class BlockManager:
             self.pool.decref(b)
         seq.blocks.clear()
         seq.hashes.clear()
+        seq.reader = False  # a rerun may be a Mirror
         if seq.mirror is not None:  # its references to the Master; a rerun computes all
             for b in seq.mirror.master_blocks:
                 self.pool.decref(b)

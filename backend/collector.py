@@ -26,6 +26,7 @@ from tokendance.backend.api import InvalidRequest, SamplingParams
 from tokendance.backend.blend import BlendInput, blend, early
 from tokendance.backend.blocks import BlockManager
 from tokendance.backend.detok import Detok
+from tokendance.backend.diff import encode
 from tokendance.backend.idle import IdleAgents, Resume, resumed_mirror
 from tokendance.backend.mirror import EARLY, Mirror, Span
 from tokendance.backend.model import Decoder, KVCache
@@ -114,8 +115,8 @@ class Collector:
         if not self._reserve(holder, len(ids)):
             return None
         b = self.cache.block_size
-        src = seq.slots(torch.arange(lo, lo + len(ids)), EARLY, b, self.cache.trash)
-        self._copy(src.tolist(), holder.slots(torch.arange(len(ids)), EARLY, b, -1).tolist())
+        rows = torch.arange(len(ids))
+        self.cache.copy(seq.slots(rows + lo, EARLY, b, self.cache.trash), holder.slots(rows, EARLY, b, -1))
         return self.segments.put(key, len(ids), holder.blocks, source)
 
     def _bases(self, missing: dict[int, list[int]], pinned: list[Entry],
@@ -188,20 +189,17 @@ class Collector:
         for seq, _ in leads:
             seq.shared_tokens = sum(hi - lo for lo, hi in seq.shared)
             seq.recomputed = seq.cached = 0
+            seq.reader = True
             seq.computed = len(seq.prompt)
         return [seq for seq, _ in leads], logits
 
-    def _copy(self, src: list[int], dst: list[int]) -> None:
-        """Copy K/V of flat pool slots src -> dst in every layer."""
-        if not src:
-            return
-        dev = self.cache.k[0].device
-        s = torch.tensor(src, device=dev)
-        d = torch.tensor(dst, device=dev)
-        for kc, vc in zip(self.cache.k, self.cache.v):
-            for c in (kc, vc):
-                flat = c.view(-1, *c.shape[2:])
-                flat.index_copy_(0, d, flat.index_select(0, s))
+    def _encode(self, leads: list[Sequence], keys: list[list[tuple[int, int, int]]]) -> None:
+        """Readers become Mirrors of the bases their K/V equal (backend/diff.py). Last, once
+        the group's forwards are queued: the diff is read back, and the host waits."""
+        for seq, spans in zip(leads, keys):
+            parts = [Span(list(e.blocks), lo, hi - lo, key, e.source)
+                     for lo, hi, key in spans if (e := self.segments.get(key)) is not None]
+            encode(seq, parts, self.cache, self.blocks, self.cfg.check_layer)
 
     def _mirror(self, seq: Sequence, spans: list[tuple[int, int, int]],
                 entries: dict[int, Entry]) -> list[bool]:
@@ -301,9 +299,10 @@ class Collector:
                     if self.segments.get(key) is None:
                         missing[key] = seq.prompt[lo:hi]
                 keys.append(spans)
-            leads, first = [], None
+            leads, first, lead_keys = [], None, []
             if self.cfg.readers and missing:
                 leads, first = self._readers(group, keys, missing, pinned)
+                lead_keys = [sp for seq, sp in zip(group, keys) if seq in leads]
                 keys = [sp for seq, sp in zip(group, keys) if seq not in leads]
                 group = [seq for seq in group if seq not in leads]
             bases = self._bases(missing, pinned, entered)
@@ -347,6 +346,7 @@ class Collector:
         if not ready:
             if fold:
                 self._standalone(bases)
+            self._encode(leads, lead_keys)
             return leads, first
         lead = [BlendInput(b, [False] * len(b.prompt)) for b in bases] if fold else []
         if batched:
@@ -372,6 +372,7 @@ class Collector:
             seq.resume = None
             if seq.mirror.trim():  # a floor left patch room unused: its blocks go back
                 self.blocks.trim(seq)
+        self._encode(leads, lead_keys)
         return leads + ready, logits if first is None else torch.cat([first, logits])
 
     # -- producer chaining -----------------------------------------------------------

@@ -309,7 +309,7 @@ class Engine:
         usage = Usage(
             prompt_tokens=len(seq.prompt), completion_tokens=len(seq.out), cached_tokens=seq.cached,
             recomputed_tokens=seq.recomputed, shared_tokens=seq.shared_tokens,
-            kv_dense_bytes=len(seq) * per_token, kv_held_bytes=self._held(seq) * per_token,
+            kv_dense_bytes=len(seq) * per_token, kv_held_bytes=seq.held * per_token,
         )
         self.seqs.pop(seq.id, None)
         ids = self.encode(seq.detok.text) if seq.publish and seq.blocks else []  # as prompts hold it
@@ -342,14 +342,6 @@ class Engine:
                 w.seq.computed = w.start + w.count
         for s, ids in tails:
             self._close(s, ids)
-
-    @staticmethod
-    def _held(seq: Sequence) -> int:
-        """Tokens of KV this request holds privately: prefix hits live in shared blocks,
-        a Mirror's reused tokens in the Master (it holds its own tokens and patches)."""
-        if seq.mirror is not None:
-            return seq.mirror.held(len(seq))
-        return len(seq) - seq.cached if seq.mode == "prefix" else len(seq)
 
     def reset_caches(self) -> None:
         """Forget every reusable KV (segment bases, prefix blocks, idle agents): a cold start."""

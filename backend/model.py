@@ -73,6 +73,13 @@ class KVCache:
     def store(self, layer: int, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
         store(k, v, slots, self.k[layer], self.v[layer])
 
+    def copy(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Copy the K/V of flat slots src -> dst (distinct) in every layer, in one
+        gather and one scatter."""
+        if len(src):
+            flat = self.kv.flatten(2, 3)
+            flat.index_copy_(2, dst.to(flat.device), flat.index_select(2, src.to(flat.device)))
+
     @property
     def nbytes(self) -> int:
         return self.kv.numel() * self.kv.element_size()

@@ -42,6 +42,7 @@ class Sequence:
     tenant: str = ""
     publish: bool = False  # keep the KV of the output as a base for the next round
     recomputed: int = 0  # reused prompt tokens recomputed selectively
+    reader: bool = False  # prefilled in full to give the round's bases (`--bases reader`)
     shared_tokens: int = 0
     hashes: list[int] = field(default_factory=list)  # chain hash of each full block
     mirror: Mirror | None = None  # pic / collective: shared segments read from the Master
@@ -84,6 +85,14 @@ class Sequence:
     def own_slots(self, tokens: int) -> int:
         """Private slots (in `blocks`) the sequence needs once it has `tokens` tokens."""
         return tokens if self.mirror is None else self.mirror.own_slots(tokens)
+
+    @property
+    def held(self) -> int:
+        """Tokens of KV this request holds privately: prefix hits live in shared blocks,
+        a Mirror's reused tokens in the Master (it holds its own tokens and patches)."""
+        if self.mirror is not None:
+            return self.mirror.held(len(self))
+        return len(self) - self.cached if self.prefix_cache else len(self)
 
     @property
     def pending(self) -> int:

@@ -217,7 +217,8 @@ def greedy_vs_hf(dtype: str) -> bool:
 
 def mirrors() -> bool:
     """fp32: collective with every reused token recomputed = full; pic = collective; with
-    reader bases too, and the two readers (prefilled in full) answer as full does."""
+    reader bases too, and the two readers (prefilled in full, then Mirrors of the bases
+    they gave: backend/diff.py) answer as full does."""
     from tokendance.bench.allgather import make_round
 
     rnd = make_round(4, 120, 60, 49152, seed=3)
@@ -237,6 +238,28 @@ def mirrors() -> bool:
     print(f"Mirrors on CUDA (fp32): ratio 1 = full {a}; pic = collective {b}; with reader bases "
           f"pic = collective {c}, readers = full {d}")
     return a and b and c and d
+
+
+def diff_vs_reference() -> tuple[bool, float, float]:
+    """Diff encode (kernels/diff.py) on a Qwen2.5-7B-shaped pool in bf16 (28 layers, 4 kv
+    heads of 128), 3,000 token pairs, a third of them equal: the kernel's (early, late)
+    equal the reference's exactly; both timed (median ms, bench/kernel_timing.py)."""
+    import triton
+
+    from tokendance.kernels.diff import kv_diff_reference, kv_diff_triton
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    kv = torch.randn(28, 2, 800, 16, 4, 128, device="cuda", generator=g).to(torch.bfloat16)
+    slots = 800 * 16
+    a = torch.randperm(slots, device="cuda", generator=g)[:3000]
+    b = torch.randperm(slots, device="cuda", generator=g)[:3000]
+    b[:1000] = a[:1000]
+    ref = kv_diff_reference(kv, a, b, 1)
+    out = kv_diff_triton(kv, a, b, 1)
+    same = all(torch.equal(x, y) for x, y in zip(ref, out)) and bool((ref[1][:1000] == 0).all())
+    ms = [triton.testing.do_bench(lambda f=f: f(kv, a, b, 1), return_mode="median")
+          for f in (kv_diff_triton, kv_diff_reference)]
+    return same, *ms
 
 
 def silu_mul_vs_reference() -> tuple[float, float, float]:
@@ -274,6 +297,10 @@ def main() -> int:
             print(f"Mirror decode, Master read collectively vs whole slot tables, {dtype}: "
                   f"relative error {e:.2e}")
             ok &= e < tol
+        same, kernel, ref = diff_vs_reference()
+        print(f"diff encode, 7B-shaped bf16 pool, 3,000 pairs: kernel = reference {same}; "
+              f"{kernel:.3f} ms against {ref:.3f} ms ({ref / kernel:.1f}x)")
+        ok &= same
         return 0 if mirrors() and ok else 1
     err = graphs_vs_eager()
     print(f"CUDA-graph decode vs eager, bf16: relative error {err:.2e}")

@@ -90,7 +90,7 @@ def teacher_forced(eng: Engine, prepared, mode: str, cont: list[list[int]], prod
     """The prompts' KV per layer after this mode's prefill, per token of full's
     continuations whether this mode's argmax picks it (the first from the prefill's
     logits, each later one fed the ones before), (shared tokens, of them held privately:
-    recomputed, or a reader's) over the prompts, the prefill's next-token
+    patches, or what a reader does not share) over the prompts, the prefill's next-token
     log-probabilities [N, vocab], and which prompts read reused KV (Mirrors; not
     readers, which reader bases prefill in full). With `producer`, the segment cache
     keeps its producers' bases."""
@@ -110,8 +110,9 @@ def teacher_forced(eng: Engine, prepared, mode: str, cont: list[list[int]], prod
             assert eng.blocks.reserve(s, len(s.prompt))
         first = eng.runner.run([Scheduled(s, 0, len(s.prompt)) for s in seqs])
     kvs = [layer_kv(eng, s) for s in seqs]
-    counts = (sum(s.shared_tokens for s in seqs), sum(s.shared_tokens - s.cached for s in seqs))
-    mirrors = [s.mirror is not None for s in seqs]
+    # Held privately for the shared segments: all a request holds but its other tokens.
+    counts = (sum(s.shared_tokens for s in seqs), sum(s.held - (len(s.prompt) - s.shared_tokens) for s in seqs))
+    mirrors = [s.mirror is not None and not s.reader for s in seqs]
     hits = []
     for s, c, f in zip(seqs, cont, first.argmax(-1).tolist()):
         s.out = list(c[:-1])
@@ -168,16 +169,13 @@ def open_loop(eng: Engine, be: EngineBackend, modes: list[str], n0: int, questio
         out.append(f"| {m} | " + " | ".join(f"{d[l]:.3f}" for l in picks) + " |")
     out.append("\nTeacher-forced greedy agreement with full (24 tokens per agent; the first token")
     out.append("alone), the first token's KL(full || mode), mean and largest over the agents, and, over")
-    out.append("every prompt, the shared tokens held privately (recomputed, or a reader's whole copy;")
+    out.append("every prompt, the shared tokens held privately (patches, or what a reader does not share;")
     out.append("Mirror compression = shared / held privately):")
     out.append("| mode | agreement | first token | KL mean | KL max | shared tokens | held privately | compression |\n"
                "|---|---|---|---|---|---|---|---|")
-    # After a check layer past 1 every reused token holds a private slot (its early layers).
-    dense = eng.collector.cfg.check_layer > 1
     for m in modes:
         shared, rec = counts.get(m, (0, 0))
-        held = shared if dense and m != "full" else rec
-        comp = f"{shared / held:.2f}x" if held else "-"
+        comp = f"{shared / rec:.2f}x" if rec else "-"
         every = statistics.mean(x for h in agree[m] for x in h)
         first = statistics.mean(h[0] for h in agree[m])
         out.append(f"| {m} | {every:.3f} | {first:.3f} | {statistics.mean(kl[m]):.4f} | {max(kl[m]):.4f} "

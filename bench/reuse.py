@@ -8,7 +8,8 @@ holds in the live pool:
 - round footprint: the N agents' dense caches / everything held for the round (each
   request's private KV at its end, plus the Master: the shared segments' bases);
 - Mirror compression: the dense KV of the shared segments / what the requests hold
-  privately for them (a Mirror its patches; a reader, with reader bases, all of it).
+  privately for them (a Mirror its patches; a reader, with reader bases, what its K/V
+  do not share with the Master: backend/diff.py).
 """
 
 from __future__ import annotations
@@ -88,7 +89,9 @@ def footprint(eng: Engine, rnd: Round, mode: str, usage: list[Usage]) -> tuple[f
     master = rnd.shared_tokens * eng.kv_bytes_per_token if mode in ("pic", "collective") else 0
     held = sum(u.kv_held_bytes for u in usage) + master
     shared = sum(u.shared_tokens for u in usage)
-    private = shared - sum(u.cached_tokens for u in usage)  # read from the Master: cached
+    # What each holds privately, less its tokens outside the shared segments.
+    private = sum(u.kv_held_bytes // eng.kv_bytes_per_token - (u.prompt_tokens - u.shared_tokens)
+                  - u.completion_tokens for u in usage)
     return dense / held, (shared / private if mode in ("pic", "collective") and private else None)
 
 

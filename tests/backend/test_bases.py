@@ -110,7 +110,7 @@ def test_reader_bases_are_a_readers_exact_kv(tiny_llama, budget):
     lead_logits = ref.runner.run([Scheduled(s, len(s.prompt) - 1, 1) for s in full[:2]])
     torch.testing.assert_close(logits[:2], lead_logits, rtol=1e-4, atol=1e-5)
     for s in seqs[:2]:
-        assert s.mirror is None and s.cached == s.recomputed == 0 and s.computed == len(s.prompt)
+        assert s.cached == s.recomputed == 0 and s.computed == len(s.prompt)
     for s in seqs[2:]:
         assert s.mirror is not None and s.cached > 0
         assert s.cached + s.recomputed == sum(hi - lo for lo, hi in s.shared)
@@ -125,6 +125,27 @@ def test_reader_bases_are_a_readers_exact_kv(tiny_llama, budget):
         for k0, k1 in zip(eng.cache.k, ref.cache.k):
             torch.testing.assert_close(k0.view(-1, *k0.shape[2:])[src], k1.view(-1, *k1.shape[2:])[dst],
                                        rtol=1e-4, atol=1e-5)
+    # The readers are Mirrors of what they gave (backend/diff.py): those segments' tokens
+    # read the Master in every layer, the rest as before; every layer still reads each
+    # token's exact K/V.
+    for i, s in enumerate(seqs[:2]):
+        n = len(s.prompt)
+        assert s.mirror is not None and s.mirror.held(n) < n
+        gave = [(lo, hi) for lo, hi in spans[i]
+                if max((lo2, j) for j in range(2) for lo2, hi2 in spans[j]
+                       if prompts[j][lo2:hi2] == prompts[i][lo:hi]) == (lo, i)]
+        assert gave
+        rows = torch.arange(n)
+        for view in (0, 1):
+            own = s.mirror.own_index(view, rows)
+            for lo, hi in gave:
+                assert (own[lo:hi] < 0).all()
+        for layer, (k0, k1, v0, v1) in enumerate(zip(eng.cache.k, ref.cache.k, eng.cache.v, ref.cache.v)):
+            got = s.read_slots(rows, 0 if layer < 1 else 1, b)
+            want = flat_slots(full[i].blocks, rows, b)
+            for c0, c1 in ((k0, k1), (v0, v1)):
+                torch.testing.assert_close(c0.view(-1, *c0.shape[2:])[got], c1.view(-1, *c1.shape[2:])[want],
+                                           rtol=1e-4, atol=1e-5)
 
 
 def test_segments_no_reader_holds_are_prefilled_standalone(tiny_llama):

@@ -51,9 +51,8 @@ def test_modes_take_turns(tiny_llama, monkeypatch):
 
 
 def test_reader_round(tiny_llama):
-    """A round with reader bases: the first two agents are prefilled in full (exact,
-    everything they hold is private), the others read the Master; the engine's own
-    setting is back afterwards."""
+    """A round with reader bases: the first two agents are prefilled in full (exact), the
+    others read the Master; the engine's own setting is back afterwards."""
     eng = Engine(model=str(tiny_llama), dtype="float32", kv_tokens=8192)
     rnd = reuse.make_round(4, 24, 16, eng.mcfg.vocab_size, seed=2)
     sampling = reuse.SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)
@@ -63,10 +62,12 @@ def test_reader_round(tiny_llama):
     assert [u.cached_tokens for u in played.usage[:2]] == [0, 0] and all(u.cached_tokens for u in played.usage[2:])
     full = reuse.cold(eng, rnd, "full", sampling)
     assert played.answers[:2] == full.answers[:2]
-    mirrors = sum(u.shared_tokens for u in played.usage[2:])
-    held = sum(u.shared_tokens for u in played.usage[:2]) + sum(u.recomputed_tokens for u in played.usage[2:])
-    assert reuse.footprint(eng, rnd, "collective", played.usage)[1] == pytest.approx(
-        (mirrors + sum(u.shared_tokens for u in played.usage[:2])) / held)
+    # The readers hold privately less than their whole copies (they became Mirrors of
+    # the bases they gave), more than nothing (each holds bases the other gave).
+    shared = sum(u.shared_tokens for u in played.usage)
+    patches = sum(u.recomputed_tokens for u in played.usage[2:])
+    whole = sum(u.shared_tokens for u in played.usage[:2]) + patches
+    assert shared / whole < reuse.footprint(eng, rnd, "collective", played.usage)[1] < shared / patches
 
 
 def test_serial_pic(tiny_llama, monkeypatch):
