@@ -12,8 +12,9 @@
 #     on the host, and which of our code runs meanwhile (bench/gaps.py)
 #   policy: the same rounds at r = 4.5 %, the share the recommended policy (floor 0.3,
 #     docs/fidelity.md) recomputes on SmolLM2's debate prompts (random weights here)
-#   mirrors: CUDA checks of Mirrors (graphs = eager, pic = collective, ratio 1 = full; with
-#     reader bases pic = collective and readers = full)
+#   mirrors: CUDA checks of Mirrors (graphs = eager, pic = collective, ratio 1 = full, the
+#     diff encode kernel = its reference; with reader bases pic = collective and readers =
+#     full)
 #   collective: collective decode attention against paged decode (bench/collective.py)
 #   capacity: round latency with 128 decoded tokens per agent, prefix vs collective (and
 #     collective at r = 4.5 %)
@@ -58,7 +59,7 @@ if want engine; then
     --steps 48 --repeats 3 2>&1 | grep -v -i "warn\|deprecat\|forward_call" | tee "$OUT/engine.txt"
 fi
 if want mirrors; then
-  python3 -m tokendance.bench.check_cuda mirrors 2>&1 | grep -i "mirror" | tee "$OUT/check_mirrors.txt"
+  python3 -m tokendance.bench.check_cuda mirrors 2>&1 | grep -i "mirror\|diff encode" | tee "$OUT/check_mirrors.txt"
 fi
 if want collective; then
   timeout 240 python3 bench/collective.py 2>&1 | grep -v -i "warn\|deprecat" | tee "$OUT/collective.txt"
