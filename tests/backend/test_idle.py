@@ -76,6 +76,26 @@ def test_resumed_agents_equal_full_at_ratio_1(tiny_llama, mode):
     assert free_blocks_after_reset(eng)
 
 
+def test_readers_park_as_mirrors_and_resume_exactly(tiny_llama):
+    """Reader bases: the two readers, Mirrors of the bases they gave (backend/diff.py),
+    park only what they hold privately, and their next requests restore it exactly
+    (every reused token recomputed, so every answer equals full's)."""
+    eng, ref = engine(tiny_llama, recompute_ratio=1.0, bases="reader"), engine(tiny_llama)
+    prompts, spans = round_prompts(4, seed=21)
+    outs, _ = run(eng, prompts, spans, "collective", "r1-")
+    assert outs == run(ref, prompts, spans, "full", "f1-", agents=False)[0]
+    readers = [eng.idle.parked[f"\0a{i}"] for i in range(2)]  # no tenant
+    assert all(p.mirror is not None and p.slots < len(p.tokens) for p in readers)
+    prompts, spans = next_round(prompts, spans, outs, seed=2)
+    eng.segments.clear()  # the Masters now live only on the host
+    restored = eng.idle.restored
+    outs, usage = run(eng, prompts, spans, "collective", "r2-")
+    assert outs == run(ref, prompts, spans, "full", "f2-", agents=False)[0]
+    assert eng.idle.restored - restored >= sum(len(p) for p in prompts) // 2
+    assert all(u.cached_tokens > len(p) // 2 for u, p in zip(usage, prompts))
+    assert free_blocks_after_reset(eng)
+
+
 @pytest.mark.parametrize("mode", ["collective", "pic"])
 def test_an_agent_resumed_without_shared_segments(tiny_llama, mode):
     """A chat that only goes on (nothing shared, in either turn): its Mirror has its
