@@ -12,6 +12,9 @@
 #     on the host, and which of our code runs meanwhile (bench/gaps.py)
 #   policy: the same rounds at r = 4.5 %, the share the recommended policy (floor 0.3,
 #     docs/fidelity.md) recomputes on SmolLM2's debate prompts (random weights here)
+#   readers: the same rounds at r = 30 %, full, collective and collective with reader bases
+#     (with reader bases, the policy that keeps half the N = 8 debates identical to exact
+#     prefill, docs/fidelity.md)
 #   mirrors: CUDA checks of Mirrors (graphs = eager, pic = collective, ratio 1 = full, the
 #     diff encode kernel = its reference; with reader bases pic = collective and readers =
 #     full)
@@ -57,6 +60,11 @@ fi
 if want engine; then
   td bench engine --model qwen2.5-7b --dtype bfloat16 --prefill 10x2048 --decode 32x4096 \
     --steps 48 --repeats 3 2>&1 | grep -v -i "warn\|deprecat\|forward_call" | tee "$OUT/engine.txt"
+fi
+if want readers; then
+  td bench reuse --model qwen2.5-7b --dtype bfloat16 --agents 10,20 --history 512 --output 150 \
+    --repeats 3 --ratio 0.3 --modes full,collective --readers collective 2>&1 | grep -v -i "warn\|deprecat" \
+    | tee "$OUT/readers.txt"
 fi
 if want mirrors; then
   python3 -m tokendance.bench.check_cuda mirrors 2>&1 | grep -i "mirror\|diff encode" | tee "$OUT/check_mirrors.txt"
