@@ -6,21 +6,23 @@ import asyncio
 import threading
 from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager, contextmanager
+from typing import Any
 
 from tokendance.backend.api import Backend
 
 PREFERRED = ("collective", "pic", "prefix", "full")  # best first
 
 
-def backend(model: str | None, mode: str | None) -> Backend:
-    """`echo` (no model), else the engine on `model` (None: the embedded default)."""
+def backend(model: str | None, mode: str | None, **engine: Any) -> Backend:
+    """`echo` (no model, no KV: `engine` options do not apply), else the engine on `model`
+    (None: the embedded default) with `engine`'s EngineConfig fields."""
     if model == "echo":
         from tokendance.examples.echo import EchoBackend
 
         return EchoBackend(mode or PREFERRED[0])
     from tokendance.backend import service
 
-    return service.EngineBackend.load(model, mode=mode or best(getattr(service, "AVAILABLE", PREFERRED)))
+    return service.EngineBackend.load(model, mode=mode or best(getattr(service, "AVAILABLE", PREFERRED)), **engine)
 
 
 def best(available: tuple[str, ...]) -> str:

@@ -18,6 +18,7 @@ from tokendance.examples.client import Client
 from tokendance.examples.loop import Round, run
 from tokendance.examples.scenario import Scenario
 from tokendance.examples.table import diverged, render
+from tokendance.proxy.serve import REUSE_DEFAULTS, add_reuse_args, reuse_options
 
 MODES = ("full", "prefix", "pic", "collective")
 LEGEND = ("reused %: prompt tokens whose KV was reused, not computed; KV held/dense: KV the "
@@ -46,6 +47,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
                    help="in-process engine: HF folder or GGUF file (default: embedded SmolLM2); "
                    "'echo' runs without a model")
     p.add_argument("--compare", action="store_true", help="also run in `full` and diff the outputs")
+    add_reuse_args(p)  # the in-process engine's; a running proxy (--url) has its own
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--max-tokens", type=int, default=48, help="per reply (default 48)")
     p.add_argument("--temperature", type=float, default=0.0, help="default 0: greedy, comparable")
@@ -79,10 +81,13 @@ def main(args: argparse.Namespace) -> int:
 async def simulate(args: argparse.Namespace) -> str:
     """Every run the arguments ask for; the report to print."""
     if args.url is not None:
+        if reuse_options(args) != REUSE_DEFAULTS:
+            raise ValueError("--recompute-ratio, --recompute-floor and --bases set the in-process engine; "
+                             "a running proxy has its own (tokendance serve ...)")
         return await report(args, args.url, args.mode)
     from tokendance.examples import local
 
-    be = local.backend(args.model, args.mode)
+    be = local.backend(args.model, args.mode, **reuse_options(args))
     async with local.proxy(be) as url:
         return await report(args, url, args.mode or getattr(be, "mode", None))
 

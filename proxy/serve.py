@@ -26,16 +26,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--dtype", default="auto", help="auto, float32, bfloat16, float16")
     p.add_argument("--mode", choices=MODES, default=DEFAULT_MODE, help="default KV reuse mode")
-    p.add_argument("--recompute-ratio", type=float, default=0.15,
-                   help="pic / collective: share of each request's reused tokens recomputed, at most")
-    p.add_argument("--recompute-floor", type=float, default=0.0,
-                   help="pic / collective: of those, only tokens whose KV deviation at the check "
-                        "layer exceeds this (0: all of them; docs/fidelity.md)")
-    p.add_argument("--bases", choices=BASES, default="standalone",
-                   help="pic / collective: a shared segment's base KV prefilled standalone once per "
-                        "round; its producer's own KV of it (no prefill; lower fidelity on SmolLM2); "
-                        "or its KV in a reader's context (two requests of a round prefilled in full; "
-                        "closer to exact prefill; docs/fidelity.md)")
+    add_reuse_args(p)
     p.add_argument("--offload-gib", type=float, default=1.0,
                    help="host memory for idle agents' KV between their rounds (0: off)")
     p.add_argument("--mqtt", default=None, metavar="URL", help="control plane broker, mqtt://host:port")
@@ -48,6 +39,29 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     return p
 
 
+REUSE_DEFAULTS = {"recompute_ratio": 0.15, "recompute_floor": 0.0, "bases": "standalone"}
+
+
+def add_reuse_args(p: argparse.ArgumentParser) -> None:
+    """The engine's reuse policy (`serve`, and `simulate`'s in-process engine)."""
+    p.add_argument("--recompute-ratio", type=float, default=REUSE_DEFAULTS["recompute_ratio"],
+                   help="pic / collective: share of each request's reused tokens recomputed, at most")
+    p.add_argument("--recompute-floor", type=float, default=REUSE_DEFAULTS["recompute_floor"],
+                   help="pic / collective: of those, only tokens whose KV deviation at the check "
+                        "layer exceeds this (0: all of them; docs/fidelity.md)")
+    p.add_argument("--bases", choices=BASES, default=REUSE_DEFAULTS["bases"],
+                   help="pic / collective: a shared segment's base KV prefilled standalone once per "
+                        "round; its producer's own KV of it (no prefill; lower fidelity on SmolLM2); "
+                        "or its KV in a reader's context (two requests of a round prefilled in full; "
+                        "closer to exact prefill; with --recompute-ratio 0.3 half of SmolLM2's "
+                        "debates stay identical to it at 4 and 8 agents; docs/fidelity.md)")
+
+
+def reuse_options(args: argparse.Namespace) -> dict[str, float | str]:
+    """The engine config's reuse fields, from `add_reuse_args`' flags."""
+    return {name: getattr(args, name) for name in REUSE_DEFAULTS}
+
+
 def configure_logging(level: str) -> None:
     structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(
         getattr(logging, level.upper())))
@@ -58,9 +72,7 @@ def load_backend(args: argparse.Namespace) -> Backend:
     from tokendance.backend.service import EngineBackend
 
     return EngineBackend.load(args.model, dtype=args.dtype, mode=args.mode,
-                              offload_bytes=int(args.offload_gib * 2**30),
-                              recompute_ratio=args.recompute_ratio, recompute_floor=args.recompute_floor,
-                              bases=args.bases)
+                              offload_bytes=int(args.offload_gib * 2**30), **reuse_options(args))
 
 
 def config(args: argparse.Namespace) -> Config:

@@ -85,3 +85,24 @@ def test_module_entry_runs() -> None:
     )
     assert out.returncode == 0, out.stderr
     assert "society: 3 agents" in out.stdout and "know about the bridge" in out.stdout
+
+
+def test_reuse_flags_reach_the_in_process_engine(tiny_llama, monkeypatch, capsys) -> None:
+    from tokendance.backend.service import EngineBackend
+
+    made = []
+    load = EngineBackend.load.__func__
+    monkeypatch.setattr(EngineBackend, "load",
+                        classmethod(lambda cls, *a, **kw: made.append(load(cls, *a, **kw)) or made[-1]))
+    argv = ["simulate", "debate", "--model", str(tiny_llama), "--agents", "3", "--rounds", "2",
+            "--max-tokens", "4", "--bases", "reader", "--recompute-ratio", "0.3"]
+    assert cli.main(argv) == 0
+    cfg = made[0].engine.collector.cfg
+    assert cfg.readers and cfg.ratio == 0.3 and cfg.floor == 0.0
+    assert "debate: 3 agents, mode collective" in capsys.readouterr().out
+
+
+def test_reuse_flags_need_the_in_process_engine(capsys) -> None:
+    assert cli.main(["simulate", "debate", "--url", "http://127.0.0.1:9", "--bases", "reader"]) == 1
+    err = capsys.readouterr().err.strip()
+    assert "--bases set the in-process engine" in err and "\n" not in err
