@@ -9,6 +9,7 @@ import torch
 
 from tokendance.backend.api import SamplingParams
 from tokendance.backend.engine import Engine
+from tokendance.backend.mirror import EARLY, LATE
 from tokendance.backend.pool import flat_slots
 from tokendance.backend.scheduler import Scheduled
 from tokendance.backend.segments import segment_key
@@ -136,12 +137,12 @@ def test_reader_bases_are_a_readers_exact_kv(tiny_llama, budget):
                        if prompts[j][lo2:hi2] == prompts[i][lo:hi]) == (lo, i)]
         assert gave
         rows = torch.arange(n)
-        for view in (0, 1):
+        for view in (EARLY, LATE):
             own = s.mirror.own_index(view, rows)
             for lo, hi in gave:
                 assert (own[lo:hi] < 0).all()
         for layer, (k0, k1, v0, v1) in enumerate(zip(eng.cache.k, ref.cache.k, eng.cache.v, ref.cache.v)):
-            got = s.read_slots(rows, 0 if layer < 1 else 1, b)
+            got = s.read_slots(rows, EARLY if layer < eng.runner.late_from else LATE, b)
             want = flat_slots(full[i].blocks, rows, b)
             for c0, c1 in ((k0, k1), (v0, v1)):
                 torch.testing.assert_close(c0.view(-1, *c0.shape[2:])[got], c1.view(-1, *c1.shape[2:])[want],
