@@ -24,14 +24,15 @@ from tokendance.kernels.diff import kv_diff
 
 def encode(seq: Sequence, spans: list[Span], cache: KVCache, blocks: BlockManager,
            check_layer: int) -> int:
-    """Make dense seq (its prompt computed, nothing generated) a Mirror of `spans` where
-    its K/V equal theirs; returns the private slots this frees (0: seq stays dense).
-    With a check layer past 1 every reused token keeps a private slot (mirror.py), so
-    nothing is freed and nothing is done."""
-    assert seq.mirror is None and not seq.out, "a dense sequence with its prompt only"
+    """Make dense seq (its prompt computed) a Mirror of `spans` where its K/V equal
+    theirs; returns the private slots this frees (0: seq stays dense). With a check
+    layer past 1 every reused token keeps a private slot (mirror.py), so nothing is freed
+    and nothing is done; nor for a sequence with generated tokens (a preempted one
+    prefilled again), which stays dense."""
+    assert seq.mirror is None, "a dense sequence"
     n = len(seq.prompt)
     spans = [sp for sp in spans if sp.lo + sp.n <= n]
-    if check_layer != 1 or not spans:
+    if check_layer != 1 or not spans or seq.out:
         return 0
     b = cache.block_size
     tok = torch.cat([torch.arange(sp.lo, sp.lo + sp.n) for sp in spans])

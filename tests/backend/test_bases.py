@@ -176,3 +176,20 @@ def test_readers_answer_exactly_beside_their_mirrors(tiny_llama):
     assert out[:2] == full[:2] and len(out) == 4
     held = sum(len(e.blocks) for e in eng.segments.entries.values())
     assert eng.pool.num_free == eng.cache.num_blocks - held
+
+
+def test_reader_bases_under_preemption(tiny_llama):
+    # A pool too small for the round: Mirrors are preempted and prefilled again (every
+    # reused token recomputed, so every answer is exact), and nothing leaks.
+    prompts, spans = round_prompts(4, seed=23)
+    sampling = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+    full = Engine(model=str(tiny_llama), dtype="float32", kv_tokens=8192).generate(prompts, sampling)
+    eng = Engine(model=str(tiny_llama), dtype="float32", kv_tokens=16 * 40, bases="reader",
+                 recompute_ratio=1.0)
+    preempted = []
+    real = eng.scheduler.preempt
+    eng.scheduler.preempt = lambda seq: preempted.append(seq.id) or real(seq)
+    out = eng.generate(prompts, sampling, mode="collective", shared=spans)
+    assert preempted and [t for t, _, _ in out] == [t for t, _, _ in full]
+    held = sum(len(e.blocks) for e in eng.segments.entries.values())
+    assert eng.pool.num_free == eng.cache.num_blocks - held

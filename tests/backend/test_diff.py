@@ -83,6 +83,12 @@ def test_encode_leaves_a_sequence_dense_when_nothing_is_gained():
     blocks = list(seq.blocks)
     assert encode(seq, [span], cache, mgr, check_layer=1) == 0
     assert seq.mirror is None and seq.blocks == blocks
+    cache, mgr, seq = _setup()
+    span = _master(cache, mgr, seq, 8, 12)
+    seq.out = [7]  # preempted after a token, prefilled again: left dense
+    assert encode(seq, [span], cache, mgr, check_layer=1) == 0 and seq.mirror is None
+    seq.out = []
+    assert encode(seq, [span], cache, mgr, check_layer=1) > 0
 
 
 def test_encode_without_room_keeps_the_dense_copy():
