@@ -14,7 +14,7 @@
 #     docs/fidelity.md) recomputes on SmolLM2's debate prompts (random weights here)
 #   readers: the same rounds at r = 30 %, full, collective and collective with reader bases
 #     (with reader bases, the policy that keeps half the N = 8 debates identical to exact
-#     prefill, docs/fidelity.md)
+#     prefill, docs/fidelity.md), then their round latency with 128 decoded tokens (capacity)
 #   mirrors: CUDA checks of Mirrors (graphs = eager, pic = collective, ratio 1 = full, the
 #     diff encode kernel = its reference; with reader bases pic = collective and readers =
 #     full)
@@ -65,6 +65,10 @@ if want readers; then
   td bench reuse --model qwen2.5-7b --dtype bfloat16 --agents 10,20 --history 512 --output 150 \
     --repeats 3 --ratio 0.3 --modes full,collective --readers collective 2>&1 | grep -v -i "warn\|deprecat" \
     | tee "$OUT/readers.txt"
+  # and its capacity: round latency with 128 decoded tokens per agent (as `capacity`)
+  td bench reuse --model qwen2.5-7b --dtype bfloat16 --agents 12,14,16,18,20 --history 512 --output 150 \
+    --repeats 3 --decode 128 --ratio 0.3 --modes collective --readers collective 2>&1 \
+    | grep -v -i "warn\|deprecat" | tee "$OUT/readers_capacity.txt"
 fi
 if want mirrors; then
   python3 -m tokendance.bench.check_cuda mirrors 2>&1 | grep -i "mirror\|diff encode" | tee "$OUT/check_mirrors.txt"
