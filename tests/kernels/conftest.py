@@ -20,8 +20,8 @@ if "triton" in sys.modules:
         # Importers after what they import: paged_attention takes names from collective.
         for name in ("tokendance.kernels.rope", "tokendance.kernels.tiles",
                      "tokendance.kernels.paged_triton", "tokendance.kernels.collective",
-                     "tokendance.kernels.paged_attention",
-                     "tokendance.kernels.deviation", "tokendance.kernels.diff", "tokendance.kernels.restore",
+                     "tokendance.kernels.paged_attention", "tokendance.kernels.deviation",
+                     "tokendance.kernels.diff", "tokendance.kernels.restore",
                      "tokendance.kernels.norm", "tokendance.kernels.act", "tokendance.kernels.store"):
             if name in sys.modules:
                 importlib.reload(sys.modules[name])
