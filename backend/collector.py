@@ -80,6 +80,11 @@ def batches(items: list[T], size: Callable[[T], int], budget: int,
     return out
 
 
+def _span(e: Entry, lo: int, n: int) -> Span:
+    """A Mirror's span of the segment entry e, placed at lo."""
+    return Span(list(e.blocks), lo, n, e.key, e.source)
+
+
 def _spans(r: Resume) -> list[Span]:
     """The parked Mirror's spans that lie inside the restored prefix."""
     m = r.parked.mirror
@@ -187,7 +192,6 @@ class Collector:
                 pinned.append(e)
                 del missing[key]
         for seq, _ in leads:
-            seq.shared_tokens = sum(hi - lo for lo, hi in seq.shared)
             seq.recomputed = seq.cached = 0
             seq.reader = True
             seq.computed = len(seq.prompt)
@@ -197,8 +201,7 @@ class Collector:
         """Readers become Mirrors of the bases their K/V equal (backend/diff.py). Last, once
         the group's forwards are queued: the diff is read back, and the host waits."""
         for seq, spans in zip(leads, keys):
-            parts = [Span(list(e.blocks), lo, hi - lo, key, e.source)
-                     for lo, hi, key in spans if (e := self.segments.get(key)) is not None]
+            parts = [_span(e, lo, hi - lo) for lo, hi, key in spans if (e := self.segments.get(key)) is not None]
             encode(seq, parts, self.cache, self.blocks, self.cfg.check_layer)
 
     def _mirror(self, seq: Sequence, spans: list[tuple[int, int, int]],
@@ -215,7 +218,7 @@ class Collector:
         for lo, hi, key in spans:
             e = entries.get(key)
             if e is not None and lo >= start:
-                parts.append(Span(list(e.blocks), lo, hi - lo, key, e.source))
+                parts.append(_span(e, lo, hi - lo))
                 reused[lo:hi] = [True] * (hi - lo)
         reused[-1] = False  # the last prompt token is always computed: it samples
         dense_early = self.cfg.check_layer > 1
@@ -223,8 +226,7 @@ class Collector:
             cap = math.ceil(self.cfg.ratio * sum(reused))
             seq.mirror = Mirror.build(len(seq.prompt), parts, reused, dense_early, cap)
         else:
-            old = [Span(list(entries[sp.key].blocks), sp.lo, sp.n, sp.key, entries[sp.key].source)
-                   for sp in _spans(r)]
+            old = [_span(entries[sp.key], sp.lo, sp.n) for sp in _spans(r)]
             seq.mirror = resumed_mirror(r, len(seq.prompt), old, parts, reused[start:], dense_early,
                                         self.cfg.ratio)
         for b in seq.mirror.master_blocks:
@@ -365,7 +367,6 @@ class Collector:
         self.runner.work += sum(p.work for p in parts)
         for seq, it, sel in zip(ready, items, selected):
             n_reused = sum(it.reused[it.start:])
-            seq.shared_tokens = sum(hi - lo for lo, hi in seq.shared)
             seq.recomputed = len(sel)
             seq.cached = it.start + n_reused - len(sel)  # restored or reused, not computed
             seq.computed = len(seq.prompt)

@@ -142,7 +142,6 @@ class Engine:
         seq = Sequence(rid, list(prompt), sampling, Detok(self.tokenizer, list(sampling.stop)),
                        generator=gen, mode=mode, shared=list(shared or []), tenant=tenant,
                        publish=publish and self.cfg.bases == "producer")
-        seq.shared_tokens = sum(hi - lo for lo, hi in seq.shared)
         self.seqs[rid] = seq
         if agent is not None and self.cfg.offload_bytes and mode in ("pic", "collective"):
             seq.agent = f"{tenant}\0{agent}"

@@ -43,7 +43,6 @@ class Sequence:
     publish: bool = False  # keep the KV of the output as a base for the next round
     recomputed: int = 0  # reused prompt tokens recomputed selectively
     reader: bool = False  # prefilled in full to give the round's bases (`--bases reader`)
-    shared_tokens: int = 0
     hashes: list[int] = field(default_factory=list)  # chain hash of each full block
     mirror: Mirror | None = None  # pic / collective: shared segments read from the Master
     agent: str | None = None  # whose next request may resume from this one's KV
@@ -85,6 +84,11 @@ class Sequence:
     def own_slots(self, tokens: int) -> int:
         """Private slots (in `blocks`) the sequence needs once it has `tokens` tokens."""
         return tokens if self.mirror is None else self.mirror.own_slots(tokens)
+
+    @property
+    def shared_tokens(self) -> int:
+        """Prompt tokens inside shared segments."""
+        return sum(hi - lo for lo, hi in self.shared)
 
     @property
     def held(self) -> int:
