@@ -8,7 +8,7 @@ from pathlib import Path
 import structlog
 import torch
 
-from tokendance.backend import loader
+from tokendance.backend import heap, loader
 from tokendance.backend.api import BASES, MODES, Delta, InvalidRequest, SamplingParams, TokenLogprob, TopLogprob, Usage
 from tokendance.backend.blocks import BlockManager
 from tokendance.backend.collector import Collector, ReuseConfig, batches
@@ -39,6 +39,8 @@ class Engine:
             log.info("torch CPU threads", before=torch.get_num_threads(), now=threads,
                      hint="OMP_NUM_THREADS chooses")
             torch.set_num_threads(threads)
+        if self.device.type == "cpu":  # before the weights: they join the kept heap too
+            heap.keep()
         if cfg.bases not in BASES:
             raise InvalidRequest(f"unknown bases {cfg.bases!r}; choose one of {', '.join(BASES)}", "bases")
         dtype = cfg.dtype if cfg.dtype != "auto" else ("bfloat16" if self.device.type == "cuda" else "float32")
