@@ -24,7 +24,8 @@
 #   mirror-decode: decode steps over N = 10 and 20 Mirrors against dense caches
 #   restore: idle agents back from the host tier, fused (Master once + diffs) vs dense
 #     (no model: a KVCache of the Qwen2.5-7B K/V shape filled with random bf16)
-#   resume: a second round, agents resumed from the host tier vs prefilled
+#   resume: a second round, agents resumed from the host tier vs prefilled, and vs both
+#     rounds in `prefix` mode (what vLLM does)
 #   sweep: the paged decode kernel's launch configurations (bench/kernels.py --decode)
 #   steps: a decode step at batch 32 x 4k split into GPU forward and host time
 # The carried folders are git-ignored; make them once on the CPU machine:

@@ -6,9 +6,15 @@ tokens; round 2's prompt of agent i is its round-1 prompt, its answer, and every
 new output. Resumed: round 1's requests named their agents, so round 2 restores each
 agent's parked prefix (backend/idle.py: Masters once, private slots, one fused restore)
 and prefills only the rest. Without: the same rounds with no agent named, so round 2
-reuses the shared blocks but prefills every agent's history and answer. Both start from
-cold caches and run round 1 first; round 2's prefill (to its first tokens) is timed,
-median of repeats.
+reuses the shared blocks but prefills every agent's history and answer. Prefix: both
+rounds in `prefix` mode, what vLLM does: round 2 finds each agent's round-1 prompt and
+answer in the block cache and prefills the new outputs at their offsets. Each starts from
+cold caches and runs round 1 first; round 2's prefill (to its first tokens) is timed,
+median of repeats, the variants taking turns.
+
+With --dump-prompts FILE, each N's round 1 (prompts with their answers, what a prefix
+cache holds after it) and round 2 prompts go to FILE, for the same second round served by
+vLLM-CPU (bench/vllm_cpu.py; `ROUND=2 bench/vllm_baseline.sh`).
 
     tokendance bench resume --agents 4,8 --history 256 --output 100
 """
@@ -16,13 +22,19 @@ median of repeats.
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
+from pathlib import Path
 
 from tokendance.backend.api import SamplingParams
 from tokendance.bench.allgather import make_round, next_round
-from tokendance.bench.options import counts, natural, positive
+from tokendance.bench.options import counts, natural, positive, share
 from tokendance.bench.reuse import play
 from tokendance.bench.shapes import round_engine
+
+
+# variant: (mode of both rounds, whether requests name their agents)
+VARIANTS = {"resumed": ("collective", True), "without": ("collective", False), "prefix": ("prefix", False)}
 
 
 def greedy(tokens: int) -> SamplingParams:
@@ -37,33 +49,50 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--output", type=natural, default=100)
     p.add_argument("--answer", type=positive, default=32, help="tokens each agent answers in round 1")
     p.add_argument("--repeats", type=positive, default=3)
+    p.add_argument("--ratio", type=share, default=0.15, help="share of reused tokens recomputed")
+    p.add_argument("--json", default=None, help="write rows here (a row per N and variant)")
+    p.add_argument("--dump-prompts", default=None,
+                   help="write each N's round 1 with its answers and round 2 (for vLLM)")
 
 
 def main(args: argparse.Namespace) -> int:
     agents = args.agents
     n = max(agents)
     eng, vocab = round_engine(args.model, args.dtype, n * 2 * (args.history + 2 * n * args.output
-                                                              + args.answer) + 8192)
+                                                              + args.answer) + 8192,
+                              recompute_ratio=args.ratio)
     print(f"model {eng.name} on {eng.device}, {eng.dtype}; histories ~{args.history}, outputs "
-          f"~{args.output}, answers {args.answer}; round 2 prefill, median of {args.repeats}")
-    print("| N | round-2 prompt tokens | resumed ms | without ms | speed-up | computed resumed / without "
-          "| restored tokens |\n|---|---|---|---|---|---|---|")
+          f"~{args.output}, answers {args.answer}, ratio {args.ratio}; round 2 prefill, median of "
+          f"{args.repeats}")
+    print("| N | round-2 prompt tokens | resumed ms | without ms | prefix ms | resumed vs without "
+          "| resumed vs prefix | computed resumed / without / prefix | restored tokens |\n" + "|---" * 9 + "|")
+    rows, dumped = [], {}
     for k in agents:
         r1 = make_round(k, args.history, args.output, vocab, seed=k)
-        res = {True: [], False: []}
+        res: dict[str, list[tuple[float, float, int]]] = {v: [] for v in VARIANTS}
         for rep in range(args.repeats + 1):  # the first pass warms up
-            for resumed in (True, False):
+            for v, (mode, named) in VARIANTS.items():
                 eng.reset_caches()
-                first = play(eng, r1, "collective", greedy(args.answer), f"{rep}{resumed}a", resumed)
+                first = play(eng, r1, mode, greedy(args.answer), f"{rep}{v}a", named)
                 r2 = next_round(r1, first.answers, args.output, vocab, seed=100 + k)
                 restored = eng.idle.restored
-                second = play(eng, r2, "collective", greedy(1), f"{rep}{resumed}b", resumed)
+                second = play(eng, r2, mode, greedy(1), f"{rep}{v}b", named)
                 if rep:
-                    res[resumed].append((second.seconds, second.computed, eng.idle.restored - restored))
-        t = {r: statistics.median(x[0] for x in v) for r, v in res.items()}
-        w = {r: v[-1][1] for r, v in res.items()}
-        print(f"| {k} | {r2.prompt_tokens} | {1e3 * t[True]:.0f} | {1e3 * t[False]:.0f} | "
-              f"{t[False] / t[True]:.2f}x | {w[True]:.0f} / {w[False]:.0f} | {res[True][-1][2]} |",
-              flush=True)
+                    res[v].append((second.seconds, second.computed, eng.idle.restored - restored))
+                if mode == "prefix":  # vLLM gets the exact answers and the round 2 built on them
+                    dumped[k] = dict(before=[p + a for p, a in zip(r1.prompts, first.answers)],
+                                     prompts=r2.prompts)
+        t = {v: statistics.median(x[0] for x in runs) for v, runs in res.items()}
+        work = {v: runs[-1][1] for v, runs in res.items()}
+        print(f"| {k} | {r2.prompt_tokens} | " + " | ".join(f"{1e3 * t[v]:.0f}" for v in VARIANTS)
+              + f" | {t['without'] / t['resumed']:.2f}x | {t['prefix'] / t['resumed']:.2f}x | "
+              + " / ".join(f"{work[v]:.0f}" for v in VARIANTS) + f" | {res['resumed'][-1][2]} |", flush=True)
+        rows += [dict(agents=k, mode=v, round=2, max_tokens=1, ms=1e3 * t[v], prompt_tokens=r2.prompt_tokens,
+                      computed=work[v], restored=runs[-1][2], all_ms=[round(1e3 * x[0], 1) for x in runs])
+                 for v, runs in res.items()]
     eng.reset_caches()
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=1))
+    if args.dump_prompts:
+        Path(args.dump_prompts).write_text(json.dumps(dumped))
     return 0

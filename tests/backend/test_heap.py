@@ -3,6 +3,7 @@ Each case runs in a fresh interpreter: malloc settings are process-wide."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
@@ -34,15 +35,29 @@ print(faults[0])
 """
 
 
-def faults(mode: str) -> int:
-    out = subprocess.run([sys.executable, "-c", PROBE, mode], capture_output=True, text=True, check=True)
+PAGES = 6 * 64 * 2**20 // 4096  # what six fresh 64 MiB buffers fault in, 4 KiB pages
+
+
+def faults(mode: str, env: dict[str, str] | None = None) -> int:
+    out = subprocess.run([sys.executable, "-c", PROBE, mode], capture_output=True, text=True, check=True,
+                         env={**os.environ, **(env or {})})
     return int(out.stdout.split()[-1])
 
 
 def test_kept_heap_reuses_freed_memory_without_faults():
-    pages = 6 * 64 * 2**20 // 4096  # what six fresh 64 MiB buffers fault in, 4 KiB pages
-    assert faults("default") > pages // 2  # glibc maps and unmaps each one
-    assert faults("keep") < pages // 20
+    assert faults("default") > PAGES // 2  # glibc maps and unmaps each one
+    assert faults("keep") < PAGES // 20
+
+
+def test_vllm_baseline_gets_the_same_heap_through_glibc_environment():
+    # bench/vllm_cpu.py cannot import tokendance: it spells heap.KEEP as glibc's variables
+    from tokendance.bench.vllm_cpu import HEAP_ENV
+
+    keep = dict(heap.KEEP)
+    assert HEAP_ENV == {"MALLOC_MMAP_MAX_": str(keep[heap.M_MMAP_MAX]),
+                        "MALLOC_TRIM_THRESHOLD_": str(keep[heap.M_TRIM_THRESHOLD]),
+                        "MALLOC_ARENA_MAX": str(keep[heap.M_ARENA_MAX])}
+    assert faults("default", HEAP_ENV) < PAGES // 20
 
 
 def test_engine_on_cpu_keeps_the_heap(tiny_llama, monkeypatch):

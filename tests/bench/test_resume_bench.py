@@ -3,6 +3,8 @@ the benchmark's table (counts, not timings)."""
 
 from __future__ import annotations
 
+import json
+
 from tokendance.bench import resume
 from tokendance.bench.allgather import make_round, next_round
 
@@ -27,5 +29,25 @@ def test_bench_resume_table(tiny_llama, bench):
                 "--history", "40", "--output", "20", "--answer", "6", "--repeats", "1")
     row = [line for line in out.splitlines() if line.startswith("| 2 |")][0]
     cells = [c.strip() for c in row.strip("|").split("|")]
-    resumed, without = (float(x) for x in cells[5].split("/"))
-    assert resumed < without and int(cells[6]) > 0
+    resumed, without, prefix = (float(x) for x in cells[7].split("/"))
+    assert max(resumed, prefix) < without and int(cells[8]) > 0  # both reuse the history
+
+
+def test_bench_resume_writes_rows_and_rounds(tiny_llama, bench, tmp_path):
+    rows, rounds = tmp_path / "rows.json", tmp_path / "rounds.json"
+    bench(resume, "--model", str(tiny_llama), "--dtype", "float32", "--agents", "2,3", "--history", "30",
+          "--output", "12", "--answer", "5", "--repeats", "1", "--json", str(rows), "--dump-prompts", str(rounds))
+    got = json.loads(rows.read_text())
+    assert [(r["agents"], r["mode"], r["round"]) for r in got] == [
+        (n, v, 2) for n in (2, 3) for v in ("resumed", "without", "prefix")]
+    assert all(r["ms"] > 0 and len(r["all_ms"]) == 1 for r in got)
+    resumed, without, prefix = got[:3]
+    assert max(resumed["computed"], prefix["computed"]) < without["computed"]
+    assert resumed["restored"] > 0 == without["restored"] == prefix["restored"]
+    dumped = json.loads(rounds.read_text())
+    assert sorted(dumped) == ["2", "3"]
+    for n, r in dumped.items():
+        assert len(r["before"]) == len(r["prompts"]) == int(n)
+        for before, prompt in zip(r["before"], r["prompts"]):  # round 1 and its answer lead round 2
+            assert prompt[: len(before)] == before and len(prompt) > len(before)
+        assert sum(map(len, r["prompts"])) == next(x["prompt_tokens"] for x in got if x["agents"] == int(n))
