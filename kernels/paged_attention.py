@@ -41,14 +41,11 @@ from tokendance.kernels.rope import rope_cos_sin, rope_rotate_reference
 from tokendance.kernels.tiles import _scratch
 
 
-def gather_kv(
-    cache: torch.Tensor, block_table: torch.Tensor, kv_len: int
-) -> torch.Tensor:
-    """The first kv_len slots of one sequence, [kv_len, Hkv, D]."""
-    bsz = cache.shape[1]
+def kv_slots(block_table: torch.Tensor, kv_len: int, bsz: int) -> torch.Tensor:
+    """The flat pool slots (block * bsz + offset) of one sequence's first kv_len tokens."""
     nblocks = (kv_len + bsz - 1) // bsz
-    blocks = cache.index_select(0, block_table[:nblocks].long())
-    return blocks.flatten(0, 1)[:kv_len]
+    offsets = torch.arange(bsz, device=block_table.device)
+    return (block_table[:nblocks].long()[:, None] * bsz + offsets).flatten()[:kv_len]
 
 
 def paged_attention_reference(
@@ -78,8 +75,7 @@ def paged_attention_reference(
         lo, hi = starts[s], starts[s + 1]
         if hi == lo:
             continue
-        k = gather_kv(k_cache, block_tables[s], kv_len)
-        v = gather_kv(v_cache, block_tables[s], kv_len)
+        slots = kv_slots(block_tables[s], kv_len, k_cache.shape[1])
         qp = q_pos[lo:hi].long()
         kpos = torch.arange(kv_len, device=q.device)
         if slot_pos is not None:
@@ -88,8 +84,11 @@ def paged_attention_reference(
             kpos = slot_pos[s, :kv_len].long()
             keep = torch.nonzero((kpos >= 0) & (kpos <= qp.max())).flatten()
             keep = keep[kpos[keep].argsort()]
-            k, v, kpos = k[keep], v[keep], kpos[keep]
-        k = rope_rotate_reference(k, kpos, inv_freq, rope_scale)
+            slots, kpos = slots[keep], kpos[keep]
+        # One gather of the slots each, the keys then rotated where they landed.
+        k = k_cache.flatten(0, 1).index_select(0, slots)
+        v = v_cache.flatten(0, 1).index_select(0, slots)
+        k = rope_rotate_reference(k, kpos, inv_freq, rope_scale, inplace=True)
         if (hi - lo > 1 and _FLASH_LSE is not None and not q.is_cuda
                 and torch.equal(kpos, torch.arange(len(kpos), device=kpos.device))):
             out[lo:hi] = _runs_attention(q[lo:hi], qp, k, v, sm_scale)
@@ -159,10 +158,9 @@ def _chunk_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p: int,
     chunk's own, causal, in two unmasked calls merged by their lse. One call with a mask
     would compute every score, twice the work at p = n, and CPU SDPA runs a mask slower
     per score than its causal path. [n, Hq, D] out, in q.dtype."""
-    g = q.shape[1] // k.shape[1]
     qh = q.transpose(0, 1)[None].contiguous()  # [1, Hq, n, D]
-    kh = k.to(q.dtype).transpose(0, 1).repeat_interleave(g, 0)[None]  # [1, Hq, p+n, D]
-    vh = v.transpose(0, 1).repeat_interleave(g, 0)[None]
+    kh = k.to(q.dtype).transpose(0, 1)[None]  # [1, Hkv, p+n, D]: the CPU kernel groups heads itself
+    vh = v.transpose(0, 1)[None]
     o, lse = _FLASH_LSE(qh, kh[:, :, p:], vh[:, :, p:], 0.0, True, scale=sm_scale)
     if p:
         o1, lse1 = _FLASH_LSE(qh, kh[:, :, :p], vh[:, :, :p], 0.0, False, scale=sm_scale)

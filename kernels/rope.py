@@ -52,13 +52,15 @@ def rope_cos_sin(
 
 
 def rope_rotate_reference(
-    x: torch.Tensor, pos: torch.Tensor, inv_freq: torch.Tensor, scale: float = 1.0
+    x: torch.Tensor, pos: torch.Tensor, inv_freq: torch.Tensor, scale: float = 1.0,
+    inplace: bool = False,
 ) -> torch.Tensor:
-    """Rotate x [T, H, D] by positions pos [T]; math in float32, result in x.dtype."""
+    """Rotate x [T, H, D] by positions pos [T]; math in float32, result in x.dtype. With
+    `inplace`, a float32 x (a fresh gather the caller owns) is rotated where it is."""
     cos, sin = rope_cos_sin(pos, inv_freq, scale)
     cos, sin = cos[:, None, :], sin[:, None, :]
     half = x.shape[-1] // 2
-    out = x.to(torch.float32, copy=True)  # rotated in place: a third of the passes
+    out = x if inplace and x.dtype == torch.float32 else x.to(torch.float32, copy=True)
     x1, x2 = out[..., :half], out[..., half:]
     keep = x1.clone()
     x1.mul_(cos).addcmul_(x2, sin, value=-1)
