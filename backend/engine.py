@@ -91,6 +91,8 @@ class Engine:
         self.inflight: Inflight | None = None  # the last decode step's tokens, not read yet
         self.tails: list[tuple[Sequence, list[int]]] = []  # finished, K/V of their ends due
         self.generator = torch.Generator(device=self.device).manual_seed(cfg.seed)
+        if self.device.type == "cpu":
+            heap.trim()  # what loading left free; serving's peak is kept from here on
         log.info("engine ready", model=str(self.folder), device=str(self.device), dtype=dtype,
                  kv_blocks=self.cache.num_blocks, max_model_len=self.max_model_len)
 

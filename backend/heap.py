@@ -7,9 +7,10 @@ each page zeroed by the kernel: a resumed All-Gather round at N = 10 on SmolLM2 
 ~800 k page faults and ~3 s of system time. `keep()` sets glibc to serve every size
 from its heap (no mmap), never to trim it, and to give every thread the one main arena
 (the server's engine thread included), so a forward reuses what the last one freed: the
-same round then faults ~50 k times (docs/benchmarks.md, "Host heap"). What tcmalloc
+same round then faults ~50 k times (docs/benchmarks.md, "the host heap"). What tcmalloc
 does for vLLM-CPU, with the C library at hand. The cost: the process keeps its peak heap
-for the next peak, as a caching allocator does.
+for the next peak, as a caching allocator does; `trim()` once the engine is built hands
+back what loading the weights left free, so that peak is serving's, not loading's.
 """
 
 from __future__ import annotations
@@ -47,3 +48,10 @@ def keep() -> bool:
     if not done:
         log.warning("host heap: glibc refused a malloc setting")
     return done
+
+
+def trim() -> None:
+    """Hand the heap's free memory back to the system now (glibc's malloc_trim)."""
+    libc = _glibc()
+    if libc is not None:
+        libc.malloc_trim(0)

@@ -60,10 +60,29 @@ def test_vllm_baseline_gets_the_same_heap_through_glibc_environment():
     assert faults("default", HEAP_ENV) < PAGES // 20
 
 
-def test_engine_on_cpu_keeps_the_heap(tiny_llama, monkeypatch):
+TRIM = """
+import os, torch
+from tokendance.backend import heap
+assert heap.keep()
+rss = lambda: int(open("/proc/self/statm").read().split()[1]) * os.sysconf("SC_PAGE_SIZE") >> 20
+x = torch.ones(64 * 2**20)  # 256 MiB
+del x
+kept = rss()
+heap.trim()
+print(kept - rss())
+"""
+
+
+def test_trim_hands_back_what_the_heap_kept():
+    out = subprocess.run([sys.executable, "-c", TRIM], capture_output=True, text=True, check=True)
+    assert int(out.stdout.split()[-1]) > 200  # MiB of the freed 256 back to the system
+
+
+def test_engine_on_cpu_keeps_the_heap_and_trims_what_loading_left(tiny_llama, monkeypatch):
     from tokendance.backend.engine import Engine
 
     calls = []
-    monkeypatch.setattr(heap, "keep", lambda: calls.append(1) or True)
+    monkeypatch.setattr(heap, "keep", lambda: calls.append("keep") or True)
+    monkeypatch.setattr(heap, "trim", lambda: calls.append("trim"))
     Engine(model=str(tiny_llama), dtype="float32", kv_tokens=256)
-    assert calls == [1]
+    assert calls == ["keep", "trim"]
