@@ -87,8 +87,7 @@ def table(rows: list[dict]) -> str:
            "| cached tokens (warm) |", "|" + "---|" * 8]
     for r in rows:
         out.append(f"| {r['agents']} | {r.get('round', 1)} | {r['prompt_tokens']} | {r['max_tokens']} | "
-                   f"{r['cold_ms']:.0f} | "
-                   f"{r['cold_cached']} | {r['warm_ms']:.0f} | {r['warm_cached']} |")
+                   f"{r['cold_ms']:.0f} | {r['cold_cached']} | {r['warm_ms']:.0f} | {r['warm_cached']} |")
     return "\n".join(out)
 
 
