@@ -1,16 +1,16 @@
 """`tokendance bench resume`: the second round of an All-Gather simulation, its agents
 resumed from the host tier against the same round prefilled without it.
 
-Round 1 (bench/allgather.py) runs in `collective` mode, each agent answering `--answer`
-tokens; round 2's prompt of agent i is its round-1 prompt, its answer, and every agent's
-new output. Resumed: round 1's requests named their agents, so round 2 restores each
-agent's parked prefix (backend/idle.py: Masters once, private slots, one fused restore)
-and prefills only the rest. Without: the same rounds with no agent named, so round 2
-reuses the shared blocks but prefills every agent's history and answer. Prefix: both
-rounds in `prefix` mode, what vLLM does: round 2 finds each agent's round-1 prompt and
-answer in the block cache and prefills the new outputs at their offsets. Each starts from
-cold caches and runs round 1 first; round 2's prefill (to its first tokens) is timed,
-median of repeats, the variants taking turns.
+Round 1 (bench/allgather.py) runs first, each agent answering `--answer` tokens; round
+2's prompt of agent i is its round-1 prompt, its answer, and every agent's new output.
+Resumed (both rounds `collective`): round 1's requests named their agents, so round 2
+restores each agent's parked prefix (backend/idle.py: Masters once, private slots, one
+fused restore) and prefills only the rest. Without: the same rounds with no agent named,
+so round 2 reuses the shared blocks but prefills every agent's history and answer.
+Prefix: both rounds in `prefix` mode, what vLLM does: round 2 finds each agent's round-1
+prompt and answer in the block cache and prefills the new outputs at their offsets. Each
+starts from cold caches and runs round 1 first; round 2's prefill (to its first tokens)
+is timed, median of repeats, the variants taking turns.
 
 With --dump-prompts FILE, each N's round 1 (prompts with their answers, what a prefix
 cache holds after it) and round 2 prompts go to FILE, for the same second round served by
