@@ -18,6 +18,9 @@ MODES = ("full", "prefix", "pic", "collective")
 # kept fewer debates identical to exact prefill); or the KV of it in a reader's context
 # (two requests of the group prefilled in full; docs/fidelity.md).
 BASES = ("standalone", "producer", "reader")
+# The reuse policy's defaults (EngineConfig, `serve` and `simulate`, the benchmarks): at
+# most 15 % of each request's reused tokens recomputed, no deviation floor, standalone bases.
+REUSE_DEFAULTS: dict[str, Any] = {"recompute_ratio": 0.15, "recompute_floor": 0.0, "bases": "standalone"}
 
 
 class InvalidRequest(ValueError):

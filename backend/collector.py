@@ -22,7 +22,7 @@ from typing import TypeVar
 
 import torch
 
-from tokendance.backend.api import InvalidRequest, SamplingParams
+from tokendance.backend.api import REUSE_DEFAULTS, InvalidRequest, SamplingParams
 from tokendance.backend.blend import BlendInput, blend, early
 from tokendance.backend.blocks import BlockManager
 from tokendance.backend.detok import Detok
@@ -39,7 +39,7 @@ from tokendance.backend.sequence import Sequence
 @dataclass(slots=True)
 class ReuseConfig:
     check_layer: int = 1
-    ratio: float = 0.15  # share of each request's reused tokens recomputed, at most
+    ratio: float = REUSE_DEFAULTS["recompute_ratio"]  # share of each request's reused tokens recomputed, at most
     floor: float = 0.0  # > 0: of those, only tokens whose KV deviation exceeds it
     cache_fraction: float = 0.25  # of the pool, for segment bases
     max_tokens: int = 0  # prompt tokens per forward (bases, blend); 0: no limit

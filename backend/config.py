@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from tokendance.backend.api import InvalidRequest
+from tokendance.backend.api import REUSE_DEFAULTS, InvalidRequest
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -28,9 +28,11 @@ class EngineConfig:
     random_weights: bool = False  # timing only: the folder needs config.json (and a tokenizer)
     cuda_graphs: int = 128  # on CUDA, replay decode steps of up to this many sequences; 0: off
     check_layer: int = 1  # pic / collective: where deviating tokens are selected
-    recompute_ratio: float = 0.15  # pic / collective: share of reused tokens recomputed, at most
-    recompute_floor: float = 0.0  # pic / collective: recompute only tokens deviating above this
-    bases: str = "standalone"  # pic / collective: where a shared segment's base KV comes from (BASES)
+    # pic / collective: share of reused tokens recomputed, at most; of those, only tokens
+    # deviating above the floor; where a shared segment's base KV comes from (BASES)
+    recompute_ratio: float = REUSE_DEFAULTS["recompute_ratio"]
+    recompute_floor: float = REUSE_DEFAULTS["recompute_floor"]
+    bases: str = REUSE_DEFAULTS["bases"]
     segment_cache_fraction: float = 0.25  # of the pool, for shared segments' base KV
     offload_bytes: int = 1 << 30  # host memory for idle agents' KV (backend/idle.py); 0: off
     overlap: bool | None = None  # decode steps overlap host and GPU (backend/lookahead.py); None: on CUDA

@@ -17,7 +17,7 @@ from collections import Counter
 
 import torch
 
-from tokendance.backend.api import BASES, MODES, Request, SamplingParams, Segment
+from tokendance.backend.api import BASES, MODES, REUSE_DEFAULTS, Request, SamplingParams, Segment
 from tokendance.backend.config import EngineConfig
 from tokendance.backend.engine import Engine
 from tokendance.backend.mirror import EARLY, LATE
@@ -224,7 +224,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rounds", type=positive, default=4)
     p.add_argument("--max-tokens", type=positive, default=48)
     p.add_argument("--questions", type=natural, default=2)
-    p.add_argument("--ratio", type=share, default=0.15)
+    p.add_argument("--ratio", type=share, default=REUSE_DEFAULTS["recompute_ratio"])
     p.add_argument("--modes", type=names(tuple(m for m in MODES if m != "full"), least=1),
                    default="pic,collective", help="reuse modes compared with full")
     p.add_argument("--loops", type=positive, default=1, help="closed-loop debates per N (each on its own question)")
@@ -232,7 +232,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    help="recompute only reused tokens whose check-layer deviation exceeds this")
     p.add_argument("--check-layer", type=positive, default=1,
                    help="where deviating tokens are selected (every reused token is recomputed before it)")
-    p.add_argument("--bases", choices=BASES, default="standalone",
+    p.add_argument("--bases", choices=BASES, default=REUSE_DEFAULTS["bases"],
                    help="shared segments' base KV prefilled standalone, or the KV their producer "
                         "computed (the open loop's producers are full's round-1 answers)")
 

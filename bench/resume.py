@@ -26,7 +26,7 @@ import json
 import statistics
 from pathlib import Path
 
-from tokendance.backend.api import SamplingParams
+from tokendance.backend.api import REUSE_DEFAULTS, SamplingParams
 from tokendance.bench.allgather import make_round, next_round
 from tokendance.bench.options import counts, natural, positive, share
 from tokendance.bench.reuse import play
@@ -49,7 +49,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--output", type=natural, default=100)
     p.add_argument("--answer", type=positive, default=32, help="tokens each agent answers in round 1")
     p.add_argument("--repeats", type=positive, default=3)
-    p.add_argument("--ratio", type=share, default=0.15, help="share of reused tokens recomputed")
+    p.add_argument("--ratio", type=share, default=REUSE_DEFAULTS["recompute_ratio"],
+                   help="share of reused tokens recomputed")
     p.add_argument("--json", default=None, help="write rows here (a row per N and variant)")
     p.add_argument("--dump-prompts", default=None,
                    help="write each N's round 1 with its answers and round 2 (for vLLM)")

@@ -21,7 +21,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from tokendance.backend.api import MODES, SamplingParams, Usage
+from tokendance.backend.api import MODES, REUSE_DEFAULTS, SamplingParams, Usage
 from tokendance.backend.device import sync
 from tokendance.backend.engine import Engine
 from tokendance.bench.allgather import Round, make_round
@@ -190,7 +190,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", default=None, help="write rows here")
     p.add_argument("--dump-prompts", default=None, help="write each round's prompts (for vLLM)")
     p.add_argument("--decode", type=positive, default=1, help="max_tokens per agent (1: prefill to the first token)")
-    p.add_argument("--ratio", type=share, default=0.15, help="share of reused tokens recomputed")
+    p.add_argument("--ratio", type=share, default=REUSE_DEFAULTS["recompute_ratio"],
+                   help="share of reused tokens recomputed")
     p.add_argument("--floor", type=nonnegative, default=0.0,
                    help="recompute only reused tokens whose check-layer deviation exceeds this")
     p.add_argument("--profile", type=natural, default=0, metavar="TOP",

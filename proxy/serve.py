@@ -9,7 +9,7 @@ import signal
 
 import structlog
 
-from tokendance.backend.api import BASES, MODES, Backend
+from tokendance.backend.api import BASES, MODES, REUSE_DEFAULTS, Backend
 
 from .app import Server
 from .core import Config
@@ -37,9 +37,6 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     p.set_defaults(func=main)
     return p
-
-
-REUSE_DEFAULTS = {"recompute_ratio": 0.15, "recompute_floor": 0.0, "bases": "standalone"}
 
 
 def add_reuse_args(p: argparse.ArgumentParser) -> None:
