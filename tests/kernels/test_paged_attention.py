@@ -255,21 +255,43 @@ def test_bf16(decode: bool) -> None:
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_chunk_split_equals_masked_call(monkeypatch, dtype: torch.dtype) -> None:
-    """A run of queries at consecutive positions continuing its sequence (CPU): prefix and
-    own keys in two unmasked calls merged by lse; shorter runs and scattered queries in
-    one masked call; against all in one masked call, and the dense definition."""
-    lens = [70, 37, 19, 50]
-    # chunks after a prefix, a whole prompt (no prefix), a run of MIN_RUN, and a run from
-    # position 0 followed by scattered queries (a Mirror's history and patches)
-    run = torch.cat([torch.arange(0, 20), torch.tensor([30, 31, 41, 49])])
-    c = make_case(lens, suffix(lens[:3], [30, 37, pa.MIN_RUN]) + [run]).to(dtype)
-    calls = []
-    real = pa._chunk_attention
-    monkeypatch.setattr(pa, "_chunk_attention", lambda *a: calls.append(a[3]) or real(*a))
+    """Queries of a sequence on CPU: runs of MIN_RUN+ consecutive positions as chunks
+    (prefix and own keys in two unmasked calls merged by lse), the other rows through the
+    rest path (the keys before the first of them unmasked, the others masked); against
+    all in one masked call, and the dense definition."""
+    m = pa.MIN_RUN
+    lens = [2 * m + 6, m + 5, m + 3, 3 * m]
+    # a chunk after a prefix, a whole prompt (no prefix), a run of MIN_RUN after 3 keys,
+    # and a shorter run from 0 with scattered queries (a Mirror's history and patches)
+    short = torch.cat([torch.arange(0, m - 1), torch.tensor([m + 3, m + 4, 2 * m, 3 * m - 1])])
+    c = make_case(lens, suffix(lens[:3], [m + 6, m + 5, m]) + [short]).to(dtype)
+    calls, rest = [], []
+    real_chunk, real_rest = pa._chunk_attention, pa._rest_attention
+    monkeypatch.setattr(pa, "_chunk_attention", lambda *a: calls.append(a[3]) or real_chunk(*a))
+    monkeypatch.setattr(pa, "_rest_attention", lambda *a: rest.append(a[1].tolist()) or real_rest(*a))
     split = pa.paged_attention_reference(*c.args())
-    assert sorted(calls) == [0, 0, 19 - pa.MIN_RUN, 40]  # prefix lengths of the runs
+    assert sorted(calls) == [0, 3, m]  # prefix lengths of the runs
+    assert rest == [short.tolist()]  # in position order, the short run among them
     monkeypatch.setattr(pa, "_FLASH_LSE", None)
     masked = pa.paged_attention_reference(*c.args())
     tol = 1e-5 if dtype == torch.float32 else 1e-2
     assert rel(split.float(), masked.float()) < tol
     assert rel(split.float(), dense_attention(c.to(torch.float32))) < (1e-5 if dtype == torch.float32 else 2e-2)
+
+
+@pytest.mark.parametrize("group", [pa.REST_GROUP, 3])
+def test_rest_rows_share_the_keys_before_them(monkeypatch, group: int) -> None:
+    """Scattered queries late in a sequence (a resumed agent's patches): masked calls of
+    `group` rows over the keys from the first row's position to each group's last, then
+    one unmasked call of all rows over the keys before the first; the dense definition."""
+    monkeypatch.setattr(pa, "REST_GROUP", group)
+    qp = torch.tensor([41, 44, 45, 52, 60, 61, 70, 88, 89, 99])
+    c = make_case([100], [qp])
+    seen = []
+    real = pa._FLASH_LSE
+    monkeypatch.setattr(pa, "_FLASH_LSE", lambda q, k, *a, **kw: seen.append(
+        (q.shape[2], k.shape[2], kw.get("attn_mask") is not None)) or real(q, k, *a, **kw))
+    got = pa.paged_attention_reference(*c.args())
+    assert rel(got, dense_attention(c)) < 1e-5
+    groups = qp.split(group)
+    assert seen == [(len(g), int(g[-1]) + 1 - 41, True) for g in groups] + [(10, 41, False)]

@@ -174,13 +174,13 @@ def test_trig_table_equals_computed_angles(nq: list[int]) -> None:
 def test_reference_over_a_patched_mirror_takes_runs(monkeypatch, group: int) -> None:
     """A blend's later layers: each Mirror's queries are its history (positions from 0, a
     run) and scattered tokens. With no Master slot hidden the sorted keys are positions
-    0 .. P, so the runs go through the chunk path and the scattered rows through masked
-    calls of `group` rows over the keys up to their last; it must equal the naive
-    definition."""
+    0 .. P, so the runs go through the chunk path and the scattered rows through the
+    rest path (masked calls of `group` rows); it must equal the naive definition."""
     monkeypatch.setattr(pa, "REST_GROUP", group)
-    c = mirror_case([70, 60], [40, 30], 48, [1, 1], hide=0.0)
-    q_pos = [torch.cat([torch.arange(0, 40), torch.tensor([45, 52, 53, 87, 117])]),
-             torch.cat([torch.arange(0, 30), torch.tensor([31, 77, 107])])]
+    m = pa.MIN_RUN
+    c = mirror_case([m + 40, m + 30], [m + 6, m], 48, [1, 1], hide=0.0)
+    q_pos = [torch.cat([torch.arange(0, m + 6), torch.tensor([11, 18, 19, 53, 83]) + m]),
+             torch.cat([torch.arange(0, m), torch.tensor([1, 47, 77]) + m])]
     qp = torch.cat(q_pos)
     cu = torch.tensor([0, len(q_pos[0]), len(qp)], dtype=torch.int32)
     c = Case((torch.randn(len(qp), *c.args[0].shape[1:]), qp, cu) + c.args[3:], c.slots)
