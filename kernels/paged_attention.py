@@ -28,6 +28,7 @@ the reduce merges both parts (`master_decode_reference` / `master_decode_triton`
 from __future__ import annotations
 
 import contextlib
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -37,7 +38,8 @@ from tokendance.kernels.jit import HAVE_TRITON
 from tokendance.kernels.master import MasterRead
 from tokendance.kernels.paged_triton import (decode_partials, decode_splits, paged_attention_triton,
                                              reduce_partials)
-from tokendance.kernels.rope import rope_cos_sin, rope_rotate_reference
+from tokendance.kernels.rope import rope_apply, rope_cos_sin
+from tokendance.kernels.runs import FLASH_LSE, Rows, runs_attention, split_rows
 from tokendance.kernels.tiles import _scratch
 
 
@@ -64,37 +66,61 @@ def paged_attention_reference(
 ) -> torch.Tensor:
     """Attention output [T, Hq, D] in q.dtype. slot_pos: [S, >= slots in the tables]
     positions of the table slots, or None for slot j at position j. plan: a dict the
-    layers of one step share (AttnMeta.plan): decode computes its layout once in it."""
+    layers of one step share (AttnMeta.plan): decode and prefill work out how each
+    sequence reads the pool once in it."""
     starts = cu_q.tolist()
     if starts[-1] == len(starts) - 1:  # one query per sequence
         return _decode_reference(q, q_pos, k_cache, v_cache, block_tables, kv_lens,
                                  inv_freq, rope_scale, sm_scale, slot_pos, plan=plan)
     out = torch.empty_like(q)
-    lens = kv_lens.tolist()
-    for s, kv_len in enumerate(lens):
+    for s, kv_len in enumerate(kv_lens.tolist()):
         lo, hi = starts[s], starts[s + 1]
         if hi == lo:
             continue
-        slots = kv_slots(block_tables[s], kv_len, k_cache.shape[1])
-        qp = q_pos[lo:hi].long()
-        kpos = torch.arange(kv_len, device=q.device)
-        if slot_pos is not None:
-            # Hidden slots (which may hold anything) dropped, the rest in position order:
-            # a Mirror's keys are then positions 0 .. P, as a plain sequence's are.
-            kpos = slot_pos[s, :kv_len].long()
-            keep = torch.nonzero((kpos >= 0) & (kpos <= qp.max())).flatten()
-            keep = keep[kpos[keep].argsort()]
-            slots, kpos = slots[keep], kpos[keep]
+        read = plan.get(("prefill", s)) if plan is not None else None
+        if read is None:
+            read = _seq_read(q, q_pos[lo:hi].long(), block_tables[s], kv_len, k_cache.shape[1],
+                             None if slot_pos is None else slot_pos[s], inv_freq, rope_scale)
+            if plan is not None:
+                plan[("prefill", s)] = read
         # One gather of the slots each, the keys then rotated where they landed.
-        k = k_cache.flatten(0, 1).index_select(0, slots)
-        v = v_cache.flatten(0, 1).index_select(0, slots)
-        k = rope_rotate_reference(k, kpos, inv_freq, rope_scale, inplace=True)
-        if (hi - lo > 1 and _FLASH_LSE is not None and not q.is_cuda
-                and torch.equal(kpos, torch.arange(len(kpos), device=kpos.device))):
-            out[lo:hi] = _runs_attention(q[lo:hi], qp, k, v, sm_scale)
+        k = k_cache.flatten(0, 1).index_select(0, read.slots)
+        v = v_cache.flatten(0, 1).index_select(0, read.slots)
+        k = rope_apply(k, read.cos, read.sin, inplace=True)
+        if read.rows is not None:
+            out[lo:hi] = runs_attention(q[lo:hi], k, v, read.rows, sm_scale)
         else:
-            out[lo:hi] = _masked_attention(q[lo:hi], qp, k, v, kpos, sm_scale)
+            out[lo:hi] = _masked_attention(q[lo:hi], read.qp, k, v, read.kpos, sm_scale)
     return out
+
+
+@dataclass(slots=True)
+class _SeqRead:
+    """How one sequence's prefill rows read the pool: the same in every layer of a step."""
+
+    slots: torch.Tensor  # pool slots of its visible keys, in position order
+    kpos: torch.Tensor  # their positions
+    cos: torch.Tensor  # RoPE of kpos
+    sin: torch.Tensor
+    qp: torch.Tensor  # the rows' positions
+    rows: Rows | None  # keys at 0 .. L-1 on CPU: runs and rest (kernels/runs.py); else one masked call
+
+
+def _seq_read(q, qp, block_table, kv_len: int, bsz: int, slot_pos, inv_freq, rope_scale) -> _SeqRead:
+    slots = kv_slots(block_table, kv_len, bsz)
+    kpos = torch.arange(kv_len, device=q.device)
+    if slot_pos is not None:
+        # Hidden slots (which may hold anything) dropped, the rest in position order: a
+        # Mirror's keys are then positions 0 .. P, as a plain sequence's are.
+        kpos = slot_pos[:kv_len].long()
+        keep = torch.nonzero((kpos >= 0) & (kpos <= qp.max())).flatten()
+        keep = keep[kpos[keep].argsort()]
+        slots, kpos = slots[keep], kpos[keep]
+    rows = None
+    if (len(qp) > 1 and FLASH_LSE is not None and not q.is_cuda
+            and torch.equal(kpos, torch.arange(len(kpos), device=kpos.device))):
+        rows = split_rows(qp, q.dtype)
+    return _SeqRead(slots, kpos, *rope_cos_sin(kpos, inv_freq, rope_scale), qp, rows)
 
 
 def _masked_attention(q: torch.Tensor, qp: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -114,86 +140,6 @@ def _masked_attention(q: torch.Tensor, qp: torch.Tensor, k: torch.Tensor, v: tor
         enable_gqa=True,
     )
     return o[0].transpose(0, 1)
-
-
-MIN_RUN = 64  # consecutive query positions worth a chunk call of their own
-REST_GROUP = 64  # the other queries: masked calls of this many, in position order
-
-
-def _runs_attention(q: torch.Tensor, qp: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                    sm_scale: float) -> torch.Tensor:
-    """Queries at positions qp over keys at positions 0 .. L-1 (rotated, in order). Each
-    run of at least MIN_RUN rows at consecutive positions is a chunk continuing its
-    sequence (`_chunk_attention`: unmasked and causal flash calls); the other rows go
-    through `_rest_attention`. A prefill or chunk is one run; a blend's later layers are
-    a Mirror's history (a run) and its scattered patches, a resumed agent's patches and
-    the short runs between them."""
-    cut = (torch.nonzero(qp[1:] != qp[:-1] + 1).flatten() + 1).tolist()
-    bounds = [0] + cut + [len(qp)]
-    out = torch.empty_like(q)
-    rest = torch.ones(len(qp), dtype=torch.bool)
-    for a, b in zip(bounds, bounds[1:]):
-        if b - a >= MIN_RUN:
-            p = int(qp[a])
-            out[a:b] = _chunk_attention(q[a:b], k[: p + b - a], v[: p + b - a], p, sm_scale)
-            rest[a:b] = False
-    r = torch.nonzero(rest).flatten()
-    if len(r):
-        r = r[qp[r].argsort()]
-        out[r] = _rest_attention(q[r], qp[r], k, v, sm_scale)
-    return out
-
-
-def _rest_attention(q: torch.Tensor, qp: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                    sm_scale: float) -> torch.Tensor:
-    """Queries at ascending, scattered positions qp over keys 0 .. L-1 (rotated, in
-    order). Every row sees the keys before the first row's position: one unmasked call
-    of all rows over them. The keys from there on in masked calls of REST_GROUP rows,
-    each up to its last row's position; merged by lse. A masked call computes every
-    score it is given, at ~0.8x an unmasked one's rate on CPU, and more rows per call
-    run faster: on a resumed agent's patches (2 cores, SmolLM2) this took a quarter
-    off a per-row masked call over all its keys."""
-    n, hq, d = q.shape
-    qh = q.transpose(0, 1)[None].contiguous()  # [1, Hq, n, D]
-    kh = k.to(q.dtype).transpose(0, 1)[None]  # [1, Hkv, L, D]: the CPU kernel groups heads itself
-    vh = v.transpose(0, 1)[None]
-    first = int(qp[0])
-    o = torch.empty(1, hq, n, d, dtype=torch.float32)
-    lse = torch.empty(1, hq, n, dtype=torch.float32)
-    for a in range(0, n, REST_GROUP):
-        g = slice(a, a + REST_GROUP)
-        end = int(qp[g][-1]) + 1
-        mask = torch.zeros(len(qp[g]), end - first, dtype=q.dtype)
-        mask.masked_fill_(torch.arange(first, end)[None, :] > qp[g, None], float("-inf"))
-        og, lse[..., g] = _FLASH_LSE(qh[:, :, g], kh[:, :, first:end], vh[:, :, first:end], 0.0, False,
-                                     attn_mask=mask, scale=sm_scale)
-        o[:, :, g] = og
-    if first:
-        o0, lse0 = _FLASH_LSE(qh, kh[:, :, :first], vh[:, :, :first], 0.0, False, scale=sm_scale)
-        o, lse = merge_attention(o0.float(), lse0, o, lse)
-    return o[0].transpose(0, 1).to(q.dtype)
-
-
-# CPU flash attention that also returns the log-sum-exp (what F.scaled_dot_product_attention
-# runs on CPU, minus the lse); absent from some builds, then the masked call serves.
-_FLASH_LSE = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
-
-
-def _chunk_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p: int,
-                     sm_scale: float) -> torch.Tensor:
-    """Queries at positions p .. p+n-1 over keys 0 .. p+n-1 (rotated), as a chunked
-    prefill continues its own sequence: the first p keys, seen by every query, and the
-    chunk's own, causal, in two unmasked calls merged by their lse. One call with a mask
-    would compute every score, twice the work at p = n, and CPU SDPA runs a mask slower
-    per score than its causal path. [n, Hq, D] out, in q.dtype."""
-    qh = q.transpose(0, 1)[None].contiguous()  # [1, Hq, n, D]
-    kh = k.to(q.dtype).transpose(0, 1)[None]  # [1, Hkv, p+n, D]: the CPU kernel groups heads itself
-    vh = v.transpose(0, 1)[None]
-    o, lse = _FLASH_LSE(qh, kh[:, :, p:], vh[:, :, p:], 0.0, True, scale=sm_scale)
-    if p:
-        o1, lse1 = _FLASH_LSE(qh, kh[:, :, :p], vh[:, :, :p], 0.0, False, scale=sm_scale)
-        o, lse = merge_attention(o1.float(), lse1, o.float(), lse)
-    return o[0].transpose(0, 1).to(q.dtype)
 
 
 def _decode_layout(q_pos, block_tables, kv_lens, inv_freq, rope_scale, slot_pos, bsz: int,

@@ -3,6 +3,7 @@ against a naive dense implementation."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -11,6 +12,7 @@ import torch
 
 import tokendance.kernels.paged_attention as pa
 import tokendance.kernels.paged_triton as pt
+import tokendance.kernels.runs as runs
 from tokendance.kernels.rope import rope_rotate
 from tokendance.kernels.tiles import trig_table
 
@@ -255,43 +257,64 @@ def test_bf16(decode: bool) -> None:
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_chunk_split_equals_masked_call(monkeypatch, dtype: torch.dtype) -> None:
-    """Queries of a sequence on CPU: runs of MIN_RUN+ consecutive positions as chunks
-    (prefix and own keys in two unmasked calls merged by lse), the other rows through the
-    rest path (the keys before the first of them unmasked, the others masked); against
-    all in one masked call, and the dense definition."""
-    m = pa.MIN_RUN
+    """Queries of a sequence on CPU (kernels/runs.py): runs of MIN_RUN+ consecutive
+    positions as chunks (prefix and own keys in two unmasked calls merged by lse), the
+    other rows through the rest path (the keys before the first of them unmasked, the
+    others masked); against all in one masked call, and the dense definition."""
+    m = runs.MIN_RUN
     lens = [2 * m + 6, m + 5, m + 3, 3 * m]
     # a chunk after a prefix, a whole prompt (no prefix), a run of MIN_RUN after 3 keys,
     # and a shorter run from 0 with scattered queries (a Mirror's history and patches)
     short = torch.cat([torch.arange(0, m - 1), torch.tensor([m + 3, m + 4, 2 * m, 3 * m - 1])])
     c = make_case(lens, suffix(lens[:3], [m + 6, m + 5, m]) + [short]).to(dtype)
     calls, rest = [], []
-    real_chunk, real_rest = pa._chunk_attention, pa._rest_attention
-    monkeypatch.setattr(pa, "_chunk_attention", lambda *a: calls.append(a[3]) or real_chunk(*a))
-    monkeypatch.setattr(pa, "_rest_attention", lambda *a: rest.append(a[1].tolist()) or real_rest(*a))
+    real_chunk, real_rest = runs.chunk_attention, runs.rest_attention
+    monkeypatch.setattr(runs, "chunk_attention", lambda *a: calls.append(a[3]) or real_chunk(*a))
+    monkeypatch.setattr(runs, "rest_attention", lambda *a: rest.append((len(a[0]), a[3].first)) or real_rest(*a))
     split = pa.paged_attention_reference(*c.args())
     assert sorted(calls) == [0, 3, m]  # prefix lengths of the runs
-    assert rest == [short.tolist()]  # in position order, the short run among them
-    monkeypatch.setattr(pa, "_FLASH_LSE", None)
+    assert rest == [(len(short), 0)]  # the short run among the scattered rows
+    monkeypatch.setattr(pa, "FLASH_LSE", None)
     masked = pa.paged_attention_reference(*c.args())
     tol = 1e-5 if dtype == torch.float32 else 1e-2
     assert rel(split.float(), masked.float()) < tol
     assert rel(split.float(), dense_attention(c.to(torch.float32))) < (1e-5 if dtype == torch.float32 else 2e-2)
 
 
-@pytest.mark.parametrize("group", [pa.REST_GROUP, 3])
+@pytest.mark.parametrize("group", [runs.REST_GROUP, 3])
 def test_rest_rows_share_the_keys_before_them(monkeypatch, group: int) -> None:
     """Scattered queries late in a sequence (a resumed agent's patches): masked calls of
     `group` rows over the keys from the first row's position to each group's last, then
     one unmasked call of all rows over the keys before the first; the dense definition."""
-    monkeypatch.setattr(pa, "REST_GROUP", group)
+    monkeypatch.setattr(runs, "REST_GROUP", group)
     qp = torch.tensor([41, 44, 45, 52, 60, 61, 70, 88, 89, 99])
     c = make_case([100], [qp])
     seen = []
-    real = pa._FLASH_LSE
-    monkeypatch.setattr(pa, "_FLASH_LSE", lambda q, k, *a, **kw: seen.append(
+    real = runs.FLASH_LSE
+    monkeypatch.setattr(runs, "FLASH_LSE", lambda q, k, *a, **kw: seen.append(
         (q.shape[2], k.shape[2], kw.get("attn_mask") is not None)) or real(q, k, *a, **kw))
     got = pa.paged_attention_reference(*c.args())
     assert rel(got, dense_attention(c)) < 1e-5
     groups = qp.split(group)
     assert seen == [(len(g), int(g[-1]) + 1 - 41, True) for g in groups] + [(10, 41, False)]
+
+
+def test_prefill_plan_serves_every_layer(monkeypatch) -> None:
+    """The layers of a step share a plan: how each sequence reads the pool is worked out
+    once (one row split each), and a second layer's keys read through it give that
+    layer's own attention."""
+    m = runs.MIN_RUN
+    lens = [m + 40, 90]
+    q_pos = [torch.cat([torch.arange(0, m), torch.tensor([m + 5, m + 20, m + 39])]),
+             torch.tensor([10, 11, 50, 89])]
+    c = make_case(lens, q_pos)
+    fresh = lambda t: torch.where(t.isnan(), t, torch.randn_like(t))  # noqa: E731
+    layers = [c, dataclasses.replace(c, q=torch.randn_like(c.q), k_cache=fresh(c.k_cache),
+                                     v_cache=fresh(c.v_cache))]
+    splits = []
+    real = pa.split_rows
+    monkeypatch.setattr(pa, "split_rows", lambda *a: splits.append(1) or real(*a))
+    plan: dict = {}
+    for c in layers:
+        assert rel(pa.paged_attention_reference(*c.args(), plan=plan), dense_attention(c)) < 1e-5
+    assert len(splits) == 2 and len(plan) == 2

@@ -12,6 +12,7 @@ import torch
 
 import tokendance.kernels.paged_attention as pa
 import tokendance.kernels.paged_triton as pt
+import tokendance.kernels.runs as runs
 from tokendance.kernels.rope import rope_rotate
 from tokendance.kernels.tiles import trig_table
 
@@ -170,14 +171,14 @@ def test_trig_table_equals_computed_angles(nq: list[int]) -> None:
     assert rel(got, triton(c)) < 1e-5
 
 
-@pytest.mark.parametrize("group", [pa.REST_GROUP, 2])
+@pytest.mark.parametrize("group", [runs.REST_GROUP, 2])
 def test_reference_over_a_patched_mirror_takes_runs(monkeypatch, group: int) -> None:
     """A blend's later layers: each Mirror's queries are its history (positions from 0, a
     run) and scattered tokens. With no Master slot hidden the sorted keys are positions
     0 .. P, so the runs go through the chunk path and the scattered rows through the
     rest path (masked calls of `group` rows); it must equal the naive definition."""
-    monkeypatch.setattr(pa, "REST_GROUP", group)
-    m = pa.MIN_RUN
+    monkeypatch.setattr(runs, "REST_GROUP", group)
+    m = runs.MIN_RUN
     c = mirror_case([m + 40, m + 30], [m + 6, m], 48, [1, 1], hide=0.0)
     q_pos = [torch.cat([torch.arange(0, m + 6), torch.tensor([11, 18, 19, 53, 83]) + m]),
              torch.cat([torch.arange(0, m), torch.tensor([1, 47, 77]) + m])]
@@ -185,7 +186,7 @@ def test_reference_over_a_patched_mirror_takes_runs(monkeypatch, group: int) -> 
     cu = torch.tensor([0, len(q_pos[0]), len(qp)], dtype=torch.int32)
     c = Case((torch.randn(len(qp), *c.args[0].shape[1:]), qp, cu) + c.args[3:], c.slots)
     calls = []
-    real = pa._chunk_attention
-    monkeypatch.setattr(pa, "_chunk_attention", lambda *a: calls.append(a[3]) or real(*a))
+    real = runs.chunk_attention
+    monkeypatch.setattr(runs, "chunk_attention", lambda *a: calls.append(a[3]) or real(*a))
     assert rel(pa.paged_attention_reference(*c.args), naive(c)) < 1e-5
     assert calls == [0, 0]  # each history run from position 0; the rest masked
