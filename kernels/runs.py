@@ -16,8 +16,8 @@ positions 0 .. L-1 (every plain sequence, and a Mirror with no Master slot hidde
 A masked call computes every score it is given, at ~0.8x an unmasked call's rate on
 CPU, and more rows per call run faster. On a resumed agent's round (2 cores, SmolLM2,
 N = 10) the rest path took 12.0 ms to 9.2 ms a sequence and layer against masked calls
-of 64 rows over all keys, and attention 5.06 s to 4.29 s a round. The plan is the same
-in every layer of a step (AttnMeta.plan keeps it).
+of 64 rows over all keys; with the plan made once per step (AttnMeta.plan keeps it for
+every layer) the round took 9.39 s to 7.83 s (docs/benchmarks.md).
 """
 
 from __future__ import annotations
