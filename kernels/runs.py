@@ -91,7 +91,7 @@ def runs_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rows: Rows
     return out
 
 
-def _heads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
+def _heads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """[1, Hq, n, D] queries, [1, Hkv, L, D] keys and values: the CPU kernel groups the
     query heads that share a kv head itself."""
     return q.transpose(0, 1)[None].contiguous(), k.to(q.dtype).transpose(0, 1)[None], v.transpose(0, 1)[None]

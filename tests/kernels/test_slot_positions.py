@@ -189,4 +189,4 @@ def test_reference_over_a_patched_mirror_takes_runs(monkeypatch, group: int) -> 
     real = runs.chunk_attention
     monkeypatch.setattr(runs, "chunk_attention", lambda *a: calls.append(a[3]) or real(*a))
     assert rel(pa.paged_attention_reference(*c.args), naive(c)) < 1e-5
-    assert calls == [0, 0]  # each history run from position 0; the rest masked
+    assert calls == [0, 0]  # each history run from position 0; the scattered rows the rest path
