@@ -57,12 +57,14 @@ def rope_rotate_reference(
 ) -> torch.Tensor:
     """Rotate x [T, H, D] by positions pos [T]; math in float32, result in x.dtype. With
     `inplace`, a float32 x (a fresh gather the caller owns) is rotated where it is."""
-    return rope_apply(x, *rope_cos_sin(pos, inv_freq, scale), inplace=inplace)
+    cos, sin = rope_cos_sin(pos, inv_freq, scale)
+    return rope_apply(x, cos[:, None, :], sin[:, None, :], inplace=inplace)
 
 
 def rope_apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inplace: bool = False) -> torch.Tensor:
-    """Rotate x [T, H, D] by cos, sin [T, D/2] (rope_cos_sin's), as rope_rotate_reference."""
-    cos, sin = cos[:, None, :], sin[:, None, :]
+    """Rotate x [..., D] by cos, sin (rope_cos_sin's, shaped to broadcast against x's
+    halves [..., D/2]); math in float32, result in x.dtype; `inplace` as in
+    rope_rotate_reference."""
     half = x.shape[-1] // 2
     out = x if inplace and x.dtype == torch.float32 else x.to(torch.float32, copy=True)
     x1, x2 = out[..., :half], out[..., half:]
