@@ -39,8 +39,10 @@ from tokendance.backend.sequence import Sequence
 @dataclass(slots=True)
 class ReuseConfig:
     check_layer: int = 1
-    ratio: float = REUSE_DEFAULTS["recompute_ratio"]  # share of each request's reused tokens recomputed, at most
-    floor: float = 0.0  # > 0: of those, only tokens whose KV deviation exceeds it
+    # the share of each request's reused tokens recomputed, at most; > 0 floor: of those,
+    # only tokens whose KV deviation exceeds it
+    ratio: float = REUSE_DEFAULTS["recompute_ratio"]
+    floor: float = REUSE_DEFAULTS["recompute_floor"]
     cache_fraction: float = 0.25  # of the pool, for segment bases
     max_tokens: int = 0  # prompt tokens per forward (bases, blend); 0: no limit
     readers: bool = False  # bases from readers' exact prefill (`--bases reader`)

@@ -228,7 +228,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--modes", type=names(tuple(m for m in MODES if m != "full"), least=1),
                    default="pic,collective", help="reuse modes compared with full")
     p.add_argument("--loops", type=positive, default=1, help="closed-loop debates per N (each on its own question)")
-    p.add_argument("--floor", type=nonnegative, default=0.0,
+    p.add_argument("--floor", type=nonnegative, default=REUSE_DEFAULTS["recompute_floor"],
                    help="recompute only reused tokens whose check-layer deviation exceeds this")
     p.add_argument("--check-layer", type=positive, default=1,
                    help="where deviating tokens are selected (every reused token is recomputed before it)")

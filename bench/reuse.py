@@ -192,7 +192,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--decode", type=positive, default=1, help="max_tokens per agent (1: prefill to the first token)")
     p.add_argument("--ratio", type=share, default=REUSE_DEFAULTS["recompute_ratio"],
                    help="share of reused tokens recomputed")
-    p.add_argument("--floor", type=nonnegative, default=0.0,
+    p.add_argument("--floor", type=nonnegative, default=REUSE_DEFAULTS["recompute_floor"],
                    help="recompute only reused tokens whose check-layer deviation exceeds this")
     p.add_argument("--profile", type=natural, default=0, metavar="TOP",
                    help="then profile one cold round per mode at the first N: device busy time "

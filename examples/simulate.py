@@ -14,14 +14,13 @@ from collections.abc import Callable
 import structlog
 from tqdm import tqdm
 
-from tokendance.backend.api import REUSE_DEFAULTS
+from tokendance.backend.api import MODES, REUSE_DEFAULTS
 from tokendance.examples.client import Client
 from tokendance.examples.loop import Round, run
 from tokendance.examples.scenario import Scenario
 from tokendance.examples.table import diverged, render
 from tokendance.proxy.serve import add_reuse_args, reuse_options
 
-MODES = ("full", "prefix", "pic", "collective")
 LEGEND = ("reused %: prompt tokens whose KV was reused, not computed; KV held/dense: KV the "
           "round's requests hold vs\na dense cache per request; latency: first request sent "
           "to last reply read.")

@@ -83,6 +83,7 @@ def runs_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rows: Rows
                    sm_scale: float) -> torch.Tensor:
     """q [n, Hq, D] (rotated) over rotated keys k, v [L, Hkv, D] at positions 0 .. L-1,
     as `rows` plans it; [n, Hq, D] in q.dtype."""
+    k = k.to(q.dtype)  # once for every part (float32 rotated keys, bf16 queries)
     out = torch.empty_like(q)
     for a, b, p in rows.chunks:
         out[a:b] = chunk_attention(q[a:b], k[: p + b - a], v[: p + b - a], p, sm_scale)
