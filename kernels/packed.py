@@ -1,10 +1,24 @@
-"""Linear layers with their weights prepacked for oneDNN: the CPU's bf16 matmuls.
+"""Linear layers with their weights prepacked for oneDNN: the CPU's matmuls.
 
-`F.linear` on a CPU bf16 weight hands oneDNN a plain row-major weight on every call; a
-weight reordered once into oneDNN's own layout at load gives the same outputs 1.6-3.5x
-faster for 1-8 rows, 1.05-1.15x for prefill-sized inputs (measured on an AMD EPYC with
-bf16 instructions, where the outputs were bit-identical on SmolLM2's shapes; on an Intel
-Xeon without them, one output in a few thousand rounds one bf16 step the other way).
+bf16: `F.linear` on a CPU bf16 weight hands oneDNN a plain row-major weight on every
+call; a weight reordered once into oneDNN's own layout at load gives the same outputs
+1.6-3.5x faster for 1-8 rows, 1.05-1.15x for prefill-sized inputs (measured on an AMD
+EPYC with bf16 instructions, where the outputs were bit-identical on SmolLM2's shapes; on
+an Intel Xeon without them, one output in a few thousand rounds one bf16 step the other
+way).
+
+float32: `F.linear` goes to MKL, whose sgemm repacks the weight on every call: for a
+decode batch of 4-16 rows that costs more than the arithmetic (on a 2-core Intel Xeon,
+SmolLM2's 30 layers at 8 rows: gate_up 11.4 ms against 6.6 packed, qkv 5.1 against 4.5,
+o_proj 3.2 against 2.5; the lm_head 14.5 against 5.7). For 1-3 rows MKL's matrix-vector
+path is the faster one (gate_up 4.3 against 5.1 ms at one row), so a float32 layer keeps
+its plain weight for those and the packed copy for the rest; and only layers whose
+output is at least as wide as their input are packed: down_proj (1,536 to 576) ran
+slower packed at 1-10 rows (7.0 against 8.0 ms at 8). The cost is memory, 430 MB more
+for SmolLM2 (the tied lm_head's packed copy included), for a batch-8 decode step in
+0.81 of the time (62 against 77 ms, one process, medians of 4). Outputs differ from `F.linear`'s by float32 rounding (another
+summation order).
+
 The reference is `F.linear` on the unpacked weight; tests compare the two.
 """
 
@@ -15,23 +29,32 @@ import torch.nn.functional as F
 from torch import nn
 
 
+FEW = 4  # float32 inputs of fewer rows take F.linear on the plain weight
+
+
 def supported(dtype: torch.dtype, device: torch.device | str) -> bool:
-    """bf16 on a CPU whose oneDNN has bf16 kernels (fp32 keeps F.linear, which is what HF
-    runs: our fp32 outputs are the exact reference)."""
-    return (torch.device(device).type == "cpu" and dtype == torch.bfloat16
-            and torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    """float32 on a CPU with oneDNN, bf16 where its oneDNN has bf16 kernels."""
+    if torch.device(device).type != "cpu" or not torch.backends.mkldnn.is_available():
+        return False
+    return dtype == torch.float32 or (dtype == torch.bfloat16
+                                      and torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
 class PackedLinear(nn.Module):
-    """`nn.Linear`'s forward on a weight reordered once (an opaque oneDNN tensor)."""
+    """`nn.Linear`'s forward on a weight reordered once (an opaque oneDNN tensor); in
+    float32, inputs of fewer than FEW rows on the plain weight."""
 
     def __init__(self, linear: nn.Linear):
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach())
+        w = linear.weight.detach()
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(w)
+        self.plain = w if w.dtype == torch.float32 else None
         self.bias = None if linear.bias is None else linear.bias.detach()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.plain is not None and x.numel() < FEW * self.in_features:
+            return F.linear(x, self.plain, self.bias)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
 
     def extra_repr(self) -> str:
@@ -42,14 +65,22 @@ def reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) 
     return F.linear(x, weight, bias)
 
 
+def worth(linear: nn.Linear) -> bool:
+    """Whether `pack` packs this layer: bf16 ones always, float32 ones at least as wide
+    out as in (see above)."""
+    w = linear.weight
+    return supported(w.dtype, w.device) and (w.dtype != torch.float32
+                                             or linear.out_features >= linear.in_features)
+
+
 @torch.no_grad()
 def pack(model: nn.Module) -> int:
-    """Replace every `nn.Linear` of `model` by a PackedLinear where `supported`; returns
+    """Replace every `nn.Linear` of `model` by a PackedLinear where `worth` it; returns
     how many were replaced. A tied weight (lm_head = embeddings) gets its own packed copy
     and the embedding keeps the original."""
     swaps = [(parent, name, child) for parent in model.modules()
-             for name, child in parent.named_children() if isinstance(child, nn.Linear)
-             and supported(child.weight.dtype, child.weight.device)]
+             for name, child in parent.named_children()
+             if isinstance(child, nn.Linear) and worth(child)]
     for parent, name, child in swaps:
         setattr(parent, name, PackedLinear(child))
     return len(swaps)
