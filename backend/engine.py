@@ -176,6 +176,8 @@ class Engine:
         out = self._step()
         if self.tails:
             self._close_tails()
+        if not self.has_work():
+            self.runner.release()
         return out
 
     def _step(self) -> list[tuple[str, Delta]]:

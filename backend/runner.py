@@ -10,6 +10,7 @@ from tokendance.backend.model import AttnMeta, Decoder, KVCache
 from tokendance.backend.scheduler import Scheduled
 from tokendance.backend.tables import kv_view
 from tokendance.backend.upload import upload_list
+from tokendance.kernels.rotated import RotatedKeys, RotatedStep
 
 
 def step_meta(work: list[Scheduled], block_size: int, device: torch.device, trash: int = -1,
@@ -57,6 +58,15 @@ class Runner:
         self.work = 0  # token-layers computed so far (a token through one layer = 1)
         self.late_from = 1  # Mirrors: the check layer, where their late view starts
         self.graphs: DecodeGraphs | None = None
+        # CPU decode: each layer keeps its batch's keys rotated from step to step, in at
+        # most the pool's own bytes (kernels/rotated.py)
+        self.rotated = (RotatedKeys(cache.nbytes, len(model.layers)) if self.device.type == "cpu"
+                        else None)
+
+    def release(self) -> None:
+        """Drop what decode steps hold between them (nothing left to decode)."""
+        if self.rotated is not None:
+            self.rotated.clear()
 
     def capture(self, max_bs: int, max_blocks: int, scratch_block: int) -> None:
         """Replay decode steps of up to max_bs sequences from CUDA graphs."""
@@ -74,4 +84,9 @@ class Runner:
                                        self.late_from)
         ids = tokens if ids is None else ids
         self.work += len(ids) * len(self.model.layers)
+        if self.rotated is not None and all(w.count == 1 and w.samples for w in work):
+            rows, qpos = tuple(w.seq for w in work), [w.start for w in work]
+            for m in (meta, meta.late):
+                if m is not None:
+                    m.plan["rotated"] = RotatedStep(self.rotated, rows, qpos, m.slots)
         return self.model(ids, meta, self.cache, last)

@@ -39,6 +39,7 @@ from tokendance.kernels.master import MasterRead
 from tokendance.kernels.paged_triton import (decode_partials, decode_splits, paged_attention_triton,
                                              reduce_partials)
 from tokendance.kernels.rope import rope_apply, rope_cos_sin
+from tokendance.kernels.rotated import rotated_decode
 from tokendance.kernels.runs import FLASH_LSE, Rows, runs_attention, split_rows
 from tokendance.kernels.tiles import _scratch
 
@@ -176,15 +177,26 @@ def _decode_reference(q, q_pos, k_cache, v_cache, block_tables, kv_lens, inv_fre
     a loop, CPU SDPA with a mask, and transposing K/V to heads-first all cost more than
     the attention itself: on 2 cores, 8 x 288 keys of SmolLM2, 1.22 ms a layer with the
     transposes, 0.72 without). With `lse`: (o, natural-log lse [S, Hq]) in float32, for
-    merging with another key set. `plan` keeps the layout for the step's other layers."""
+    merging with another key set. `plan` keeps the layout for the step's other layers;
+    with a `RotatedStep` under "rotated" in it, the layer attends over the keys it held
+    since the last step (kernels/rotated.py)."""
     s, hkv, d = q.shape[0], k_cache.shape[2], q.shape[-1]
-    layout = plan.get("decode") if plan is not None else None
-    if layout is None:
-        layout = _decode_layout(q_pos, block_tables, kv_lens, inv_freq, rope_scale, slot_pos,
-                                k_cache.shape[1], k_cache.shape[0])
-        if plan is not None:
-            plan["decode"] = layout
-    idx, width, cos, sin, mask = layout
+
+    def layout() -> tuple:
+        got = plan.get("decode") if plan is not None else None
+        if got is None:
+            got = _decode_layout(q_pos, block_tables, kv_lens, inv_freq, rope_scale, slot_pos,
+                                 k_cache.shape[1], k_cache.shape[0])
+            if plan is not None:
+                plan["decode"] = got
+        return got
+
+    step = plan.get("rotated") if plan is not None and not lse else None
+    if step is not None:
+        o = rotated_decode(step, q, k_cache, v_cache, layout, inv_freq, rope_scale, sm_scale)
+        if o is not None:
+            return o
+    idx, width, cos, sin, mask = layout()
     k = k_cache.flatten(0, 1).index_select(0, idx).view(s, width, hkv, d).float()
     v = v_cache.flatten(0, 1).index_select(0, idx).view(s, width, hkv, d).float()
     k = rope_apply(k, cos, sin, inplace=True)

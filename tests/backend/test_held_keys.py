@@ -1,0 +1,55 @@
+"""The CPU engine's decode over held rotated keys (kernels/rotated.py): the same greedy
+tokens as gathering every step, for plain sequences and for a collective round's
+Mirrors; held only while something decodes."""
+
+from __future__ import annotations
+
+import torch
+
+from tests.backend.test_reuse import round_prompts
+from tokendance.backend.api import SamplingParams
+from tokendance.backend.engine import Engine
+from tokendance.kernels import rotated
+
+GREEDY = SamplingParams(max_tokens=14, temperature=0, ignore_eos=True)
+
+
+def appends(monkeypatch) -> list[int]:
+    calls = []
+    real = rotated._append
+    monkeypatch.setattr(rotated, "_append", lambda *a: calls.append(1) or real(*a))
+    return calls
+
+
+def twice(folder, monkeypatch, *args, **kw) -> tuple[list, list, int]:
+    """(tokens with held keys, tokens gathering every step, appends made)."""
+    calls = appends(monkeypatch)
+    eng = Engine(model=str(folder), dtype="float32", kv_tokens=8192)
+    held = eng.generate(*args, **kw)
+    assert not eng.runner.rotated.held  # released once nothing decodes
+    made = len(calls)
+    eng.runner.rotated.budget = 0
+    assert eng.generate(*args, **kw) == eng.generate(*args, **kw)
+    gathered = eng.generate(*args, **kw)
+    assert len(calls) == made  # nothing held within no budget
+    return held, gathered, made
+
+
+def test_plain_sequences(tiny_llama, monkeypatch):
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(3, 49152, (n,), generator=g).tolist() for n in (5, 70, 33, 140)]
+    held, gathered, made = twice(tiny_llama, monkeypatch, prompts, GREEDY)
+    assert held == gathered
+    assert made > 0
+
+
+def test_collective_round_mirrors(tiny_llama, monkeypatch):
+    prompts, spans = round_prompts(4, seed=9)
+    held, gathered, made = twice(tiny_llama, monkeypatch, prompts, GREEDY, mode="collective", shared=spans)
+    assert held == gathered
+    assert made > 0
+
+
+def test_budget_is_the_pools_bytes(tiny_llama):
+    eng = Engine(model=str(tiny_llama), dtype="float32", kv_tokens=1024)
+    assert eng.runner.rotated is not None and eng.runner.rotated.budget == eng.cache.nbytes
