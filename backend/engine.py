@@ -349,11 +349,13 @@ class Engine:
             self._close(s, ids)
 
     def reset_caches(self) -> None:
-        """Forget every reusable KV (segment bases, prefix blocks, idle agents): a cold start."""
+        """Forget every reusable KV (segment bases, prefix blocks, idle agents, keys held for
+        decode): a cold start."""
         for name in list(self.idle.parked):
             self.idle.drop(name)
         self.segments.clear()
         self.pool.forget()
+        self.runner.release()
 
     # -- convenience ---------------------------------------------------------------
 

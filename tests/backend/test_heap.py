@@ -57,7 +57,10 @@ def test_vllm_baseline_gets_the_same_heap_through_glibc_environment():
     assert HEAP_ENV == {"MALLOC_MMAP_MAX_": str(keep[heap.M_MMAP_MAX]),
                         "MALLOC_TRIM_THRESHOLD_": str(keep[heap.M_TRIM_THRESHOLD]),
                         "MALLOC_ARENA_MAX": str(keep[heap.M_ARENA_MAX])}
-    assert faults("default", HEAP_ENV) < PAGES // 20
+    # Set from the environment, glibc at times faults one of the six buffers in again
+    # (16,384 pages: in about one run of four under pytest on the Intel host, never in a
+    # plain loop of the same probe); the default heap faults in all six.
+    assert faults("default", HEAP_ENV) < PAGES // 4
 
 
 TRIM = """
