@@ -9,15 +9,15 @@ way).
 
 float32: `F.linear` goes to MKL's sgemm, whose time at 4-16 rows grows with the rows
 where reading the weight once should bound it (a decode batch); oneDNN on a weight
-reordered at load does not. On a 2-core Intel Xeon,
-SmolLM2's 30 layers at 8 rows, MKL against packed: gate_up 19.6 against 13.0 ms, qkv 5.1
-against 4.5, o_proj 3.2 against 2.5; the lm_head 14.5 against 5.7. For 1-3 rows MKL's
-matrix-vector path is the faster one (gate_up 8.3 against 10.1 ms at one row), so a
-float32 layer keeps its plain weight for those and the packed copy for the rest; and
-only layers whose output is at least as wide as their input are packed: down_proj
-(1,536 to 576) ran slower packed at 1-10 rows (7.0 against 8.0 ms at 8). The cost is
-memory, 430 MB more for SmolLM2 (the tied lm_head's packed copy included), for a
-batch-8 decode step in 0.81 of the time (62 against 77 ms, one process, medians of 4).
+reordered at load does not. On a 2-core Intel Xeon, SmolLM2's 30 layers at 8 rows, MKL
+against packed: gate_up 19.6 against 13.0 ms, qkv 5.1 against 4.5, o_proj 3.2 against
+2.5; the lm_head 14.5 against 5.7. For 1-3 rows MKL's matrix-vector path is the faster
+one (gate_up 8.3 against 10.1 ms at one row), so a float32 layer keeps its plain weight
+for those and the packed copy for the rest; and only layers whose output is at least as
+wide as their input are packed: down_proj (1,536 to 576) ran slower packed at 1-10 rows
+(7.0 against 8.0 ms at 8). The cost is memory, 430 MB more for SmolLM2 (the tied
+lm_head's packed copy included), for a batch-8 decode step in 0.81 of the time (62
+against 77 ms, one process, medians of 4).
 Outputs differ from `F.linear`'s by float32 rounding (another summation order).
 
 The reference is `F.linear` on the unpacked weight; tests compare the two.
