@@ -52,3 +52,35 @@ def test_collective_round_mirrors(tiny_llama, monkeypatch):
 def test_budget_is_the_pools_bytes(tiny_llama):
     eng = Engine(model=str(tiny_llama), dtype="float32", kv_tokens=1024)
     assert eng.runner.rotated is not None and eng.runner.rotated.budget == eng.cache.nbytes
+
+
+def test_requests_joining_and_leaving_mid_decode(tiny_llama, monkeypatch):
+    """Decodes beside another request's chunked prefill (mixed steps, which hold nothing),
+    then a batch that gains it and loses the others one by one: every token is what
+    gathering every step gives."""
+    calls = appends(monkeypatch)
+    g = torch.Generator().manual_seed(5)
+    first = [torch.randint(3, 49152, (n,), generator=g).tolist() for n in (12, 40)]
+    late = torch.randint(3, 49152, (300,), generator=g).tolist()
+
+    def run(budget: int | None) -> dict[str, list[int]]:
+        eng = Engine(model=str(tiny_llama), dtype="float32", kv_tokens=8192, max_batched_tokens=64)
+        if budget is not None:
+            eng.runner.rotated.budget = budget
+        out: dict[str, list[int]] = {}
+        for i, p in enumerate(first):
+            eng.add(f"a{i}", p, SamplingParams(max_tokens=10 + 8 * i, temperature=0, ignore_eos=True))
+        steps = 0
+        while eng.has_work():
+            if steps == 4:  # two sequences decoding: the late one's prefill takes 5 chunks
+                eng.add("late", late, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))
+            for rid, d in eng.step():
+                out.setdefault(rid, []).extend(d.token_ids)
+            steps += 1
+        return out
+
+    held = run(None)
+    made = len(calls)
+    assert made > 0
+    assert held == run(0)
+    assert [len(held[k]) for k in ("a0", "a1", "late")] == [10, 18, 12]
