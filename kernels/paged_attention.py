@@ -39,7 +39,7 @@ from tokendance.kernels.master import MasterRead
 from tokendance.kernels.paged_triton import (decode_partials, decode_splits, paged_attention_triton,
                                              reduce_partials)
 from tokendance.kernels.rope import rope_apply, rope_cos_sin
-from tokendance.kernels.rotated import rotated_decode
+from tokendance.kernels.rotated import gathered, rotated_decode
 from tokendance.kernels.runs import FLASH_LSE, Rows, runs_attention, split_rows
 from tokendance.kernels.tiles import _scratch
 
@@ -196,10 +196,9 @@ def _decode_reference(q, q_pos, k_cache, v_cache, block_tables, kv_lens, inv_fre
         o = rotated_decode(step, q, k_cache, v_cache, layout, inv_freq, rope_scale, sm_scale)
         if o is not None:
             return o
-    idx, width, cos, sin, mask = layout()
-    k = k_cache.flatten(0, 1).index_select(0, idx).view(s, width, hkv, d).float()
-    v = v_cache.flatten(0, 1).index_select(0, idx).view(s, width, hkv, d).float()
-    k = rope_apply(k, cos, sin, inplace=True)
+    got = layout()
+    k, v = gathered(k_cache, v_cache, got, s)
+    v, mask = v.float(), got[4]
     qg = q.float().view(s, hkv, -1, d)  # [S, Hkv, G, D]
     o = torch.empty(qg.shape, dtype=torch.float32, device=q.device)
     lses = torch.empty(qg.shape[:-1], dtype=torch.float32, device=q.device) if lse else None

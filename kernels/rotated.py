@@ -109,18 +109,28 @@ def rotated_decode(step: RotatedStep, q: torch.Tensor, k_cache: torch.Tensor, v_
     return o.reshape(q.shape).to(q.dtype)
 
 
+def gathered(k_cache: torch.Tensor, v_cache: torch.Tensor, layout, s: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The keys, rotated in float32, and the values of `_decode_layout`'s gather for s
+    sequences, both [S, L, Hkv, D]."""
+    idx, width, cos, sin, _ = layout
+    hkv, d = k_cache.shape[2], k_cache.shape[3]
+    k = k_cache.flatten(0, 1).index_select(0, idx).view(s, width, hkv, d).float()
+    v = v_cache.flatten(0, 1).index_select(0, idx).view(s, width, hkv, d)
+    return rope_apply(k, cos, sin, inplace=True), v
+
+
 def _gather(step: RotatedStep, k_cache, v_cache, layout) -> _Held | None:
     """Hold every key the step's rows see (`_decode_layout`'s gather, rotated)."""
-    idx, width, cos, sin, mask = layout
+    width, mask = layout[1], layout[4]
     s, hkv, d = len(step.rows), k_cache.shape[2], k_cache.shape[3]
     cap = width + SPARE
     if not step.keys.fits(s, hkv, cap, d):
         return None
     k = torch.empty(s, hkv, cap, d, dtype=torch.float32, device=k_cache.device)
     v = torch.empty_like(k)
-    got = k_cache.flatten(0, 1).index_select(0, idx).view(s, width, hkv, d).float()
-    k[:, :, :width] = rope_apply(got, cos, sin, inplace=True).transpose(1, 2)
-    v[:, :, :width] = v_cache.flatten(0, 1).index_select(0, idx).view(s, width, hkv, d).transpose(1, 2)
+    got_k, got_v = gathered(k_cache, v_cache, layout, s)
+    k[:, :, :width] = got_k.transpose(1, 2)
+    v[:, :, :width] = got_v.transpose(1, 2)
     held = torch.full((s, cap), float("-inf"), device=k.device)
     held[:, :width] = mask
     return _Held(step.rows, list(step.qpos), width, k, v, held)
