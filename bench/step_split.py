@@ -14,10 +14,14 @@ from tokendance.backend.api import SamplingParams
 from tokendance.backend.engine import Engine
 
 
-def prefilled(eng: Engine, prompts, shared, mode: str, steps: int) -> None:
+def prefilled(eng: Engine, prompts, shared, mode: str, steps: int,
+              warm: list[int] | None = None) -> None:
     """Cold caches, then the prompts prefilled (first token out) with more than `steps`
-    tokens to go."""
+    tokens to go. `warm`: tokens run first, to completion, so that prompts starting with
+    them find their blocks in `prefix` mode's cache."""
     eng.reset_caches()
+    if warm:
+        eng.generate([warm], SamplingParams(max_tokens=1, temperature=0), mode=mode)
     sampling = SamplingParams(max_tokens=steps + 2, temperature=0, ignore_eos=True)
     for i, (p, sp) in enumerate(zip(prompts, shared)):
         eng.add(f"d{i}", p, sampling, mode=mode, shared=sp)
