@@ -103,6 +103,10 @@ class Usage:
     shared_tokens: int = 0  # prompt tokens inside shared segments
     kv_dense_bytes: int = 0  # what a dense per-request cache would hold
     kv_held_bytes: int = 0  # what this request holds privately
+    # Pool blocks it read without holding them (a Mirror's Master, prefix-cache hits) and
+    # one block's bytes: a round counts each such block once, however many read it.
+    shared_blocks: tuple[int, ...] = ()
+    block_bytes: int = 0
 
 
 @dataclass(slots=True)

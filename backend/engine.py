@@ -90,6 +90,7 @@ class Engine:
         self.overlap = cfg.overlap if cfg.overlap is not None else self.device.type == "cuda"
         self.inflight: Inflight | None = None  # the last decode step's tokens, not read yet
         self.tails: list[tuple[Sequence, list[int]]] = []  # finished, K/V of their ends due
+        self.dense_tokens = 0  # K/V the running requests' dense caches would hold (/metrics)
         self.generator = torch.Generator(device=self.device).manual_seed(cfg.seed)
         if self.device.type == "cpu":
             heap.trim()  # what loading left free; serving's peak is kept from here on
@@ -176,6 +177,7 @@ class Engine:
         out = self._step()
         if self.tails:
             self._close_tails()
+        self.dense_tokens = sum(s.computed for s in self.scheduler.running)
         if not self.has_work():
             self.runner.release()
         return out
@@ -315,6 +317,8 @@ class Engine:
             prompt_tokens=len(seq.prompt), completion_tokens=len(seq.out), cached_tokens=seq.cached,
             recomputed_tokens=seq.recomputed, shared_tokens=seq.shared_tokens,
             kv_dense_bytes=len(seq) * per_token, kv_held_bytes=seq.held * per_token,
+            shared_blocks=tuple(seq.shared_blocks(self.cfg.block_size)),
+            block_bytes=per_token * self.cfg.block_size,
         )
         self.seqs.pop(seq.id, None)
         ids = self.encode(seq.detok.text) if seq.publish and seq.blocks else []  # as prompts hold it

@@ -98,6 +98,13 @@ class Sequence:
             return self.mirror.held(len(self))
         return len(self) - self.cached if self.prefix_cache else len(self)
 
+    def shared_blocks(self, block_size: int) -> list[int]:
+        """The pool blocks it reads but does not hold (`held` leaves them out): a Mirror's
+        Master, or the blocks a prefix-cached request found in the cache."""
+        if self.mirror is not None:
+            return self.mirror.master_blocks
+        return self.blocks[: self.cached // block_size] if self.prefix_cache else []
+
     @property
     def pending(self) -> int:
         """Tokens still to run through the model before the next one can be sampled."""

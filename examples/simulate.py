@@ -22,8 +22,8 @@ from tokendance.examples.table import diverged, render
 from tokendance.proxy.serve import add_reuse_args, reuse_options
 
 LEGEND = ("reused %: prompt tokens whose KV was reused, not computed; KV held/dense: KV the "
-          "round's requests hold vs\na dense cache per request; latency: first request sent "
-          "to last reply read.")
+          "round holds (each request's\nown, the blocks they share once) vs a dense cache per "
+          "request; latency: first request sent to last reply read.")
 
 
 def scenarios() -> dict[str, Callable[[int, int], Scenario]]:

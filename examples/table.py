@@ -25,7 +25,7 @@ def row(r: Round) -> dict[str, Any]:
     prompt = _get(s, r, "prompt_tokens")
     shared = _get(s, r, "shared_tokens")
     reused = _get(s, r, "reused_tokens", "cached_tokens")
-    held = _get(s, r, "kv_held_bytes")
+    held = _get(s, r, "kv_held_bytes") + int(s.get("kv_shared_bytes") or 0)  # the Masters once
     dense = _get(s, r, "kv_dense_bytes")
     groups = s.get("groups")
     return {

@@ -95,6 +95,8 @@ class Call:
             u.completion_tokens += c.completion_tokens if self.usage[i] else self.tokens[i]
             u.kv_dense_bytes += c.kv_dense_bytes
             u.kv_held_bytes += c.kv_held_bytes
+            u.shared_blocks = tuple(dict.fromkeys(u.shared_blocks + c.shared_blocks))
+            u.block_bytes = u.block_bytes or c.block_bytes
         return u
 
     def headers(self) -> dict[str, str]:
@@ -195,6 +197,11 @@ class Proxy:
         m = self.metrics
         for kind in ("prompt", "completion", "cached", "shared", "recomputed"):
             m.tokens.inc(getattr(u, f"{kind}_tokens"), kind=kind)
+        m.kv_bytes.inc(u.kv_dense_bytes, kind="dense")
+        m.kv_bytes.inc(u.kv_held_bytes, kind="held")
+        # Shared blocks count once per round: only those no earlier request of it read.
+        new = len(u.shared_blocks) if call.rnd is None else call.rnd.stats.unseen(u.shared_blocks)
+        m.kv_bytes.inc(new * u.block_bytes, kind="shared")
         m.latency.observe(latency)
         m.wait.observe(call.wait)
         m.overhead.observe(call.overhead)
@@ -203,7 +210,7 @@ class Proxy:
         rnd = call.rnd
         if rnd is not None:
             rnd.active -= 1
-            rnd.stats.add(u, call.wait, latency, call.outcome)
+            rnd.stats.add(u, call.wait, latency, call.outcome, call.meta.agent)
             rnd.stats.last = now
             if call.outcome == "ok":
                 for i in range(len(call.prepared)):

@@ -24,6 +24,9 @@ class RoundStats:
     completion_tokens: int = 0
     kv_dense_bytes: int = 0
     kv_held_bytes: int = 0
+    shared_blocks: set[int] = field(default_factory=set)  # read by its requests, held once
+    block_bytes: int = 0
+    kv_agents: dict[str, list[int]] = field(default_factory=dict)  # agent: [dense, held] bytes
     wait_max: float = 0.0
     wait_sum: float = 0.0
     latency_max: float = 0.0
@@ -31,7 +34,12 @@ class RoundStats:
     first: float = 0.0  # perf_counter of the first arrival
     last: float = 0.0  # perf_counter of the last finish
 
-    def add(self, usage: Usage | None, wait: float, latency: float, outcome: str) -> None:
+    def unseen(self, blocks: tuple[int, ...]) -> int:
+        """How many of `blocks` no request of the round has read before."""
+        return len(set(blocks) - self.shared_blocks)
+
+    def add(self, usage: Usage | None, wait: float, latency: float, outcome: str,
+            agent: str | None = None) -> None:
         self.requests += 1
         self.errors += outcome == "error"
         self.aborted += outcome == "abort"
@@ -47,10 +55,18 @@ class RoundStats:
             self.completion_tokens += usage.completion_tokens
             self.kv_dense_bytes += usage.kv_dense_bytes
             self.kv_held_bytes += usage.kv_held_bytes
+            self.shared_blocks.update(usage.shared_blocks)
+            self.block_bytes = self.block_bytes or usage.block_bytes
+            if agent is not None:
+                kv = self.kv_agents.setdefault(agent, [0, 0])
+                kv[0] += usage.kv_dense_bytes
+                kv[1] += usage.kv_held_bytes
 
     def view(self, session: str, number: int, agents: set[str], expected: frozenset[str] | None,
              sealed: bool, active: int) -> dict[str, Any]:
         n = max(self.requests, 1)
+        shared = len(self.shared_blocks) * self.block_bytes
+        held = self.kv_held_bytes + shared
         return {
             "session": session, "round": number, "agents": sorted(agents),
             "expected": sorted(expected) if expected is not None else None,
@@ -61,6 +77,9 @@ class RoundStats:
             "reused_tokens": self.reused_tokens, "recomputed_tokens": self.recomputed_tokens,
             "completion_tokens": self.completion_tokens,
             "kv_dense_bytes": self.kv_dense_bytes, "kv_held_bytes": self.kv_held_bytes,
+            "kv_shared_bytes": shared, "kv_ratio": round(self.kv_dense_bytes / held, 3) if held else None,
+            "kv_agents": {a: {"dense_bytes": d, "held_bytes": h, "ratio": round(d / h, 3) if h else None}
+                          for a, (d, h) in sorted(self.kv_agents.items())},
             "barrier_wait_ms": round(self.wait_max * 1e3, 3),
             "barrier_wait_ms_mean": round(self.wait_sum / n * 1e3, 3),
             "latency_ms": round(max(self.last - self.first, 0.0) * 1e3, 3),
@@ -123,6 +142,9 @@ class Metrics:
         self.waiting = Metric("tokendance_barrier_waiting", "requests held at a barrier", g)
         self.groups = Metric("tokendance_groups_total", "groups sent to the backend", c)
         self.tokens = Metric("tokendance_tokens_total", "tokens by kind", c)
+        self.kv_bytes = Metric("tokendance_kv_bytes_total",
+                               "KV of answered requests: dense (a per-request cache), held (privately), "
+                               "shared (blocks they read, once per round)", c)
         self.aborted = Metric("tokendance_aborted_total", "requests aborted by a client disconnect", c)
         self.engine_errors = Metric("tokendance_engine_errors_total",
                                     "groups or streams failed by the engine", c)

@@ -63,6 +63,25 @@ def test_a_mirror_holds_its_own_tokens_and_patches(engine):
         assert u.kv_held_bytes == private * per_token
         assert u.kv_dense_bytes == (len(p) + u.completion_tokens) * per_token
         assert u.kv_held_bytes < 0.6 * u.kv_dense_bytes
+    # What they read without holding it: the Master's blocks of the outputs each one sees.
+    size = engine.cfg.block_size
+    bases = {b for e in engine.segments.entries.values() for b in e.blocks}
+    for p, sp, u in zip(prompts, spans, usage):
+        assert u.block_bytes == size * per_token
+        assert set(u.shared_blocks) <= bases
+        assert len(set(u.shared_blocks)) == sum(-(-(hi - lo) // size) for lo, hi in sp)
+    assert set().union(*(u.shared_blocks for u in usage)) == bases
+
+
+def test_shared_blocks_of_prefix_hits_and_of_full_requests(engine):
+    size = engine.cfg.block_size
+    prompt = list(range(100, 100 + 5 * size + 3))
+    _, (first,) = run(engine, "prefix", [prompt], [[]], "p")
+    _, (second,) = run(engine, "prefix", [prompt], [[]], "q")
+    assert first.shared_blocks == () and len(second.shared_blocks) == 5
+    assert second.kv_held_bytes == second.kv_dense_bytes - 5 * second.block_bytes
+    _, (full,) = run(engine, "full", [prompt], [[]], "f")
+    assert full.shared_blocks == () and full.kv_held_bytes == full.kv_dense_bytes
 
 
 def test_references_keep_the_master_alive(engine):

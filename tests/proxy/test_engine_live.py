@@ -64,16 +64,39 @@ async def test_async_round_is_one_group_and_reuses_shared_blocks(engine_live, mo
         opened = await http.post(engine_live.url + "/v1/tokendance/sessions/eng/rounds/1",
                                  json={"agents": agents})
         assert opened.status_code == 200
-    for r in (1, 2):
-        t0 = time.perf_counter()
-        rs = await asyncio.gather(*[turn(a, r) for a in agents])
-        # Released by the arrivals (announced, then inferred), not by the 10 s timeout.
-        assert time.perf_counter() - t0 < 5.0
-        assert all(x.choices[0].finish_reason == "length" for x in rs)
-        stats = engine_live.server.proxy.sessions.find("eng", r).view()
-        assert (stats["groups"], stats["requests"]) == (1, 4) and stats["shared_tokens"] > 0
+        before = metrics(await http.get(engine_live.url + "/metrics"))
+        shared = 0
+        for r in (1, 2):
+            t0 = time.perf_counter()
+            rs = await asyncio.gather(*[turn(a, r) for a in agents])
+            # Released by the arrivals (announced, then inferred), not by the 10 s timeout.
+            assert time.perf_counter() - t0 < 5.0
+            assert all(x.choices[0].finish_reason == "length" for x in rs)
+            stats = (await http.get(engine_live.url + f"/v1/tokendance/sessions/eng/rounds/{r}")).json()
+            assert (stats["groups"], stats["requests"]) == (1, 4) and stats["shared_tokens"] > 0
+            # The KV accounting: the block of facts held once (the Master), read by all four.
+            assert 0 < stats["kv_shared_bytes"] < stats["kv_dense_bytes"]
+            held = stats["kv_held_bytes"] + stats["kv_shared_bytes"]
+            assert stats["kv_ratio"] == round(stats["kv_dense_bytes"] / held, 3) > 1
+            kv = stats["kv_agents"]
+            assert sorted(kv) == agents and all(k["dense_bytes"] > k["held_bytes"] > 0 for k in kv.values())
+            assert sum(k["held_bytes"] for k in kv.values()) == stats["kv_held_bytes"]
+            shared += stats["kv_shared_bytes"]
+        after = metrics(await http.get(engine_live.url + "/metrics"))
     assert all(x.usage.prompt_tokens_details.cached_tokens > 0 for x in rs)  # round 2 reused
     await c.close()
+    grew = {k: after[k] - before.get(k, 0.0) for k in after if k.startswith("tokendance_kv_bytes_total")}
+    assert grew['tokendance_kv_bytes_total{kind="shared"}'] == shared
+    assert grew['tokendance_kv_bytes_total{kind="dense"}'] > grew['tokendance_kv_bytes_total{kind="held"}'] > 0
+    assert after["tokendance_engine_kv_dense_bytes"] == 0  # nothing runs now
+    assert after["tokendance_engine_kv_held_bytes"] > 0  # the round's bases stay cached
+
+
+def metrics(resp: httpx.Response) -> dict[str, float]:
+    """/metrics as {series: value}."""
+    assert resp.status_code == 200
+    rows = (line.rsplit(" ", 1) for line in resp.text.splitlines() if line and not line.startswith("#"))
+    return {k: float(v) for k, v in rows}
 
 
 async def test_disconnect_mid_stream_frees_the_engines_kv(engine_live, model):
