@@ -10,7 +10,13 @@ COLUMNS = ("round", "agents", "groups", "prompt tok", "shared tok", "reused %", 
 
 
 def _sum(r: Round, key: str) -> int:
-    return sum(int(rep.usage.get(key) or 0) for rep in r.replies.values())
+    """`key` summed over the replies' usage (its details and extension included)."""
+    total = 0
+    for rep in r.replies.values():
+        u = rep.usage
+        flat = {**u, **(u.get("prompt_tokens_details") or {}), **(u.get("tokendance") or {})}
+        total += int(flat.get(key) or 0)
+    return total
 
 
 def _get(stats: dict[str, Any], r: Round, key: str, usage_key: str | None = None) -> int:

@@ -163,7 +163,8 @@ def _check_finished(call: Call) -> None:
 def _usage(call: Call) -> s.UsageOut:
     u = call.total()
     return s.UsageOut(u.prompt_tokens, u.completion_tokens, u.prompt_tokens + u.completion_tokens,
-                      s.CachedDetails(u.cached_tokens))
+                      s.CachedDetails(u.cached_tokens),
+                      s.ReuseDetails(u.shared_tokens, u.recomputed_tokens, u.kv_dense_bytes, u.kv_held_bytes))
 
 
 def _chat_lp(call: Call, lps: list[TokenLogprob]) -> s.ChatLogprobs | None:

@@ -244,11 +244,21 @@ class CachedDetails(Struct):
     cached_tokens: int
 
 
+class ReuseDetails(Struct):
+    """What reuse did for one request (an extension; clients that do not know it ignore it)."""
+
+    shared_tokens: int  # prompt tokens inside shared segments
+    recomputed_tokens: int  # of the cached ones, recomputed selectively
+    kv_dense_bytes: int  # what a dense per-request cache would hold
+    kv_held_bytes: int  # what it held privately
+
+
 class UsageOut(Struct):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
     prompt_tokens_details: CachedDetails
+    tokendance: ReuseDetails
 
 
 class OutMessage(Struct):

@@ -26,7 +26,7 @@ class RoundStats:
     kv_held_bytes: int = 0
     shared_blocks: set[int] = field(default_factory=set)  # read by its requests, held once
     block_bytes: int = 0
-    kv_agents: dict[str, list[int]] = field(default_factory=dict)  # agent: [dense, held] bytes
+    per_agent: dict[str, list[int]] = field(default_factory=dict)  # agent: AGENT_FIELDS
     wait_max: float = 0.0
     wait_sum: float = 0.0
     latency_max: float = 0.0
@@ -58,9 +58,9 @@ class RoundStats:
             self.shared_blocks.update(usage.shared_blocks)
             self.block_bytes = self.block_bytes or usage.block_bytes
             if agent is not None:
-                kv = self.kv_agents.setdefault(agent, [0, 0])
-                kv[0] += usage.kv_dense_bytes
-                kv[1] += usage.kv_held_bytes
+                mine = self.per_agent.setdefault(agent, [0] * len(AGENT_FIELDS))
+                for i, (_, attr) in enumerate(AGENT_FIELDS):
+                    mine[i] += getattr(usage, attr)
 
     def view(self, session: str, number: int, agents: set[str], expected: frozenset[str] | None,
              sealed: bool, active: int) -> dict[str, Any]:
@@ -78,14 +78,26 @@ class RoundStats:
             "completion_tokens": self.completion_tokens,
             "kv_dense_bytes": self.kv_dense_bytes, "kv_held_bytes": self.kv_held_bytes,
             "kv_shared_bytes": shared, "kv_ratio": round(self.kv_dense_bytes / held, 3) if held else None,
-            "kv_agents": {a: {"dense_bytes": d, "held_bytes": h, "ratio": round(d / h, 3) if h else None}
-                          for a, (d, h) in sorted(self.kv_agents.items())},
+            "per_agent": {a: _agent(v) for a, v in sorted(self.per_agent.items())},
             "barrier_wait_ms": round(self.wait_max * 1e3, 3),
             "barrier_wait_ms_mean": round(self.wait_sum / n * 1e3, 3),
             "latency_ms": round(max(self.last - self.first, 0.0) * 1e3, 3),
             "request_latency_ms_mean": round(self.latency_sum / n * 1e3, 3),
             "request_latency_ms_max": round(self.latency_max * 1e3, 3),
         }
+
+
+# Per agent in a round's stats: (key, Usage attribute), summed over its requests.
+AGENT_FIELDS = (("prompt_tokens", "prompt_tokens"), ("reused_tokens", "cached_tokens"),
+                ("recomputed_tokens", "recomputed_tokens"), ("completion_tokens", "completion_tokens"),
+                ("kv_dense_bytes", "kv_dense_bytes"), ("kv_held_bytes", "kv_held_bytes"))
+
+
+def _agent(values: list[int]) -> dict[str, Any]:
+    out: dict[str, Any] = {key: v for (key, _), v in zip(AGENT_FIELDS, values)}
+    held = out["kv_held_bytes"]
+    out["kv_ratio"] = round(out["kv_dense_bytes"] / held, 3) if held else None
+    return out
 
 
 def _labels(labels: tuple[tuple[str, str], ...]) -> str:

@@ -14,8 +14,9 @@ from tokendance.examples.client import Client
 from tokendance.examples.debate import Debate
 from tokendance.examples.echo import EchoBackend
 from tokendance.examples.local import proxy, threaded
-from tokendance.examples.loop import run
-from tokendance.examples.table import diverged
+from tokendance.examples.client import Reply
+from tokendance.examples.loop import Round, run
+from tokendance.examples.table import diverged, row
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("tokendance.proxy.app") is None,
                                 reason="tokendance.proxy.app is not in this tree yet")
@@ -106,3 +107,15 @@ def test_reuse_flags_need_the_in_process_engine(capsys) -> None:
     assert cli.main(["simulate", "debate", "--url", "http://127.0.0.1:9", "--bases", "reader"]) == 1
     err = capsys.readouterr().err.strip()
     assert "--bases set the in-process engine" in err and "\n" not in err
+
+
+def test_the_rounds_held_kv_counts_the_shared_blocks_once() -> None:
+    usage = {"prompt_tokens": 10, "prompt_tokens_details": {"cached_tokens": 4},
+             "tokendance": {"kv_held_bytes": 1024, "kv_dense_bytes": 4096}}
+    replies = {a: Reply(a, "x", usage, 0.1) for a in "ab"}
+    stats = {"kv_held_bytes": 2048, "kv_shared_bytes": 1024, "kv_dense_bytes": 8192, "prompt_tokens": 20,
+             "reused_tokens": 8}
+    assert row(Round(1, replies, 0.5, stats))["KV held/dense"] == "3.0 KiB / 8.0 KiB (38%)"
+    # Without the proxy's round stats: the replies' own usage (no shared blocks known).
+    alone = row(Round(1, replies, 0.5))
+    assert alone["KV held/dense"] == "2.0 KiB / 8.0 KiB (25%)" and alone["reused %"] == "40.0"

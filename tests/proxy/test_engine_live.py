@@ -78,9 +78,17 @@ async def test_async_round_is_one_group_and_reuses_shared_blocks(engine_live, mo
             assert 0 < stats["kv_shared_bytes"] < stats["kv_dense_bytes"]
             held = stats["kv_held_bytes"] + stats["kv_shared_bytes"]
             assert stats["kv_ratio"] == round(stats["kv_dense_bytes"] / held, 3) > 1
-            kv = stats["kv_agents"]
-            assert sorted(kv) == agents and all(k["dense_bytes"] > k["held_bytes"] > 0 for k in kv.values())
-            assert sum(k["held_bytes"] for k in kv.values()) == stats["kv_held_bytes"]
+            mine = stats["per_agent"]
+            assert sorted(mine) == agents
+            for key in ("prompt_tokens", "reused_tokens", "recomputed_tokens", "kv_held_bytes"):
+                assert sum(m[key] for m in mine.values()) == stats[key]
+            # Each agent's own numbers, in its usage too (an extension the SDK keeps).
+            for a, x in zip(agents, rs):
+                ext, m = x.usage.model_extra["tokendance"], mine[a]
+                assert m["kv_dense_bytes"] > m["kv_held_bytes"] > 0 and m["kv_ratio"] > 1
+                assert 0 < ext.pop("shared_tokens") < x.usage.prompt_tokens
+                assert ext == {k: m[k] for k in ("recomputed_tokens", "kv_dense_bytes", "kv_held_bytes")}
+                assert m["reused_tokens"] == x.usage.prompt_tokens_details.cached_tokens
             shared += stats["kv_shared_bytes"]
         after = metrics(await http.get(engine_live.url + "/metrics"))
     assert all(x.usage.prompt_tokens_details.cached_tokens > 0 for x in rs)  # round 2 reused
