@@ -16,6 +16,8 @@ import sys
 from types import ModuleType
 from typing import NoReturn, Sequence
 
+from tokendance.backend import logs
+
 # name -> (module, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
     "generate": ("tokendance.backend.cli", "run the engine on prompts, no server"),
@@ -91,6 +93,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if name not in COMMANDS:
         return _fail(f"tokendance: unknown command {name!r} (choose from {', '.join(COMMANDS)})", 2)
     debug = os.environ.get("TOKENDANCE_DEBUG") == "1"
+    logs.to_stderr()  # `serve` and `simulate` set their --log-level over it
     try:
         mod = load(name)
         parser = Parser(prog="tokendance")

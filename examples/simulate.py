@@ -6,14 +6,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import logging
 import secrets
 import sys
 from collections.abc import Callable
 
-import structlog
 from tqdm import tqdm
 
+from tokendance.backend import logs
 from tokendance.backend.api import MODES, REUSE_DEFAULTS
 from tokendance.examples.client import Client
 from tokendance.examples.loop import Round, run
@@ -55,20 +54,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     return p
 
 
-def quiet(level: str) -> None:
-    """Logs to stderr at `level`: stdout carries the report only."""
-    structlog.configure(
-        wrapper_class=structlog.make_filtering_bound_logger(getattr(logging, level.upper())),
-        # Resolve sys.stderr per logger, not once: whoever swaps the stream (pytest's
-        # capture, a notebook) must not leave loggers writing to a closed file.
-        logger_factory=lambda *_: structlog.PrintLogger(sys.stderr),
-    )
-
-
 def main(args: argparse.Namespace) -> int:
     if args.agents < 1 or args.rounds < 1 or args.max_tokens < 1:
         raise ValueError("--agents, --rounds and --max-tokens must be at least 1")
-    quiet(args.log_level)
+    logs.to_stderr(args.log_level)
     from tokendance.adapters.rounds import ProxyError
 
     try:

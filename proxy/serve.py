@@ -4,11 +4,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import logging
 import signal
 
-import structlog
-
+from tokendance.backend import logs
 from tokendance.backend.api import BASES, MODES, REUSE_DEFAULTS, Backend
 
 from .app import Server
@@ -59,11 +57,6 @@ def reuse_options(args: argparse.Namespace) -> dict[str, float | str]:
     return {name: getattr(args, name) for name in REUSE_DEFAULTS}
 
 
-def configure_logging(level: str) -> None:
-    structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(
-        getattr(logging, level.upper())))
-
-
 def load_backend(args: argparse.Namespace) -> Backend:
     # Imported here: torch and the model load only when a server is really started.
     from tokendance.backend.service import EngineBackend
@@ -93,7 +86,7 @@ async def serve(server: Server, host: str, port: int, stop: asyncio.Event | None
 
 
 def main(args: argparse.Namespace) -> int:
-    configure_logging(args.log_level)
+    logs.to_stderr(args.log_level)
     if args.max_group < 1:
         raise ValueError("--max-group must be at least 1")
     if args.barrier_timeout_ms < 0:

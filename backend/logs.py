@@ -1,0 +1,18 @@
+"""Where the command line's logs go: stderr, from a level on, so that stdout carries
+answers and reports only (`tokendance generate > out.txt` holds the answer alone)."""
+
+from __future__ import annotations
+
+import logging
+import sys
+
+import structlog
+
+
+def to_stderr(level: str = "info") -> None:
+    structlog.configure(
+        wrapper_class=structlog.make_filtering_bound_logger(getattr(logging, level.upper())),
+        # sys.stderr resolved per logger, not once: whoever swaps the stream (pytest's
+        # capture, a notebook) must not leave loggers writing to a closed file.
+        logger_factory=lambda *_: structlog.PrintLogger(sys.stderr),
+    )
