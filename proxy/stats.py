@@ -16,7 +16,7 @@ class RoundStats:
     requests: int = 0  # answered (including errors and aborts)
     errors: int = 0
     aborted: int = 0
-    group_sizes: list[int] = field(default_factory=list)  # in requests
+    group_sizes: list[int] = field(default_factory=list)  # in sequences (prompts times n)
     prompt_tokens: int = 0
     shared_tokens: int = 0
     reused_tokens: int = 0
@@ -165,7 +165,7 @@ class Metrics:
         self.latency = Histogram("tokendance_request_seconds", "arrival to last byte", SECONDS)
         self.overhead = Histogram("tokendance_proxy_overhead_seconds",
                                   "request time spent in the proxy itself", SECONDS)
-        self.group_size = Histogram("tokendance_group_size", "requests per group",
+        self.group_size = Histogram("tokendance_group_size", "sequences per group (prompts times n)",
                                     [1, 2, 4, 8, 16, 32, 64, 128, 256, 512])
 
     def render(self, gauges: list[Gauge] = ()) -> str:
