@@ -31,6 +31,8 @@ CASES = [  # (path, body or raw bytes, extra headers, status, param, code)
     ("chat", {**CHAT, "n": 1000}, {}, 400, "n", None),
     ("chat", {**CHAT, "n": True}, {}, 400, "n", "invalid_type"),
     ("chat", {**CHAT, "seed": 1.5}, {}, 400, "seed", "invalid_type"),
+    ("chat", {**CHAT, "seed": 2**64}, {}, 400, "seed", None),
+    ("chat", {**CHAT, "seed": -2**63 - 1, "n": 2}, {}, 400, "seed", None),
     ("chat", {**CHAT, "stop": [""]}, {}, 400, "stop", None),
     ("chat", {**CHAT, "stop": [1]}, {}, 400, "stop[0]", "invalid_type"),
     ("chat", {**CHAT, "stream": "yes"}, {}, 400, "stream", "invalid_type"),
