@@ -68,7 +68,8 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0 or self.top_k == 1
+        # Below vLLM's 1e-5, logits / temperature overflows float32: the argmax is the answer.
+        return self.temperature < 1e-5 or self.top_k == 1
 
 
 @dataclass(slots=True)
