@@ -45,6 +45,13 @@ def test_a_tiny_temperature_is_greedy_and_spares_its_batch(engine):
     assert a == greedy and len(b) == 12 and reason == "length"
 
 
+def test_a_top_k_past_the_vocabulary_keeps_every_token(engine):
+    s = SamplingParams(max_tokens=8, temperature=1.0, seed=5, ignore_eos=True)
+    plain = run(engine, s)[0]
+    assert run(engine, SamplingParams(max_tokens=8, temperature=1.0, seed=5, ignore_eos=True,
+                                      top_k=2**64 - 1))[0] == plain
+
+
 def test_filter_masks_per_row():
     logits = torch.tensor([[4.0, 3.0, 2.0, 1.0], [4.0, 3.0, 2.0, 1.0]])
     out = _filter(logits, torch.tensor([2, 0]), torch.tensor([1.0, 0.5]))
