@@ -103,6 +103,8 @@ def decode(data: bytes, kind: type[Struct]) -> Any:
         raise invalid(f"invalid request body: {text}", param, "invalid_type")
     except msgspec.DecodeError as exc:
         raise invalid(f"request body is not valid JSON: {exc}", None, "invalid_json")
+    except RecursionError:
+        raise invalid("request body is nested too deeply", None, "invalid_json")
 
 
 # Checks: everything a client can get wrong, as a 400 before any work is done.

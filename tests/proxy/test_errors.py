@@ -13,6 +13,7 @@ CASES = [  # (path, body or raw bytes, extra headers, status, param, code)
     ("chat", b"{bad", {}, 400, None, "invalid_json"),
     ("chat", b"", {}, 400, None, "invalid_json"),
     ("chat", b"[1, 2]", {}, 400, None, "invalid_type"),
+    ("chat", b'{"x": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", {}, 400, None, "invalid_json"),
     ("chat", {"messages": M}, {}, 400, "model", "invalid_type"),
     ("chat", {"model": "fake-tiny"}, {}, 400, "messages", "invalid_type"),
     ("chat", {**CHAT, "messages": "hi"}, {}, 400, "messages", "invalid_type"),
