@@ -51,7 +51,7 @@ def read_meta(headers: Mapping[str, str], body: TokenDance | None) -> Meta:
         raise invalid(f"mode must be one of {', '.join(MODES)}", "tokendance.mode")
     r = b.round if b.round is not None else headers.get(HEADER + "Round")
     if isinstance(r, str):
-        r = int(r) if r.strip().isdigit() else -1
+        r = int(r) if r.strip().isdecimal() else -1
     if r is not None and r < 0:
         raise invalid("round must be a non-negative integer", "tokendance.round")
     m.round = r

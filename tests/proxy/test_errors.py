@@ -60,6 +60,7 @@ CASES = [  # (path, body or raw bytes, extra headers, status, param, code)
     ("chat", {**CHAT, "messages": [{"role": "user", "content": ""}]}, {"X-TokenDance-Session": "a/b"}, 400,
      "tokendance.session", None),
     ("chat", CHAT, {"X-TokenDance-Session": "s", "X-TokenDance-Round": "abc"}, 400, "tokendance.round", None),
+    ("chat", CHAT, {"X-TokenDance-Session": "s", "X-TokenDance-Round": "\u00b2"}, 400, "tokendance.round", None),
     ("chat", CHAT, {"X-TokenDance-Mode": "turbo"}, 400, "tokendance.mode", None),
     ("chat", CHAT, {"X-TokenDance-Separators": "maybe"}, 400, "tokendance.separators", None),
     ("chat", {**CHAT, "tokendance": {"round": "x"}}, {}, 400, "tokendance.round", "invalid_type"),
@@ -120,6 +121,8 @@ async def test_routes_and_control_endpoints_answer_in_the_same_shape(server):
         async with http.get(server.url + "/v1/models/other") as resp:
             assert (await check(resp, 404))["code"] == "model_not_found"
         async with http.post(base + "/s/rounds/x") as resp:
+            assert (await check(resp, 400))["param"] == "round"
+        async with http.post(base + "/s/rounds/%C2%B2") as resp:  # '²': a digit int() refuses
             assert (await check(resp, 400))["param"] == "round"
         async with http.post(base + "/s/rounds/1", data=b'{"agents": "a"}') as resp:
             assert (await check(resp, 400))["param"] == "agents"
