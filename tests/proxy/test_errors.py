@@ -1,5 +1,6 @@
 """Every client mistake is a 4xx in OpenAI's error shape, and does no work in the engine."""
 
+import asyncio
 import json
 
 import aiohttp
@@ -100,6 +101,21 @@ async def test_bad_input_is_a_4xx_with_a_message(server, path, body, headers, st
     assert (err["param"], err["code"]) == (param, code)
     assert server.proxy.backend.groups == []  # nothing reached the engine
     assert server.proxy.in_flight == 0
+
+
+async def test_a_name_in_header_bytes_that_are_not_utf8_is_a_400(server):
+    """aiohttp reads such bytes as surrogates, which no MQTT topic (nor UTF-8) can carry."""
+    body = json.dumps(CHAT).encode()
+    reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
+    writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nConnection: close\r\n"
+                 b"Content-Type: application/json\r\nX-TokenDance-Session: caf\xe9\r\n"
+                 b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+    raw = await reader.read()
+    writer.close()
+    head, _, data = raw.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 400 ")
+    assert json.loads(data)["error"]["param"] == "tokendance.session"
+    assert server.proxy.backend.groups == []
 
 
 async def test_unknown_fields_are_ignored(server):
