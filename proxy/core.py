@@ -265,6 +265,8 @@ class Proxy:
                 raise invalid("timeout_ms must not be negative", "timeout_ms")
             rnd.gate.timeout = body.timeout_ms / 1e3
         if body.agents is not None:
+            for i, agent in enumerate(body.agents):  # a name no request can carry never arrives
+                check_name(agent, f"agents[{i}]")
             self.barrier.expect(rnd.gate, body.agents)
         log.debug("round open", session=session, round=number, agents=body.agents)
         return rnd

@@ -142,6 +142,8 @@ async def test_routes_and_control_endpoints_answer_in_the_same_shape(server):
             assert (await check(resp, 400))["param"] == "round"
         async with http.post(base + "/s/rounds/1", data=b'{"agents": "a"}') as resp:
             assert (await check(resp, 400))["param"] == "agents"
+        async with http.post(base + "/s/rounds/1", data=b'{"agents": ["a", "x/y"]}') as resp:
+            assert (await check(resp, 400))["param"] == "agents[1]"
         async with http.post(base + "/s/rounds/1", data=b'{"timeout_ms": -1}') as resp:
             assert (await check(resp, 400))["param"] == "timeout_ms"
         async with http.post(base + "/s%2Bt/rounds/1") as resp:
