@@ -65,6 +65,8 @@ class SamplingParams:
             raise InvalidRequest("seed must be a 64-bit signed integer", "seed")
         if len(self.stop) > 16:
             raise InvalidRequest("at most 16 stop sequences", "stop")
+        if not all(self.stop):  # "" would stop before the first token
+            raise InvalidRequest("stop sequences must be non-empty strings", "stop")
 
     @property
     def greedy(self) -> bool:

@@ -62,7 +62,7 @@ def test_empty_prompt_and_bad_ids(engine):
 @pytest.mark.parametrize("field,value,param", [
     ("max_tokens", 0, "max_tokens"), ("temperature", -0.5, "temperature"), ("temperature", 3.0, "temperature"),
     ("top_p", 0.0, "top_p"), ("top_p", 1.5, "top_p"), ("top_k", -1, "top_k"), ("top_logprobs", 21, "top_logprobs"),
-    ("seed", 2**63, "seed"), ("seed", -2**63 - 1, "seed"),
+    ("seed", 2**63, "seed"), ("seed", -2**63 - 1, "seed"), ("stop", ["end", ""], "stop"),
 ])
 def test_invalid_sampling(engine, field, value, param):
     with pytest.raises(InvalidRequest) as e:
