@@ -61,12 +61,17 @@ class SamplingParams:
             raise InvalidRequest("top_k must be 0 (off) or positive", "top_k")
         if not 0 <= self.top_logprobs <= 20:
             raise InvalidRequest("top_logprobs must be between 0 and 20", "top_logprobs")
+        if self.seed is not None and not -2**63 <= self.seed < 2**63:  # torch's; n > 1 adds up to 63
+            raise InvalidRequest("seed must be a 64-bit signed integer", "seed")
         if len(self.stop) > 16:
             raise InvalidRequest("at most 16 stop sequences", "stop")
+        if not all(self.stop):  # "" would stop before the first token
+            raise InvalidRequest("stop sequences must be non-empty strings", "stop")
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0 or self.top_k == 1
+        # Below vLLM's 1e-5, logits / temperature overflows float32: the argmax is the answer.
+        return self.temperature < 1e-5 or self.top_k == 1
 
 
 @dataclass(slots=True)

@@ -95,6 +95,10 @@ class AsyncEngine:
                                     j.agent)
                 except InvalidRequest as e:
                     self._deliver(j.rid, e)
+                except Exception as e:  # fails this job only: the thread serves everyone else
+                    log.exception("engine add failed", rid=j.rid)
+                    self.engine.abort(j.rid)
+                    self._deliver(j.rid, BackendError(f"engine error: {e}"))
 
         self.inbox.put(add)
         return streams

@@ -30,6 +30,9 @@ def main(args: argparse.Namespace) -> int:
     from tokendance.backend.engine import Engine
 
     text = sys.stdin.read() if args.prompt == "-" else args.prompt
+    for what, value in (("the prompt", text), ("--system", args.system or "")):
+        if not _utf8(value):  # the tokenizer's TypeError would be a traceback
+            raise ValueError(f"{what} is not UTF-8 text")
     sampling = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                               top_k=args.top_k, seed=args.seed, stop=args.stop)
     sampling.validate()
@@ -54,3 +57,12 @@ def main(args: argparse.Namespace) -> int:
         print(f"prompt {len(prompt)} tokens, {n} generated; first token {1000 * (first - start):.0f} ms, "
               f"{rate:.1f} tokens/s after", file=sys.stderr)
     return 0
+
+
+def _utf8(text: str) -> bool:
+    """False for text with bytes that were not UTF-8 (argv and stdin keep them as surrogates)."""
+    try:
+        text.encode()
+    except UnicodeEncodeError:
+        return False
+    return True

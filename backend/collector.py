@@ -100,7 +100,7 @@ class Collector:
             raise InvalidRequest(f"check layer must lie in [1, {model.cfg.num_layers - 1}]", "check_layer")
         if not 0.0 <= cfg.ratio <= 1.0:
             raise InvalidRequest(f"recompute ratio must lie in [0, 1], got {cfg.ratio}", "recompute_ratio")
-        if cfg.floor < 0.0:
+        if not cfg.floor >= 0.0:  # NaN too: no deviation would ever exceed it
             raise InvalidRequest(f"recompute floor must be >= 0, got {cfg.floor}", "recompute_floor")
         self.model, self.cache, self.blocks, self.runner = model, cache, blocks, runner
         self.segments, self.idle = segments, idle

@@ -12,6 +12,8 @@ import torch
 from tokendance.backend.api import REUSE_DEFAULTS, InvalidRequest
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# config.json fields without a default
+REQUIRED = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
 
 
 @dataclass(slots=True)
@@ -68,7 +70,7 @@ class ModelConfig:
         path = Path(folder) / "config.json"
         if not path.is_file():
             raise InvalidRequest(f"no config.json in model folder {folder}", "model")
-        raw = json.loads(path.read_text())
+        raw = _read(path)
         archs = raw.get("architectures") or []
         arch = next((ARCHITECTURES[a] for a in archs if a in ARCHITECTURES), None)
         if arch is None:
@@ -77,11 +79,14 @@ class ModelConfig:
                 f"unsupported architecture {archs or raw.get('model_type')}; supported: {known}",
                 "model",
             )
+        missing = [k for k in REQUIRED if k not in raw]
+        if missing:
+            raise InvalidRequest(f"{path} lacks {', '.join(missing)}", "model")
         heads = raw["num_attention_heads"]
         eos = raw.get("eos_token_id")
         gen = Path(folder) / "generation_config.json"
         if gen.is_file():
-            eos = json.loads(gen.read_text()).get("eos_token_id", eos)
+            eos = _read(gen).get("eos_token_id", eos)
         rope = dict(raw.get("rope_parameters") or raw.get("rope_scaling") or {})
         rope.setdefault("rope_theta", raw.get("rope_theta", 10000.0))
         rope["rope_type"] = rope.get("rope_type", rope.get("type", "default"))
@@ -106,3 +111,14 @@ class ModelConfig:
 
     def kv_bytes_per_token(self, elem_size: int) -> int:
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * elem_size
+
+
+def _read(path: Path) -> dict:
+    """A JSON object from the model folder; InvalidRequest naming the file otherwise."""
+    try:
+        raw = json.loads(path.read_text())
+    except ValueError as e:  # not JSON, or not UTF-8
+        raise InvalidRequest(f"{path} is not valid JSON: {e}", "model") from e
+    if not isinstance(raw, dict):
+        raise InvalidRequest(f"{path} is not a JSON object", "model")
+    return raw

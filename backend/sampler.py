@@ -35,8 +35,9 @@ def choose(logits: torch.Tensor, seqs: list[Sequence], default: torch.Generator 
     params = [s.sampling for s in seqs]
     chosen = logits.argmax(-1)
     if not all(p.greedy for p in params):
-        temp = upload_list([p.temperature or 1.0 for p in params], torch.float32, logits.device)
-        top_k = upload_list([p.top_k for p in params], torch.long, logits.device)
+        temp = upload_list([1.0 if p.greedy else p.temperature for p in params], torch.float32, logits.device)
+        vocab = logits.shape[-1]  # a larger top_k keeps every token (and may not fit a long)
+        top_k = upload_list([min(p.top_k, vocab) for p in params], torch.long, logits.device)
         top_p = upload_list([p.top_p for p in params], torch.float32, logits.device)
         probs = _filter(logits / temp[:, None], top_k, top_p).softmax(-1)
         for i, seq in enumerate(seqs):

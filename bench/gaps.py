@@ -32,8 +32,11 @@ class Frame:
 
 def load(path: str) -> list[dict]:
     opener = gzip.open if path.endswith(".gz") else open
-    with opener(path, "rt") as f:
-        trace = json.load(f)
+    try:
+        with opener(path, "rt") as f:
+            trace = json.load(f)
+    except (ValueError, gzip.BadGzipFile) as e:  # not JSON, not UTF-8, not gzip: name the file
+        raise ValueError(f"{path}: not a chrome trace ({e})") from e
     if not isinstance(trace, dict) or "traceEvents" not in trace:
         raise ValueError(f"{path}: not a chrome trace (no traceEvents)")
     return trace["traceEvents"]

@@ -13,6 +13,7 @@ import resource
 
 from tokendance.backend.api import Request, SamplingParams, Segment
 from tokendance.backend.service import EngineBackend
+from tokendance.bench.options import positive
 
 
 def rss_mib() -> float:
@@ -23,8 +24,8 @@ def rss_mib() -> float:
 def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None)
     p.add_argument("--dtype", default="bfloat16")
-    p.add_argument("--kv-tokens", type=int, default=16384)
-    p.add_argument("--requests", type=int, default=8)
+    p.add_argument("--kv-tokens", type=positive, default=16384)
+    p.add_argument("--requests", type=positive, default=8)
 
 
 async def serve(args: argparse.Namespace) -> None:

@@ -25,6 +25,7 @@ from types import SimpleNamespace
 import torch
 
 from tokendance.backend.config import DTYPES
+from tokendance.backend.device import pick_device
 from tokendance.backend.model import KVCache
 from tokendance.backend.offload import HostTier
 from tokendance.bench.options import counts, natural, positive, shares
@@ -161,6 +162,7 @@ def run(n: int, ratios: list[float], args: argparse.Namespace, shape: tuple[int,
 
 def main(args: argparse.Namespace) -> int:
     shape = dims(args)
+    args.device = str(pick_device(args.device))  # a bad one is a one-line error, not torch's traceback
     ratios, agents = args.ratio, args.agents
     tok = shape[0] * 2 * shape[1] * shape[2] * DTYPES[args.dtype].itemsize
     print(f"restore from the host tier on {args.device}: {args.shape} K/V ({shape[0]} layers, "

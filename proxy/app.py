@@ -142,7 +142,7 @@ async def round_stats(req: web.Request) -> web.Response:
 
 def _number(req: web.Request) -> int:
     raw = req.match_info["round"]
-    if not raw.isdigit():
+    if not raw.isdecimal():  # isdigit() also takes '²', which int() does not
         raise invalid("round must be a non-negative integer", "round")
     return int(raw)
 

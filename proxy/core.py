@@ -154,8 +154,10 @@ class Proxy:
                             prompt_token_ids=prompt if ids else None, tenant=call.tenant)
                 try:
                     call.prepared.append(self.backend.prepare(r))
-                except InvalidRequest as exc:
-                    raise invalid(exc.message, exc.param or "messages", exc.code)
+                except InvalidRequest as exc:  # the engine names the chat field, "messages"
+                    field = "messages" if call.kind == "chat" else "prompt"
+                    raise invalid(exc.message, field if exc.param in (None, "messages") else exc.param,
+                                  exc.code)
         k = len(call.prepared)
         call.texts, call.logprobs = [[] for _ in range(k)], [[] for _ in range(k)]
         call.tokens, call.finish, call.usage = [0] * k, [None] * k, [None] * k
@@ -272,6 +274,8 @@ class Proxy:
                 raise invalid("timeout_ms must not be negative", "timeout_ms")
             rnd.gate.timeout = body.timeout_ms / 1e3
         if body.agents is not None:
+            for i, agent in enumerate(body.agents):  # a name no request can carry never arrives
+                check_name(agent, f"agents[{i}]")
             self.barrier.expect(rnd.gate, body.agents)
         log.debug("round open", session=session, round=number, agents=body.agents)
         return rnd

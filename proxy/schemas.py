@@ -103,6 +103,8 @@ def decode(data: bytes, kind: type[Struct]) -> Any:
         raise invalid(f"invalid request body: {text}", param, "invalid_type")
     except msgspec.DecodeError as exc:
         raise invalid(f"request body is not valid JSON: {exc}", None, "invalid_json")
+    except RecursionError:
+        raise invalid("request body is nested too deeply", None, "invalid_json")
 
 
 # Checks: everything a client can get wrong, as a 400 before any work is done.
@@ -118,8 +120,6 @@ def sampling(body: Sampled, max_tokens: int | None, logprobs: bool, top: int) ->
         if getattr(body, name):
             raise unsupported(name, f"a non-zero {name}")
     stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
-    if any(not s for s in stop):
-        raise invalid("stop sequences must be non-empty strings", "stop")
     p = SamplingParams(
         temperature=1.0 if body.temperature is None else body.temperature,
         top_p=1.0 if body.top_p is None else body.top_p,

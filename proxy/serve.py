@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import math
 import signal
 
 from tokendance.backend import logs
@@ -89,12 +90,12 @@ def main(args: argparse.Namespace) -> int:
     logs.to_stderr(args.log_level)
     if args.max_group < 1:
         raise ValueError("--max-group must be at least 1")
-    if args.barrier_timeout_ms < 0:
-        raise ValueError("--barrier-timeout-ms must not be negative")
-    if args.offload_gib < 0:
-        raise ValueError("--offload-gib must not be negative")
-    if args.drain_timeout < 0:
-        raise ValueError("--drain-timeout must not be negative")
+    if not args.barrier_timeout_ms >= 0:  # `not >=`: NaN fails too
+        raise ValueError("--barrier-timeout-ms must be a number, not negative")
+    if not 0 <= args.offload_gib < math.inf:
+        raise ValueError("--offload-gib must be a finite number, not negative")
+    if not args.drain_timeout >= 0:
+        raise ValueError("--drain-timeout must be a number, not negative")
     if not 0 <= args.port <= 65535:
         raise ValueError(f"--port must lie in 0..65535, got {args.port}")
     if args.mqtt:

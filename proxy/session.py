@@ -22,7 +22,8 @@ from .segment import Producer
 from .stats import RoundStats
 
 HEADER = "X-TokenDance-"
-_BAD = set("/+#") | {chr(c) for c in range(32)}
+# Surrogates: what aiohttp makes of header bytes that are not UTF-8 (no MQTT topic takes them).
+_BAD = set("/+#") | {chr(c) for c in range(32)} | {chr(c) for c in range(0xD800, 0xE000)}
 _TRUE, _FALSE = {"1", "true", "on", "yes"}, {"0", "false", "off", "no"}
 
 
@@ -51,7 +52,7 @@ def read_meta(headers: Mapping[str, str], body: TokenDance | None) -> Meta:
         raise invalid(f"mode must be one of {', '.join(MODES)}", "tokendance.mode")
     r = b.round if b.round is not None else headers.get(HEADER + "Round")
     if isinstance(r, str):
-        r = int(r) if r.strip().isdigit() else -1
+        r = int(r) if r.strip().isdecimal() else -1
     if r is not None and r < 0:
         raise invalid("round must be a non-negative integer", "tokendance.round")
     m.round = r
@@ -67,7 +68,7 @@ def read_meta(headers: Mapping[str, str], body: TokenDance | None) -> Meta:
 def check_name(value: str, param: str) -> None:
     """Session and agent names: they become parts of MQTT topics."""
     if not 0 < len(value) <= 256 or _BAD.intersection(value):
-        raise invalid(f"{param.split('.')[-1]} must be 1-256 characters without '/', '+', '#' "
+        raise invalid(f"{param.split('.')[-1]} must be 1-256 characters of UTF-8 without '/', '+', '#' "
                       "or control characters", param)
 
 

@@ -21,6 +21,17 @@ def test_unsupported_architecture(tmp_path):
         Engine(model=str(tmp_path))
 
 
+@pytest.mark.parametrize("text,match", [("{not json", "config.json is not valid JSON"),
+                                        ("[1, 2]", "config.json is not a JSON object"),
+                                        ('{"architectures": ["LlamaForCausalLM"], "vocab_size": 8}',
+                                         "config.json lacks hidden_size, intermediate_size")])
+def test_broken_config_json(tmp_path, text, match):
+    (tmp_path / "config.json").write_text(text)
+    with pytest.raises(InvalidRequest, match=match) as e:
+        Engine(model=str(tmp_path))
+    assert e.value.param == "model"
+
+
 def test_unsupported_rope_scaling(make_model):
     folder = make_model("llama", rope_scaling={"rope_type": "longrope", "factor": 2.0,
                                                "short_factor": [1.0] * 8, "long_factor": [1.0] * 8,
@@ -62,6 +73,7 @@ def test_empty_prompt_and_bad_ids(engine):
 @pytest.mark.parametrize("field,value,param", [
     ("max_tokens", 0, "max_tokens"), ("temperature", -0.5, "temperature"), ("temperature", 3.0, "temperature"),
     ("top_p", 0.0, "top_p"), ("top_p", 1.5, "top_p"), ("top_k", -1, "top_k"), ("top_logprobs", 21, "top_logprobs"),
+    ("seed", 2**63, "seed"), ("seed", -2**63 - 1, "seed"), ("stop", ["end", ""], "stop"),
 ])
 def test_invalid_sampling(engine, field, value, param):
     with pytest.raises(InvalidRequest) as e:

@@ -77,6 +77,7 @@ def test_pic_equals_collective_and_decode_runs_after_trim(tiny_llama, floor):
 
 
 @pytest.mark.parametrize("kw, match", [(dict(recompute_floor=-0.1), "floor"),
+                                       (dict(recompute_floor=float("nan")), "floor"),
                                        (dict(recompute_ratio=1.5), "ratio"),
                                        (dict(check_layer=0), "check layer")])
 def test_bad_reuse_settings(tiny_llama, kw, match):

@@ -37,6 +37,21 @@ def test_top_k_one_is_greedy(engine):
     assert run(engine, SamplingParams(max_tokens=12, temperature=1.5, top_k=1, seed=1, ignore_eos=True))[0] == greedy
 
 
+def test_a_tiny_temperature_is_greedy_and_spares_its_batch(engine):
+    greedy = run(engine, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))[0]
+    tiny = SamplingParams(max_tokens=12, temperature=1e-40, ignore_eos=True)
+    other = SamplingParams(max_tokens=12, temperature=1.0, seed=3, ignore_eos=True)
+    (a, _, _), (b, _, reason) = engine.generate([PROMPT, PROMPT], [tiny, other])
+    assert a == greedy and len(b) == 12 and reason == "length"
+
+
+def test_a_top_k_past_the_vocabulary_keeps_every_token(engine):
+    s = SamplingParams(max_tokens=8, temperature=1.0, seed=5, ignore_eos=True)
+    plain = run(engine, s)[0]
+    assert run(engine, SamplingParams(max_tokens=8, temperature=1.0, seed=5, ignore_eos=True,
+                                      top_k=2**64 - 1))[0] == plain
+
+
 def test_filter_masks_per_row():
     logits = torch.tensor([[4.0, 3.0, 2.0, 1.0], [4.0, 3.0, 2.0, 1.0]])
     out = _filter(logits, torch.tensor([2, 0]), torch.tensor([1.0, 0.5]))

@@ -68,7 +68,10 @@ def test_cli_reads_a_trace_and_refuses_bad_input_in_one_line(tmp_path, capsys):
     assert cli.main(["bench", "gaps", str(path), "--min-us", "10"]) == 0
     assert "device idle 0.1 ms in 1 gaps" in capsys.readouterr().out
     (tmp_path / "bad.json").write_text("{}")
-    for bad in (tmp_path / "missing.json.gz", tmp_path / "bad.json"):
+    (tmp_path / "text.json").write_text("not json")
+    (tmp_path / "plain.json.gz").write_text("{}")
+    for bad in (tmp_path / "missing.json.gz", tmp_path / "bad.json", tmp_path / "text.json",
+                tmp_path / "plain.json.gz"):
         assert cli.main(["bench", "gaps", str(bad)]) == 1
         err = capsys.readouterr().err
-        assert err.startswith("tokendance bench: ") and err.count("\n") == 1
+        assert err.startswith("tokendance bench: ") and err.count("\n") == 1 and str(bad) in err

@@ -40,6 +40,8 @@ def test_bad_values(parse, text):
     (["resume", "--repeats", "x"], "argument --repeats: expected an integer, got 'x'"),
     (["reuse", "--ratio", "1.5"], "argument --ratio: must lie in [0, 1], got '1.5'"),
     (["fidelity", "--floor", "-1"], "argument --floor: must be at least 0, got '-1'"),
+    (["memory", "--requests", "0"], "argument --requests: must be at least 1, got 0"),
+    (["memory", "--kv-tokens", "-5"], "argument --kv-tokens: must be at least 1, got -5"),
 ])
 def test_bad_lists_are_one_line_usage_errors(capsys, argv, message):
     with pytest.raises(SystemExit) as e:

@@ -6,6 +6,7 @@ import json
 import math
 
 from tokendance.bench import restore
+from tokendance.examples import cli
 
 
 def test_main_prints_the_table(tmp_path, bench):
@@ -24,3 +25,9 @@ def test_main_prints_the_table(tmp_path, bench):
         assert r["bytes_fused"] == (n * 7 + n * private) * tok  # the Master once
         assert r["bytes_dense"] == n * (20 + n * 7 + 5) * tok
         assert r["ms_fused"] > 0 and r["ms_dense"] > 0
+
+
+def test_a_bad_device_is_one_line(capsys):
+    assert cli.main(["bench", "restore", "--device", "nope"]) == 1
+    err = capsys.readouterr().err
+    assert err == "tokendance bench: unsupported device 'nope'; choose auto, cpu, cuda or cuda:N\n"

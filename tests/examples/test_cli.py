@@ -109,3 +109,9 @@ def test_debug_shows_traceback(monkeypatch) -> None:
     monkeypatch.setenv("TOKENDANCE_DEBUG", "1")
     with pytest.raises(ValueError):
         cli.main(["fake"])
+
+
+@pytest.mark.parametrize("argv,what", [(["caf\udce9"], "the prompt"), (["hi", "--system", "\udce9"], "--system")])
+def test_generate_refuses_text_that_is_not_utf8_before_loading(capsys, argv, what) -> None:
+    assert cli.main(["generate", *argv, "--model", "/nonexistent"]) == 1
+    assert capsys.readouterr().err == f"tokendance generate: {what} is not UTF-8 text\n"

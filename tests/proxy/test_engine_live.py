@@ -107,6 +107,26 @@ def metrics(resp: httpx.Response) -> dict[str, float]:
     return {k: float(v) for k, v in rows}
 
 
+async def test_a_request_the_engine_fails_to_add_fails_alone(engine_live, model, monkeypatch):
+    engine = engine_live.backend.engine
+    add = engine.add
+
+    def add_or_fail(rid, prompt, sampling, *args, **kw):
+        if sampling.seed == 7:
+            raise RuntimeError("boom")
+        return add(rid, prompt, sampling, *args, **kw)
+
+    monkeypatch.setattr(engine, "add", add_or_fail)
+    c = openai.AsyncOpenAI(base_url=engine_live.url + "/v1", api_key="sk-test", max_retries=0, timeout=20)
+    kw = dict(model=model, messages=user("hi"), max_tokens=3, temperature=0)
+    bad, good = await asyncio.gather(c.chat.completions.create(**kw, seed=7),
+                                     c.chat.completions.create(**kw), return_exceptions=True)
+    assert isinstance(bad, openai.InternalServerError) and "boom" in str(bad)
+    assert good.choices[0].finish_reason == "length"
+    assert engine_live.backend.core.thread.is_alive() and not engine.seqs
+    await c.close()
+
+
 async def test_disconnect_mid_stream_frees_the_engines_kv(engine_live, model):
     engine = engine_live.backend.engine
     await asyncio.sleep(0.05)

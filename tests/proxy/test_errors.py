@@ -1,5 +1,6 @@
 """Every client mistake is a 4xx in OpenAI's error shape, and does no work in the engine."""
 
+import asyncio
 import json
 
 import aiohttp
@@ -13,6 +14,7 @@ CASES = [  # (path, body or raw bytes, extra headers, status, param, code)
     ("chat", b"{bad", {}, 400, None, "invalid_json"),
     ("chat", b"", {}, 400, None, "invalid_json"),
     ("chat", b"[1, 2]", {}, 400, None, "invalid_type"),
+    ("chat", b'{"x": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", {}, 400, None, "invalid_json"),
     ("chat", {"messages": M}, {}, 400, "model", "invalid_type"),
     ("chat", {"model": "fake-tiny"}, {}, 400, "messages", "invalid_type"),
     ("chat", {**CHAT, "messages": "hi"}, {}, 400, "messages", "invalid_type"),
@@ -31,6 +33,8 @@ CASES = [  # (path, body or raw bytes, extra headers, status, param, code)
     ("chat", {**CHAT, "n": 1000}, {}, 400, "n", None),
     ("chat", {**CHAT, "n": True}, {}, 400, "n", "invalid_type"),
     ("chat", {**CHAT, "seed": 1.5}, {}, 400, "seed", "invalid_type"),
+    ("chat", {**CHAT, "seed": 2**64}, {}, 400, "seed", None),
+    ("chat", {**CHAT, "seed": -2**63 - 1, "n": 2}, {}, 400, "seed", None),
     ("chat", {**CHAT, "stop": [""]}, {}, 400, "stop", None),
     ("chat", {**CHAT, "stop": [1]}, {}, 400, "stop[0]", "invalid_type"),
     ("chat", {**CHAT, "stream": "yes"}, {}, 400, "stream", "invalid_type"),
@@ -57,6 +61,7 @@ CASES = [  # (path, body or raw bytes, extra headers, status, param, code)
     ("chat", {**CHAT, "messages": [{"role": "user", "content": ""}]}, {"X-TokenDance-Session": "a/b"}, 400,
      "tokendance.session", None),
     ("chat", CHAT, {"X-TokenDance-Session": "s", "X-TokenDance-Round": "abc"}, 400, "tokendance.round", None),
+    ("chat", CHAT, {"X-TokenDance-Session": "s", "X-TokenDance-Round": "\u00b2"}, 400, "tokendance.round", None),
     ("chat", CHAT, {"X-TokenDance-Mode": "turbo"}, 400, "tokendance.mode", None),
     ("chat", CHAT, {"X-TokenDance-Separators": "maybe"}, 400, "tokendance.separators", None),
     ("chat", {**CHAT, "tokendance": {"round": "x"}}, {}, 400, "tokendance.round", "invalid_type"),
@@ -68,6 +73,7 @@ CASES = [  # (path, body or raw bytes, extra headers, status, param, code)
     ("text", {**TEXT, "prompt": []}, {}, 400, "prompt", None),
     ("text", {**TEXT, "prompt": [[1], [-2]]}, {}, 400, "prompt", None),
     ("text", {**TEXT, "prompt": ""}, {}, 400, "prompt", None),
+    ("text", {**TEXT, "prompt": "w " * 5000}, {}, 400, "prompt", "context_length_exceeded"),
     ("text", {**TEXT, "echo": True}, {}, 400, "echo", "unsupported"),
     ("text", {**TEXT, "suffix": "end"}, {}, 400, "suffix", "unsupported"),
     ("text", {**TEXT, "best_of": 3}, {}, 400, "best_of", "unsupported"),
@@ -98,6 +104,21 @@ async def test_bad_input_is_a_4xx_with_a_message(server, path, body, headers, st
     assert server.proxy.in_flight == 0
 
 
+async def test_a_name_in_header_bytes_that_are_not_utf8_is_a_400(server):
+    """aiohttp reads such bytes as surrogates, which no MQTT topic (nor UTF-8) can carry."""
+    body = json.dumps(CHAT).encode()
+    reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
+    writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nConnection: close\r\n"
+                 b"Content-Type: application/json\r\nX-TokenDance-Session: caf\xe9\r\n"
+                 b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+    raw = await reader.read()
+    writer.close()
+    head, _, data = raw.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 400 ")
+    assert json.loads(data)["error"]["param"] == "tokendance.session"
+    assert server.proxy.backend.groups == []
+
+
 async def test_unknown_fields_are_ignored(server):
     body = {**CHAT, "frobnicate": {"x": [1]}, "messages": [{"role": "user", "content": "ok", "extra": 1}],
             "tools": [], "tool_choice": "none", "response_format": {"type": "text"}, "presence_penalty": 0}
@@ -118,8 +139,12 @@ async def test_routes_and_control_endpoints_answer_in_the_same_shape(server):
             assert (await check(resp, 404))["code"] == "model_not_found"
         async with http.post(base + "/s/rounds/x") as resp:
             assert (await check(resp, 400))["param"] == "round"
+        async with http.post(base + "/s/rounds/%C2%B2") as resp:  # '²': a digit int() refuses
+            assert (await check(resp, 400))["param"] == "round"
         async with http.post(base + "/s/rounds/1", data=b'{"agents": "a"}') as resp:
             assert (await check(resp, 400))["param"] == "agents"
+        async with http.post(base + "/s/rounds/1", data=b'{"agents": ["a", "x/y"]}') as resp:
+            assert (await check(resp, 400))["param"] == "agents[1]"
         async with http.post(base + "/s/rounds/1", data=b'{"timeout_ms": -1}') as resp:
             assert (await check(resp, 400))["param"] == "timeout_ms"
         async with http.post(base + "/s%2Bt/rounds/1") as resp:

@@ -50,6 +50,10 @@ def test_flags():
     (["--barrier-timeout-ms", "-1"], "--barrier-timeout-ms"),
     (["--offload-gib", "-2"], "--offload-gib"),
     (["--drain-timeout", "-1"], "--drain-timeout"),
+    (["--barrier-timeout-ms", "nan"], "--barrier-timeout-ms"),
+    (["--offload-gib", "inf"], "--offload-gib"),
+    (["--offload-gib", "nan"], "--offload-gib"),
+    (["--drain-timeout", "nan"], "--drain-timeout"),
     (["--port", "65536"], "--port must lie in 0..65535"),
     (["--port", "-5"], "--port"),
 ])
