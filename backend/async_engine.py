@@ -98,7 +98,7 @@ class AsyncEngine:
                 except Exception as e:  # fails this job only: the thread serves everyone else
                     log.exception("engine add failed", rid=j.rid)
                     self.engine.abort(j.rid)
-                    self._deliver(j.rid, BackendError(f"engine error: {e}"))
+                    self._deliver(j.rid, BackendError(f"{type(e).__name__}: {e}"))
 
         self.inbox.put(add)
         return streams
@@ -145,7 +145,7 @@ class AsyncEngine:
                     self._deliver(rid, delta)
             except Exception as e:  # the step failed: every request in flight gets the error
                 log.exception("engine step failed")
-                err = BackendError(f"engine error: {e}")
+                err = BackendError(f"{type(e).__name__}: {e}")
                 for rid in list(eng.seqs):
                     eng.abort(rid)
                     self._deliver(rid, err)
