@@ -190,7 +190,7 @@ def check_completion(body: CompletionRequest) -> tuple[list[str | list[int]], Sa
         raise unsupported("echo")
     if body.suffix:
         raise unsupported("suffix")
-    if body.best_of not in (None, 1, body.n):
+    if body.best_of not in (None, body.n):
         raise unsupported("best_of", "best_of other than n")
     if body.logprobs is not None and not 0 <= body.logprobs <= 5:
         raise invalid("logprobs must be between 0 and 5", "logprobs")

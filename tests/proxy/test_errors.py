@@ -77,6 +77,7 @@ CASES = [  # (path, body or raw bytes, extra headers, status, param, code)
     ("text", {**TEXT, "echo": True}, {}, 400, "echo", "unsupported"),
     ("text", {**TEXT, "suffix": "end"}, {}, 400, "suffix", "unsupported"),
     ("text", {**TEXT, "best_of": 3}, {}, 400, "best_of", "unsupported"),
+    ("text", {**TEXT, "best_of": 1, "n": 2}, {}, 400, "best_of", "unsupported"),  # fewer than n
     ("text", {**TEXT, "logprobs": 9}, {}, 400, "logprobs", None),
     ("text", {**TEXT, "max_tokens": 0}, {}, 400, "max_tokens", None),
 ]
