@@ -12,8 +12,9 @@ import torch
 from tokendance.backend.api import REUSE_DEFAULTS, InvalidRequest
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-# config.json fields without a default
+# config.json fields without a default, and the other counts (positive integers all)
 REQUIRED = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
+COUNTS = (*REQUIRED, "num_key_value_heads", "head_dim", "max_position_embeddings")
 
 
 @dataclass(slots=True)
@@ -82,6 +83,9 @@ class ModelConfig:
         missing = [k for k in REQUIRED if k not in raw]
         if missing:
             raise InvalidRequest(f"{path} lacks {', '.join(missing)}", "model")
+        bad = [k for k in COUNTS if raw.get(k) is not None and (type(raw[k]) is not int or raw[k] < 1)]
+        if bad:
+            raise InvalidRequest(f"{path}: {', '.join(bad)} must be positive integers", "model")
         heads = raw["num_attention_heads"]
         eos = raw.get("eos_token_id")
         gen = Path(folder) / "generation_config.json"

@@ -24,7 +24,11 @@ def test_unsupported_architecture(tmp_path):
 @pytest.mark.parametrize("text,match", [("{not json", "config.json is not valid JSON"),
                                         ("[1, 2]", "config.json is not a JSON object"),
                                         ('{"architectures": ["LlamaForCausalLM"], "vocab_size": 8}',
-                                         "config.json lacks hidden_size, intermediate_size")])
+                                         "config.json lacks hidden_size, intermediate_size"),
+                                        ('{"architectures": ["LlamaForCausalLM"], "vocab_size": "x", '
+                                         '"hidden_size": 64, "intermediate_size": 0, "num_hidden_layers": 2, '
+                                         '"num_attention_heads": 4, "head_dim": 16.5}',
+                                         "vocab_size, intermediate_size, head_dim must be positive integers")])
 def test_broken_config_json(tmp_path, text, match):
     (tmp_path / "config.json").write_text(text)
     with pytest.raises(InvalidRequest, match=match) as e:
