@@ -23,7 +23,11 @@ from .stats import RoundStats
 
 HEADER = "X-TokenDance-"
 # Surrogates: what aiohttp makes of header bytes that are not UTF-8 (no MQTT topic takes them).
-_BAD = set("/+#") | {chr(c) for c in range(32)} | {chr(c) for c in range(0xD800, 0xE000)}
+# Brokers (mosquitto) also drop a client that publishes DEL, a C1 control or a Unicode
+# noncharacter in a topic, and aiohttp refuses DEL in a response header.
+_BAD = set("/+#") | {chr(c) for c in (*range(0x20), *range(0x7F, 0xA0), *range(0xD800, 0xE000),
+                                       *range(0xFDD0, 0xFDF0), *(p | 0xFFFE for p in range(0, 0x110000, 0x10000)),
+                                       *(p | 0xFFFF for p in range(0, 0x110000, 0x10000)))}
 _TRUE, _FALSE = {"1", "true", "on", "yes"}, {"0", "false", "off", "no"}
 
 
@@ -68,8 +72,8 @@ def read_meta(headers: Mapping[str, str], body: TokenDance | None) -> Meta:
 def check_name(value: str, param: str) -> None:
     """Session and agent names: they become parts of MQTT topics."""
     if not 0 < len(value) <= 256 or _BAD.intersection(value):
-        raise invalid(f"{param.split('.')[-1]} must be 1-256 characters of UTF-8 without '/', '+', '#' "
-                      "or control characters", param)
+        raise invalid(f"{param.split('.')[-1]} must be 1-256 characters of UTF-8 without '/', '+', '#', "
+                      "control characters or Unicode noncharacters", param)
 
 
 @dataclass(slots=True, eq=False)

@@ -102,3 +102,24 @@ async def test_starts_without_a_broker_and_reconnects_after_a_restart(start, idl
     async with aiohttp.ClientSession() as http:
         async with http.get(server.url + "/metrics") as r:
             assert "tokendance_mqtt_connected 1" in await r.text()
+
+
+async def test_names_a_broker_refuses_are_a_400_and_later_rounds_still_publish(start, broker, until):
+    """A done topic with DEL, a C1 control or a noncharacter made mosquitto drop the proxy,
+    which then retried that message forever and never published another round."""
+    server = await start(mqtt=broker.url, barrier_timeout=0.05)
+    await connected(server, until)
+    async with client(broker) as c, aiohttp.ClientSession() as http:
+        for bad in ("del\x7f", "c1\x85", "nc\ufdd0", "nc\uffff", "nc" + chr(0x1FFFE)):
+            for field in ("session", "agent"):
+                tags = {"session": "bad", "agent": "a", field: bad}
+                body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "tokendance": tags}
+                async with http.post(server.url + "/v1/chat/completions", json=body) as r:
+                    assert r.status == 400, (bad, field)
+                    assert (await r.json())["error"]["param"] == f"tokendance.{field}"
+            async with http.post(server.url + f"/v1/tokendance/sessions/{bad}/rounds/1") as r:
+                assert r.status == 400 and (await r.json())["error"]["param"] == "session"
+        assert await ask(server, "ok", "a") == 200
+        topic, stats = await next_done(c)
+        assert topic == "tokendance/ok/round/1/done" and stats["requests"] == 1
+    assert server.control.connected
