@@ -106,9 +106,10 @@ class Control:
     def _handle(self, t: str, payload: bytes) -> None:
         parts = t.split("/")
         try:
-            number = int(parts[3])
-            if len(parts) != 5 or number < 0:
-                raise ValueError
+            raw = parts[3]  # plain ASCII digits: int() also takes ' 7', '1_0', '\u0663'
+            if len(parts) != 5 or not (raw.isascii() and raw.isdecimal()) or len(raw) > 4000:
+                raise ValueError("round must be a non-negative integer")
+            number = int(raw)
             if parts[4] == "seal":
                 self.on_seal(parts[1], number)
             elif parts[4] == "open":

@@ -123,3 +123,20 @@ async def test_names_a_broker_refuses_are_a_400_and_later_rounds_still_publish(s
         topic, stats = await next_done(c)
         assert topic == "tokendance/ok/round/1/done" and stats["requests"] == 1
     assert server.control.connected
+
+
+async def test_a_round_level_that_is_not_plain_digits_is_one_clear_warning(start, broker, until):
+    """int() took ' 7', '1_0' and '٣' (published done under another topic) and gave -1 and
+    5000 digits a warning with an empty or unrelated error."""
+    server = await start(mqtt=broker.url)
+    await connected(server, until)
+    with structlog.testing.capture_logs() as logs:
+        async with client(broker) as c:
+            for level in ("-1", " 7", "1_0", "\u0663", "1.5", "9" * 5000):
+                await c.publish(f"tokendance/lv/round/{level}/open", b"", qos=1)
+            await c.publish("tokendance/lv/round/2/open", b"", qos=1)
+        await until(lambda: server.proxy.sessions.find("lv", 2) is not None)
+    assert sorted(server.proxy.sessions.all["lv"].rounds) == [2]
+    said = [e for e in logs if e["log_level"] == "warning"]
+    assert len(said) == 6
+    assert all(e["error"] == "round must be a non-negative integer" for e in said), said
