@@ -268,14 +268,14 @@ class Proxy:
     # Control: open, seal, stats.
 
     def open(self, session: str, number: int, body: RoundOpen) -> Round:
+        if body.timeout_ms is not None and body.timeout_ms < 0:  # all checks before any change
+            raise invalid("timeout_ms must not be negative", "timeout_ms")
+        for i, agent in enumerate(body.agents or ()):  # a name no request can carry never arrives
+            check_name(agent, f"agents[{i}]")
         rnd = self._round(session, number)
         if body.timeout_ms is not None:
-            if body.timeout_ms < 0:
-                raise invalid("timeout_ms must not be negative", "timeout_ms")
             rnd.gate.timeout = body.timeout_ms / 1e3
         if body.agents is not None:
-            for i, agent in enumerate(body.agents):  # a name no request can carry never arrives
-                check_name(agent, f"agents[{i}]")
             self.barrier.expect(rnd.gate, body.agents)
         log.debug("round open", session=session, round=number, agents=body.agents)
         return rnd

@@ -140,3 +140,21 @@ async def test_a_round_level_that_is_not_plain_digits_is_one_clear_warning(start
     said = [e for e in logs if e["log_level"] == "warning"]
     assert len(said) == 6
     assert all(e["error"] == "round must be a non-negative integer" for e in said), said
+
+
+async def test_an_open_that_is_refused_changes_nothing(start, broker, until):
+    """The timeout was applied (and the round made) before a bad agent name was found,
+    so a message logged as ignored released round 1 at every arrival."""
+    server = await start(mqtt=broker.url, barrier_timeout=10.0)
+    await connected(server, until)
+    async with client(broker) as c:
+        await c.publish("tokendance/pa/round/1/open", json.dumps({"agents": ["a", "x/y"], "timeout_ms": 0}))
+        await c.publish("tokendance/pa/round/2/open", b"", qos=1)
+        await until(lambda: server.proxy.sessions.find("pa", 2) is not None)
+    assert server.proxy.sessions.find("pa", 1) is None
+    async with aiohttp.ClientSession() as http:
+        url = server.url + "/v1/tokendance/sessions/pb/rounds/1"
+        async with http.post(url, json={"agents": ["a", ""], "timeout_ms": 0}) as r:
+            assert r.status == 400 and (await r.json())["error"]["param"] == "agents[1]"
+        async with http.get(url) as r:
+            assert r.status == 404
