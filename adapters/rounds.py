@@ -79,7 +79,7 @@ def served_model(url: str | None = None, api_key: str = "tokendance", timeout: f
 
 
 def request(method: str, url: str, payload: Any, api_key: str, timeout: float) -> dict[str, Any]:
-    """One JSON request; ProxyError for an error answer."""
+    """One JSON request; ProxyError for an error answer, ConnectionError for no answer."""
     data = None if payload is None else json.dumps(payload).encode()
     req = urllib.request.Request(url, data=data, method=method)
     req.add_header("Authorization", f"Bearer {api_key}")
@@ -90,6 +90,8 @@ def request(method: str, url: str, payload: Any, api_key: str, timeout: float) -
             raw = r.read()
     except urllib.error.HTTPError as e:
         raise ProxyError(e.code, error_message(e.read())) from None
+    except urllib.error.URLError as e:  # refused, unknown host, not an http(s) URL
+        raise ConnectionError(f"cannot reach the TokenDance proxy at {url}: {e.reason}") from None
     return json.loads(raw) if raw.strip() else {}
 
 

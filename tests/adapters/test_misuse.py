@@ -1,0 +1,23 @@
+"""Misuse of the framework-free helpers: each is one clear exception, raised at once."""
+
+from __future__ import annotations
+
+import socket
+
+import pytest
+
+from tokendance.adapters.rounds import Rounds, served_model
+
+
+def closed_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.parametrize("url", [f"http://127.0.0.1:{closed_port()}", "127.0.0.1:8000"])
+def test_a_proxy_that_cannot_be_reached_is_a_connection_error_naming_it(url: str) -> None:
+    """Was urllib's URLError ('<urlopen error [Errno 111] Connection refused>'), with no URL."""
+    for call in (lambda: Rounds("s", url).announce(1, ["a"]), lambda: served_model(url)):
+        with pytest.raises(ConnectionError, match="cannot reach the TokenDance proxy at .*127.0.0.1"):
+            call()
