@@ -40,8 +40,8 @@ class Rounds:
     timeout: float = 30.0
 
     def path(self, round: int, tail: str = "") -> str:
-        s = urllib.parse.quote(self.session, safe="")
-        return f"{api_base(self.url)}/tokendance/sessions/{s}/rounds/{int(round)}{tail}"
+        s, r = (urllib.parse.quote(str(x), safe="") for x in (self.session, round))  # the proxy checks both
+        return f"{api_base(self.url)}/tokendance/sessions/{s}/rounds/{r}{tail}"
 
     def call(self, method: str, url: str, payload: Any = None) -> dict[str, Any]:
         return request(method, url, payload, self.api_key, self.timeout)

@@ -6,7 +6,7 @@ import socket
 
 import pytest
 
-from tokendance.adapters.rounds import Rounds, served_model
+from tokendance.adapters.rounds import ProxyError, Rounds, served_model
 
 
 def closed_port() -> int:
@@ -21,3 +21,11 @@ def test_a_proxy_that_cannot_be_reached_is_a_connection_error_naming_it(url: str
     for call in (lambda: Rounds("s", url).announce(1, ["a"]), lambda: served_model(url)):
         with pytest.raises(ConnectionError, match="cannot reach the TokenDance proxy at .*127.0.0.1"):
             call()
+
+
+@pytest.mark.parametrize("number", [1.5, 2.0, -1, True])
+def test_a_round_that_is_not_a_non_negative_int_is_the_proxys_400(proxy_url: str, number) -> None:
+    """int(round) made 1.5 round 1 and True round 1, silently."""
+    with pytest.raises(ProxyError, match="400: round must be a non-negative integer"):
+        Rounds("r", proxy_url).announce(number, ["a"])
+    assert Rounds("r", proxy_url).announce("3", ["a"])["round"] == 3
