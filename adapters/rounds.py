@@ -49,6 +49,8 @@ class Rounds:
     def announce(self, round: int, agents: list[str], timeout_ms: float | None = None) -> dict[str, Any]:
         """Name the agents of `round`: its barrier opens once all of them arrived
         (or `timeout_ms` after the first, when given)."""
+        if isinstance(agents, str):  # list("alice") would expect five agents that never come
+            raise TypeError(f"agents must be a list of names, not the string {agents!r}")
         body: dict[str, Any] = {"agents": list(agents)}
         if timeout_ms is not None:
             body["timeout_ms"] = timeout_ms

@@ -29,3 +29,10 @@ def test_a_round_that_is_not_a_non_negative_int_is_the_proxys_400(proxy_url: str
     with pytest.raises(ProxyError, match="400: round must be a non-negative integer"):
         Rounds("r", proxy_url).announce(number, ["a"])
     assert Rounds("r", proxy_url).announce("3", ["a"])["round"] == 3
+
+
+def test_agents_given_as_one_string_is_a_type_error(proxy_url: str) -> None:
+    """list("alice") announced a, l, i, c, e: the round then waited for its timeout."""
+    with pytest.raises(TypeError, match="agents must be a list of names"):
+        Rounds("g", proxy_url).announce(1, "alice")
+    assert Rounds("g", proxy_url).announce(1, ("alice",))["expected"] == ["alice"]
