@@ -36,7 +36,12 @@ def headers(
 ) -> dict[str, str]:
     """The same tags as X-TokenDance-* headers."""
     tags = body(session, agent, round, mode, separators)["tokendance"]
-    return {PREFIX + k.capitalize(): str(v).lower() if isinstance(v, bool) else str(v) for k, v in tags.items()}
+    out = {PREFIX + k.capitalize(): str(v).lower() if isinstance(v, bool) else str(v) for k, v in tags.items()}
+    for k, v in out.items():  # httpx raises deep inside a request for these (or drops the connection)
+        if not (v.isascii() and v.isprintable()):
+            raise ValueError(f"{k} {v!r}: HTTP headers carry printable ASCII only; "
+                             "send the tags in the request body instead (tags.body)")
+    return out
 
 
 def shared(*blocks: str) -> str:

@@ -7,6 +7,7 @@ import socket
 import pytest
 
 from tokendance.adapters.rounds import ProxyError, Rounds, served_model
+from tokendance.adapters.tags import body, headers
 
 
 def closed_port() -> int:
@@ -36,3 +37,19 @@ def test_agents_given_as_one_string_is_a_type_error(proxy_url: str) -> None:
     with pytest.raises(TypeError, match="agents must be a list of names"):
         Rounds("g", proxy_url).announce(1, "alice")
     assert Rounds("g", proxy_url).announce(1, ("alice",))["expected"] == ["alice"]
+
+
+@pytest.mark.parametrize("name", ["d\u00e9bat", "\u8a0e\u8ad6", "a\nb", "a\tb"])
+def test_a_name_headers_cannot_carry_is_a_value_error_pointing_to_the_body(proxy_url: str, name: str) -> None:
+    """httpx raised UnicodeEncodeError ('ascii' codec ...) from deep inside the first request
+    of every framework adapter; a newline became openai's bare 'Connection error.'"""
+    for tags in ({"session": name}, {"session": "s", "agent": name}):
+        with pytest.raises(ValueError, match="printable ASCII only.*tags.body"):
+            headers(**tags)
+    if name.isprintable():  # the proxy takes UTF-8 names in the body
+        openai = pytest.importorskip("openai")
+        c = openai.OpenAI(base_url=proxy_url, api_key="k", max_retries=0)
+        Rounds(name, proxy_url).announce(1, [name])  # released on arrival, not after the timeout
+        c.chat.completions.create(model="echo", max_tokens=2, messages=[{"role": "user", "content": "hi"}],
+                                  extra_body=body(name, name, round=1))
+        assert Rounds(name, proxy_url).stats(1)["agents"] == [name]
