@@ -49,6 +49,9 @@ def shared(*blocks: str) -> str:
 
     Needs separators switched on for the request (`separators=True` above); without,
     the proxy still finds its own earlier outputs in a prompt by itself."""
+    for b in blocks:
+        if not isinstance(b, str):
+            raise TypeError(f"shared() takes str blocks, got {type(b).__name__}")
     return SEP + SEP.join(escape(b) for b in blocks) + SEP
 
 

@@ -7,7 +7,7 @@ import socket
 import pytest
 
 from tokendance.adapters.rounds import ProxyError, Rounds, served_model
-from tokendance.adapters.tags import body, headers
+from tokendance.adapters.tags import body, headers, shared
 
 
 def closed_port() -> int:
@@ -53,3 +53,10 @@ def test_a_name_headers_cannot_carry_is_a_value_error_pointing_to_the_body(proxy
         c.chat.completions.create(model="echo", max_tokens=2, messages=[{"role": "user", "content": "hi"}],
                                   extra_body=body(name, name, round=1))
         assert Rounds(name, proxy_url).stats(1)["agents"] == [name]
+
+
+@pytest.mark.parametrize("block", [1, None, b"bytes", ["a"]])
+def test_a_shared_block_that_is_not_text_is_a_type_error(block) -> None:
+    """Was AttributeError: 'int' object has no attribute 'replace', from proxy/segment.py."""
+    with pytest.raises(TypeError, match="shared\\(\\) takes str blocks"):
+        shared("ok", block)
