@@ -31,10 +31,14 @@ def topic(session: str, number: int, event: str) -> str:
 
 
 def address(url: str) -> tuple[str, int, str | None, str | None]:
-    u = urlsplit(url)
+    try:
+        u = urlsplit(url)
+        port = u.port
+    except ValueError as exc:  # 'Port out of range 0-65535' would not say which flag
+        raise ValueError(f"--mqtt: expected mqtt://host:port, got {url!r} ({exc})") from None
     if u.scheme not in ("mqtt", "tcp") or not u.hostname:
-        raise ValueError(f"expected mqtt://host:port, got {url!r}")
-    return u.hostname, u.port or 1883, u.username, u.password
+        raise ValueError(f"--mqtt: expected mqtt://host:port, got {url!r}")
+    return u.hostname, port or 1883, u.username, u.password
 
 
 class Control:

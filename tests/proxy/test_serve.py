@@ -45,7 +45,10 @@ def test_flags():
 
 
 @pytest.mark.parametrize("argv,message", [
-    (["--mqtt", "http://127.0.0.1:1"], "expected mqtt://host:port"),
+    (["--mqtt", "http://127.0.0.1:1"], "--mqtt: expected mqtt://host:port"),
+    (["--mqtt", "mqtt://h:99999"], "--mqtt: expected mqtt://host:port, got 'mqtt://h:99999' (Port out"),
+    (["--mqtt", "mqtt://h:abc"], "--mqtt: expected mqtt://host:port"),
+    (["--mqtt", "mqtt://[::1"], "--mqtt: expected mqtt://host:port"),
     (["--max-group", "0"], "--max-group"),
     (["--barrier-timeout-ms", "-1"], "--barrier-timeout-ms"),
     (["--offload-gib", "-2"], "--offload-gib"),
