@@ -65,7 +65,7 @@ class SegmentCache:
         freed = 0
         for e in list(self.entries.values()):
             over = self.held > self.max_blocks
-            short = self.pool.num_free + freed < need
+            short = self.pool.num_free < need  # a dropped entry's blocks are already back
             if not over and not short:
                 break
             if e.pins == 0:
