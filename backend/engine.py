@@ -73,6 +73,7 @@ class Engine:
             self.runner.capture(min(cfg.cuda_graphs, cfg.max_seqs), max_blocks, self.cache.trash_block)
         self.segments = SegmentCache(self.pool, cfg.block_size,
                                      int(self.cache.num_blocks * cfg.segment_cache_fraction))
+        self.scheduler.reclaim = self.segments.evict  # bases go before any request is preempted
         reuse = ReuseConfig(cfg.check_layer, cfg.recompute_ratio, cfg.recompute_floor, max_tokens=budget,
                             readers=cfg.bases == "reader")
         self.idle = IdleAgents(self.cache, cfg.offload_bytes)

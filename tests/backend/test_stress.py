@@ -2,8 +2,38 @@
 
 from __future__ import annotations
 
+import pytest
+
+from tokendance.backend.api import SamplingParams
+from tokendance.backend.engine import Engine
 from tokendance.backend.pool import BlockPool
 from tokendance.backend.segments import SegmentCache
+from tests.backend.test_reuse import round_prompts
+
+GREEDY = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+
+
+def engine(model, **kw) -> Engine:
+    kw.setdefault("kv_tokens", 8192)
+    return Engine(model=str(model), dtype="float32", **kw)
+
+
+def run(eng: Engine, prompts, spans, mode: str) -> list[tuple[list[int], str]]:
+    """Every request added at once, stepped to the end: (tokens, finish reason) each."""
+    out = {f"r{i}": ([], "") for i in range(len(prompts))}
+    for i, (p, sp) in enumerate(zip(prompts, spans)):
+        eng.add(f"r{i}", p, GREEDY, mode=mode, shared=sp)
+    while eng.has_work():
+        for rid, d in eng.step():
+            out[rid][0].extend(d.token_ids)
+            if d.finish_reason:
+                out[rid] = (out[rid][0], d.finish_reason)
+    return [out[f"r{i}"] for i in range(len(prompts))]
+
+
+def blocks_back(eng: Engine) -> bool:
+    eng.reset_caches()
+    return eng.pool.num_free == eng.cache.num_blocks
 
 
 def test_evict_drops_bases_until_the_pool_has_room():
@@ -15,3 +45,15 @@ def test_evict_drops_bases_until_the_pool_has_room():
     assert pool.num_free == 6
     cache.evict(9)
     assert pool.num_free == 10 and not cache.entries
+
+
+@pytest.mark.parametrize("mode", ["pic", "collective"])
+def test_a_round_in_a_pool_that_holds_one_request_at_a_time(tiny_llama, mode):
+    """Each prompt needs 10 of the 12 blocks: requests are preempted and recomputed, the
+    round's bases are evicted before any request starves, and a Mirror that cannot grow
+    beside its Master is recomputed plain instead of cut short."""
+    prompts, spans = round_prompts(6, seed=3, hist=20, out=15)
+    want = run(engine(tiny_llama), prompts, spans, "full")
+    eng = engine(tiny_llama, kv_tokens=16 * 12, recompute_ratio=1.0, max_batched_tokens=128)
+    assert run(eng, prompts, spans, mode) == want
+    assert blocks_back(eng)
