@@ -22,7 +22,7 @@ from tokendance.backend.pool import BlockPool
 from tokendance.backend.runner import Runner
 from tokendance.backend.sampler import Sampled, sample
 from tokendance.backend.scheduler import Scheduled, Scheduler
-from tokendance.backend.segments import SegmentCache
+from tokendance.backend.segments import SegmentCache, check_spans
 from tokendance.backend.sequence import Sequence, Status
 from tokendance.kernels import packed
 from tokendance.kernels.jit import HAVE_TRITON
@@ -142,11 +142,12 @@ class Engine:
             raise InvalidRequest(f"unknown mode {mode!r}; choose one of {', '.join(MODES)}", "mode")
         if rid in self.seqs:
             raise InvalidRequest(f"duplicate request id {rid}", "id")
+        spans = check_spans(shared or [], len(prompt))
         gen = None
         if sampling.seed is not None:
             gen = torch.Generator(device=self.device).manual_seed(sampling.seed)
         seq = Sequence(rid, list(prompt), sampling, Detok(self.tokenizer, list(sampling.stop)),
-                       generator=gen, mode=mode, shared=list(shared or []), tenant=tenant,
+                       generator=gen, mode=mode, shared=spans, tenant=tenant,
                        publish=publish and self.cfg.bases == "producer")
         self.seqs[rid] = seq
         if agent is not None and self.cfg.offload_bytes and mode in ("pic", "collective"):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tokendance.backend.api import SamplingParams
+from tokendance.backend.api import InvalidRequest, SamplingParams
 from tokendance.backend.engine import Engine
 from tokendance.backend.pool import BlockPool
 from tokendance.backend.segments import SegmentCache
@@ -57,3 +57,26 @@ def test_a_round_in_a_pool_that_holds_one_request_at_a_time(tiny_llama, mode):
     eng = engine(tiny_llama, kv_tokens=16 * 12, recompute_ratio=1.0, max_batched_tokens=128)
     assert run(eng, prompts, spans, mode) == want
     assert blocks_back(eng)
+
+
+@pytest.mark.parametrize("bad", [[(58, 73)], [(63, 68)], [(-3, 5)], [(5, 5)], [(10, 5)], [(0, 20), (10, 30)],
+                                 [(0, 20), (0, 20)]])
+def test_invalid_shared_spans_are_rejected_at_add(tiny_llama, bad):
+    """Out of the prompt, empty, reversed or overlapping: a clear InvalidRequest for this
+    request, not a failed step for every request in flight."""
+    eng = engine(tiny_llama)
+    prompts, spans = round_prompts(3, seed=5, hist=20, out=15)
+    assert len(prompts[0]) == 63
+    eng.add("ok", prompts[1], GREEDY, mode="collective", shared=spans[1])
+    with pytest.raises(InvalidRequest, match="shared span"):
+        eng.add("bad", prompts[0], GREEDY, mode="collective", shared=bad)
+    assert "bad" not in eng.seqs
+    while eng.has_work():
+        eng.step()
+    assert blocks_back(eng)
+
+
+def test_unsorted_shared_spans_are_taken_in_order(tiny_llama):
+    prompts, spans = round_prompts(2, seed=5, hist=20, out=15)
+    want = run(engine(tiny_llama), prompts, spans, "collective")
+    assert run(engine(tiny_llama), prompts, [sp[::-1] for sp in spans], "collective") == want
