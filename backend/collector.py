@@ -246,8 +246,10 @@ class Collector:
             r = seq.resume
             if r is None:
                 continue
+            mine: dict[int, torch.Tensor] = {}  # Masters it puts back, restored only if all come
+            held: list[Entry] = []
             for sp in _spans(r):
-                if sp.key in out:
+                if sp.key in out or sp.key in mine:
                     continue
                 e = self.segments.get(sp.key)
                 if e is not None:  # still here: pinned, no prefill of this step evicts it
@@ -256,17 +258,23 @@ class Collector:
                     continue
                 holder = Sequence(f"master-{sp.key}", [0] * sp.n, SamplingParams(), Detok(None))
                 if not self._reserve(holder, sp.n):
-                    self.idle.tier.drop(r.name)  # its prefix is prefilled instead
-                    seq.resume = None
                     break
                 e = self.segments.put(sp.key, sp.n, holder.blocks, sp.source)
                 if e is None or e.blocks is not holder.blocks:  # the cache had no room
-                    self.idle.tier.drop(r.name)
-                    seq.resume = None
                     break
                 self.segments.pin(e)
                 pinned.append(e)
-                out[sp.key] = holder.slots(torch.arange(sp.n), EARLY, b, -1).to(self.cache.kv.device)
+                held.append(e)
+                mine[sp.key] = holder.slots(torch.arange(sp.n), EARLY, b, -1).to(self.cache.kv.device)
+            else:
+                out.update(mine)
+                continue
+            # Its prefix is prefilled instead: the Masters it put back would never be
+            # filled (and dropping it may free them on the host), so they leave the cache.
+            for e in held:
+                self.segments.discard(e)
+            self.idle.tier.drop(r.name)
+            seq.resume = None
         return out
 
     # -- the group ------------------------------------------------------------------

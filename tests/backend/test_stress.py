@@ -18,11 +18,12 @@ def engine(model, **kw) -> Engine:
     return Engine(model=str(model), dtype="float32", **kw)
 
 
-def run(eng: Engine, prompts, spans, mode: str) -> list[tuple[list[int], str]]:
-    """Every request added at once, stepped to the end: (tokens, finish reason) each."""
+def run(eng: Engine, prompts, spans, mode: str, agents: bool = False) -> list[tuple[list[int], str]]:
+    """Every request added at once (sent by agent a<i>), stepped to the end: (tokens,
+    finish reason) each."""
     out = {f"r{i}": ([], "") for i in range(len(prompts))}
     for i, (p, sp) in enumerate(zip(prompts, spans)):
-        eng.add(f"r{i}", p, GREEDY, mode=mode, shared=sp)
+        eng.add(f"r{i}", p, GREEDY, mode=mode, shared=sp, agent=f"a{i}" if agents else None)
     while eng.has_work():
         for rid, d in eng.step():
             out[rid][0].extend(d.token_ids)
@@ -80,3 +81,30 @@ def test_unsorted_shared_spans_are_taken_in_order(tiny_llama):
     prompts, spans = round_prompts(2, seed=5, hist=20, out=15)
     want = run(engine(tiny_llama), prompts, spans, "collective")
     assert run(engine(tiny_llama), prompts, [sp[::-1] for sp in spans], "collective") == want
+
+
+def test_an_agent_whose_second_master_finds_no_room_is_prefilled(tiny_llama, monkeypatch):
+    """Its first Master was put back in the segment cache, its second found no room: it
+    is prefilled instead, and the first (never filled, freed on the host with the
+    agent) leaves the cache rather than failing the group's restore or being read."""
+    eng = engine(tiny_llama, recompute_ratio=1.0)
+    prompts, spans = round_prompts(3, seed=9, hist=20, out=15)
+    p, sp = prompts[0], spans[0]  # two shared segments, this agent their only reader
+    (out, _), = run(eng, [p], [sp], "collective", agents=True)
+    eng.segments.clear()  # the Masters now live only on the host
+    p2 = p + out + [11, 12, 13]
+    holders = []
+    reserve = eng.collector._reserve
+
+    def second_master_fails(seq, n):
+        if seq.id.startswith("master-"):
+            holders.append(seq.id)
+            if len(holders) == 2:
+                return False
+        return reserve(seq, n)
+
+    monkeypatch.setattr(eng.collector, "_reserve", second_master_fails)
+    got = run(eng, [p2], [sp], "collective", agents=True)
+    assert len(holders) == 2
+    assert got == run(engine(tiny_llama), [p2], [sp], "full")
+    assert eng.idle.restored == 0 and blocks_back(eng) and eng.idle.bytes == 0
