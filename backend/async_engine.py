@@ -43,13 +43,15 @@ class TokenStream:
     def __init__(self, rid: str, owner: "AsyncEngine"):
         self.rid = rid
         self.owner = owner
-        self.queue: asyncio.Queue[Delta | BaseException] = asyncio.Queue()
+        self.queue: asyncio.Queue[Delta | BaseException | None] = asyncio.Queue()  # None: aborted
         self.done = False
 
     async def __aiter__(self) -> AsyncIterator[Delta]:
         try:
             while not self.done:
                 item = await self.queue.get()
+                if item is None:  # aborted (by another task) while this one waited
+                    return
                 if isinstance(item, BaseException):
                     self.done = True
                     raise item
@@ -60,9 +62,11 @@ class TokenStream:
                 self.abort()
 
     def abort(self) -> None:
+        """Stop the request; a consumer waiting for its next delta stops iterating."""
         if not self.done:
             self.done = True
             self.owner.abort(self.rid)
+            self.queue.put_nowait(None)
 
 
 class AsyncEngine:
