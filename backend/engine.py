@@ -189,6 +189,8 @@ class Engine:
         if self.inflight is not None and (self.blend_waiting or self.scheduler.waiting):
             out += self._land()
         out += self._blend() if self.blend_waiting else []
+        if self.tails:  # requests that ended above give their blocks back before scheduling
+            self._close_tails()
         work, starved = self.scheduler.schedule()
         # A step of decodes leaves its tokens on the device (lookahead); the last step's
         # feed this one there only if it decodes the same batch, else the host reads

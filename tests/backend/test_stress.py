@@ -108,3 +108,21 @@ def test_an_agent_whose_second_master_finds_no_room_is_prefilled(tiny_llama, mon
     assert len(holders) == 2
     assert got == run(engine(tiny_llama), [p2], [sp], "full")
     assert eng.idle.restored == 0 and blocks_back(eng) and eng.idle.bytes == 0
+
+
+def test_a_publishing_request_that_ends_in_its_prefill_step_starves_no_one(tiny_llama):
+    """A producer's request that ends at its first token keeps its blocks until its
+    output's K/V is written (its tail): that happens before the step schedules, so a
+    request waiting for those blocks gets them instead of finishing with no tokens."""
+    prompts, spans = round_prompts(2, seed=9, hist=60, out=60)
+    first = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
+    eng = engine(tiny_llama, kv_tokens=16 * 16, bases="producer")
+    eng.add("producer", prompts[0][:150], first, mode="collective", shared=[(0, 64)], publish=True)
+    eng.add("waiting", prompts[1][:200], GREEDY)
+    got: dict[str, list[int]] = {"producer": [], "waiting": []}
+    while eng.has_work():
+        for rid, d in eng.step():
+            got[rid] += d.token_ids
+    want = engine(tiny_llama).generate([prompts[1][:200]], GREEDY)[0][0]
+    assert len(got["producer"]) == 1 and got["waiting"] == want
+    assert blocks_back(eng)
