@@ -144,12 +144,13 @@ class AsyncEngine:
             if cmd is not None:
                 cmd()
                 continue  # drain every queued command before the next step
+            running = list(eng.seqs)
             try:
                 for rid, delta in eng.step():
                     self._deliver(rid, delta)
-            except Exception as e:  # the step failed: every request in flight gets the error
-                log.exception("engine step failed")
+            except Exception as e:  # the step failed: every request in flight gets the error,
+                log.exception("engine step failed")  # those it ended too (their last delta is lost)
                 err = BackendError(f"{type(e).__name__}: {e}")
-                for rid in list(eng.seqs):
+                for rid in dict.fromkeys(running + list(eng.seqs)):
                     eng.abort(rid)
                     self._deliver(rid, err)
