@@ -126,3 +126,24 @@ def test_a_publishing_request_that_ends_in_its_prefill_step_starves_no_one(tiny_
     want = engine(tiny_llama).generate([prompts[1][:200]], GREEDY)[0][0]
     assert len(got["producer"]) == 1 and got["waiting"] == want
     assert blocks_back(eng)
+
+
+def test_an_agents_request_ending_while_another_restores_its_kv(tiny_llama):
+    """Agent X's parked KV is taken by its request r2, which waits behind a large round
+    request; X's other request r3 ends first. Parking r3 must not replace what r2
+    restores (it failed the step, or would restore r3's KV into r2)."""
+    prompts, spans = round_prompts(3, seed=21, hist=30, out=20)
+    eng = engine(tiny_llama, recompute_ratio=1.0, max_batched_tokens=64)
+    (out, _), = run(eng, prompts[:1], spans[:1], "collective", agents=True)  # parked as agent a0
+    p2 = prompts[0] + out + [11, 12, 13]
+    one = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
+    eng.add("big", prompts[1], GREEDY, mode="collective", shared=spans[1])
+    eng.add("r2", p2, GREEDY, mode="collective", shared=spans[0], agent="a0")
+    eng.add("r3", [5, 6, 7], one, mode="collective", agent="a0")
+    got: dict[str, list[int]] = {"big": [], "r2": [], "r3": []}
+    while eng.has_work():
+        for rid, d in eng.step():
+            got[rid] += d.token_ids
+    assert eng.idle.restored >= len(prompts[0])
+    assert got["r2"] == engine(tiny_llama).generate([p2], GREEDY)[0][0]
+    assert blocks_back(eng) and eng.idle.bytes == 0
