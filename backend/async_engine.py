@@ -138,8 +138,10 @@ class AsyncEngine:
             else:
                 cmd = self.inbox.get()
             if cmd is _STOP:
+                err = BackendError("the engine has been shut down")
                 for rid in list(eng.seqs):
                     eng.abort(rid)
+                    self._deliver(rid, err)
                 return
             if cmd is not None:
                 cmd()
