@@ -235,11 +235,12 @@ class Collector:
             self.blocks.pool.incref(b)
         return reused
 
-    def _masters(self, group: list[Sequence], pinned: list[Entry]) -> dict[int, torch.Tensor]:
+    def _masters(self, group: list[Sequence], pinned: list[Entry],
+                 entered: list[Entry]) -> dict[int, torch.Tensor]:
         """Pin the Master segments that resumed requests read, and put those that left
-        the GPU back into the segment cache: fresh blocks, to be filled by the fused
-        restore (key -> their slots). A request whose Master cannot come back is not
-        resumed."""
+        the GPU back into the segment cache (`entered` gets them): fresh blocks, to be
+        filled by the fused restore (key -> their slots). A request whose Master cannot
+        come back is not resumed."""
         out: dict[int, torch.Tensor] = {}
         b = self.cache.block_size
         for seq in group:
@@ -265,6 +266,7 @@ class Collector:
                 self.segments.pin(e)
                 pinned.append(e)
                 held.append(e)
+                entered.append(e)
                 mine[sp.key] = holder.slots(torch.arange(sp.n), EARLY, b, -1).to(self.cache.kv.device)
             else:
                 out.update(mine)
@@ -297,7 +299,7 @@ class Collector:
         pinned: list[Entry] = []
         try:
             # Masters of restored prefixes come back from the host, not prefilled again.
-            masters = self._masters(group, pinned)
+            masters = self._masters(group, pinned, entered)
             keys: list[list[tuple[int, int, int]]] = []  # per seq: (start, end, key)
             missing: dict[int, list[int]] = {}
             for seq in group:

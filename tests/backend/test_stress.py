@@ -147,3 +147,27 @@ def test_an_agents_request_ending_while_another_restores_its_kv(tiny_llama):
     assert eng.idle.restored >= len(prompts[0])
     assert got["r2"] == engine(tiny_llama).generate([p2], GREEDY)[0][0]
     assert blocks_back(eng) and eng.idle.bytes == 0
+
+
+def test_a_failed_restore_leaves_no_unfilled_master_behind(tiny_llama, monkeypatch):
+    """The Masters put back for a restore that then fails were never filled: they leave
+    the segment cache with the failed prefill, so a later request computes them again
+    rather than reading empty blocks."""
+    prompts, spans = round_prompts(3, seed=9, hist=20, out=15)
+    eng = engine(tiny_llama, recompute_ratio=1.0)
+    (out, _), = run(eng, prompts[:1], spans[:1], "collective", agents=True)
+    eng.segments.clear()  # the Masters now live only on the host
+    p2 = prompts[0] + out + [11, 12, 13]
+
+    def fails(*args, **kw):
+        raise RuntimeError("injected")
+
+    monkeypatch.setattr(eng.idle, "restore", fails)
+    eng.add("r2", p2, GREEDY, mode="collective", shared=spans[0], agent="a0")
+    with pytest.raises(RuntimeError, match="injected"):
+        eng.step()
+    eng.abort("r2")  # as AsyncEngine does after a failed step
+    assert not eng.segments.entries
+    monkeypatch.undo()
+    assert run(eng, [p2], [spans[0]], "collective") == run(engine(tiny_llama), [p2], [spans[0]], "full")
+    assert blocks_back(eng) and eng.idle.bytes == 0
