@@ -43,13 +43,15 @@ class TokenStream:
     def __init__(self, rid: str, owner: "AsyncEngine"):
         self.rid = rid
         self.owner = owner
-        self.queue: asyncio.Queue[Delta | BaseException] = asyncio.Queue()
+        self.queue: asyncio.Queue[Delta | BaseException | None] = asyncio.Queue()  # None: aborted
         self.done = False
 
     async def __aiter__(self) -> AsyncIterator[Delta]:
         try:
             while not self.done:
                 item = await self.queue.get()
+                if item is None:  # aborted (by another task) while this one waited
+                    return
                 if isinstance(item, BaseException):
                     self.done = True
                     raise item
@@ -60,9 +62,11 @@ class TokenStream:
                 self.abort()
 
     def abort(self) -> None:
+        """Stop the request; a consumer waiting for its next delta stops iterating."""
         if not self.done:
             self.done = True
             self.owner.abort(self.rid)
+            self.queue.put_nowait(None)
 
 
 class AsyncEngine:
@@ -134,18 +138,21 @@ class AsyncEngine:
             else:
                 cmd = self.inbox.get()
             if cmd is _STOP:
+                err = BackendError("the engine has been shut down")
                 for rid in list(eng.seqs):
                     eng.abort(rid)
+                    self._deliver(rid, err)
                 return
             if cmd is not None:
                 cmd()
                 continue  # drain every queued command before the next step
+            running = list(eng.seqs)
             try:
                 for rid, delta in eng.step():
                     self._deliver(rid, delta)
-            except Exception as e:  # the step failed: every request in flight gets the error
-                log.exception("engine step failed")
+            except Exception as e:  # the step failed: every request in flight gets the error,
+                log.exception("engine step failed")  # those it ended too (their last delta is lost)
                 err = BackendError(f"{type(e).__name__}: {e}")
-                for rid in list(eng.seqs):
+                for rid in dict.fromkeys(running + list(eng.seqs)):
                     eng.abort(rid)
                     self._deliver(rid, err)

@@ -235,19 +235,22 @@ class Collector:
             self.blocks.pool.incref(b)
         return reused
 
-    def _masters(self, group: list[Sequence], pinned: list[Entry]) -> dict[int, torch.Tensor]:
+    def _masters(self, group: list[Sequence], pinned: list[Entry],
+                 entered: list[Entry]) -> dict[int, torch.Tensor]:
         """Pin the Master segments that resumed requests read, and put those that left
-        the GPU back into the segment cache: fresh blocks, to be filled by the fused
-        restore (key -> their slots). A request whose Master cannot come back is not
-        resumed."""
+        the GPU back into the segment cache (`entered` gets them): fresh blocks, to be
+        filled by the fused restore (key -> their slots). A request whose Master cannot
+        come back is not resumed."""
         out: dict[int, torch.Tensor] = {}
         b = self.cache.block_size
         for seq in group:
             r = seq.resume
             if r is None:
                 continue
+            mine: dict[int, torch.Tensor] = {}  # Masters it puts back, restored only if all come
+            held: list[Entry] = []
             for sp in _spans(r):
-                if sp.key in out:
+                if sp.key in out or sp.key in mine:
                     continue
                 e = self.segments.get(sp.key)
                 if e is not None:  # still here: pinned, no prefill of this step evicts it
@@ -256,17 +259,24 @@ class Collector:
                     continue
                 holder = Sequence(f"master-{sp.key}", [0] * sp.n, SamplingParams(), Detok(None))
                 if not self._reserve(holder, sp.n):
-                    self.idle.tier.drop(r.name)  # its prefix is prefilled instead
-                    seq.resume = None
                     break
                 e = self.segments.put(sp.key, sp.n, holder.blocks, sp.source)
                 if e is None or e.blocks is not holder.blocks:  # the cache had no room
-                    self.idle.tier.drop(r.name)
-                    seq.resume = None
                     break
                 self.segments.pin(e)
                 pinned.append(e)
-                out[sp.key] = holder.slots(torch.arange(sp.n), EARLY, b, -1).to(self.cache.kv.device)
+                held.append(e)
+                entered.append(e)
+                mine[sp.key] = holder.slots(torch.arange(sp.n), EARLY, b, -1).to(self.cache.kv.device)
+            else:
+                out.update(mine)
+                continue
+            # Its prefix is prefilled instead: the Masters it put back would never be
+            # filled (and dropping it may free them on the host), so they leave the cache.
+            for e in held:
+                self.segments.discard(e)
+            self.idle.tier.drop(r.name)
+            seq.resume = None
         return out
 
     # -- the group ------------------------------------------------------------------
@@ -289,7 +299,7 @@ class Collector:
         pinned: list[Entry] = []
         try:
             # Masters of restored prefixes come back from the host, not prefilled again.
-            masters = self._masters(group, pinned)
+            masters = self._masters(group, pinned, entered)
             keys: list[list[tuple[int, int, int]]] = []  # per seq: (start, end, key)
             missing: dict[int, list[int]] = {}
             for seq in group:

@@ -22,7 +22,7 @@ from tokendance.backend.pool import BlockPool
 from tokendance.backend.runner import Runner
 from tokendance.backend.sampler import Sampled, sample
 from tokendance.backend.scheduler import Scheduled, Scheduler
-from tokendance.backend.segments import SegmentCache
+from tokendance.backend.segments import SegmentCache, check_spans
 from tokendance.backend.sequence import Sequence, Status
 from tokendance.kernels import packed
 from tokendance.kernels.jit import HAVE_TRITON
@@ -73,6 +73,7 @@ class Engine:
             self.runner.capture(min(cfg.cuda_graphs, cfg.max_seqs), max_blocks, self.cache.trash_block)
         self.segments = SegmentCache(self.pool, cfg.block_size,
                                      int(self.cache.num_blocks * cfg.segment_cache_fraction))
+        self.scheduler.reclaim = self.segments.evict  # bases go before any request is preempted
         reuse = ReuseConfig(cfg.check_layer, cfg.recompute_ratio, cfg.recompute_floor, max_tokens=budget,
                             readers=cfg.bases == "reader")
         self.idle = IdleAgents(self.cache, cfg.offload_bytes)
@@ -141,11 +142,12 @@ class Engine:
             raise InvalidRequest(f"unknown mode {mode!r}; choose one of {', '.join(MODES)}", "mode")
         if rid in self.seqs:
             raise InvalidRequest(f"duplicate request id {rid}", "id")
+        spans = check_spans(shared or [], len(prompt))
         gen = None
         if sampling.seed is not None:
             gen = torch.Generator(device=self.device).manual_seed(sampling.seed)
         seq = Sequence(rid, list(prompt), sampling, Detok(self.tokenizer, list(sampling.stop)),
-                       generator=gen, mode=mode, shared=list(shared or []), tenant=tenant,
+                       generator=gen, mode=mode, shared=spans, tenant=tenant,
                        publish=publish and self.cfg.bases == "producer")
         self.seqs[rid] = seq
         if agent is not None and self.cfg.offload_bytes and mode in ("pic", "collective"):
@@ -187,6 +189,8 @@ class Engine:
         if self.inflight is not None and (self.blend_waiting or self.scheduler.waiting):
             out += self._land()
         out += self._blend() if self.blend_waiting else []
+        if self.tails:  # requests that ended above give their blocks back before scheduling
+            self._close_tails()
         work, starved = self.scheduler.schedule()
         # A step of decodes leaves its tokens on the device (lookahead); the last step's
         # feed this one there only if it decodes the same batch, else the host reads

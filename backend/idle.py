@@ -66,7 +66,10 @@ class IdleAgents:
 
     def park(self, name: str, seq: Sequence) -> None:
         """Keep a finished request's KV for its agent's next request (seq still holds its
-        blocks)."""
+        blocks). Not while another request of the agent restores its parked KV: that
+        one parks when it ends."""
+        if self.tier.taken(name):
+            return
         self.drop(name)
         tokens = seq.tokens[: seq.computed]
         if not tokens or not seq.blocks:

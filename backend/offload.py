@@ -139,6 +139,11 @@ class HostTier:
             raise KeyError(f"take: agent {name!r} is not parked")
         entry.taken = True
 
+    def taken(self, name: str) -> bool:
+        """Whether a request plans to restore this parked agent."""
+        entry = self.agents.get(name)
+        return entry is not None and entry.taken
+
     def drop(self, name: str) -> None:
         """Forget a parked agent (no-op when it is not parked)."""
         entry = self.agents.pop(name, None)

@@ -4,12 +4,14 @@ Every running sequence has `pending` tokens to process (a prompt chunk, or the o
 token sampled last step). A step takes decodes first, then prompt chunks, within a
 token budget. When the pool runs dry, the newest running sequence is preempted: its
 blocks are freed and it is recomputed later, so a full pool slows things down and
-never fails a request.
+never fails a request. Before that, cached blocks nobody runs on are reclaimed
+(`reclaim`: the segment cache's unpinned bases).
 """
 
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from tokendance.backend.blocks import BlockManager
@@ -31,6 +33,8 @@ class Scheduled:
 class Scheduler:
     def __init__(self, blocks: BlockManager, max_seqs: int, max_tokens: int):
         self.blocks = blocks
+        # frees cached blocks (unpinned segment bases) until n are free; the engine sets it
+        self.reclaim: Callable[[int], int] | None = None
         self.max_seqs = max_seqs
         self.max_tokens = max_tokens
         self.waiting: deque[Sequence] = deque()
@@ -52,6 +56,15 @@ class Scheduler:
         if not keep_blocks:
             self.blocks.free(seq)
 
+    def _reserve(self, seq: Sequence, tokens: int) -> bool:
+        """Blocks for seq's first `tokens` tokens, reclaiming cached ones if the pool is short."""
+        if self.blocks.reserve(seq, tokens):
+            return True
+        if self.reclaim is None:
+            return False
+        self.reclaim(self.blocks.blocks_for(seq.own_slots(tokens)) - len(seq.blocks))
+        return self.blocks.reserve(seq, tokens)
+
     def preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
         self.blocks.free(seq)
@@ -71,7 +84,7 @@ class Scheduler:
             if seq.status is not Status.RUNNING or budget == 0:
                 continue
             n = min(seq.pending, budget)
-            while not self.blocks.reserve(seq, seq.computed + n):
+            while not self._reserve(seq, seq.computed + n):
                 victim = self.running[-1]
                 if victim is seq:
                     break
@@ -80,7 +93,9 @@ class Scheduler:
                 out.append(Scheduled(seq, seq.computed, n))
                 budget -= n
                 continue
-            if len(self.running) == 1:  # even alone, the pool cannot hold it any longer
+            # Even alone, the pool cannot hold it any longer (a Mirror also holds its Master's
+            # blocks: preempted, it is recomputed plain, which may fit).
+            if len(self.running) == 1 and seq.mirror is None:
                 self.running.remove(seq)
                 self.blocks.free(seq)
                 starved.append(seq)
@@ -90,7 +105,7 @@ class Scheduler:
             seq = self.waiting[0]
             self.blocks.match_prefix(seq)
             n = min(seq.pending, budget)
-            if not self.blocks.reserve(seq, seq.computed + n):
+            if not self._reserve(seq, seq.computed + n):
                 self.blocks.free(seq)
                 seq.computed = 0
                 if not self.running and not out:

@@ -14,7 +14,23 @@ from __future__ import annotations
 from collections import OrderedDict
 from dataclasses import dataclass
 
+from tokendance.backend.api import InvalidRequest
 from tokendance.backend.pool import BlockPool
+
+
+def check_spans(spans: list[tuple[int, int]], prompt_len: int) -> list[tuple[int, int]]:
+    """A request's shared spans in order; InvalidRequest unless each is a non-empty
+    [lo, hi) inside the prompt and none overlaps another."""
+    out = sorted((int(lo), int(hi)) for lo, hi in spans)
+    end = 0
+    for lo, hi in out:
+        if not 0 <= lo < hi <= prompt_len:
+            raise InvalidRequest(f"shared span [{lo}, {hi}) is not a non-empty span of the "
+                                 f"{prompt_len}-token prompt", "shared")
+        if lo < end:
+            raise InvalidRequest(f"shared span [{lo}, {hi}) overlaps the one before it", "shared")
+        end = hi
+    return out
 
 
 def segment_key(tenant: str, ids: list[int] | tuple[int, ...]) -> int:
@@ -65,7 +81,7 @@ class SegmentCache:
         freed = 0
         for e in list(self.entries.values()):
             over = self.held > self.max_blocks
-            short = self.pool.num_free + freed < need
+            short = self.pool.num_free < need  # a dropped entry's blocks are already back
             if not over and not short:
                 break
             if e.pins == 0:
