@@ -91,7 +91,6 @@ class Engine:
         self.overlap = cfg.overlap if cfg.overlap is not None else self.device.type == "cuda"
         self.inflight: Inflight | None = None  # the last decode step's tokens, not read yet
         self.tails: list[tuple[Sequence, list[int]]] = []  # finished, K/V of their ends due
-        self.dense_tokens = 0  # K/V the running requests' dense caches would hold (/metrics)
         self.generator = torch.Generator(device=self.device).manual_seed(cfg.seed)
         if self.device.type == "cpu":
             heap.trim()  # what loading left free; serving's peak is kept from here on
@@ -179,7 +178,6 @@ class Engine:
         out = self._step()
         if self.tails:
             self._close_tails()
-        self.dense_tokens = sum(s.computed for s in self.scheduler.running)
         if not self.has_work():
             self.runner.release()
         return out

@@ -72,8 +72,10 @@ class EngineBackend:
         return list(self.core.submit(jobs))
 
     def gauges(self) -> list[Gauge]:
-        """Read from the engine's thread without a lock: each figure is one int read."""
+        """Read from the engine's thread without a lock: each figure is one int read, or
+        a sum over a copy of the running list (the copy is atomic)."""
         e = self.engine
+        dense = sum(s.computed for s in list(e.scheduler.running))
         return [
             Gauge("kv_blocks", "blocks in the KV pool", e.cache.num_blocks),
             Gauge("kv_blocks_free", "KV pool blocks free or held only by the prefix cache",
@@ -83,7 +85,7 @@ class EngineBackend:
             Gauge("kv_held_bytes", "KV pool bytes in use (Masters, Mirrors' private blocks, prefix blocks)",
                   (e.cache.num_blocks - e.pool.num_free) * e.cfg.block_size * e.kv_bytes_per_token),
             Gauge("kv_dense_bytes", "KV the running requests would hold in dense per-request caches",
-                  e.dense_tokens * e.kv_bytes_per_token),
+                  dense * e.kv_bytes_per_token),
             Gauge("sequences_running", "requests decoding or prefilling", len(e.scheduler.running)),
             Gauge("sequences_waiting", "requests waiting for the KV pool or their reuse prefill",
                   len(e.scheduler.waiting) + len(e.blend_waiting)),

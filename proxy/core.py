@@ -201,9 +201,7 @@ class Proxy:
             m.tokens.inc(getattr(u, f"{kind}_tokens"), kind=kind)
         m.kv_bytes.inc(u.kv_dense_bytes, kind="dense")
         m.kv_bytes.inc(u.kv_held_bytes, kind="held")
-        # Shared blocks count once per round: only those no earlier request of it read.
-        new = len(u.shared_blocks) if call.rnd is None else call.rnd.stats.unseen(u.shared_blocks)
-        m.kv_bytes.inc(new * u.block_bytes, kind="shared")
+        shared = len(u.shared_blocks)  # in a round, only those no earlier request of it read
         m.latency.observe(latency)
         m.wait.observe(call.wait)
         m.overhead.observe(call.overhead)
@@ -212,13 +210,14 @@ class Proxy:
         rnd = call.rnd
         if rnd is not None:
             rnd.active -= 1
-            rnd.stats.add(u, call.wait, latency, call.outcome, call.meta.agent)
+            shared = rnd.stats.add(u, call.wait, latency, call.outcome, call.meta.agent)
             rnd.stats.last = now
             if call.outcome == "ok":
                 for i in range(len(call.prepared)):
                     self.sessions.remember(rnd, call.meta.agent, call.text(i))
             if rnd.active == 0 and not rnd.gate.pending:
                 self._round_done(rnd)
+        m.kv_bytes.inc(shared * u.block_bytes, kind="shared")
         for f in self.observers:
             f(call)
 

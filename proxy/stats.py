@@ -34,12 +34,10 @@ class RoundStats:
     first: float = 0.0  # perf_counter of the first arrival
     last: float = 0.0  # perf_counter of the last finish
 
-    def unseen(self, blocks: tuple[int, ...]) -> int:
-        """How many of `blocks` no request of the round has read before."""
-        return len(set(blocks) - self.shared_blocks)
-
     def add(self, usage: Usage | None, wait: float, latency: float, outcome: str,
-            agent: str | None = None) -> None:
+            agent: str | None = None) -> int:
+        """Count one answered request; returns how many of the blocks it read without
+        holding them no earlier request of the round had read."""
         self.requests += 1
         self.errors += outcome == "error"
         self.aborted += outcome == "abort"
@@ -47,20 +45,23 @@ class RoundStats:
         self.wait_sum += wait
         self.latency_max = max(self.latency_max, latency)
         self.latency_sum += latency
-        if usage is not None:
-            self.prompt_tokens += usage.prompt_tokens
-            self.shared_tokens += usage.shared_tokens
-            self.reused_tokens += usage.cached_tokens
-            self.recomputed_tokens += usage.recomputed_tokens
-            self.completion_tokens += usage.completion_tokens
-            self.kv_dense_bytes += usage.kv_dense_bytes
-            self.kv_held_bytes += usage.kv_held_bytes
-            self.shared_blocks.update(usage.shared_blocks)
-            self.block_bytes = self.block_bytes or usage.block_bytes
-            if agent is not None:
-                mine = self.per_agent.setdefault(agent, [0] * len(AGENT_FIELDS))
-                for i, (_, attr) in enumerate(AGENT_FIELDS):
-                    mine[i] += getattr(usage, attr)
+        if usage is None:
+            return 0
+        self.prompt_tokens += usage.prompt_tokens
+        self.shared_tokens += usage.shared_tokens
+        self.reused_tokens += usage.cached_tokens
+        self.recomputed_tokens += usage.recomputed_tokens
+        self.completion_tokens += usage.completion_tokens
+        self.kv_dense_bytes += usage.kv_dense_bytes
+        self.kv_held_bytes += usage.kv_held_bytes
+        before = len(self.shared_blocks)
+        self.shared_blocks.update(usage.shared_blocks)
+        self.block_bytes = self.block_bytes or usage.block_bytes
+        if agent is not None:
+            mine = self.per_agent.setdefault(agent, [0] * len(AGENT_FIELDS))
+            for i, (_, attr) in enumerate(AGENT_FIELDS):
+                mine[i] += getattr(usage, attr)
+        return len(self.shared_blocks) - before
 
     def view(self, session: str, number: int, agents: set[str], expected: frozenset[str] | None,
              sealed: bool, active: int) -> dict[str, Any]:
