@@ -2,11 +2,15 @@
 
 Policy on top of `BlockPool`: how many blocks a sequence needs, what it releases, and
 which full blocks of a prompt can be taken from earlier sequences (a hash chain over
-the tokens of every full block, as vLLM does it).
+the tokens of every full block, as vLLM does it, started by the request's tenant:
+backend/keys.py).
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
+from tokendance.backend.keys import Key, chained, namespace
 from tokendance.backend.pool import BlockPool
 from tokendance.backend.sequence import Sequence
 
@@ -48,18 +52,18 @@ class BlockManager:
             seq.mirror = None
             seq.cached = seq.recomputed = 0
 
-    def _hash(self, seq: Sequence, i: int) -> int:
-        prev = seq.hashes[i - 1] if i else 0
-        return hash((prev, tuple(seq.tokens[i * self.size:(i + 1) * self.size])))
+    def _keys(self, seq: Sequence, stop: int) -> Iterator[Key]:
+        """Chain keys of seq's full blocks from the first without one up to block `stop`."""
+        start = len(seq.hashes)
+        prev = seq.hashes[-1] if start else namespace(seq.tenant, "prefix")
+        return chained(prev, seq.tokens[start * self.size:stop * self.size], self.size)
 
     def match_prefix(self, seq: Sequence) -> None:
         """Take cached blocks for the longest prefix of full blocks (keeping the last
         token to compute, so there is a step that samples)."""
         if not seq.prefix_cache or seq.blocks:
             return
-        limit = (len(seq) - 1) // self.size
-        for i in range(limit):
-            h = self._hash(seq, i)
+        for h in self._keys(seq, (len(seq) - 1) // self.size):
             block = self.pool.lookup(h)
             if block is None:
                 break
@@ -74,7 +78,6 @@ class BlockManager:
         if not seq.prefix_cache:
             return
         known = min(seq.computed, len(seq) - seq.lookahead)  # tokens the host has read
-        for i in range(len(seq.hashes), known // self.size):
-            h = self._hash(seq, i)
+        for h in self._keys(seq, known // self.size):
+            self.pool.publish(seq.blocks[len(seq.hashes)], h)
             seq.hashes.append(h)
-            self.pool.publish(seq.blocks[i], h)

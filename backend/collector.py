@@ -28,11 +28,12 @@ from tokendance.backend.blocks import BlockManager
 from tokendance.backend.detok import Detok
 from tokendance.backend.diff import encode
 from tokendance.backend.idle import IdleAgents, Resume, resumed_mirror
+from tokendance.backend.keys import segment_key
 from tokendance.backend.mirror import EARLY, Mirror, Span
 from tokendance.backend.model import Decoder, KVCache
 from tokendance.backend.runner import Runner
 from tokendance.backend.scheduler import Scheduled
-from tokendance.backend.segments import Entry, SegmentCache, segment_key
+from tokendance.backend.segments import Entry, SegmentCache
 from tokendance.backend.sequence import Sequence
 
 

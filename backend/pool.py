@@ -11,6 +11,8 @@ from collections import OrderedDict
 
 import torch
 
+from tokendance.backend.keys import Key
+
 
 class OutOfBlocks(RuntimeError):
     pass
@@ -25,8 +27,8 @@ class BlockPool:
     def __init__(self, num_blocks: int):
         self.num_blocks = num_blocks
         self.refs = [0] * num_blocks
-        self.hash_of: list[int | None] = [None] * num_blocks
-        self.by_hash: dict[int, int] = {}
+        self.hash_of: list[Key | None] = [None] * num_blocks
+        self.by_hash: dict[Key, int] = {}
         # Free blocks in LRU order; hashed ones stay findable until reused.
         self.free: OrderedDict[int, None] = OrderedDict((b, None) for b in range(num_blocks))
 
@@ -63,10 +65,10 @@ class BlockPool:
             self.hash_of[b] = None
         self.by_hash.clear()
 
-    def lookup(self, h: int) -> int | None:
+    def lookup(self, h: Key) -> int | None:
         return self.by_hash.get(h)
 
-    def publish(self, block: int, h: int) -> None:
+    def publish(self, block: int, h: Key) -> None:
         """Make a full block findable by the hash of its content (and its prefix)."""
         if h in self.by_hash or self.hash_of[block] is not None:
             return

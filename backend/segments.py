@@ -15,6 +15,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 
 from tokendance.backend.api import InvalidRequest
+from tokendance.backend.keys import Key
 from tokendance.backend.pool import BlockPool
 
 
@@ -33,13 +34,9 @@ def check_spans(spans: list[tuple[int, int]], prompt_len: int) -> list[tuple[int
     return out
 
 
-def segment_key(tenant: str, ids: list[int] | tuple[int, ...]) -> int:
-    return hash((tenant, tuple(ids)))
-
-
 @dataclass(slots=True)
 class Entry:
-    key: int
+    key: Key
     ntokens: int
     blocks: list[int]
     source: str  # "producer" | "reader" | "standalone"
@@ -51,16 +48,16 @@ class SegmentCache:
         self.pool = pool
         self.block_size = block_size
         self.max_blocks = max_blocks
-        self.entries: OrderedDict[int, Entry] = OrderedDict()
+        self.entries: OrderedDict[Key, Entry] = OrderedDict()
         self.held = 0  # blocks held by entries
 
-    def get(self, key: int) -> Entry | None:
+    def get(self, key: Key) -> Entry | None:
         e = self.entries.get(key)
         if e is not None:
             self.entries.move_to_end(key)
         return e
 
-    def put(self, key: int, ntokens: int, blocks: list[int], source: str) -> Entry | None:
+    def put(self, key: Key, ntokens: int, blocks: list[int], source: str) -> Entry | None:
         """Take ownership of `blocks` (one reference each). Keeps an existing producer
         base over anything new, and a new producer base over a standalone one."""
         old = self.entries.get(key)

@@ -43,7 +43,7 @@ class Sequence:
     publish: bool = False  # keep the KV of the output as a base for the next round
     recomputed: int = 0  # reused prompt tokens recomputed selectively
     reader: bool = False  # prefilled in full to give the round's bases (`--bases reader`)
-    hashes: list[int] = field(default_factory=list)  # chain hash of each full block
+    hashes: list[bytes] = field(default_factory=list)  # chain key of each full block (backend/keys.py)
     mirror: Mirror | None = None  # pic / collective: shared segments read from the Master
     agent: str | None = None  # whose next request may resume from this one's KV
     resume: Resume | None = None  # this request's prefix, parked by its agent's last one

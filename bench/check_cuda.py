@@ -116,7 +116,7 @@ def producer_tails() -> tuple[float, bool]:
     Returns the largest relative error of a plain request's published K/V against a full
     prefill of its prompt and output (fp32), and whether every Mirror's output was
     published whole too."""
-    from tokendance.backend.segments import segment_key
+    from tokendance.backend.keys import segment_key
     from tokendance.bench.allgather import make_round
 
     eng = seeded(kv_tokens=16 * 4096, cuda_graphs=32, bases="producer")

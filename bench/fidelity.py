@@ -23,7 +23,7 @@ from tokendance.backend.engine import Engine
 from tokendance.backend.mirror import EARLY, LATE
 from tokendance.backend.runner import step_meta
 from tokendance.backend.scheduler import Scheduled
-from tokendance.backend.segments import segment_key
+from tokendance.backend.keys import segment_key
 from tokendance.backend.service import EngineBackend
 from tokendance.bench.options import counts, names, natural, nonnegative, positive, share
 from tokendance.proxy.segment import detect

@@ -12,7 +12,7 @@ from tokendance.backend.engine import Engine
 from tokendance.backend.mirror import EARLY, LATE
 from tokendance.backend.pool import flat_slots
 from tokendance.backend.scheduler import Scheduled
-from tokendance.backend.segments import segment_key
+from tokendance.backend.keys import segment_key
 from tests.backend.test_reuse import GREEDY, prefill, prefill_full, round_prompts
 
 

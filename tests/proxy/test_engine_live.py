@@ -183,3 +183,13 @@ async def test_an_agents_next_turn_resumes_its_parked_kv(engine_live, model):
     assert f"tokendance_engine_host_tier_bytes {engine.idle.bytes:g}" in text and engine.idle.bytes > 0
     assert f"tokendance_engine_restored_tokens_total {engine.idle.restored:g}" in text
     assert "# TYPE tokendance_engine_restored_tokens_total counter" in text
+
+
+def test_prefix_cache_is_per_api_key(engine_live, model):
+    def cached(key: str) -> int:
+        c = openai.OpenAI(base_url=engine_live.url + "/v1", api_key=key, max_retries=0)
+        r = c.completions.create(model=model, prompt=list(range(1000, 1080)), max_tokens=1,
+                                 extra_body={"tokendance": {"mode": "prefix"}})
+        return r.usage.prompt_tokens_details.cached_tokens
+
+    assert [cached("sk-one"), cached("sk-two"), cached("sk-one"), cached("sk-two")] == [0, 0, 64, 64]
