@@ -3,7 +3,9 @@
 Subscribes tokendance/+/round/+/open (payload: JSON {"agents": [...], "timeout_ms": ..},
 or empty) and tokendance/+/round/+/seal; publishes tokendance/{session}/round/{round}/done.
 The proxy starts without a broker and reconnects whenever the broker goes away; done
-messages published meanwhile wait in a bounded queue.
+messages published meanwhile wait in a bounded queue. Open and seal are commands, not
+state: a retained one, which the broker replays on every (re)subscribe, is ignored, or a
+restarted proxy would seal its new rounds with the last run's messages.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from .schemas import RoundOpen
 log = structlog.get_logger("tokendance.proxy.mqtt")
 
 PREFIX = "tokendance"
+MAX_PAYLOAD = 2**20  # an open's agent list; a larger one is refused, not decoded
 
 
 def topic(session: str, number: int, event: str) -> str:
@@ -83,6 +86,10 @@ class Control:
                     sender = asyncio.create_task(self._send(c))
                     try:
                         async for msg in c.messages:
+                            if msg.retain:  # a stale command replayed on (re)subscribe
+                                log.warning("mqtt retained control message ignored: publish "
+                                            "open and seal without retain", topic=str(msg.topic))
+                                continue
                             self._handle(str(msg.topic), bytes(msg.payload or b""))
                     finally:
                         sender.cancel()
@@ -110,6 +117,8 @@ class Control:
     def _handle(self, t: str, payload: bytes) -> None:
         parts = t.split("/")
         try:
+            if len(payload) > MAX_PAYLOAD:
+                raise ValueError(f"payload over {MAX_PAYLOAD} bytes")
             raw = parts[3]  # plain ASCII digits: int() also takes ' 7', '1_0', '\u0663'
             if len(parts) != 5 or not (raw.isascii() and raw.isdecimal()) or len(raw) > 4000:
                 raise ValueError("round must be a non-negative integer")

@@ -158,3 +158,38 @@ async def test_an_open_that_is_refused_changes_nothing(start, broker, until):
             assert r.status == 400 and (await r.json())["error"]["param"] == "agents[1]"
         async with http.get(url) as r:
             assert r.status == 404
+
+
+async def test_retained_commands_are_not_replayed_on_subscribe(start, broker, until):
+    """A retained seal of round 1 (from another run) sealed the new round 1 as soon as the
+    proxy subscribed: its agents were then served one at a time, with no shared group."""
+    async with aiomqtt.Client("127.0.0.1", broker.port) as c:
+        await c.publish("tokendance/rt/round/1/seal", b"{}", qos=1, retain=True)  # b"" clears
+        await c.publish("tokendance/rt/round/2/open", json.dumps({"agents": ["a"]}), qos=1, retain=True)
+    try:
+        with structlog.testing.capture_logs() as logs:
+            server = await start(mqtt=broker.url, barrier_timeout=10.0)
+            await connected(server, until)
+            async with client(broker) as c:  # a live command after the retained ones
+                await c.publish("tokendance/rt/round/3/open", b"", qos=1)
+            await until(lambda: server.proxy.sessions.find("rt", 3) is not None)
+        assert server.proxy.sessions.find("rt", 1) is None and server.proxy.sessions.find("rt", 2) is None
+        ignored = [e["topic"] for e in logs if e["event"].startswith("mqtt retained")]
+        assert sorted(ignored) == ["tokendance/rt/round/1/seal", "tokendance/rt/round/2/open"]
+    finally:
+        async with aiomqtt.Client("127.0.0.1", broker.port) as c:  # clear the broker's copies
+            for t in ("tokendance/rt/round/1/seal", "tokendance/rt/round/2/open"):
+                await c.publish(t, b"", qos=1, retain=True)
+
+
+async def test_an_oversized_control_payload_is_refused_unread(start, broker, until):
+    server = await start(mqtt=broker.url)
+    await connected(server, until)
+    with structlog.testing.capture_logs() as logs:
+        async with client(broker) as c:
+            big = json.dumps({"agents": [f"a{i}" for i in range(200_000)]})
+            await c.publish("tokendance/big/round/1/open", big, qos=1)
+            await c.publish("tokendance/big/round/2/open", b"", qos=1)
+        await until(lambda: server.proxy.sessions.find("big", 2) is not None)
+    assert server.proxy.sessions.find("big", 1) is None
+    assert [e["error"] for e in logs if e["event"] == "mqtt message ignored"] == ["payload over 1048576 bytes"]
