@@ -50,6 +50,7 @@ class Call:
     prepared: list[Prepared] = field(default_factory=list)
     number: int | None = None  # the round, when in a session
     rnd: Round | None = None
+    before: int = 0  # the agent's round count before this call (restored if it goes unanswered)
     created: int = field(default_factory=lambda: int(time.time()))
     t0: float = field(default_factory=time.perf_counter)
     released: float = 0.0  # resumed after the barrier
@@ -172,7 +173,7 @@ class Proxy:
             except ApiError:
                 self.finish(call, "error")
                 raise
-        rnd, before = self.sessions.commit(call.meta, call.number)
+        rnd, call.before = self.sessions.commit(call.meta, call.number)
         call.rnd = rnd
         rnd.active += 1
         rnd.stats.first = rnd.stats.first or call.t0
@@ -180,7 +181,6 @@ class Proxy:
         try:
             streams = await self.barrier.wait(rnd.gate, entry)
         except BaseException as exc:
-            self.sessions.uncommit(call.meta, rnd, before)
             self.finish(call, "error" if isinstance(exc, ApiError) else "abort")
             raise
         call.released = time.perf_counter()
@@ -215,6 +215,8 @@ class Proxy:
             if call.outcome == "ok":
                 for i in range(len(call.prepared)):
                     self.sessions.remember(rnd, call.meta.agent, call.text(i))
+            else:  # never answered (at the barrier or while generating): a retry keeps the round
+                self.sessions.uncommit(call.meta, rnd, call.before)
             if rnd.active == 0 and not rnd.gate.pending:
                 self._round_done(rnd)
         m.kv_bytes.inc(shared * u.block_bytes, kind="shared")

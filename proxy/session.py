@@ -164,7 +164,7 @@ class Sessions:
         return r, before
 
     def uncommit(self, m: Meta, r: Round, before: int) -> None:
-        """A request left before it was served: its retry belongs to the same round."""
+        """A request went unanswered (it left, or failed): its retry belongs to the same round."""
         s = self.all.get(r.session)
         if s is not None and m.agent is not None and s.counts.get(m.agent) == r.number:
             s.counts[m.agent] = before
