@@ -29,6 +29,7 @@ SEP = "<|td-sep|>"
 _HEAD, _ESC = "<|td", "<|td~"
 
 Producer = tuple[str, str, int]  # (session, agent, round)
+_GRAM = 8  # the prompt is sampled every _GRAM characters to rule out absent outputs
 
 
 def escape(text: str) -> str:
@@ -111,8 +112,14 @@ def _private(out: list[Segment], text: str) -> None:
 
 
 def _matches(text: str, known: Mapping[str, Producer]) -> list[tuple[int, int, Producer]]:
+    # Most known outputs are absent from a given prompt; a sample of the prompt's grams rules
+    # them out without a search through all of it. An occurrence of s at p covers the sampled
+    # position j = p + k (k < _GRAM), and text[j:j+_GRAM] == s[k:k+_GRAM] when s is long enough.
+    sample = {text[j:j + _GRAM] for j in range(0, len(text), _GRAM)}
     found = []
     for s, producer in known.items():
+        if not s or (len(s) >= 2 * _GRAM - 1 and not any(s[k:k + _GRAM] in sample for k in range(_GRAM))):
+            continue
         i = text.find(s)
         while i >= 0:
             found.append((i, i + len(s), producer))

@@ -1,4 +1,6 @@
 import random
+import signal
+import time
 
 from tokendance.backend.api import Segment
 from tokendance.proxy import segment as sg
@@ -118,3 +120,44 @@ def test_detect_leaves_explicit_blocks_whole_but_names_their_producer():
 def test_completion_prompt_text():
     assert pairs(sg.text(f"a{SEP}b{SEP}c", True, {})) == [("a", False), ("b", True), ("c", False)]
     assert pairs(sg.text(f"a{SEP}b{SEP}c", False, {})) == [(f"a{SEP}b{SEP}c", False)]
+
+
+def test_detect_time_does_not_grow_with_outputs_absent_from_the_prompt():
+    # Every prompt of a round is searched for the outputs of three rounds: with many agents,
+    # trying each output against the whole prompt stalled the event loop (K x N).
+    rng = random.Random(3)
+
+    def sentence(k: int) -> str:
+        return " ".join("".join(rng.choice("abcdefghijklmnopqrstuvwxyz") for _ in range(rng.randint(2, 8)))
+                        for _ in range(k))
+
+    outputs = [sentence(rng.randint(5, 40)) for _ in range(3000)]
+    prompt = " ".join(f"{rng.choice(outputs[:20])} {sentence(4)}" for _ in range(2000))  # ~400k chars
+
+    def timed(known: dict) -> float:
+        best = float("inf")
+        for _ in range(3):
+            t = time.perf_counter()
+            segs = sg.detect([Segment(prompt)], known)
+            best = min(best, time.perf_counter() - t)
+        assert "".join(s.text for s in segs) == prompt
+        return best
+
+    few = {o: ("s", "a", 1) for o in outputs[:20]}
+    many = {o: ("s", "a", 1) for o in outputs}
+    assert sg.detect([Segment(prompt)], few) == sg.detect([Segment(prompt)], many)
+    assert timed(many) < 10 * timed(few)
+
+
+def test_detect_ignores_an_empty_output():
+    def hang(*_):
+        raise TimeoutError("detect did not return")
+
+    old = signal.signal(signal.SIGALRM, hang)
+    signal.setitimer(signal.ITIMER_REAL, 2.0)
+    try:
+        segs = sg.detect([Segment("some prompt text")], {"": ("s", "a", 1)})
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, old)
+    assert pairs(segs) == [("some prompt text", False)]
