@@ -22,7 +22,7 @@ from .barrier import Barrier, Entry, Gate
 from .errors import ApiError, from_backend, invalid
 from .schemas import RoundOpen, Sampled
 from .segment import Producer
-from .session import Meta, Round, Sessions, check_name, read_meta
+from .session import Meta, Round, Sessions, check_name, read_meta, round_number
 from .stats import Metrics
 
 log = structlog.get_logger("tokendance.proxy")
@@ -288,9 +288,7 @@ class Proxy:
 
     def _round(self, session: str, number: int) -> Round:
         check_name(session, "session")
-        if number < 0:
-            raise invalid("round must be a non-negative integer", "round")
-        return self.sessions.round(session, number)
+        return self.sessions.round(session, round_number(number, "round"))
 
     # Lifecycle.
 

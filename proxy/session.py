@@ -28,6 +28,7 @@ HEADER = "X-TokenDance-"
 _BAD = set("/+#") | {chr(c) for c in (*range(0x20), *range(0x7F, 0xA0), *range(0xD800, 0xE000),
                                        *range(0xFDD0, 0xFDF0), *(p | 0xFFFE for p in range(0, 0x110000, 0x10000)),
                                        *(p | 0xFFFF for p in range(0, 0x110000, 0x10000)))}
+MAX_ROUND = 2**63 - 1  # a signed 64-bit int
 _TRUE, _FALSE = {"1", "true", "on", "yes"}, {"0", "false", "off", "no"}
 
 
@@ -55,11 +56,7 @@ def read_meta(headers: Mapping[str, str], body: TokenDance | None) -> Meta:
     if m.mode is not None and m.mode not in MODES:
         raise invalid(f"mode must be one of {', '.join(MODES)}", "tokendance.mode")
     r = b.round if b.round is not None else headers.get(HEADER + "Round")
-    if isinstance(r, str):
-        r = int(r) if r.strip().isdecimal() else -1
-    if r is not None and r < 0:
-        raise invalid("round must be a non-negative integer", "tokendance.round")
-    m.round = r
+    m.round = None if r is None else round_number(r, "tokendance.round")
     sep = b.separators if b.separators is not None else headers.get(HEADER + "Separators")
     if isinstance(sep, str):
         if sep.lower() not in _TRUE | _FALSE:
@@ -67,6 +64,16 @@ def read_meta(headers: Mapping[str, str], body: TokenDance | None) -> Meta:
         sep = sep.lower() in _TRUE
     m.separators = bool(sep)
     return m
+
+
+def round_number(raw: str | int, param: str) -> int:
+    """A round from a header, a URL or a body: 0 .. MAX_ROUND (int() refuses over 4300 digits)."""
+    if isinstance(raw, str):
+        raw = raw.strip()
+        raw = int(raw) if raw.isdecimal() and len(raw) <= len(str(MAX_ROUND)) else -1
+    if not 0 <= raw <= MAX_ROUND:
+        raise invalid(f"round must be a non-negative integer up to {MAX_ROUND}", param)
+    return raw
 
 
 def check_name(value: str, param: str) -> None:
