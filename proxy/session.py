@@ -89,7 +89,7 @@ class Round:
     number: int
     gate: Gate = field(default_factory=Gate)
     stats: RoundStats = field(default_factory=RoundStats)
-    outputs: dict[str, Producer] = field(default_factory=dict)  # stripped text -> producer
+    outputs: dict[str, Producer] = field(default_factory=dict)  # text (as generated, stripped) -> producer
     active: int = 0  # admitted, not yet answered
 
     def view(self) -> dict:
@@ -189,9 +189,11 @@ class Sessions:
         return out
 
     def remember(self, r: Round, agent: str | None, text: str) -> None:
-        text = text.strip()
-        if len(text) >= self.min_chars:
-            r.outputs.setdefault(text, (r.session, agent or "", r.number))
+        """Keep the output as generated (echoed verbatim, its span's tokens are the generated
+        ones) and stripped (what frameworks that strip echo)."""
+        if len(text.strip()) >= self.min_chars:
+            for t in dict.fromkeys((text, text.strip())):
+                r.outputs.setdefault(t, (r.session, agent or "", r.number))
 
     def _trim(self, s: Session) -> None:
         if len(s.rounds) > self.keep:

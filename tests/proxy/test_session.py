@@ -1,0 +1,33 @@
+"""Sessions' memory of outputs: what a later prompt is searched for."""
+
+from tokendance.backend.api import Segment
+from tokendance.proxy import segment as sg
+from tokendance.proxy.session import Sessions
+
+
+def shared(segs: list[Segment]) -> list[str]:
+    return [s.text for s in segs if s.shared]
+
+
+def test_an_output_with_whitespace_around_it_is_found_as_generated_and_stripped():
+    # Completions often begin with a space (" The answer ..."): echoed verbatim, the span must
+    # hold those exact characters, so its tokens are the ones the producer generated
+    # ("ĠThe", not "Ġ" + "The"), and the producer's KV of them can be its base.
+    sessions = Sessions()
+    rnd = sessions.round("s", 1)
+    out = " The answer is forty-two, said Deep Thought.\n"
+    sessions.remember(rnd, "a", out)
+    known = sessions.known("s", 2)
+    verbatim = sg.detect([Segment(f"Q: what is it?\nA:{out}Q: and then?")], known)
+    assert shared(verbatim) == [out]
+    framed = sg.detect([Segment(f"bob said '{out.strip()}'")], known)  # a framework that strips
+    assert shared(framed) == [out.strip()]
+    assert {known[out], known[out.strip()]} == {("s", "a", 1)}
+
+
+def test_outputs_shorter_than_min_chars_or_blank_are_not_remembered():
+    sessions = Sessions(min_chars=16)
+    rnd = sessions.round("s", 1)
+    for text in ("", "   \n", "short answer", "  fifteen chars  "):
+        sessions.remember(rnd, "a", text)
+    assert rnd.outputs == {}
