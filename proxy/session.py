@@ -13,6 +13,8 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+import structlog
+
 from tokendance.backend.api import MODES
 
 from .barrier import Gate
@@ -21,6 +23,7 @@ from .schemas import TokenDance
 from .segment import Producer
 from .stats import RoundStats
 
+log = structlog.get_logger("tokendance.proxy")
 HEADER = "X-TokenDance-"
 # Surrogates: what aiohttp makes of header bytes that are not UTF-8 (no MQTT topic takes them).
 # Brokers (mosquitto) also drop a client that publishes DEL, a C1 control or a Unicode
@@ -91,6 +94,8 @@ class Round:
     stats: RoundStats = field(default_factory=RoundStats)
     outputs: dict[str, Producer] = field(default_factory=dict)  # text (as generated, stripped) -> producer
     active: int = 0  # admitted, not yet answered
+    chars: int = 0  # in outputs
+    full: bool = False  # outputs reached Sessions.max_round_chars
 
     def view(self) -> dict:
         g = self.gate
@@ -112,12 +117,13 @@ class Session:
 
 class Sessions:
     def __init__(self, memory: int = 2, keep: int = 64, ttl: float = 3600.0,
-                 max_sessions: int = 10_000, min_chars: int = 16):
+                 max_sessions: int = 10_000, min_chars: int = 16, max_round_chars: int = 2**24):
         self.memory = memory  # rounds back whose outputs are searched in a prompt
         self.keep = keep  # rounds kept per session (stats and outputs)
         self.ttl = ttl
         self.max_sessions = max_sessions
         self.min_chars = min_chars  # shorter outputs are not searched for
+        self.max_round_chars = max_round_chars  # output text remembered per round
         self.all: dict[str, Session] = {}
         self._swept = time.monotonic()
 
@@ -191,9 +197,19 @@ class Sessions:
     def remember(self, r: Round, agent: str | None, text: str) -> None:
         """Keep the output as generated (echoed verbatim, its span's tokens are the generated
         ones) and stripped (what frameworks that strip echo)."""
-        if len(text.strip()) >= self.min_chars:
-            for t in dict.fromkeys((text, text.strip())):
-                r.outputs.setdefault(t, (r.session, agent or "", r.number))
+        if len(text.strip()) < self.min_chars:
+            return
+        for t in dict.fromkeys((text, text.strip())):
+            if t in r.outputs:
+                continue
+            if r.chars + len(t) > self.max_round_chars:
+                if not r.full:
+                    r.full = True
+                    log.warning("round output memory full: later outputs are not looked for",
+                                session=r.session, round=r.number, chars=r.chars)
+                return
+            r.outputs[t] = (r.session, agent or "", r.number)
+            r.chars += len(t)
 
     def _trim(self, s: Session) -> None:
         if len(s.rounds) > self.keep:

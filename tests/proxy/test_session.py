@@ -31,3 +31,14 @@ def test_outputs_shorter_than_min_chars_or_blank_are_not_remembered():
     for text in ("", "   \n", "short answer", "  fifteen chars  "):
         sessions.remember(rnd, "a", text)
     assert rnd.outputs == {}
+
+
+def test_a_round_remembers_a_bounded_amount_of_output():
+    # Requests naming one round are not limited in number: its memory must be.
+    sessions = Sessions(max_round_chars=1000)
+    rnd = sessions.round("s", 1)
+    for i in range(200):
+        sessions.remember(rnd, f"a{i}", f"answer number {i:04d} of many")
+    assert 900 <= sum(map(len, rnd.outputs)) <= 1000
+    assert "answer number 0000 of many" in sessions.known("s", 2)
+    assert "answer number 0199 of many" not in sessions.known("s", 2)
