@@ -19,6 +19,7 @@ boundary. Escaping inserts "~" after every "<|td": the result never contains SEP
 from __future__ import annotations
 
 import bisect
+import itertools
 import secrets
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -87,20 +88,32 @@ def text(prompt: str, explicit: bool, known: Mapping[str, Producer]) -> list[Seg
 
 def detect(segs: list[Segment], known: Mapping[str, Producer]) -> list[Segment]:
     """Mark exact occurrences of known outputs inside private segments as shared."""
-    out: list[Segment] = []
     for s in segs:
         if s.shared:
             s.producer = known.get(s.text.strip())
+    # One search through all the private text (with separators on, a prompt has a private
+    # segment per stretch of template text): matches that cross a segment's end are dropped.
+    texts = [s.text for s in segs if not s.shared]
+    ends = list(itertools.accumulate(map(len, texts)))
+    matches = iter(_matches("".join(texts), ends, known) if known else ())
+    m = next(matches, None)
+    out: list[Segment] = []
+    start = 0  # of the current private segment in the joined text
+    for s in segs:
+        if s.shared:
             out.append(s)
             continue
-        pos = 0
-        for a, b, producer in _matches(s.text, known) if known else ():
+        pos, end = 0, start + len(s.text)
+        while m is not None and m[0] < end:
+            a, b = m[0] - start, m[1] - start
             if a > pos:
                 _private(out, s.text[pos:a])
-            out.append(Segment(s.text[a:b], shared=True, producer=producer))
+            out.append(Segment(s.text[a:b], shared=True, producer=m[2]))
             pos = b
+            m = next(matches, None)
         if pos < len(s.text):
             _private(out, s.text[pos:])
+        start = end
     return out
 
 
@@ -111,7 +124,8 @@ def _private(out: list[Segment], text: str) -> None:
         out.append(Segment(text))
 
 
-def _matches(text: str, known: Mapping[str, Producer]) -> list[tuple[int, int, Producer]]:
+def _matches(text: str, ends: list[int], known: Mapping[str, Producer]) -> list[tuple[int, int, Producer]]:
+    """Non-overlapping occurrences in `text`, none crossing an end of segment (`ends`), by start."""
     # Most known outputs are absent from a given prompt; a sample of the prompt's grams rules
     # them out without a search through all of it. An occurrence of s at p covers the sampled
     # position j = p + k (k < _GRAM), and text[j:j+_GRAM] == s[k:k+_GRAM] when s is long enough.
@@ -122,20 +136,21 @@ def _matches(text: str, known: Mapping[str, Producer]) -> list[tuple[int, int, P
             continue
         i = text.find(s)
         while i >= 0:
-            found.append((i, i + len(s), producer))
-            i = text.find(s, i + len(s))
-    if not found:
-        return found
+            end = ends[bisect.bisect_right(ends, i)]  # of the segment holding i
+            if i + len(s) <= end:
+                found.append((i, i + len(s), producer))
+                i = text.find(s, i + len(s))
+            else:  # an occurrence starting before `end` would cross it too
+                i = text.find(s, end)
     # Longest first; a match that overlaps one already taken is dropped.
     found.sort(key=lambda m: m[0] - m[1])
-    starts: list[int] = []
-    taken: list[tuple[int, int, Producer]] = []
-    for m in found:
-        k = bisect.bisect_left(starts, m[0])
-        if (k and taken[k - 1][1] > m[0]) or (k < len(taken) and taken[k][0] < m[1]):
-            continue
-        starts.insert(k, m[0])
-        taken.insert(k, m)
+    used = bytearray(len(text))
+    taken = []
+    for a, b, producer in found:
+        if used.find(1, a, b) < 0:
+            used[a:b] = b"\x01" * (b - a)
+            taken.append((a, b, producer))
+    taken.sort(key=lambda m: m[0])
     return taken
 
 

@@ -161,3 +161,66 @@ def test_detect_ignores_an_empty_output():
         signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGALRM, old)
     assert pairs(segs) == [("some prompt text", False)]
+
+
+def test_detect_time_does_not_grow_with_messages_times_outputs():
+    # With separators on, every stretch of template text between two shared blocks is its own
+    # private segment: searching each of them for every output took 15 s for 10k messages.
+    rng = random.Random(4)
+    outputs = ["".join(rng.choice("abcdefghij ") for _ in range(20)) for _ in range(1000)]
+    messages = [{"role": "user", "content": f"{SEP}block {i}{SEP}"} for i in range(2000)]
+
+    def timed(known: dict) -> float:
+        t = time.perf_counter()
+        sg.chat(render, messages, explicit=True, known=known)
+        return time.perf_counter() - t
+
+    few = timed({o: ("s", "a", 1) for o in outputs[:10]})
+    assert timed({o: ("s", "a", 1) for o in outputs}) < 10 * few + 0.05
+
+
+def test_detect_finds_an_output_right_after_an_occurrence_cut_by_a_segment_boundary():
+    out = "ab" * 8
+    segs = sg.detect([Segment("zz" + "ab" * 5), Segment("ab" * 8 + "zz")], {out: ("s", "a", 1)})
+    assert pairs(segs) == [("zz" + "ab" * 5, False), (out, True), ("zz", False)]
+
+
+def test_detect_matches_a_search_of_each_private_segment_on_its_own():
+    def reference(segs: list[Segment], known: dict) -> list[tuple[str, bool]]:
+        out: list[tuple[str, bool]] = []
+        for s in segs:
+            if s.shared:
+                out.append((s.text, True))
+                continue
+            found = []
+            for k in known:
+                i = s.text.find(k)
+                while i >= 0:
+                    found.append((i, i + len(k)))
+                    i = s.text.find(k, i + len(k))
+            taken: list[tuple[int, int]] = []
+            for a, b in sorted(found, key=lambda m: m[0] - m[1]):
+                if all(b <= c or d <= a for c, d in taken):
+                    taken.append((a, b))
+            pos = 0
+            for a, b in sorted(taken):
+                out += [(s.text[pos:a], False)] if a > pos else []
+                out.append((s.text[a:b], True))
+                pos = b
+            out += [(s.text[pos:], False)] if pos < len(s.text) else []
+        merged: list[tuple[str, bool]] = []
+        for t, shared in out:
+            if merged and not shared and not merged[-1][1]:
+                merged[-1] = (merged[-1][0] + t, False)
+            else:
+                merged.append((t, shared))
+        return merged
+
+    rng = random.Random(5)
+    for _ in range(500):
+        known = {"".join(rng.choice("ab ") for _ in range(rng.randint(1, 20))): ("s", "a", 1)
+                 for _ in range(rng.randint(1, 6))}
+        segs = [Segment("".join(rng.choice("ab c") for _ in range(rng.randint(0, 40))), rng.random() < 0.3)
+                for _ in range(rng.randint(1, 6))]
+        expected = reference(segs, known)
+        assert pairs(sg.detect(segs, known)) == expected
