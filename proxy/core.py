@@ -21,7 +21,7 @@ from tokendance.backend.api import (Backend, BackendError, Delta, InvalidRequest
 from .barrier import Barrier, Entry, Gate
 from .errors import ApiError, from_backend, invalid
 from .schemas import RoundOpen, Sampled
-from .segment import Producer
+from .known import Known
 from .session import Meta, Round, Sessions, check_name, read_meta, round_number
 from .stats import Metrics
 
@@ -137,10 +137,10 @@ class Proxy:
         return Call(prefix + secrets.token_hex(12), kind, body.model, meta, body.n, tenant,
                     body.stream, bool(opts and opts.include_usage), t0=t0)
 
-    def place(self, call: Call) -> Mapping[str, Producer]:
+    def place(self, call: Call) -> Known:
         """Choose the round; return the earlier outputs to look for in the prompt."""
         if call.meta.session is None:
-            return {}
+            return Known()
         call.number = self.sessions.infer(call.meta)
         return self.sessions.known(call.meta.session, call.number)
 

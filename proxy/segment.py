@@ -26,11 +26,11 @@ from typing import Any
 
 from tokendance.backend.api import Segment
 
+from .known import Known, Producer
+
 SEP = "<|td-sep|>"
 _HEAD, _ESC = "<|td", "<|td~"
 
-Producer = tuple[str, str, int]  # (session, agent, round)
-_GRAM = 8  # the prompt is sampled every _GRAM characters to rule out absent outputs
 
 
 def escape(text: str) -> str:
@@ -57,7 +57,7 @@ def unflatten(text: str) -> list[Segment]:
 
 
 def chat(render: Callable[[list[dict[str, Any]]], str], messages: list[dict[str, Any]],
-         explicit: bool, known: Mapping[str, Producer]) -> list[Segment]:
+         explicit: bool, known: Known | Mapping[str, Producer]) -> list[Segment]:
     """Render the chat template and segment the result."""
     if not explicit:
         return detect([Segment(render(messages))], known)
@@ -80,14 +80,16 @@ def chat(render: Callable[[list[dict[str, Any]]], str], messages: list[dict[str,
     return detect(segs, known)
 
 
-def text(prompt: str, explicit: bool, known: Mapping[str, Producer]) -> list[Segment]:
+def text(prompt: str, explicit: bool, known: Known | Mapping[str, Producer]) -> list[Segment]:
     """Segment a raw completion prompt (the explicit grammar applies to all of it)."""
     segs = [Segment(t, shared=s) for t, s in blocks(prompt)] if explicit else [Segment(prompt)]
     return detect(segs, known)
 
 
-def detect(segs: list[Segment], known: Mapping[str, Producer]) -> list[Segment]:
+def detect(segs: list[Segment], known: Known | Mapping[str, Producer]) -> list[Segment]:
     """Mark exact occurrences of known outputs inside private segments as shared."""
+    if not isinstance(known, Known):
+        known = Known.of(known)
     for s in segs:
         if s.shared:
             s.producer = known.get(s.text.strip())
@@ -124,16 +126,10 @@ def _private(out: list[Segment], text: str) -> None:
         out.append(Segment(text))
 
 
-def _matches(text: str, ends: list[int], known: Mapping[str, Producer]) -> list[tuple[int, int, Producer]]:
+def _matches(text: str, ends: list[int], known: Known) -> list[tuple[int, int, Producer]]:
     """Non-overlapping occurrences in `text`, none crossing an end of segment (`ends`), by start."""
-    # Most known outputs are absent from a given prompt; a sample of the prompt's grams rules
-    # them out without a search through all of it. An occurrence of s at p covers the sampled
-    # position j = p + k (k < _GRAM), and text[j:j+_GRAM] == s[k:k+_GRAM] when s is long enough.
-    sample = {text[j:j + _GRAM] for j in range(0, len(text), _GRAM)}
     found = []
-    for s, producer in known.items():
-        if not s or (len(s) >= 2 * _GRAM - 1 and not any(s[k:k + _GRAM] in sample for k in range(_GRAM))):
-            continue
+    for s, producer in known.candidates(text).items():
         i = text.find(s)
         while i >= 0:
             end = ends[bisect.bisect_right(ends, i)]  # of the segment holding i
@@ -142,8 +138,8 @@ def _matches(text: str, ends: list[int], known: Mapping[str, Producer]) -> list[
                 i = text.find(s, i + len(s))
             else:  # an occurrence starting before `end` would cross it too
                 i = text.find(s, end)
-    # Longest first; a match that overlaps one already taken is dropped.
-    found.sort(key=lambda m: m[0] - m[1])
+    # Longest first, then leftmost; a match that overlaps one already taken is dropped.
+    found.sort(key=lambda m: (m[0] - m[1], m[0]))
     used = bytearray(len(text))
     taken = []
     for a, b, producer in found:

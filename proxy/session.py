@@ -20,7 +20,7 @@ from tokendance.backend.api import MODES
 from .barrier import Gate
 from .errors import invalid
 from .schemas import TokenDance
-from .segment import Producer
+from .known import Known, Outputs
 from .stats import RoundStats
 
 log = structlog.get_logger("tokendance.proxy")
@@ -92,9 +92,8 @@ class Round:
     number: int
     gate: Gate = field(default_factory=Gate)
     stats: RoundStats = field(default_factory=RoundStats)
-    outputs: dict[str, Producer] = field(default_factory=dict)  # text (as generated, stripped) -> producer
+    outputs: Outputs = field(default_factory=Outputs)  # as generated and stripped
     active: int = 0  # admitted, not yet answered
-    chars: int = 0  # in outputs
     full: bool = False  # outputs reached Sessions.max_round_chars
 
     def view(self) -> dict:
@@ -182,17 +181,13 @@ class Sessions:
         if s is not None and m.agent is not None and s.counts.get(m.agent) == r.number:
             s.counts[m.agent] = before
 
-    def known(self, name: str, number: int) -> dict[str, Producer]:
+    def known(self, name: str, number: int) -> Known:
         """Outputs to look for in a prompt of round `number`: those of the last rounds."""
         s = self.all.get(name)
         if s is None:
-            return {}
-        out: dict[str, Producer] = {}
-        for k in range(max(number - self.memory, 0), number + 1):
-            r = s.rounds.get(k)
-            if r is not None:
-                out.update(r.outputs)
-        return out
+            return Known()
+        rounds = (s.rounds.get(k) for k in range(number, max(number - self.memory, 0) - 1, -1))
+        return Known(r.outputs for r in rounds if r is not None)
 
     def remember(self, r: Round, agent: str | None, text: str) -> None:
         """Keep the output as generated (echoed verbatim, its span's tokens are the generated
@@ -202,14 +197,13 @@ class Sessions:
         for t in dict.fromkeys((text, text.strip())):
             if t in r.outputs:
                 continue
-            if r.chars + len(t) > self.max_round_chars:
+            if r.outputs.chars + len(t) > self.max_round_chars:
                 if not r.full:
                     r.full = True
                     log.warning("round output memory full: later outputs are not looked for",
-                                session=r.session, round=r.number, chars=r.chars)
+                                session=r.session, round=r.number, chars=r.outputs.chars)
                 return
-            r.outputs[t] = (r.session, agent or "", r.number)
-            r.chars += len(t)
+            r.outputs.add(t, (r.session, agent or "", r.number))
 
     def _trim(self, s: Session) -> None:
         if len(s.rounds) > self.keep:
