@@ -142,7 +142,7 @@ class Proxy:
         if call.meta.session is None:
             return Known()
         call.number = self.sessions.infer(call.meta)
-        return self.sessions.known(call.meta.session, call.number)
+        return self.sessions.known(call.meta.session, call.number, call.tenant)
 
     def prepare(self, call: Call, prompts: list[list[Segment] | list[int]], sp: SamplingParams) -> None:
         m = call.meta
@@ -214,7 +214,7 @@ class Proxy:
             rnd.stats.last = now
             if call.outcome == "ok":
                 for i in range(len(call.prepared)):
-                    self.sessions.remember(rnd, call.meta.agent, call.text(i))
+                    self.sessions.remember(rnd, call.meta.agent, call.text(i), call.tenant)
             else:  # never answered (at the barrier or while generating): a retry keeps the round
                 self.sessions.uncommit(call.meta, rnd, call.before)
             if rnd.active == 0 and not rnd.gate.pending:

@@ -92,7 +92,7 @@ class Round:
     number: int
     gate: Gate = field(default_factory=Gate)
     stats: RoundStats = field(default_factory=RoundStats)
-    outputs: Outputs = field(default_factory=Outputs)  # as generated and stripped
+    outputs: dict[str, Outputs] = field(default_factory=dict)  # by tenant; as generated and stripped
     active: int = 0  # admitted, not yet answered
     full: bool = False  # outputs reached Sessions.max_round_chars
 
@@ -181,29 +181,31 @@ class Sessions:
         if s is not None and m.agent is not None and s.counts.get(m.agent) == r.number:
             s.counts[m.agent] = before
 
-    def known(self, name: str, number: int) -> Known:
-        """Outputs to look for in a prompt of round `number`: those of the last rounds."""
+    def known(self, name: str, number: int, tenant: str = "") -> Known:
+        """Outputs to look for in a prompt of round `number`: the tenant's of the last rounds
+        (another tenant's could never be reused, and finding them would say what they were)."""
         s = self.all.get(name)
         if s is None:
             return Known()
         rounds = (s.rounds.get(k) for k in range(number, max(number - self.memory, 0) - 1, -1))
-        return Known(r.outputs for r in rounds if r is not None)
+        return Known(r.outputs[tenant] for r in rounds if r is not None and tenant in r.outputs)
 
-    def remember(self, r: Round, agent: str | None, text: str) -> None:
+    def remember(self, r: Round, agent: str | None, text: str, tenant: str = "") -> None:
         """Keep the output as generated (echoed verbatim, its span's tokens are the generated
         ones) and stripped (what frameworks that strip echo)."""
         if len(text.strip()) < self.min_chars:
             return
+        outputs = r.outputs.setdefault(tenant, Outputs())
         for t in dict.fromkeys((text, text.strip())):
-            if t in r.outputs:
+            if t in outputs:
                 continue
-            if r.outputs.chars + len(t) > self.max_round_chars:
+            if sum(o.chars for o in r.outputs.values()) + len(t) > self.max_round_chars:
                 if not r.full:
                     r.full = True
                     log.warning("round output memory full: later outputs are not looked for",
-                                session=r.session, round=r.number, chars=r.outputs.chars)
+                                session=r.session, round=r.number)
                 return
-            r.outputs.add(t, (r.session, agent or "", r.number))
+            outputs.add(t, (r.session, agent or "", r.number))
 
     def _trim(self, s: Session) -> None:
         if len(s.rounds) > self.keep:

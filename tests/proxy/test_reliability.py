@@ -176,4 +176,4 @@ async def test_a_request_cut_off_while_generating_does_not_count_so_its_retry_ke
             assert r.headers["X-TokenDance-Round"] == "2"
     stats = server.proxy.sessions.find("retry", 1).view()
     assert (stats["aborted"], stats["errors"], stats["requests"]) == (1, 1, 3)
-    assert list(server.proxy.sessions.find("retry", 1).outputs.producers) == [" ".join(LONG.split()[-40:])]
+    assert list(server.proxy.sessions.find("retry", 1).outputs[""].producers) == [" ".join(LONG.split()[-40:])]

@@ -42,7 +42,7 @@ def test_a_round_remembers_a_bounded_amount_of_output():
     rnd = sessions.round("s", 1)
     for i in range(200):
         sessions.remember(rnd, f"a{i}", f"answer number {i:04d} of many")
-    assert 900 <= sum(map(len, rnd.outputs.producers)) <= 1000
+    assert 900 <= sum(map(len, rnd.outputs[""].producers)) <= 1000
     assert "answer number 0000 of many" in sessions.known("s", 2)
     assert "answer number 0199 of many" not in sessions.known("s", 2)
 
