@@ -144,7 +144,7 @@ class Sessions:
                 r.gate.expected = frozenset(prev.gate.agents)
                 r.gate.missing = set(r.gate.expected)
             s.latest = max(s.latest, number)
-            self._trim(s)
+            self._trim(s, r)
         return r
 
     def find(self, name: str, number: int) -> Round | None:
@@ -207,10 +207,12 @@ class Sessions:
                 return
             outputs.add(t, (r.session, agent or "", r.number))
 
-    def _trim(self, s: Session) -> None:
+    def _trim(self, s: Session, new: Round) -> None:
+        """Drop the oldest idle rounds past `keep`; never the one just made (it is about to be used)."""
         if len(s.rounds) > self.keep:
             for k in sorted(s.rounds)[: len(s.rounds) - self.keep]:
-                if s.rounds[k].active == 0 and not s.rounds[k].gate.pending:
+                r = s.rounds[k]
+                if r is not new and r.active == 0 and not r.gate.pending:
                     del s.rounds[k]
 
     def _sweep(self) -> None:

@@ -75,3 +75,17 @@ def test_searching_a_prompt_costs_about_the_same_for_50_or_50000_remembered_outp
     (t_many, segs_many), (t_few, segs_few) = timed(many), timed(few)
     assert [(s.text, s.shared) for s in segs_many] == [(s.text, s.shared) for s in segs_few]
     assert t_many < 5 * t_few + 0.01
+
+
+def test_a_round_older_than_the_kept_ones_lives_while_it_is_used():
+    # A straggler (an agent that speaks less often, whose inferred round lags) opened a round
+    # below the `keep` newest: it was trimmed as it was made, so its requests never shared a
+    # gate, its stats could not be read and its outputs were never looked for.
+    sessions = Sessions(keep=3)
+    for k in (5, 6, 7):
+        sessions.round("s", k)
+    late = sessions.round("s", 1)
+    assert sessions.find("s", 1) is late
+    assert sessions.round("s", 1) is late
+    sessions.remember(late, "slow", "a late but useful answer")
+    assert "a late but useful answer" in sessions.known("s", 2)
