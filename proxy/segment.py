@@ -32,7 +32,6 @@ SEP = "<|td-sep|>"
 _HEAD, _ESC = "<|td", "<|td~"
 
 
-
 def escape(text: str) -> str:
     return text.replace(_HEAD, _ESC)
 
