@@ -16,6 +16,11 @@ from dataclasses import dataclass, field
 
 Producer = tuple[str, str, int]  # (session, agent, round)
 GRAM = 8
+ENTRY_BYTES = 1500  # what an output costs besides its characters: its entry, its GRAM grams
+
+
+def cost(text: str) -> int:
+    return len(text) + ENTRY_BYTES
 
 
 @dataclass(slots=True, eq=False)
@@ -25,13 +30,13 @@ class Outputs:
     producers: dict[str, Producer] = field(default_factory=dict)
     grams: dict[str, list[str]] = field(default_factory=dict)  # gram -> outputs it starts
     short: list[str] = field(default_factory=list)  # too short for the index
-    chars: int = 0
+    size: int = 0  # estimated bytes
 
     def add(self, text: str, producer: Producer) -> None:
         if not text or text in self.producers:
             return
         self.producers[text] = producer
-        self.chars += len(text)
+        self.size += cost(text)
         if len(text) < 2 * GRAM - 1:
             self.short.append(text)
             return

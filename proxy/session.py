@@ -10,6 +10,7 @@ agents of the previous round.
 from __future__ import annotations
 
 import time
+from collections import OrderedDict
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
@@ -20,7 +21,7 @@ from tokendance.backend.api import MODES
 from .barrier import Gate
 from .errors import invalid
 from .schemas import TokenDance
-from .known import Known, Outputs
+from .known import Known, Outputs, cost
 from .stats import RoundStats
 
 log = structlog.get_logger("tokendance.proxy")
@@ -94,7 +95,7 @@ class Round:
     stats: RoundStats = field(default_factory=RoundStats)
     outputs: dict[str, Outputs] = field(default_factory=dict)  # by tenant; as generated and stripped
     active: int = 0  # admitted, not yet answered
-    full: bool = False  # outputs reached Sessions.max_round_chars
+    full: bool = False  # outputs reached Sessions.max_round_bytes
 
     def view(self) -> dict:
         g = self.gate
@@ -115,14 +116,17 @@ class Session:
 
 
 class Sessions:
-    def __init__(self, memory: int = 2, keep: int = 64, ttl: float = 3600.0,
-                 max_sessions: int = 10_000, min_chars: int = 16, max_round_chars: int = 2**24):
+    def __init__(self, memory: int = 2, keep: int = 64, ttl: float = 3600.0, max_sessions: int = 10_000,
+                 min_chars: int = 16, max_round_bytes: int = 2**24, max_bytes: int = 2**28):
         self.memory = memory  # rounds back whose outputs are searched in a prompt
         self.keep = keep  # rounds kept per session (stats and outputs)
         self.ttl = ttl
         self.max_sessions = max_sessions
         self.min_chars = min_chars  # shorter outputs are not searched for
-        self.max_round_chars = max_round_chars  # output text remembered per round
+        self.max_round_bytes = max_round_bytes  # outputs remembered per round (estimated)
+        self.max_bytes = max_bytes  # ... and in all (the rounds added to longest ago forget first)
+        self.bytes = 0
+        self._lru: OrderedDict[Round, None] = OrderedDict()  # rounds holding outputs
         self.all: dict[str, Session] = {}
         self._swept = time.monotonic()
 
@@ -199,13 +203,24 @@ class Sessions:
         for t in dict.fromkeys((text, text.strip())):
             if t in outputs:
                 continue
-            if sum(o.chars for o in r.outputs.values()) + len(t) > self.max_round_chars:
+            if _size(r) + cost(t) > self.max_round_bytes:
                 if not r.full:
                     r.full = True
                     log.warning("round output memory full: later outputs are not looked for",
                                 session=r.session, round=r.number)
                 return
             outputs.add(t, (r.session, agent or "", r.number))
+            self.bytes += cost(t)
+        self._lru[r] = None
+        self._lru.move_to_end(r)
+        while self.bytes > self.max_bytes and next(iter(self._lru)) is not r:
+            self._forget(next(iter(self._lru)))
+
+    def _forget(self, r: Round) -> None:
+        """Let go of a round's outputs (the round dropped, or the memory needed)."""
+        self.bytes -= _size(r)
+        r.outputs.clear()
+        self._lru.pop(r, None)
 
     def _trim(self, s: Session, new: Round) -> None:
         """Drop the oldest idle rounds past `keep`; never the one just made (it is about to be used)."""
@@ -213,6 +228,7 @@ class Sessions:
             for k in sorted(s.rounds)[: len(s.rounds) - self.keep]:
                 r = s.rounds[k]
                 if r is not new and r.active == 0 and not r.gate.pending:
+                    self._forget(r)
                     del s.rounds[k]
 
     def _sweep(self) -> None:
@@ -224,4 +240,9 @@ class Sessions:
         over = len(self.all) - self.max_sessions + 1
         for i, (used, k) in enumerate(idle):
             if i < over or now - used > self.ttl:
-                del self.all[k]
+                for r in self.all.pop(k).rounds.values():
+                    self._forget(r)
+
+
+def _size(r: Round) -> int:
+    return sum(o.size for o in r.outputs.values())

@@ -5,6 +5,7 @@ import time
 
 from tokendance.backend.api import Segment
 from tokendance.proxy import segment as sg
+from tokendance.proxy.known import ENTRY_BYTES
 from tokendance.proxy.session import Sessions
 
 
@@ -38,13 +39,37 @@ def test_outputs_shorter_than_min_chars_or_blank_are_not_remembered():
 
 def test_a_round_remembers_a_bounded_amount_of_output():
     # Requests naming one round are not limited in number: its memory must be.
-    sessions = Sessions(max_round_chars=1000)
+    sessions = Sessions(max_round_bytes=20 * (ENTRY_BYTES + 26))
     rnd = sessions.round("s", 1)
     for i in range(200):
         sessions.remember(rnd, f"a{i}", f"answer number {i:04d} of many")
-    assert 900 <= sum(map(len, rnd.outputs[""].producers)) <= 1000
+    assert len(rnd.outputs[""]) == 20
     assert "answer number 0000 of many" in sessions.known("s", 2)
     assert "answer number 0199 of many" not in sessions.known("s", 2)
+
+
+def test_all_sessions_remember_a_bounded_amount_the_least_recent_rounds_forgotten_first():
+    # 10k sessions x 64 rounds each were bounded only per round; an output costs ~1.5 KB of index.
+    sessions = Sessions(max_bytes=50 * (ENTRY_BYTES + 30))
+    for k in range(10):
+        rnd = sessions.round(f"s{k}", 1)
+        for i in range(10):
+            sessions.remember(rnd, "a", f"session {k} output number {i:04d}")
+    assert sessions.bytes <= 50 * (ENTRY_BYTES + 30)
+    assert "session 0 output number 0000" not in sessions.known("s0", 1)
+    assert "session 9 output number 0009" in sessions.known("s9", 1)
+    assert sessions.bytes == sum(o.size for s in sessions.all.values() for r in s.rounds.values()
+                                 for o in r.outputs.values())
+
+
+def test_rounds_and_sessions_dropped_give_their_memory_back():
+    sessions = Sessions(keep=2, max_sessions=1)
+    for k in (1, 2, 3):
+        sessions.remember(sessions.round("s", k), "a", f"round {k} said this long thing")
+    assert sessions.find("s", 1) is None
+    assert sessions.bytes == 2 * (ENTRY_BYTES + len("round 1 said this long thing"))
+    sessions.round("t", 1)  # over max_sessions: "s" is idle, so it goes
+    assert "s" not in sessions.all and sessions.bytes == 0
 
 
 def test_searching_a_prompt_costs_about_the_same_for_50_or_50000_remembered_outputs():
