@@ -17,9 +17,10 @@ from tokendance.backend.api import Backend, InvalidRequest
 
 from . import schemas, segment
 from .core import Config, Proxy
-from .errors import ApiError, invalid, middleware
+from .errors import ApiError, middleware
 from .mqtt import Control
 from .respond import reply
+from .session import round_number
 
 log = structlog.get_logger("tokendance.proxy")
 PROXY = web.AppKey("proxy", Proxy)
@@ -141,10 +142,7 @@ async def round_stats(req: web.Request) -> web.Response:
 
 
 def _number(req: web.Request) -> int:
-    raw = req.match_info["round"]
-    if not raw.isdecimal():  # isdigit() also takes '²', which int() does not
-        raise invalid("round must be a non-negative integer", "round")
-    return int(raw)
+    return round_number(req.match_info["round"], "round")
 
 
 def _json(obj: object) -> web.Response:

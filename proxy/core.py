@@ -21,8 +21,8 @@ from tokendance.backend.api import (Backend, BackendError, Delta, InvalidRequest
 from .barrier import Barrier, Entry, Gate
 from .errors import ApiError, from_backend, invalid
 from .schemas import RoundOpen, Sampled
-from .segment import Producer
-from .session import Meta, Round, Sessions, check_name, read_meta
+from .known import Known
+from .session import Meta, Round, Sessions, check_name, read_meta, round_number
 from .stats import Metrics
 
 log = structlog.get_logger("tokendance.proxy")
@@ -50,6 +50,7 @@ class Call:
     prepared: list[Prepared] = field(default_factory=list)
     number: int | None = None  # the round, when in a session
     rnd: Round | None = None
+    before: int = 0  # the agent's round count before this call (restored if it goes unanswered)
     created: int = field(default_factory=lambda: int(time.time()))
     t0: float = field(default_factory=time.perf_counter)
     released: float = 0.0  # resumed after the barrier
@@ -136,12 +137,12 @@ class Proxy:
         return Call(prefix + secrets.token_hex(12), kind, body.model, meta, body.n, tenant,
                     body.stream, bool(opts and opts.include_usage), t0=t0)
 
-    def place(self, call: Call) -> Mapping[str, Producer]:
+    def place(self, call: Call) -> Known:
         """Choose the round; return the earlier outputs to look for in the prompt."""
         if call.meta.session is None:
-            return {}
+            return Known()
         call.number = self.sessions.infer(call.meta)
-        return self.sessions.known(call.meta.session, call.number)
+        return self.sessions.known(call.meta.session, call.number, call.tenant)
 
     def prepare(self, call: Call, prompts: list[list[Segment] | list[int]], sp: SamplingParams) -> None:
         m = call.meta
@@ -172,7 +173,7 @@ class Proxy:
             except ApiError:
                 self.finish(call, "error")
                 raise
-        rnd, before = self.sessions.commit(call.meta, call.number)
+        rnd, call.before = self.sessions.commit(call.meta, call.number)
         call.rnd = rnd
         rnd.active += 1
         rnd.stats.first = rnd.stats.first or call.t0
@@ -180,7 +181,6 @@ class Proxy:
         try:
             streams = await self.barrier.wait(rnd.gate, entry)
         except BaseException as exc:
-            self.sessions.uncommit(call.meta, rnd, before)
             self.finish(call, "error" if isinstance(exc, ApiError) else "abort")
             raise
         call.released = time.perf_counter()
@@ -214,7 +214,9 @@ class Proxy:
             rnd.stats.last = now
             if call.outcome == "ok":
                 for i in range(len(call.prepared)):
-                    self.sessions.remember(rnd, call.meta.agent, call.text(i))
+                    self.sessions.remember(rnd, call.meta.agent, call.text(i), call.tenant)
+            else:  # never answered (at the barrier or while generating): a retry keeps the round
+                self.sessions.uncommit(call.meta, rnd, call.before)
             if rnd.active == 0 and not rnd.gate.pending:
                 self._round_done(rnd)
         m.kv_bytes.inc(shared * u.block_bytes, kind="shared")
@@ -286,9 +288,7 @@ class Proxy:
 
     def _round(self, session: str, number: int) -> Round:
         check_name(session, "session")
-        if number < 0:
-            raise invalid("round must be a non-negative integer", "round")
-        return self.sessions.round(session, number)
+        return self.sessions.round(session, round_number(number, "round"))
 
     # Lifecycle.
 

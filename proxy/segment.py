@@ -19,16 +19,17 @@ boundary. Escaping inserts "~" after every "<|td": the result never contains SEP
 from __future__ import annotations
 
 import bisect
+import itertools
 import secrets
 from collections.abc import Callable, Mapping
 from typing import Any
 
 from tokendance.backend.api import Segment
 
+from .known import Known, Producer
+
 SEP = "<|td-sep|>"
 _HEAD, _ESC = "<|td", "<|td~"
-
-Producer = tuple[str, str, int]  # (session, agent, round)
 
 
 def escape(text: str) -> str:
@@ -55,7 +56,7 @@ def unflatten(text: str) -> list[Segment]:
 
 
 def chat(render: Callable[[list[dict[str, Any]]], str], messages: list[dict[str, Any]],
-         explicit: bool, known: Mapping[str, Producer]) -> list[Segment]:
+         explicit: bool, known: Known | Mapping[str, Producer]) -> list[Segment]:
     """Render the chat template and segment the result."""
     if not explicit:
         return detect([Segment(render(messages))], known)
@@ -78,28 +79,42 @@ def chat(render: Callable[[list[dict[str, Any]]], str], messages: list[dict[str,
     return detect(segs, known)
 
 
-def text(prompt: str, explicit: bool, known: Mapping[str, Producer]) -> list[Segment]:
+def text(prompt: str, explicit: bool, known: Known | Mapping[str, Producer]) -> list[Segment]:
     """Segment a raw completion prompt (the explicit grammar applies to all of it)."""
     segs = [Segment(t, shared=s) for t, s in blocks(prompt)] if explicit else [Segment(prompt)]
     return detect(segs, known)
 
 
-def detect(segs: list[Segment], known: Mapping[str, Producer]) -> list[Segment]:
+def detect(segs: list[Segment], known: Known | Mapping[str, Producer]) -> list[Segment]:
     """Mark exact occurrences of known outputs inside private segments as shared."""
-    out: list[Segment] = []
+    if not isinstance(known, Known):
+        known = Known.of(known)
     for s in segs:
         if s.shared:
             s.producer = known.get(s.text.strip())
+    # One search through all the private text (with separators on, a prompt has a private
+    # segment per stretch of template text): matches that cross a segment's end are dropped.
+    texts = [s.text for s in segs if not s.shared]
+    ends = list(itertools.accumulate(map(len, texts)))
+    matches = iter(_matches("".join(texts), ends, known) if known else ())
+    m = next(matches, None)
+    out: list[Segment] = []
+    start = 0  # of the current private segment in the joined text
+    for s in segs:
+        if s.shared:
             out.append(s)
             continue
-        pos = 0
-        for a, b, producer in _matches(s.text, known) if known else ():
+        pos, end = 0, start + len(s.text)
+        while m is not None and m[0] < end:
+            a, b = m[0] - start, m[1] - start
             if a > pos:
                 _private(out, s.text[pos:a])
-            out.append(Segment(s.text[a:b], shared=True, producer=producer))
+            out.append(Segment(s.text[a:b], shared=True, producer=m[2]))
             pos = b
+            m = next(matches, None)
         if pos < len(s.text):
             _private(out, s.text[pos:])
+        start = end
     return out
 
 
@@ -110,25 +125,27 @@ def _private(out: list[Segment], text: str) -> None:
         out.append(Segment(text))
 
 
-def _matches(text: str, known: Mapping[str, Producer]) -> list[tuple[int, int, Producer]]:
+def _matches(text: str, ends: list[int], known: Known) -> list[tuple[int, int, Producer]]:
+    """Non-overlapping occurrences in `text`, none crossing an end of segment (`ends`), by start."""
     found = []
-    for s, producer in known.items():
+    for s, producer in known.candidates(text).items():
         i = text.find(s)
         while i >= 0:
-            found.append((i, i + len(s), producer))
-            i = text.find(s, i + len(s))
-    if not found:
-        return found
-    # Longest first; a match that overlaps one already taken is dropped.
-    found.sort(key=lambda m: m[0] - m[1])
-    starts: list[int] = []
-    taken: list[tuple[int, int, Producer]] = []
-    for m in found:
-        k = bisect.bisect_left(starts, m[0])
-        if (k and taken[k - 1][1] > m[0]) or (k < len(taken) and taken[k][0] < m[1]):
-            continue
-        starts.insert(k, m[0])
-        taken.insert(k, m)
+            end = ends[bisect.bisect_right(ends, i)]  # of the segment holding i
+            if i + len(s) <= end:
+                found.append((i, i + len(s), producer))
+                i = text.find(s, i + len(s))
+            else:  # an occurrence starting before `end` would cross it too
+                i = text.find(s, end)
+    # Longest first, then leftmost; a match that overlaps one already taken is dropped.
+    found.sort(key=lambda m: (m[0] - m[1], m[0]))
+    used = bytearray(len(text))
+    taken = []
+    for a, b, producer in found:
+        if used.find(1, a, b) < 0:
+            used[a:b] = b"\x01" * (b - a)
+            taken.append((a, b, producer))
+    taken.sort(key=lambda m: m[0])
     return taken
 
 

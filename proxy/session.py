@@ -10,17 +10,21 @@ agents of the previous round.
 from __future__ import annotations
 
 import time
+from collections import OrderedDict
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+
+import structlog
 
 from tokendance.backend.api import MODES
 
 from .barrier import Gate
 from .errors import invalid
 from .schemas import TokenDance
-from .segment import Producer
+from .known import Known, Outputs, cost
 from .stats import RoundStats
 
+log = structlog.get_logger("tokendance.proxy")
 HEADER = "X-TokenDance-"
 # Surrogates: what aiohttp makes of header bytes that are not UTF-8 (no MQTT topic takes them).
 # Brokers (mosquitto) also drop a client that publishes DEL, a C1 control or a Unicode
@@ -28,6 +32,7 @@ HEADER = "X-TokenDance-"
 _BAD = set("/+#") | {chr(c) for c in (*range(0x20), *range(0x7F, 0xA0), *range(0xD800, 0xE000),
                                        *range(0xFDD0, 0xFDF0), *(p | 0xFFFE for p in range(0, 0x110000, 0x10000)),
                                        *(p | 0xFFFF for p in range(0, 0x110000, 0x10000)))}
+MAX_ROUND = 2**63 - 1  # a signed 64-bit int
 _TRUE, _FALSE = {"1", "true", "on", "yes"}, {"0", "false", "off", "no"}
 
 
@@ -55,11 +60,7 @@ def read_meta(headers: Mapping[str, str], body: TokenDance | None) -> Meta:
     if m.mode is not None and m.mode not in MODES:
         raise invalid(f"mode must be one of {', '.join(MODES)}", "tokendance.mode")
     r = b.round if b.round is not None else headers.get(HEADER + "Round")
-    if isinstance(r, str):
-        r = int(r) if r.strip().isdecimal() else -1
-    if r is not None and r < 0:
-        raise invalid("round must be a non-negative integer", "tokendance.round")
-    m.round = r
+    m.round = None if r is None else round_number(r, "tokendance.round")
     sep = b.separators if b.separators is not None else headers.get(HEADER + "Separators")
     if isinstance(sep, str):
         if sep.lower() not in _TRUE | _FALSE:
@@ -67,6 +68,16 @@ def read_meta(headers: Mapping[str, str], body: TokenDance | None) -> Meta:
         sep = sep.lower() in _TRUE
     m.separators = bool(sep)
     return m
+
+
+def round_number(raw: str | int, param: str) -> int:
+    """A round from a header, a URL or a body: 0 .. MAX_ROUND (int() refuses over 4300 digits)."""
+    if isinstance(raw, str):
+        raw = raw.strip()
+        raw = int(raw) if raw.isdecimal() and len(raw) <= len(str(MAX_ROUND)) else -1
+    if not 0 <= raw <= MAX_ROUND:
+        raise invalid(f"round must be a non-negative integer up to {MAX_ROUND}", param)
+    return raw
 
 
 def check_name(value: str, param: str) -> None:
@@ -82,8 +93,9 @@ class Round:
     number: int
     gate: Gate = field(default_factory=Gate)
     stats: RoundStats = field(default_factory=RoundStats)
-    outputs: dict[str, Producer] = field(default_factory=dict)  # stripped text -> producer
+    outputs: dict[str, Outputs] = field(default_factory=dict)  # by tenant; as generated and stripped
     active: int = 0  # admitted, not yet answered
+    full: bool = False  # outputs reached Sessions.max_round_bytes
 
     def view(self) -> dict:
         g = self.gate
@@ -104,13 +116,17 @@ class Session:
 
 
 class Sessions:
-    def __init__(self, memory: int = 2, keep: int = 64, ttl: float = 3600.0,
-                 max_sessions: int = 10_000, min_chars: int = 16):
+    def __init__(self, memory: int = 2, keep: int = 64, ttl: float = 3600.0, max_sessions: int = 10_000,
+                 min_chars: int = 16, max_round_bytes: int = 2**24, max_bytes: int = 2**28):
         self.memory = memory  # rounds back whose outputs are searched in a prompt
         self.keep = keep  # rounds kept per session (stats and outputs)
         self.ttl = ttl
         self.max_sessions = max_sessions
         self.min_chars = min_chars  # shorter outputs are not searched for
+        self.max_round_bytes = max_round_bytes  # outputs remembered per round (estimated)
+        self.max_bytes = max_bytes  # ... and in all (the rounds added to longest ago forget first)
+        self.bytes = 0
+        self._lru: OrderedDict[Round, None] = OrderedDict()  # rounds holding outputs
         self.all: dict[str, Session] = {}
         self._swept = time.monotonic()
 
@@ -132,7 +148,7 @@ class Sessions:
                 r.gate.expected = frozenset(prev.gate.agents)
                 r.gate.missing = set(r.gate.expected)
             s.latest = max(s.latest, number)
-            self._trim(s)
+            self._trim(s, r)
         return r
 
     def find(self, name: str, number: int) -> Round | None:
@@ -164,32 +180,55 @@ class Sessions:
         return r, before
 
     def uncommit(self, m: Meta, r: Round, before: int) -> None:
-        """A request left before it was served: its retry belongs to the same round."""
+        """A request went unanswered (it left, or failed): its retry belongs to the same round."""
         s = self.all.get(r.session)
         if s is not None and m.agent is not None and s.counts.get(m.agent) == r.number:
             s.counts[m.agent] = before
 
-    def known(self, name: str, number: int) -> dict[str, Producer]:
-        """Outputs to look for in a prompt of round `number`: those of the last rounds."""
+    def known(self, name: str, number: int, tenant: str = "") -> Known:
+        """Outputs to look for in a prompt of round `number`: the tenant's of the last rounds
+        (another tenant's could never be reused, and finding them would say what they were)."""
         s = self.all.get(name)
         if s is None:
-            return {}
-        out: dict[str, Producer] = {}
-        for k in range(max(number - self.memory, 0), number + 1):
-            r = s.rounds.get(k)
-            if r is not None:
-                out.update(r.outputs)
-        return out
+            return Known()
+        rounds = (s.rounds.get(k) for k in range(number, max(number - self.memory, 0) - 1, -1))
+        return Known(r.outputs[tenant] for r in rounds if r is not None and tenant in r.outputs)
 
-    def remember(self, r: Round, agent: str | None, text: str) -> None:
-        text = text.strip()
-        if len(text) >= self.min_chars:
-            r.outputs.setdefault(text, (r.session, agent or "", r.number))
+    def remember(self, r: Round, agent: str | None, text: str, tenant: str = "") -> None:
+        """Keep the output as generated (echoed verbatim, its span's tokens are the generated
+        ones) and stripped (what frameworks that strip echo)."""
+        if len(text.strip()) < self.min_chars:
+            return
+        outputs = r.outputs.setdefault(tenant, Outputs())
+        for t in dict.fromkeys((text, text.strip())):
+            if t in outputs:
+                continue
+            if _size(r) + cost(t) > self.max_round_bytes:
+                if not r.full:
+                    r.full = True
+                    log.warning("round output memory full: later outputs are not looked for",
+                                session=r.session, round=r.number)
+                return
+            outputs.add(t, (r.session, agent or "", r.number))
+            self.bytes += cost(t)
+        self._lru[r] = None
+        self._lru.move_to_end(r)
+        while self.bytes > self.max_bytes and next(iter(self._lru)) is not r:
+            self._forget(next(iter(self._lru)))
 
-    def _trim(self, s: Session) -> None:
+    def _forget(self, r: Round) -> None:
+        """Let go of a round's outputs (the round dropped, or the memory needed)."""
+        self.bytes -= _size(r)
+        r.outputs.clear()
+        self._lru.pop(r, None)
+
+    def _trim(self, s: Session, new: Round) -> None:
+        """Drop the oldest idle rounds past `keep`; never the one just made (it is about to be used)."""
         if len(s.rounds) > self.keep:
             for k in sorted(s.rounds)[: len(s.rounds) - self.keep]:
-                if s.rounds[k].active == 0 and not s.rounds[k].gate.pending:
+                r = s.rounds[k]
+                if r is not new and r.active == 0 and not r.gate.pending:
+                    self._forget(r)
                     del s.rounds[k]
 
     def _sweep(self) -> None:
@@ -201,4 +240,9 @@ class Sessions:
         over = len(self.all) - self.max_sessions + 1
         for i, (used, k) in enumerate(idle):
             if i < over or now - used > self.ttl:
-                del self.all[k]
+                for r in self.all.pop(k).rounds.values():
+                    self._forget(r)
+
+
+def _size(r: Round) -> int:
+    return sum(o.size for o in r.outputs.values())

@@ -62,6 +62,9 @@ CASES = [  # (path, body or raw bytes, extra headers, status, param, code)
      "tokendance.session", None),
     ("chat", CHAT, {"X-TokenDance-Session": "s", "X-TokenDance-Round": "abc"}, 400, "tokendance.round", None),
     ("chat", CHAT, {"X-TokenDance-Session": "s", "X-TokenDance-Round": "\u00b2"}, 400, "tokendance.round", None),
+    ("chat", CHAT, {"X-TokenDance-Session": "s", "X-TokenDance-Round": "9" * 5000}, 400, "tokendance.round", None),
+    ("chat", CHAT, {"X-TokenDance-Session": "s", "X-TokenDance-Round": str(2**63)}, 400, "tokendance.round", None),
+    ("chat", {**CHAT, "tokendance": {"round": 2**63, "session": "s"}}, {}, 400, "tokendance.round", None),
     ("chat", CHAT, {"X-TokenDance-Mode": "turbo"}, 400, "tokendance.mode", None),
     ("chat", CHAT, {"X-TokenDance-Separators": "maybe"}, 400, "tokendance.separators", None),
     ("chat", {**CHAT, "tokendance": {"round": "x"}}, {}, 400, "tokendance.round", "invalid_type"),
@@ -142,6 +145,11 @@ async def test_routes_and_control_endpoints_answer_in_the_same_shape(server):
             assert (await check(resp, 400))["param"] == "round"
         async with http.post(base + "/s/rounds/%C2%B2") as resp:  # '²': a digit int() refuses
             assert (await check(resp, 400))["param"] == "round"
+        for huge in ("9" * 5000, str(2**63)):  # past int()'s 4300 digits; past the body's int64
+            async with http.post(f"{base}/s/rounds/{huge}") as resp:
+                assert (await check(resp, 400))["param"] == "round"
+            async with http.get(f"{base}/s/rounds/{huge}") as resp:
+                assert (await check(resp, 400))["param"] == "round"
         async with http.post(base + "/s/rounds/1", data=b'{"agents": "a"}') as resp:
             assert (await check(resp, 400))["param"] == "agents"
         async with http.post(base + "/s/rounds/1", data=b'{"agents": ["a", "x/y"]}') as resp:

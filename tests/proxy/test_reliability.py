@@ -153,3 +153,27 @@ async def test_health_and_metrics(server):
     assert "tokendance_barrier_wait_seconds_count 1" in text
     assert "tokendance_requests_in_flight 0" in text
     assert "# TYPE tokendance_engine_groups gauge\ntokendance_engine_groups 1" in text  # the backend's
+
+
+async def test_a_request_cut_off_while_generating_does_not_count_so_its_retry_keeps_the_round(
+        start, make_backend, until):
+    # The openai SDK retries a timed-out or 500 request: the retry must not skip a round.
+    be = make_backend(length=40, delay=0.01)
+    server = await start(be, barrier_timeout=0.0)
+    h = {"X-TokenDance-Session": "retry", "X-TokenDance-Agent": "a"}
+    async with aiohttp.ClientSession() as http:
+        gone = asyncio.create_task(http.post(server.url + "/v1/chat/completions", json=body(LONG), headers=h))
+        await until(lambda: be.active)
+        gone.cancel()  # a client timeout while the engine generates
+        await until(lambda: server.proxy.in_flight == 0)
+        be.fail = "stream"
+        async with http.post(server.url + "/v1/chat/completions", json=body(LONG), headers=h) as r:
+            assert r.status == 500
+        be.fail = None
+        async with http.post(server.url + "/v1/chat/completions", json=body(LONG), headers=h) as r:
+            assert r.status == 200 and r.headers["X-TokenDance-Round"] == "1"
+        async with http.post(server.url + "/v1/chat/completions", json=body(LONG), headers=h) as r:
+            assert r.headers["X-TokenDance-Round"] == "2"
+    stats = server.proxy.sessions.find("retry", 1).view()
+    assert (stats["aborted"], stats["errors"], stats["requests"]) == (1, 1, 3)
+    assert list(server.proxy.sessions.find("retry", 1).outputs[""].producers) == [" ".join(LONG.split()[-40:])]

@@ -169,3 +169,20 @@ async def test_max_group_splits_a_round(start):
     results = await asyncio.gather(*[chat(server.url, f"hi {a}", headers("m", a)) for a in agents])
     assert all(st == 200 for st, _, _ in results)
     assert sorted(server.proxy.sessions.find("m", 1).view()["group_sizes"]) == [2, 4, 4]
+
+
+async def test_a_tenant_never_finds_another_tenants_outputs_in_its_prompts(start):
+    # Session names are global; each API key's segment cache is its own. Finding tenant A's
+    # outputs in tenant B's prompts would tell B (shared_tokens) what A's agents said.
+    server = await start(barrier_timeout=0.0)
+    secret = "the launch code is four four two one"
+
+    async def say(key: str, agent: str, text: str) -> dict:
+        h = headers("shared-name", agent, Authorization=f"Bearer {key}")
+        _, body, _ = await post(server.url, "/v1/chat/completions", {"model": MODEL, "messages": [
+            {"role": "user", "content": text}]}, h)
+        return body["usage"]["tokendance"]
+
+    await say("key-a", "x", secret)  # the fake answers with the message's last words: the secret
+    assert (await say("key-b", "y", f"did someone say: {secret}?"))["shared_tokens"] == 0
+    assert (await say("key-a", "z", f"did someone say: {secret}?"))["shared_tokens"] == 6  # the answer's words

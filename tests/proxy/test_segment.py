@@ -1,7 +1,10 @@
 import random
+import signal
+import time
 
 from tokendance.backend.api import Segment
 from tokendance.proxy import segment as sg
+from tokendance.proxy.known import Known
 from tokendance.proxy.segment import SEP, escape, unescape
 
 # Pieces that stress the escape: the separator, its parts, the escape itself.
@@ -118,3 +121,110 @@ def test_detect_leaves_explicit_blocks_whole_but_names_their_producer():
 def test_completion_prompt_text():
     assert pairs(sg.text(f"a{SEP}b{SEP}c", True, {})) == [("a", False), ("b", True), ("c", False)]
     assert pairs(sg.text(f"a{SEP}b{SEP}c", False, {})) == [(f"a{SEP}b{SEP}c", False)]
+
+
+def test_detect_time_does_not_grow_with_outputs_absent_from_the_prompt():
+    # Every prompt of a round is searched for the outputs of three rounds: with many agents,
+    # trying each output against the whole prompt stalled the event loop (K x N).
+    rng = random.Random(3)
+
+    def sentence(k: int) -> str:
+        return " ".join("".join(rng.choice("abcdefghijklmnopqrstuvwxyz") for _ in range(rng.randint(2, 8)))
+                        for _ in range(k))
+
+    outputs = [sentence(rng.randint(5, 40)) for _ in range(3000)]
+    prompt = " ".join(f"{rng.choice(outputs[:20])} {sentence(4)}" for _ in range(2000))  # ~400k chars
+
+    def timed(known: Known) -> float:
+        best = float("inf")
+        for _ in range(3):
+            t = time.perf_counter()
+            segs = sg.detect([Segment(prompt)], known)
+            best = min(best, time.perf_counter() - t)
+        assert "".join(s.text for s in segs) == prompt
+        return best
+
+    few = Known.of({o: ("s", "a", 1) for o in outputs[:20]})
+    many = Known.of({o: ("s", "a", 1) for o in outputs})
+    assert sg.detect([Segment(prompt)], few) == sg.detect([Segment(prompt)], many)
+    assert timed(many) < 10 * timed(few)
+
+
+def test_detect_ignores_an_empty_output():
+    def hang(*_):
+        raise TimeoutError("detect did not return")
+
+    old = signal.signal(signal.SIGALRM, hang)
+    signal.setitimer(signal.ITIMER_REAL, 2.0)
+    try:
+        segs = sg.detect([Segment("some prompt text")], {"": ("s", "a", 1)})
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, old)
+    assert pairs(segs) == [("some prompt text", False)]
+
+
+def test_detect_time_does_not_grow_with_messages_times_outputs():
+    # With separators on, every stretch of template text between two shared blocks is its own
+    # private segment: searching each of them for every output took 15 s for 10k messages.
+    rng = random.Random(4)
+    outputs = ["".join(rng.choice("abcdefghij ") for _ in range(20)) for _ in range(1000)]
+    messages = [{"role": "user", "content": f"{SEP}block {i}{SEP}"} for i in range(2000)]
+
+    def timed(known: Known) -> float:
+        best = float("inf")
+        for _ in range(3):
+            t = time.perf_counter()
+            sg.chat(render, messages, explicit=True, known=known)
+            best = min(best, time.perf_counter() - t)
+        return best
+
+    few = timed(Known.of({o: ("s", "a", 1) for o in outputs[:10]}))
+    assert timed(Known.of({o: ("s", "a", 1) for o in outputs})) < 10 * few + 0.05
+
+
+def test_detect_finds_an_output_right_after_an_occurrence_cut_by_a_segment_boundary():
+    out = "ab" * 8
+    segs = sg.detect([Segment("zz" + "ab" * 5), Segment("ab" * 8 + "zz")], {out: ("s", "a", 1)})
+    assert pairs(segs) == [("zz" + "ab" * 5, False), (out, True), ("zz", False)]
+
+
+def test_detect_matches_a_search_of_each_private_segment_on_its_own():
+    def reference(segs: list[Segment], known: dict) -> list[tuple[str, bool]]:
+        out: list[tuple[str, bool]] = []
+        for s in segs:
+            if s.shared:
+                out.append((s.text, True))
+                continue
+            found = []
+            for k in known:
+                i = s.text.find(k)
+                while i >= 0:
+                    found.append((i, i + len(k)))
+                    i = s.text.find(k, i + len(k))
+            taken: list[tuple[int, int]] = []
+            for a, b in sorted(found, key=lambda m: (m[0] - m[1], m[0])):  # longest, then leftmost
+                if all(b <= c or d <= a for c, d in taken):
+                    taken.append((a, b))
+            pos = 0
+            for a, b in sorted(taken):
+                out += [(s.text[pos:a], False)] if a > pos else []
+                out.append((s.text[a:b], True))
+                pos = b
+            out += [(s.text[pos:], False)] if pos < len(s.text) else []
+        merged: list[tuple[str, bool]] = []
+        for t, shared in out:
+            if merged and not shared and not merged[-1][1]:
+                merged[-1] = (merged[-1][0] + t, False)
+            else:
+                merged.append((t, shared))
+        return merged
+
+    rng = random.Random(5)
+    for _ in range(500):
+        known = {"".join(rng.choice("ab ") for _ in range(rng.randint(1, 20))): ("s", "a", 1)
+                 for _ in range(rng.randint(1, 6))}
+        segs = [Segment("".join(rng.choice("ab c") for _ in range(rng.randint(0, 40))), rng.random() < 0.3)
+                for _ in range(rng.randint(1, 6))]
+        expected = reference(segs, known)
+        assert pairs(sg.detect(segs, known)) == expected
