@@ -21,6 +21,8 @@
 #   collective: collective decode attention against paged decode (bench/collective.py)
 #   capacity: round latency with 128 decoded tokens per agent, prefix vs collective (and
 #     collective at r = 4.5 %)
+#   bounds: the reuse round and capacity with nothing recomputed (r = 0): what the
+#     workload allows any recompute policy (footprint, vs serial pic, capacity)
 #   mirror-decode: decode steps over N = 10 and 20 Mirrors against dense caches
 #   restore: idle agents back from the host tier, fused (Master once + diffs) vs dense
 #     (no model: a KVCache of the Qwen2.5-7B K/V shape filled with random bf16)
@@ -102,6 +104,19 @@ if want capacity; then
   td bench reuse --model qwen2.5-7b --dtype bfloat16 --agents 8,10,12,14,16,20 --history 512 \
     --output 150 --repeats 1 --decode 128 --modes collective --ratio 0.045 \
     --json "$OUT/capacity_policy.json" 2>&1 | grep -v -i "warn\|deprecat" | tee "$OUT/capacity_policy.txt"
+fi
+if want bounds; then
+  # What the goals' workload allows at all: the round with nothing recomputed (r = 0),
+  # then capacity (128 decoded tokens per agent) at r = 0 beside prefix and r = 15 %.
+  td bench reuse --model qwen2.5-7b --dtype bfloat16 --agents 10,20 --history 512 --output 150 \
+    --repeats 3 --ratio 0 --modes full,collective --serial pic 2>&1 | grep -v -i "warn\|deprecat" \
+    | tee "$OUT/bounds_reuse.txt"
+  td bench reuse --model qwen2.5-7b --dtype bfloat16 --agents 12,14,22,24 --history 512 --output 150 \
+    --repeats 3 --decode 128 --modes prefix,collective 2>&1 | grep -v -i "warn\|deprecat" \
+    | tee "$OUT/bounds_capacity.txt"
+  td bench reuse --model qwen2.5-7b --dtype bfloat16 --agents 28,32,36,40,48 --history 512 --output 150 \
+    --repeats 2 --decode 128 --modes collective --ratio 0 2>&1 | grep -v -i "warn\|deprecat" \
+    | tee "$OUT/bounds_capacity_r0.txt"
 fi
 if want mirror-decode; then
   td bench mirror-decode --model qwen2.5-7b --dtype bfloat16 --agents 10,20 --steps 32 \
