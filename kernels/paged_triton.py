@@ -129,28 +129,39 @@ def _decode_kernel(q, q_pos, cu_q, kc, vc, bt, kpt, kv_lens, inv_freq, o_part, l
 
 @triton.jit
 def _reduce_kernel(o_part, lse_part, cu_q, chunks, out, n_total, n_own, s_qt, s_qh,
-                   NSPLIT: tl.constexpr, D: tl.constexpr):
+                   BLOCK: tl.constexpr, D: tl.constexpr):
+    """One (sequence, head): its partials merged BLOCK at a time, rescaled as they come
+    (a tile of every partial at once spilled registers past ~64 of them: with 256 Master
+    chunks a step of ten Mirrors took twice as long)."""
     seq = tl.program_id(0)
     h = tl.program_id(1)
     q_lo = tl.load(cu_q + seq)
     if tl.load(cu_q + seq + 1) == q_lo:
         return
-    sp = tl.arange(0, NSPLIT)
-    used = sp < n_total
-    # Partials from n_own on are Master chunks' (kernels/collective.py): an empty chunk
-    # (padding) wrote none.
-    ch = used & (sp >= n_own)
-    c = tl.where(ch, sp - n_own, 0)
-    lo = tl.load(chunks + c * 3, mask=ch, other=0)
-    used = used & (tl.load(chunks + c * 3 + 1, mask=ch, other=1) > lo)
     offs_d = tl.arange(0, D)
-    base = (seq * tl.num_programs(1) + h) * n_total + sp
-    # Some partials may be empty (-inf), never all: a query always sees its own key.
-    lse = tl.load(lse_part + base, mask=used, other=float("-inf"))
-    w = tl.exp2(lse - tl.max(lse, 0))
-    o = tl.load(o_part + base[:, None] * D + offs_d[None, :], mask=used[:, None], other=0.0)
-    o = tl.sum(o * w[:, None], 0) / tl.sum(w, 0)
-    tl.store(out + q_lo.to(tl.int64) * s_qt + h * s_qh + offs_d, o.to(out.dtype.element_ty))
+    row = (seq * tl.num_programs(1) + h) * n_total
+    m = -1e30  # finite: a block of empty partials (-inf) then weighs exactly 0
+    l = 0.0
+    acc = tl.zeros([D], dtype=tl.float32)
+    for start in range(0, n_total, BLOCK):
+        sp = start + tl.arange(0, BLOCK)
+        used = sp < n_total
+        # Partials from n_own on are Master chunks' (kernels/collective.py): an empty
+        # chunk (padding) wrote none.
+        ch = used & (sp >= n_own)
+        c = tl.where(ch, sp - n_own, 0)
+        lo = tl.load(chunks + c * 3, mask=ch, other=0)
+        used = used & (tl.load(chunks + c * 3 + 1, mask=ch, other=1) > lo)
+        # Some partials may be empty (-inf), never all: a query always sees its own key.
+        lse = tl.load(lse_part + row + sp, mask=used, other=float("-inf"))
+        m_new = tl.maximum(m, tl.max(lse, 0))
+        w = tl.exp2(lse - m_new)
+        o = tl.load(o_part + (row + sp)[:, None] * D + offs_d[None, :], mask=used[:, None], other=0.0)
+        alpha = tl.exp2(m - m_new)
+        acc = acc * alpha + tl.sum(o * w[:, None], 0)
+        l = l * alpha + tl.sum(w, 0)
+        m = m_new
+    tl.store(out + q_lo.to(tl.int64) * s_qt + h * s_qh + offs_d, (acc / l).to(out.dtype.element_ty))
 
 
 # Launch configurations on a GPU, and the small tiles the interpreter runs faster with.
@@ -273,6 +284,9 @@ def decode_partials(q, q_pos, cu_q, k_cache, v_cache, block_tables, kv_lens, inv
     return ns
 
 
+REDUCE_BLOCK = 32  # partials merged per iteration of the reduce
+
+
 def reduce_partials(o_part: torch.Tensor, lse_part: torch.Tensor, cu_q: torch.Tensor,
                     out: torch.Tensor, chunks: torch.Tensor | None = None) -> None:
     """Merge every sequence's partials (o_part [S, Hq, n, D], log2 lse [S, Hq, n]) into
@@ -282,4 +296,4 @@ def reduce_partials(o_part: torch.Tensor, lse_part: torch.Tensor, cu_q: torch.Te
     n_own = n if chunks is None else n - chunks.shape[0]
     _reduce_kernel[(S, Hq)](o_part, lse_part, cu_q, cu_q if chunks is None else chunks, out, n,
                             n_own, out.stride(0), out.stride(1),
-                            NSPLIT=triton.next_power_of_2(n), D=D, num_warps=4)
+                            BLOCK=min(REDUCE_BLOCK, triton.next_power_of_2(n)), D=D, num_warps=4)

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import tokendance.kernels.paged_attention as pa
+from tokendance.kernels.paged_triton import REDUCE_BLOCK
 from tokendance.kernels.master import NOT_READ, MasterRead, plan_chunks
 from tokendance.kernels.tiles import trig_table
 
@@ -184,4 +185,19 @@ def test_triton_with_trig_table():
     q, q_pos, cu, kc, vc, full, mine, read, f = batch([40, 33, 70], [20, 5, 31])
     got = pa.master_decode_triton(q, q_pos, cu, kc, vc, mine[0], mine[1], f, 1.0, 64 ** -0.5,
                                    mine[2], read, trig=trig_table(f, 1024))
+    assert rel(got, full_reference(q, q_pos, cu, kc, vc, full, f)) < 1e-3
+
+
+def test_triton_reduce_over_many_chunks():
+    """More partials than one reduce block (REDUCE_BLOCK): 40 segments
+    and 70 padding chunks, so that whole blocks of the merge hold only empty partials."""
+    torch.manual_seed(13)
+    segs = torch.randint(1, 20, (40,)).tolist()
+    q, q_pos, cu, kc, vc, full, mine, read, f = batch(segs, [10, None, 3], target=40)
+    pad = 70
+    read = MasterRead(read.table, torch.cat([read.chunks, torch.zeros(pad, 3, dtype=torch.int32)]),
+                      torch.cat([read.shift, read.shift.new_zeros(3, pad)], 1), read.hide)
+    assert read.chunks.shape[0] > 3 * REDUCE_BLOCK
+    got = pa.master_decode_triton(q, q_pos, cu, kc, vc, mine[0], mine[1], f, 1.0, 64 ** -0.5,
+                                   mine[2], read)
     assert rel(got, full_reference(q, q_pos, cu, kc, vc, full, f)) < 1e-3
