@@ -8,7 +8,8 @@ the step then costs one launch. Inputs live in static buffers; a batch smaller t
 bucket is padded with rows that read and write one scratch block no sequence owns. A
 batch with Mirrors among it replays a second graph per bucket: each view's own-block
 tables, and the batch's Master read collectively (backend/tables.py) in a fixed number
-of chunks.
+of chunks: CHUNK_CAP, or WIDE_CAP for a batch that reads more segments (many agents in a
+round, or many rounds' Masters), whose graph is captured the first time a batch needs it.
 
 Tables are written in full only when the batch changes; a sequence that gains a block
 rewrites its own row; otherwise a replay refreshes just the token ids, positions, store
@@ -19,15 +20,26 @@ from __future__ import annotations
 
 import torch
 
+import time
+
+import structlog
+
 from tokendance.backend.mirror import EARLY, LATE
 from tokendance.backend.model import AttnMeta, Decoder, KVCache
 from tokendance.backend.scheduler import Scheduled
 from tokendance.backend.tables import kv_view, segments
 from tokendance.kernels.master import NOT_READ, MasterRead
 
+log = structlog.get_logger("tokendance.engine")
+
 # Master chunks per Mirror graph (a batch's segments must number fewer); their partials
-# follow the own parts' decode splits in the buffer the reduce merges.
+# follow the own parts' decode splits in the buffer the reduce merges. Padding chunks
+# cost: on an H200 ten Mirrors of one round stepped in 5.3 ms with 48, 5.5 with 128 and
+# 5.8 with 256 (bench/h200.sh, session 21), so the wide graphs are for batches that
+# need them: before them a batch of 48 or more segments stepped eagerly, 48 agents'
+# round with 128 tokens each taking 8.6 s instead of 2.6.
 CHUNK_CAP = 48
+WIDE_CAP = 256
 
 
 def buckets(max_bs: int) -> list[int]:
@@ -67,13 +79,16 @@ class DecodeGraphs:
         # hidden slots; the Master's blocks, chunks and shifts are the same in both.
         self.views = tuple(dict(tables=full((n, w), scratch_block), pos=full((n, w * bsz), -1),
                                 hide=full((n, w * bsz), 0, torch.uint8)) for _ in (EARLY, LATE))
-        self.master = dict(table=full((w,), scratch_block), chunks=full((CHUNK_CAP, 3), 0),
-                           shift=full((n, CHUNK_CAP), 0))
+        self.master_table = full((w,), scratch_block)
+        self.master = {cap: dict(chunks=full((cap, 3), 0), shift=full((n, cap), 0))
+                       for cap in (CHUNK_CAP, WIDE_CAP)}
         self._key: tuple | None = None
+        self._planned: tuple[list, int | None] = ([], None)  # the last batch planned, its cap
         self._held: list = []  # the sequences _key names (their ids stay theirs meanwhile)
         self._counts: list[int] = []  # their block counts when their rows were written
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.mirror_graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.mirror_graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}  # by (cap, rows)
+        self._pool = None
         if capture:
             self._capture()
 
@@ -81,64 +96,87 @@ class DecodeGraphs:
         return AttnMeta(positions=self.pos[:bs], slots=self.slots[:bs], cu_q=self.cu_q[: bs + 1],
                         block_tables=self.tables[:bs], kv_lens=self.lens[:bs], max_q=1)
 
-    def _mirror_meta(self, bs: int) -> AttnMeta:
+    def _mirror_meta(self, bs: int, cap: int = CHUNK_CAP) -> AttnMeta:
         early, late = (self._meta(bs) for _ in range(2))
-        m = self.master
+        m = self.master[cap]
         for meta, v in zip((early, late), self.views):
             meta.block_tables, meta.slot_pos = v["tables"][:bs], v["pos"][:bs]
-            meta.master = MasterRead(m["table"], m["chunks"], m["shift"][:bs], v["hide"][:bs])
+            meta.master = MasterRead(self.master_table, m["chunks"], m["shift"][:bs], v["hide"][:bs])
         early.late, early.late_from = late, self.late_from
         return early
 
     @torch.inference_mode()
     def _capture(self) -> None:
-        pool = None
-        for graphs, meta in ((self.graphs, self._meta), (self.mirror_graphs, self._mirror_meta)):
-            for bs in reversed(self.sizes):  # largest first: smaller graphs reuse its memory
-                m = meta(bs)
-                self.logits[:bs] = self.model(self.ids[:bs], m, self.cache)  # warm-up, compiles
-                torch.cuda.synchronize()
-                g = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(g, pool):
-                    self.logits[:bs] = self.model(self.ids[:bs], m, self.cache)
-                pool = g.pool() if pool is None else pool
-                graphs[bs] = g
+        for bs in reversed(self.sizes):  # largest first: smaller graphs reuse its memory
+            self.graphs[bs] = self._graph(self._meta(bs), bs)
+        for bs in reversed(self.sizes):
+            self.mirror_graphs[CHUNK_CAP, bs] = self._graph(self._mirror_meta(bs), bs)
         torch.cuda.synchronize()
 
+    def _graph(self, meta: AttnMeta, bs: int) -> torch.cuda.CUDAGraph:
+        """A decode step of bs rows over the buffers as they are: run once (a warm-up that
+        compiles; over a batch's real inputs it stores the same K/V the replay will), then
+        captured."""
+        self.logits[:bs] = self.model(self.ids[:bs], meta, self.cache)
+        torch.cuda.synchronize()
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g, self._pool):
+            self.logits[:bs] = self.model(self.ids[:bs], meta, self.cache)
+        self._pool = g.pool() if self._pool is None else self._pool
+        return g
+
     def fits(self, work: list[Scheduled]) -> bool:
+        return self._plan(work) is not None
+
+    def _plan(self, work: list[Scheduled]) -> int | None:
+        """The chunk cap of the graph that replays this batch (0: a batch without Mirrors),
+        None if no graph can."""
         if len(work) > self.sizes[-1] or not all(w.count == 1 for w in work):
-            return False
+            return None
         seqs = [w.seq for w in work]
         if any(len(s.blocks) > self.max_blocks for s in seqs):
-            return False
+            return None
         if all(s.mirror is None for s in seqs):
-            return True
-        if self._key is not None and self._key[2] == tuple(id(s) for s in seqs):
-            return True  # the batch of the last step: its Master fitted and has not changed
+            return 0
+        last, cap = self._planned  # held, so no new sequence can have an id of theirs
+        if len(last) == len(seqs) and all(a is b for a, b in zip(last, seqs)):
+            return cap  # the batch of the last step: its Master has not changed
         segs = segments(seqs)
-        return (len(segs) < CHUNK_CAP
-                and sum(len(sp.blocks) for sp in segs.values()) <= self.max_blocks)
+        fit = sum(len(sp.blocks) for sp in segs.values()) <= self.max_blocks
+        cap = next((c for c in (CHUNK_CAP, WIDE_CAP) if len(segs) < c), None) if fit else None
+        self._planned = (seqs, cap)
+        return cap
 
+    @torch.inference_mode()
     def run(self, work: list[Scheduled], ids: torch.Tensor | None = None) -> torch.Tensor:
         """Logits [len(work), vocab] of a decode step (every row samples). ids: the
         rows' input tokens on the device (the last step's, not yet read by the host)."""
         bs = next(b for b in self.sizes if b >= len(work))
-        mirrors = self._fill(work, bs)
+        cap = self._plan(work)
+        assert cap is not None, "run() a batch that fits()"
+        self._fill(work, bs, cap)
         if ids is not None:
             self.ids[: len(work)].copy_(ids)
-        (self.mirror_graphs if mirrors else self.graphs)[bs].replay()
+        if not cap:
+            g = self.graphs[bs]
+        elif (g := self.mirror_graphs.get((cap, bs))) is None:
+            t0 = time.perf_counter()
+            g = self.mirror_graphs[cap, bs] = self._graph(self._mirror_meta(bs, cap), bs)
+            log.info("decode graph captured", rows=bs, master_chunks=cap,
+                     ms=round((time.perf_counter() - t0) * 1e3))
+        g.replay()
         return self.logits[: len(work)]
 
-    def _fill(self, work: list[Scheduled], bs: int) -> bool:
-        """The step's inputs into the static buffers; returns whether Mirrors are among
-        them. Padding rows read the scratch block's first slot and write only the
-        scratch slot; their logits are dropped."""
+    def _fill(self, work: list[Scheduled], bs: int, cap: int) -> None:
+        """The step's inputs into the static buffers (cap: the Master chunks of a batch
+        with Mirrors, 0 without). Padding rows read the scratch block's first slot and
+        write only the scratch slot; their logits are dropped."""
         bsz = self.cache.block_size
         seqs = [w.seq for w in work]
-        mirrors = any(s.mirror is not None for s in seqs)
-        key = (bs, mirrors, tuple(id(s) for s in seqs))
+        mirrors = cap > 0
+        key = (bs, cap, tuple(id(s) for s in seqs))
         if key != self._key:
-            self._tables(work, bs, mirrors)
+            self._tables(work, bs, cap)
             self._key, self._held = key, seqs
             self._counts = [len(s.blocks) for s in seqs]
         else:  # the same batch: only rows that gained a block change
@@ -156,18 +194,18 @@ class DecodeGraphs:
         self.step[:, :bs].copy_(torch.tensor([ids, pos, slots + [self.scratch_slot] * pad]),
                                 non_blocking=True)
         self.lens[:bs].copy_(torch.tensor(lens + [1] * pad, dtype=torch.int32), non_blocking=True)
-        return mirrors
 
-    def _tables(self, work: list[Scheduled], bs: int, mirrors: bool) -> None:
-        """Block tables (and, with Mirrors, slot positions and the Master) of both views."""
+    def _tables(self, work: list[Scheduled], bs: int, cap: int) -> None:
+        """Block tables (and, with Mirrors, slot positions and the Master read in `cap`
+        chunks) of both views."""
         n, bsz, cpu = len(work), self.cache.block_size, torch.device("cpu")
         seqs, rows = [w.seq for w in work], [torch.tensor([w.start]) for w in work]
-        if not mirrors:
+        if not cap:
             self._put(self.tables, kv_view(seqs, rows, EARLY, bsz, -1, cpu)["block_tables"], bs,
                       self.scratch_block)
             return
         for view, buf in zip((EARLY, LATE), self.views):
-            kv = kv_view(seqs, rows, view, bsz, -1, cpu, collective=True, chunk_cap=CHUNK_CAP)
+            kv = kv_view(seqs, rows, view, bsz, -1, cpu, collective=True, chunk_cap=cap)
             self._put(buf["tables"], kv["block_tables"], bs, self.scratch_block)
             width = kv["block_tables"].shape[1] * bsz
             sp = torch.full((bs, width), -1, dtype=torch.int32)
@@ -176,8 +214,8 @@ class DecodeGraphs:
             buf["pos"][:bs, :width].copy_(sp, non_blocking=True)
             read = kv["master"]
             self._put(buf["hide"], read.hide, bs, 0)
-        m = self.master
-        m["table"][: len(read.table)].copy_(read.table, non_blocking=True)
+        m = self.master[cap]
+        self.master_table[: len(read.table)].copy_(read.table, non_blocking=True)
         m["chunks"].copy_(read.chunks, non_blocking=True)
         self._put(m["shift"], read.shift, bs, NOT_READ)
 

@@ -46,11 +46,13 @@ def seeded(**cfg) -> Engine:
 
 def graphs_vs_eager(mirrors: bool = False, n: int = 11) -> float:
     """Relative error of a replayed decode step against the same step run eagerly: n
-    plain sequences, or n Mirrors of one round (a graph of 16 rows for 11, of 24 for 20)."""
+    plain sequences, or n Mirrors of one round (a graph of 16 rows for 11, of 24 for 20;
+    52 read more segments than CHUNK_CAP: a wide graph, captured at that step)."""
+    from tokendance.backend.graphs import CHUNK_CAP, WIDE_CAP
     from tokendance.bench.allgather import make_round
 
     eng = Engine(EngineConfig(model=str(small_folder()), dtype="bfloat16", random_weights=True,
-                              kv_tokens=16 * 4096, cuda_graphs=32))
+                              kv_tokens=16 * 4096 if n <= 32 else 64 * 4096, cuda_graphs=max(32, n)))
     sampling = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
     if mirrors:
         rnd = make_round(n, 100, 40, 49152, seed=2)
@@ -65,6 +67,8 @@ def graphs_vs_eager(mirrors: bool = False, n: int = 11) -> float:
     work, _ = eng.scheduler.schedule()
     assert all(w.count == 1 for w in work) and len(work) == n
     assert all((w.seq.mirror is not None) == mirrors for w in work)
+    if mirrors:
+        assert eng.runner.graphs._plan(work) == (WIDE_CAP if n >= CHUNK_CAP else CHUNK_CAP)
     graph = eng.runner.run(work).clone()
     eng.runner.graphs, saved = None, eng.runner.graphs
     eager = eng.runner.run(work)
@@ -288,7 +292,7 @@ def main() -> int:
         return 0 if act() else 1
     if sys.argv[1:] == ["mirrors"]:
         ok = True
-        for n in (11, 20):
+        for n in (11, 20, 52):
             err = graphs_vs_eager(mirrors=True, n=n)
             print(f"CUDA-graph decode vs eager over {n} Mirrors, bf16: relative error {err:.2e}")
             ok &= err < 2e-2

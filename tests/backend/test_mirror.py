@@ -140,41 +140,59 @@ def test_decode_through_mirror_tables_equals_a_dense_copy(engine):
     torch.testing.assert_close(mirror, dense, rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize("mode", ["collective", "full"])
-def test_graph_buffers_hold_what_eager_decode_reads(engine, mode):
+def many_segments(n_seg: int, seed: int) -> tuple[list[list[int]], list[list[tuple[int, int]]]]:
+    """Three prompts reading the same n_seg short outputs, each in its own order."""
+    g = torch.Generator().manual_seed(seed)
+    outs = [torch.randint(3, 49152, (6,), generator=g).tolist() for _ in range(n_seg)]
+    prompts, spans = [], []
+    for _ in range(3):
+        ids, sp = torch.randint(3, 49152, (20,), generator=g).tolist(), []
+        for j in torch.randperm(n_seg, generator=g).tolist():
+            sp.append((len(ids), len(ids) + 6))
+            ids += outs[j] + [11]
+        prompts.append(ids + [12, 13])
+        spans.append(sp)
+    return prompts, spans
+
+
+@pytest.mark.parametrize("mode,wide", [("collective", False), ("full", False), ("collective", True)])
+def test_graph_buffers_hold_what_eager_decode_reads(engine, mode, wide):
     """The CUDA-graph path copies a step's inputs (both views' tables with Mirrors, and
     the Master read collectively) into static buffers, in full when the batch changes and
     row by row when a sequence gains a block: on the CPU, fill them (no capture) over
-    decode steps that cross block boundaries and compare with the eager path's metadata."""
-    from tokendance.backend.graphs import DecodeGraphs
+    decode steps that cross block boundaries and compare with the eager path's metadata.
+    A batch reading CHUNK_CAP segments or more takes the wide graphs' buffers."""
+    from tokendance.backend.graphs import CHUNK_CAP, WIDE_CAP, DecodeGraphs
 
-    prompts, spans = round_prompts(3, seed=15)
+    prompts, spans = many_segments(CHUNK_CAP + 2, seed=16) if wide else round_prompts(3, seed=15)
     long = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
     for i, (p, sp) in enumerate(zip(prompts, spans)):
         engine.add(f"g{i}", p, long, mode=mode, shared=sp)
     while any(not s.out for s in engine.seqs.values()):
         engine.step()  # the prefill; the next step is a decode
     g = DecodeGraphs(engine.model, engine.cache, 4, 64, engine.cache.trash_block, capture=False)
-    for t in (g.ids, g.pos, g.slots, g.lens, g.tables, *g.master.values(),
+    for t in (g.ids, g.pos, g.slots, g.lens, g.tables, g.master_table,
+              *(t for m in g.master.values() for t in m.values()),
               *(t for v in g.views for t in v.values())):
         t.fill_(7)  # poison: every entry the step reads must be written
+    want = 0 if mode == "full" else WIDE_CAP if wide else CHUNK_CAP
     grown = 0
     for _ in range(30):
         work, _ = engine.scheduler.schedule()
         before = list(g._counts)
-        _check_buffers(engine, g, work, mode == "collective")
+        _check_buffers(engine, g, work, want)
         grown += g._key is not None and before != g._counts and len(before) == len(work)
         engine.step()
     assert grown, "no sequence gained a block while its batch stayed the same"
 
 
-def _check_buffers(engine, g, work, mirrors: bool) -> None:
+def _check_buffers(engine, g, work, cap: int) -> None:
     from tokendance.backend.runner import step_meta
 
-    b = engine.cache.block_size
+    b, mirrors = engine.cache.block_size, cap > 0
     assert len(work) == 3 and all((w.seq.mirror is not None) == mirrors and w.count == 1 for w in work)
-    assert g.fits(work)
-    assert g._fill(work, 4) == mirrors
+    assert g.fits(work) and g._plan(work) == cap
+    g._fill(work, 4, cap)
     ids, meta, _ = step_meta(work, b, engine.device, engine.cache.trash, engine.runner.late_from,
                              collective=True)
     assert torch.equal(g.ids[:3], ids) and torch.equal(g.pos[:3], meta.positions)
@@ -194,11 +212,12 @@ def _check_buffers(engine, g, work, mirrors: bool) -> None:
         assert v["pos"][3, 0] == 0
         read, L = m.master, m.master.hide.shape[1]
         assert torch.equal(v["hide"][:3, :L], read.hide)
-        assert torch.equal(g.master["table"][: len(read.table)], read.table)
+        assert torch.equal(g.master_table[: len(read.table)], read.table)
         # Eager steps plan chunks freely, graphs into a fixed count: compare what each
         # Mirror reads, slot by slot: the position of every Master slot it sees.
         seen = [_reads(read, i, b) for i in range(3)]
-        graph = MasterRead(g.master["table"], g.master["chunks"], g.master["shift"], v["hide"])
+        m = g.master[cap]
+        graph = MasterRead(g.master_table, m["chunks"], m["shift"], v["hide"])
         assert [_reads(graph, i, b) for i in range(3)] == seen
         assert _reads(graph, 3, b) == {}
         assert all(seen)
