@@ -147,7 +147,6 @@ class DecodeGraphs:
         self._planned = (seqs, cap)
         return cap
 
-    @torch.inference_mode()
     def run(self, work: list[Scheduled], ids: torch.Tensor | None = None) -> torch.Tensor:
         """Logits [len(work), vocab] of a decode step (every row samples). ids: the
         rows' input tokens on the device (the last step's, not yet read by the host)."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import structlog
 import torch
 
 from tokendance.backend.graphs import DecodeGraphs
@@ -11,6 +12,8 @@ from tokendance.backend.scheduler import Scheduled
 from tokendance.backend.tables import kv_view
 from tokendance.backend.upload import upload_list
 from tokendance.kernels.rotated import RotatedKeys, RotatedStep
+
+log = structlog.get_logger("tokendance.engine")
 
 
 def step_meta(work: list[Scheduled], block_size: int, device: torch.device, trash: int = -1,
@@ -58,6 +61,7 @@ class Runner:
         self.work = 0  # token-layers computed so far (a token through one layer = 1)
         self.late_from = 1  # Mirrors: the check layer, where their late view starts
         self.graphs: DecodeGraphs | None = None
+        self.eager_decodes = 0  # decode steps no graph could replay (with graphs captured)
         # CPU decode: each layer keeps its batch's keys rotated from step to step, in at
         # most the pool's own bytes (kernels/rotated.py)
         self.rotated = (RotatedKeys(cache.nbytes, len(model.layers)) if self.device.type == "cpu"
@@ -77,9 +81,16 @@ class Runner:
     def run(self, work: list[Scheduled], ids: torch.Tensor | None = None) -> torch.Tensor:
         """Logits [rows that sample, vocab] in float32. ids: a decode step's input
         tokens on the device, when the host has not read them (backend/lookahead.py)."""
-        if self.graphs is not None and self.graphs.fits(work):
-            self.work += len(work) * len(self.model.layers)
-            return self.graphs.run(work, ids)
+        if self.graphs is not None:
+            if self.graphs.fits(work):
+                self.work += len(work) * len(self.model.layers)
+                return self.graphs.run(work, ids)
+            if all(w.count == 1 for w in work):
+                if not self.eager_decodes:
+                    log.warning("a decode step runs without a CUDA graph (slower): its batch is "
+                                "over the graphs' rows, a sequence over the context, or Mirrors read "
+                                "too many Master segments", rows=len(work))
+                self.eager_decodes += 1
         tokens, meta, last = step_meta(work, self.cache.block_size, self.device, self.cache.trash,
                                        self.late_from)
         ids = tokens if ids is None else ids

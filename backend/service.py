@@ -94,6 +94,9 @@ class EngineBackend:
             Gauge("parked_agents", "idle agents whose KV waits in the host tier", len(e.idle.tier)),
             Gauge("restored_tokens_total", "prompt tokens restored from the host tier instead of prefilled",
                   e.idle.restored, "counter"),
+            Gauge("eager_decode_steps_total", "decode steps on CUDA no graph could replay (a batch "
+                  "over the graphs' rows, or Mirrors reading 256 or more Master segments)",
+                  e.runner.eager_decodes, "counter"),
         ]
 
     async def close(self) -> None:
