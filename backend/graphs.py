@@ -18,11 +18,10 @@ slots and key counts.
 
 from __future__ import annotations
 
-import torch
-
 import time
 
 import structlog
+import torch
 
 from tokendance.backend.mirror import EARLY, LATE
 from tokendance.backend.model import AttnMeta, Decoder, KVCache
@@ -37,7 +36,7 @@ log = structlog.get_logger("tokendance.engine")
 # cost: on an H200 ten Mirrors of one round stepped in 5.3 ms with 48, 5.5 with 128 and
 # 5.8 with 256 (bench/h200.sh, session 21), so the wide graphs are for batches that
 # need them: before them a batch of 48 or more segments stepped eagerly, 48 agents'
-# round with 128 tokens each taking 8.6 s instead of 2.6.
+# round with 128 tokens each taking 8.6 s instead of 2.7.
 CHUNK_CAP = 48
 WIDE_CAP = 256
 
