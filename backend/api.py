@@ -83,8 +83,8 @@ class SamplingParams:
             if type(token) is not int or token < 0:
                 raise InvalidRequest(f"logit_bias keys must be token ids, not {token!r}", "logit_bias")
             if not -100.0 <= bias <= 100.0:
-                raise InvalidRequest(f"logit_bias of token {token} is {bias}; it must be between -100 and 100",
-                                     "logit_bias")
+                raise InvalidRequest(f"logit_bias of token {token} is {bias}; it must be between -100 "
+                                     "and 100", "logit_bias")
 
     def check_vocab(self, vocab_size: int) -> None:
         """Raise InvalidRequest for a logit_bias token id outside the vocabulary."""

@@ -163,8 +163,9 @@ def test_logprobs_are_the_raw_ones(engine):
 
 @pytest.mark.parametrize("kw,param", [
     (dict(presence_penalty=2.5), "presence_penalty"), (dict(frequency_penalty=-2.01), "frequency_penalty"),
-    (dict(presence_penalty=float("nan")), "presence_penalty"), (dict(repetition_penalty=0.0), "repetition_penalty"),
-    (dict(repetition_penalty=float("inf")), "repetition_penalty"), (dict(logit_bias={5: 100.5}), "logit_bias"),
+    (dict(presence_penalty=float("nan")), "presence_penalty"),
+    (dict(repetition_penalty=0.0), "repetition_penalty"), (dict(repetition_penalty=float("inf")), "repetition_penalty"),
+    (dict(logit_bias={5: 100.5}), "logit_bias"),
     (dict(logit_bias={-1: 1.0}), "logit_bias"), (dict(logit_bias={49152: 1.0}), "logit_bias"),
 ])
 def test_out_of_range_values_name_their_field(engine, kw, param):
