@@ -8,6 +8,7 @@ then streams `Delta`s until one carries a `finish_reason`.
 
 from __future__ import annotations
 
+import math
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -49,6 +50,12 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: bool = False
     top_logprobs: int = 0
+    # OpenAI's penalties over the tokens generated so far, vLLM's over prompt and output
+    # too, and OpenAI's bias by token id (backend/penalties.py applies them).
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] = field(default_factory=dict)
 
     def validate(self) -> None:
         if self.max_tokens <= 0:
@@ -67,6 +74,30 @@ class SamplingParams:
             raise InvalidRequest("at most 16 stop sequences", "stop")
         if not all(self.stop):  # "" would stop before the first token
             raise InvalidRequest("stop sequences must be non-empty strings", "stop")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2.0 <= getattr(self, name) <= 2.0:
+                raise InvalidRequest(f"{name} must be between -2 and 2", name)
+        if not (self.repetition_penalty > 0 and math.isfinite(self.repetition_penalty)):
+            raise InvalidRequest("repetition_penalty must be a positive number", "repetition_penalty")
+        for token, bias in self.logit_bias.items():
+            if type(token) is not int or token < 0:
+                raise InvalidRequest(f"logit_bias keys must be token ids, not {token!r}", "logit_bias")
+            if not -100.0 <= bias <= 100.0:
+                raise InvalidRequest(f"logit_bias of token {token} is {bias}; it must be between -100 "
+                                     "and 100", "logit_bias")
+
+    def check_vocab(self, vocab_size: int) -> None:
+        """Raise InvalidRequest for a logit_bias token id outside the vocabulary."""
+        outside = sorted(t for t in self.logit_bias if t >= vocab_size)
+        if outside:
+            raise InvalidRequest(f"logit_bias names token ids outside the vocabulary [0, {vocab_size}): "
+                                 f"{', '.join(map(str, outside[:5]))}", "logit_bias")
+
+    @property
+    def penalized(self) -> bool:
+        """Whether sampling changes the logits before choosing (penalties or a bias)."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
+                    or self.logit_bias)
 
     @property
     def greedy(self) -> bool:

@@ -22,6 +22,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--presence-penalty", type=float, default=0.0, help="-2 to 2, over generated tokens")
+    p.add_argument("--frequency-penalty", type=float, default=0.0, help="-2 to 2, over generated tokens")
+    p.add_argument("--repetition-penalty", type=float, default=1.0,
+                   help="> 0, over prompt and generated tokens")
     p.add_argument("--stop", action="append", default=[], help="a stop string (repeatable)")
     p.add_argument("--stats", action="store_true", help="print token counts and speed to stderr")
 
@@ -34,7 +38,9 @@ def main(args: argparse.Namespace) -> int:
         if not _utf8(value):  # the tokenizer's TypeError would be a traceback
             raise ValueError(f"{what} is not UTF-8 text")
     sampling = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
-                              top_k=args.top_k, seed=args.seed, stop=args.stop)
+                              top_k=args.top_k, seed=args.seed, stop=args.stop,
+                              presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
+                              repetition_penalty=args.repetition_penalty)
     sampling.validate()
     eng = Engine(model=args.model, dtype=args.dtype, device=args.device)
     if args.raw:

@@ -117,6 +117,7 @@ class Engine:
     def check(self, prompt: list[int], sampling: SamplingParams) -> None:
         """Raise InvalidRequest unless the engine can serve this prompt."""
         sampling.validate()
+        sampling.check_vocab(self.mcfg.vocab_size)
         if not prompt:
             raise InvalidRequest("the prompt is empty", "prompt")
         if len(prompt) >= self.max_model_len:

@@ -1,5 +1,6 @@
-"""Next-token choice for a batch: greedy, temperature, top-k, top-p, per-request seeds,
-and the log-probabilities of chosen (and top) tokens under the model's distribution."""
+"""Next-token choice for a batch: logit bias and penalties (backend/penalties.py), then
+greedy, temperature, top-k, top-p, per-request seeds; and the log-probabilities of chosen
+(and top) tokens under the model's distribution."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
+from tokendance.backend.penalties import Penalized
 from tokendance.backend.sequence import Sequence
 from tokendance.backend.upload import upload_list
 
@@ -31,8 +33,11 @@ def _filter(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> t
 
 def choose(logits: torch.Tensor, seqs: list[Sequence], default: torch.Generator | None) -> torch.Tensor:
     """Token ids [S] on the logits' device, without waiting for the device: a decode
-    step's tokens can feed the next step before the host reads them."""
+    step's tokens can feed the next step before the host reads them. `logits` stay raw."""
     params = [s.sampling for s in seqs]
+    penalized = Penalized.of(logits, seqs)
+    if penalized is not None:
+        logits = penalized.apply(logits)
     chosen = logits.argmax(-1)
     if not all(p.greedy for p in params):
         temp = upload_list([1.0 if p.greedy else p.temperature for p in params], torch.float32, logits.device)
@@ -44,11 +49,14 @@ def choose(logits: torch.Tensor, seqs: list[Sequence], default: torch.Generator 
             if not params[i].greedy:
                 gen = seq.generator or default
                 chosen[i] = torch.multinomial(probs[i], 1, generator=gen)[0]
+    if penalized is not None:
+        penalized.count(chosen)
     return chosen
 
 
 def sample(logits: torch.Tensor, seqs: list[Sequence], default: torch.Generator | None) -> list[Sampled]:
-    """logits [S, V] float32, one row per sequence."""
+    """logits [S, V] float32, one row per sequence. Log-probabilities are of these raw
+    logits, before bias, penalties and temperature (vLLM's default, raw_logprobs)."""
     params = [s.sampling for s in seqs]
     chosen = choose(logits, seqs, default)
     out = [Sampled(int(t)) for t in chosen.tolist()]

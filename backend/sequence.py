@@ -15,6 +15,7 @@ from tokendance.backend.pool import flat_slots
 
 if TYPE_CHECKING:
     from tokendance.backend.idle import Resume
+    from tokendance.backend.penalties import Seen
 
 
 class Status(enum.Enum):
@@ -48,6 +49,7 @@ class Sequence:
     agent: str | None = None  # whose next request may resume from this one's KV
     resume: Resume | None = None  # this request's prefix, parked by its agent's last one
     lookahead: int = 0  # trailing tokens of `out` sampled but not read yet (backend/lookahead.py)
+    seen: Seen | None = None  # a penalized request's token counts on the device (backend/penalties.py)
 
     @property
     def prefix_cache(self) -> bool:

@@ -60,6 +60,7 @@ class Sampled(Struct, kw_only=True):
     stop_token_ids: list[int] | None = None
     frequency_penalty: float | None = None
     presence_penalty: float | None = None
+    repetition_penalty: float | None = None  # vLLM's extra parameter
     logit_bias: dict[str, float] | None = None
     user: str | None = None
     tokendance: TokenDance | None = None
@@ -99,7 +100,8 @@ def decode(data: bytes, kind: type[Struct]) -> Any:
         text = str(exc)
         at = re.search(r"at `\$\.?(.+)`$", text)
         missing = re.search(r"missing required field `([^`]+)`", text)
-        param = ".".join(x.group(1) for x in (at, missing) if x) or None
+        # msgspec writes a value in a map as `[...]`: the map's field is the parameter
+        param = ".".join(x.group(1).replace("[...]", "") for x in (at, missing) if x) or None
         raise invalid(f"invalid request body: {text}", param, "invalid_type")
     except msgspec.DecodeError as exc:
         raise invalid(f"request body is not valid JSON: {exc}", None, "invalid_json")
@@ -114,18 +116,16 @@ def sampling(body: Sampled, max_tokens: int | None, logprobs: bool, top: int) ->
         raise invalid(f"n must be between 1 and {MAX_N}", "n")
     if body.stream_options is not None and not body.stream:
         raise invalid("stream_options is only allowed when stream is true", "stream_options")
-    if body.logit_bias:
-        raise unsupported("logit_bias")
-    for name in ("frequency_penalty", "presence_penalty"):
-        if getattr(body, name):
-            raise unsupported(name, f"a non-zero {name}")
     stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
     p = SamplingParams(
         temperature=1.0 if body.temperature is None else body.temperature,
         top_p=1.0 if body.top_p is None else body.top_p,
         top_k=body.top_k or 0, seed=body.seed, stop=stop,
         stop_token_ids=list(body.stop_token_ids or []), ignore_eos=body.ignore_eos,
-        logprobs=logprobs, top_logprobs=top)
+        logprobs=logprobs, top_logprobs=top, presence_penalty=body.presence_penalty or 0.0,
+        frequency_penalty=body.frequency_penalty or 0.0,
+        repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty,
+        logit_bias=_logit_bias(body.logit_bias or {}))
     if max_tokens is not None:
         p.max_tokens = max_tokens
     try:
@@ -136,6 +136,16 @@ def sampling(body: Sampled, max_tokens: int | None, logprobs: bool, top: int) ->
             exc.param = "max_completion_tokens"
         raise invalid(exc.message, exc.param, exc.code)
     return p
+
+
+def _logit_bias(bias: dict[str, float]) -> dict[int, float]:
+    """JSON keys are strings: token ids written in decimal."""
+    out = {}
+    for key, value in bias.items():
+        if not re.fullmatch(r"[0-9]{1,18}", key):
+            raise invalid(f"logit_bias keys must be token ids, not {key!r}", "logit_bias")
+        out[int(key)] = value
+    return out
 
 
 def check_chat(body: ChatRequest) -> tuple[list[dict[str, Any]], SamplingParams]:

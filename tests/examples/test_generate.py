@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import io
 
+import pytest
+
 from tokendance.examples import cli
 
 
@@ -30,3 +32,20 @@ def test_bad_sampling_is_one_line_before_the_model_loads(capsys) -> None:
     assert cli.main(argv) == 1
     err = capsys.readouterr().err.strip()
     assert "temperature" in err and "\n" not in err
+
+
+@pytest.mark.parametrize("flag,param", [("--presence-penalty", "presence_penalty"),
+                                        ("--frequency-penalty", "frequency_penalty"),
+                                        ("--repetition-penalty", "repetition_penalty")])
+def test_a_bad_penalty_is_one_line_naming_it(capsys, flag, param) -> None:
+    assert cli.main(["generate", "hi", "--model", "/nonexistent/model", flag, "-3"]) == 1
+    err = capsys.readouterr().err.strip()
+    assert param in err and "\n" not in err
+
+
+def test_a_repetition_penalty_changes_the_answer(tiny_llama, capsys) -> None:
+    base = ["generate", "Once upon a time", "--model", str(tiny_llama), "--max-tokens", "16", "--raw"]
+    assert cli.main(base) == 0
+    plain = capsys.readouterr().out
+    assert cli.main([*base, "--repetition-penalty", "0.5"]) == 0
+    assert capsys.readouterr().out != plain

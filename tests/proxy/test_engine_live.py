@@ -2,11 +2,14 @@
 
 import asyncio
 import time
+from typing import Any
 
 import httpx
 import openai
 import pytest
 
+from tokendance.backend.api import SamplingParams
+from tokendance.backend.engine import Engine
 from tokendance.proxy.segment import SEP
 
 
@@ -194,3 +197,72 @@ def test_prefix_cache_is_per_api_key(engine_live, model):
         return r.usage.prompt_tokens_details.cached_tokens
 
     assert [cached("sk-one"), cached("sk-two"), cached("sk-one"), cached("sk-two")] == [0, 0, 64, 64]
+
+
+# Penalties and logit_bias: they arrive (the answer equals the engine's own with them) and
+# change the answer.
+
+PENALIZED = [7, 8, 9]  # the tiny model's greedy answer to it repeats a token
+STORY = user("Tell me a story about a cat.")
+
+
+@pytest.fixture(scope="module")
+def direct(tiny_llama) -> Engine:
+    """The same weights in an engine of our own (the server's runs in its thread)."""
+    return Engine(model=str(tiny_llama), dtype="float32", kv_tokens=4096)
+
+
+def expected(direct: Engine, prompt: list[int], **kw: Any) -> str:
+    p = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True, **kw)
+    return direct.generate([prompt], p)[0][1]
+
+
+def sdk_kwargs(kw: dict[str, Any]) -> dict[str, Any]:
+    """repetition_penalty is vLLM's: the SDK sends it in extra_body; logit_bias keys are strings."""
+    out = {k: v for k, v in kw.items() if k != "repetition_penalty"}
+    if "logit_bias" in out:
+        out["logit_bias"] = {str(t): b for t, b in out["logit_bias"].items()}
+    extra = {k: v for k, v in kw.items() if k == "repetition_penalty"}
+    return {**out, "extra_body": {"ignore_eos": True, **extra}}
+
+
+CASES = [dict(frequency_penalty=1.0), dict(presence_penalty=2.0), dict(repetition_penalty=1.8),
+         dict(logit_bias={1234: 100.0}), dict(presence_penalty=-0.5, repetition_penalty=0.5)]
+
+
+@pytest.mark.parametrize("kw", CASES, ids=lambda kw: "+".join(kw))
+def test_completions_take_the_parameters(client, model, direct, kw):
+    want = expected(direct, PENALIZED, **kw)
+    assert want != expected(direct, PENALIZED)
+    r = client.completions.create(model=model, prompt=PENALIZED, max_tokens=24, temperature=0,
+                                  **sdk_kwargs(kw))
+    assert r.choices[0].text == want
+
+
+@pytest.mark.parametrize("kw", CASES, ids=lambda kw: "+".join(kw))
+def test_chat_takes_the_parameters(client, model, direct, kw):
+    prompt = direct.encode(direct.chat_prompt(STORY))
+    want = expected(direct, prompt, **kw)
+    assert want != expected(direct, prompt)
+    r = client.chat.completions.create(model=model, messages=STORY, max_tokens=24, temperature=0,
+                                       **sdk_kwargs(kw))
+    assert r.choices[0].message.content == want
+
+
+def test_logit_bias_forces_a_token_in_a_stream(client, model, direct):
+    piece = direct.tokenizer.decode([1234])
+    chunks = client.completions.create(model=model, prompt=PENALIZED, max_tokens=5, temperature=0,
+                                       stream=True, logit_bias={"1234": 100}, logprobs=1)
+    tokens = [t for c in chunks for t in (c.choices[0].logprobs.tokens if c.choices[0].logprobs else [])]
+    assert tokens == [piece] * 5
+
+
+@pytest.mark.parametrize("kw,param", [
+    (dict(logit_bias={"49152": 5}), "logit_bias"), (dict(logit_bias={"12": 101}), "logit_bias"),
+    (dict(presence_penalty=3), "presence_penalty"), (dict(frequency_penalty=-2.5), "frequency_penalty"),
+    (dict(extra_body={"repetition_penalty": 0}), "repetition_penalty"),
+])
+def test_bad_values_are_a_400_naming_the_field(client, model, kw, param):
+    with pytest.raises(openai.BadRequestError) as err:
+        client.chat.completions.create(model=model, messages=STORY, max_tokens=2, **kw)
+    assert err.value.param == param

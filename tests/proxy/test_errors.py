@@ -47,8 +47,14 @@ CASES = [  # (path, body or raw bytes, extra headers, status, param, code)
     ("chat", {**CHAT, "tool_choice": "auto"}, {}, 400, "tool_choice", "unsupported"),
     ("chat", {**CHAT, "response_format": {"type": "json_object"}}, {}, 400, "response_format",
      "unsupported"),
-    ("chat", {**CHAT, "logit_bias": {"50256": -100}}, {}, 400, "logit_bias", "unsupported"),
-    ("chat", {**CHAT, "presence_penalty": 0.5}, {}, 400, "presence_penalty", "unsupported"),
+    ("chat", {**CHAT, "logit_bias": {"abc": -100}}, {}, 400, "logit_bias", None),
+    ("chat", {**CHAT, "logit_bias": {"-5": 1}}, {}, 400, "logit_bias", None),
+    ("chat", {**CHAT, "logit_bias": {"9" * 5000: 1}}, {}, 400, "logit_bias", None),
+    ("chat", {**CHAT, "logit_bias": {"50256": -100.5}}, {}, 400, "logit_bias", None),
+    ("chat", {**CHAT, "logit_bias": {"50256": "x"}}, {}, 400, "logit_bias", "invalid_type"),
+    ("chat", {**CHAT, "presence_penalty": 2.5}, {}, 400, "presence_penalty", None),
+    ("chat", {**CHAT, "frequency_penalty": -3}, {}, 400, "frequency_penalty", None),
+    ("chat", {**CHAT, "repetition_penalty": 0}, {}, 400, "repetition_penalty", None),
     ("chat", {**CHAT, "messages": [{"role": "tool", "content": "x", "tool_call_id": "1"}]}, {}, 400,
      "messages[0].role", "unsupported"),
     ("chat", {**CHAT, "messages": [{"role": "wizard", "content": "x"}]}, {}, 400, "messages[0].role", None),
@@ -82,6 +88,8 @@ CASES = [  # (path, body or raw bytes, extra headers, status, param, code)
     ("text", {**TEXT, "best_of": 3}, {}, 400, "best_of", "unsupported"),
     ("text", {**TEXT, "best_of": 1, "n": 2}, {}, 400, "best_of", "unsupported"),  # fewer than n
     ("text", {**TEXT, "logprobs": 9}, {}, 400, "logprobs", None),
+    ("text", {**TEXT, "repetition_penalty": -1.0}, {}, 400, "repetition_penalty", None),
+    ("text", {**TEXT, "frequency_penalty": 2.01}, {}, 400, "frequency_penalty", None),
     ("text", {**TEXT, "max_tokens": 0}, {}, 400, "max_tokens", None),
 ]
 PATHS = {"chat": "/v1/chat/completions", "text": "/v1/completions"}
