@@ -79,8 +79,9 @@ def graphs_vs_eager(mirrors: bool = False, n: int = 11) -> float:
 def overlap_vs_sync() -> tuple[bool, int]:
     """Decode with lookahead (a step's tokens feed the next on the device, the graphs'
     path) against without: the same tokens for plain sequences and Mirrors, greedy and
-    seeded sampling, limits that end requests at different steps. Returns (equal, steps
-    that took their ids from the device)."""
+    seeded sampling, penalties and logit bias on some (their counts of earlier tokens
+    live on the device), limits that end requests at different steps. Returns (equal,
+    steps that took their ids from the device)."""
     from tokendance.bench.allgather import make_round
 
     eng = Engine(EngineConfig(model=str(small_folder()), dtype="bfloat16", random_weights=True,
@@ -98,7 +99,9 @@ def overlap_vs_sync() -> tuple[bool, int]:
         eng.overlap = overlap
         for i, p in enumerate(plain):
             sp = SamplingParams(max_tokens=6 + 3 * i, temperature=0.8 if i % 3 == 0 else 0,
-                                seed=i, ignore_eos=True)
+                                seed=i, ignore_eos=True, frequency_penalty=1.5 * (i % 2),
+                                repetition_penalty=1.3 if i % 4 == 1 else 1.0,
+                                logit_bias={7: 5.0} if i == 5 else {})
             eng.add(f"p{i}", p[: 80 + 15 * i], sp)
         for i, (p, sh) in enumerate(zip(rnd.prompts, rnd.shared)):
             eng.add(f"m{i}", p, SamplingParams(max_tokens=10 + i, temperature=0, ignore_eos=True),
