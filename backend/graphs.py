@@ -8,8 +8,9 @@ the step then costs one launch. Inputs live in static buffers; a batch smaller t
 bucket is padded with rows that read and write one scratch block no sequence owns. A
 batch with Mirrors among it replays a second graph per bucket: each view's own-block
 tables, and the batch's Master read collectively (backend/tables.py) in a fixed number
-of chunks: CHUNK_CAP, or WIDE_CAP for a batch that reads more segments (many agents in a
-round, or many rounds' Masters), whose graph is captured the first time a batch needs it.
+of chunks: CHUNK_CAP, or the first of WIDE_CAPS above its segments for a batch that reads
+more (many agents in a round, or many rounds' Masters), a graph captured the first time
+a batch needs it.
 
 Tables are written in full only when the batch changes; a sequence that gains a block
 rewrites its own row; otherwise a replay refreshes just the token ids, positions, store
@@ -38,7 +39,7 @@ log = structlog.get_logger("tokendance.engine")
 # need them: before them a batch of 48 or more segments stepped eagerly, 48 agents'
 # round with 128 tokens each taking 8.6 s instead of 2.7.
 CHUNK_CAP = 48
-WIDE_CAP = 256
+WIDE_CAPS = (256, 1024)
 
 
 def buckets(max_bs: int) -> list[int]:
@@ -80,7 +81,7 @@ class DecodeGraphs:
                                 hide=full((n, w * bsz), 0, torch.uint8)) for _ in (EARLY, LATE))
         self.master_table = full((w,), scratch_block)
         self.master = {cap: dict(chunks=full((cap, 3), 0), shift=full((n, cap), 0))
-                       for cap in (CHUNK_CAP, WIDE_CAP)}
+                       for cap in (CHUNK_CAP, *WIDE_CAPS)}
         self._key: tuple | None = None
         self._planned: tuple[list, int | None] = ([], None)  # the last batch planned, its cap
         self._held: list = []  # the sequences _key names (their ids stay theirs meanwhile)
@@ -142,7 +143,7 @@ class DecodeGraphs:
             return cap  # the batch of the last step: its Master has not changed
         segs = segments(seqs)
         fit = sum(len(sp.blocks) for sp in segs.values()) <= self.max_blocks
-        cap = next((c for c in (CHUNK_CAP, WIDE_CAP) if len(segs) < c), None) if fit else None
+        cap = next((c for c in (CHUNK_CAP, *WIDE_CAPS) if len(segs) < c), None) if fit else None
         self._planned = (seqs, cap)
         return cap
 

@@ -95,7 +95,7 @@ class EngineBackend:
             Gauge("restored_tokens_total", "prompt tokens restored from the host tier instead of prefilled",
                   e.idle.restored, "counter"),
             Gauge("eager_decode_steps_total", "decode steps on CUDA no graph could replay (a batch "
-                  "over the graphs' rows, or Mirrors reading 256 or more Master segments)",
+                  "over the graphs' rows, or Mirrors reading 1,024 or more Master segments)",
                   e.runner.eager_decodes, "counter"),
         ]
 

@@ -44,19 +44,20 @@ def seeded(**cfg) -> Engine:
     return eng
 
 
-def graphs_vs_eager(mirrors: bool = False, n: int = 11) -> float:
+def graphs_vs_eager(mirrors: bool = False, n: int = 11, segments: int = 0) -> float:
     """Relative error of a replayed decode step against the same step run eagerly: n
     plain sequences, or n Mirrors of one round (a graph of 16 rows for 11, of 24 for 20;
-    52 read more segments than CHUNK_CAP: a wide graph, captured at that step)."""
-    from tokendance.backend.graphs import CHUNK_CAP, WIDE_CAP
+    52 read more segments than CHUNK_CAP: a wide graph, captured at that step); with
+    `segments`, n Mirrors that each read that many short outputs."""
+    from tokendance.backend.graphs import CHUNK_CAP, WIDE_CAPS
     from tokendance.bench.allgather import make_round
 
     eng = Engine(EngineConfig(model=str(small_folder()), dtype="bfloat16", random_weights=True,
                               kv_tokens=16 * 4096 if n <= 32 else 64 * 4096, cuda_graphs=max(32, n)))
     sampling = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
     if mirrors:
-        rnd = make_round(n, 100, 40, 49152, seed=2)
-        for i, (p, sp) in enumerate(zip(rnd.prompts, rnd.shared)):
+        rnd = make_round(segments, 8, 8, 49152, seed=2) if segments else make_round(n, 100, 40, 49152, seed=2)
+        for i, (p, sp) in enumerate(zip(rnd.prompts[:n], rnd.shared[:n])):
             eng.add(f"r{i}", p, sampling, mode="collective", shared=sp)
         eng._blend()  # prefill and first tokens: the next step is the first Mirror decode
     else:
@@ -68,7 +69,8 @@ def graphs_vs_eager(mirrors: bool = False, n: int = 11) -> float:
     assert all(w.count == 1 for w in work) and len(work) == n
     assert all((w.seq.mirror is not None) == mirrors for w in work)
     if mirrors:
-        assert eng.runner.graphs._plan(work) == (WIDE_CAP if n >= CHUNK_CAP else CHUNK_CAP)
+        caps = (CHUNK_CAP, *WIDE_CAPS)
+        assert eng.runner.graphs._plan(work) == next(c for c in caps if max(n, segments) < c)
     graph = eng.runner.run(work).clone()
     eng.runner.graphs, saved = None, eng.runner.graphs
     eager = eng.runner.run(work)
@@ -295,9 +297,10 @@ def main() -> int:
         return 0 if act() else 1
     if sys.argv[1:] == ["mirrors"]:
         ok = True
-        for n in (11, 20, 52):
-            err = graphs_vs_eager(mirrors=True, n=n)
-            print(f"CUDA-graph decode vs eager over {n} Mirrors, bf16: relative error {err:.2e}")
+        for n, segs in ((11, 0), (20, 0), (52, 0), (4, 300)):
+            err = graphs_vs_eager(mirrors=True, n=n, segments=segs)
+            print(f"CUDA-graph decode vs eager over {n} Mirrors{f' of {segs} segments' if segs else ''}, "
+                  f"bf16: relative error {err:.2e}")
             ok &= err < 2e-2
         for dtype, tol in (("float32", 1e-4), ("bfloat16", 2e-2)):
             e = collective_vs_tables(dtype)

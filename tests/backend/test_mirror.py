@@ -155,27 +155,31 @@ def many_segments(n_seg: int, seed: int) -> tuple[list[list[int]], list[list[tup
     return prompts, spans
 
 
-@pytest.mark.parametrize("mode,wide", [("collective", False), ("full", False), ("collective", True)])
+@pytest.mark.parametrize("mode,wide", [("collective", 0), ("full", 0), ("collective", 1), ("collective", 2)])
 def test_graph_buffers_hold_what_eager_decode_reads(engine, mode, wide):
     """The CUDA-graph path copies a step's inputs (both views' tables with Mirrors, and
     the Master read collectively) into static buffers, in full when the batch changes and
     row by row when a sequence gains a block: on the CPU, fill them (no capture) over
     decode steps that cross block boundaries and compare with the eager path's metadata.
-    A batch reading CHUNK_CAP segments or more takes the wide graphs' buffers."""
-    from tokendance.backend.graphs import CHUNK_CAP, WIDE_CAP, DecodeGraphs
+    A batch reading CHUNK_CAP segments or more takes a wide graph's buffers."""
+    from tokendance.backend.graphs import CHUNK_CAP, WIDE_CAPS, DecodeGraphs
 
-    prompts, spans = many_segments(CHUNK_CAP + 2, seed=16) if wide else round_prompts(3, seed=15)
+    caps = (CHUNK_CAP, *WIDE_CAPS)
+    prompts, spans = many_segments(caps[wide - 1] + 2, seed=16) if wide else round_prompts(3, seed=15)
+    if wide == 2:  # room for 258 segment bases of a block each (the fixture's pool has 512)
+        engine = Engine(model=engine.cfg.model, dtype="float32", kv_tokens=32768)
     long = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
     for i, (p, sp) in enumerate(zip(prompts, spans)):
         engine.add(f"g{i}", p, long, mode=mode, shared=sp)
     while any(not s.out for s in engine.seqs.values()):
         engine.step()  # the prefill; the next step is a decode
-    g = DecodeGraphs(engine.model, engine.cache, 4, 64, engine.cache.trash_block, capture=False)
+    g = DecodeGraphs(engine.model, engine.cache, 4, 512 if wide == 2 else 64, engine.cache.trash_block,
+                     capture=False)
     for t in (g.ids, g.pos, g.slots, g.lens, g.tables, g.master_table,
               *(t for m in g.master.values() for t in m.values()),
               *(t for v in g.views for t in v.values())):
         t.fill_(7)  # poison: every entry the step reads must be written
-    want = 0 if mode == "full" else WIDE_CAP if wide else CHUNK_CAP
+    want = 0 if mode == "full" else caps[wide]
     grown = 0
     for _ in range(30):
         work, _ = engine.scheduler.schedule()
