@@ -35,6 +35,7 @@ class Span:
     n: int
     key: int = 0  # the segment cache's key: where an idle agent finds its Master again
     source: str = ""  # which base it read ("standalone", "producer", ...)
+    version: int = 0  # which K/V under key it read (segments.Entry.version)
 
 
 def ranges(starts: list[int], counts: list[int]) -> torch.Tensor:
