@@ -342,9 +342,10 @@ class Collector:
 
     # -- producer chaining -----------------------------------------------------------
 
-    def publish_output(self, seq: Sequence, ids: list[int]) -> None:
-        """Keep the KV the producer computed for its own output `ids` as their base."""
-        start = len(seq.prompt)
-        if not ids or seq.out[: len(ids)] != ids or start + len(ids) > seq.computed:
+    def publish_output(self, seq: Sequence, ids: list[int], at: int = 0) -> None:
+        """Keep the KV the producer computed for its own output's tokens `ids` (from
+        out[at] on) as their base."""
+        start = len(seq.prompt) + at
+        if not ids or seq.out[at:at + len(ids)] != ids or start + len(ids) > seq.computed:
             return
         self._keep(seq, start, ids, segment_key(seq.tenant, ids), "producer")
