@@ -257,9 +257,9 @@ class Engine:
             if not ready and not self.scheduler.running:
                 # Not even one fits the pool beside the segment cache: prefill it plainly
                 # (its parked prefix, if any, leaves the host tier now, not when it ends).
+                # Its spans stay: usage reports them, as it does for a full request's.
                 first = group[0]
                 self.blend_waiting.remove(first)
-                first.shared = []
                 if first.resume is not None:
                     self.idle.tier.drop(first.resume.name)
                     first.resume = None
