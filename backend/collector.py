@@ -27,8 +27,9 @@ from tokendance.backend.blend import BlendInput, blend, early
 from tokendance.backend.blocks import BlockManager
 from tokendance.backend.detok import Detok
 from tokendance.backend.diff import encode
-from tokendance.backend.idle import IdleAgents, Resume, resumed_mirror
-from tokendance.backend.keys import segment_key
+from tokendance.backend.idle import IdleAgents, resumed_mirror
+from tokendance.backend.keys import Key, segment_key
+from tokendance.backend.masters import bring_back, parked_spans, restorable
 from tokendance.backend.mirror import EARLY, Mirror, Span
 from tokendance.backend.model import Decoder, KVCache
 from tokendance.backend.runner import Runner
@@ -85,13 +86,7 @@ def batches(items: list[T], size: Callable[[T], int], budget: int,
 
 def _span(e: Entry, lo: int, n: int) -> Span:
     """A Mirror's span of the segment entry e, placed at lo."""
-    return Span(list(e.blocks), lo, n, e.key, e.source)
-
-
-def _spans(r: Resume) -> list[Span]:
-    """The parked Mirror's spans that lie inside the restored prefix."""
-    m = r.parked.mirror
-    return [sp for sp in (m.spans if m is not None else []) if sp.lo + sp.n <= r.length]
+    return Span(list(e.blocks), lo, n, e.key, e.source, e.version)
 
 
 class Collector:
@@ -116,7 +111,7 @@ class Collector:
         self.segments.evict(self.blocks.blocks_for(n))
         return self.blocks.reserve(seq, n)
 
-    def _keep(self, seq: Sequence, lo: int, ids: list[int], key: int, source: str) -> Entry | None:
+    def _keep(self, seq: Sequence, lo: int, ids: list[int], key: Key, source: str) -> Entry | None:
         """Copy seq's K/V of positions lo .. lo + len(ids) into fresh blocks entered in the
         segment cache under key: a base made of KV computed in seq's context."""
         holder = Sequence(f"{source}-{key}", ids, SamplingParams(), Detok(None))
@@ -212,7 +207,7 @@ class Collector:
         """Make seq a Mirror of the bases it finds (one reference to each Master block);
         returns which prompt tokens it reuses (from its restored prefix's end on)."""
         r = seq.resume
-        if r is not None and any(sp.key not in entries for sp in _spans(r)):
+        if r is not None and not restorable(r, entries):
             self.idle.tier.drop(r.name)  # a Master did not come back: prefill it whole
             r = seq.resume = None
         start = r.length if r is not None else 0
@@ -229,56 +224,12 @@ class Collector:
             cap = math.ceil(self.cfg.ratio * sum(reused))
             seq.mirror = Mirror.build(len(seq.prompt), parts, reused, dense_early, cap)
         else:
-            old = [_span(entries[sp.key], sp.lo, sp.n) for sp in _spans(r)]
+            old = [_span(entries[sp.key], sp.lo, sp.n) for sp in parked_spans(r)]
             seq.mirror = resumed_mirror(r, len(seq.prompt), old, parts, reused[start:], dense_early,
                                         self.cfg.ratio)
         for b in seq.mirror.master_blocks:
             self.blocks.pool.incref(b)
         return reused
-
-    def _masters(self, group: list[Sequence], pinned: list[Entry],
-                 entered: list[Entry]) -> dict[int, torch.Tensor]:
-        """Pin the Master segments that resumed requests read, and put those that left
-        the GPU back into the segment cache (`entered` gets them): fresh blocks, to be
-        filled by the fused restore (key -> their slots). A request whose Master cannot
-        come back is not resumed."""
-        out: dict[int, torch.Tensor] = {}
-        b = self.cache.block_size
-        for seq in group:
-            r = seq.resume
-            if r is None:
-                continue
-            mine: dict[int, torch.Tensor] = {}  # Masters it puts back, restored only if all come
-            held: list[Entry] = []
-            for sp in _spans(r):
-                if sp.key in out or sp.key in mine:
-                    continue
-                e = self.segments.get(sp.key)
-                if e is not None:  # still here: pinned, no prefill of this step evicts it
-                    self.segments.pin(e)
-                    pinned.append(e)
-                    continue
-                holder = Sequence(f"master-{sp.key}", [0] * sp.n, SamplingParams(), Detok(None))
-                if not self._reserve(holder, sp.n):
-                    break
-                e = self.segments.put(sp.key, sp.n, holder.blocks, sp.source)
-                if e is None or e.blocks is not holder.blocks:  # the cache had no room
-                    break
-                self.segments.pin(e)
-                pinned.append(e)
-                held.append(e)
-                entered.append(e)
-                mine[sp.key] = holder.slots(torch.arange(sp.n), EARLY, b, -1).to(self.cache.kv.device)
-            else:
-                out.update(mine)
-                continue
-            # Its prefix is prefilled instead: the Masters it put back would never be
-            # filled (and dropping it may free them on the host), so they leave the cache.
-            for e in held:
-                self.segments.discard(e)
-            self.idle.tier.drop(r.name)
-            seq.resume = None
-        return out
 
     # -- the group ------------------------------------------------------------------
 
@@ -300,8 +251,9 @@ class Collector:
         pinned: list[Entry] = []
         try:
             # Masters of restored prefixes come back from the host, not prefilled again.
-            masters = self._masters(group, pinned, entered)
-            keys: list[list[tuple[int, int, int]]] = []  # per seq: (start, end, key)
+            masters = bring_back(group, self.segments, self.idle, self._reserve, self.cache.block_size,
+                                 self.cache.kv.device, pinned, entered)
+            keys: list[list[tuple[int, int, Key]]] = []  # per seq: (start, end, key)
             missing: dict[int, list[int]] = {}
             for seq in group:
                 start = seq.resume.length if seq.resume is not None else 0
@@ -332,7 +284,7 @@ class Collector:
                                remainder_first=True)
                 pre = [early(self.model, run, self.cfg.check_layer) for run in runs[:AHEAD]]
             wanted = [k for spans in keys for _, _, k in spans]
-            wanted += [sp.key for seq in group if seq.resume is not None for sp in _spans(seq.resume)]
+            wanted += [sp.key for seq in group if seq.resume is not None for sp in parked_spans(seq.resume)]
             entries = {k: e for k in wanted if (e := self.segments.get(k))}
             for e in entries.values():
                 self.segments.pin(e)
@@ -391,9 +343,10 @@ class Collector:
 
     # -- producer chaining -----------------------------------------------------------
 
-    def publish_output(self, seq: Sequence, ids: list[int]) -> None:
-        """Keep the KV the producer computed for its own output `ids` as their base."""
-        start = len(seq.prompt)
-        if not ids or seq.out[: len(ids)] != ids or start + len(ids) > seq.computed:
+    def publish_output(self, seq: Sequence, ids: list[int], at: int = 0) -> None:
+        """Keep the KV the producer computed for its own output's tokens `ids` (from
+        out[at] on) as their base."""
+        start = len(seq.prompt) + at
+        if not ids or seq.out[at:at + len(ids)] != ids or start + len(ids) > seq.computed:
             return
         self._keep(seq, start, ids, segment_key(seq.tenant, ids), "producer")

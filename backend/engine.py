@@ -19,6 +19,7 @@ from tokendance.backend.idle import IdleAgents
 from tokendance.backend.lookahead import Inflight, eligible, launch
 from tokendance.backend.model import KVCache
 from tokendance.backend.pool import BlockPool
+from tokendance.backend.published import Run, runs
 from tokendance.backend.runner import Runner
 from tokendance.backend.sampler import Sampled, sample
 from tokendance.backend.scheduler import Scheduled, Scheduler
@@ -90,7 +91,7 @@ class Engine:
         self.seqs: dict[str, Sequence] = {}
         self.overlap = cfg.overlap if cfg.overlap is not None else self.device.type == "cuda"
         self.inflight: Inflight | None = None  # the last decode step's tokens, not read yet
-        self.tails: list[tuple[Sequence, list[int]]] = []  # finished, K/V of their ends due
+        self.tails: list[tuple[Sequence, list[Run]]] = []  # finished, K/V of their ends due
         self.generator = torch.Generator(device=self.device).manual_seed(cfg.seed)
         if self.device.type == "cpu":
             heap.trim()  # what loading left free; serving's peak is kept from here on
@@ -257,9 +258,9 @@ class Engine:
             if not ready and not self.scheduler.running:
                 # Not even one fits the pool beside the segment cache: prefill it plainly
                 # (its parked prefix, if any, leaves the host tier now, not when it ends).
+                # Its spans stay: usage reports them, as it does for a full request's.
                 first = group[0]
                 self.blend_waiting.remove(first)
-                first.shared = []
                 if first.resume is not None:
                     self.idle.tier.drop(first.resume.name)
                     first.resume = None
@@ -324,20 +325,21 @@ class Engine:
             block_bytes=per_token * self.cfg.block_size,
         )
         self.seqs.pop(seq.id, None)
-        ids = self.encode(seq.detok.text) if seq.publish and seq.blocks else []  # as prompts hold it
-        if ids and seq.out[: len(ids)] == ids and len(seq.prompt) + len(ids) > seq.computed:
+        pub = runs(seq.out, seq.detok.text, self.encode) if seq.publish and seq.blocks else []
+        if pub and len(seq.prompt) + max(r.end for r in pub) > seq.computed:
             # Ended by length on a token it never fed: that K/V first (_close_tails).
             self.scheduler.remove(seq, keep_blocks=True)
-            self.tails.append((seq, ids))
+            self.tails.append((seq, pub))
         else:
-            self._close(seq, ids)
+            self._close(seq, pub)
         return Delta(text=text, finish_reason=reason, usage=usage)
 
-    def _close(self, seq: Sequence, ids: list[int]) -> None:
-        """A finished request lets go of its KV: its output's (ids) kept as their base for
-        the next round when it publishes, its agent's parked, its blocks freed."""
-        if ids:
-            self.collector.publish_output(seq, ids)
+    def _close(self, seq: Sequence, pub: list[Run]) -> None:
+        """A finished request lets go of its KV: its output's (the runs `pub`) kept as
+        their bases for the next round when it publishes, its agent's parked, its blocks
+        freed."""
+        for r in pub:
+            self.collector.publish_output(seq, r.ids, r.at)
         if seq.agent is not None:
             self.idle.park(seq.agent, seq)
         self.scheduler.remove(seq)
@@ -346,14 +348,15 @@ class Engine:
         """The K/V of publishing requests' unfed ends, in one forward (its logits unused),
         then they close: without room for it, their outputs are not published."""
         tails, self.tails = self.tails, []
-        work = [Scheduled(s, s.computed, len(s.prompt) + len(ids) - s.computed) for s, ids in tails
-                if self.blocks.reserve(s, len(s.prompt) + len(ids))]
+        ends = [len(s.prompt) + max(r.end for r in pub) for s, pub in tails]
+        work = [Scheduled(s, s.computed, end - s.computed) for (s, _), end in zip(tails, ends)
+                if self.blocks.reserve(s, end)]
         if work:
             self.runner.run(work)
             for w in work:
                 w.seq.computed = w.start + w.count
-        for s, ids in tails:
-            self._close(s, ids)
+        for s, pub in tails:
+            self._close(s, pub)
 
     def reset_caches(self) -> None:
         """Forget every reusable KV (segment bases, prefix blocks, idle agents, keys held for

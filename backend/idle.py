@@ -77,12 +77,14 @@ class IdleAgents:
         b, dev = self.cache.block_size, self.cache.kv.device
         n = seq.own_slots(len(tokens))
         spans = seq.mirror.spans if seq.mirror is not None else []
+        # On the host a Master is its version: another agent may have read other K/V
+        # under the same key, and each must get back what it was computed with.
         for sp in spans:
-            self.tier.put_master(sp.key, flat_slots(sp.blocks, torch.arange(sp.n), b).to(dev))
+            self.tier.put_master(sp.version, flat_slots(sp.blocks, torch.arange(sp.n), b).to(dev))
         held = self.tier.park(name, flat_slots(seq.blocks, torch.arange(n), b).to(dev),
-                              [sp.key for sp in spans])
+                              [sp.version for sp in spans])
         for sp in spans:
-            self.tier.release_master(sp.key)
+            self.tier.release_master(sp.version)
         if held:
             self.parked[name] = Parked(tokens, seq.mirror, n)
         for gone in [k for k in self.parked if k not in self.tier]:  # evicted for budget
@@ -127,7 +129,7 @@ class IdleAgents:
 
     def restore(self, items: list[tuple[Resume, Sequence]], masters: dict[int, torch.Tensor]) -> None:
         """One fused restore: each resumed request's private slots, and the Masters in
-        `masters` (key -> destination slots) once."""
+        `masters` (version -> destination slots) once."""
         self.tier.restore([(r.name, self.private_slots(r, seq)) for r, seq in items], masters)
         self.restored += sum(r.length for r, _ in items)
 

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from tokendance.backend.keys import Key
 from tokendance.backend.pool import flat_slots
 
 EARLY, LATE = 0, 1
@@ -33,8 +34,9 @@ class Span:
     blocks: list[int]  # the Master's blocks holding this segment from slot 0
     lo: int  # position of the segment's first token in the prompt
     n: int
-    key: int = 0  # the segment cache's key: where an idle agent finds its Master again
+    key: Key = b""  # the segment cache's key: where an idle agent finds its Master again
     source: str = ""  # which base it read ("standalone", "producer", ...)
+    version: int = 0  # which K/V under key it read (segments.Entry.version)
 
 
 def ranges(starts: list[int], counts: list[int]) -> torch.Tensor:

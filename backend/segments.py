@@ -11,6 +11,7 @@ pool; the least recently used are evicted past a byte budget.
 
 from __future__ import annotations
 
+import itertools
 from collections import OrderedDict
 from dataclasses import dataclass
 
@@ -40,6 +41,9 @@ class Entry:
     ntokens: int
     blocks: list[int]
     source: str  # "producer" | "reader" | "standalone"
+    # Which K/V: a key's base changes when a new one replaces it, or when it is computed
+    # again after an eviction (a reader base in another reader's context). Unique per put.
+    version: int = 0
     pins: int = 0  # in-flight requests reading it
 
 
@@ -50,6 +54,7 @@ class SegmentCache:
         self.max_blocks = max_blocks
         self.entries: OrderedDict[Key, Entry] = OrderedDict()
         self.held = 0  # blocks held by entries
+        self._versions = itertools.count(1)
 
     def get(self, key: Key) -> Entry | None:
         e = self.entries.get(key)
@@ -57,16 +62,18 @@ class SegmentCache:
             self.entries.move_to_end(key)
         return e
 
-    def put(self, key: Key, ntokens: int, blocks: list[int], source: str) -> Entry | None:
+    def put(self, key: Key, ntokens: int, blocks: list[int], source: str,
+            version: int | None = None) -> Entry | None:
         """Take ownership of `blocks` (one reference each). Keeps an existing producer
-        base over anything new, and a new producer base over a standalone one."""
+        base over anything new, and a new producer base over a standalone one. `version`:
+        the one these K/V had before (a Master back from the host), else a new one."""
         old = self.entries.get(key)
         if old is not None and (old.source == "producer" or source == "standalone"):
             self._release(blocks)
             return old
         if old is not None:
             self._drop(old)
-        e = Entry(key, ntokens, blocks, source)
+        e = Entry(key, ntokens, blocks, source, next(self._versions) if version is None else version)
         self.entries[key] = e
         self.held += len(blocks)
         self.evict(0)

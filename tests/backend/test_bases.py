@@ -16,6 +16,19 @@ from tokendance.backend.keys import segment_key
 from tests.backend.test_reuse import GREEDY, prefill, prefill_full, round_prompts
 
 
+def assert_producer_kv(engine: Engine, entry, prompt: list[int], out: list[int]) -> None:
+    """The base holds exactly the producer's KV of the first entry.ntokens tokens of its
+    output (a fresh engine prefills prompt and output to recompute it)."""
+    ref = Engine(model=str(engine.folder), dtype="float32", kv_tokens=4096)
+    rseq, = prefill_full(ref, [prompt + out])
+    b, n = engine.cache.block_size, entry.ntokens
+    src = flat_slots(entry.blocks, torch.arange(n), b)
+    dst = flat_slots(rseq.blocks, torch.arange(len(prompt), len(prompt) + n), b)
+    for k0, k1 in zip(engine.cache.k, ref.cache.k):
+        torch.testing.assert_close(k0.view(-1, *k0.shape[2:])[src], k1.view(-1, *k1.shape[2:])[dst],
+                                   rtol=1e-4, atol=1e-5)
+
+
 @pytest.mark.parametrize("max_tokens,reason", [(40, "stop"), (7, "length")])
 def test_producer_output_becomes_base(smollm2, max_tokens, reason):
     # A real model: its outputs tokenize back to the tokens it generated. Ended by
@@ -33,15 +46,27 @@ def test_producer_output_becomes_base(smollm2, max_tokens, reason):
     entry = engine.segments.get(segment_key("", ids))
     assert entry is not None and entry.source == "producer" and entry.ntokens == len(ids)
     assert engine.pool.num_free == engine.cache.num_blocks - len(entry.blocks)  # the request's own went back
-    # The base holds exactly the producer's KV of those tokens (re-run to recompute it).
-    ref = Engine(model=str(engine.folder), dtype="float32", kv_tokens=4096)
-    rseq, = prefill_full(ref, [prompt + seq.out])
-    b = engine.cache.block_size
-    src = flat_slots(entry.blocks, torch.arange(len(ids)), b)
-    dst = flat_slots(rseq.blocks, torch.arange(len(prompt), len(prompt) + len(ids)), b)
-    for k0, k1 in zip(engine.cache.k, ref.cache.k):
-        torch.testing.assert_close(k0.view(-1, *k0.shape[2:])[src], k1.view(-1, *k1.shape[2:])[dst],
-                                   rtol=1e-4, atol=1e-5)
+    assert_producer_kv(engine, entry, prompt, seq.out)
+
+
+@pytest.mark.parametrize("stop, tokens", [("no", 2), ("mutually", 7)])
+def test_an_answer_with_whitespace_around_it_is_published_as_the_proxy_finds_it(smollm2, stop, tokens):
+    # The proxy finds an earlier answer in the next prompts stripped of the whitespace
+    # around it (proxy/segment.py), and a stop string often leaves some ("There are "
+    # before "no"), which tokenizes apart from the generated tokens. The stripped
+    # answer's tokens are a run of the generated ones: their K/V is the base readers
+    # look up.
+    engine = Engine(model=str(smollm2), dtype="float32", kv_tokens=2048, bases="producer")
+    prompt = engine.encode(engine.chat_prompt([{"role": "user", "content": "Name two colours."}]))
+    engine.add("p", prompt, SamplingParams(max_tokens=40, temperature=0, stop=[stop]), publish=True)
+    seq = engine.seqs["p"]
+    while engine.has_work():
+        engine.step()
+    assert seq.finish_reason == "stop" and seq.detok.text != seq.detok.text.strip()
+    ids = engine.encode(seq.detok.text.strip())
+    entry = engine.segments.get(segment_key("", ids))
+    assert entry is not None and entry.source == "producer" and entry.ntokens == len(ids) == tokens
+    assert_producer_kv(engine, entry, prompt, seq.out)
 
 
 def test_standalone_bases_publish_nothing(smollm2):
