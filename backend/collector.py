@@ -122,7 +122,7 @@ class Collector:
         self.cache.copy(seq.slots(rows + lo, EARLY, b, self.cache.trash), holder.slots(rows, EARLY, b, -1))
         return self.segments.put(key, len(ids), holder.blocks, source)
 
-    def _bases(self, missing: dict[int, list[int]], pinned: list[Entry],
+    def _bases(self, missing: dict[Key, list[int]], pinned: list[Entry],
                entered: list[Entry]) -> list[Sequence]:
         """Reserve blocks for every missing segment and enter them in the segment cache,
         pinned (no later reservation may evict a base before it is computed), to be filled
@@ -162,13 +162,13 @@ class Collector:
             logits.append(self.runner.run(work))
         return logits
 
-    def _readers(self, group: list[Sequence], keys: list[list[tuple[int, int, int]]],
-                 missing: dict[int, list[int]], pinned: list[Entry]) -> tuple[list[Sequence], torch.Tensor | None]:
+    def _readers(self, group: list[Sequence], keys: list[list[tuple[int, int, Key]]],
+                 missing: dict[Key, list[int]], pinned: list[Entry]) -> tuple[list[Sequence], torch.Tensor | None]:
         """Reader bases: prefill up to READERS fresh requests that hold missing segments
         in full (they get the exact answer) and take each segment they hold from its
         latest occurrence there, in their context, into a segment entry (pinned). Those
         segments leave `missing`; the rest are prefilled standalone as usual."""
-        leads: list[tuple[Sequence, list[tuple[int, int, int]]]] = []
+        leads: list[tuple[Sequence, list[tuple[int, int, Key]]]] = []
         for seq, spans in zip(group, keys):
             if len(leads) == READERS:
                 break
@@ -178,7 +178,7 @@ class Collector:
         if not leads:
             return [], None
         logits = torch.cat(self._standalone([seq for seq, _ in leads]))
-        best: dict[int, tuple[Sequence, int]] = {}
+        best: dict[Key, tuple[Sequence, int]] = {}
         for seq, spans in leads:
             for lo, _, key in spans:
                 if key in missing and (key not in best or lo > best[key][1]):
@@ -195,14 +195,14 @@ class Collector:
             seq.computed = len(seq.prompt)
         return [seq for seq, _ in leads], logits
 
-    def _encode(self, leads: list[Sequence], keys: list[list[tuple[int, int, int]]]) -> None:
+    def _encode(self, leads: list[Sequence], keys: list[list[tuple[int, int, Key]]]) -> None:
         """Readers become Mirrors of the bases their K/V equal (backend/diff.py). Last, once
         the group's forwards are queued: the diff is read back, and the host waits."""
         for seq, spans in zip(leads, keys):
             parts = [_span(e, lo, hi - lo) for lo, hi, key in spans if (e := self.segments.get(key)) is not None]
             encode(seq, parts, self.cache, self.blocks, self.cfg.check_layer)
 
-    def _mirror(self, seq: Sequence, spans: list[tuple[int, int, int]],
+    def _mirror(self, seq: Sequence, spans: list[tuple[int, int, Key]],
                 entries: dict[int, Entry]) -> list[bool]:
         """Make seq a Mirror of the bases it finds (one reference to each Master block);
         returns which prompt tokens it reuses (from its restored prefix's end on)."""
@@ -254,7 +254,7 @@ class Collector:
             masters = bring_back(group, self.segments, self.idle, self._reserve, self.cache.block_size,
                                  self.cache.kv.device, pinned, entered)
             keys: list[list[tuple[int, int, Key]]] = []  # per seq: (start, end, key)
-            missing: dict[int, list[int]] = {}
+            missing: dict[Key, list[int]] = {}
             for seq in group:
                 start = seq.resume.length if seq.resume is not None else 0
                 spans = []

@@ -58,7 +58,7 @@ def bring_back(group: list[Sequence], segments: SegmentCache, idle: IdleAgents,
                 segments.pin(e)  # still here: pinned, no prefill of this step evicts it
                 pinned.append(e)
                 continue
-            holder = Sequence(f"master-{sp.key}", [0] * sp.n, SamplingParams(), Detok(None))
+            holder = Sequence(f"master-{sp.key.hex()}", [0] * sp.n, SamplingParams(), Detok(None))
             if not reserve(holder, sp.n):
                 break
             e = segments.put(sp.key, sp.n, holder.blocks, sp.source, sp.version)
