@@ -21,7 +21,7 @@ from __future__ import annotations
 import bisect
 import itertools
 import secrets
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from typing import Any
 
 from tokendance.backend.api import Segment
@@ -56,7 +56,7 @@ def unflatten(text: str) -> list[Segment]:
 
 
 def chat(render: Callable[[list[dict[str, Any]]], str], messages: list[dict[str, Any]],
-         explicit: bool, known: Known | Mapping[str, Producer]) -> list[Segment]:
+         explicit: bool, known: Known) -> list[Segment]:
     """Render the chat template and segment the result."""
     if not explicit:
         return detect([Segment(render(messages))], known)
@@ -79,16 +79,14 @@ def chat(render: Callable[[list[dict[str, Any]]], str], messages: list[dict[str,
     return detect(segs, known)
 
 
-def text(prompt: str, explicit: bool, known: Known | Mapping[str, Producer]) -> list[Segment]:
+def text(prompt: str, explicit: bool, known: Known) -> list[Segment]:
     """Segment a raw completion prompt (the explicit grammar applies to all of it)."""
     segs = [Segment(t, shared=s) for t, s in blocks(prompt)] if explicit else [Segment(prompt)]
     return detect(segs, known)
 
 
-def detect(segs: list[Segment], known: Known | Mapping[str, Producer]) -> list[Segment]:
+def detect(segs: list[Segment], known: Known) -> list[Segment]:
     """Mark exact occurrences of known outputs inside private segments as shared."""
-    if not isinstance(known, Known):
-        known = Known.of(known)
     for s in segs:
         if s.shared:
             s.producer = known.get(s.text.strip())

@@ -60,14 +60,14 @@ def test_escaped_separator_neither_creates_nor_hides_a_boundary():
 
 def test_chat_without_separators_takes_content_literally():
     messages = [{"role": "user", "content": f"look {SEP}not a block{SEP} here"}]
-    segs = sg.chat(render, messages, explicit=False, known={})
+    segs = sg.chat(render, messages, explicit=False, known=Known())
     assert pairs(segs) == [(render(messages), False)]
 
 
 def test_chat_with_separators_marks_each_block():
     messages = [{"role": "system", "content": "sys"},
                 {"role": "user", "content": f"Answers:{SEP}ans one{SEP}ans two{SEP}Reply."}]
-    segs = sg.chat(render, messages, explicit=True, known={})
+    segs = sg.chat(render, messages, explicit=True, known=Known())
     assert pairs(segs) == [("<system>sys</><user>Answers:", False), ("ans one", True),
                            ("ans two", True), ("Reply.</><assistant>", False)]
 
@@ -79,7 +79,7 @@ def test_chat_segments_cover_the_rendered_prompt_exactly():
                     for _ in range(rng.randint(1, 4))]
         known = {noise(rng, 4) or "zz": ("s", "a", 1) for _ in range(2)}
         plain = [{**m, "content": "".join(t for t, _ in sg.blocks(m["content"]))} for m in messages]
-        segs = sg.chat(render, messages, explicit=True, known=known)
+        segs = sg.chat(render, messages, explicit=True, known=Known.of(known))
         assert "".join(s.text for s in segs) == render(plain)
         assert all(s.text for s in segs)
         assert all(a.shared or b.shared for a, b in zip(segs, segs[1:]))  # private runs merged
@@ -90,7 +90,7 @@ def test_template_that_drops_content_falls_back_to_private():
         return render([m for m in ms if m["role"] != "system"])
 
     messages = [{"role": "system", "content": f"{SEP}gone{SEP}"}, {"role": "user", "content": "hi"}]
-    segs = sg.chat(drop_system, messages, explicit=True, known={})
+    segs = sg.chat(drop_system, messages, explicit=True, known=Known())
     assert pairs(segs) == [("<user>hi</><assistant>", False)]
 
 
@@ -98,7 +98,7 @@ def test_detect_marks_every_occurrence_of_known_outputs():
     p1, p2 = ("s", "a", 1), ("s", "b", 1)
     known = {"the answer is forty two": p1, "blue sky all day long": p2}
     text = "A said: the answer is forty two. B said: blue sky all day long. Again: the answer is forty two"
-    segs = sg.detect([Segment(text)], known)
+    segs = sg.detect([Segment(text)], Known.of(known))
     assert [(s.text, s.producer) for s in segs if s.shared] == [
         ("the answer is forty two", p1), ("blue sky all day long", p2), ("the answer is forty two", p1)]
     assert "".join(s.text for s in segs) == text
@@ -106,21 +106,21 @@ def test_detect_marks_every_occurrence_of_known_outputs():
 
 def test_detect_prefers_the_longest_match_and_never_overlaps():
     known = {"alpha beta gamma delta": ("s", "a", 1), "beta gamma": ("s", "b", 1)}
-    segs = sg.detect([Segment("x alpha beta gamma delta y beta gamma z")], known)
+    segs = sg.detect([Segment("x alpha beta gamma delta y beta gamma z")], Known.of(known))
     assert pairs(segs) == [("x ", False), ("alpha beta gamma delta", True), (" y ", False),
                            ("beta gamma", True), (" z", False)]
 
 
 def test_detect_leaves_explicit_blocks_whole_but_names_their_producer():
     known = {"beta gamma": ("s", "b", 1)}
-    segs = sg.detect([Segment("beta gamma", shared=True), Segment("beta gamma!")], known)
+    segs = sg.detect([Segment("beta gamma", shared=True), Segment("beta gamma!")], Known.of(known))
     assert [(s.text, s.shared, s.producer) for s in segs] == [
         ("beta gamma", True, ("s", "b", 1)), ("beta gamma", True, ("s", "b", 1)), ("!", False, None)]
 
 
 def test_completion_prompt_text():
-    assert pairs(sg.text(f"a{SEP}b{SEP}c", True, {})) == [("a", False), ("b", True), ("c", False)]
-    assert pairs(sg.text(f"a{SEP}b{SEP}c", False, {})) == [(f"a{SEP}b{SEP}c", False)]
+    assert pairs(sg.text(f"a{SEP}b{SEP}c", True, Known())) == [("a", False), ("b", True), ("c", False)]
+    assert pairs(sg.text(f"a{SEP}b{SEP}c", False, Known())) == [(f"a{SEP}b{SEP}c", False)]
 
 
 def test_detect_time_does_not_grow_with_outputs_absent_from_the_prompt():
@@ -157,7 +157,7 @@ def test_detect_ignores_an_empty_output():
     old = signal.signal(signal.SIGALRM, hang)
     signal.setitimer(signal.ITIMER_REAL, 2.0)
     try:
-        segs = sg.detect([Segment("some prompt text")], {"": ("s", "a", 1)})
+        segs = sg.detect([Segment("some prompt text")], Known.of({"": ("s", "a", 1)}))
     finally:
         signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGALRM, old)
@@ -185,7 +185,7 @@ def test_detect_time_does_not_grow_with_messages_times_outputs():
 
 def test_detect_finds_an_output_right_after_an_occurrence_cut_by_a_segment_boundary():
     out = "ab" * 8
-    segs = sg.detect([Segment("zz" + "ab" * 5), Segment("ab" * 8 + "zz")], {out: ("s", "a", 1)})
+    segs = sg.detect([Segment("zz" + "ab" * 5), Segment("ab" * 8 + "zz")], Known.of({out: ("s", "a", 1)}))
     assert pairs(segs) == [("zz" + "ab" * 5, False), (out, True), ("zz", False)]
 
 
@@ -227,4 +227,4 @@ def test_detect_matches_a_search_of_each_private_segment_on_its_own():
         segs = [Segment("".join(rng.choice("ab c") for _ in range(rng.randint(0, 40))), rng.random() < 0.3)
                 for _ in range(rng.randint(1, 6))]
         expected = reference(segs, known)
-        assert pairs(sg.detect(segs, known)) == expected
+        assert pairs(sg.detect(segs, Known.of(known))) == expected
