@@ -20,12 +20,13 @@ import torch
 from tokendance.backend.api import BASES, MODES, REUSE_DEFAULTS, Request, SamplingParams, Segment
 from tokendance.backend.config import EngineConfig
 from tokendance.backend.engine import Engine
+from tokendance.backend.keys import segment_key
 from tokendance.backend.mirror import EARLY, LATE
 from tokendance.backend.runner import step_meta
 from tokendance.backend.scheduler import Scheduled
-from tokendance.backend.keys import segment_key
 from tokendance.backend.service import EngineBackend
 from tokendance.bench.options import counts, names, natural, nonnegative, positive, share
+from tokendance.proxy.known import Known
 from tokendance.proxy.segment import detect
 
 QUESTIONS = [
@@ -56,7 +57,7 @@ def requests(be: EngineBackend, mode: str, question: str, answers: list[str] | N
     for i in range(n):
         others = [a for j, a in enumerate(answers) if j != i] if answers else []
         text = be.render_chat(messages(i, question, answers[i] if answers else None, others))
-        segs = detect([Segment(text)], {a: ("s", str(j), 1) for j, a in enumerate(answers or [])})
+        segs = detect([Segment(text)], Known.of({a: ("s", str(j), 1) for j, a in enumerate(answers or [])}))
         out.append(be.prepare(Request(f"{mode}-{i}", segs, sampling, mode=mode)))
     return out
 

@@ -9,10 +9,10 @@ import torch
 
 from tokendance.backend.api import SamplingParams
 from tokendance.backend.engine import Engine
+from tokendance.backend.keys import segment_key
 from tokendance.backend.mirror import EARLY, LATE
 from tokendance.backend.pool import flat_slots
 from tokendance.backend.scheduler import Scheduled
-from tokendance.backend.keys import segment_key
 from tests.backend.test_reuse import GREEDY, prefill, prefill_full, round_prompts
 
 
