@@ -119,6 +119,7 @@ class Sessions:
     def __init__(self, memory: int = 2, keep: int = 64, ttl: float = 3600.0, max_sessions: int = 10_000,
                  min_chars: int = 16, max_round_bytes: int = 2**24, max_bytes: int = 2**28):
         self.memory = memory  # rounds back whose outputs are searched in a prompt
+        self.reach = 4 * (memory + 1)  # rounds searched at most (each costs ~0.2 ms a 20 k-char prompt)
         self.keep = keep  # rounds kept per session (stats and outputs)
         self.ttl = ttl
         self.max_sessions = max_sessions
@@ -186,12 +187,20 @@ class Sessions:
             s.counts[m.agent] = before
 
     def known(self, name: str, number: int, tenant: str = "") -> Known:
-        """Outputs to look for in a prompt of round `number`: the tenant's of the last rounds
-        (another tenant's could never be reused, and finding them would say what they were)."""
+        """Outputs to look for in a prompt of round `number`: the tenant's (another tenant's
+        could never be reused, and finding them would say what they were) of the last
+        rounds before it, and of those before each agent's latest round. Agents' counts
+        drift apart in an uneven conversation (a group chat's manager speaks every turn),
+        and the manager's prompt then holds outputs of rounds far below its own."""
         s = self.all.get(name)
         if s is None:
             return Known()
-        rounds = (s.rounds.get(k) for k in range(number, max(number - self.memory, 0) - 1, -1))
+        wanted = set(range(max(number - self.memory, 0), number + 1))
+        for latest in sorted(set(s.counts.values()), reverse=True):
+            for k in range(latest, max(latest - self.memory, 0) - 1, -1):
+                if len(wanted) < self.reach:
+                    wanted.add(k)
+        rounds = (s.rounds.get(k) for k in sorted(wanted, reverse=True))
         return Known(r.outputs[tenant] for r in rounds if r is not None and tenant in r.outputs)
 
     def remember(self, r: Round, agent: str | None, text: str, tenant: str = "") -> None:

@@ -6,7 +6,7 @@ import time
 from tokendance.backend.api import Segment
 from tokendance.proxy import segment as sg
 from tokendance.proxy.known import ENTRY_BYTES
-from tokendance.proxy.session import Sessions
+from tokendance.proxy.session import Meta, Sessions
 
 
 def shared(segs: list[Segment]) -> list[str]:
@@ -114,3 +114,42 @@ def test_a_round_older_than_the_kept_ones_lives_while_it_is_used():
     assert sessions.round("s", 1) is late
     sessions.remember(late, "slow", "a late but useful answer")
     assert "a late but useful answer" in sessions.known("s", 2)
+
+
+def test_a_prompt_far_ahead_of_the_other_agents_still_finds_their_outputs():
+    """A group chat's manager speaks every turn: by its fifth request it is in round 5 while
+    the speakers it quotes answered in their rounds 1 and 2. Searching only rounds 3-5 lost
+    all of that reuse."""
+    sessions = Sessions()
+    said = {"alice": "Alice thinks the bridge should be rebuilt in stone.",
+            "bob": "Bob would rather have a ferry across the river instead."}
+    for n in range(1, 5):  # the manager's turns, between the speakers'
+        sessions.commit(Meta(session="g", agent="manager"), n)
+    for agent, n in (("alice", 1), ("bob", 1), ("alice", 2)):
+        rnd, _ = sessions.commit(Meta(session="g", agent=agent), n)
+        sessions.remember(rnd, agent, said[agent] if n == 1 else said[agent] + " Again.")
+    number = sessions.infer(Meta(session="g", agent="manager"))
+    assert number == 5
+    prompt = "Conversation so far:\n" + "\n".join(f"{a}: {t}" for a, t in said.items())
+    segs = sg.detect([Segment(prompt)], sessions.known("g", number))
+    assert sorted(shared(segs)) == sorted(said.values())
+
+
+def test_synchronous_rounds_search_the_same_rounds_as_before():
+    sessions = Sessions()
+    for n in range(1, 8):
+        for agent in ("a", "b", "c"):
+            rnd, _ = sessions.commit(Meta(session="s", agent=agent), n)
+            sessions.remember(rnd, agent, f"round {n} answer of agent {agent}, long enough")
+    found = {p[2] for o in sessions.known("s", 7).rounds for p in o.producers.values()}
+    assert found == {5, 6, 7}
+
+
+def test_agents_spread_over_many_rounds_bound_the_rounds_searched():
+    sessions = Sessions()
+    for n in range(1, 31):  # agent k answered in round k only: thirty rounds with outputs
+        rnd, _ = sessions.commit(Meta(session="w", agent=f"k{n}"), n)
+        sessions.remember(rnd, f"k{n}", f"the answer agent k{n} gave in its round, long enough")
+    searched = sessions.known("w", 31).rounds
+    assert len(searched) == sessions.reach - 1  # round 31 has no outputs yet
+    assert {p[2] for o in searched for p in o.producers.values()} == set(range(20, 31))
