@@ -114,7 +114,7 @@ class Collector:
     def _keep(self, seq: Sequence, lo: int, ids: list[int], key: Key, source: str) -> Entry | None:
         """Copy seq's K/V of positions lo .. lo + len(ids) into fresh blocks entered in the
         segment cache under key: a base made of KV computed in seq's context."""
-        holder = Sequence(f"{source}-{key}", ids, SamplingParams(), Detok(None))
+        holder = Sequence(f"{source}-{key.hex()}", ids, SamplingParams(), Detok(None))
         if not self._reserve(holder, len(ids)):
             return None
         b = self.cache.block_size
@@ -203,7 +203,7 @@ class Collector:
             encode(seq, parts, self.cache, self.blocks, self.cfg.check_layer)
 
     def _mirror(self, seq: Sequence, spans: list[tuple[int, int, Key]],
-                entries: dict[int, Entry]) -> list[bool]:
+                entries: dict[Key, Entry]) -> list[bool]:
         """Make seq a Mirror of the bases it finds (one reference to each Master block);
         returns which prompt tokens it reuses (from its restored prefix's end on)."""
         r = seq.resume

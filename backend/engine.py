@@ -91,7 +91,7 @@ class Engine:
         self.seqs: dict[str, Sequence] = {}
         self.overlap = cfg.overlap if cfg.overlap is not None else self.device.type == "cuda"
         self.inflight: Inflight | None = None  # the last decode step's tokens, not read yet
-        self.tails: list[tuple[Sequence, list[Run]]] = []  # finished, K/V of their ends due
+        self.tails: list[tuple[Sequence, list[Run], int]] = []  # finished, K/V due up to the int
         self.generator = torch.Generator(device=self.device).manual_seed(cfg.seed)
         if self.device.type == "cpu":
             heap.trim()  # what loading left free; serving's peak is kept from here on
@@ -326,10 +326,11 @@ class Engine:
         )
         self.seqs.pop(seq.id, None)
         pub = runs(seq.out, seq.detok.text, self.encode) if seq.publish and seq.blocks else []
-        if pub and len(seq.prompt) + max(r.end for r in pub) > seq.computed:
+        end = len(seq.prompt) + max((r.end for r in pub), default=0)
+        if pub and end > seq.computed:
             # Ended by length on a token it never fed: that K/V first (_close_tails).
             self.scheduler.remove(seq, keep_blocks=True)
-            self.tails.append((seq, pub))
+            self.tails.append((seq, pub, end))
         else:
             self._close(seq, pub)
         return Delta(text=text, finish_reason=reason, usage=usage)
@@ -348,14 +349,13 @@ class Engine:
         """The K/V of publishing requests' unfed ends, in one forward (its logits unused),
         then they close: without room for it, their outputs are not published."""
         tails, self.tails = self.tails, []
-        ends = [len(s.prompt) + max(r.end for r in pub) for s, pub in tails]
-        work = [Scheduled(s, s.computed, end - s.computed) for (s, _), end in zip(tails, ends)
+        work = [Scheduled(s, s.computed, end - s.computed) for s, _, end in tails
                 if self.blocks.reserve(s, end)]
         if work:
             self.runner.run(work)
             for w in work:
                 w.seq.computed = w.start + w.count
-        for s, pub in tails:
+        for s, pub, _ in tails:
             self._close(s, pub)
 
     def reset_caches(self) -> None:
