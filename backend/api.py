@@ -107,8 +107,8 @@ class SamplingParams:
 
 @dataclass(slots=True)
 class Segment:
-    """A piece of the prompt. Shared segments are tokenized on their own, so their
-    tokens (and reusable KV) do not depend on what stands before them."""
+    """A piece of the prompt. The prompt is tokenized whole; a shared segment holds the
+    tokens wholly inside its text (backend/prompt.py), whose reusable KV is keyed by them."""
 
     text: str
     shared: bool = False
@@ -128,6 +128,7 @@ class Request:
     round: int | None = None
     prompt_token_ids: list[int] | None = None  # set instead of segments for token prompts
     tenant: str = ""  # namespaces the segment cache (the API key)
+    add_special_tokens: bool = False  # the tokenizer's BOS/EOS around the text (vLLM: completions)
 
 
 @dataclass(slots=True)

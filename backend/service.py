@@ -10,6 +10,7 @@ from tokendance.backend.api import MODES, Gauge, InvalidRequest, ModelInfo, Prep
 from tokendance.backend.async_engine import AsyncEngine, Job
 from tokendance.backend.config import EngineConfig
 from tokendance.backend.engine import Engine
+from tokendance.backend.prompt import tokenize
 
 
 @dataclass(slots=True)
@@ -51,12 +52,7 @@ class EngineBackend:
         if request.prompt_token_ids is not None:
             ids, shared = list(request.prompt_token_ids), []
         else:
-            ids, shared = [], []
-            for seg in request.segments:
-                toks = self.engine.encode(seg.text)
-                if seg.shared and toks:
-                    shared.append((len(ids), len(ids) + len(toks)))
-                ids.extend(toks)
+            ids, shared = tokenize(self.engine.tokenizer, request.segments, request.add_special_tokens)
         self.engine.check(ids, request.sampling)
         return Prepared(request, len(ids), Tokens(ids, shared, mode))
 

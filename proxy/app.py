@@ -67,7 +67,7 @@ async def chat_completions(req: web.Request) -> web.StreamResponse:
     messages, sampling = schemas.check_chat(body)
     known = px.place(call)
     prompt = segment.chat(px.backend.render_chat, messages, call.meta.separators, known)
-    px.prepare(call, [prompt], sampling)
+    px.prepare(call, [prompt], sampling, body.add_special_tokens)
     streams = await px.admit(call)
     return await reply(req, px, call, streams)
 
@@ -81,7 +81,7 @@ async def completions(req: web.Request) -> web.StreamResponse:
     known = px.place(call)
     segmented = [p if isinstance(p, list) else segment.text(p, call.meta.separators, known)
                  for p in prompts]
-    px.prepare(call, segmented, sampling)
+    px.prepare(call, segmented, sampling, body.add_special_tokens)
     streams = await px.admit(call)
     return await reply(req, px, call, streams)
 

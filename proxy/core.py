@@ -144,7 +144,8 @@ class Proxy:
         call.number = self.sessions.infer(call.meta)
         return self.sessions.known(call.meta.session, call.number, call.tenant)
 
-    def prepare(self, call: Call, prompts: list[list[Segment] | list[int]], sp: SamplingParams) -> None:
+    def prepare(self, call: Call, prompts: list[list[Segment] | list[int]], sp: SamplingParams,
+                special: bool = False) -> None:
         m = call.meta
         for prompt in prompts:
             ids = prompt and isinstance(prompt[0], int)
@@ -152,7 +153,8 @@ class Proxy:
                 s = sp if j == 0 or sp.seed is None else replace(sp, seed=sp.seed + j)
                 r = Request(f"{call.id}-{len(call.prepared)}", [] if ids else prompt, s, mode=m.mode,
                             session=m.session, agent=m.agent, round=call.number,
-                            prompt_token_ids=prompt if ids else None, tenant=call.tenant)
+                            prompt_token_ids=prompt if ids else None, tenant=call.tenant,
+                            add_special_tokens=special)
                 try:
                     call.prepared.append(self.backend.prepare(r))
                 except InvalidRequest as exc:  # the engine names the chat field, "messages"

@@ -76,6 +76,7 @@ class ChatRequest(Sampled, kw_only=True):
     functions: list[Any] | None = None
     function_call: Any = None
     response_format: dict[str, Any] | None = None
+    add_special_tokens: bool = False  # vLLM's: the template writes the BOS
 
 
 class CompletionRequest(Sampled, kw_only=True):
@@ -84,6 +85,7 @@ class CompletionRequest(Sampled, kw_only=True):
     echo: bool = False
     suffix: str | None = None
     best_of: int | None = None
+    add_special_tokens: bool = True  # vLLM's: the tokenizer's BOS before a text prompt
 
 
 class RoundOpen(Struct, kw_only=True):

@@ -45,8 +45,12 @@ def test_producer_output_becomes_base(smollm2, max_tokens, reason):
     assert ids == seq.out[: len(ids)] and (reason == "stop" or len(ids) == max_tokens)
     entry = engine.segments.get(segment_key("", ids))
     assert entry is not None and entry.source == "producer" and entry.ntokens == len(ids)
-    assert engine.pool.num_free == engine.cache.num_blocks - len(entry.blocks)  # the request's own went back
+    rest = engine.segments.get(segment_key("", ids[1:]))  # for readers whose text joins its first token
+    assert rest is not None and rest.ntokens == len(ids) - 1
+    held = len(entry.blocks) + len(rest.blocks)
+    assert engine.segments.held == held and engine.pool.num_free == engine.cache.num_blocks - held  # the request's own went back
     assert_producer_kv(engine, entry, prompt, seq.out)
+    assert_producer_kv(engine, rest, prompt + seq.out[:1], seq.out[1:])
 
 
 @pytest.mark.parametrize("stop, tokens", [("no", 2), ("mutually", 7)])
@@ -105,8 +109,10 @@ def test_mirrors_ending_by_length_publish_their_whole_output(smollm2):
         assert s.finish_reason == "length" and usage[s.id].cached_tokens > 0  # it read the Master
         ids = engine.encode(s.detok.text)
         entry = engine.segments.get(segment_key("", ids))
+        rest = engine.segments.get(segment_key("", ids[1:]))
         assert ids == s.out and entry is not None and entry.source == "producer" and entry.ntokens == 6
-        held += len(entry.blocks)
+        assert rest is not None and rest.source == "producer" and rest.ntokens == 5
+        held += len(entry.blocks) + len(rest.blocks)
     assert forwards[-1] == 2  # the two ends in one forward
     base = engine.segments.get(segment_key("", shared))
     assert engine.pool.num_free == engine.cache.num_blocks - held - len(base.blocks)

@@ -97,6 +97,18 @@ def test_completions_stream_and_token_prompt(client):
     assert r.choices[0].text == "t7 t8 t9"
 
 
+@pytest.mark.parametrize("kind, extra, special", [
+    ("chat", {}, False), ("chat", {"add_special_tokens": True}, True),
+    ("completion", {}, True), ("completion", {"add_special_tokens": False}, False)])
+def test_special_tokens_as_vllm_adds_them(client, live, kind, extra, special):
+    # A text completion gets the tokenizer's BOS, a chat prompt (its template writes it) not.
+    if kind == "chat":
+        client.chat.completions.create(model=MODEL, messages=ask("a b"), extra_body=extra)
+    else:
+        client.completions.create(model=MODEL, prompt="a b", extra_body=extra)
+    assert live.backend.groups[-1][0].add_special_tokens is special
+
+
 def test_cached_tokens_count_reused_shared_blocks(client):
     block = "a long shared answer from round one that every agent sees"
     body = {"tokendance": {"separators": True}}
