@@ -25,6 +25,9 @@ class Tokens:
 class EngineBackend:
     def __init__(self, engine: Engine, mode: str = "collective"):
         self._check_mode(mode, "mode")
+        if not getattr(engine.tokenizer, "is_fast", False):  # prompts are tokenized with offsets
+            raise ValueError(f"the tokenizer of {engine.name} has no fast (tokenizers) version: "
+                             "add its tokenizer.json to the model folder")
         self.engine = engine
         self.mode = mode
         self.core = AsyncEngine(engine)

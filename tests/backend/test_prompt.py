@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
@@ -11,6 +13,7 @@ from tokendance.backend.api import SamplingParams, Segment
 from tokendance.backend.engine import Engine
 from tokendance.backend.keys import segment_key
 from tokendance.backend.prompt import tokenize
+from tokendance.backend.service import EngineBackend
 
 CORPUS = ["I think the sky is blue because of Rayleigh scattering. Bob said: Blue, clearly. "
           "What do you say?\nAda agrees with Bob."] * 20
@@ -96,3 +99,10 @@ def test_a_reader_quoting_an_answer_after_a_name_finds_the_producers_kv(smollm2)
         entry = engine.segments.get(segment_key("", ids[a:b]))
         assert entry is not None and entry.source == "producer" and entry.ntokens == b - a
     assert spans_text(engine.tokenizer, *tokenize(engine.tokenizer, [Segment("Ada:\n"), Segment(answer, shared=True)])) == [answer]
+
+
+def test_a_tokenizer_without_offsets_is_refused_when_the_server_starts(tiny_llama):
+    engine = Engine(model=str(tiny_llama), dtype="float32", kv_tokens=256)
+    engine.tokenizer = SimpleNamespace(is_fast=False)  # a slow (Python) tokenizer: no offsets
+    with pytest.raises(ValueError, match="no fast"):
+        EngineBackend(engine)
