@@ -7,7 +7,9 @@ same tenant. Python's `hash()` of a tuple of ints is neither keyed nor collision
 resistant, so a client could craft tokens whose key equals another's and be served that
 KV or poison it; vLLM's prefix cache moved to sha256 for the same reason. The tenant
 (the proxy passes a digest of the API key) starts every chain, so no request ever hits
-KV another API key computed, nor learns from its latency that such KV exists.
+KV another API key computed, nor learns from its latency that such KV exists. The
+model is in every key by construction: each engine (one model, one dtype) keeps its own
+caches, and they live as long as it does.
 """
 
 from __future__ import annotations
