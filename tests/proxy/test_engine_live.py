@@ -266,3 +266,22 @@ def test_bad_values_are_a_400_naming_the_field(client, model, kw, param):
     with pytest.raises(openai.BadRequestError) as err:
         client.chat.completions.create(model=model, messages=STORY, max_tokens=2, **kw)
     assert err.value.param == param
+
+
+def test_a_shared_segment_leaves_the_prompts_tokens_as_the_text_has_them(client, model, direct):
+    # A shared block right after "Ada: ": the model still reads the prompt's own tokens
+    # (" I" with its space), so `full` answers exactly as an engine given the text.
+    # Tokenized apart, the segment would start at "I" and the prompt read a lone " ".
+    block = "I think the sky is blue today."
+    content = f"Ada: {SEP}{block}{SEP}\nWhat do you say?"
+    r = client.chat.completions.create(
+        model=model, messages=user(content), max_tokens=12, temperature=0,
+        extra_body={"ignore_eos": True, "tokendance": {"separators": True, "mode": "full"}})
+    assert r.usage.model_extra["tokendance"]["shared_tokens"] > 0
+    text = direct.chat_prompt(user(content.replace(SEP, "")))
+    head, tail = text.split(block)
+    apart = direct.encode(head) + direct.encode(block) + direct.encode(tail)
+    assert len(apart) != len(direct.encode(text))  # the case this test is about
+    assert r.usage.prompt_tokens == len(direct.encode(text))
+    want = direct.generate([direct.encode(text)], SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))
+    assert r.choices[0].message.content == want[0][1]
