@@ -118,8 +118,13 @@ class Attention(nn.Module):
     def store(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttnMeta,
               cache: KVCache) -> torch.Tensor:
         """k, v into the cache at meta.slots; returns q rotated to meta.positions (one
-        launch on CUDA)."""
+        launch on CUDA; on a CPU decode step over held keys, one batched matmul by the
+        step's rotation matrices, made once for all layers)."""
         rot = self.rope
+        step = meta.plan.get("rotated")
+        if step is not None:
+            store(k, v, meta.slots, cache.k[self.layer], cache.v[self.layer])
+            return torch.bmm(q.float(), step.rotation(rot.inv_freq, rot.scale)).to(q.dtype)
         return store(k, v, meta.slots, cache.k[self.layer], cache.v[self.layer], q, meta.positions,
                      rot.inv_freq, rot.scale)
 

@@ -142,3 +142,21 @@ def test_merge_path_ignores_held_keys():
                                   torch.tensor([8], dtype=torch.int32), INV, 1.0, D ** -0.5,
                                   lse=True, plan=plan)
     assert lse.shape == (1, HQ) and not keys.held
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_steps_rotation_matrices_rotate_queries_as_rope_does(dtype):
+    # A CPU decode step over held keys rotates its queries by the matrices it makes once
+    # for every layer (backend/model.py, Attention.store): as kernels/rope.py does.
+    from tokendance.kernels.rope import rope_rotate_reference
+
+    torch.manual_seed(3)
+    qpos = [5, 300, 4095, 0]
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, 64, 2).float() / 64))
+    step = RotatedStep(RotatedKeys(1 << 30, 2), tuple(range(4)), qpos, torch.zeros(4, dtype=torch.long))
+    q = torch.randn(4, 9, 64).to(dtype)
+    for scale in (1.0, 1.3):
+        step.rot = None
+        got = torch.bmm(q.float(), step.rotation(inv_freq, scale)).to(dtype)
+        want = rope_rotate_reference(q, torch.tensor(qpos), inv_freq, scale)
+        torch.testing.assert_close(got, want, rtol=1e-5 if dtype == torch.float32 else 1e-2, atol=1e-5)
