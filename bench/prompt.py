@@ -20,6 +20,7 @@ from collections.abc import Callable
 from tokendance.backend import loader
 from tokendance.backend.api import Segment
 from tokendance.backend.prompt import tokenize
+from tokendance.bench.options import positive
 
 WORDS = "the sky is blue because of Rayleigh scattering and a tomato is a fruit botanically speaking".split()
 
@@ -49,9 +50,9 @@ def medians_ms(fns: dict[str, Callable[[], object]], repeats: int) -> dict[str, 
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--agents", type=int, default=20)
-    ap.add_argument("--words", type=int, default=150)
-    ap.add_argument("--repeats", type=int, default=21)
+    ap.add_argument("--agents", type=positive, default=20)
+    ap.add_argument("--words", type=positive, default=150)
+    ap.add_argument("--repeats", type=positive, default=21)
     args = ap.parse_args(argv)
     from transformers import AutoTokenizer
 

@@ -83,9 +83,10 @@ def test_segments_shorter_than_a_token_or_side_by_side(bpe):
 
 
 def test_a_reader_quoting_an_answer_after_a_name_finds_the_producers_kv(smollm2):
-    # "Ada: " before the answer: the reader's first token of it is " The" where the
-    # producer generated "The"; the rest of the answer is the producer's run without its
-    # first token, published for exactly this.
+    # "Ada: " before the answer: the reader's first token of it takes in the space (" The"
+    # where the producer generated "The"), and the rest of the answer is the producer's
+    # run without its first token, published for exactly this. After a line break the
+    # reader holds the whole run.
     engine = Engine(model=str(smollm2), dtype="float32", kv_tokens=2048, bases="producer")
     prompt = engine.encode(engine.chat_prompt([{"role": "user", "content": "Name two colours."}]))
     engine.add("p", prompt, SamplingParams(max_tokens=12, temperature=0), publish=True)
@@ -93,9 +94,11 @@ def test_a_reader_quoting_an_answer_after_a_name_finds_the_producers_kv(smollm2)
     while engine.has_work():
         engine.step()
     answer = seq.detok.text.strip()
-    for before in ("Ada: ", "Ada said:\n"):
+    whole = len(engine.encode(answer))
+    for before, held in (("Ada: ", whole - 1), ("Ada said:\n", whole)):
         ids, spans = tokenize(engine.tokenizer, [Segment(before), Segment(answer, shared=True), Segment("\nYou?")])
         (a, b), = spans
+        assert b - a == held
         entry = engine.segments.get(segment_key("", ids[a:b]))
         assert entry is not None and entry.source == "producer" and entry.ntokens == b - a
     assert spans_text(engine.tokenizer, *tokenize(engine.tokenizer, [Segment("Ada:\n"), Segment(answer, shared=True)])) == [answer]
