@@ -3,11 +3,12 @@
 
 from __future__ import annotations
 
+import json
 from types import SimpleNamespace
 
 import pytest
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
-from transformers import AutoTokenizer, PreTrainedTokenizerFast
+from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+from transformers import AutoTokenizer, LlamaTokenizer
 
 from tokendance.backend.api import SamplingParams, Segment
 from tokendance.backend.engine import Engine
@@ -24,16 +25,16 @@ def bpe(smollm2):
     return AutoTokenizer.from_pretrained(smollm2)
 
 
-def sentencepiece(bos: bool = False) -> PreTrainedTokenizerFast:
-    """A Llama 2 / Mistral-style tokenizer: "▁" for spaces, one before the text; `bos`
-    puts "<s>" before it when special tokens are asked for."""
+def sentencepiece(bos: bool = False) -> LlamaTokenizer:
+    """transformers' Llama 2 / Mistral tokenizer ("▁" for spaces, one before the text)
+    over a vocabulary trained here; `bos` puts "<s>" before a text when special tokens
+    are asked for."""
     t = Tokenizer(models.BPE(unk_token="<unk>"))
     t.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first")
-    t.decoder = decoders.Metaspace(replacement="▁", prepend_scheme="first")
     t.train_from_iterator(CORPUS, trainers.BpeTrainer(vocab_size=120, special_tokens=["<unk>", "<s>", "</s>"]))
-    if bos:
-        t.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
-    return PreTrainedTokenizerFast(tokenizer_object=t, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
+    model = json.loads(t.to_str())["model"]
+    merges = [tuple(m.split(" ")) if isinstance(m, str) else tuple(m) for m in model["merges"]]
+    return LlamaTokenizer(vocab=model["vocab"], merges=merges, add_bos_token=bos)
 
 
 def spans_text(tok, ids, spans) -> list[str]:
