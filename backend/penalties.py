@@ -83,17 +83,18 @@ class Penalized:
         params = [s.sampling for s in self.seqs]
         rep = [p.repetition_penalty for p in params]
         fp = [(p.frequency_penalty, p.presence_penalty) for p in params]
-        if any(r != 1.0 for r in rep) or any(f or p for f, p in fp):
+        repeat, openai = any(r != 1.0 for r in rep), any(f or p for f, p in fp)
+        if repeat or openai:
             counts = torch.stack([s.seen.counts for s in self.seqs])
             generated = counts > 0
-            if any(r != 1.0 for r in rep):
+            if repeat:
                 seen = generated.clone()
                 for j, s in enumerate(self.seqs):
                     if s.seen.prompt is not None:
                         seen[j] |= s.seen.prompt
                 factor = torch.where(seen, upload_list(rep, torch.float32, logits.device)[:, None], 1.0)
                 sub = torch.where(sub > 0, sub / factor, sub * factor)
-            if any(f or p for f, p in fp):
+            if openai:
                 k = upload_list(fp, torch.float32, logits.device)
                 sub -= k[:, :1] * counts
                 sub -= k[:, 1:] * generated
