@@ -34,6 +34,11 @@ class InvalidRequest(ValueError):
         self.code = code
 
 
+def check_mode(mode: str, param: str = "mode") -> None:
+    if mode not in MODES:
+        raise InvalidRequest(f"unknown mode {mode!r}; choose one of {', '.join(MODES)}", param)
+
+
 class BackendError(RuntimeError):
     """The engine failed; every request of the affected group gets this error."""
 

@@ -9,7 +9,7 @@ import structlog
 import torch
 
 from tokendance.backend import heap, loader
-from tokendance.backend.api import BASES, MODES, Delta, InvalidRequest, SamplingParams, TokenLogprob, TopLogprob, Usage
+from tokendance.backend.api import BASES, Delta, InvalidRequest, SamplingParams, TokenLogprob, TopLogprob, Usage, check_mode
 from tokendance.backend.blocks import BlockManager
 from tokendance.backend.collector import Collector, ReuseConfig, batches
 from tokendance.backend.config import DTYPES, EngineConfig, ModelConfig
@@ -19,6 +19,7 @@ from tokendance.backend.idle import IdleAgents
 from tokendance.backend.lookahead import Inflight, eligible, launch
 from tokendance.backend.model import KVCache
 from tokendance.backend.pool import BlockPool
+from tokendance.backend.prompt import check, render_chat
 from tokendance.backend.published import Run, runs
 from tokendance.backend.runner import Runner
 from tokendance.backend.sampler import Sampled, sample
@@ -117,17 +118,7 @@ class Engine:
 
     def check(self, prompt: list[int], sampling: SamplingParams) -> None:
         """Raise InvalidRequest unless the engine can serve this prompt."""
-        sampling.validate()
-        sampling.check_vocab(self.mcfg.vocab_size)
-        if not prompt:
-            raise InvalidRequest("the prompt is empty", "prompt")
-        if len(prompt) >= self.max_model_len:
-            raise InvalidRequest(
-                f"the prompt is {len(prompt)} tokens; this model's context is {self.max_model_len} tokens",
-                "messages", "context_length_exceeded",
-            )
-        if min(prompt) < 0 or max(prompt) >= self.mcfg.vocab_size:
-            raise InvalidRequest(f"token ids must lie in [0, {self.mcfg.vocab_size})", "prompt")
+        check(prompt, sampling, self.max_model_len, self.mcfg.vocab_size)
 
     def add(self, rid: str, prompt: list[int], sampling: SamplingParams, mode: str = "full",
             shared: list[tuple[int, int]] | None = None, tenant: str = "", publish: bool = False,
@@ -139,8 +130,7 @@ class Engine:
         parked when it finishes, and the agent's next request restores the prefix they
         share (`full` stays the no-reuse baseline; `prefix` has its block cache)."""
         self.check(prompt, sampling)
-        if mode not in MODES:
-            raise InvalidRequest(f"unknown mode {mode!r}; choose one of {', '.join(MODES)}", "mode")
+        check_mode(mode)
         if rid in self.seqs:
             raise InvalidRequest(f"duplicate request id {rid}", "id")
         spans = check_spans(shared or [], len(prompt))
@@ -388,7 +378,7 @@ class Engine:
         return [(t, "".join(x), r) for t, x, r in (results[i] for i in ids)]
 
     def chat_prompt(self, messages: list[dict]) -> str:
-        return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        return render_chat(self.tokenizer, messages)
 
     def encode(self, text: str) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=False)

@@ -14,7 +14,36 @@ from __future__ import annotations
 
 from typing import Any
 
-from tokendance.backend.api import Segment
+from tokendance.backend.api import InvalidRequest, Request, SamplingParams, Segment
+
+
+def request_ids(tokenizer: Any, request: Request) -> tuple[list[int], list[tuple[int, int]]]:
+    """A request's prompt ids and its shared segments' spans (a token prompt has none)."""
+    if request.prompt_token_ids is not None:
+        return list(request.prompt_token_ids), []
+    return tokenize(tokenizer, request.segments, request.add_special_tokens)
+
+
+def render_chat(tokenizer: Any, messages: list[dict[str, Any]]) -> str:
+    """The chat template applied to `messages`, with the generation prompt; a template
+    that rejects them is the client's mistake."""
+    try:
+        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    except Exception as e:
+        raise InvalidRequest(f"messages do not fit the model's chat template: {e}", "messages") from e
+
+
+def check(ids: list[int], sampling: SamplingParams, max_model_len: int, vocab_size: int) -> None:
+    """Raise InvalidRequest unless an engine of these limits can serve this prompt."""
+    sampling.validate()
+    sampling.check_vocab(vocab_size)
+    if not ids:
+        raise InvalidRequest("the prompt is empty", "prompt")
+    if len(ids) >= max_model_len:
+        raise InvalidRequest(f"the prompt is {len(ids)} tokens; this model's context is {max_model_len} tokens",
+                             "messages", "context_length_exceeded")
+    if min(ids) < 0 or max(ids) >= vocab_size:
+        raise InvalidRequest(f"token ids must lie in [0, {vocab_size})", "prompt")
 
 
 def tokenize(tokenizer: Any, segments: list[Segment], special: bool = False) -> tuple[list[int], list[tuple[int, int]]]:

@@ -6,11 +6,11 @@ import itertools
 from dataclasses import dataclass
 from typing import Any
 
-from tokendance.backend.api import MODES, Gauge, InvalidRequest, ModelInfo, Prepared, Request, Stream
+from tokendance.backend.api import Gauge, ModelInfo, Prepared, Request, Stream, check_mode
 from tokendance.backend.async_engine import AsyncEngine, Job
 from tokendance.backend.config import EngineConfig
 from tokendance.backend.engine import Engine
-from tokendance.backend.prompt import tokenize
+from tokendance.backend.prompt import render_chat, request_ids
 
 
 @dataclass(slots=True)
@@ -24,7 +24,7 @@ class Tokens:
 
 class EngineBackend:
     def __init__(self, engine: Engine, mode: str = "collective"):
-        self._check_mode(mode, "mode")
+        check_mode(mode)
         if not getattr(engine.tokenizer, "is_fast", False):  # prompts are tokenized with offsets
             raise ValueError(f"the tokenizer of {engine.name} has no fast (tokenizers) version: "
                              "add its tokenizer.json to the model folder")
@@ -38,24 +38,13 @@ class EngineBackend:
     def load(cls, model: str | None = None, dtype: str = "auto", mode: str = "collective", **kw: Any) -> "EngineBackend":
         return cls(Engine(EngineConfig(model=model, dtype=dtype, **kw)), mode)
 
-    @staticmethod
-    def _check_mode(mode: str, param: str) -> None:
-        if mode not in MODES:
-            raise InvalidRequest(f"unknown mode {mode!r}; choose one of {', '.join(MODES)}", param)
-
     def render_chat(self, messages: list[dict[str, Any]]) -> str:
-        try:
-            return self.engine.chat_prompt(messages)
-        except Exception as e:  # a template that rejects these messages is the client's problem
-            raise InvalidRequest(f"messages do not fit the model's chat template: {e}", "messages") from e
+        return render_chat(self.engine.tokenizer, messages)
 
     def prepare(self, request: Request) -> Prepared:
         mode = request.mode or self.mode
-        self._check_mode(mode, "mode")
-        if request.prompt_token_ids is not None:
-            ids, shared = list(request.prompt_token_ids), []
-        else:
-            ids, shared = tokenize(self.engine.tokenizer, request.segments, request.add_special_tokens)
+        check_mode(mode)
+        ids, shared = request_ids(self.engine.tokenizer, request)
         self.engine.check(ids, request.sampling)
         return Prepared(request, len(ids), Tokens(ids, shared, mode))
 

@@ -15,7 +15,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from tokendance.backend.api import (
-    MODES, Delta, InvalidRequest, ModelInfo, Prepared, Request, Stream, Usage,
+    Delta, InvalidRequest, ModelInfo, Prepared, Request, Stream, Usage, check_mode,
 )
 
 WORDS = (
@@ -49,8 +49,7 @@ class EchoBackend:
     """Implements tokendance.backend.api.Backend without a model."""
 
     def __init__(self, mode: str = "collective", max_model_len: int = 32768):
-        if mode not in MODES:
-            raise InvalidRequest(f"unknown mode {mode!r}", "mode")
+        check_mode(mode)
         self.mode = mode
         self.info = ModelInfo("echo", max_model_len, BYTES_PER_TOKEN)
         self.seen: set[bytes] = set()  # hashes of shared segments whose "KV" exists
@@ -61,8 +60,7 @@ class EchoBackend:
 
     def prepare(self, request: Request) -> Prepared:
         mode = request.mode or self.mode
-        if mode not in MODES:
-            raise InvalidRequest(f"unknown mode {mode!r}", "mode")
+        check_mode(mode)
         request.sampling.validate()
         if request.prompt_token_ids is not None:
             n = len(request.prompt_token_ids)
