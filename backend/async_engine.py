@@ -10,13 +10,14 @@ from __future__ import annotations
 import asyncio
 import queue
 import threading
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import structlog
 
 from tokendance.backend.api import BackendError, Delta, InvalidRequest, SamplingParams
 from tokendance.backend.engine import Engine
+from tokendance.backend.stream import QueueStream
 
 log = structlog.get_logger(__name__)
 
@@ -37,43 +38,11 @@ class Job:
     agent: str | None = None  # session/agent: its next request may resume from this one
 
 
-class TokenStream:
-    """One request's deltas; iterate until a delta has a finish_reason."""
-
-    def __init__(self, rid: str, owner: "AsyncEngine"):
-        self.rid = rid
-        self.owner = owner
-        self.queue: asyncio.Queue[Delta | BaseException | None] = asyncio.Queue()  # None: aborted
-        self.done = False
-
-    async def __aiter__(self) -> AsyncIterator[Delta]:
-        try:
-            while not self.done:
-                item = await self.queue.get()
-                if item is None:  # aborted (by another task) while this one waited
-                    return
-                if isinstance(item, BaseException):
-                    self.done = True
-                    raise item
-                self.done = item.finish_reason is not None
-                yield item
-        finally:
-            if not self.done:  # the consumer went away: free the sequence's KV now
-                self.abort()
-
-    def abort(self) -> None:
-        """Stop the request; a consumer waiting for its next delta stops iterating."""
-        if not self.done:
-            self.done = True
-            self.owner.abort(self.rid)
-            self.queue.put_nowait(None)
-
-
 class AsyncEngine:
     def __init__(self, engine: Engine):
         self.engine = engine
         self.inbox: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
-        self.streams: dict[str, TokenStream] = {}
+        self.streams: dict[str, QueueStream] = {}
         self.loop: asyncio.AbstractEventLoop | None = None
         self.thread = threading.Thread(target=self._work, name="tokendance-engine", daemon=True)
 
@@ -81,14 +50,14 @@ class AsyncEngine:
         self.loop = asyncio.get_running_loop()
         self.thread.start()
 
-    def submit(self, jobs: list[Job]) -> list[TokenStream]:
+    def submit(self, jobs: list[Job]) -> list[QueueStream]:
         """Queue jobs to start in the same step; a job the engine rejects gets its
         error on its stream."""
         if self.loop is None:
             self.start()
         if not self.thread.is_alive():
             raise BackendError("the engine has been shut down")
-        streams = [TokenStream(j.rid, self) for j in jobs]
+        streams = [QueueStream(j.rid, self) for j in jobs]
         for s in streams:
             self.streams[s.rid] = s
 
@@ -125,7 +94,7 @@ class AsyncEngine:
         if isinstance(item, BaseException) or item.finish_reason:
             self.streams.pop(rid, None)
         assert self.loop is not None
-        self.loop.call_soon_threadsafe(stream.queue.put_nowait, item)
+        self.loop.call_soon_threadsafe(stream.put, item)
 
     def _work(self) -> None:
         eng = self.engine
