@@ -22,6 +22,7 @@ from tokendance.backend import logs
 COMMANDS: dict[str, tuple[str, str]] = {
     "generate": ("tokendance.backend.cli", "run the engine on prompts, no server"),
     "serve": ("tokendance.proxy.serve", "start the OpenAI-compatible proxy"),
+    "engine": ("tokendance.backend.endpoint", "start the engine alone, for `serve --engine URL`"),
     "simulate": ("tokendance.examples.simulate", "run debate / town / society, print rounds"),
     "bench": ("tokendance.bench.cli", "measure reuse modes side by side"),
 }

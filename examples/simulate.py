@@ -14,11 +14,11 @@ from tqdm import tqdm
 
 from tokendance.backend import logs
 from tokendance.backend.api import MODES, REUSE_DEFAULTS
+from tokendance.backend.flags import add_reuse_args, reuse_options
 from tokendance.examples.client import Client
 from tokendance.examples.loop import Round, run
 from tokendance.examples.scenario import Scenario
 from tokendance.examples.table import diverged, render
-from tokendance.proxy.serve import add_reuse_args, reuse_options
 
 LEGEND = ("reused %: prompt tokens whose KV was reused, not computed; KV held/dense: KV the "
           "round holds (each request's\nown, the blocks they share once) vs a dense cache per "

@@ -1,14 +1,15 @@
-"""`tokendance serve`: the proxy with the embedded engine, in one process."""
+"""`tokendance serve`: the proxy, with the engine in its process or, with --engine URL,
+an engine started elsewhere by `tokendance engine`."""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import math
 import signal
 
 from tokendance.backend import logs
-from tokendance.backend.api import BASES, MODES, REUSE_DEFAULTS, Backend
+from tokendance.backend.api import MODES, Backend
+from tokendance.backend.flags import add_engine_args, changed, engine_options
 
 from .app import Server
 from .core import Config
@@ -18,16 +19,15 @@ DEFAULT_MODE = "collective"
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    p = subparsers.add_parser("serve", help="OpenAI-compatible server with the embedded engine",
+    p = subparsers.add_parser("serve", help="OpenAI-compatible proxy, the engine in-process or remote (--engine)",
                               description=__doc__)
-    p.add_argument("--model", default=None, help="HF folder or GGUF file (default: embedded SmolLM2)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--dtype", default="auto", help="auto, float32, bfloat16, float16")
     p.add_argument("--mode", choices=MODES, default=DEFAULT_MODE, help="default KV reuse mode")
-    add_reuse_args(p)
-    p.add_argument("--offload-gib", type=float, default=1.0,
-                   help="host memory for idle agents' KV between their rounds (0: off)")
+    p.add_argument("--engine", default=None, metavar="URL",
+                   help="an engine started by `tokendance engine` (default: one in this process, "
+                        "set by the flags below)")
+    add_engine_args(p)
     p.add_argument("--mqtt", default=None, metavar="URL", help="control plane broker, mqtt://host:port")
     p.add_argument("--barrier-timeout-ms", type=float, default=250.0,
                    help="longest hold at a round barrier, from the group's first arrival")
@@ -38,32 +38,19 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     return p
 
 
-def add_reuse_args(p: argparse.ArgumentParser) -> None:
-    """The engine's reuse policy (`serve`, and `simulate`'s in-process engine)."""
-    p.add_argument("--recompute-ratio", type=float, default=REUSE_DEFAULTS["recompute_ratio"],
-                   help="pic / collective: share of each request's reused tokens recomputed, at most")
-    p.add_argument("--recompute-floor", type=float, default=REUSE_DEFAULTS["recompute_floor"],
-                   help="pic / collective: of those, only tokens whose KV deviation at the check "
-                        "layer exceeds this (0: all of them; docs/fidelity.md)")
-    p.add_argument("--bases", choices=BASES, default=REUSE_DEFAULTS["bases"],
-                   help="pic / collective: a shared segment's base KV prefilled standalone once per "
-                        "round; its producer's own KV of it (no prefill; lower fidelity on SmolLM2); "
-                        "or its KV in a reader's context (two requests of a round prefilled in full; "
-                        "closer to exact prefill; with --recompute-ratio 0.3 half of SmolLM2's "
-                        "debates stay identical to it at 4 and 8 agents; docs/fidelity.md)")
-
-
-def reuse_options(args: argparse.Namespace) -> dict[str, float | str]:
-    """The engine config's reuse fields, from `add_reuse_args`' flags."""
-    return {name: getattr(args, name) for name in REUSE_DEFAULTS}
-
-
 def load_backend(args: argparse.Namespace) -> Backend:
     # Imported here: torch and the model load only when a server is really started.
+    if args.engine is not None:
+        from tokendance.backend.api import BackendError
+        from tokendance.backend.remote import RemoteBackend
+
+        try:
+            return asyncio.run(RemoteBackend.connect(args.engine, args.mode))
+        except BackendError as e:  # a line for the user, not a traceback
+            raise ValueError(str(e)) from e
     from tokendance.backend.service import EngineBackend
 
-    return EngineBackend.load(args.model, dtype=args.dtype, mode=args.mode,
-                              offload_bytes=int(args.offload_gib * 2**30), **reuse_options(args))
+    return EngineBackend.load(mode=args.mode, **engine_options(args))
 
 
 def config(args: argparse.Namespace) -> Config:
@@ -92,8 +79,11 @@ def main(args: argparse.Namespace) -> int:
         raise ValueError("--max-group must be at least 1")
     if not args.barrier_timeout_ms >= 0:  # `not >=`: NaN fails too
         raise ValueError("--barrier-timeout-ms must be a number, not negative")
-    if not 0 <= args.offload_gib < math.inf:
-        raise ValueError("--offload-gib must be a finite number, not negative")
+    if args.engine is not None and changed(args):
+        raise ValueError(f"{', '.join(changed(args))} set the engine: with --engine, give them to "
+                         "`tokendance engine`")
+    if args.engine is None:
+        engine_options(args)  # a bad value fails before the model loads
     if not args.drain_timeout >= 0:
         raise ValueError("--drain-timeout must be a number, not negative")
     if not 0 <= args.port <= 65535:

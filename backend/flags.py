@@ -1,0 +1,55 @@
+"""The engine's command-line flags, shared by `tokendance serve` (the proxy with the
+engine in-process), `tokendance engine` (the engine alone, for a remote proxy) and
+`simulate`'s in-process engine."""
+
+from __future__ import annotations
+
+import argparse
+import math
+from typing import Any
+
+from tokendance.backend.api import BASES, REUSE_DEFAULTS
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    """The model, its dtype, the reuse policy and the host tier."""
+    p.add_argument("--model", default=None, help="HF folder or GGUF file (default: embedded SmolLM2)")
+    p.add_argument("--dtype", default="auto", help="auto, float32, bfloat16, float16")
+    add_reuse_args(p)
+    p.add_argument("--offload-gib", type=float, default=1.0,
+                   help="host memory for idle agents' KV between their rounds (0: off)")
+
+
+def add_reuse_args(p: argparse.ArgumentParser) -> None:
+    """The engine's reuse policy."""
+    p.add_argument("--recompute-ratio", type=float, default=REUSE_DEFAULTS["recompute_ratio"],
+                   help="pic / collective: share of each request's reused tokens recomputed, at most")
+    p.add_argument("--recompute-floor", type=float, default=REUSE_DEFAULTS["recompute_floor"],
+                   help="pic / collective: of those, only tokens whose KV deviation at the check "
+                        "layer exceeds this (0: all of them; docs/fidelity.md)")
+    p.add_argument("--bases", choices=BASES, default=REUSE_DEFAULTS["bases"],
+                   help="pic / collective: a shared segment's base KV prefilled standalone once per "
+                        "round; its producer's own KV of it (no prefill; lower fidelity on SmolLM2); "
+                        "or its KV in a reader's context (two requests of a round prefilled in full; "
+                        "closer to exact prefill; with --recompute-ratio 0.3 half of SmolLM2's "
+                        "debates stay identical to it at 4 and 8 agents; docs/fidelity.md)")
+
+
+def reuse_options(args: argparse.Namespace) -> dict[str, float | str]:
+    """The engine config's reuse fields, from `add_reuse_args`' flags."""
+    return {name: getattr(args, name) for name in REUSE_DEFAULTS}
+
+
+def changed(args: argparse.Namespace) -> list[str]:
+    """The engine flags given other than their defaults, as written on the command line."""
+    p = argparse.ArgumentParser()
+    add_engine_args(p)
+    return [f"--{k.replace('_', '-')}" for k, v in vars(p.parse_args([])).items() if getattr(args, k) != v]
+
+
+def engine_options(args: argparse.Namespace) -> dict[str, Any]:
+    """EngineConfig's fields from `add_engine_args`' flags (ValueError for a bad one)."""
+    if not 0 <= args.offload_gib < math.inf:
+        raise ValueError("--offload-gib must be a finite number, not negative")
+    return {"model": args.model, "dtype": args.dtype, "offload_bytes": int(args.offload_gib * 2**30),
+            **reuse_options(args)}

@@ -1,0 +1,189 @@
+"""A Backend that drives an engine in another process: `tokendance engine` on a GPU host,
+the proxy anywhere (`tokendance serve --engine URL`). The protocol is backend/wire.py.
+
+The proxy tokenizes with the engine's own tokenizer (its files come with /info), so a
+prompt too long or a bad sampling parameter is refused before the round barrier, as it is
+in-process. A barrier group is one POST whose answer streams every request's deltas, one
+line each; aborting a request is a POST of its id. If the engine cannot be reached or the
+group's answer ends early, every request still open gets a BackendError, never a hang.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import structlog
+
+from tokendance.backend import wire
+from tokendance.backend.api import (
+    BackendError, Gauge, ModelInfo, Prepared, Request, check_mode,
+)
+from tokendance.backend.prompt import check, render_chat, request_ids
+from tokendance.backend.stream import QueueStream
+
+log = structlog.get_logger(__name__)
+
+GAUGES_EVERY = 2.0  # seconds between refreshes of the engine's gauges for /metrics
+
+
+class RemoteBackend:
+    def __init__(self, url: str, info: wire.Info, tokenizer: Any, mode: str = "collective",
+                 timeout: float = 10.0):
+        check_mode(mode)
+        self.url = url.rstrip("/")
+        self.info = ModelInfo(info.name, info.max_model_len, info.kv_bytes_per_token)
+        self.vocab_size = info.vocab_size
+        self.tokenizer = tokenizer
+        self.mode = mode
+        self.timeout = timeout  # to connect, and for the small calls
+        self._session: aiohttp.ClientSession | None = None
+        self._tasks: set[asyncio.Task] = set()
+        self._gauges: list[Gauge] = []
+        self._watching = False
+
+    @classmethod
+    async def connect(cls, url: str, mode: str = "collective", timeout: float = 10.0) -> "RemoteBackend":
+        """Ask the engine at `url` for its model and tokenizer; BackendError if it cannot answer."""
+        t = aiohttp.ClientTimeout(total=max(timeout, 60.0), connect=timeout)
+        try:
+            async with aiohttp.ClientSession(timeout=t) as s, s.get(url.rstrip("/") + wire.PREFIX + "/info") as r:
+                body = await r.read()
+                if r.status != 200:
+                    raise BackendError(f"the engine at {url} answered /info with HTTP {r.status}")
+                info = wire.decode(body, wire.Info)
+        except (aiohttp.ClientError, TimeoutError, ValueError) as e:
+            raise BackendError(f"no engine at {url}: {e or type(e).__name__}") from e
+        return cls(url, info, _tokenizer(info.tokenizer), mode, timeout)
+
+    # -- the Backend protocol ------------------------------------------------------------
+
+    def render_chat(self, messages: list[dict[str, Any]]) -> str:
+        return render_chat(self.tokenizer, messages)
+
+    def prepare(self, request: Request) -> Prepared:
+        request.mode = request.mode or self.mode
+        check_mode(request.mode)
+        ids, _ = request_ids(self.tokenizer, request)
+        check(ids, request.sampling, self.info.max_model_len, self.vocab_size)
+        return Prepared(request, len(ids))
+
+    def generate(self, group: list[Prepared]) -> list[QueueStream]:
+        streams = [QueueStream(p.request.id, self) for p in group]
+        self._spawn(self._run([p.request for p in group], streams))
+        return streams
+
+    def gauges(self) -> list[Gauge]:
+        """The engine's, at most GAUGES_EVERY old once asked for (refreshed from then on)."""
+        if not self._watching:
+            self._watching = True
+            self._spawn(self._watch())
+        return self._gauges
+
+    def abort(self, rid: str) -> None:
+        self._spawn(self._post("/abort", wire.Abort([rid])))
+
+    async def close(self) -> None:
+        for t in list(self._tasks):
+            t.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self._session is not None:
+            await self._session.close()
+
+    # -- the wire ------------------------------------------------------------------------
+
+    async def _run(self, requests: list[Request], streams: list[QueueStream]) -> None:
+        error: BaseException | None = None
+        try:
+            s = self._client()
+            async with s.post(self.url + wire.PREFIX + "/generate", data=wire.encoder.encode(requests),
+                              headers={"Content-Type": "application/json"}) as r:
+                if r.status != 200:
+                    text = (await r.text())[:500]
+                    raise BackendError(f"the engine answered the group with HTTP {r.status}: {text}")
+                buf, again = b"", set()
+                async for chunk in r.content.iter_any():  # lines of any length
+                    *lines, buf = (buf + chunk).split(b"\n")
+                    for line in lines:
+                        if line:
+                            self._deliver(wire.decode_event(line), streams, again)
+        except asyncio.CancelledError:
+            error = BackendError("the proxy is shutting down")
+            raise
+        except BackendError as e:
+            error = e
+        except Exception as e:  # unreachable, reset, a malformed line: the group's open requests fail
+            error = BackendError(f"lost the engine at {self.url}: {e or type(e).__name__}")
+        finally:
+            open_ = [st for st in streams if not st.done and not st.ended]
+            if open_:
+                err = error or BackendError("the engine ended the group's answer early")
+                log.error("remote group failed", requests=len(open_), error=str(err))
+                for st in open_:
+                    st.put(err)
+
+    def _deliver(self, ev: wire.Event, streams: list[QueueStream], again: set[int]) -> None:
+        if not 0 <= ev.i < len(streams):
+            raise BackendError(f"the engine answered request {ev.i} of a group of {len(streams)}")
+        st = streams[ev.i]
+        if st.done and not st.ended and ev.i not in again:
+            # aborted before the engine had it: it is generating for nobody, ask again
+            again.add(ev.i)
+            self.abort(st.rid)
+        if ev.failure is not None:
+            st.put(wire.raised(ev.failure))
+        elif ev.delta is not None:
+            st.put(ev.delta)
+
+    async def _watch(self) -> None:
+        while True:
+            try:
+                async with self._client().get(self.url + wire.PREFIX + "/gauges",
+                                              timeout=aiohttp.ClientTimeout(total=self.timeout)) as r:
+                    if r.status == 200:
+                        self._gauges = wire.decode(await r.read(), list[Gauge])
+            except Exception as e:  # /metrics shows the last figures meanwhile
+                log.warning("engine gauges unavailable", error=repr(e))
+            await asyncio.sleep(GAUGES_EVERY)
+
+    async def _post(self, path: str, body: Any) -> None:
+        try:
+            async with self._client().post(self.url + wire.PREFIX + path, data=wire.encoder.encode(body),
+                                           headers={"Content-Type": "application/json"},
+                                           timeout=aiohttp.ClientTimeout(total=self.timeout)) as r:
+                await r.read()
+        except Exception as e:  # the group's own answer reports a lost engine
+            log.warning("engine call failed", path=path, error=repr(e))
+
+    def _client(self) -> aiohttp.ClientSession:
+        if self._session is None:  # made in the serving loop, on first use
+            self._session = aiohttp.ClientSession(
+                timeout=aiohttp.ClientTimeout(total=None, connect=self.timeout),
+                connector=aiohttp.TCPConnector(limit=0))
+        return self._session
+
+    def _spawn(self, coro: Any) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+
+def _tokenizer(files: dict[str, str]) -> Any:
+    """A fast HF tokenizer from the engine's tokenizer files."""
+    from transformers import AutoTokenizer
+
+    with tempfile.TemporaryDirectory(prefix="tokendance-tok-") as d:
+        for name, text in files.items():
+            if "/" in name or name.startswith("."):
+                raise BackendError(f"the engine sent a tokenizer file named {name!r}")
+            Path(d, name).write_text(text)
+        try:
+            tok = AutoTokenizer.from_pretrained(d)
+        except Exception as e:
+            raise BackendError(f"the engine's tokenizer does not load: {e}") from e
+    if not getattr(tok, "is_fast", False):
+        raise BackendError("the engine's tokenizer has no fast (tokenizers) version")
+    return tok

@@ -1,0 +1,88 @@
+"""The remote engine's protocol: what `RemoteBackend` (backend/remote.py) and the engine's
+endpoint (backend/endpoint.py) send each other over HTTP, as msgspec JSON.
+
+    GET  /v1/engine/info        Info: the model, its limits, its tokenizer's files
+    POST /v1/engine/generate    a group: list[Request] -> one Event per line, until every
+                                request has finished or failed
+    POST /v1/engine/abort       Abort: stop these requests (their events stop coming)
+    GET  /v1/engine/gauges      list[Gauge]
+    GET  /health
+
+Requests travel as the proxy made them (segments, sampling, session and agent): the
+engine tokenizes them itself, so the KV it reuses is keyed by its own tokenizer's ids.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+from msgspec import Struct
+
+from tokendance.backend.api import BackendError, Delta, InvalidRequest, Request
+
+PREFIX = "/v1/engine"
+
+
+class Info(Struct, kw_only=True):
+    name: str
+    max_model_len: int
+    kv_bytes_per_token: int
+    vocab_size: int
+    tokenizer: dict[str, str]  # file name -> text: what the proxy tokenizes and renders chats with
+
+
+class Failure(Struct):
+    kind: str  # "invalid": the client's mistake (a 4xx at the proxy); "backend": the engine's
+    message: str
+    param: str | None = None
+    code: str | None = None
+
+
+class Event(Struct, omit_defaults=True):
+    """One line of a group's answer: request `i` of the group has a delta, or failed."""
+
+    i: int
+    delta: Delta | None = None
+    failure: Failure | None = None
+
+
+class Abort(Struct):
+    ids: list[str]
+
+
+class WireError(Struct):
+    """The body of the endpoint's 4xx / 5xx answers."""
+
+    message: str
+
+
+encoder = msgspec.json.Encoder()
+_groups = msgspec.json.Decoder(list[Request])
+_events = msgspec.json.Decoder(Event)
+
+
+def decode_group(body: bytes) -> list[Request]:
+    return _groups.decode(body)
+
+
+def decode_event(line: bytes) -> Event:
+    return _events.decode(line)
+
+
+def failure(exc: BaseException) -> Failure:
+    if isinstance(exc, InvalidRequest):
+        return Failure("invalid", exc.message, exc.param, exc.code)
+    return Failure("backend", str(exc) or type(exc).__name__)
+
+
+def raised(f: Failure) -> Exception:
+    """The exception a Failure stands for, as the in-process backend would raise it."""
+    if f.kind == "invalid":
+        return InvalidRequest(f.message, f.param, f.code)
+    return BackendError(f.message)
+
+
+def decode(body: bytes, kind: Any) -> Any:
+    return msgspec.json.decode(body, type=kind)
+

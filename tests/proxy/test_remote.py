@@ -1,0 +1,197 @@
+"""The proxy over a remote engine (`tokendance serve --engine URL` in front of `tokendance
+engine`): the same answers as in-process, refusals before the barrier, aborts that free
+the engine's KV, and a lost engine answered with an error, never a hang."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+import openai
+import pytest
+from aiohttp import web
+
+from tokendance.backend import wire
+from tokendance.backend.api import BackendError, InvalidRequest, Prepared, Request, SamplingParams, Segment
+from tokendance.backend.endpoint import Endpoint, engine_info
+from tokendance.backend.remote import RemoteBackend
+from tokendance.backend.service import EngineBackend
+from tokendance.examples import cli
+from tokendance.proxy.segment import SEP
+
+
+@dataclass
+class Remote:
+    url: str
+    backend: EngineBackend  # the engine's side
+    runner: web.AppRunner
+
+
+async def _serve(tiny_llama, **kw: Any) -> Remote:
+    be = EngineBackend.load(str(tiny_llama), dtype="float32", **kw)
+    runner = web.AppRunner(Endpoint(be, engine_info(be.engine)).app(), handler_cancellation=True)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", 0).start()
+    return Remote(f"http://127.0.0.1:{runner.addresses[0][1]}", be, runner)
+
+
+@pytest.fixture
+async def remote(tiny_llama) -> AsyncIterator[Remote]:
+    r = await _serve(tiny_llama, offload_bytes=0)
+    yield r
+    await r.runner.cleanup()
+    await r.backend.close()
+
+
+@pytest.fixture
+async def proxy(remote, start) -> Any:
+    return await start(await RemoteBackend.connect(remote.url, "collective"), barrier_timeout=10.0)
+
+
+def _client(server: Any) -> openai.AsyncOpenAI:
+    return openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="sk-test", max_retries=0)
+
+
+def user(text: str) -> list[dict]:
+    return [{"role": "user", "content": text}]
+
+
+async def test_answers_equal_the_in_process_engines(tiny_llama, proxy, start):
+    local = await start(EngineBackend.load(str(tiny_llama), dtype="float32", offload_bytes=0))
+    name = proxy.proxy.backend.info.name
+    kw = dict(model=name, messages=user("Tell me a story about a bridge."), max_tokens=8, temperature=0,
+              logprobs=True, top_logprobs=2)
+    a, b = [await _client(s).chat.completions.create(**kw) for s in (proxy, local)]
+    assert a.choices[0].message.content == b.choices[0].message.content
+    assert a.choices[0].logprobs.model_dump() == b.choices[0].logprobs.model_dump()
+    assert a.usage.model_dump() == b.usage.model_dump()
+    sampled = dict(model=name, prompt="The market opens", max_tokens=6, temperature=1.0, seed=7, n=2)
+    a, b = [await _client(s).completions.create(**sampled) for s in (proxy, local)]
+    assert [c.text for c in a.choices] == [c.text for c in b.choices]
+    chunks = [c async for c in await _client(proxy).chat.completions.create(
+        **kw, stream=True, stream_options={"include_usage": True})]
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    first = await _client(local).chat.completions.create(**kw)
+    assert text == first.choices[0].message.content and chunks[-1].usage.completion_tokens == 8
+
+
+async def test_a_round_reuses_its_shared_block_on_the_engine(proxy):
+    c = _client(proxy)
+    agents = ["a", "b", "c"]
+    block = " ".join(f"fact{i}" for i in range(40))
+
+    async def turn(a: str) -> Any:
+        return await c.chat.completions.create(
+            model=proxy.proxy.backend.info.name, messages=user(f"I am {a}.{SEP}{block}{SEP}Answer."),
+            max_tokens=3, temperature=0,
+            extra_body={"tokendance": {"session": "far", "agent": a, "round": 1, "separators": True}})
+
+    async with httpx.AsyncClient() as http:
+        await http.post(proxy.url + "/v1/tokendance/sessions/far/rounds/1", json={"agents": agents})
+        rs = await asyncio.gather(*[turn(a) for a in agents])
+        stats = (await http.get(proxy.url + "/v1/tokendance/sessions/far/rounds/1")).json()
+    assert (stats["groups"], stats["requests"]) == (1, 3)
+    assert stats["shared_tokens"] > 0 and stats["reused_tokens"] > 0
+    assert all(r.usage.prompt_tokens_details.cached_tokens > 0 for r in rs)
+
+
+async def test_refusals_come_from_the_proxy_before_the_engine_sees_them(proxy, remote):
+    c = _client(proxy)
+    name = proxy.proxy.backend.info.name
+    n = proxy.proxy.backend.info.max_model_len
+    with pytest.raises(openai.BadRequestError) as e:
+        await c.completions.create(model=name, prompt=[5] * (n + 1), max_tokens=1)
+    assert e.value.body["code"] == "context_length_exceeded"
+    with pytest.raises(openai.BadRequestError) as e:
+        await c.chat.completions.create(model=name, messages=user("hi"), max_tokens=2,
+                                        logit_bias={"999999": 1})
+    assert e.value.body["param"] == "logit_bias"
+    assert remote.backend.engine.seqs == {} and not remote.backend.core.streams
+
+
+async def test_a_request_the_engine_refuses_fails_alone(proxy):
+    be: RemoteBackend = proxy.proxy.backend
+    good = Request("ok", [Segment("hello there")], SamplingParams(max_tokens=3, temperature=0), mode="full")
+    bad = Request("bad", [Segment("hello there")], SamplingParams(max_tokens=3), mode="sideways")
+    ok, refused = be.generate([Prepared(good, 2), Prepared(bad, 2)])
+    with pytest.raises(InvalidRequest, match="unknown mode"):
+        [d async for d in refused]
+    deltas = [d async for d in ok]
+    assert deltas[-1].finish_reason == "length" and sum(len(d.token_ids) for d in deltas) == 3
+
+
+async def test_a_client_that_leaves_frees_the_engines_kv(proxy, remote, until):
+    eng = remote.backend.engine
+    free = eng.pool.num_free
+    stream = await _client(proxy).chat.completions.create(
+        model=proxy.proxy.backend.info.name, messages=user("Go on forever."), max_tokens=2000,
+        temperature=0, stream=True, extra_body={"ignore_eos": True})
+    async for chunk in stream:
+        if chunk.choices and chunk.choices[0].delta.content:
+            break
+    assert eng.seqs
+    await stream.close()
+    await until(lambda: not eng.seqs and eng.pool.num_free == free, timeout=10)
+
+
+async def test_metrics_show_the_engines_gauges(proxy, remote):
+    blocks = remote.backend.engine.cache.num_blocks
+    async with httpx.AsyncClient(base_url=proxy.url) as http:
+        for _ in range(100):
+            text = (await http.get("/metrics")).text
+            if f"tokendance_engine_kv_blocks {blocks}" in text:
+                break
+            await asyncio.sleep(0.05)
+    assert f"tokendance_engine_kv_blocks {blocks}" in text
+
+
+async def test_a_lost_engine_is_an_error_not_a_hang(proxy, remote):
+    c = _client(proxy)
+    name = proxy.proxy.backend.info.name
+    await remote.runner.cleanup()
+    t0 = time.perf_counter()
+    with pytest.raises(openai.InternalServerError) as e:
+        await c.chat.completions.create(model=name, messages=user("hi"), max_tokens=2)
+    assert e.value.body["code"] == "engine_error" and "lost the engine" in e.value.body["message"]
+    assert time.perf_counter() - t0 < 5
+
+
+async def test_the_endpoint_refuses_bad_bodies(remote):
+    async with httpx.AsyncClient(base_url=remote.url + wire.PREFIX) as http:
+        r = await http.post("/generate", content=b"[{")
+        assert r.status_code == 400 and "invalid body" in r.json()["message"]
+        r = await http.post("/generate", json=[{"id": 3}])
+        assert r.status_code == 400 and "$[0].id" in r.json()["message"]
+        one = wire.encoder.encode(Request("x", [Segment("hi")], SamplingParams(max_tokens=1)))
+        r = await http.post("/generate", content=b"[" + one + b"," + one + b"]")
+        assert r.status_code == 400 and "unique" in r.json()["message"]
+        r = await http.post("/abort", json={"ids": "x"})
+        assert r.status_code == 400
+
+
+async def test_connect_names_what_is_wrong():
+    with pytest.raises(BackendError, match="no engine at http://127.0.0.1:9"):
+        await RemoteBackend.connect("http://127.0.0.1:9", timeout=2)
+
+
+def test_serve_with_an_engine_refuses_engine_flags(capsys):
+    assert cli.main(["serve", "--engine", "http://127.0.0.1:9", "--bases", "reader"]) == 1
+    assert capsys.readouterr().err.strip() == ("tokendance serve: --bases set the engine: with --engine, "
+                                               "give them to `tokendance engine`")
+    assert cli.main(["serve", "--engine", "http://127.0.0.1:9"]) == 1
+    assert "no engine at http://127.0.0.1:9" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--port", "70000"], "tokendance engine: --port must lie in 0..65535, got 70000"),
+    (["--offload-gib", "-1"], "tokendance engine: --offload-gib must be a finite number, not negative"),
+    (["--drain-timeout", "nan"], "tokendance engine: --drain-timeout must be a number, not negative"),
+])
+def test_engine_flags_fail_in_one_line_before_loading_the_model(monkeypatch, capsys, argv, message):
+    monkeypatch.setattr(EngineBackend, "load", classmethod(lambda cls, **kw: pytest.fail("loaded")))
+    assert cli.main(["engine", *argv]) == 1
+    assert capsys.readouterr().err.strip() == message
