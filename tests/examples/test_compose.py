@@ -6,6 +6,7 @@ import re
 import shutil
 import subprocess
 from pathlib import Path
+from typing import Any
 
 import pytest
 import yaml
@@ -34,33 +35,43 @@ def test_services_and_gpu() -> None:
     out = _compose("config")
     assert out.returncode == 0, out.stderr
     svc = yaml.safe_load(out.stdout)["services"]
-    assert set(svc) == {"proxy", "mqtt"}
+    assert set(svc) == {"engine", "proxy", "mqtt"}
     assert svc["mqtt"]["image"].startswith("eclipse-mosquitto")
-    proxy = svc["proxy"]
-    dev = proxy["deploy"]["resources"]["reservations"]["devices"][0]
+    engine, proxy = svc["engine"], svc["proxy"]
+    dev = engine["deploy"]["resources"]["reservations"]["devices"][0]
     assert dev["driver"] == "nvidia" and "gpu" in dev["capabilities"]
-    assert "mqtt" in proxy["depends_on"] and "--mqtt=mqtt://mqtt:1883" in proxy["command"]
+    assert "deploy" not in proxy  # the GPU is the engine's alone
+    assert proxy["depends_on"]["engine"]["condition"] == "service_healthy"
+    assert "8001/health" in " ".join(engine["healthcheck"]["test"])
+    assert "--mqtt=mqtt://mqtt:1883" in proxy["command"] and "--engine=http://engine:8001" in proxy["command"]
     assert any(":8000" in str(p) for p in proxy["ports"])
+    assert proxy["image"] == engine["image"]  # one image, built once
 
 
-def test_command_parses_as_tokendance_serve() -> None:
-    """The service's command is accepted by `tokendance serve` as it is today."""
+def _parse(service: str) -> Any:
+    """A service's command as `tokendance` parses it today."""
     from tokendance.examples.cli import CliError, Parser, load
 
+    cmd = yaml.safe_load(COMPOSE.read_text())["services"][service]["command"]
     try:
-        mod = load("serve")
-    except CliError as e:  # the proxy not in this tree yet
-        pytest.skip(f"tokendance serve unavailable: {e}")
-    cmd = yaml.safe_load(COMPOSE.read_text())["services"]["proxy"]["command"]
+        mod = load(cmd[0])
+    except CliError as e:
+        pytest.skip(f"tokendance {cmd[0]} unavailable: {e}")
     parser = Parser(prog="tokendance")
     mod.add_parser(parser.add_subparsers(dest="command"))
-    args = parser.parse_args([c.replace("${TOKENDANCE_MODE:-collective}", "collective") for c in cmd])
-    assert args.port == 8000 and args.mqtt == "mqtt://mqtt:1883"
+    return parser.parse_args([c.replace("${TOKENDANCE_MODE:-collective}", "collective") for c in cmd])
+
+
+def test_commands_parse_as_tokendance_engine_and_serve() -> None:
+    engine, proxy = _parse("engine"), _parse("proxy")
+    assert (engine.command, engine.host, engine.port) == ("engine", "0.0.0.0", 8001)
+    assert (proxy.command, proxy.port, proxy.mqtt) == ("serve", 8000, "mqtt://mqtt:1883")
+    assert proxy.engine == f"http://engine:{engine.port}"
 
 
 def test_dockerfile_targets_and_sources_exist() -> None:
     svc = yaml.safe_load(COMPOSE.read_text())["services"]
-    for name in ("proxy",):
+    for name in ("engine",):
         build = svc[name]["build"]
         text = (ROOT / build["dockerfile"]).read_text()
         stages = set(re.findall(r"^FROM \S+ AS (\S+)$", text, re.M))
