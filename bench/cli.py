@@ -1,4 +1,4 @@
-"""`tokendance bench {engine,reuse,memory,mirror-decode,fidelity,restore,resume,gaps}`."""
+"""`tokendance bench {engine,reuse,memory,mirror-decode,fidelity,restore,resume,gaps,remote}`."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ KINDS = {
     "fidelity": ("tokendance.bench.fidelity", "pic / collective against full: KV deviation, agreement, divergence"),
     "restore": ("tokendance.bench.restore", "restoring idle agents from the host tier: fused against dense"),
     "resume": ("tokendance.bench.resume", "a second round with its agents resumed from the host tier, against without"),
+    "remote": ("tokendance.bench.remote", "the proxy over a remote engine against the engine in-process"),
     "gaps": ("tokendance.bench.gaps", "where the device waits on the host in a traced run (bench reuse --trace)"),
 }
 
