@@ -141,7 +141,7 @@ def tokenizer_files(tokenizer: Any) -> dict[str, str]:
     chat template): what a proxy needs to tokenize as this engine does."""
     with tempfile.TemporaryDirectory(prefix="tokendance-tok-") as d:
         tokenizer.save_pretrained(d)
-        return {p.name: p.read_text() for p in sorted(Path(d).iterdir()) if p.is_file()}
+        return {p.name: p.read_text(encoding="utf-8") for p in sorted(Path(d).iterdir()) if p.is_file()}
 
 
 def engine_info(engine: Any) -> wire.Info:

@@ -53,7 +53,8 @@ class RemoteBackend:
             async with aiohttp.ClientSession(timeout=t) as s, s.get(url.rstrip("/") + wire.PREFIX + "/info") as r:
                 body = await r.read()
                 if r.status != 200:
-                    raise BackendError(f"the engine at {url} answered /info with HTTP {r.status}")
+                    raise BackendError(f"{url} answered {wire.PREFIX}/info with HTTP {r.status}: "
+                                       "is it a `tokendance engine`?")
                 info = wire.decode(body, wire.Info)
         except (aiohttp.ClientError, TimeoutError, ValueError) as e:
             raise BackendError(f"no engine at {url}: {e or type(e).__name__}") from e
@@ -179,7 +180,7 @@ def _tokenizer(files: dict[str, str]) -> Any:
         for name, text in files.items():
             if "/" in name or name.startswith("."):
                 raise BackendError(f"the engine sent a tokenizer file named {name!r}")
-            Path(d, name).write_text(text)
+            Path(d, name).write_text(text, encoding="utf-8")
         try:
             tok = AutoTokenizer.from_pretrained(d)
         except Exception as e:
