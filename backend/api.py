@@ -224,4 +224,7 @@ class Backend(Protocol):
     def gauges(self) -> list[Gauge]:
         """The backend's state for /metrics (KV pool, host tier, queues); may be empty."""
 
+    def problem(self) -> str | None:
+        """Why the backend cannot serve now, for /health (a 503); None when it can."""
+
     async def close(self) -> None: ...

@@ -44,6 +44,7 @@ class RemoteBackend:
         self._tasks: set[asyncio.Task] = set()
         self._gauges: list[Gauge] = []
         self._watching = False
+        self._problem: str | None = None
 
     @classmethod
     async def connect(cls, url: str, mode: str = "collective", timeout: float = 10.0) -> "RemoteBackend":
@@ -83,6 +84,11 @@ class RemoteBackend:
             self._watching = True
             self._spawn(self._watch())
         return self._gauges
+
+    def problem(self) -> str | None:
+        """Whether the engine answered its last poll (polled every GAUGES_EVERY once asked)."""
+        self.gauges()
+        return self._problem
 
     def abort(self, rid: str) -> None:
         self._spawn(self._post("/abort", wire.Abort([rid])))
@@ -144,10 +150,14 @@ class RemoteBackend:
             try:
                 async with self._client().get(self.url + wire.PREFIX + "/gauges",
                                               timeout=aiohttp.ClientTimeout(total=self.timeout)) as r:
-                    if r.status == 200:
-                        self._gauges = wire.decode(await r.read(), list[Gauge])
-            except Exception as e:  # /metrics shows the last figures meanwhile
-                log.warning("engine gauges unavailable", error=repr(e))
+                    if r.status != 200:
+                        raise BackendError(f"HTTP {r.status}")
+                    self._gauges = wire.decode(await r.read(), list[Gauge])
+                    self._problem = None
+            except Exception as e:  # /metrics shows the last figures meanwhile, /health why
+                if self._problem is None:
+                    log.warning("engine unreachable", error=repr(e))
+                self._problem = f"the engine at {self.url} does not answer: {e or type(e).__name__}"
             await asyncio.sleep(GAUGES_EVERY)
 
     async def _post(self, path: str, body: Any) -> None:

@@ -87,5 +87,10 @@ class EngineBackend:
                   e.runner.eager_decodes, "counter"),
         ]
 
+    def problem(self) -> str | None:
+        if self.core.loop is not None and not self.core.thread.is_alive():
+            return "the engine has stopped"
+        return None
+
     async def close(self) -> None:
         await self.core.close()

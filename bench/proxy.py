@@ -74,6 +74,9 @@ class InstantBackend:
     def gauges(self) -> list:
         return []
 
+    def problem(self) -> str | None:
+        return None
+
     async def close(self) -> None:
         pass
 

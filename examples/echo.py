@@ -98,6 +98,9 @@ class EchoBackend:
     def gauges(self) -> list:
         return []
 
+    def problem(self) -> str | None:
+        return None
+
     async def close(self) -> None:
         self.seen.clear()
 

@@ -108,6 +108,9 @@ async def health(req: web.Request) -> web.Response:
     px = req.app[PROXY]
     if px.draining:
         raise ApiError(503, "the server is shutting down", code="shutting_down")
+    problem = px.backend.problem()
+    if problem is not None:
+        raise ApiError(503, problem, code="backend_unavailable")
     return _json({"status": "ok", "model": px.backend.info.name, "in_flight": px.in_flight})
 
 

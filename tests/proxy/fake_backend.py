@@ -37,6 +37,7 @@ class FakeBackend:
         self.finished: set[str] = set()
         self.cache: set[tuple[str, str]] = set()
         self.closed = False
+        self.down: str | None = None  # what problem() reports
 
     def render_chat(self, messages: list[dict[str, Any]]) -> str:
         out = [f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n" for m in messages]
@@ -90,6 +91,9 @@ class FakeBackend:
 
     def gauges(self) -> list[Gauge]:
         return [Gauge("groups", "groups generated", len(self.groups))]
+
+    def problem(self) -> str | None:
+        return self.down
 
     async def close(self) -> None:
         self.closed = True

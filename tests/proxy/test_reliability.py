@@ -141,6 +141,11 @@ async def test_health_and_metrics(server):
     async with aiohttp.ClientSession() as http:
         async with http.get(server.url + "/health") as r:
             assert r.status == 200 and (await r.json())["status"] == "ok"
+        server.proxy.backend.down = "the engine is gone"
+        async with http.get(server.url + "/health") as r:  # what an orchestrator restarts on
+            err = (await r.json())["error"]
+            assert r.status == 503 and (err["message"], err["code"]) == ("the engine is gone", "backend_unavailable")
+        server.proxy.backend.down = None
         await http.post(server.url + "/v1/chat/completions", json=body("count me"))
         await http.post(server.url + "/v1/chat/completions", json=body("x", max_tokens=0))
         async with http.get(server.url + "/metrics") as r:
@@ -177,3 +182,19 @@ async def test_a_request_cut_off_while_generating_does_not_count_so_its_retry_ke
     stats = server.proxy.sessions.find("retry", 1).view()
     assert (stats["aborted"], stats["errors"], stats["requests"]) == (1, 1, 3)
     assert list(server.proxy.sessions.find("retry", 1).outputs[""].producers) == [" ".join(LONG.split()[-40:])]
+
+
+async def test_health_is_a_503_once_the_engine_thread_stopped(start, tiny_llama):
+    from tokendance.backend.service import EngineBackend
+
+    be = EngineBackend.load(str(tiny_llama), dtype="float32", mode="full", offload_bytes=0)
+    server = await start(be)
+    async with aiohttp.ClientSession() as http:
+        r = await http.post(server.url + "/v1/completions", json={"model": be.info.name, "prompt": "hi",
+                                                                   "max_tokens": 1})
+        assert r.status == 200
+        async with http.get(server.url + "/health") as r:
+            assert r.status == 200
+        await be.core.close()
+        async with http.get(server.url + "/health") as r:
+            assert r.status == 503 and (await r.json())["error"]["message"] == "the engine has stopped"

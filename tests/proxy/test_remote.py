@@ -152,7 +152,15 @@ async def test_metrics_show_the_engines_gauges(proxy, remote):
 async def test_a_lost_engine_is_an_error_not_a_hang(proxy, remote):
     c = _client(proxy)
     name = proxy.proxy.backend.info.name
-    await remote.runner.cleanup()
+    async with httpx.AsyncClient(base_url=proxy.url) as http:
+        assert (await http.get("/health")).status_code == 200
+        await remote.runner.cleanup()
+        for _ in range(100):  # the proxy polls the engine every 2 s
+            health = await http.get("/health")
+            if health.status_code == 503:
+                break
+            await asyncio.sleep(0.05)
+    assert health.status_code == 503 and "does not answer" in health.json()["error"]["message"]
     t0 = time.perf_counter()
     with pytest.raises(openai.InternalServerError) as e:
         await c.chat.completions.create(model=name, messages=user("hi"), max_tokens=2)
