@@ -44,6 +44,10 @@ class Endpoint:
         return web.Response(body=self.info, content_type="application/json")
 
     async def health(self, req: web.Request) -> web.Response:
+        problem = self.backend.problem()
+        if problem is not None:
+            return web.Response(status=503, body=wire.encoder.encode(wire.WireError(problem)),
+                                content_type="application/json")
         return _json({"status": "ok", "live": len(self.live)})
 
     async def gauges(self, req: web.Request) -> web.Response:

@@ -146,18 +146,21 @@ class RemoteBackend:
             st.put(ev.delta)
 
     async def _watch(self) -> None:
+        timeout = aiohttp.ClientTimeout(total=self.timeout)
         while True:
             try:
-                async with self._client().get(self.url + wire.PREFIX + "/gauges",
-                                              timeout=aiohttp.ClientTimeout(total=self.timeout)) as r:
+                async with self._client().get(self.url + "/health", timeout=timeout) as r:
                     if r.status != 200:
-                        raise BackendError(f"HTTP {r.status}")
+                        raise BackendError(wire.decode(await r.read(), wire.WireError).message
+                                           if r.status == 503 else f"HTTP {r.status}")
+                async with self._client().get(self.url + wire.PREFIX + "/gauges", timeout=timeout) as r:
                     self._gauges = wire.decode(await r.read(), list[Gauge])
                     self._problem = None
             except Exception as e:  # /metrics shows the last figures meanwhile, /health why
+                why = f": {e}" if isinstance(e, BackendError) else f" does not answer: {e or type(e).__name__}"
                 if self._problem is None:
-                    log.warning("engine unreachable", error=repr(e))
-                self._problem = f"the engine at {self.url} does not answer: {e or type(e).__name__}"
+                    log.warning("engine unavailable", error=repr(e))
+                self._problem = f"the engine at {self.url}{why}"
             await asyncio.sleep(GAUGES_EVERY)
 
     async def _post(self, path: str, body: Any) -> None:

@@ -6,7 +6,7 @@ endpoint (backend/endpoint.py) send each other over HTTP, as msgspec JSON.
                                 request has finished or failed
     POST /v1/engine/abort       Abort: stop these requests (their events stop coming)
     GET  /v1/engine/gauges      list[Gauge]
-    GET  /health
+    GET  /health                200, or 503 with a WireError: why the engine cannot serve
 
 Requests travel as the proxy made them (segments, sampling, session and agent): the
 engine tokenizes them itself, so the KV it reuses is keyed by its own tokenizer's ids.

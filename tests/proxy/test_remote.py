@@ -149,6 +149,21 @@ async def test_metrics_show_the_engines_gauges(proxy, remote):
     assert f"tokendance_engine_kv_blocks {blocks}" in text
 
 
+async def test_health_says_when_the_engine_stopped(proxy, remote):
+    async with httpx.AsyncClient(base_url=proxy.url) as http:
+        assert (await http.get("/health")).status_code == 200
+        r = await http.post("/v1/completions", json={"model": proxy.proxy.backend.info.name, "prompt": "hi",
+                                                    "max_tokens": 1})
+        assert r.status_code == 200  # the engine's thread runs
+        await remote.backend.core.close()
+        for _ in range(100):  # the proxy polls the engine every 2 s
+            health = await http.get("/health")
+            if health.status_code == 503:
+                break
+            await asyncio.sleep(0.05)
+    assert health.json()["error"]["message"] == f"the engine at {remote.url}: the engine has stopped"
+
+
 async def test_a_lost_engine_is_an_error_not_a_hang(proxy, remote):
     c = _client(proxy)
     name = proxy.proxy.backend.info.name
