@@ -132,6 +132,9 @@ class Request:
     agent: str | None = None
     round: int | None = None
     prompt_token_ids: list[int] | None = None  # set instead of segments for token prompts
+    # With prompt_token_ids: [start, end) of each shared segment's tokens (a remote proxy
+    # tokenized the segments with the engine's tokenizer and sends the result).
+    shared_spans: list[tuple[int, int]] = field(default_factory=list)
     tenant: str = ""  # namespaces the segment cache (the API key)
     add_special_tokens: bool = False  # the tokenizer's BOS/EOS around the text (vLLM: completions)
 

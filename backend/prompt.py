@@ -18,9 +18,9 @@ from tokendance.backend.api import InvalidRequest, Request, SamplingParams, Segm
 
 
 def request_ids(tokenizer: Any, request: Request) -> tuple[list[int], list[tuple[int, int]]]:
-    """A request's prompt ids and its shared segments' spans (a token prompt has none)."""
+    """A request's prompt ids and its shared segments' spans."""
     if request.prompt_token_ids is not None:
-        return list(request.prompt_token_ids), []
+        return list(request.prompt_token_ids), list(request.shared_spans)
     return tokenize(tokenizer, request.segments, request.add_special_tokens)
 
 

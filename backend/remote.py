@@ -3,7 +3,8 @@ the proxy anywhere (`tokendance serve --engine URL`). The protocol is backend/wi
 
 The proxy tokenizes with the engine's own tokenizer (its files come with /info), so a
 prompt too long or a bad sampling parameter is refused before the round barrier, as it is
-in-process. A barrier group is one POST whose answer streams every request's deltas, one
+in-process, and the engine gets token ids and the spans of the shared segments: it
+tokenizes nothing. A barrier group is one POST whose answer streams every request's deltas, one
 line each; aborting a request is a POST of its id. If the engine cannot be reached or the
 group's answer ends early, every request still open gets a BackendError, never a hang.
 """
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import tempfile
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -69,13 +71,14 @@ class RemoteBackend:
     def prepare(self, request: Request) -> Prepared:
         request.mode = request.mode or self.mode
         check_mode(request.mode)
-        ids, _ = request_ids(self.tokenizer, request)
+        ids, spans = request_ids(self.tokenizer, request)
         check(ids, request.sampling, self.info.max_model_len, self.vocab_size)
-        return Prepared(request, len(ids))
+        # What the engine gets: the tokens, tokenized here once with its own tokenizer.
+        return Prepared(request, len(ids), replace(request, segments=[], prompt_token_ids=ids, shared_spans=spans))
 
     def generate(self, group: list[Prepared]) -> list[QueueStream]:
         streams = [QueueStream(p.request.id, self) for p in group]
-        self._spawn(self._run([p.request for p in group], streams))
+        self._spawn(self._run([p.state for p in group], streams))
         return streams
 
     def gauges(self) -> list[Gauge]:

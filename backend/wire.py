@@ -8,8 +8,8 @@ endpoint (backend/endpoint.py) send each other over HTTP, as msgspec JSON.
     GET  /v1/engine/gauges      list[Gauge]
     GET  /health                200, or 503 with a WireError: why the engine cannot serve
 
-Requests travel as the proxy made them (segments, sampling, session and agent): the
-engine tokenizes them itself, so the KV it reuses is keyed by its own tokenizer's ids.
+Requests travel tokenized (prompt_token_ids and shared_spans, made by the proxy with the
+engine's own tokenizer files), with their sampling, session and agent.
 """
 
 from __future__ import annotations

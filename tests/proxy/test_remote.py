@@ -116,8 +116,8 @@ async def test_refusals_come_from_the_proxy_before_the_engine_sees_them(proxy, r
 async def test_a_request_the_engine_refuses_fails_alone(proxy):
     be: RemoteBackend = proxy.proxy.backend
     good = Request("ok", [Segment("hello there")], SamplingParams(max_tokens=3, temperature=0), mode="full")
-    bad = Request("bad", [Segment("hello there")], SamplingParams(max_tokens=3), mode="sideways")
-    ok, refused = be.generate([Prepared(good, 2), Prepared(bad, 2)])
+    bad = Request("bad", [], SamplingParams(max_tokens=3), mode="sideways", prompt_token_ids=[5, 6])
+    ok, refused = be.generate([be.prepare(good), Prepared(bad, 2, bad)])  # the proxy would refuse it
     with pytest.raises(InvalidRequest, match="unknown mode"):
         [d async for d in refused]
     deltas = [d async for d in ok]
@@ -194,6 +194,11 @@ async def test_the_endpoint_refuses_bad_bodies(remote):
         assert r.status_code == 400 and "unique" in r.json()["message"]
         r = await http.post("/abort", json={"ids": "x"})
         assert r.status_code == 400
+        spans = Request("y", [], SamplingParams(max_tokens=1), mode="pic", prompt_token_ids=[5, 6, 7],
+                        shared_spans=[(2, 9)])
+        r = await http.post("/generate", content=wire.encoder.encode([spans]))
+        ev = wire.decode_event(r.content.strip())
+        assert r.status_code == 200 and (ev.i, ev.failure.kind, ev.failure.param) == (0, "invalid", "shared")
 
 
 async def test_connect_names_what_is_wrong():
