@@ -1,5 +1,5 @@
 """`tokendance serve`: the proxy, with the engine in its process or, with --engine URL,
-an engine started elsewhere by `tokendance engine`."""
+an engine started elsewhere by `tokendance engine` (or, with --vllm URL, a vLLM server)."""
 
 from __future__ import annotations
 
@@ -23,10 +23,15 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
                               description=__doc__)
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--mode", choices=MODES, default=DEFAULT_MODE, help="default KV reuse mode")
+    p.add_argument("--mode", choices=MODES, default=None,
+                   help=f"default KV reuse mode ({DEFAULT_MODE}; prefix with --vllm)")
     p.add_argument("--engine", default=None, metavar="URL",
                    help="an engine started by `tokendance engine` (default: one in this process, "
                         "set by the flags below)")
+    p.add_argument("--vllm", default=None, metavar="URL",
+                   help="a vLLM server instead of our engine: modes full and prefix only")
+    p.add_argument("--tokenizer", default=None, metavar="PATH",
+                   help="with --vllm: the model's folder, for its tokenizer (default: the one vLLM loaded)")
     add_engine_args(p)
     p.add_argument("--mqtt", default=None, metavar="URL", help="control plane broker, mqtt://host:port")
     p.add_argument("--barrier-timeout-ms", type=float, default=250.0,
@@ -40,17 +45,22 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
 
 def load_backend(args: argparse.Namespace) -> Backend:
     # Imported here: torch and the model load only when a server is really started.
-    if args.engine is not None:
-        from tokendance.backend.api import BackendError
-        from tokendance.backend.remote import RemoteBackend
+    from tokendance.backend.api import BackendError
 
-        try:
-            return asyncio.run(RemoteBackend.connect(args.engine, args.mode))
-        except BackendError as e:  # a line for the user, not a traceback
-            raise ValueError(str(e)) from e
+    try:
+        if args.engine is not None:
+            from tokendance.backend.remote import RemoteBackend
+
+            return asyncio.run(RemoteBackend.connect(args.engine, args.mode or DEFAULT_MODE))
+        if args.vllm is not None:
+            from tokendance.backend.vllm import VLLMBackend
+
+            return asyncio.run(VLLMBackend.connect(args.vllm, args.tokenizer, args.mode or "prefix"))
+    except BackendError as e:  # a line for the user, not a traceback
+        raise ValueError(str(e)) from e
     from tokendance.backend.service import EngineBackend
 
-    return EngineBackend.load(mode=args.mode, **engine_options(args))
+    return EngineBackend.load(mode=args.mode or DEFAULT_MODE, **engine_options(args))
 
 
 def config(args: argparse.Namespace) -> Config:
@@ -79,10 +89,18 @@ def main(args: argparse.Namespace) -> int:
         raise ValueError("--max-group must be at least 1")
     if not args.barrier_timeout_ms >= 0:  # `not >=`: NaN fails too
         raise ValueError("--barrier-timeout-ms must be a number, not negative")
+    if args.engine is not None and args.vllm is not None:
+        raise ValueError("--engine and --vllm name two backends: give one")
     if args.engine is not None and changed(args):
         raise ValueError(f"{', '.join(changed(args))} set the engine: with --engine, give them to "
                          "`tokendance engine`")
-    if args.engine is None:
+    if args.vllm is not None and changed(args):
+        raise ValueError(f"{', '.join(changed(args))} set our engine: a vLLM server has its own")
+    if args.vllm is not None and args.mode not in (None, "full", "prefix"):
+        raise ValueError(f"--mode {args.mode} needs the TokenDance engine; a vLLM server serves full and prefix")
+    if args.tokenizer is not None and args.vllm is None:
+        raise ValueError("--tokenizer goes with --vllm")
+    if args.engine is None and args.vllm is None:
         engine_options(args)  # a bad value fails before the model loads
     if not args.drain_timeout >= 0:
         raise ValueError("--drain-timeout must be a number, not negative")

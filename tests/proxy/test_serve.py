@@ -36,7 +36,7 @@ def parse(*argv: str) -> argparse.Namespace:
 def test_flags():
     a = parse()
     assert (a.host, a.port, a.model, a.mqtt, a.mode, a.barrier_timeout_ms, a.offload_gib) == \
-        ("127.0.0.1", 8000, None, None, serve.DEFAULT_MODE, 250.0, 1.0)
+        ("127.0.0.1", 8000, None, None, None, 250.0, 1.0)
     a = parse("--port", "9001", "--mqtt", "mqtt://127.0.0.1:1883", "--barrier-timeout-ms", "40",
               "--mode", "prefix", "--dtype", "float32", "--model", "/m")
     c = serve.config(a)
@@ -119,7 +119,7 @@ def test_engine_flags_reach_the_engine_config(monkeypatch):
     serve.load_backend(parse("--offload-gib", "0.5", "--recompute-ratio", "0.2", "--recompute-floor", "0.3"))
     assert seen["offload_bytes"] == 2**29
     assert seen["recompute_ratio"] == 0.2 and seen["recompute_floor"] == 0.3
-    assert seen["bases"] == "standalone"
+    assert seen["bases"] == "standalone" and seen["mode"] == serve.DEFAULT_MODE
     serve.load_backend(parse("--bases", "producer"))
     assert seen["bases"] == "producer"
 

@@ -1,0 +1,213 @@
+"""A Backend that drives a vLLM server through its OpenAI API (`tokendance serve --vllm
+URL`): the proxy's sessions, rounds, barrier, MQTT and round stats in front of vLLM's
+engine, e.g. to run a simulation through both stacks with one client.
+
+vLLM reuses KV only as prefix caching does, so this backend serves `full` and `prefix`:
+`prefix` requests of one API key share vLLM's prefix cache (their `cache_salt` is the
+key's tenant), a `full` request gets a salt of its own and so reuses nothing. The proxy
+tokenizes with the model's tokenizer (`--tokenizer`, by default the folder vLLM loaded
+the model from) and sends token ids; each request is one streamed /v1/completions call,
+and aborting it closes that call (vLLM then aborts the request).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import secrets
+from dataclasses import replace
+from typing import Any
+
+import aiohttp
+import structlog
+
+from tokendance.backend.api import (
+    BackendError, Delta, Gauge, InvalidRequest, ModelInfo, Prepared, Request, TokenLogprob,
+    TopLogprob, Usage, check_mode,
+)
+from tokendance.backend.prompt import check, render_chat, request_ids
+from tokendance.backend.stream import QueueStream
+
+log = structlog.get_logger(__name__)
+SERVED = ("full", "prefix")
+
+
+class VLLMBackend:
+    def __init__(self, url: str, model: str, max_model_len: int, tokenizer: Any, mode: str = "prefix",
+                 timeout: float = 10.0):
+        self.url = url.rstrip("/")
+        self.info = ModelInfo(model, max_model_len, 0)  # vLLM does not say its KV bytes per token
+        self.tokenizer = tokenizer
+        self.mode = _served(mode)
+        self.timeout = timeout
+        self._session: aiohttp.ClientSession | None = None
+        self._tasks: dict[str, asyncio.Task] = {}
+        self._problem: str | None = None
+
+    @classmethod
+    async def connect(cls, url: str, tokenizer: str | None = None, mode: str = "prefix",
+                      timeout: float = 10.0) -> "VLLMBackend":
+        """Ask the server at `url` for its model; BackendError if it cannot answer."""
+        _served(mode)
+        t = aiohttp.ClientTimeout(total=max(timeout, 30.0), connect=timeout)
+        try:
+            async with aiohttp.ClientSession(timeout=t) as s, s.get(url.rstrip("/") + "/v1/models") as r:
+                if r.status != 200:
+                    raise BackendError(f"{url} answered /v1/models with HTTP {r.status}: is it a vLLM server?")
+                card = (await r.json())["data"][0]
+                name, max_len, root = card["id"], int(card["max_model_len"]), card.get("root") or card["id"]
+        except (aiohttp.ClientError, TimeoutError, ValueError, KeyError, IndexError, TypeError) as e:
+            raise BackendError(f"no vLLM server at {url}: {e or type(e).__name__}") from e
+        return cls(url, name, max_len, _tokenizer(tokenizer or root), mode, timeout)
+
+    # -- the Backend protocol ------------------------------------------------------------
+
+    def render_chat(self, messages: list[dict[str, Any]]) -> str:
+        return render_chat(self.tokenizer, messages)
+
+    def prepare(self, request: Request) -> Prepared:
+        mode = request.mode or self.mode
+        check_mode(mode)
+        if mode not in SERVED:
+            raise InvalidRequest(f"mode {mode!r} needs the TokenDance engine; a vLLM server serves "
+                                 f"{' and '.join(SERVED)}", "mode")
+        ids, spans = request_ids(self.tokenizer, request)
+        check(ids, request.sampling, self.info.max_model_len, len(self.tokenizer))
+        return Prepared(request, len(ids), replace(request, mode=mode, segments=[], prompt_token_ids=ids,
+                                                   shared_spans=spans))
+
+    def generate(self, group: list[Prepared]) -> list[QueueStream]:
+        streams = []
+        for p in group:
+            st = QueueStream(p.request.id, self)
+            task = asyncio.get_running_loop().create_task(self._one(p.state, st))
+            self._tasks[st.rid] = task
+            task.add_done_callback(lambda _, rid=st.rid: self._tasks.pop(rid, None))
+            streams.append(st)
+        return streams
+
+    def gauges(self) -> list[Gauge]:
+        return []
+
+    def problem(self) -> str | None:
+        """Why the last call to the server failed, until one succeeds."""
+        return self._problem
+
+    def abort(self, rid: str) -> None:
+        task = self._tasks.get(rid)
+        if task is not None:
+            task.cancel()  # closes the call; vLLM aborts a request whose client went away
+
+    async def close(self) -> None:
+        for t in list(self._tasks.values()):
+            t.cancel()
+        await asyncio.gather(*self._tasks.values(), return_exceptions=True)
+        if self._session is not None:
+            await self._session.close()
+
+    # -- one request -----------------------------------------------------------------------
+
+    async def _one(self, req: Request, st: QueueStream) -> None:
+        if self._session is None:
+            self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None, connect=self.timeout),
+                                                  connector=aiohttp.TCPConnector(limit=0))
+        shared = sum(b - a for a, b in req.shared_spans)  # reported, not used: vLLM has no segments
+        last: Delta | None = None  # the finishing delta, held for the usage that follows it
+        try:
+            async with self._session.post(self.url + "/v1/completions", json=self._body(req)) as r:
+                if r.status != 200:
+                    raise _refused(r.status, await r.text())
+                self._problem = None
+                async for line in r.content:
+                    if not line.startswith(b"data: ") or line.strip() == b"data: [DONE]":
+                        continue
+                    chunk = json.loads(line[6:])
+                    for c in chunk.get("choices") or []:
+                        d = _delta(c)
+                        if d.finish_reason is None:
+                            st.put(d)
+                        else:
+                            last = d
+                    if chunk.get("usage"):
+                        last = last or Delta()
+                        last.usage = _usage(chunk["usage"], shared)
+            if last is None or last.finish_reason is None:
+                raise BackendError("the vLLM server ended a request's stream early")
+            last.usage = last.usage or Usage()
+            st.put(last)
+        except (InvalidRequest, BackendError) as e:
+            st.put(e)
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # unreachable, reset, a malformed chunk
+            self._problem = f"the vLLM server at {self.url} does not answer: {e or type(e).__name__}"
+            st.put(BackendError(f"lost the vLLM server at {self.url}: {e or type(e).__name__}"))
+
+    def _body(self, req: Request) -> dict[str, Any]:
+        s = req.sampling
+        body: dict[str, Any] = {
+            "model": self.info.name, "prompt": req.prompt_token_ids, "stream": True,
+            "stream_options": {"include_usage": True}, "return_token_ids": True,
+            "max_tokens": s.max_tokens, "temperature": s.temperature, "top_p": s.top_p,
+            "stop": s.stop, "stop_token_ids": s.stop_token_ids, "ignore_eos": s.ignore_eos,
+            "presence_penalty": s.presence_penalty, "frequency_penalty": s.frequency_penalty,
+            "repetition_penalty": s.repetition_penalty,
+            # `full` reuses nothing: a salt of its own; `prefix` shares the key's prefix cache
+            "cache_salt": secrets.token_hex(8) if req.mode == "full" else f"tenant-{req.tenant}",
+        }
+        if s.top_k:
+            body["top_k"] = s.top_k
+        if s.seed is not None:
+            body["seed"] = s.seed
+        if s.logit_bias:
+            body["logit_bias"] = {str(k): v for k, v in s.logit_bias.items()}
+        if s.logprobs:
+            body["logprobs"] = s.top_logprobs
+        return body
+
+
+def _served(mode: str) -> str:
+    check_mode(mode)
+    if mode not in SERVED:
+        raise ValueError(f"a vLLM server serves modes {' and '.join(SERVED)}, not {mode!r}")
+    return mode
+
+
+def _refused(status: int, text: str) -> Exception:
+    """vLLM's 4xx is the client's mistake (a 400 at the proxy); anything else the server's."""
+    try:
+        message = json.loads(text)["error"]["message"]
+    except (ValueError, KeyError, TypeError):
+        message = text[:500]
+    if 400 <= status < 500:
+        return InvalidRequest(f"the vLLM server refused the request: {message}")
+    return BackendError(f"the vLLM server answered HTTP {status}: {message}")
+
+
+def _delta(c: dict[str, Any]) -> Delta:
+    d = Delta(c.get("text") or "", list(c.get("token_ids") or []), finish_reason=c.get("finish_reason"))
+    lp = c.get("logprobs")
+    if lp:
+        for tok, val, top in zip(lp["tokens"], lp["token_logprobs"], lp["top_logprobs"] or []):
+            d.logprobs.append(TokenLogprob(tok, val, list(tok.encode()), [
+                TopLogprob(t, v, list(t.encode())) for t, v in (top or {}).items()]))
+    return d
+
+
+def _usage(u: dict[str, Any], shared: int) -> Usage:
+    details = u.get("prompt_tokens_details") or {}
+    return Usage(u.get("prompt_tokens", 0), u.get("completion_tokens", 0),
+                 cached_tokens=details.get("cached_tokens") or 0, shared_tokens=shared)
+
+
+def _tokenizer(path: str) -> Any:
+    from transformers import AutoTokenizer
+
+    try:
+        tok = AutoTokenizer.from_pretrained(path)
+    except Exception as e:
+        raise BackendError(f"cannot load the tokenizer from {path!r} (give --tokenizer a local model "
+                           f"folder): {e}") from e
+    if not getattr(tok, "is_fast", False):
+        raise BackendError(f"the tokenizer at {path!r} has no fast (tokenizers) version")
+    return tok

@@ -1,0 +1,160 @@
+"""The proxy over a vLLM server (`tokendance serve --vllm URL`), against a fake server that
+speaks vLLM's streamed /v1/completions: token ids go out, deltas and usage come back,
+`full` and `prefix` map to cache salts, its refusals are 400s, and a lost server is a 500."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Any
+
+import httpx
+import openai
+import pytest
+from aiohttp import web
+from transformers import AutoTokenizer
+
+from tokendance.backend.vllm import VLLMBackend
+from tokendance.examples import cli
+
+
+class FakeVLLM:
+    def __init__(self, root: str):
+        self.root = root
+        self.bodies: list[dict[str, Any]] = []
+        self.cancelled = 0
+
+    def app(self) -> web.Application:
+        app = web.Application()
+        app.router.add_get("/v1/models", self.models)
+        app.router.add_post("/v1/completions", self.completions)
+        return app
+
+    async def models(self, req: web.Request) -> web.Response:
+        return web.json_response({"data": [{"id": "fake-vllm", "max_model_len": 4096, "root": self.root}]})
+
+    async def completions(self, req: web.Request) -> web.StreamResponse:
+        body = await req.json()
+        self.bodies.append(body)
+        if body["max_tokens"] > 100:
+            return web.json_response({"error": {"message": "max_tokens is too large"}}, status=400)
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(req)
+        n = body["max_tokens"]
+        try:
+            for i in range(n):
+                choice = {"index": 0, "text": f" w{i}", "token_ids": [100 + i],
+                          "finish_reason": "length" if i == n - 1 else None}
+                if body.get("logprobs") is not None:
+                    choice["logprobs"] = {"tokens": [f" w{i}"], "token_logprobs": [-0.5],
+                                          "top_logprobs": [{f" w{i}": -0.5, " x": -1.5}]}
+                await resp.write(b"data: " + json.dumps({"choices": [choice]}).encode() + b"\n\n")
+                await asyncio.sleep(0.01)
+            usage = {"prompt_tokens": len(body["prompt"]), "completion_tokens": n,
+                     "prompt_tokens_details": {"cached_tokens": 3}}
+            await resp.write(b"data: " + json.dumps({"choices": [], "usage": usage}).encode() + b"\n\n")
+            await resp.write(b"data: [DONE]\n\n")
+        except (asyncio.CancelledError, ConnectionResetError):
+            self.cancelled += 1
+            raise
+        return resp
+
+
+@pytest.fixture
+async def vllm(tiny_llama) -> Any:
+    fake = FakeVLLM(str(tiny_llama))
+    runner = web.AppRunner(fake.app(), handler_cancellation=True)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", 0).start()
+    fake.url = f"http://127.0.0.1:{runner.addresses[0][1]}"
+    fake.runner = runner
+    yield fake
+    await runner.cleanup()
+
+
+@pytest.fixture
+async def proxy(vllm, start) -> Any:
+    return await start(await VLLMBackend.connect(vllm.url))
+
+
+def _client(server: Any, key: str = "sk-a") -> openai.AsyncOpenAI:
+    return openai.AsyncOpenAI(base_url=server.url + "/v1", api_key=key, max_retries=0)
+
+
+def user(text: str) -> list[dict]:
+    return [{"role": "user", "content": text}]
+
+
+async def test_a_chat_goes_to_vllm_as_token_ids(proxy, vllm, tiny_llama):
+    r = await _client(proxy).chat.completions.create(model="fake-vllm", messages=user("Hi there."),
+                                                     max_tokens=3, temperature=0, seed=4)
+    assert r.choices[0].message.content == " w0 w1 w2" and r.choices[0].finish_reason == "length"
+    tok = AutoTokenizer.from_pretrained(tiny_llama)
+    ids = tok(tok.apply_chat_template(user("Hi there."), tokenize=False, add_generation_prompt=True),
+              add_special_tokens=False)["input_ids"]
+    body = vllm.bodies[-1]
+    assert body["prompt"] == ids and body["return_token_ids"] and body["stream"]
+    assert (body["temperature"], body["seed"], body["max_tokens"]) == (0, 4, 3)
+    assert (r.usage.prompt_tokens, r.usage.completion_tokens) == (len(ids), 3)
+    assert r.usage.prompt_tokens_details.cached_tokens == 3
+
+
+async def test_full_and_prefix_map_to_cache_salts(proxy, vllm):
+    async def salt(mode: str, key: str) -> str:
+        await _client(proxy, key).completions.create(model="fake-vllm", prompt="a b", max_tokens=1,
+                                                     extra_body={"tokendance": {"mode": mode}})
+        return vllm.bodies[-1]["cache_salt"]
+
+    assert await salt("prefix", "sk-a") == await salt("prefix", "sk-a") != await salt("prefix", "sk-b")
+    assert await salt("full", "sk-a") != await salt("full", "sk-a")
+    with pytest.raises(openai.BadRequestError) as e:
+        await salt("collective", "sk-a")
+    assert e.value.body["param"] == "mode" and "TokenDance engine" in e.value.body["message"]
+
+
+async def test_streams_and_logprobs_come_back(proxy):
+    chunks = [c async for c in await _client(proxy).chat.completions.create(
+        model="fake-vllm", messages=user("Go."), max_tokens=4, logprobs=True, top_logprobs=2, stream=True,
+        stream_options={"include_usage": True})]
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    lps = [t for c in chunks if c.choices and c.choices[0].logprobs for t in c.choices[0].logprobs.content]
+    assert text == " w0 w1 w2 w3" and [t.token for t in lps] == [" w0", " w1", " w2", " w3"]
+    assert [x.token for x in lps[0].top_logprobs] == [" w0", " x"] and chunks[-1].usage.completion_tokens == 4
+
+
+async def test_what_vllm_refuses_is_a_400(proxy):
+    with pytest.raises(openai.BadRequestError) as e:
+        await _client(proxy).completions.create(model="fake-vllm", prompt="a b", max_tokens=500)
+    assert "max_tokens is too large" in e.value.body["message"]
+
+
+async def test_a_client_that_leaves_closes_its_vllm_call(proxy, vllm, until):
+    stream = await _client(proxy).chat.completions.create(model="fake-vllm", messages=user("Go."),
+                                                          max_tokens=90, stream=True)
+    async for chunk in stream:
+        if chunk.choices and chunk.choices[0].delta.content:
+            break
+    await stream.close()
+    await until(lambda: vllm.cancelled == 1, timeout=10)
+
+
+async def test_a_lost_server_is_a_500_and_health_says_so(proxy, vllm):
+    await vllm.runner.cleanup()
+    with pytest.raises(openai.InternalServerError) as e:
+        await _client(proxy).completions.create(model="fake-vllm", prompt="a b", max_tokens=2)
+    assert "lost the vLLM server" in e.value.body["message"]
+    async with httpx.AsyncClient(base_url=proxy.url) as http:
+        r = await http.get("/health")
+    assert r.status_code == 503 and "does not answer" in r.json()["error"]["message"]
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--vllm", "http://127.0.0.1:9", "--mode", "collective"], "--mode collective needs the TokenDance engine"),
+    (["--vllm", "http://127.0.0.1:9", "--engine", "http://127.0.0.1:9"], "--engine and --vllm name two"),
+    (["--vllm", "http://127.0.0.1:9", "--dtype", "float32"], "--dtype set our engine"),
+    (["--tokenizer", "/x"], "--tokenizer goes with --vllm"),
+    (["--vllm", "http://127.0.0.1:9"], "no vLLM server at http://127.0.0.1:9"),
+])
+def test_serve_with_vllm_refuses_what_cannot_work(capsys, argv, message):
+    assert cli.main(["serve", *argv]) == 1
+    assert message in capsys.readouterr().err
