@@ -188,7 +188,8 @@ def _delta(c: dict[str, Any]) -> Delta:
     d = Delta(c.get("text") or "", list(c.get("token_ids") or []), finish_reason=c.get("finish_reason"))
     lp = c.get("logprobs")
     if lp:
-        for tok, val, top in zip(lp["tokens"], lp["token_logprobs"], lp["top_logprobs"] or []):
+        tops = lp.get("top_logprobs") or [None] * len(lp["tokens"])
+        for tok, val, top in zip(lp["tokens"], lp["token_logprobs"], tops):
             d.logprobs.append(TokenLogprob(tok, val, list(tok.encode()), [
                 TopLogprob(t, v, list(t.encode())) for t, v in (top or {}).items()]))
     return d
