@@ -30,9 +30,12 @@
 #     rounds in `prefix` mode (what vLLM does)
 #   sweep: the paged decode kernel's launch configurations (bench/kernels.py --decode)
 #   steps: a decode step at batch 32 x 4k split into GPU forward and host time
+#   remote: the proxy over `tokendance engine` against the engine in-process (bench/remote.py),
+#     a Qwen2.5-0.5B shape with random weights saved as a folder (the servers load folders)
 # The carried folders are git-ignored; make them once on the CPU machine:
 #   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 \
-#     --implementation cp --platform manylinux2014_x86_64 -d .whl structlog
+#     --implementation cp --platform manylinux2014_x86_64 -d .whl structlog aiohttp msgspec aiomqtt
+#   (then delete .whl/typing_extensions-*: the GPU host's own must stay)
 #   mkdir -p .device/tok && cp ~/.cache/tokendance/SmolLM2-135M-Instruct/{tokenizer.json,tokenizer_config.json,chat_template.jinja} .device/tok/
 # The package is not installed there: a namespace folder links our folders in.
 set -uo pipefail
@@ -137,4 +140,9 @@ fi
 if want resume; then
   td bench resume --model qwen2.5-7b --dtype bfloat16 --agents 10,20 --history 512 --output 150 \
     --answer 128 --repeats 3 2>&1 | grep -v -i "warn\|deprecat" | tee "$OUT/resume.txt"
+fi
+if want remote; then
+  python3 -m tokendance.bench.shapes qwen2.5-0.5b /tmp/qwen2.5-0.5b-random >/dev/null &&
+    td bench remote --model /tmp/qwen2.5-0.5b-random --dtype bfloat16 --repeats 20 2>&1 \
+    | grep "^|" | tee "$OUT/remote.txt"
 fi

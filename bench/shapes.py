@@ -20,6 +20,8 @@ QWEN_COMMON = dict(architectures=["Qwen2ForCausalLM"], model_type="qwen2", vocab
                    tie_word_embeddings=False, eos_token_id=151645)
 
 SHAPES = {
+    "qwen2.5-0.5b": dict(QWEN_COMMON, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
+                         num_attention_heads=14, num_key_value_heads=2, tie_word_embeddings=True),
     "qwen2.5-7b": dict(QWEN_COMMON, hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
                        num_attention_heads=28, num_key_value_heads=4),
     "qwen2.5-14b": dict(QWEN_COMMON, hidden_size=5120, intermediate_size=13824, num_hidden_layers=48,
@@ -41,6 +43,23 @@ def shape_folder(name: str) -> Path:
     return out
 
 
+def save_random(name: str, dest: Path) -> Path:
+    """A folder of shape `name` with random bf16 weights saved in it, loadable by any
+    `tokendance` process (for benchmarks that start servers, which load real folders)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    src = shape_folder(name)
+    torch.manual_seed(0)
+    with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(src), dtype=torch.bfloat16)
+    model.save_pretrained(dest)
+    for f in src.iterdir():
+        if f.name != "config.json":
+            shutil.copy(f, dest / f.name)
+    return dest
+
+
 def resolve(model: str | None, random: bool = False) -> tuple[str | None, bool]:
     """A benchmark's --model: (folder or file to load, random weights?). An existing
     path (or None, the embedded default) as given; anything else is a shape name."""
@@ -57,3 +76,11 @@ def round_engine(model: str | None, dtype: str, kv_tokens: int, random: bool = F
     eng = Engine(EngineConfig(model=folder, dtype=dtype, random_weights=random, kv_tokens=kv_tokens,
                               max_batched_tokens=16384, segment_cache_fraction=0.5, **cfg))
     return eng, min(eng.mcfg.vocab_size, len(eng.tokenizer))
+
+
+if __name__ == "__main__":
+    import sys
+
+    if len(sys.argv) != 3:
+        sys.exit("usage: python -m tokendance.bench.shapes SHAPE DEST (a folder of random weights)")
+    print(save_random(sys.argv[1], Path(sys.argv[2])))
