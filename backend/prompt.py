@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from tokendance.backend.api import InvalidRequest, Request, SamplingParams, Segment
+from tokendance.backend.api import BackendError, InvalidRequest, Request, SamplingParams, Segment
 
 
 def request_ids(tokenizer: Any, request: Request) -> tuple[list[int], list[tuple[int, int]]]:
@@ -22,6 +22,21 @@ def request_ids(tokenizer: Any, request: Request) -> tuple[list[int], list[tuple
     if request.prompt_token_ids is not None:
         return list(request.prompt_token_ids), list(request.shared_spans)
     return tokenize(tokenizer, request.segments, request.add_special_tokens)
+
+
+def fast_tokenizer(path: Any, what: str = "") -> Any:
+    """A fast (Rust) HF tokenizer from a folder, which the prompt's offsets need;
+    BackendError naming `what` (or the folder) if it cannot be had."""
+    from transformers import AutoTokenizer
+
+    what = what or f"the tokenizer at {path}"
+    try:
+        tok = AutoTokenizer.from_pretrained(path)
+    except Exception as e:
+        raise BackendError(f"{what} does not load: {e}") from e
+    if not getattr(tok, "is_fast", False):
+        raise BackendError(f"{what} has no fast (tokenizers) version")
+    return tok
 
 
 def render_chat(tokenizer: Any, messages: list[dict[str, Any]]) -> str:

@@ -24,7 +24,7 @@ from tokendance.backend import wire
 from tokendance.backend.api import (
     BackendError, Gauge, ModelInfo, Prepared, Request, check_mode,
 )
-from tokendance.backend.prompt import check, render_chat, request_ids
+from tokendance.backend.prompt import check, fast_tokenizer, render_chat, request_ids
 from tokendance.backend.stream import QueueStream
 
 log = structlog.get_logger(__name__)
@@ -190,17 +190,9 @@ class RemoteBackend:
 
 def _tokenizer(files: dict[str, str]) -> Any:
     """A fast HF tokenizer from the engine's tokenizer files."""
-    from transformers import AutoTokenizer
-
     with tempfile.TemporaryDirectory(prefix="tokendance-tok-") as d:
         for name, text in files.items():
             if "/" in name or name.startswith("."):
                 raise BackendError(f"the engine sent a tokenizer file named {name!r}")
             Path(d, name).write_text(text, encoding="utf-8")
-        try:
-            tok = AutoTokenizer.from_pretrained(d)
-        except Exception as e:
-            raise BackendError(f"the engine's tokenizer does not load: {e}") from e
-    if not getattr(tok, "is_fast", False):
-        raise BackendError("the engine's tokenizer has no fast (tokenizers) version")
-    return tok
+        return fast_tokenizer(d, "the engine's tokenizer")

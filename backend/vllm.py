@@ -25,7 +25,7 @@ from tokendance.backend.api import (
     BackendError, Delta, Gauge, InvalidRequest, ModelInfo, Prepared, Request, TokenLogprob,
     TopLogprob, Usage, check_mode,
 )
-from tokendance.backend.prompt import check, render_chat, request_ids
+from tokendance.backend.prompt import check, fast_tokenizer, render_chat, request_ids
 from tokendance.backend.stream import QueueStream
 
 log = structlog.get_logger(__name__)
@@ -58,7 +58,7 @@ class VLLMBackend:
                 name, max_len, root = card["id"], int(card["max_model_len"]), card.get("root") or card["id"]
         except (aiohttp.ClientError, TimeoutError, ValueError, KeyError, IndexError, TypeError) as e:
             raise BackendError(f"no vLLM server at {url}: {e or type(e).__name__}") from e
-        return cls(url, name, max_len, _tokenizer(tokenizer or root), mode, timeout)
+        return cls(url, name, max_len, fast_tokenizer(tokenizer or root, f"the tokenizer at {tokenizer or root} (--tokenizer: a local model folder)"), mode, timeout)
 
     # -- the Backend protocol ------------------------------------------------------------
 
@@ -66,11 +66,7 @@ class VLLMBackend:
         return render_chat(self.tokenizer, messages)
 
     def prepare(self, request: Request) -> Prepared:
-        mode = request.mode or self.mode
-        check_mode(mode)
-        if mode not in SERVED:
-            raise InvalidRequest(f"mode {mode!r} needs the TokenDance engine; a vLLM server serves "
-                                 f"{' and '.join(SERVED)}", "mode")
+        mode = _served(request.mode or self.mode)
         ids, spans = request_ids(self.tokenizer, request)
         check(ids, request.sampling, self.info.max_model_len, len(self.tokenizer))
         return Prepared(request, len(ids), replace(request, mode=mode, segments=[], prompt_token_ids=ids,
@@ -169,7 +165,8 @@ class VLLMBackend:
 def _served(mode: str) -> str:
     check_mode(mode)
     if mode not in SERVED:
-        raise ValueError(f"a vLLM server serves modes {' and '.join(SERVED)}, not {mode!r}")
+        raise InvalidRequest(f"mode {mode!r} needs the TokenDance engine; a vLLM server serves "
+                             f"{' and '.join(SERVED)}", "mode")
     return mode
 
 
@@ -199,16 +196,3 @@ def _usage(u: dict[str, Any], shared: int) -> Usage:
     details = u.get("prompt_tokens_details") or {}
     return Usage(u.get("prompt_tokens", 0), u.get("completion_tokens", 0),
                  cached_tokens=details.get("cached_tokens") or 0, shared_tokens=shared)
-
-
-def _tokenizer(path: str) -> Any:
-    from transformers import AutoTokenizer
-
-    try:
-        tok = AutoTokenizer.from_pretrained(path)
-    except Exception as e:
-        raise BackendError(f"cannot load the tokenizer from {path!r} (give --tokenizer a local model "
-                           f"folder): {e}") from e
-    if not getattr(tok, "is_fast", False):
-        raise BackendError(f"the tokenizer at {path!r} has no fast (tokenizers) version")
-    return tok

@@ -23,7 +23,6 @@ import argparse
 import asyncio
 import contextlib
 import json
-import socket
 import statistics
 import subprocess
 import sys
@@ -32,6 +31,7 @@ from collections.abc import Awaitable, Callable, Iterator
 
 import httpx
 
+from tokendance.bench.proxy import free_port
 from tokendance.proxy.segment import SEP
 
 AGENTS = 8
@@ -70,9 +70,7 @@ async def run(model: str | None, dtype: str, repeats: int) -> list[tuple[str, fl
 @contextlib.contextmanager
 def _child(args: list[str]) -> Iterator[str]:
     """`tokendance ARGS --port P` in a child process; its URL once it answers /health."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     argv = [sys.executable, "-m", "tokendance.examples.cli", *args, "--port", str(port), "--log-level", "warning"]
     child = subprocess.Popen(argv)
     url = f"http://127.0.0.1:{port}"

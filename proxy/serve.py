@@ -91,11 +91,11 @@ def main(args: argparse.Namespace) -> int:
         raise ValueError("--barrier-timeout-ms must be a number, not negative")
     if args.engine is not None and args.vllm is not None:
         raise ValueError("--engine and --vllm name two backends: give one")
-    if args.engine is not None and changed(args):
-        raise ValueError(f"{', '.join(changed(args))} set the engine: with --engine, give them to "
-                         "`tokendance engine`")
-    if args.vllm is not None and changed(args):
-        raise ValueError(f"{', '.join(changed(args))} set our engine: a vLLM server has its own")
+    flags = ", ".join(changed(args))
+    if args.engine is not None and flags:
+        raise ValueError(f"{flags} set the engine: with --engine, give them to `tokendance engine`")
+    if args.vllm is not None and flags:
+        raise ValueError(f"{flags} set our engine: a vLLM server has its own")
     if args.vllm is not None and args.mode not in (None, "full", "prefix"):
         raise ValueError(f"--mode {args.mode} needs the TokenDance engine; a vLLM server serves full and prefix")
     if args.tokenizer is not None and args.vllm is None:
