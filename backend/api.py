@@ -43,6 +43,21 @@ class BackendError(RuntimeError):
     """The engine failed; every request of the affected group gets this error."""
 
 
+STRUCTURES = ("json", "json_object", "regex", "choice", "grammar")
+
+
+@dataclass(slots=True)
+class Structure:
+    """What the output must match (backend/grammar.py): a JSON schema (`spec` its JSON
+    text), any JSON object, a regular expression, one of a JSON list of strings, or an
+    EBNF grammar."""
+
+    kind: str  # one of STRUCTURES
+    spec: str = ""
+    param: str = "response_format"  # the request's field it came from, for errors
+    whitespace: bool = True  # JSON may hold any whitespace between its tokens (vLLM's default)
+
+
 @dataclass(slots=True)
 class SamplingParams:
     max_tokens: int = 256
@@ -61,6 +76,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     logit_bias: dict[int, float] = field(default_factory=dict)
+    structure: Structure | None = None  # structured outputs (backend/grammar.py)
 
     def validate(self) -> None:
         if self.max_tokens <= 0:

@@ -16,6 +16,7 @@ from tokendance.backend.config import DTYPES, EngineConfig, ModelConfig
 from tokendance.backend.detok import Detok
 from tokendance.backend.device import host_threads, pick_device
 from tokendance.backend.idle import IdleAgents
+from tokendance.backend.grammar import Grammars
 from tokendance.backend.lookahead import Inflight, eligible, launch
 from tokendance.backend.model import KVCache
 from tokendance.backend.pool import BlockPool
@@ -63,6 +64,7 @@ class Engine:
         self.eos = set(self.mcfg.eos_token_ids)
         if self.tokenizer.eos_token_id is not None:
             self.eos.add(self.tokenizer.eos_token_id)
+        self.grammars = Grammars(self.tokenizer, self.mcfg.vocab_size, sorted(self.eos))
         self.cache = KVCache(self.mcfg, self._num_blocks(), cfg.block_size, self.dtype, self.device)
         self.pool = BlockPool(self.cache.num_blocks)
         self.blocks = BlockManager(self.pool, cfg.block_size)
@@ -118,7 +120,7 @@ class Engine:
 
     def check(self, prompt: list[int], sampling: SamplingParams) -> None:
         """Raise InvalidRequest unless the engine can serve this prompt."""
-        check(prompt, sampling, self.max_model_len, self.mcfg.vocab_size)
+        check(prompt, sampling, self.max_model_len, self.mcfg.vocab_size, self.grammars)
 
     def add(self, rid: str, prompt: list[int], sampling: SamplingParams, mode: str = "full",
             shared: list[tuple[int, int]] | None = None, tenant: str = "", publish: bool = False,
@@ -140,6 +142,8 @@ class Engine:
         seq = Sequence(rid, list(prompt), sampling, Detok(self.tokenizer, list(sampling.stop)),
                        generator=gen, mode=mode, shared=spans, tenant=tenant,
                        publish=publish and self.cfg.bases == "producer")
+        if sampling.structure is not None:
+            seq.matcher = self.grammars.matcher(sampling.structure)
         self.seqs[rid] = seq
         if agent is not None and self.cfg.offload_bytes and mode in ("pic", "collective"):
             seq.agent = f"{tenant}\0{agent}"
@@ -276,7 +280,9 @@ class Engine:
         n = at + 1  # tokens generated, this one included
         p = seq.sampling
         reason = None
-        if tok in p.stop_token_ids or (tok in self.eos and not p.ignore_eos):
+        if seq.matcher is not None and (not seq.matcher.accept_token(tok) or seq.matcher.is_terminated()):
+            reason = "stop"  # the grammar is complete (only an end-of-sequence token was allowed)
+        elif tok in p.stop_token_ids or (tok in self.eos and not p.ignore_eos):
             reason = "stop"
         elif seq.detok.add(tok) is not None:
             reason = "stop"

@@ -15,6 +15,7 @@ from __future__ import annotations
 from typing import Any
 
 from tokendance.backend.api import BackendError, InvalidRequest, Request, SamplingParams, Segment
+from tokendance.backend.grammar import Grammars
 
 
 def request_ids(tokenizer: Any, request: Request) -> tuple[list[int], list[tuple[int, int]]]:
@@ -48,10 +49,14 @@ def render_chat(tokenizer: Any, messages: list[dict[str, Any]]) -> str:
         raise InvalidRequest(f"messages do not fit the model's chat template: {e}", "messages") from e
 
 
-def check(ids: list[int], sampling: SamplingParams, max_model_len: int, vocab_size: int) -> None:
-    """Raise InvalidRequest unless an engine of these limits can serve this prompt."""
+def check(ids: list[int], sampling: SamplingParams, max_model_len: int, vocab_size: int,
+          grammars: Grammars) -> None:
+    """Raise InvalidRequest unless an engine of these limits can serve this prompt (and
+    its structured output's spec compiles)."""
     sampling.validate()
     sampling.check_vocab(vocab_size)
+    if sampling.structure is not None:
+        grammars.compile(sampling.structure)
     if not ids:
         raise InvalidRequest("the prompt is empty", "prompt")
     if len(ids) >= max_model_len:

@@ -24,6 +24,7 @@ from tokendance.backend import wire
 from tokendance.backend.api import (
     BackendError, Gauge, ModelInfo, Prepared, Request, check_mode,
 )
+from tokendance.backend.grammar import Grammars
 from tokendance.backend.prompt import check, fast_tokenizer, render_chat, request_ids
 from tokendance.backend.stream import QueueStream
 
@@ -40,6 +41,7 @@ class RemoteBackend:
         self.info = ModelInfo(info.name, info.max_model_len, info.kv_bytes_per_token)
         self.vocab_size = info.vocab_size
         self.tokenizer = tokenizer
+        self.grammars = Grammars(tokenizer, info.vocab_size)  # checks structured outputs' specs
         self.mode = mode
         self.timeout = timeout  # to connect, and for the small calls
         self._session: aiohttp.ClientSession | None = None
@@ -72,7 +74,7 @@ class RemoteBackend:
         request.mode = request.mode or self.mode
         check_mode(request.mode)
         ids, spans = request_ids(self.tokenizer, request)
-        check(ids, request.sampling, self.info.max_model_len, self.vocab_size)
+        check(ids, request.sampling, self.info.max_model_len, self.vocab_size, self.grammars)
         # What the engine gets: the tokens, tokenized here once with its own tokenizer.
         return Prepared(request, len(ids), replace(request, segments=[], prompt_token_ids=ids, shared_spans=spans))
 

@@ -1,5 +1,5 @@
-"""Next-token choice for a batch: logit bias and penalties (backend/penalties.py), then
-greedy, temperature, top-k, top-p, per-request seeds; and the log-probabilities of chosen
+"""Next-token choice for a batch: logit bias and penalties (backend/penalties.py), a
+structured output's grammar (backend/grammar.py), then greedy, temperature, top-k, top-p, per-request seeds; and the log-probabilities of chosen
 (and top) tokens under the model's distribution."""
 
 from __future__ import annotations
@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
+from tokendance.backend.grammar import mask
 from tokendance.backend.penalties import Penalized
 from tokendance.backend.sequence import Sequence
 from tokendance.backend.upload import upload_list
@@ -38,6 +39,8 @@ def choose(logits: torch.Tensor, seqs: list[Sequence], default: torch.Generator 
     penalized = Penalized.of(logits, seqs)
     if penalized is not None:
         logits = penalized.apply(logits)
+    if any(s.matcher is not None for s in seqs):
+        logits = mask(logits, [s.matcher for s in seqs])
     chosen = logits.argmax(-1)
     if not all(p.greedy for p in params):
         temp = upload_list([1.0 if p.greedy else p.temperature for p in params], torch.float32, logits.device)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -50,6 +50,7 @@ class Sequence:
     resume: Resume | None = None  # this request's prefix, parked by its agent's last one
     lookahead: int = 0  # trailing tokens of `out` sampled but not read yet (backend/lookahead.py)
     seen: Seen | None = None  # a penalized request's token counts on the device (backend/penalties.py)
+    matcher: Any = None  # a structured output's grammar state (backend/grammar.py)
 
     @property
     def prefix_cache(self) -> bool:

@@ -25,6 +25,7 @@ from tokendance.backend.api import (
     BackendError, Delta, Gauge, InvalidRequest, ModelInfo, Prepared, Request, TokenLogprob,
     TopLogprob, Usage, check_mode,
 )
+from tokendance.backend.grammar import Grammars
 from tokendance.backend.prompt import check, fast_tokenizer, render_chat, request_ids
 from tokendance.backend.stream import QueueStream
 
@@ -38,6 +39,7 @@ class VLLMBackend:
         self.url = url.rstrip("/")
         self.info = ModelInfo(model, max_model_len, 0)  # vLLM does not say its KV bytes per token
         self.tokenizer = tokenizer
+        self.grammars = Grammars(tokenizer, len(tokenizer))  # checks structured outputs' specs
         self.mode = _served(mode)
         self.timeout = timeout
         self._session: aiohttp.ClientSession | None = None
@@ -68,7 +70,7 @@ class VLLMBackend:
     def prepare(self, request: Request) -> Prepared:
         mode = _served(request.mode or self.mode)
         ids, spans = request_ids(self.tokenizer, request)
-        check(ids, request.sampling, self.info.max_model_len, len(self.tokenizer))
+        check(ids, request.sampling, self.info.max_model_len, len(self.tokenizer), self.grammars)
         return Prepared(request, len(ids), replace(request, mode=mode, segments=[], prompt_token_ids=ids,
                                                    shared_spans=spans))
 
@@ -159,6 +161,10 @@ class VLLMBackend:
             body["logit_bias"] = {str(k): v for k, v in s.logit_bias.items()}
         if s.logprobs:
             body["logprobs"] = s.top_logprobs
+        if s.structure is not None:  # vLLM's structured_outputs, which the kinds mirror
+            st = s.structure
+            body["structured_outputs"] = {st.kind: True if st.kind == "json_object" else
+                                          json.loads(st.spec) if st.kind in ("json", "choice") else st.spec}
         return body
 
 

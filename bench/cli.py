@@ -1,4 +1,4 @@
-"""`tokendance bench {engine,reuse,memory,mirror-decode,fidelity,restore,resume,gaps,remote}`."""
+"""`tokendance bench {engine,reuse,memory,mirror-decode,fidelity,restore,resume,remote,structured,gaps}`."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ KINDS = {
     "restore": ("tokendance.bench.restore", "restoring idle agents from the host tier: fused against dense"),
     "resume": ("tokendance.bench.resume", "a second round with its agents resumed from the host tier, against without"),
     "remote": ("tokendance.bench.remote", "the proxy over a remote engine against the engine in-process"),
+    "structured": ("tokendance.bench.structured", "structured outputs (a JSON schema) against the same work unconstrained"),
     "gaps": ("tokendance.bench.gaps", "where the device waits on the host in a traced run (bench reuse --trace)"),
 }
 

@@ -15,6 +15,7 @@ from msgspec import Struct
 from tokendance.backend.api import InvalidRequest, SamplingParams
 
 from .errors import invalid, unsupported
+from .structured import ResponseFormat, StructuredOutputs, structure
 
 MAX_N = 64
 
@@ -62,6 +63,8 @@ class Sampled(Struct, kw_only=True):
     presence_penalty: float | None = None
     repetition_penalty: float | None = None  # vLLM's extra parameter
     logit_bias: dict[str, float] | None = None
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None  # vLLM's extra parameter
     user: str | None = None
     tokendance: TokenDance | None = None
 
@@ -75,7 +78,6 @@ class ChatRequest(Sampled, kw_only=True):
     tool_choice: Any = None
     functions: list[Any] | None = None
     function_call: Any = None
-    response_format: dict[str, Any] | None = None
     add_special_tokens: bool = False  # vLLM's: the template writes the BOS
 
 
@@ -127,7 +129,8 @@ def sampling(body: Sampled, max_tokens: int | None, logprobs: bool, top: int) ->
         logprobs=logprobs, top_logprobs=top, presence_penalty=body.presence_penalty or 0.0,
         frequency_penalty=body.frequency_penalty or 0.0,
         repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty,
-        logit_bias=_logit_bias(body.logit_bias or {}))
+        logit_bias=_logit_bias(body.logit_bias or {}),
+        structure=structure(body.response_format, body.structured_outputs))
     if max_tokens is not None:
         p.max_tokens = max_tokens
     try:
@@ -160,8 +163,6 @@ def check_chat(body: ChatRequest) -> tuple[list[dict[str, Any]], SamplingParams]
         raise unsupported("tool_choice")
     if body.function_call not in (None, "none"):
         raise unsupported("function_call")
-    if body.response_format and body.response_format.get("type", "text") != "text":
-        raise unsupported("response_format", "response_format other than text")
     if body.top_logprobs and not body.logprobs:
         raise invalid("top_logprobs requires logprobs to be true", "top_logprobs")
     if not body.messages:

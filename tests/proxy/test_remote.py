@@ -5,6 +5,7 @@ the engine's KV, and a lost engine answered with an error, never a hang."""
 from __future__ import annotations
 
 import asyncio
+import re
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -77,6 +78,11 @@ async def test_answers_equal_the_in_process_engines(tiny_llama, proxy, start):
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     first = await _client(local).chat.completions.create(**kw)
     assert text == first.choices[0].message.content and chunks[-1].usage.completion_tokens == 8
+    # A structured output's spec travels with the request; the engine keeps to it.
+    so = {"structured_outputs": {"regex": "[a-z]{3}-[0-9]{2}"}}
+    a, b = [await _client(s).chat.completions.create(**kw, extra_body=so) for s in (proxy, local)]
+    assert a.choices[0].message.content == b.choices[0].message.content
+    assert re.fullmatch("[a-z]{3}-[0-9]{2}", a.choices[0].message.content)
 
 
 async def test_a_round_reuses_its_shared_block_on_the_engine(proxy):
@@ -110,6 +116,10 @@ async def test_refusals_come_from_the_proxy_before_the_engine_sees_them(proxy, r
         await c.chat.completions.create(model=name, messages=user("hi"), max_tokens=2,
                                         logit_bias={"999999": 1})
     assert e.value.body["param"] == "logit_bias"
+    with pytest.raises(openai.BadRequestError) as e:  # the proxy compiles the spec with the engine's tokenizer
+        await c.chat.completions.create(model=name, messages=user("hi"), max_tokens=2,
+                                        extra_body={"structured_outputs": {"regex": "(a"}})
+    assert e.value.body["param"] == "structured_outputs.regex"
     assert remote.backend.engine.seqs == {} and not remote.backend.core.streams
 
 

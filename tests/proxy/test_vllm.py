@@ -99,6 +99,27 @@ async def test_a_chat_goes_to_vllm_as_token_ids(proxy, vllm, tiny_llama):
     assert r.usage.prompt_tokens_details.cached_tokens == 3
 
 
+@pytest.mark.parametrize("kw,sent", [
+    ({"response_format": {"type": "json_object"}}, {"json_object": True}),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "p", "schema": {"type": "integer"}}}},
+     {"json": {"type": "integer"}}),
+    ({"extra_body": {"structured_outputs": {"choice": ["a", "b"]}}}, {"choice": ["a", "b"]}),
+    ({"extra_body": {"structured_outputs": {"regex": "[0-9]+"}}}, {"regex": "[0-9]+"}),
+    ({"extra_body": {"structured_outputs": {"grammar": 'root ::= "x"'}}}, {"grammar": 'root ::= "x"'}),
+], ids=["json_object", "json_schema", "choice", "regex", "grammar"])
+async def test_structured_outputs_go_to_vllm_as_its_structured_outputs(proxy, vllm, kw, sent):
+    await _client(proxy).chat.completions.create(model="fake-vllm", messages=user("Hi."), max_tokens=2, **kw)
+    assert vllm.bodies[-1]["structured_outputs"] == sent
+
+
+async def test_a_spec_that_does_not_compile_never_reaches_vllm(proxy, vllm):
+    before = len(vllm.bodies)
+    with pytest.raises(openai.BadRequestError) as e:
+        await _client(proxy).chat.completions.create(model="fake-vllm", messages=user("Hi."), max_tokens=2,
+                                                     extra_body={"structured_outputs": {"regex": "[0-"}})
+    assert e.value.body["param"] == "structured_outputs.regex" and len(vllm.bodies) == before
+
+
 async def test_full_and_prefix_map_to_cache_salts(proxy, vllm):
     async def salt(mode: str, key: str) -> str:
         await _client(proxy, key).completions.create(model="fake-vllm", prompt="a b", max_tokens=1,
