@@ -15,8 +15,8 @@ from tokendance.backend.collector import Collector, ReuseConfig, batches
 from tokendance.backend.config import DTYPES, EngineConfig, ModelConfig
 from tokendance.backend.detok import Detok
 from tokendance.backend.device import host_threads, pick_device
-from tokendance.backend.idle import IdleAgents
 from tokendance.backend.grammar import Grammars
+from tokendance.backend.idle import IdleAgents
 from tokendance.backend.lookahead import Inflight, eligible, launch
 from tokendance.backend.model import KVCache
 from tokendance.backend.pool import BlockPool
