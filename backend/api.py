@@ -43,16 +43,13 @@ class BackendError(RuntimeError):
     """The engine failed; every request of the affected group gets this error."""
 
 
-STRUCTURES = ("json", "json_object", "regex", "choice", "grammar")
-
-
 @dataclass(slots=True)
 class Structure:
     """What the output must match (backend/grammar.py): a JSON schema (`spec` its JSON
     text), any JSON object, a regular expression, one of a JSON list of strings, or an
     EBNF grammar."""
 
-    kind: str  # one of STRUCTURES
+    kind: str  # "json" | "json_object" | "regex" | "choice" | "grammar"
     spec: str = ""
     param: str = "response_format"  # the request's field it came from, for errors
     whitespace: bool = True  # JSON may hold any whitespace between its tokens (vLLM's default)

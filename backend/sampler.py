@@ -1,6 +1,7 @@
 """Next-token choice for a batch: logit bias and penalties (backend/penalties.py), a
-structured output's grammar (backend/grammar.py), then greedy, temperature, top-k, top-p, per-request seeds; and the log-probabilities of chosen
-(and top) tokens under the model's distribution."""
+structured output's grammar (backend/grammar.py), then greedy, temperature, top-k,
+top-p, per-request seeds; and the log-probabilities of chosen (and top) tokens under the
+model's distribution."""
 
 from __future__ import annotations
 
