@@ -228,8 +228,9 @@ class Stream(Protocol):
 class Backend(Protocol):
     info: ModelInfo
 
-    def render_chat(self, messages: list[dict[str, Any]]) -> str:
-        """The chat template applied to `messages`, with the generation prompt."""
+    def render_chat(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> str:
+        """The chat template applied to `messages` (and `tools`, where the template renders
+        them), with the generation prompt."""
 
     def prepare(self, request: Request) -> Prepared:
         """Tokenize and validate; raises InvalidRequest for client mistakes."""

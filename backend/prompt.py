@@ -40,11 +40,11 @@ def fast_tokenizer(path: Any, what: str = "") -> Any:
     return tok
 
 
-def render_chat(tokenizer: Any, messages: list[dict[str, Any]]) -> str:
-    """The chat template applied to `messages`, with the generation prompt; a template
-    that rejects them is the client's mistake."""
+def render_chat(tokenizer: Any, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> str:
+    """The chat template applied to `messages` (and `tools`, for a template that renders
+    them), with the generation prompt; a template that rejects them is the client's mistake."""
     try:
-        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        return tokenizer.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=True)
     except Exception as e:
         raise InvalidRequest(f"messages do not fit the model's chat template: {e}", "messages") from e
 

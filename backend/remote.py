@@ -67,8 +67,8 @@ class RemoteBackend:
 
     # -- the Backend protocol ------------------------------------------------------------
 
-    def render_chat(self, messages: list[dict[str, Any]]) -> str:
-        return render_chat(self.tokenizer, messages)
+    def render_chat(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> str:
+        return render_chat(self.tokenizer, messages, tools)
 
     def prepare(self, request: Request) -> Prepared:
         request.mode = request.mode or self.mode

@@ -38,8 +38,8 @@ class EngineBackend:
     def load(cls, model: str | None = None, dtype: str = "auto", mode: str = "collective", **kw: Any) -> "EngineBackend":
         return cls(Engine(EngineConfig(model=model, dtype=dtype, **kw)), mode)
 
-    def render_chat(self, messages: list[dict[str, Any]]) -> str:
-        return render_chat(self.engine.tokenizer, messages)
+    def render_chat(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> str:
+        return render_chat(self.engine.tokenizer, messages, tools)
 
     def prepare(self, request: Request) -> Prepared:
         mode = request.mode or self.mode

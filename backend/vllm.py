@@ -64,8 +64,8 @@ class VLLMBackend:
 
     # -- the Backend protocol ------------------------------------------------------------
 
-    def render_chat(self, messages: list[dict[str, Any]]) -> str:
-        return render_chat(self.tokenizer, messages)
+    def render_chat(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> str:
+        return render_chat(self.tokenizer, messages, tools)
 
     def prepare(self, request: Request) -> Prepared:
         mode = _served(request.mode or self.mode)
@@ -163,8 +163,10 @@ class VLLMBackend:
             body["logprobs"] = s.top_logprobs
         if s.structure is not None:  # vLLM's structured_outputs, which the kinds mirror
             st = s.structure
-            body["structured_outputs"] = {st.kind: True if st.kind == "json_object" else
-                                          json.loads(st.spec) if st.kind in ("json", "choice") else st.spec}
+            so = body["structured_outputs"] = {st.kind: True if st.kind == "json_object" else
+                                               json.loads(st.spec) if st.kind in ("json", "choice") else st.spec}
+            if not st.whitespace and st.kind in ("json", "json_object"):
+                so["disable_any_whitespace"] = True
         return body
 
 

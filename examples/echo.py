@@ -54,7 +54,7 @@ class EchoBackend:
         self.info = ModelInfo("echo", max_model_len, BYTES_PER_TOKEN)
         self.seen: set[bytes] = set()  # hashes of shared segments whose "KV" exists
 
-    def render_chat(self, messages: list[dict[str, Any]]) -> str:
+    def render_chat(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> str:
         turns = [f"<|{m.get('role', 'user')}|>\n{m.get('content') or ''}\n" for m in messages]
         return "".join(turns) + "<|assistant|>\n"
 

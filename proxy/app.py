@@ -64,9 +64,11 @@ async def chat_completions(req: web.Request) -> web.StreamResponse:
     px = req.app[PROXY]
     body = schemas.decode(await req.read(), schemas.ChatRequest)
     call = px.call("chat", body, req.headers, req[T0])
-    messages, sampling = schemas.check_chat(body)
+    messages, sampling, call.tools = schemas.check_chat(body)
+    call.meta.resumes = messages[-1]["role"] == "tool"
     known = px.place(call)
-    prompt = segment.chat(px.backend.render_chat, messages, call.meta.separators, known)
+    messages, render = px.chat_form(messages, call.tools)
+    prompt = segment.chat(render, messages, call.meta.separators, known)
     px.prepare(call, [prompt], sampling, body.add_special_tokens)
     streams = await px.admit(call)
     return await reply(req, px, call, streams)

@@ -18,6 +18,7 @@ import structlog
 from tokendance.backend.api import (Backend, BackendError, Delta, InvalidRequest, Prepared,
                                     Request, SamplingParams, Segment, Stream, TokenLogprob, Usage)
 
+from . import tools as t
 from .barrier import Barrier, Entry, Gate
 from .errors import ApiError, from_backend, invalid
 from .schemas import RoundOpen, Sampled
@@ -48,6 +49,7 @@ class Call:
     stream: bool = False
     include_usage: bool = False
     prepared: list[Prepared] = field(default_factory=list)
+    tools: t.Tools | None = None
     number: int | None = None  # the round, when in a session
     rnd: Round | None = None
     before: int = 0  # the agent's round count before this call (restored if it goes unanswered)
@@ -60,6 +62,7 @@ class Call:
     gen: float = 0.0  # waiting for the backend's deltas
     group: int = 1
     texts: list[list[str]] = field(default_factory=list)
+    shown: list[str] = field(default_factory=list)  # a chat choice's content, tool calls read out
     logprobs: list[list[TokenLogprob]] = field(default_factory=list)
     tokens: list[int] = field(default_factory=list)
     finish: list[str | None] = field(default_factory=list)
@@ -82,6 +85,10 @@ class Call:
 
     def text(self, i: int) -> str:
         return "".join(self.texts[i])
+
+    def said(self, i: int) -> str:
+        """What the client got as the choice's text (its content, without tool calls)."""
+        return self.shown[i] if self.shown else self.text(i)
 
     def total(self) -> Usage:
         """Usage of the whole call: prompt numbers once per prompt, the rest summed."""
@@ -120,6 +127,7 @@ class Proxy:
         self.publish: Callable[[str, int, dict], None] | None = None  # MQTT done
         self.observers: list[Callable[[Call], None]] = []
         self.started = time.time()
+        self._hermes: bool | None = None  # the chat template renders tools for Hermes calls
         self.in_flight = 0
         self.draining = False
         self._idle = asyncio.Event()
@@ -136,6 +144,12 @@ class Proxy:
         opts = body.stream_options
         return Call(prefix + secrets.token_hex(12), kind, body.model, meta, body.n, tenant,
                     body.stream, bool(opts and opts.include_usage), t0=t0)
+
+    def chat_form(self, messages: list[dict], tools: t.Tools | None) -> tuple[list[dict], t.Draw]:
+        """The messages to render and how (proxy/tools.py)."""
+        if self._hermes is None and t.uses_tools(messages, tools):
+            self._hermes = t.reads_hermes(self.backend.render_chat)
+        return t.form(self.backend.render_chat, bool(self._hermes), messages, tools)
 
     def place(self, call: Call) -> Known:
         """Choose the round; return the earlier outputs to look for in the prompt."""
@@ -168,17 +182,13 @@ class Proxy:
     async def admit(self, call: Call) -> list[Stream]:
         """Hold the call at its round's barrier (if any); its streams once its group started."""
         if call.number is None:
-            call.released = time.perf_counter()
-            self._count_group(len(call.prepared), "bypass")
-            try:
-                return self._generate(call.prepared)
-            except ApiError:
-                self.finish(call, "error")
-                raise
+            return self._alone(call, "bypass")
         rnd, call.before = self.sessions.commit(call.meta, call.number)
         call.rnd = rnd
         rnd.active += 1
         rnd.stats.first = rnd.stats.first or call.t0
+        if call.meta.resumes and (call.meta.agent is None or call.meta.agent in rnd.gate.done):
+            return self._alone(call, "resume")  # a tool result: its turn's group has left
         entry = Entry(call.meta.agent, call.prepared, asyncio.get_running_loop().create_future(), tag=call)
         try:
             streams = await self.barrier.wait(rnd.gate, entry)
@@ -189,6 +199,16 @@ class Proxy:
         call.wait, call.group = entry.released - entry.arrived, entry.group
         call.held = call.released - entry.arrived
         return streams
+
+    def _alone(self, call: Call, reason: str) -> list[Stream]:
+        """Start the call at once, in a group of its own."""
+        call.released = time.perf_counter()
+        self._count_group(len(call.prepared), reason)
+        try:
+            return self._generate(call.prepared)
+        except ApiError:
+            self.finish(call, "error")
+            raise
 
     def finish(self, call: Call, outcome: str | None = None) -> None:
         if call.done:
@@ -216,7 +236,7 @@ class Proxy:
             rnd.stats.last = now
             if call.outcome == "ok":
                 for i in range(len(call.prepared)):
-                    self.sessions.remember(rnd, call.meta.agent, call.text(i), call.tenant)
+                    self.sessions.remember(rnd, call.meta.agent, call.said(i), call.tenant)
             else:  # never answered (at the barrier or while generating): a retry keeps the round
                 self.sessions.uncommit(call.meta, rnd, call.before)
             if rnd.active == 0 and not rnd.gate.pending:

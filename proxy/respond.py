@@ -18,7 +18,7 @@ from aiohttp import web
 
 from tokendance.backend.api import BackendError, Delta, Stream, TokenLogprob
 
-from . import schemas as s
+from . import calls, schemas as s
 from .core import Call, Proxy
 from .errors import ApiError, from_backend
 
@@ -51,9 +51,17 @@ async def _json(px: Proxy, call: Call, streams: list[Stream]) -> web.Response:
         raise _failed(px, call, exc) from exc
     usage = _usage(call)
     if call.kind == "chat":
-        body: Any = s.ChatCompletion(call.id, call.created, call.model, [
-            s.ChatChoice(i, s.OutMessage(call.text(i)), call.finish[i], _chat_lp(call, call.logprobs[i]))
-            for i in range(len(streams))], usage)
+        choices = []
+        for i in range(len(streams)):
+            r = calls.reader(call.tools)
+            got = r.whole(call.text(i))
+            call.shown.append(got.content)
+            message = s.OutMessage("assistant", got.content if got.content or not got.calls else None,
+                                   [s.OutCall(c.id or "", s.OutFunction(c.name or "", c.arguments))
+                                    for c in got.calls] or None)
+            choices.append(s.ChatChoice(i, message, calls.finish(r, call.finish[i]),
+                                        _chat_lp(call, call.logprobs[i])))
+        body: Any = s.ChatCompletion(call.id, call.created, call.model, choices, usage)
     else:
         body = s.Completion(call.id, call.created, call.model, [
             s.TextChoice(i, call.text(i), call.finish[i], _text_lp(call, call.logprobs[i], 0))
@@ -67,6 +75,8 @@ async def _sse(req: web.Request, px: Proxy, call: Call, streams: list[Stream]) -
     await resp.prepare(req)
     chat = call.kind == "chat"
     offsets = [0] * len(streams)
+    readers = [calls.reader(call.tools) for _ in streams]
+    call.shown = [""] * len(streams) if chat else []
     try:
         if chat:
             await resp.write(_event(s.ChatChunk(call.id, call.created, call.model, [
@@ -75,8 +85,10 @@ async def _sse(req: web.Request, px: Proxy, call: Call, streams: list[Stream]) -
             async with contextlib.aclosing(_merged(call, streams)) as deltas:
                 async for i, d in deltas:
                     call.add(i, d)
-                    await resp.write(_event(_chunk(call, i, d, offsets[i])))
+                    chunk = _chat_chunk(call, i, d, readers[i]) if chat else _text_chunk(call, i, d, offsets[i])
                     offsets[i] += len(d.text)
+                    if chunk is not None:
+                        await resp.write(_event(chunk))
         except ConnectionResetError:
             raise
         except Exception as exc:
@@ -100,10 +112,24 @@ def _failed(px: Proxy, call: Call, exc: Exception) -> ApiError:
     return from_backend(exc)
 
 
-def _chunk(call: Call, i: int, d: Delta, offset: int) -> Any:
-    if call.kind == "chat":
-        return s.ChatChunk(call.id, call.created, call.model, [s.ChunkChoice(
-            i, s.OutDelta(content=d.text or None), _chat_lp(call, d.logprobs), d.finish_reason)])
+def _chat_chunk(call: Call, i: int, d: Delta, r: calls.Reader) -> s.ChatChunk | None:
+    """The delta as a chunk, tool calls read out; None when it has nothing to say yet."""
+    content, pieces = r.feed(d.text)
+    if d.finish_reason is not None:
+        more, last = r.end()
+        content, pieces = content + more, pieces + last
+    call.shown[i] += content
+    lp = _chat_lp(call, d.logprobs)
+    if not (content or pieces or d.finish_reason or (lp and lp.content)):
+        return None
+    deltas = [s.CallDelta(p.index, s.FunctionDelta(p.name, p.arguments), p.id, p.id and "function")
+              for p in pieces]
+    return s.ChatChunk(call.id, call.created, call.model, [s.ChunkChoice(
+        i, s.OutDelta(content=content or None, tool_calls=deltas or None), lp,
+        calls.finish(r, d.finish_reason))])
+
+
+def _text_chunk(call: Call, i: int, d: Delta, offset: int) -> s.Completion:
     return s.Completion(call.id, call.created, call.model, [
         s.TextChoice(i, d.text, d.finish_reason, _text_lp(call, d.logprobs, offset))])
 

@@ -14,6 +14,7 @@ from msgspec import Struct
 
 from tokendance.backend.api import InvalidRequest, SamplingParams
 
+from . import tools as t
 from .errors import invalid, unsupported
 from .structured import ResponseFormat, StructuredOutputs, structure
 
@@ -39,7 +40,8 @@ class Message(Struct, kw_only=True):
     role: str
     content: str | list[Part] | None = None
     name: str | None = None
-    tool_calls: list[Any] | None = None
+    tool_calls: list[t.MadeCall] | None = None
+    tool_call_id: str | None = None
 
 
 class StreamOptions(Struct):
@@ -74,8 +76,9 @@ class ChatRequest(Sampled, kw_only=True):
     max_completion_tokens: int | None = None
     logprobs: bool | None = None
     top_logprobs: int | None = None
-    tools: list[Any] | None = None
-    tool_choice: Any = None
+    tools: list[t.Tool] | None = None
+    tool_choice: str | t.NamedChoice | None = None
+    parallel_tool_calls: bool | None = None
     functions: list[Any] | None = None
     function_call: Any = None
     add_special_tokens: bool = False  # vLLM's: the template writes the BOS
@@ -153,31 +156,37 @@ def _logit_bias(bias: dict[str, float]) -> dict[int, float]:
     return out
 
 
-def check_chat(body: ChatRequest) -> tuple[list[dict[str, Any]], SamplingParams]:
-    """The messages as the chat template wants them, and the sampling parameters."""
-    if body.tools:
-        raise unsupported("tools")
+def check_chat(body: ChatRequest) -> tuple[list[dict[str, Any]], SamplingParams, t.Tools | None]:
+    """The messages as the chat template wants them, the sampling parameters and the tools."""
     if body.functions:
-        raise unsupported("functions")
-    if body.tool_choice not in (None, "none"):
-        raise unsupported("tool_choice")
+        raise unsupported("functions", "functions (use tools)")
     if body.function_call not in (None, "none"):
-        raise unsupported("function_call")
+        raise unsupported("function_call", "function_call (use tool_choice)")
+    tools = t.check(body.tools, body.tool_choice, body.parallel_tool_calls)
     if body.top_logprobs and not body.logprobs:
         raise invalid("top_logprobs requires logprobs to be true", "top_logprobs")
     if not body.messages:
         raise invalid("messages must not be empty", "messages")
     messages = [_message(i, m) for i, m in enumerate(body.messages)]
     limit = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-    return messages, sampling(body, limit, bool(body.logprobs), body.top_logprobs or 0)
+    sp = sampling(body, limit, bool(body.logprobs), body.top_logprobs or 0)
+    forced = tools.structure() if tools is not None else None
+    if forced is not None:
+        if sp.structure is not None:
+            raise invalid(f"tool_choice {tools.choice} holds the output to the tools' schema: "
+                          "it takes no response_format or structured_outputs", "tool_choice")
+        sp.structure = forced
+    return messages, sp, tools
 
 
 def _message(i: int, m: Message) -> dict[str, Any]:
     where = f"messages[{i}]"
-    if m.role in ("tool", "function") or m.tool_calls:
-        raise unsupported(f"{where}.role" if not m.tool_calls else f"{where}.tool_calls", "tool calling")
-    if m.role not in ("system", "developer", "user", "assistant"):
+    if m.role == "function":
+        raise unsupported(f"{where}.role", "messages of role function (use tool)")
+    if m.role not in ("system", "developer", "user", "assistant", "tool"):
         raise invalid(f"unknown role {m.role!r}", f"{where}.role")
+    if m.tool_calls and m.role != "assistant":
+        raise invalid("only assistant messages make tool calls", f"{where}.tool_calls")
     if isinstance(m.content, list):
         texts = []
         for j, part in enumerate(m.content):
@@ -191,9 +200,13 @@ def _message(i: int, m: Message) -> dict[str, Any]:
         content = ""
     else:
         content = m.content
-    out = {"role": "system" if m.role == "developer" else m.role, "content": content}
+    out: dict[str, Any] = {"role": "system" if m.role == "developer" else m.role, "content": content}
     if m.name:
         out["name"] = m.name
+    if m.tool_calls:
+        out["tool_calls"] = t.made_calls(i, m.tool_calls)
+    if m.role == "tool" and m.tool_call_id is not None:
+        out["tool_call_id"] = m.tool_call_id
     return out
 
 
@@ -274,9 +287,33 @@ class UsageOut(Struct):
     tokendance: ReuseDetails
 
 
-class OutMessage(Struct):
-    content: str
-    role: str = "assistant"
+class OutFunction(Struct):
+    name: str
+    arguments: str  # JSON text
+
+
+class OutCall(Struct):
+    id: str
+    function: OutFunction
+    type: str = "function"
+
+
+class OutMessage(Struct, omit_defaults=True):
+    role: str
+    content: str | None
+    tool_calls: list[OutCall] | None = None
+
+
+class FunctionDelta(Struct, omit_defaults=True):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class CallDelta(Struct, omit_defaults=True):
+    index: int
+    function: FunctionDelta
+    id: str | None = None
+    type: str | None = None
 
 
 class ChatChoice(Struct):
@@ -299,6 +336,7 @@ class ChatCompletion(Struct):
 class OutDelta(Struct, omit_defaults=True):
     role: str | None = None
     content: str | None = None
+    tool_calls: list[CallDelta] | None = None
 
 
 class ChunkChoice(Struct):

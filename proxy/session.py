@@ -3,8 +3,9 @@
 Round inference, when a request names no round: a named agent's k-th request in a
 session is its round k (an explicit round r moves its count to r). An anonymous
 request joins the session's latest round while that round's group is still forming,
-and otherwise starts the next one. A round that nobody announced expects the named
-agents of the previous round.
+and otherwise starts the next one. A request that resumes a turn (its last message is a
+tool's result) stays in its agent's round (an anonymous one in the latest). A round
+that nobody announced expects the named agents of the previous round.
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ class Meta:
     round: int | None = None
     mode: str | None = None
     separators: bool = False
+    resumes: bool = False  # the last message is a tool's result: the agent's turn goes on
 
 
 def read_meta(headers: Mapping[str, str], body: TokenDance | None) -> Meta:
@@ -164,8 +166,11 @@ class Sessions:
         if s is None:
             return 1
         if m.agent is not None:
-            return s.counts.get(m.agent, 0) + 1
+            count = s.counts.get(m.agent, 0)
+            return count if m.resumes and count else count + 1
         r = s.rounds.get(s.latest)
+        if m.resumes and r is not None:
+            return s.latest
         if r is not None and (r.gate.pending or (r.active == 0 and r.stats.requests == 0)):
             return s.latest
         return s.latest + 1

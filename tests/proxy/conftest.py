@@ -106,6 +106,19 @@ def engine_live(tiny_llama: Path) -> Iterator[Threaded]:
     t.close()
 
 
+@pytest.fixture(scope="module")
+def engine_client(engine_live) -> Any:
+    """The openai SDK's client of `engine_live`."""
+    import openai
+
+    return openai.OpenAI(base_url=engine_live.url + "/v1", api_key="sk-test", max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def engine_model(engine_live) -> str:
+    return engine_live.backend.info.name
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -39,7 +39,7 @@ class FakeBackend:
         self.closed = False
         self.down: str | None = None  # what problem() reports
 
-    def render_chat(self, messages: list[dict[str, Any]]) -> str:
+    def render_chat(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> str:
         out = [f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n" for m in messages]
         return "".join(out) + "<|im_start|>assistant\n"
 

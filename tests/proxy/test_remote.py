@@ -5,6 +5,7 @@ the engine's KV, and a lost engine answered with an error, never a hang."""
 from __future__ import annotations
 
 import asyncio
+import json
 import re
 import time
 from collections.abc import AsyncIterator
@@ -83,6 +84,13 @@ async def test_answers_equal_the_in_process_engines(tiny_llama, proxy, start):
     a, b = [await _client(s).chat.completions.create(**kw, extra_body=so) for s in (proxy, local)]
     assert a.choices[0].message.content == b.choices[0].message.content
     assert re.fullmatch("[a-z]{3}-[0-9]{2}", a.choices[0].message.content)
+    # So does a named tool's schema; the proxy reads the call out.
+    tool = {"type": "function", "function": {"name": "pick", "parameters": {
+        "type": "object", "required": ["x"], "properties": {"x": {"enum": ["left", "right"]}}}}}
+    forced = dict(tools=[tool], tool_choice={"type": "function", "function": {"name": "pick"}})
+    a, b = [await _client(s).chat.completions.create(**kw, **forced) for s in (proxy, local)]
+    assert a.choices[0].message.tool_calls[0].function == b.choices[0].message.tool_calls[0].function
+    assert json.loads(a.choices[0].message.tool_calls[0].function.arguments)["x"] in ("left", "right")
 
 
 async def test_a_round_reuses_its_shared_block_on_the_engine(proxy):

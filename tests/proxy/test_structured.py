@@ -21,14 +21,6 @@ PLAN = {"type": "object", "additionalProperties": False, "required": ["move", "s
         "properties": {"move": {"enum": ["north", "south"]}, "steps": {"type": "integer"}}}
 
 
-@pytest.fixture(scope="module")
-def client(engine_live) -> openai.OpenAI:
-    return openai.OpenAI(base_url=engine_live.url + "/v1", api_key="sk-test", max_retries=0)
-
-
-@pytest.fixture(scope="module")
-def model(engine_live) -> str:
-    return engine_live.backend.info.name
 
 
 def user(text: str) -> list[dict]:
@@ -40,16 +32,16 @@ def plan_ok(text: str) -> bool:
     return set(v) == {"move", "steps"} and v["move"] in ("north", "south") and type(v["steps"]) is int
 
 
-def test_a_json_schema_whole_and_streamed(client, model):
+def test_a_json_schema_whole_and_streamed(engine_client, engine_model):
     # The tiny random model would write whitespace forever where JSON allows any.
     so = {"structured_outputs": {"json": PLAN, "disable_any_whitespace": True}}
-    kw = dict(model=model, messages=user("Where to?"), max_tokens=200, temperature=0, extra_body=so)
-    whole = client.chat.completions.create(**kw)
+    kw = dict(model=engine_model, messages=user("Where to?"), max_tokens=200, temperature=0, extra_body=so)
+    whole = engine_client.chat.completions.create(**kw)
     text = whole.choices[0].message.content
     assert whole.choices[0].finish_reason == "stop" and plan_ok(text), text
-    chunks = list(client.chat.completions.create(**kw, stream=True))
+    chunks = list(engine_client.chat.completions.create(**kw, stream=True))
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == text
-    plain = client.chat.completions.create(**{**kw, "extra_body": None})
+    plain = engine_client.chat.completions.create(**{**kw, "extra_body": None})
     assert plain.choices[0].message.content != text
 
 
@@ -58,28 +50,28 @@ def test_a_json_schema_whole_and_streamed(client, model):
     ({"choice": ["buy", "sell", "hold"]}, lambda t: t in ("buy", "sell", "hold")),
     ({"grammar": 'root ::= ("ab" | "cd") [0-9]'}, lambda t: re.fullmatch("(ab|cd)[0-9]", t)),
 ], ids=["regex", "choice", "grammar"])
-def test_vllms_structured_outputs_in_chat_and_completions(client, model, so, ok):
-    chat = client.chat.completions.create(model=model, messages=user("Now?"), max_tokens=50, n=2,
+def test_vllms_structured_outputs_in_chat_and_completions(engine_client, engine_model, so, ok):
+    chat = engine_client.chat.completions.create(model=engine_model, messages=user("Now?"), max_tokens=50, n=2,
                                           temperature=1.0, seed=3, extra_body={"structured_outputs": so})
-    text = client.completions.create(model=model, prompt="The answer:", max_tokens=50, temperature=0,
+    text = engine_client.completions.create(model=engine_model, prompt="The answer:", max_tokens=50, temperature=0,
                                      extra_body={"structured_outputs": so})
     for c in [*chat.choices, *text.choices]:
         got = c.message.content if hasattr(c, "message") else c.text
         assert c.finish_reason == "stop" and ok(got), got
 
 
-def test_json_object_with_a_length_cut_reports_length(client, model):
-    r = client.chat.completions.create(model=model, messages=user("JSON please."), max_tokens=4,
+def test_json_object_with_a_length_cut_reports_length(engine_client, engine_model):
+    r = engine_client.chat.completions.create(model=engine_model, messages=user("JSON please."), max_tokens=4,
                                        temperature=0, response_format={"type": "json_object"})
     assert r.choices[0].finish_reason == "length" and r.choices[0].message.content.startswith("{")
 
 
-async def test_structured_requests_join_a_round(engine_live, model):
+async def test_structured_requests_join_a_round(engine_live, engine_model):
     c = openai.AsyncOpenAI(base_url=engine_live.url + "/v1", api_key="sk-test", max_retries=0)
 
     async def turn(agent: str):
         return await c.chat.completions.with_raw_response.create(
-            model=model, messages=user(f"{agent}, where to?"), max_tokens=200, temperature=0,
+            model=engine_model, messages=user(f"{agent}, where to?"), max_tokens=200, temperature=0,
             extra_body={"structured_outputs": {"json": PLAN, "disable_any_whitespace": True},
                         "tokendance": {"session": "structured", "agent": agent, "round": 1}})
 
@@ -95,9 +87,9 @@ async def test_structured_requests_join_a_round(engine_live, model):
     ({"extra_body": {"structured_outputs": {"json": "{nope"}}}, "structured_outputs.json"),
     ({"extra_body": {"structured_outputs": {"grammar": "root ::= missing"}}}, "structured_outputs.grammar"),
 ], ids=["schema", "regex", "json-text", "grammar"])
-def test_a_spec_that_does_not_compile_is_a_400(client, model, engine_live, kw, param):
+def test_a_spec_that_does_not_compile_is_a_400(engine_client, engine_model, engine_live, kw, param):
     with pytest.raises(openai.BadRequestError) as e:
-        client.chat.completions.create(model=model, messages=user("hi"), max_tokens=5, **kw)
+        engine_client.chat.completions.create(model=engine_model, messages=user("hi"), max_tokens=5, **kw)
     err = e.value.body
     assert err["param"] == param and "/project/" not in err["message"]
     assert not engine_live.backend.engine.seqs  # refused before the engine saw it

@@ -106,7 +106,12 @@ async def test_a_chat_goes_to_vllm_as_token_ids(proxy, vllm, tiny_llama):
     ({"extra_body": {"structured_outputs": {"choice": ["a", "b"]}}}, {"choice": ["a", "b"]}),
     ({"extra_body": {"structured_outputs": {"regex": "[0-9]+"}}}, {"regex": "[0-9]+"}),
     ({"extra_body": {"structured_outputs": {"grammar": 'root ::= "x"'}}}, {"grammar": 'root ::= "x"'}),
-], ids=["json_object", "json_schema", "choice", "regex", "grammar"])
+    ({"extra_body": {"structured_outputs": {"json": {"type": "integer"}, "disable_any_whitespace": True}}},
+     {"json": {"type": "integer"}, "disable_any_whitespace": True}),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}],
+      "tool_choice": {"type": "function", "function": {"name": "f"}}},
+     {"json": {"type": "object"}, "disable_any_whitespace": True}),
+], ids=["json_object", "json_schema", "choice", "regex", "grammar", "compact json", "named tool"])
 async def test_structured_outputs_go_to_vllm_as_its_structured_outputs(proxy, vllm, kw, sent):
     await _client(proxy).chat.completions.create(model="fake-vllm", messages=user("Hi."), max_tokens=2, **kw)
     assert vllm.bodies[-1]["structured_outputs"] == sent

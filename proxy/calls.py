@@ -1,0 +1,232 @@
+"""Reading tool calls out of a choice's text as it streams (proxy/tools.py writes the
+prompt side).
+
+A `Reader` takes the text in pieces and gives back, for each, the content the client may
+see and the parts of tool calls it completed. One reader per `tool_choice`:
+
+- `Hermes` (`auto`): content passes through until a `<tool_call>` tag; text that could
+  still become one is held back, as is whitespace that may turn out to stand only before
+  a call. Each call is given whole once its closing tag (or the end) comes. A call whose
+  body is not `{"name": ..., "arguments": {...}}` stays content, as the model wrote it.
+- `Named`: the whole output is the named function's arguments (held to its schema), so
+  they stream as they come.
+- `Required`: the output is a JSON list of `{"name", "parameters"}` (held to a schema of
+  the tools); its calls are given at the end (cut off by `max_tokens`, those it completed).
+
+Fed the same text in any pieces, a reader gives the same content and calls.
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+from dataclasses import dataclass, field
+from .tools import CLOSE, OPEN, Tools
+
+
+@dataclass(slots=True)
+class Piece:
+    """Part of one tool call of a choice; its first piece has the id and the name."""
+
+    index: int
+    id: str | None = None
+    name: str | None = None
+    arguments: str = ""
+
+
+@dataclass(slots=True)
+class Parsed:
+    """A choice's content and calls, put together from its pieces."""
+
+    content: str = ""
+    calls: list[Piece] = field(default_factory=list)
+
+    def add(self, content: str, pieces: list[Piece]) -> None:
+        self.content += content
+        for p in pieces:
+            if p.index == len(self.calls):
+                self.calls.append(Piece(p.index, p.id, p.name, p.arguments))
+            else:
+                self.calls[p.index].arguments += p.arguments
+
+
+def call_id() -> str:
+    return "call_" + secrets.token_hex(12)
+
+
+class Reader:
+    """Base: no tools to read, all of it is content."""
+
+    def __init__(self) -> None:
+        self.count = 0  # calls given so far
+
+    def feed(self, text: str) -> tuple[str, list[Piece]]:
+        return text, []
+
+    def end(self) -> tuple[str, list[Piece]]:
+        return "", []
+
+    def whole(self, text: str) -> Parsed:
+        out = Parsed()
+        out.add(*self.feed(text))
+        out.add(*self.end())
+        return out
+
+    def _call(self, name: str, arguments: str) -> Piece:
+        self.count += 1
+        return Piece(self.count - 1, call_id(), name, arguments)
+
+
+class Hermes(Reader):
+    def __init__(self, parallel: bool = True):
+        super().__init__()
+        self.parallel = parallel
+        self.pending = ""  # held back: a possible tag, whitespace, or the body of an open call
+        self.inside = False
+        self.gap = ""  # the whitespace before the open call's tag (content again if it fails)
+        self.fresh = False  # a call just ended: the whitespace after it is dropped
+
+    def feed(self, text: str) -> tuple[str, list[Piece]]:
+        self.pending += text
+        out: list[str] = []
+        pieces: list[Piece] = []
+        while True:
+            if self.inside:
+                j = self.pending.find(CLOSE)
+                if j < 0:
+                    break
+                body, self.pending = self.pending[:j], self.pending[j + len(CLOSE):]
+                self.inside = False
+                out.append(self._read(body, CLOSE, pieces))
+                continue
+            i = self.pending.find(OPEN)
+            if i < 0:
+                cut = len(self.pending) - _held(self.pending)
+                out.append(self._text(self.pending[:cut]))
+                self.pending = self.pending[cut:]
+                break
+            before = self.pending[:i]
+            said = before.rstrip()
+            out.append(self._text(said))
+            self.gap, self.pending, self.inside = before[len(said):], self.pending[i + len(OPEN):], True
+        return "".join(out), pieces
+
+    def end(self) -> tuple[str, list[Piece]]:
+        rest, self.pending = self.pending, ""
+        pieces: list[Piece] = []
+        if self.inside:  # a call the end cut off, or one the model never closed
+            self.inside = False
+            return self._read(rest, "", pieces), pieces
+        return (self._text(rest).rstrip() if self.count else self._text(rest)), pieces
+
+    def _text(self, text: str) -> str:
+        if self.fresh:
+            text = text.lstrip()
+            self.fresh = not text
+        return text
+
+    def _read(self, body: str, close: str, pieces: list[Piece]) -> str:
+        """A call's body: a piece, or the content it stays as when it is not a call."""
+        gap, self.gap = self.gap, ""
+        call = _hermes_call(body)
+        if call is None:
+            return self._text(gap + OPEN + body + close)
+        self.fresh = True
+        if not self.count or self.parallel:  # parallel_tool_calls false: the first call only
+            pieces.append(self._call(*call))
+        return ""
+
+
+def _held(text: str) -> int:
+    """How many characters at the end of `text` may still be the start of a call: a
+    prefix of the tag, with the whitespace before it."""
+    keep = 0
+    for k in range(min(len(OPEN) - 1, len(text)), 0, -1):
+        if OPEN.startswith(text[-k:]):
+            keep = k
+            break
+    body = text[:len(text) - keep]
+    return keep + len(body) - len(body.rstrip())
+
+
+def _hermes_call(body: str) -> tuple[str, str] | None:
+    try:
+        obj = json.loads(body)
+    except ValueError:
+        return None
+    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
+        return None
+    args = obj.get("arguments", obj.get("parameters", {}))
+    if isinstance(args, str):  # some models write the arguments as a JSON text
+        try:
+            args = json.loads(args)
+        except ValueError:
+            return None
+    if not isinstance(args, dict):
+        return None
+    return obj["name"], json.dumps(args, ensure_ascii=False)
+
+
+class Named(Reader):
+    def __init__(self, name: str):
+        super().__init__()
+        self.name = name
+
+    def feed(self, text: str) -> tuple[str, list[Piece]]:
+        if self.count == 0:
+            return "", [self._call(self.name, text)]
+        return "", [Piece(0, arguments=text)] if text else []
+
+    def end(self) -> tuple[str, list[Piece]]:
+        return self.feed("") if self.count == 0 else ("", [])
+
+
+class Required(Reader):
+    def __init__(self) -> None:
+        super().__init__()
+        self.text = ""
+
+    def feed(self, text: str) -> tuple[str, list[Piece]]:
+        self.text += text
+        return "", []
+
+    def end(self) -> tuple[str, list[Piece]]:
+        """The list's calls; cut off by max_tokens, the calls it completed."""
+        dec, text = json.JSONDecoder(), self.text
+        at = text.find("[") + 1
+        named = []
+        while 0 < at < len(text):
+            try:
+                c, at = dec.raw_decode(text, at)
+                named.append((c["name"], json.dumps(c["parameters"], ensure_ascii=False)))
+            except (ValueError, TypeError, KeyError):
+                break
+            at = _skip(text, at)
+        if not named:
+            return text, []
+        return "", [self._call(*c) for c in named]
+
+
+def _skip(text: str, at: int) -> int:
+    """Past the whitespace and comma after a list item; 0 at the list's end."""
+    while at < len(text) and text[at] in " \t\r\n,":
+        at += 1
+    return 0 if at >= len(text) or text[at] == "]" else at
+
+
+def reader(tools: Tools | None) -> Reader:
+    if tools is None or tools.choice == "none":
+        return Reader()
+    if tools.choice == "named":
+        return Named(tools.name or "")
+    if tools.choice == "required":
+        return Required()
+    return Hermes(tools.parallel)
+
+
+def finish(r: Reader, reason: str | None) -> str | None:
+    """OpenAI's finish_reason: `tool_calls` when the model chose to call (auto, required)
+    and stopped by itself; a named function ends `stop`, as OpenAI's does."""
+    if reason == "stop" and r.count and not isinstance(r, Named):
+        return "tool_calls"
+    return reason
