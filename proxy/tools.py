@@ -179,15 +179,16 @@ def uses_tools(messages: list[dict[str, Any]], tools: Tools | None) -> bool:
 
 
 def hermes(messages: list[dict[str, Any]], tools: Tools | None) -> list[dict[str, Any]]:
-    """The conversation for a template that renders no tools: the tools described in the
-    system message, each call as a <tool_call> in its assistant message, and tool results
-    in a user message (consecutive ones together), as Qwen2.5's template writes them."""
+    """The conversation for a template that renders no tools: the tools described at the
+    start of the system message (where every agent given the same tools shares them as a
+    prefix), each call as a <tool_call> in its assistant message, and tool results in a
+    user message (consecutive ones together), as Qwen2.5's template writes them."""
     out: list[dict[str, Any]] = []
     if tools is not None:
         text = _instructions(tools.specs)
         if messages and messages[0]["role"] == "system":
             first, *messages = messages
-            out.append({**first, "content": first["content"] + "\n\n" + text})
+            out.append({**first, "content": text + "\n\n" + first["content"]})
         else:
             out.append({"role": "system", "content": text})
     for m in messages:

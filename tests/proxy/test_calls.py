@@ -170,7 +170,8 @@ def test_a_conversation_written_for_a_template_without_tools():
     ]
     out = tools.hermes(convo, t)
     assert [m["role"] for m in out] == ["system", "user", "assistant", "user", "user"]
-    assert out[0]["content"].startswith("Be brief.\n\n# Tools") and '"name": "get_weather"' in out[0]["content"]
+    assert out[0]["content"].startswith("# Tools") and out[0]["content"].endswith("</tool_call>\n\nBe brief.")
+    assert '"name": "get_weather"' in out[0]["content"]
     assert out[2]["content"] == (tools.call_text("get_weather", {"city": "Paris"}) + "\n"
                                  + tools.call_text("get_weather", {"city": "Rome"}))
     assert out[3]["content"] == "<tool_response>\nsunny\n</tool_response>\n<tool_response>\nrain\n</tool_response>"
