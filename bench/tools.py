@@ -7,14 +7,18 @@ One engine behind the proxy (in-process, on its own thread; the openai SDK's asy
 client here). In round r each of N agents (one session, the round announced) asks,
 with two tools, for one call (`tool_choice` required, `parallel_tool_calls` false); it
 runs the tool here at once and sends the result back (the turn's second request,
-`tool_choice` none), without waiting for the others. From round 2 its question quotes
-every other agent's last answer (All-Gather). Per mode (`tokendance.mode` per request)
-and round: the time from the round's first request sent to its last answer read, the
-barrier groups the round formed, and the share of prompt tokens answered from cache, of
-the turns' first requests (the calls, one barrier group) and of their second ones (the
-answers, each resuming its turn alone once its group left). Repeats
-alternate modes, each under its own API key (no KV crosses repeats); medians. A
-figure against `full` is that mode's round time over full's in the same repeat.
+`tool_choice` none, `ignore_eos`: every mode decodes the same answer length), without
+waiting for the others. From round 2 its question quotes every other agent's last
+answer (All-Gather). Per mode (`tokendance.mode` per request) and round: the time from
+the round's first request sent to its last answer read, the barrier groups the round
+formed, and the share of prompt tokens answered from cache, of the turns' first
+requests (the calls, one barrier group) and of their second ones (the answers, each
+resuming its turn alone once its group left). "decoded" counts the round's generated
+tokens: a call's length follows the tool and arguments the model picks, which reuse can
+change. Repeats alternate modes, each under its own API key (no KV crosses repeats);
+medians. A figure against `full` is that mode's round time over full's in the same
+repeat. Last, the round-1 questions once more with `tool_choice` auto: how many the
+model answers with a call at all.
 """
 
 from __future__ import annotations
@@ -71,12 +75,13 @@ async def turn(client: Any, model: str, hdr: dict, mode: str, messages: list[dic
     result = run_tool(call.function.name, json.loads(call.function.arguments))
     convo = messages + [asked.choices[0].message.model_dump(exclude_none=True),
                         {"role": "tool", "tool_call_id": call.id, "content": result}]
-    answer = await client.chat.completions.with_raw_response.create(
+    answer = await client.chat.completions.with_raw_response.create(  # the same length in every mode
         model=model, messages=convo, tools=TOOLS, tool_choice="none", max_tokens=max_tokens, temperature=0,
-        extra_headers=hdr, extra_body=extra)
+        extra_headers=hdr, extra_body={**extra, "ignore_eos": True})
     done = answer.parse()
     u = done.usage
     return {"text": done.choices[0].message.content, "group": answer.headers["X-TokenDance-Group"],
+            "decoded": first.completion_tokens + u.completion_tokens,
             "prompt": (first.prompt_tokens, u.prompt_tokens),
             "cached": (first.prompt_tokens_details.cached_tokens, u.prompt_tokens_details.cached_tokens)}
 
@@ -113,11 +118,26 @@ async def simulate(url: str, model: str, n: int, rounds: int, mode: str, key: st
         if any(t["group"] != "1" for t in turns) or stats["requests"] != 2 * n:
             raise RuntimeError(f"round {r} did not resume its turns alone: {stats}")
         last = {a: t["text"] for a, t in zip(agents, turns)}
-        out.append({"ms": ms, "groups": stats["groups"],
+        out.append({"ms": ms, "groups": stats["groups"], "decoded": sum(t["decoded"] for t in turns),
                     "prompt": [sum(t["prompt"][k] for t in turns) for k in (0, 1)],
                     "cached": [sum(t["cached"][k] for t in turns) for k in (0, 1)]})
     await client.close()
     return out
+
+
+async def auto_calls(url: str, model: str, n: int) -> tuple[int, int]:
+    """Of n round-1 questions asked with `tool_choice` auto (greedy, full mode), how many
+    the model answered with a call of a given tool, and how many in all with a call."""
+    import openai
+
+    client = openai.AsyncOpenAI(base_url=url, api_key="auto", max_retries=0, timeout=600)
+    got = await asyncio.gather(*(client.chat.completions.create(
+        model=model, messages=question(i, 1, {}), tools=TOOLS, max_tokens=64, temperature=0,
+        extra_body={"tokendance": {"mode": "full"}}) for i in range(n)))
+    await client.close()
+    calls = [c.choices[0].message.tool_calls or [] for c in got]
+    names = {t["function"]["name"] for t in TOOLS}
+    return sum(bool(c) and all(x.function.name in names for x in c) for c in calls), sum(bool(c) for c in calls)
 
 
 def main(args: argparse.Namespace) -> int:
@@ -127,8 +147,8 @@ def main(args: argparse.Namespace) -> int:
     be = EngineBackend.load(args.model, dtype=args.dtype, mode="full")
     print(f"model {be.info.name}, {args.dtype}; {args.rounds} rounds, answers of {args.max_tokens} tokens; "
           f"medians of {args.repeats}")
-    print("| agents | mode | round | ms | / full | groups | cached / prompt tokens: calls | answers |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("| agents | mode | round | ms | / full | groups | decoded | cached / prompt tokens: calls | answers |")
+    print("|---|---|---|---|---|---|---|---|---|")
     with threaded(be, barrier_timeout=30.0) as url:
         for n in args.agents:
             runs: dict[str, list[list[dict]]] = {m: [] for m in MODES}
@@ -144,5 +164,9 @@ def main(args: argparse.Namespace) -> int:
                     ratio = statistics.median(x[r]["ms"] / f[r]["ms"] for x, f in zip(runs[mode], runs["full"]))
                     last = runs[mode][-1][r]
                     share = " | ".join(f"{c:,} / {p:,} ({c / p:.0%})" for c, p in zip(last["cached"], last["prompt"]))
-                    print(f"| {n} | {mode} | {r + 1} | {ms:,.0f} | {ratio:.2f}x | {last['groups']} | {share} |")
+                    print(f"| {n} | {mode} | {r + 1} | {ms:,.0f} | {ratio:.2f}x | {last['groups']} | "
+                          f"{last['decoded']:,} | {share} |")
+        n = max(args.agents)
+        good, made = asyncio.run(auto_calls(url, be.info.name, n))
+        print(f"tool_choice auto: {made} of {n} round-1 questions answered with a call, {good} naming given tools")
     return 0

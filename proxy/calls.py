@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 import secrets
 from dataclasses import dataclass, field
+
 from .tools import CLOSE, OPEN, Tools
 
 
@@ -193,9 +194,9 @@ class Required(Reader):
     def end(self) -> tuple[str, list[Piece]]:
         """The list's calls; cut off by max_tokens, the calls it completed."""
         dec, text = json.JSONDecoder(), self.text
-        at = text.find("[") + 1
+        at = _skip(text, text.find("[") + 1) if "[" in text else 0
         named = []
-        while 0 < at < len(text):
+        while at:
             try:
                 c, at = dec.raw_decode(text, at)
                 named.append((c["name"], json.dumps(c["parameters"], ensure_ascii=False)))
@@ -208,7 +209,7 @@ class Required(Reader):
 
 
 def _skip(text: str, at: int) -> int:
-    """Past the whitespace and comma after a list item; 0 at the list's end."""
+    """Past whitespace and commas to the next list item; 0 at the list's end."""
     while at < len(text) and text[at] in " \t\r\n,":
         at += 1
     return 0 if at >= len(text) or text[at] == "]" else at

@@ -87,6 +87,8 @@ def test_required_gives_the_calls_it_completed():
     assert [(c.name, c.arguments) for c in whole.calls] == [("f", '{"a": 1}'), ("g", "{}")]
     cut = calls.Required().whole('[{"name":"f","parameters":{"a":1}},{"name":"g","para')
     assert [(c.name, c.arguments) for c in cut.calls] == [("f", '{"a": 1}')] and cut.content == ""
+    spaced = calls.Required().whole('\n[ \n {"name": "f", "parameters": {}} ,\n{"name": "g", "parameters": {}} ]')
+    assert [c.name for c in spaced.calls] == ["f", "g"]
     nothing = calls.Required().whole('[{"na')
     assert nothing.calls == [] and nothing.content == '[{"na'
 

@@ -9,8 +9,10 @@ import asyncio
 import json
 import time
 from functools import partial
+from typing import Literal
 
 import openai
+import pydantic
 import pytest
 
 from tokendance.backend.prompt import render_chat
@@ -173,6 +175,19 @@ def test_required_gives_calls_of_the_given_tools(engine_client, engine_model, pa
     content, calls, finish = gathered(engine_client.chat.completions.create(**kw, stream=True))
     assert finish == "tool_calls" and [(n, a) for _, n, a in calls] == [
         (c.function.name, c.function.arguments) for c in ch.message.tool_calls]
+
+
+class Pick(pydantic.BaseModel):
+    side: Literal["left", "right"]
+    steps: Literal[1, 2, 3]
+
+
+def test_the_sdks_parse_gives_pydantic_arguments(engine_client, engine_model):
+    got = engine_client.chat.completions.parse(
+        model=engine_model, messages=user("Which way?"), max_tokens=40, temperature=0,
+        tools=[openai.pydantic_function_tool(Pick)], tool_choice={"type": "function", "function": {"name": "Pick"}})
+    (call,) = got.choices[0].message.tool_calls
+    assert isinstance(call.function.parsed_arguments, Pick)
 
 
 def test_a_tool_schema_that_does_not_compile_is_a_400(engine_client, engine_model):
