@@ -20,13 +20,14 @@ from autogen_ext.models.openai import OpenAIChatCompletionClient
 from tokendance.adapters.rounds import served_model
 from tokendance.adapters.tags import api_base, body, headers
 
-# What AutoGen must be told about a model it does not know by name.
+# What AutoGen must be told about a model it does not know by name: the proxy serves
+# tools (docs/proxy.md, "Tool calling"), JSON mode and JSON schemas for any model.
 INFO = ModelInfo(
     vision=False,
-    function_calling=False,
-    json_output=False,
+    function_calling=True,
+    json_output=True,
     family=ModelFamily.UNKNOWN,
-    structured_output=False,
+    structured_output=True,
     multiple_system_messages=True,
 )
 
