@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import time
+import urllib.request
 from functools import partial
 from typing import Literal
 
@@ -141,6 +143,8 @@ def test_a_tools_result_resumes_its_agents_turn_in_the_same_round(echo, fake):
         assert [r.headers["X-TokenDance-Group"] for r in second] == ["2", "2"]
         stats = echo.server.proxy.sessions.find(s, 1).view()
         assert stats["requests"] == 3 and stats["group_sizes"] == [2]
+        text = urllib.request.urlopen(echo.url + "/metrics").read().decode()
+        assert re.search(r'^tokendance_groups_total\{reason="resume"\} 1(\.0)?$', text, re.M), text
     finally:
         echo.server.proxy.barrier.timeout = 0.25
 
