@@ -32,16 +32,23 @@
 #   steps: a decode step at batch 32 x 4k split into GPU forward and host time
 #   remote: the proxy over `tokendance engine` against the engine in-process (bench/remote.py),
 #     a Qwen2.5-0.5B shape with random weights saved as a folder (the servers load folders)
+#   structured: structured outputs against the same work unconstrained (bench/structured.py),
+#     and tools: rounds of tool-calling agents through the proxy in each mode (bench/tools.py;
+#     with the host tier and without),
+#     both on a Qwen2.5-7B shape with random weights and the tokenizer's vocabulary, saved as a folder
 # The carried folders are git-ignored; make them once on the CPU machine:
 #   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 \
 #     --implementation cp --platform manylinux2014_x86_64 -d .whl structlog aiohttp msgspec aiomqtt
+#   (structured, tools: also xgrammar apache-tvm-ffi openai httpx2 httpcore2 anyio pydantic
+#   pydantic_core annotated-types typing-inspection distro jiter sniffio truststore idna h11
+#   paho-mqtt, with --platform manylinux_2_28_x86_64 and the versions .venv has)
 #   (then delete .whl/typing_extensions-*: the GPU host's own must stay)
 #   mkdir -p .device/tok && cp ~/.cache/tokendance/SmolLM2-135M-Instruct/{tokenizer.json,tokenizer_config.json,chat_template.jinja} .device/tok/
 # The package is not installed there: a namespace folder links our folders in.
 set -uo pipefail
 python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl || exit 1
 mkdir -p /tmp/td/tokendance
-for d in backend kernels proxy bench examples; do ln -sfn "$PWD/$d" "/tmp/td/tokendance/$d"; done
+for d in backend kernels proxy adapters bench examples; do ln -sfn "$PWD/$d" "/tmp/td/tokendance/$d"; done
 export PYTHONPATH=/tmp/td:/tmp/site PYTHONUNBUFFERED=1
 export TOKENDANCE_TOKENIZER="$PWD/.device/tok" TOKENDANCE_CACHE=/tmp/tdcache
 OUT=${OUT:-/tmp/out}
@@ -145,4 +152,19 @@ if want remote; then
   python3 -m tokendance.bench.shapes qwen2.5-0.5b /tmp/qwen2.5-0.5b-random >/dev/null &&
     td bench remote --model /tmp/qwen2.5-0.5b-random --dtype bfloat16 --repeats 20 2>&1 \
     | grep "^|" | tee "$OUT/remote.txt"
+fi
+if want structured || want tools; then
+  # the tokenizer's vocabulary: a mask over 100 k ids no token has costs what no real model's does
+  [ -d /tmp/qwen2.5-7b-v49k ] || python3 -m tokendance.bench.shapes qwen2.5-7b /tmp/qwen2.5-7b-v49k \
+    --tokenizer-vocab >/dev/null
+fi
+if want structured; then
+  td bench structured --model /tmp/qwen2.5-7b-v49k --dtype bfloat16 --batch 1,8,32 --repeats 5 2>&1 \
+    | grep -v -i "warn\|deprecat\|info " | tee "$OUT/structured.txt"
+fi
+if want tools; then  # then without the host tier: nothing parked between a turn's two requests
+  for gib in 1 0; do
+    td bench tools --model /tmp/qwen2.5-7b-v49k --dtype bfloat16 --agents 4,8,16 --rounds 2 --repeats 3 \
+      --offload-gib $gib 2>&1 | grep -v -i "warn\|deprecat\|info \|debug " | tee "$OUT/tools-$gib.txt"
+  done
 fi

@@ -43,16 +43,23 @@ def shape_folder(name: str) -> Path:
     return out
 
 
-def save_random(name: str, dest: Path) -> Path:
+def save_random(name: str, dest: Path, vocab: bool = False) -> Path:
     """A folder of shape `name` with random bf16 weights saved in it, loadable by any
-    `tokendance` process (for benchmarks that start servers, which load real folders)."""
+    `tokendance` process (for benchmarks that start servers, which load real folders).
+    `vocab`: the vocabulary (and end-of-sequence token) is the tokenizer's, not the
+    checkpoint's (a structured output's mask then covers real tokens only, as it does
+    for the real model; the embedded tokenizer has 49,152 of the shape's 152,064 ids)."""
     import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     src = shape_folder(name)
+    cfg = AutoConfig.from_pretrained(src)
+    if vocab:
+        tok = AutoTokenizer.from_pretrained(src)
+        cfg.vocab_size, cfg.eos_token_id = len(tok), tok.eos_token_id
     torch.manual_seed(0)
     with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
-        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(src), dtype=torch.bfloat16)
+        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
     model.save_pretrained(dest)
     for f in src.iterdir():
         if f.name != "config.json":
@@ -81,6 +88,9 @@ def round_engine(model: str | None, dtype: str, kv_tokens: int, random: bool = F
 if __name__ == "__main__":
     import sys
 
-    if len(sys.argv) != 3:
-        sys.exit("usage: python -m tokendance.bench.shapes SHAPE DEST (a folder of random weights)")
-    print(save_random(sys.argv[1], Path(sys.argv[2])))
+    args = sys.argv[1:]
+    own = "--tokenizer-vocab" in args
+    args = [a for a in args if a != "--tokenizer-vocab"]
+    if len(args) != 2:
+        sys.exit("usage: python -m tokendance.bench.shapes SHAPE DEST [--tokenizer-vocab] (a folder of random weights)")
+    print(save_random(args[0], Path(args[1]), own))

@@ -30,7 +30,7 @@ import statistics
 import time
 from typing import Any
 
-from tokendance.bench.options import counts, positive
+from tokendance.bench.options import counts, natural, positive
 
 MODES = ("full", "prefix", "collective")
 NAMES = ["Ada", "Bo", "Cy", "Dee", "Eli", "Fay", "Gus", "Hal", "Ivy", "Jo", "Kai", "Lu", "Max", "Ned", "Oz", "Pia"]
@@ -55,6 +55,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rounds", type=positive, default=2)
     p.add_argument("--repeats", type=positive, default=3)
     p.add_argument("--max-tokens", type=positive, default=32, help="tokens of each answer")
+    p.add_argument("--offload-gib", type=natural, default=1,
+                   help="host memory for parked agents (0: off, nothing parked or restored)")
 
 
 def run_tool(name: str, args: dict[str, Any]) -> str:
@@ -144,9 +146,9 @@ def main(args: argparse.Namespace) -> int:
     from tokendance.backend.service import EngineBackend
     from tokendance.examples.local import threaded
 
-    be = EngineBackend.load(args.model, dtype=args.dtype, mode="full")
+    be = EngineBackend.load(args.model, dtype=args.dtype, mode="full", offload_bytes=args.offload_gib << 30)
     print(f"model {be.info.name}, {args.dtype}; {args.rounds} rounds, answers of {args.max_tokens} tokens; "
-          f"medians of {args.repeats}")
+          f"host tier {args.offload_gib} GiB; medians of {args.repeats}")
     print("| agents | mode | round | ms | / full | groups | decoded | cached / prompt tokens: calls | answers |")
     print("|---|---|---|---|---|---|---|---|---|")
     with threaded(be, barrier_timeout=30.0) as url:

@@ -22,3 +22,6 @@ def test_a_saved_shape_loads_with_its_weights(monkeypatch, tmp_path, smollm2):
     assert torch.equal(eng.model.model.embed_tokens.weight, saved)  # its weights, not fresh random ones
     [(ids, _, finish)] = eng.generate([[5, 6, 7]], SamplingParams(max_tokens=2, temperature=0))
     assert len(ids) == 2 and finish == "length"
+    own = shapes.save_random("tiny", tmp_path / "own", vocab=True)
+    mine = Engine(model=str(own), dtype="float32")
+    assert mine.mcfg.vocab_size == len(eng.tokenizer) == 49152 and mine.eos == {eng.tokenizer.eos_token_id}

@@ -5,18 +5,22 @@ from __future__ import annotations
 
 import re
 
+import pytest
+
 from tokendance.bench import tools as tools_bench
 
 
-def test_tools_bench_reports_each_mode_and_round(tiny_llama, bench):
+@pytest.mark.parametrize("offload", ["1", "0"])
+def test_tools_bench_reports_each_mode_and_round(tiny_llama, bench, offload):
     out = bench(tools_bench, "--model", str(tiny_llama), "--agents", "2", "--rounds", "2", "--repeats", "1",
-                "--max-tokens", "4")
+                "--max-tokens", "4", "--offload-gib", offload)
+    assert f"host tier {offload} GiB" in out
     rows = {(m[1], int(m[2])): m for m in re.finditer(
         r"^\| 2 \| (\w+) \| (\d) \| [\d,]+ \| ([\d.]+)x \| 1 \| [\d,]+ \| ([\d,]+) / ([\d,]+) \(\d+%\) \| "
         r"([\d,]+) / ([\d,]+) \(\d+%\) \|$", out, re.M)}
     assert set(rows) == {(m, r) for m in tools_bench.MODES for r in (1, 2)}, out
     assert all(rows["full", r][3] == "1.00" and rows["full", r][6] == "0" for r in (1, 2))
-    for mode in ("prefix", "collective"):  # the answer's prompt starts with the call's
+    for mode in ("prefix", "collective"):  # the answer's prompt starts with the call's (parked or in blocks)
         assert all(int(rows[mode, r][6].replace(",", "")) > 0 for r in (1, 2)), out
     assert re.search(r"^tool_choice auto: [0-2] of 2 round-1 questions answered with a call, [0-2] naming", out,
                      re.M), out
