@@ -128,6 +128,9 @@ def test_a_tools_result_resumes_its_agents_turn_in_the_same_round(echo, fake):
             return await asyncio.gather(*(http.chat.completions.with_raw_response.create(
                 **t(messages=messages[a]), extra_headers=hdr(a)) for a in ("Ada", "Bo")))
 
+        urllib.request.urlopen(urllib.request.Request(  # round 1's group leaves once both are there
+            f"{echo.url}/v1/tokendance/sessions/{s}/rounds/1", data=json.dumps({"agents": ["Ada", "Bo"]}).encode(),
+            headers={"Content-Type": "application/json"}))
         first = asyncio.run(both({"Ada": user(ASK), "Bo": user("Bo thinks about the weather today")}))
         assert [r.headers["X-TokenDance-Round"] for r in first] == ["1", "1"]
         assert [r.headers["X-TokenDance-Group"] for r in first] == ["2", "2"]
