@@ -58,15 +58,24 @@ class BlockManager:
         prev = seq.hashes[-1] if start else namespace(seq.tenant, "prefix")
         return chained(prev, seq.tokens[start * self.size:stop * self.size], self.size)
 
-    def match_prefix(self, seq: Sequence) -> None:
-        """Take cached blocks for the longest prefix of full blocks (keeping the last
-        token to compute, so there is a step that samples)."""
+    def _hits(self, seq: Sequence) -> Iterator[tuple[Key, int]]:
+        """The cached blocks of the longest prefix of full blocks (short of the last
+        token, so there is a step that samples)."""
         if not seq.prefix_cache or seq.blocks:
             return
         for h in self._keys(seq, (len(seq) - 1) // self.size):
             block = self.pool.lookup(h)
             if block is None:
-                break
+                return
+            yield h, block
+
+    def cached(self, seq: Sequence) -> int:
+        """Prompt tokens `match_prefix` would find now."""
+        return sum(1 for _ in self._hits(seq)) * self.size
+
+    def match_prefix(self, seq: Sequence) -> None:
+        """Take the cached blocks of the sequence's longest cached prefix."""
+        for h, block in self._hits(seq):
             self.pool.incref(block)
             seq.blocks.append(block)
             seq.hashes.append(h)

@@ -147,7 +147,12 @@ class Engine:
         self.seqs[rid] = seq
         if agent is not None and self.cfg.offload_bytes and mode in ("pic", "collective"):
             seq.agent = f"{tenant}\0{agent}"
-            seq.resume = self.idle.take(seq.agent, seq.prompt, seq.shared)  # restored with its group
+            pooled = self.blocks.cached(seq)  # an exact prefix still in the pool (a plain request)
+            r = self.idle.take(seq.agent, seq.prompt, seq.shared)  # restored with its group
+            if r is not None and r.length <= pooled + self.cache.block_size:
+                self.idle.tier.drop(r.name)  # found in the pool, as `prefix` finds it: no restore
+                r = None
+            seq.resume = r
         if mode in ("pic", "collective") and (seq.shared or seq.resume is not None):
             self.blend_waiting.append(seq)
         else:

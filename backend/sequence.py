@@ -54,7 +54,10 @@ class Sequence:
 
     @property
     def prefix_cache(self) -> bool:
-        return self.mode == "prefix"
+        """Exact prefix caching: a `prefix` request, or a pic / collective one computed
+        plainly (no shared segment, nothing restored), whose KV is as exact."""
+        return self.mode == "prefix" or (self.mode in ("pic", "collective") and not self.shared
+                                         and self.resume is None and self.mirror is None)
 
     @property
     def tokens(self) -> list[int]:
