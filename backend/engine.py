@@ -147,9 +147,9 @@ class Engine:
         self.seqs[rid] = seq
         if agent is not None and self.cfg.offload_bytes and mode in ("pic", "collective"):
             seq.agent = f"{tenant}\0{agent}"
-            pooled = self.blocks.cached(seq)  # an exact prefix still in the pool (a plain request)
             r = self.idle.take(seq.agent, seq.prompt, seq.shared)  # restored with its group
-            if r is not None and r.length <= pooled + self.cache.block_size:
+            # A plain request may find as much of its prefix still in the pool, exact.
+            if r is not None and r.length <= self.blocks.cached(seq) + self.cache.block_size:
                 self.idle.tier.drop(r.name)  # found in the pool, as `prefix` finds it: no restore
                 r = None
             seq.resume = r
