@@ -24,6 +24,7 @@ from tokendance.backend.model import KVCache
 from tokendance.backend.offload import HostTier
 from tokendance.backend.pool import flat_slots
 from tokendance.backend.sequence import Sequence
+from tokendance.backend.upload import upload
 
 
 @dataclass(slots=True)
@@ -79,12 +80,15 @@ class IdleAgents:
         spans = seq.mirror.spans if seq.mirror is not None else []
         # On the host a Master is its version: another agent may have read other K/V
         # under the same key, and each must get back what it was computed with.
+        put = []
         for sp in spans:
-            self.tier.put_master(sp.version, flat_slots(sp.blocks, torch.arange(sp.n), b).to(dev))
-        held = self.tier.park(name, flat_slots(seq.blocks, torch.arange(n), b).to(dev),
-                              [sp.version for sp in spans])
-        for sp in spans:
-            self.tier.release_master(sp.version)
+            if not self.tier.put_master(sp.version, upload(flat_slots(sp.blocks, torch.arange(sp.n), b), dev)):
+                break  # no room even for the Masters: not parked
+            put.append(sp.version)
+        held = len(put) == len(spans) and self.tier.park(
+            name, upload(flat_slots(seq.blocks, torch.arange(n), b), dev), put)
+        for version in put:
+            self.tier.release_master(version)
         if held:
             self.parked[name] = Parked(tokens, seq.mirror, n)
         for gone in [k for k in self.parked if k not in self.tier]:  # evicted for budget
@@ -125,7 +129,7 @@ class IdleAgents:
         k = torch.where(inside, seq.mirror.own_of[j.clamp(0, r.length - 1)], -1)
         out = torch.where(k >= 0, flat_slots(seq.blocks, k.clamp_min(0), self.cache.block_size),
                           self.cache.trash)
-        return out.to(self.cache.kv.device)
+        return upload(out, self.cache.kv.device)
 
     def restore(self, items: list[tuple[Resume, Sequence]], masters: dict[int, torch.Tensor]) -> None:
         """One fused restore: each resumed request's private slots, and the Masters in

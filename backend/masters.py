@@ -21,6 +21,7 @@ from tokendance.backend.keys import Key
 from tokendance.backend.mirror import EARLY, Span
 from tokendance.backend.segments import Entry, SegmentCache
 from tokendance.backend.sequence import Sequence
+from tokendance.backend.upload import upload
 
 
 def parked_spans(r: Resume) -> list[Span]:
@@ -68,7 +69,7 @@ def bring_back(group: list[Sequence], segments: SegmentCache, idle: IdleAgents,
             pinned.append(e)
             held.append(e)
             entered.append(e)
-            mine[sp.version] = holder.slots(torch.arange(sp.n), EARLY, block_size, -1).to(device)
+            mine[sp.version] = upload(holder.slots(torch.arange(sp.n), EARLY, block_size, -1), device)
         else:
             out.update(mine)
             continue

@@ -10,11 +10,11 @@ dense copy of any agent is ever built).
 
 A vLLM-style dense tier is the same API with no Masters and every token private.
 
-Host entries are [n, layers, 2, Hkv, D] (pinned when the pool is on CUDA), so an entry
-is one contiguous range and the staging buffer their concatenation along n. Copies run
-on the current stream without host syncs: a host entry is complete in stream order,
-which is all a later restore on the same stream needs (read one on the CPU only after
-torch.cuda.synchronize()).
+Host entries are rows of [layers, 2, Hkv, D], one token each, in pages of the tier's
+arena (backend/arena.py: pinned when the pool is on CUDA, once), so an entry is a few
+contiguous ranges and the staging buffer their concatenation. Copies run on the current
+stream without host syncs: a host entry is complete in stream order, which is all a
+later restore on the same stream needs.
 
 References: every `put_master` holds one reference for its caller until
 `release_master`; every parked agent holds one on each Master it reads until it is
@@ -32,42 +32,41 @@ from dataclasses import dataclass
 
 import torch
 
+from tokendance.backend.arena import Arena, Pages
 from tokendance.backend.model import KVCache
+from tokendance.backend.upload import upload
 from tokendance.kernels.restore import gather_slots, scatter_slots
 
 
 @dataclass(slots=True)
 class _Master:
-    data: torch.Tensor  # host [n, layers, 2, Hkv, D]
+    data: Pages
+    nbytes: int
     puts: int = 1  # references held by callers of put_master
     readers: int = 0  # parked agents reading it
-
-    @property
-    def nbytes(self) -> int:
-        return self.data.numel() * self.data.element_size()
 
 
 @dataclass(slots=True)
 class _Parked:
-    data: torch.Tensor  # host [n, layers, 2, Hkv, D]
+    data: Pages
+    nbytes: int
     masters: list[int]
     taken: bool = False  # a request will restore it: not evictable
 
-    @property
-    def nbytes(self) -> int:
-        return self.data.numel() * self.data.element_size()
-
 
 class HostTier:
-    __slots__ = ("cache", "budget", "masters", "agents", "_bytes", "_pin")
+    __slots__ = ("cache", "budget", "masters", "agents", "arena", "_bytes")
 
-    def __init__(self, cache: KVCache, budget_bytes: int):
+    def __init__(self, cache: KVCache, budget_bytes: int, page: int | None = None):
+        """`page`: tokens a host page holds (default: 2 MiB of K/V)."""
         self.cache = cache
         self.budget = budget_bytes
         self.masters: dict[int, _Master] = {}
         self.agents: OrderedDict[str, _Parked] = OrderedDict()  # least recently parked first
+        kv = cache.kv
+        self.arena = Arena((kv.shape[0], 2, kv.shape[4], kv.shape[5]), kv.dtype, kv.is_cuda,
+                           budget_bytes, page)
         self._bytes = 0
-        self._pin = cache.kv.is_cuda
 
     # -- queries -------------------------------------------------------------------
 
@@ -89,15 +88,19 @@ class HostTier:
 
     # -- offload -------------------------------------------------------------------
 
-    def put_master(self, key: int, slots: torch.Tensor) -> None:
+    def put_master(self, key: int, slots: torch.Tensor) -> bool:
         """Copy a Master segment's K/V to the host, once per key; a second put only adds
-        a reference."""
+        a reference. False when it cannot fit the budget (then nothing is held)."""
         m = self.masters.get(key)
         if m is not None:
             m.puts += 1
-            return
-        m = self.masters[key] = _Master(self._to_host(slots))
-        self._bytes += m.nbytes
+            return True
+        need = self._need(slots)
+        if not self._room(need, set()):
+            return False
+        self.masters[key] = _Master(self._to_host(slots), need)
+        self._bytes += need
+        return True
 
     def release_master(self, key: int) -> None:
         """Drop one put_master reference; the Master is freed when no one holds it."""
@@ -117,20 +120,13 @@ class HostTier:
         for key in masters:  # taken first: no eviction below may free them
             self.masters[key].readers += 1
         self.drop(name)
-        need = slots.numel() * self.token_bytes()
-        # What stays if every agent that may be evicted went: taken agents, Masters put
-        # and still held, the ones this agent or a taken one reads.
-        taken = [e for e in self.agents.values() if e.taken]
-        keep = set(masters).union(*(e.masters for e in taken))
-        floor = sum(m.nbytes for k, m in self.masters.items() if m.puts or k in keep)
-        if floor + sum(e.nbytes for e in taken) + need > self.budget:
+        need = self._need(slots)
+        if not self._room(need, set(masters)):
             self._release(masters)
             return 0
-        while self._bytes + need > self.budget:
-            self.drop(next(n for n, e in self.agents.items() if not e.taken))
-        entry = self.agents[name] = _Parked(self._to_host(slots), masters)
-        self._bytes += entry.nbytes
-        return entry.nbytes
+        entry = self.agents[name] = _Parked(self._to_host(slots), need, masters)
+        self._bytes += need
+        return need
 
     def take(self, name: str) -> None:
         """Keep a parked agent until it is restored or dropped: no park evicts it."""
@@ -150,6 +146,7 @@ class HostTier:
         if entry is None:
             return
         self._bytes -= entry.nbytes
+        self.arena.release(entry.data)
         self._release(entry.masters)
 
     # -- restore -------------------------------------------------------------------
@@ -161,7 +158,7 @@ class HostTier:
         names = [name for name, _ in items]
         if len(set(names)) != len(names):
             raise ValueError("restore: an agent is named twice")
-        parts: list[tuple[torch.Tensor, torch.Tensor]] = []
+        parts: list[tuple[Pages, torch.Tensor]] = []
         for key, dst in masters.items():
             parts.append((self._master(key, "restore").data, dst))
         for name, dst in items:
@@ -170,8 +167,8 @@ class HostTier:
                 raise KeyError(f"restore: agent {name!r} is not parked")
             parts.append((entry.data, dst))
         for what, (data, dst) in zip([*(f"Master {k}" for k in masters), *names], parts):
-            if dst.dim() != 1 or dst.numel() != data.shape[0] or dst.is_floating_point():
-                raise ValueError(f"restore: {what} holds {data.shape[0]} tokens, given "
+            if dst.dim() != 1 or dst.numel() != data.n or dst.is_floating_point():
+                raise ValueError(f"restore: {what} holds {data.n} tokens, given "
                                  f"{dst.dtype} destination slots of shape {tuple(dst.shape)}")
         kv = self.cache.kv
         slots = torch.cat([dst.to(torch.long) for _, dst in parts]) if parts else None
@@ -180,33 +177,44 @@ class HostTier:
                 int(slots.min()) < 0 or int(slots.max()) >= limit):
             raise ValueError(f"restore: destination slots must lie in [0, {limit})")
         if slots is not None and slots.numel():
-            stage = torch.empty((slots.numel(), *parts[0][0].shape[1:]), dtype=kv.dtype,
-                                device=kv.device)
-            # One copy per entry into device staging: 53 GB/s on the H200 (the link's
-            # 55), where packing a pinned host buffer first reached 21 GB/s.
+            stage = torch.empty((slots.numel(), *self.arena.row), dtype=kv.dtype, device=kv.device)
+            # One copy per run of pages into device staging: 53 GB/s on the H200 (the
+            # link's 55), where packing a pinned host buffer first reached 21 GB/s.
             at = 0
             for data, _ in parts:
-                stage[at:at + data.shape[0]].copy_(data, non_blocking=True)
-                at += data.shape[0]
-            slots = slots.to(kv.device, non_blocking=True)
-            scatter_slots(kv, slots, stage.permute(1, 2, 0, 3, 4))
+                self.arena.read(data, stage[at:at + data.n])
+                at += data.n
+            scatter_slots(kv, upload(slots, kv.device), stage.permute(1, 2, 0, 3, 4))
         for name in names:
             self.drop(name)
 
     # -- internals -----------------------------------------------------------------
 
-    def _to_host(self, slots: torch.Tensor) -> torch.Tensor:
+    def _need(self, slots: torch.Tensor) -> int:
+        return self.arena.pages(slots.numel()) * self.arena.page_bytes
+
+    def _room(self, need: int, keep: set[int]) -> bool:
+        """Make `need` more bytes fit the budget, evicting least recently parked agents
+        that nobody has taken; False, evicting none, when even evicting them all would
+        not do. What stays in any case: taken agents, Masters put and still held, and
+        the Masters in `keep` or read by a taken agent."""
+        taken = [e for e in self.agents.values() if e.taken]
+        keep = keep.union(*(e.masters for e in taken))
+        floor = sum(m.nbytes for k, m in self.masters.items() if m.puts or k in keep)
+        if floor + sum(e.nbytes for e in taken) + need > self.budget:
+            return False
+        while self._bytes + need > self.budget:
+            self.drop(next(n for n, e in self.agents.items() if not e.taken))
+        return True
+
+    def _to_host(self, slots: torch.Tensor) -> Pages:
         kv = self.cache.kv
         slots = slots.to(device=kv.device, dtype=torch.long)
-        n = slots.numel()
-        shape = (n, kv.shape[0], 2, kv.shape[4], kv.shape[5])
-        buf = torch.empty(shape, dtype=kv.dtype, device=kv.device)
+        buf = torch.empty((slots.numel(), *self.arena.row), dtype=kv.dtype, device=kv.device)
         gather_slots(kv, slots, buf.permute(1, 2, 0, 3, 4))
-        if not kv.is_cuda:
-            return buf
-        host = torch.empty(shape, dtype=kv.dtype, pin_memory=self._pin)
-        host.copy_(buf, non_blocking=True)
-        return host
+        pages = self.arena.alloc(slots.numel())
+        self.arena.write(pages, buf)
+        return pages
 
     def _master(self, key: int, op: str) -> _Master:
         m = self.masters.get(key)
@@ -224,3 +232,4 @@ class HostTier:
         if not m.puts and not m.readers:
             del self.masters[key]
             self._bytes -= m.nbytes
+            self.arena.release(m.data)

@@ -60,7 +60,7 @@ want() { [[ "$what" == *" all "* || "$what" == *" $1 "* ]]; }
 if want engine || want check; then
   python3 -m tokendance.bench.check_cuda 2>&1 | grep -v -i "warn\|deprecat" | tee "$OUT/check.txt"
   # The GPU-only tests (skipped on the CPU machine).
-  python3 -m pytest -q -p no:cacheprovider -rs tests/kernels/test_prefill.py tests/backend/test_upload.py \
+  python3 -m pytest -q -p no:cacheprovider -rs tests/kernels/test_prefill.py tests/backend/test_upload.py tests/backend/test_arena.py \
     2>&1 | tail -4 | tee "$OUT/gpu_tests.txt"
 fi
 if want act; then

@@ -27,6 +27,7 @@ import torch
 from tokendance.backend.config import DTYPES
 from tokendance.backend.device import pick_device
 from tokendance.backend.model import KVCache
+from tokendance.backend.arena import PAGE_BYTES
 from tokendance.backend.offload import HostTier
 from tokendance.bench.options import counts, natural, positive, shares
 from tokendance.kernels.restore import gather_slots
@@ -100,8 +101,8 @@ def restore_once(tier: HostTier, kind: str, plan: dict, device: torch.device,
         tier.park(f"a{i}", to(s), [0] if msrc is not None else [])
     if msrc is not None:
         tier.release_master(0)  # the agents hold it now: freed with the last one restored
-    moved = tier.bytes
     allsrc = torch.cat(([msrc] if msrc is not None else []) + srcs)
+    moved = allsrc.numel() * tier.token_bytes()  # what crosses the link (the tier holds whole pages)
     want = gather_slots(tier.cache.kv, to(allsrc)) if check else None
     items = [(f"a{i}", to(s)) for i, s in enumerate(dsts)]
     masters = {0: to(mdst)} if msrc is not None else {}
@@ -137,7 +138,9 @@ def run(n: int, ratios: list[float], args: argparse.Namespace, shape: tuple[int,
     cfg = SimpleNamespace(num_layers=layers, num_kv_heads=hkv, head_dim=hd)
     cache = KVCache(cfg, max(map(blocks, ratios)), bs, DTYPES[args.dtype], dev)
     cache.kv.normal_()
-    tier = HostTier(cache, 1 << 50)  # no eviction: what is measured is the restore
+    # Room for any one layout, each entry's last page partly used: no eviction, what is
+    # measured is the restore (the tier pins its budget when made).
+    tier = HostTier(cache, cache.kv.numel() * cache.kv.element_size() + (n + 1) * PAGE_BYTES)
     dense_ms, dense_bytes = [], 0
     rows = []
     for j, r in enumerate(ratios):

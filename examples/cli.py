@@ -107,7 +107,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if debug:
             raise
         return _fail(str(e), 2)
-    except (OSError, ValueError) as e:
+    except (OSError, ValueError, MemoryError) as e:  # MemoryError: e.g. a host tier that cannot be had
         if debug:
             raise
         return _fail(f"tokendance {name}: {e or type(e).__name__}", 1)

@@ -156,11 +156,16 @@ def test_a_changed_prompt_restores_nothing(tiny_llama):
     assert free_blocks_after_reset(eng)
 
 
-def test_offload_off_parks_nothing(tiny_llama):
-    eng = engine(tiny_llama, offload_bytes=0)
+@pytest.mark.parametrize("pages", [0, 1])
+def test_offload_off_or_too_small_parks_nothing(tiny_llama, pages):
+    """No host tier, or one host page: an agent and the Masters it reads never fit, so
+    nothing is parked and nothing is left held (a Master put for it is freed)."""
+    page = engine(tiny_llama).idle.tier.arena.page_bytes
+    eng = engine(tiny_llama, offload_bytes=pages * page)
     prompts, spans = round_prompts(2, seed=26)
-    run(eng, prompts, spans, "collective", "a-")
-    assert not eng.idle.parked and eng.idle.bytes == 0
+    outs, _ = run(eng, prompts, spans, "collective", "a-")
+    assert not eng.idle.parked and eng.idle.bytes == 0 and not eng.idle.tier.masters
+    assert outs == run(engine(tiny_llama), prompts, spans, "collective", "b-")[0]
 
 
 def test_abort_of_a_resuming_request_drops_its_parked_kv(tiny_llama):
@@ -181,8 +186,8 @@ def test_agents_evicted_for_budget_are_prefilled(tiny_llama):
     probe = engine(tiny_llama)
     prompts, spans = round_prompts(2, seed=28)
     run(probe, prompts, spans, "collective", "p-")
-    one = max(p.slots for p in probe.idle.parked.values()) * probe.idle.tier.token_bytes()
-    masters = probe.idle.bytes - sum(p.slots for p in probe.idle.parked.values()) * probe.idle.tier.token_bytes()
+    held = [e.nbytes for e in probe.idle.tier.agents.values()]  # whole host pages
+    one, masters = max(held), probe.idle.bytes - sum(held)
     eng, ref = engine(tiny_llama, recompute_ratio=1.0, offload_bytes=masters + one + 1), engine(tiny_llama)
     outs, _ = run(eng, prompts, spans, "collective", "a-")
     assert len(eng.idle.tier) == 1 and eng.idle.bytes <= eng.idle.tier.budget

@@ -25,7 +25,7 @@ def make_cache(blocks: int = 64, seed: int = 0) -> KVCache:
 def budgeted(tokens: int, seed: int) -> tuple[HostTier, Slots]:
     """A host tier of `tokens` tokens' budget over a fresh cache, and slots to park."""
     cache = make_cache()
-    return HostTier(cache, tokens * TOKEN), Slots(cache.num_blocks, seed)
+    return HostTier(cache, tokens * TOKEN, page=1), Slots(cache.num_blocks, seed)
 
 
 def kv_of(cache: KVCache, slots: torch.Tensor) -> torch.Tensor:
@@ -56,7 +56,7 @@ def round_of(cache: KVCache, tier: HostTier, agents: int = 3, master: int = 10, 
 
 def test_master_once_and_bit_exact_restore():
     cache = make_cache()
-    tier = HostTier(cache, 1 << 30)
+    tier = HostTier(cache, 1 << 30, page=1)
     mslots, private = round_of(cache, tier)
     assert tier.bytes == (10 + 5 + 6 + 7) * TOKEN  # the Master once, not per agent
     want = {n: kv_of(cache, s) for n, s in private.items()}
@@ -80,7 +80,7 @@ def test_master_once_and_bit_exact_restore():
 
 def test_dense_baseline_is_the_same_api():
     cache = make_cache()
-    tier = HostTier(cache, 1 << 30)
+    tier = HostTier(cache, 1 << 30, page=1)
     slots = Slots(cache.num_blocks, 3).take(13)
     want = kv_of(cache, slots)
     assert tier.park("d", slots, []) == 13 * TOKEN
@@ -92,7 +92,7 @@ def test_dense_baseline_is_the_same_api():
 
 def test_master_freed_with_its_last_reader():
     cache = make_cache()
-    tier = HostTier(cache, 1 << 30)
+    tier = HostTier(cache, 1 << 30, page=1)
     mslots, private = round_of(cache, tier)
     tier.put_master(7, mslots)  # a second put: a reference, no second copy
     assert tier.bytes == (10 + 18) * TOKEN
@@ -170,7 +170,7 @@ def test_eviction_keeps_the_masters_the_new_agent_reads():
 
 def test_bad_restores_raise_and_change_nothing():
     cache = make_cache()
-    tier = HostTier(cache, 1 << 30)
+    tier = HostTier(cache, 1 << 30, page=1)
     mslots, private = round_of(cache, tier)
     before = cache.kv.clone()
     with pytest.raises(KeyError, match="agent 'ghost' is not parked"):

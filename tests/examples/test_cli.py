@@ -91,14 +91,16 @@ def test_bad_argument_is_one_line(monkeypatch, capsys) -> None:
     assert err.count("\n") == 1 and "invalid int value" in err
 
 
-def test_user_error_is_one_line(monkeypatch, capsys) -> None:
+@pytest.mark.parametrize("error", [FileNotFoundError("no such model: /nope"),
+                                   MemoryError("host tier: cannot pin 64.00 GiB")])
+def test_user_error_is_one_line(monkeypatch, capsys, error) -> None:
     def run(args: argparse.Namespace) -> int:
-        raise FileNotFoundError("no such model: /nope")
+        raise error
 
     _fake(monkeypatch, run)
     assert cli.main(["fake"]) == 1
     err = capsys.readouterr().err
-    assert err == "tokendance fake: no such model: /nope\n"
+    assert err == f"tokendance fake: {error}\n"
 
 
 def test_debug_shows_traceback(monkeypatch) -> None:
