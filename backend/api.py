@@ -20,8 +20,10 @@ MODES = ("full", "prefix", "pic", "collective")
 # (two requests of the group prefilled in full; docs/fidelity.md).
 BASES = ("standalone", "producer", "reader")
 # The reuse policy's defaults (EngineConfig, `serve` and `simulate`, the benchmarks): at
-# most 15 % of each request's reused tokens recomputed, no deviation floor, standalone bases.
-REUSE_DEFAULTS: dict[str, Any] = {"recompute_ratio": 0.15, "recompute_floor": 0.0, "bases": "standalone"}
+# most 15 % of each request's reused tokens recomputed, no deviation floor, standalone bases,
+# shared segments reused from the length the device gains by (None: the engine's default).
+REUSE_DEFAULTS: dict[str, Any] = {"recompute_ratio": 0.15, "recompute_floor": 0.0, "bases": "standalone",
+                                  "min_shared_tokens": None}
 
 
 class InvalidRequest(ValueError):

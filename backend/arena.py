@@ -4,9 +4,9 @@ lifetime.
 Pinning host memory is slow and stalls the thread that asks: on the H200's host a fresh
 24 MiB pinned tensor took 18 ms (median of 8, up to 338 ms) against 4 µs for one the
 allocator had cached. A fresh pinned tensor for every parked agent put that stall on the
-engine's step loop at every park (in short tool turns `collective` took 1.16-1.21x
-`full`'s round, docs/benchmarks.md). So the tier pins its whole budget once, as vLLM's
-and LMCache's CPU tiers do (about 0.8 s a GiB there), and a park pays only its copy.
+engine's step loop at every park (in short tool turns `collective` took 1.15-1.21x
+`full`'s round, docs/benchmarks.md). So the tier pins its whole budget once, when the
+engine starts, as vLLM's and LMCache's CPU tiers do, and a park pays only its copy.
 
 The buffer is pages of `page` rows of [layers, 2, Hkv, D] (one token's K/V in every
 layer). An entry is a few runs of consecutive pages, handed out lowest first; each run is

@@ -36,6 +36,9 @@ class EngineConfig:
     recompute_ratio: float = REUSE_DEFAULTS["recompute_ratio"]
     recompute_floor: float = REUSE_DEFAULTS["recompute_floor"]
     bases: str = REUSE_DEFAULTS["bases"]
+    # pic / collective: a shared segment shorter than this is computed as the request's own
+    # tokens; None: 64 on CUDA (32-token segments made a round slower there), 0 on CPU
+    min_shared_tokens: int | None = REUSE_DEFAULTS["min_shared_tokens"]
     segment_cache_fraction: float = 0.25  # of the pool, for shared segments' base KV
     offload_bytes: int = 1 << 30  # host memory for idle agents' KV (backend/idle.py); 0: off
     overlap: bool | None = None  # decode steps overlap host and GPU (backend/lookahead.py); None: on CUDA

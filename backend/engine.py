@@ -25,7 +25,7 @@ from tokendance.backend.published import Run, runs
 from tokendance.backend.runner import Runner
 from tokendance.backend.sampler import Sampled, sample
 from tokendance.backend.scheduler import Scheduled, Scheduler
-from tokendance.backend.segments import SegmentCache, check_spans
+from tokendance.backend.segments import SegmentCache, check_spans, min_shared
 from tokendance.backend.sequence import Sequence, Status
 from tokendance.kernels import packed
 from tokendance.kernels.jit import HAVE_TRITON
@@ -93,6 +93,7 @@ class Engine:
         self.max_model_len = min(limits)
         self.seqs: dict[str, Sequence] = {}
         self.overlap = cfg.overlap if cfg.overlap is not None else self.device.type == "cuda"
+        self.min_shared = min_shared(cfg.min_shared_tokens, self.device)
         self.inflight: Inflight | None = None  # the last decode step's tokens, not read yet
         self.tails: list[tuple[Sequence, list[Run], int]] = []  # finished, K/V due up to the int
         self.generator = torch.Generator(device=self.device).manual_seed(cfg.seed)
@@ -135,7 +136,7 @@ class Engine:
         check_mode(mode)
         if rid in self.seqs:
             raise InvalidRequest(f"duplicate request id {rid}", "id")
-        spans = check_spans(shared or [], len(prompt))
+        spans = [(lo, hi) for lo, hi in check_spans(shared or [], len(prompt)) if hi - lo >= self.min_shared]
         gen = None
         if sampling.seed is not None:
             gen = torch.Generator(device=self.device).manual_seed(sampling.seed)

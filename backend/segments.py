@@ -15,10 +15,16 @@ import itertools
 from collections import OrderedDict
 from dataclasses import dataclass
 
+import torch
+
 from tokendance.backend.api import InvalidRequest
 from tokendance.backend.keys import Key
 from tokendance.backend.pool import BlockPool
 
+# On the H200, tool rounds whose shared answers were 32 tokens each took 1.02-1.09x
+# `full`'s time with them reused and 0.84-0.87x with them computed as private tokens;
+# the All-Gather round's 150-token outputs reused gave 2.1x (docs/benchmarks.md).
+CUDA_MIN_SHARED = 64
 
 def check_spans(spans: list[tuple[int, int]], prompt_len: int) -> list[tuple[int, int]]:
     """A request's shared spans in order; InvalidRequest unless each is a non-empty
@@ -33,6 +39,17 @@ def check_spans(spans: list[tuple[int, int]], prompt_len: int) -> list[tuple[int
             raise InvalidRequest(f"shared span [{lo}, {hi}) overlaps the one before it", "shared")
         end = hi
     return out
+
+
+def min_shared(given: int | None, device: torch.device) -> int:
+    """The shortest shared segment reused on `device`: `given`, or 64 tokens on CUDA and
+    any length on the CPU, whose compute every reused token saves."""
+    if given is None:
+        return CUDA_MIN_SHARED if device.type == "cuda" else 0
+    if type(given) is not int or given < 0:
+        raise InvalidRequest(f"min_shared_tokens must be a non-negative integer, got {given!r}",
+                             "min_shared_tokens")
+    return given
 
 
 @dataclass(slots=True)

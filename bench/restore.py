@@ -24,10 +24,10 @@ from types import SimpleNamespace
 
 import torch
 
+from tokendance.backend.arena import PAGE_BYTES
 from tokendance.backend.config import DTYPES
 from tokendance.backend.device import pick_device
 from tokendance.backend.model import KVCache
-from tokendance.backend.arena import PAGE_BYTES
 from tokendance.backend.offload import HostTier
 from tokendance.bench.options import counts, natural, positive, shares
 from tokendance.kernels.restore import gather_slots

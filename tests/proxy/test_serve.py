@@ -120,8 +120,18 @@ def test_engine_flags_reach_the_engine_config(monkeypatch):
     assert seen["offload_bytes"] == 2**29
     assert seen["recompute_ratio"] == 0.2 and seen["recompute_floor"] == 0.3
     assert seen["bases"] == "standalone" and seen["mode"] == serve.DEFAULT_MODE
-    serve.load_backend(parse("--bases", "producer"))
-    assert seen["bases"] == "producer"
+    assert seen["min_shared_tokens"] is None  # the engine's default for its device
+    serve.load_backend(parse("--bases", "producer", "--min-shared-tokens", "32"))
+    assert seen["bases"] == "producer" and seen["min_shared_tokens"] == 32
+
+
+@pytest.mark.parametrize("value", ["-1", "x", "1.5"])
+def test_bad_min_shared_tokens_is_one_line(monkeypatch, capsys, value):
+    monkeypatch.setattr(serve, "load_backend", lambda args: pytest.fail("the model must not load"))
+    with pytest.raises(SystemExit) as e:
+        cli.main(["serve", "--min-shared-tokens", value])
+    err = capsys.readouterr().err.strip()
+    assert e.value.code == 2 and "--min-shared-tokens" in err and "\n" not in err
 
 
 def test_bad_reuse_flag_is_one_line(tiny_llama, capsys):
