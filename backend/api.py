@@ -48,10 +48,11 @@ class BackendError(RuntimeError):
 @dataclass(slots=True)
 class Structure:
     """What the output must match (backend/grammar.py): a JSON schema (`spec` its JSON
-    text), any JSON object, a regular expression, one of a JSON list of strings, or an
-    EBNF grammar."""
+    text), any JSON object, a regular expression, one of a JSON list of strings, an EBNF
+    grammar, or an xgrammar structural tag (its JSON text: free text whose tagged parts,
+    tool calls for one, are held to formats of their own)."""
 
-    kind: str  # "json" | "json_object" | "regex" | "choice" | "grammar"
+    kind: str  # "json" | "json_object" | "regex" | "choice" | "grammar" | "structural_tag"
     spec: str = ""
     param: str = "response_format"  # the request's field it came from, for errors
     whitespace: bool = True  # JSON may hold any whitespace between its tokens (vLLM's default)

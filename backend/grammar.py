@@ -1,6 +1,6 @@
 """Structured outputs: a request's output held to a JSON schema, any JSON object, a
-regular expression, a choice of strings or an EBNF grammar, as vLLM's structured outputs
-do it, by xgrammar (the library vLLM uses).
+regular expression, a choice of strings, an EBNF grammar or a structural tag, as vLLM's
+structured outputs do it, by xgrammar (the library vLLM uses).
 
 A `Structure` (backend/api.py) compiles once per tokenizer into a grammar, cached; each
 sequence gets a matcher of it. Before every sampling the matcher's bitmask sets the
@@ -88,6 +88,8 @@ class Grammars:
                                                                  for x in json.loads(s.spec)))
             if s.kind == "grammar":
                 return c.compile_grammar(s.spec)
+            if s.kind == "structural_tag":
+                return c.compile_structural_tag(s.spec)
         except (RuntimeError, ValueError) as exc:  # xgrammar's parse errors
             raise InvalidRequest(f"invalid {s.kind} for structured output: {_reason(exc)}", s.param) from None
         raise InvalidRequest(f"unknown structured output kind {s.kind!r}", s.param)

@@ -2,6 +2,7 @@
 action under a schema, against the same round unconstrained with the same work.
 
     tokendance bench structured [--model PATH] [--dtype float32] [--batch 1,8] [--repeats 5]
+                                [--spec json|tools]
 
 For each batch size B: B agents' chat prompts asking for a JSON action are generated
 greedily under the schema (`response_format` json_schema, whitespace allowed as in
@@ -12,6 +13,11 @@ by the grammar: the bitmask filled and applied each step, the tokens accepted, a
 lookahead (backend/lookahead.py) a constrained step cannot take. Runs alternate; medians
 of the repeats, after one warm-up pass. Also timed: compiling the schema for the
 tokenizer the first time (later requests hit the cache).
+
+`--spec tools`: instead of the schema, the structural tag `tool_choice` auto holds an
+answer to when a tool is `strict` (proxy/tools.py), for two tools of which one is strict:
+the answers are free text unless they begin a call, so this times what a strict tool
+costs the answers that call nothing.
 """
 
 from __future__ import annotations
@@ -42,6 +48,19 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch", type=counts, default=[1, 8], help="agents per round, e.g. 1,8")
     p.add_argument("--repeats", type=positive, default=5)
     p.add_argument("--max-tokens", type=positive, default=96)
+    p.add_argument("--spec", choices=("json", "tools"), default="json",
+                   help="the JSON action's schema, or auto's structural tag for a strict tool")
+
+
+def tools_tag():  # -> Structure
+    from tokendance.proxy import tools as t
+
+    town = t.Function(name="go", strict=True, parameters={
+        "type": "object", "additionalProperties": False, "required": ["town"],
+        "properties": {"town": {"enum": ["Riverton", "Hillcrest"]}}})
+    note = t.Function(name="note", parameters={"type": "object"})
+    return t.check([t.Tool(type="function", function=town), t.Tool(type="function", function=note)],
+                   "auto", None).structure()
 
 
 def main(args: argparse.Namespace) -> int:
@@ -50,12 +69,12 @@ def main(args: argparse.Namespace) -> int:
     from tokendance.backend.grammar import Grammars
 
     engine = Engine(model=args.model, dtype=args.dtype)
-    schema = Structure("json", json.dumps(ACTION))
+    schema = Structure("json", json.dumps(ACTION)) if args.spec == "json" else tools_tag()
     t0 = time.perf_counter()
     Grammars(engine.tokenizer, engine.mcfg.vocab_size, sorted(engine.eos)).compile(schema)
     compile_ms = (time.perf_counter() - t0) * 1e3
-    print(f"model {engine.name}, {engine.device.type}, {args.dtype}; schema compiled in {compile_ms:.1f} ms "
-          "(first time, tokenizer info included)")
+    print(f"model {engine.name}, {engine.device.type}, {args.dtype}; {args.spec} spec compiled in "
+          f"{compile_ms:.1f} ms (first time, tokenizer info included)")
     print("| agents | tokens | constrained ms | free ms | constrained / free | ms per token, constrained / free |")
     print("|---|---|---|---|---|---|")
     for b in args.batch:
@@ -65,7 +84,7 @@ def main(args: argparse.Namespace) -> int:
         held = SamplingParams(max_tokens=args.max_tokens, temperature=0, structure=schema)
         outs = engine.generate(prompts, held)
         for _, text, reason in outs:
-            if reason == "stop":
+            if reason == "stop" and args.spec == "json":
                 json.loads(text)  # a stopped answer is whole JSON, or the engine is wrong
         free = [replace(held, structure=None, ignore_eos=True, max_tokens=len(ids)) for ids, _, _ in outs]
         tokens = sum(len(ids) for ids, _, _ in outs)

@@ -172,6 +172,9 @@ def check_chat(body: ChatRequest) -> tuple[list[dict[str, Any]], SamplingParams,
     sp = sampling(body, limit, bool(body.logprobs), body.top_logprobs or 0)
     forced = tools.structure() if tools is not None else None
     if forced is not None:
+        if sp.structure is not None and tools.choice == "auto":
+            raise invalid("strict tools hold tool_choice auto's calls to their schemas: "
+                          "it takes no response_format or structured_outputs", "tools")
         if sp.structure is not None:
             raise invalid(f"tool_choice {tools.choice} holds the output to the tools' schema: "
                           "it takes no response_format or structured_outputs", "tool_choice")

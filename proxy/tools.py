@@ -8,7 +8,8 @@ format (Qwen2.5's, Hermes') gets the tools, calls and results as it expects them
 other template (SmolLM2's renders no tools at all) gets them written into the messages
 it renders (`hermes`). `required` and a named function hold the output to a JSON schema,
 as vLLM does, so they work on any model; `auto` depends on the model answering in the
-format.
+format, and holds a call it begins to a given function (to its parameters where the
+function is `strict`) once any tool is `strict`.
 """
 
 from __future__ import annotations
@@ -73,10 +74,16 @@ class Tools:
     choice: str  # "none" | "auto" | "required" | "named"
     name: str | None = None  # the named function
     parallel: bool = True
+    strict: frozenset[str] = frozenset()  # functions whose calls must match their parameters
 
     def structure(self) -> Structure | None:
-        """The JSON schema a `required` or named choice holds the output to."""
+        """What the output is held to: for `required` or a named choice, a JSON schema; for
+        `auto` with a `strict` function, a structural tag in which every call, once begun,
+        is a Hermes call of a given function, with a strict one's arguments held to its
+        parameters (the text around the calls is free)."""
         fns = {s["function"]["name"]: s["function"] for s in self.specs}
+        if self.choice == "auto" and self.strict:
+            return self._calls(fns)
         if self.choice == "named":
             return Structure("json", json.dumps(_params(fns[self.name])), "tool_choice", whitespace=False)
         if self.choice != "required":
@@ -98,6 +105,15 @@ class Tools:
             schema["$defs"] = defs
         # JSON without free whitespace: a small model spends no tokens on layout
         return Structure("json", json.dumps(schema), "tools", whitespace=False)
+
+    def _calls(self, fns: dict[str, dict[str, Any]]) -> Structure:
+        tags = [{"type": "tag", "begin": f'{OPEN}\n{{"name": {json.dumps(name)}, "arguments": ',
+                 "content": {"type": "json_schema",
+                             "json_schema": _params(fn) if name in self.strict else {"type": "object"}},
+                 "end": f"}}\n{CLOSE}"} for name, fn in fns.items()]
+        fmt = {"type": "triggered_tags", "triggers": [OPEN], "tags": tags, "at_least_one": False,
+               "stop_after_first": not self.parallel}
+        return Structure("structural_tag", json.dumps({"type": "structural_tag", "format": fmt}), "tools")
 
 
 def _params(fn: dict[str, Any]) -> dict[str, Any]:
@@ -128,7 +144,8 @@ def check(tools: list[Tool] | None, choice: str | NamedChoice | None, parallel: 
         if f.parameters is not None:
             fn["parameters"] = f.parameters
         specs.append({"type": "function", "function": fn})
-    out = Tools(specs, "auto", parallel=parallel is not False)
+    strict = frozenset(t.function.name for t in tools if t.function is not None and t.function.strict)
+    out = Tools(specs, "auto", parallel=parallel is not False, strict=strict)
     if isinstance(choice, NamedChoice):
         if choice.type != "function":
             raise invalid("tool_choice.type must be function", "tool_choice.type")

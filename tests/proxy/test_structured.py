@@ -1,6 +1,6 @@
 """Structured outputs through the proxy with the openai SDK: response_format (json_object,
-json_schema, the SDK's parse() of a pydantic model) and vLLM's structured_outputs
-(json, regex, choice, grammar), whole and streamed, in a session's round; a spec that
+json_schema, structural_tag, the SDK's parse() of a pydantic model) and vLLM's structured_outputs
+(json, regex, choice, grammar, structural_tag), whole and streamed, in a session's round; a spec that
 does not compile is a 400 naming the field, before any work."""
 
 from __future__ import annotations
@@ -60,6 +60,23 @@ def test_vllms_structured_outputs_in_chat_and_completions(engine_client, engine_
         assert c.finish_reason == "stop" and ok(got), got
 
 
+# Every part forced, so the tiny random model's answer shows the tag held it.
+SEQUENCE = {"type": "sequence", "elements": [
+    {"type": "const_string", "value": "At "},
+    {"type": "tag", "begin": "<t>", "content": {"type": "regex", "pattern": "[0-2][0-9]:[0-5][0-9]"}, "end": "</t>"}]}
+
+
+@pytest.mark.parametrize("kw", [
+    {"response_format": {"type": "structural_tag", "format": SEQUENCE}},
+    {"extra_body": {"structured_outputs": {"structural_tag": {"type": "structural_tag", "format": SEQUENCE}}}},
+], ids=["response_format", "structured_outputs"])
+def test_a_structural_tag_holds_the_output(engine_client, engine_model, kw):
+    got = engine_client.chat.completions.create(model=engine_model, messages=user("When?"), max_tokens=30,
+                                                temperature=0, **kw)
+    c = got.choices[0]
+    assert c.finish_reason == "stop" and re.fullmatch("At <t>[0-2][0-9]:[0-5][0-9]</t>", c.message.content), c
+
+
 def test_json_object_with_a_length_cut_reports_length(engine_client, engine_model):
     r = engine_client.chat.completions.create(model=engine_model, messages=user("JSON please."), max_tokens=4,
                                        temperature=0, response_format={"type": "json_object"})
@@ -86,7 +103,12 @@ async def test_structured_requests_join_a_round(engine_live, engine_model):
     ({"extra_body": {"structured_outputs": {"regex": "a["}}}, "structured_outputs.regex"),
     ({"extra_body": {"structured_outputs": {"json": "{nope"}}}, "structured_outputs.json"),
     ({"extra_body": {"structured_outputs": {"grammar": "root ::= missing"}}}, "structured_outputs.grammar"),
-], ids=["schema", "regex", "json-text", "grammar"])
+    ({"extra_body": {"structured_outputs": {"structural_tag": {"type": "nope"}}}},
+     "structured_outputs.structural_tag"),
+    ({"response_format": {"type": "structural_tag", "format": {"type": "tag", "begin": "<a>", "end": "</a>",
+                                                              "content": {"type": "regex", "pattern": "["}}}},
+     "response_format.format"),
+], ids=["schema", "regex", "json-text", "grammar", "structural-tag", "tag-format"])
 def test_a_spec_that_does_not_compile_is_a_400(engine_client, engine_model, engine_live, kw, param):
     with pytest.raises(openai.BadRequestError) as e:
         engine_client.chat.completions.create(model=engine_model, messages=user("hi"), max_tokens=5, **kw)

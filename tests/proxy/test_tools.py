@@ -184,6 +184,22 @@ def test_required_gives_calls_of_the_given_tools(engine_client, engine_model, pa
         (c.function.name, c.function.arguments) for c in ch.message.tool_calls]
 
 
+def test_auto_with_a_strict_tool_reaches_the_engine_as_a_structural_tag(engine_client, engine_model,
+                                                                       engine_live, monkeypatch):
+    """The grammar's own checks are in test_tags.py; here, that the engine compiles and
+    applies it, and the answer that wrote no call is content as with free `auto`."""
+    seen = []
+    grammars = engine_live.backend.engine.grammars
+    compile_ = grammars.compile
+    monkeypatch.setattr(grammars, "compile", lambda st: seen.append(st.kind) or compile_(st))
+    strict = {**WEATHER, "function": {**WEATHER["function"], "strict": True}}
+    got = engine_client.chat.completions.create(model=engine_model, messages=user("Weather?"), tools=[strict, TIME],
+                                                max_tokens=12, temperature=0)
+    c = got.choices[0]
+    assert "structural_tag" in seen and c.finish_reason == "length" and c.message.content
+    assert c.message.tool_calls is None
+
+
 class Pick(pydantic.BaseModel):
     side: Literal["left", "right"]
     steps: Literal[1, 2, 3]

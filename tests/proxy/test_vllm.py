@@ -111,7 +111,9 @@ async def test_a_chat_goes_to_vllm_as_token_ids(proxy, vllm, tiny_llama):
     ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}],
       "tool_choice": {"type": "function", "function": {"name": "f"}}},
      {"json": {"type": "object"}, "disable_any_whitespace": True}),
-], ids=["json_object", "json_schema", "choice", "regex", "grammar", "compact json", "named tool"])
+    ({"extra_body": {"structured_outputs": {"structural_tag": {"format": {"type": "const_string", "value": "x"}}}}},
+     {"structural_tag": '{"type":"structural_tag","format":{"type":"const_string","value":"x"}}'}),
+], ids=["json_object", "json_schema", "choice", "regex", "grammar", "compact json", "named tool", "structural tag"])
 async def test_structured_outputs_go_to_vllm_as_its_structured_outputs(proxy, vllm, kw, sent):
     await _client(proxy).chat.completions.create(model="fake-vllm", messages=user("Hi."), max_tokens=2, **kw)
     assert vllm.bodies[-1]["structured_outputs"] == sent
