@@ -100,7 +100,8 @@ class Engine:
         if self.device.type == "cpu":
             heap.trim()  # what loading left free; serving's peak is kept from here on
         log.info("engine ready", model=str(self.folder), device=str(self.device), dtype=dtype,
-                 kv_blocks=self.cache.num_blocks, max_model_len=self.max_model_len)
+                 kv_blocks=self.cache.num_blocks, max_model_len=self.max_model_len,
+                 host_tier_mib=self.idle.tier.arena.capacity * self.idle.tier.arena.page_bytes >> 20)
 
     def _num_blocks(self) -> int:
         per_token = self.mcfg.kv_bytes_per_token(torch.tensor([], dtype=self.dtype).element_size())

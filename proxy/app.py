@@ -64,7 +64,7 @@ async def chat_completions(req: web.Request) -> web.StreamResponse:
     px = req.app[PROXY]
     body = schemas.decode(await req.read(), schemas.ChatRequest)
     call = px.call("chat", body, req.headers, req[T0])
-    messages, sampling, call.tools = schemas.check_chat(body)
+    messages, sampling, call.tools = schemas.check_chat(body, px.dialect)
     call.meta.resumes = messages[-1]["role"] == "tool"
     known = px.place(call)
     messages, render = px.chat_form(messages, call.tools)

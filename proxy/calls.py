@@ -8,6 +8,10 @@ see and the parts of tool calls it completed. One reader per `tool_choice`:
   still become one is held back, as is whitespace that may turn out to stand only before
   a call. Each call is given whole once its closing tag (or the end) comes. A call whose
   body is not `{"name": ..., "arguments": {...}}` stays content, as the model wrote it.
+- `Llama3` (`auto`, for a template that asks for bare calls, Llama 3.1-3.3's): an answer
+  that is `{"name": ..., "parameters": {...}}` objects (several joined by `;`) is calls;
+  any other is content. An answer that starts with `{` is held back to its end, when it
+  is known which; any other streams as it comes.
 - `Named`: the whole output is the named function's arguments (held to its schema), so
   they stream as they come.
 - `Required`: the output is a JSON list of `{"name", "parameters"}` (held to a schema of
@@ -22,7 +26,7 @@ import json
 import secrets
 from dataclasses import dataclass, field
 
-from .tools import CLOSE, OPEN, Tools
+from .tools import CLOSE, LLAMA3, OPEN, Tools
 
 
 @dataclass(slots=True)
@@ -155,6 +159,11 @@ def _hermes_call(body: str) -> tuple[str, str] | None:
         obj = json.loads(body)
     except ValueError:
         return None
+    return _call_of(obj)
+
+
+def _call_of(obj: object) -> tuple[str, str] | None:
+    """(name, arguments as JSON text) of a call object, None if it is not one."""
     if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
         return None
     args = obj.get("arguments", obj.get("parameters", {}))
@@ -166,6 +175,50 @@ def _hermes_call(body: str) -> tuple[str, str] | None:
     if not isinstance(args, dict):
         return None
     return obj["name"], json.dumps(args, ensure_ascii=False)
+
+
+class Llama3(Reader):
+    def __init__(self, parallel: bool = True):
+        super().__init__()
+        self.parallel = parallel
+        self.held = ""  # whitespace so far, or an answer that starts with "{"
+        self.passing = False  # the answer is text: it all streams
+
+    def feed(self, text: str) -> tuple[str, list[Piece]]:
+        if self.passing:
+            return text, []
+        self.held += text
+        head = self.held.lstrip()
+        if not head or head[0] == "{":
+            return "", []
+        self.passing = True
+        out, self.held = self.held, ""
+        return out, []
+
+    def end(self) -> tuple[str, list[Piece]]:
+        text, self.held = self.held, ""
+        found = _llama3_calls(text) if text.strip() else None
+        if found is None:
+            return text, []
+        return "", [self._call(*c) for c in (found if self.parallel else found[:1])]
+
+
+def _llama3_calls(text: str) -> list[tuple[str, str]] | None:
+    """The calls a whole answer is, None unless all of it is call objects (joined by ';')."""
+    dec, at, out = json.JSONDecoder(), 0, []
+    while True:
+        while at < len(text) and text[at] in " \t\r\n;":
+            at += 1
+        if at == len(text):
+            return out or None
+        try:
+            obj, at = dec.raw_decode(text, at)
+        except ValueError:
+            return None
+        call = _call_of(obj)
+        if call is None:
+            return None
+        out.append(call)
 
 
 class Named(Reader):
@@ -222,7 +275,7 @@ def reader(tools: Tools | None) -> Reader:
         return Named(tools.name or "")
     if tools.choice == "required":
         return Required()
-    return Hermes(tools.parallel)
+    return Llama3(tools.parallel) if tools.dialect == LLAMA3 else Hermes(tools.parallel)
 
 
 def finish(r: Reader, reason: str | None) -> str | None:

@@ -127,7 +127,7 @@ class Proxy:
         self.publish: Callable[[str, int, dict], None] | None = None  # MQTT done
         self.observers: list[Callable[[Call], None]] = []
         self.started = time.time()
-        self._hermes: bool | None = None  # the chat template renders tools for Hermes calls
+        self._dialect: str | None = None  # the chat template's way with tools, once asked
         self.in_flight = 0
         self.draining = False
         self._idle = asyncio.Event()
@@ -145,11 +145,16 @@ class Proxy:
         return Call(prefix + secrets.token_hex(12), kind, body.model, meta, body.n, tenant,
                     body.stream, bool(opts and opts.include_usage), t0=t0)
 
+    def dialect(self) -> str:
+        """The chat template's way with tools (proxy/tools.py), found at its first use."""
+        if self._dialect is None:
+            self._dialect = t.dialect(self.backend.render_chat)
+        return self._dialect
+
     def chat_form(self, messages: list[dict], tools: t.Tools | None) -> tuple[list[dict], t.Draw]:
         """The messages to render and how (proxy/tools.py)."""
-        if self._hermes is None and t.uses_tools(messages, tools):
-            self._hermes = t.reads_hermes(self.backend.render_chat)
-        return t.form(self.backend.render_chat, bool(self._hermes), messages, tools)
+        d = self.dialect() if t.uses_tools(messages, tools) else t.WRITTEN
+        return t.form(self.backend.render_chat, d, messages, tools)
 
     def place(self, call: Call) -> Known:
         """Choose the round; return the earlier outputs to look for in the prompt."""

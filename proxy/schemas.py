@@ -7,6 +7,7 @@ server does not implement are rejected by `check_*`, never silently dropped.
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from typing import Any
 
 import msgspec
@@ -156,13 +157,17 @@ def _logit_bias(bias: dict[str, float]) -> dict[int, float]:
     return out
 
 
-def check_chat(body: ChatRequest) -> tuple[list[dict[str, Any]], SamplingParams, t.Tools | None]:
-    """The messages as the chat template wants them, the sampling parameters and the tools."""
+def check_chat(body: ChatRequest, dialect: Callable[[], str] = lambda: t.WRITTEN,
+               ) -> tuple[list[dict[str, Any]], SamplingParams, t.Tools | None]:
+    """The messages as the chat template wants them, the sampling parameters and the tools
+    (`dialect`: the chat template's, asked only when tools are given)."""
     if body.functions:
         raise unsupported("functions", "functions (use tools)")
     if body.function_call not in (None, "none"):
         raise unsupported("function_call", "function_call (use tool_choice)")
     tools = t.check(body.tools, body.tool_choice, body.parallel_tool_calls)
+    if tools is not None:
+        tools.dialect = dialect()
     if body.top_logprobs and not body.logprobs:
         raise invalid("top_logprobs requires logprobs to be true", "top_logprobs")
     if not body.messages:

@@ -2,11 +2,13 @@
 `required` or one named function) and `parallel_tool_calls`; assistant messages that
 made calls and `tool` messages that answer them.
 
-Calls are written and read in the Hermes format, `<tool_call>{"name": ..., "arguments":
-...}</tool_call>` (proxy/calls.py reads them). A chat template that renders tools in that
-format (Qwen2.5's, Hermes') gets the tools, calls and results as it expects them; any
-other template (SmolLM2's renders no tools at all) gets them written into the messages
-it renders (`hermes`). `required` and a named function hold the output to a JSON schema,
+The template's dialect decides the format (`dialect` finds it once, by rendering a
+probe). A template that renders tools and asks for Hermes calls, `<tool_call>{"name":
+..., "arguments": ...}</tool_call>` (Qwen2.5's, Hermes'), or for a bare `{"name": ...,
+"parameters": ...}` object (Llama 3.1-3.3's), gets the tools, calls and results as it
+expects them, and its calls are read in that format (proxy/calls.py). Any other template
+(SmolLM2's renders no tools at all) gets them written into the messages it renders, in
+the Hermes format (`hermes`). `required` and a named function hold the output to a JSON schema,
 as vLLM does, so they work on any model; `auto` depends on the model answering in the
 format, and holds a call it begins to a given function (to its parameters where the
 function is `strict`) once any tool is `strict`.
@@ -30,6 +32,8 @@ _NAME = re.compile(r"[a-zA-Z0-9_-]{1,64}")  # OpenAI's rule for function names
 _CHOICES = ("none", "auto", "required")
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 _PROBE = "tokendance_probe_tool"
+HERMES, LLAMA3, WRITTEN = "hermes", "llama3", "written"  # dialects of chat templates
+_LLAMA3_ASK = '"parameters": dictionary of argument name'  # Llama 3.1-3.3's templates ask so
 Render = Callable[..., str]  # a backend's render_chat(messages, tools=None)
 Draw = Callable[[list[dict[str, Any]]], str]  # messages -> prompt text
 
@@ -75,6 +79,7 @@ class Tools:
     name: str | None = None  # the named function
     parallel: bool = True
     strict: frozenset[str] = frozenset()  # functions whose calls must match their parameters
+    dialect: str = WRITTEN  # the chat template's (`dialect`): the format calls are read in
 
     def structure(self) -> Structure | None:
         """What the output is held to: for `required` or a named choice, a JSON schema; for
@@ -107,11 +112,15 @@ class Tools:
         return Structure("json", json.dumps(schema), "tools", whitespace=False)
 
     def _calls(self, fns: dict[str, dict[str, Any]]) -> Structure:
-        tags = [{"type": "tag", "begin": f'{OPEN}\n{{"name": {json.dumps(name)}, "arguments": ',
+        if self.dialect == LLAMA3:
+            trigger, begin, end = '{"name": ', '{{"name": {}, "parameters": ', "}"
+        else:
+            trigger, begin, end = OPEN, f'{OPEN}\n{{{{"name": {{}}, "arguments": ', f"}}\n{CLOSE}"
+        tags = [{"type": "tag", "begin": begin.format(json.dumps(name)),
                  "content": {"type": "json_schema",
                              "json_schema": _params(fn) if name in self.strict else {"type": "object"}},
-                 "end": f"}}\n{CLOSE}"} for name, fn in fns.items()]
-        fmt = {"type": "triggered_tags", "triggers": [OPEN], "tags": tags, "at_least_one": False,
+                 "end": end} for name, fn in fns.items()]
+        fmt = {"type": "triggered_tags", "triggers": [trigger], "tags": tags, "at_least_one": False,
                "stop_after_first": not self.parallel}
         return Structure("structural_tag", json.dumps({"type": "structural_tag", "format": fmt}), "tools")
 
@@ -180,15 +189,20 @@ def made_calls(i: int, calls: list[MadeCall]) -> list[dict[str, Any]]:
     return out
 
 
-def reads_hermes(render: Render) -> bool:
-    """Whether the chat template renders tools, and asks for calls in the Hermes format."""
+def dialect(render: Render) -> str:
+    """How the chat template takes tools: HERMES (it renders them and asks for Hermes
+    calls), LLAMA3 (it renders them and asks for a bare {"name", "parameters"} object), or
+    WRITTEN (it renders none, or asks for a format read here by neither: the proxy writes
+    them into the messages, in the Hermes format)."""
     probe = [{"type": "function", "function": {"name": _PROBE, "description": "",
                                                 "parameters": {"type": "object", "properties": {}}}}]
     try:
         text = render([{"role": "user", "content": "hi"}], tools=probe)
     except InvalidRequest:
-        return False
-    return _PROBE in text and OPEN in text
+        return WRITTEN
+    if _PROBE not in text:
+        return WRITTEN
+    return HERMES if OPEN in text else LLAMA3 if _LLAMA3_ASK in text else WRITTEN
 
 
 def uses_tools(messages: list[dict[str, Any]], tools: Tools | None) -> bool:
@@ -240,13 +254,13 @@ def _instructions(specs: list[dict[str, Any]]) -> str:
             f'{OPEN}\n{{"name": <function name>, "arguments": <arguments as a JSON object>}}\n{CLOSE}')
 
 
-def form(render: Render, native: bool, messages: list[dict[str, Any]],
+def form(render: Render, dialect: str, messages: list[dict[str, Any]],
          tools: Tools | None) -> tuple[list[dict[str, Any]], Draw]:
-    """The messages to render and how: with the tools given to a template that reads
-    Hermes calls (`native`, from `reads_hermes`), else written into the messages."""
+    """The messages to render and how: with the tools given to a template that renders
+    them (its `dialect` HERMES or LLAMA3), else written into the messages."""
     if not uses_tools(messages, tools):
         return messages, render
-    if not native:
+    if dialect == WRITTEN:
         return hermes(messages, tools), render
     specs = tools.specs if tools is not None else None
     return messages, lambda ms: render(ms, tools=specs)

@@ -41,18 +41,43 @@ def read(reader: calls.Reader, text: str, rng: random.Random | None = None) -> c
     return out
 
 
-@pytest.mark.parametrize("name", list(TEXTS))
-def test_hermes_reads_every_split_as_the_whole(name):
-    text, want = TEXTS[name]
+LLAMA = '{"name": "get_weather", "parameters": {"city": "Paris"}}'
+LLAMA_TEXTS = {  # as TEXTS, for the Llama 3 reader: a whole answer of calls, or content
+    "plain": ("The weather is fine.  \n", None),
+    "one": ("  " + LLAMA + "\n", ("", [("get_weather", '{"city": "Paris"}')])),
+    "two": (LLAMA + '; {"name": "b", "arguments": {"x": [1, 2]}}', ("", [("get_weather", '{"city": "Paris"}'),
+                                                                        ("b", '{"x": [1, 2]}')])),
+    "json answer": ('{"city": "Paris", "weather": "sunny"}', None),
+    "text after": (LLAMA + " and then I will tell you", None),
+    "cut": ('{"name": "get_weather", "param', None),
+    "text first": ("Let me call: " + LLAMA, None),
+    "whitespace": (" \n ", None),
+}
+
+
+READS = [(calls.Hermes, n, *TEXTS[n]) for n in TEXTS] + [(calls.Llama3, n, *LLAMA_TEXTS[n]) for n in LLAMA_TEXTS]
+
+
+@pytest.mark.parametrize("make,name,text,want", READS, ids=[f"{m.__name__}-{n}" for m, n, _, _ in READS])
+def test_every_split_reads_as_the_whole(make, name, text, want):
     content, named = want if want is not None else (text, [])
     rng = random.Random(name)
     for trial in range(300):
-        got = read(calls.Hermes(), text, rng if trial else None)
+        got = read(make(), text, rng if trial else None)
         assert got.content == content
         assert [(c.name, c.arguments) for c in got.calls] == named
         assert [c.index for c in got.calls] == list(range(len(named)))
         assert all(c.id.startswith("call_") for c in got.calls)
     assert len({c.id for c in got.calls}) == len(named)
+
+
+def test_llama3_streams_text_at_once_and_keeps_the_first_call_without_parallel_calls():
+    r = calls.Llama3()
+    assert r.feed(" \n") == ("", []) and r.feed("Hi") == (" \nHi", []) and r.feed(" {x") == (" {x", [])
+    one = read(calls.Llama3(parallel=False), LLAMA + ";" + LLAMA)
+    assert [c.name for c in one.calls] == ["get_weather"] and one.content == ""
+    assert calls.reader(tools.Tools([], "auto", dialect=tools.LLAMA3)).__class__ is calls.Llama3
+    assert calls.reader(tools.Tools([], "auto", dialect=tools.HERMES)).__class__ is calls.Hermes
 
 
 def test_hermes_hands_content_on_as_soon_as_it_cannot_be_a_call():

@@ -10,7 +10,7 @@ import pytest
 
 from tokendance.backend.grammar import Grammars
 from tokendance.proxy import tools as t
-from tokendance.proxy.calls import Hermes
+from tokendance.proxy.calls import Hermes, Llama3
 from tokendance.proxy.errors import ApiError
 from tokendance.proxy.structured import ResponseFormat, StructuredOutputs, structure
 
@@ -98,3 +98,14 @@ def test_one_call_at_most_without_parallel_calls_and_none_without_strict(grammar
     assert not accepts(grammars, one, call("get_weather", '{"city": "Paris"}') + " and more")
     assert t.check([NOTE], "auto", None).structure() is None  # nothing strict: the output is free
     assert t.check([WEATHER], "none", None).structure() is None
+
+
+def test_a_llama3_template_holds_its_bare_calls(grammars):
+    tools = t.check([WEATHER, NOTE], "auto", None)
+    tools.dialect = t.LLAMA3
+    s = tools.structure()
+    bare = '{"name": "get_weather", "parameters": {"city": "Oslo"}}'
+    assert accepts(grammars, s, bare) and accepts(grammars, s, "It is cold.")
+    assert not accepts(grammars, s, '{"name": "get_weather", "parameters": {"city": "Rome"}}')
+    assert not accepts(grammars, s, call("get_weather", '{"city": "Oslo"}'))  # '{"name": ' begins a bare call
+    assert [(c.name, json.loads(c.arguments)) for c in Llama3().whole(bare).calls] == [("get_weather", {"city": "Oslo"})]

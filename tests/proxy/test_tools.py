@@ -232,23 +232,67 @@ HERMES_TEMPLATE = (  # a template that renders tools and calls as Qwen2.5's does
     "{%- if add_generation_prompt %}<|im_start|>assistant\n{%- endif %}")
 
 
+LLAMA3_TEMPLATE = (  # a template that renders tools and calls as Llama 3.1's does (written for this test)
+    "{%- if tools %}<|start_header_id|>user<|end_header_id|>\n\nGiven the following functions, please "
+    "respond with a JSON for a function call with its proper arguments that best answers the given prompt."
+    "\n\nRespond in the format {\"name\": function name, \"parameters\": dictionary of argument name and "
+    "its value}.Do not use variables.\n\n{%- for t in tools %}{{ t | tojson }}\n\n{%- endfor %}<|eot_id|>"
+    "{%- endif %}{%- for m in messages %}{%- if m.role == 'tool' %}<|start_header_id|>ipython"
+    "<|end_header_id|>\n\n{{ m.content }}<|eot_id|>{%- elif m.tool_calls %}<|start_header_id|>assistant"
+    "<|end_header_id|>\n\n{%- for c in m.tool_calls %}{\"name\": \"{{ c.function.name }}\", "
+    "\"parameters\": {{ c.function.arguments | tojson }}}{%- endfor %}<|eot_id|>{%- else %}"
+    "<|start_header_id|>{{ m.role }}<|end_header_id|>\n\n{{ m.content }}<|eot_id|>{%- endif %}{%- endfor %}"
+    "{%- if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>\n\n{%- endif %}")
+CONVO = [*user("Weather?"), {"role": "assistant", "content": "", "tool_calls": [
+    {"id": "c", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Oslo"}}}]},
+    {"role": "tool", "content": "cold"}]
+
+
 def test_a_template_that_reads_hermes_calls_gets_the_tools_itself(smollm2):
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(smollm2)
-    assert not tools.reads_hermes(partial(render_chat, tok))  # SmolLM2's renders no tools
+    assert tools.dialect(partial(render_chat, tok)) == tools.WRITTEN  # SmolLM2's renders no tools
     tok.chat_template = HERMES_TEMPLATE
     render = partial(render_chat, tok)
-    assert tools.reads_hermes(render)
+    assert tools.dialect(render) == tools.HERMES
     t = tools.check([tools.Tool(type="function", function=tools.Function(name="get_weather"))], None, None)
-    convo = [*user("Weather?"), {"role": "assistant", "content": "", "tool_calls": [
-        {"id": "c", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Oslo"}}}]},
-        {"role": "tool", "content": "cold"}]
-    messages, draw = tools.form(render, True, convo, t)
+    convo = CONVO
+    messages, draw = tools.form(render, tools.HERMES, convo, t)
     text = draw(messages)
     assert messages == convo and text.startswith("<|im_start|>system\nTools:\n<tools>{")
     assert '{"name": "get_weather", "arguments": {"city": "Oslo"}}' in text and "# Tools" not in text
     assert "<tool_response>\ncold\n</tool_response>" in text
+
+
+def test_a_llama3_template_gets_the_tools_itself_and_its_calls_are_read_bare(smollm2, fake, echo):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(smollm2)
+    tok.chat_template = LLAMA3_TEMPLATE
+    render = partial(render_chat, tok)
+    assert tools.dialect(render) == tools.LLAMA3
+    t = tools.check([tools.Tool(type="function", function=tools.Function(name="get_weather"))], None, None)
+    messages, draw = tools.form(render, tools.LLAMA3, CONVO, t)
+    text = draw(messages)
+    assert messages == CONVO and '"parameters": dictionary of argument name' in text and "# Tools" not in text
+    assert '{"name": "get_weather", "parameters": {"city": "Oslo"}}' in text and "ipython" in text
+    # Through the proxy, its answers are read as Llama 3 writes calls (the fake backend echoes).
+    px = echo.server.proxy
+    px._dialect = tools.LLAMA3
+    try:
+        ask = '{"name": "get_weather", "parameters": {"city": "Rome", "unit": "F"}}'
+        kw = dict(model="fake-tiny", messages=user(ask), tools=[WEATHER, TIME])
+        ch = fake.chat.completions.create(**kw).choices[0]
+        assert ch.finish_reason == "tool_calls" and not ch.message.content
+        assert [(c.function.name, json.loads(c.function.arguments)) for c in ch.message.tool_calls] == [
+            ("get_weather", {"city": "Rome", "unit": "F"})]
+        content, calls, finish = gathered(fake.chat.completions.create(**kw, stream=True))
+        assert (content, finish) == ("", "tool_calls") and [n for _, n, _ in calls] == ["get_weather"]
+        plain = fake.chat.completions.create(model="fake-tiny", messages=user(ASK), tools=[WEATHER])
+        assert plain.choices[0].message.content == ASK  # a Hermes call is text to a Llama 3 template
+    finally:
+        px._dialect = None
 
 
 @pytest.mark.slow
