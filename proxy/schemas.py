@@ -157,8 +157,10 @@ def _logit_bias(bias: dict[str, float]) -> dict[int, float]:
     return out
 
 
-def check_chat(body: ChatRequest, dialect: Callable[[], str] = lambda: t.WRITTEN,
-               ) -> tuple[list[dict[str, Any]], SamplingParams, t.Tools | None]:
+Checked = tuple[list[dict[str, Any]], SamplingParams, t.Tools | None]  # messages, sampling, tools
+
+
+def check_chat(body: ChatRequest, dialect: Callable[[], str]) -> Checked:
     """The messages as the chat template wants them, the sampling parameters and the tools
     (`dialect`: the chat template's, asked only when tools are given)."""
     if body.functions:
