@@ -101,7 +101,7 @@ class Engine:
             heap.trim()  # what loading left free; serving's peak is kept from here on
         log.info("engine ready", model=str(self.folder), device=str(self.device), dtype=dtype,
                  kv_blocks=self.cache.num_blocks, max_model_len=self.max_model_len,
-                 host_tier_mib=self.idle.tier.arena.capacity * self.idle.tier.arena.page_bytes >> 20)
+                 host_tier_mib=self.idle.tier.arena.data.nbytes >> 20)
 
     def _num_blocks(self) -> int:
         per_token = self.mcfg.kv_bytes_per_token(torch.tensor([], dtype=self.dtype).element_size())

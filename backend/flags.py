@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import math
+from collections.abc import Callable
 from typing import Any
 
 from tokendance.backend.api import BASES, REUSE_DEFAULTS
@@ -33,20 +34,26 @@ def add_reuse_args(p: argparse.ArgumentParser) -> None:
                         "or its KV in a reader's context (two requests of a round prefilled in full; "
                         "closer to exact prefill; with --recompute-ratio 0.3 half of SmolLM2's "
                         "debates stay identical to it at 4 and 8 agents; docs/fidelity.md)")
-    p.add_argument("--min-shared-tokens", type=_tokens, default=REUSE_DEFAULTS["min_shared_tokens"],
+    p.add_argument("--min-shared-tokens", type=at_least(0), default=REUSE_DEFAULTS["min_shared_tokens"],
                    help="pic / collective: shared segments shorter than this are computed as the "
                         "request's own tokens (default: 64 on CUDA, where reusing 32-token ones made "
                         "rounds slower; 0 on the CPU)")
 
 
-def _tokens(text: str) -> int:
-    try:
-        n = int(text)
-    except ValueError:
-        n = -1
-    if n < 0:
-        raise argparse.ArgumentTypeError(f"expected a non-negative integer, got {text!r}")
-    return n
+def at_least(low: int) -> Callable[[str], int]:
+    """An integer option of at least `low` (argparse `type=`: a bad value is a one-line
+    usage error)."""
+
+    def parse(text: str) -> int:
+        try:
+            n = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        if n < low:
+            raise argparse.ArgumentTypeError(f"must be at least {low}, got {n}")
+        return n
+
+    return parse
 
 
 def reuse_options(args: argparse.Namespace) -> dict[str, float | str]:

@@ -4,22 +4,8 @@ one-line usage error when the command line is parsed, before any model loads."""
 from __future__ import annotations
 
 import argparse
-from typing import Callable
 
-
-def at_least(low: int) -> Callable[[str], int]:
-    """An integer option of at least `low`."""
-
-    def parse(text: str) -> int:
-        try:
-            n = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-        if n < low:
-            raise argparse.ArgumentTypeError(f"must be at least {low}, got {n}")
-        return n
-
-    return parse
+from tokendance.backend.flags import at_least
 
 
 positive = at_least(1)

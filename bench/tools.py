@@ -31,9 +31,9 @@ import time
 from typing import Any
 
 from tokendance.bench.options import counts, natural, positive
+from tokendance.examples import scenario
 
 MODES = ("full", "prefix", "collective")
-NAMES = ["Ada", "Bo", "Cy", "Dee", "Eli", "Fay", "Gus", "Hal", "Ivy", "Jo", "Kai", "Lu", "Max", "Ned", "Oz", "Pia"]
 GOODS = ["wheat", "salt", "wool", "iron", "honey", "cloth", "wine", "oil"]
 TOWNS = ["Riverton", "Hillcrest", "Lakeside", "Stonebridge"]
 TOOLS = [
@@ -88,8 +88,7 @@ async def turn(client: Any, model: str, hdr: dict, mode: str, messages: list[dic
             "cached": (first.prompt_tokens_details.cached_tokens, u.prompt_tokens_details.cached_tokens)}
 
 
-def question(i: int, r: int, last: dict[str, str]) -> list[dict]:
-    me = NAMES[i % len(NAMES)]
+def question(me: str, i: int, r: int, last: dict[str, str]) -> list[dict]:
     ask = f"Should {me} sell {GOODS[i % len(GOODS)]} in {TOWNS[i % len(TOWNS)]} today? Check first."
     if r > 1:
         heard = "\n\n".join(f"{a} said:\n{t}" for a, t in last.items() if a != me)
@@ -106,7 +105,7 @@ async def simulate(url: str, model: str, n: int, rounds: int, mode: str, key: st
     session = f"tools-{key}"
     client = openai.AsyncOpenAI(base_url=url, api_key=key, max_retries=0, timeout=600)
     ctl = Rounds(session, url, api_key=key)
-    agents = [NAMES[i % len(NAMES)] + (str(i // len(NAMES)) if i >= len(NAMES) else "") for i in range(n)]
+    agents = scenario.agents(n)
     last: dict[str, str] = {}
     out = []
     for r in range(1, rounds + 1):
@@ -114,7 +113,7 @@ async def simulate(url: str, model: str, n: int, rounds: int, mode: str, key: st
         t0 = time.perf_counter()
         turns = await asyncio.gather(*(
             turn(client, model, {"X-TokenDance-Session": session, "X-TokenDance-Agent": a}, mode,
-                 question(i, r, last), max_tokens) for i, a in enumerate(agents)))
+                 question(a, i, r, last), max_tokens) for i, a in enumerate(agents)))
         ms = (time.perf_counter() - t0) * 1e3
         stats = await ctl.astats(r)
         if any(t["group"] != "1" for t in turns) or stats["requests"] != 2 * n:
@@ -134,8 +133,8 @@ async def auto_calls(url: str, model: str, n: int) -> tuple[int, int]:
 
     client = openai.AsyncOpenAI(base_url=url, api_key="auto", max_retries=0, timeout=600)
     got = await asyncio.gather(*(client.chat.completions.create(
-        model=model, messages=question(i, 1, {}), tools=TOOLS, max_tokens=64, temperature=0,
-        extra_body={"tokendance": {"mode": "full"}}) for i in range(n)))
+        model=model, messages=question(a, i, 1, {}), tools=TOOLS, max_tokens=64, temperature=0,
+        extra_body={"tokendance": {"mode": "full"}}) for i, a in enumerate(scenario.agents(n))))
     await client.close()
     calls = [c.choices[0].message.tool_calls or [] for c in got]
     names = {t["function"]["name"] for t in TOOLS}
