@@ -2,6 +2,7 @@
 mode: what a tool loop costs a round, and what the turn's second request reuses.
 
     tokendance bench tools [--model PATH] [--agents 4,8] [--rounds 2] [--repeats 3]
+                           [--min-shared-tokens N] [--recompute-ratio R] ...
 
 One engine behind the proxy (in-process, on its own thread; the openai SDK's async
 client here). In round r each of N agents (one session, the round announced) asks,
@@ -30,6 +31,7 @@ import statistics
 import time
 from typing import Any
 
+from tokendance.backend.flags import add_reuse_args, reuse_options
 from tokendance.bench.options import counts, natural, positive
 from tokendance.examples import scenario
 
@@ -57,6 +59,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-tokens", type=positive, default=32, help="tokens of each answer")
     p.add_argument("--offload-gib", type=natural, default=1,
                    help="host memory for parked agents (0: off, nothing parked or restored)")
+    add_reuse_args(p)
 
 
 def run_tool(name: str, args: dict[str, Any]) -> str:
@@ -145,9 +148,12 @@ def main(args: argparse.Namespace) -> int:
     from tokendance.backend.service import EngineBackend
     from tokendance.examples.local import threaded
 
-    be = EngineBackend.load(args.model, dtype=args.dtype, mode="full", offload_bytes=args.offload_gib << 30)
+    be = EngineBackend.load(args.model, dtype=args.dtype, mode="full", offload_bytes=args.offload_gib << 30,
+                            **reuse_options(args))
+    cfg = be.engine.cfg  # the reuse policy as the engine resolved it (min_shared: its device's default)
     print(f"model {be.info.name}, {args.dtype}; {args.rounds} rounds, answers of {args.max_tokens} tokens; "
-          f"host tier {args.offload_gib} GiB; medians of {args.repeats}")
+          f"host tier {args.offload_gib} GiB; recompute ratio {cfg.recompute_ratio}, {cfg.bases} bases, "
+          f"shared segments reused from {be.engine.min_shared} tokens; medians of {args.repeats}")
     print("| agents | mode | round | ms | / full | groups | decoded | cached / prompt tokens: calls | answers |")
     print("|---|---|---|---|---|---|---|---|---|")
     with threaded(be, barrier_timeout=30.0) as url:
