@@ -64,10 +64,16 @@ class SamplingParams:
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0  # 0: off
+    min_p: float = 0.0  # vLLM's: tokens less likely than min_p times the likeliest are dropped
     seed: int | None = None
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
+    # vLLM's: no end (EOS, stop_token_ids, a stop string) before this many tokens; a stop
+    # string kept in the text; special tokens (EOS, a template's markers) written out
+    min_tokens: int = 0
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
     logprobs: bool = False
     top_logprobs: int = 0
     # OpenAI's penalties over the tokens generated so far, vLLM's over prompt and output
@@ -87,6 +93,10 @@ class SamplingParams:
             raise InvalidRequest("top_p must be in (0, 1]", "top_p")
         if self.top_k < 0:
             raise InvalidRequest("top_k must be 0 (off) or positive", "top_k")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise InvalidRequest("min_p must be between 0 and 1", "min_p")
+        if not 0 <= self.min_tokens <= self.max_tokens:
+            raise InvalidRequest(f"min_tokens must be between 0 and max_tokens ({self.max_tokens})", "min_tokens")
         if not 0 <= self.top_logprobs <= 20:
             raise InvalidRequest("top_logprobs must be between 0 and 20", "top_logprobs")
         if self.seed is not None and not -2**63 <= self.seed < 2**63:  # torch's; n > 1 adds up to 63

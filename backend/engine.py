@@ -141,8 +141,9 @@ class Engine:
         gen = None
         if sampling.seed is not None:
             gen = torch.Generator(device=self.device).manual_seed(sampling.seed)
-        seq = Sequence(rid, list(prompt), sampling, Detok(self.tokenizer, list(sampling.stop)),
-                       generator=gen, mode=mode, shared=spans, tenant=tenant,
+        ends = sorted(set(sampling.stop_token_ids) | (set() if sampling.ignore_eos else self.eos))
+        seq = Sequence(rid, list(prompt), sampling, Detok.of(self.tokenizer, sampling),
+                       generator=gen, ends=ends, mode=mode, shared=spans, tenant=tenant,
                        publish=publish and self.cfg.bases == "producer")
         if sampling.structure is not None:
             seq.matcher = self.grammars.matcher(sampling.structure)
@@ -289,9 +290,9 @@ class Engine:
         reason = None
         if seq.matcher is not None and (not seq.matcher.accept_token(tok) or seq.matcher.is_terminated()):
             reason = "stop"  # the grammar is complete (only an end-of-sequence token was allowed)
-        elif tok in p.stop_token_ids or (tok in self.eos and not p.ignore_eos):
+        elif tok in seq.ends:  # min_tokens kept them out of its first tokens
             reason = "stop"
-        elif seq.detok.add(tok) is not None:
+        elif seq.detok.add(tok, check=n > p.min_tokens) is not None:
             reason = "stop"
         elif n >= p.max_tokens or len(seq.prompt) + n >= self.max_model_len:
             reason = "length"

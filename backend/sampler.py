@@ -1,7 +1,8 @@
-"""Next-token choice for a batch: logit bias and penalties (backend/penalties.py), a
-structured output's grammar (backend/grammar.py), then greedy, temperature, top-k,
-top-p, per-request seeds; and the log-probabilities of chosen (and top) tokens under the
-model's distribution."""
+"""Next-token choice for a batch: logit bias and penalties (backend/penalties.py), the
+ends a request may not take yet (`min_tokens`), a structured output's grammar
+(backend/grammar.py), then greedy, or temperature, min-p, top-k and top-p (vLLM's order:
+top-p over what min-p and top-k left, renormalized) with per-request seeds; and the
+log-probabilities of chosen (and top) tokens under the model's distribution."""
 
 from __future__ import annotations
 
@@ -22,15 +23,33 @@ class Sampled:
     top: list[tuple[int, float]] | None = None
 
 
-def _filter(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
-    """Mask (to -inf) what top-k / top-p exclude, per row."""
+def _filter(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """Mask (to -inf) what min-p, top-k and top-p exclude, per row; the likeliest token
+    always stays."""
     sorted_logits, order = logits.sort(dim=-1, descending=True)
     rank = torch.arange(logits.shape[-1], device=logits.device)[None, :]
-    drop = (top_k[:, None] > 0) & (rank >= top_k[:, None])
     probs = sorted_logits.softmax(-1)
-    drop |= (probs.cumsum(-1) - probs) > top_p[:, None]  # the top token always stays
+    drop = probs < min_p[:, None] * probs[:, :1]
+    drop |= (top_k[:, None] > 0) & (rank >= top_k[:, None])
+    probs = sorted_logits.masked_fill(drop, float("-inf")).softmax(-1)
+    drop |= (probs.cumsum(-1) - probs) > top_p[:, None]
     sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
     return torch.empty_like(logits).scatter_(-1, order, sorted_logits)
+
+
+def _not_yet(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+    """New logits with the ends (EOS, stop_token_ids) of rows short of their min_tokens at
+    -inf; `logits` itself when there are none. A structured output may end whenever its
+    grammar is complete."""
+    rows, cols = [], []
+    for i, s in enumerate(seqs):
+        if s.ends and len(s.out) < s.sampling.min_tokens and s.matcher is None:
+            rows += [i] * len(s.ends)
+            cols += s.ends
+    if not rows:
+        return logits
+    at = (upload_list(rows, torch.long, logits.device), upload_list(cols, torch.long, logits.device))
+    return logits.index_put(at, logits.new_full((), float("-inf")))
 
 
 def choose(logits: torch.Tensor, seqs: list[Sequence], default: torch.Generator | None) -> torch.Tensor:
@@ -40,15 +59,20 @@ def choose(logits: torch.Tensor, seqs: list[Sequence], default: torch.Generator 
     penalized = Penalized.of(logits, seqs)
     if penalized is not None:
         logits = penalized.apply(logits)
+    logits = _not_yet(logits, seqs)
     if any(s.matcher is not None for s in seqs):
         logits = mask(logits, [s.matcher for s in seqs])
     chosen = logits.argmax(-1)
     if not all(p.greedy for p in params):
         temp = upload_list([1.0 if p.greedy else p.temperature for p in params], torch.float32, logits.device)
-        vocab = logits.shape[-1]  # a larger top_k keeps every token (and may not fit a long)
-        top_k = upload_list([min(p.top_k, vocab) for p in params], torch.long, logits.device)
-        top_p = upload_list([p.top_p for p in params], torch.float32, logits.device)
-        probs = _filter(logits / temp[:, None], top_k, top_p).softmax(-1)
+        scaled = logits / temp[:, None]
+        if any(p.top_k or p.top_p < 1.0 or p.min_p for p in params):  # else no sort over the vocabulary
+            vocab = logits.shape[-1]  # a larger top_k keeps every token (and may not fit a long)
+            top_k = upload_list([min(p.top_k, vocab) for p in params], torch.long, logits.device)
+            top_p = upload_list([p.top_p for p in params], torch.float32, logits.device)
+            min_p = upload_list([p.min_p for p in params], torch.float32, logits.device)
+            scaled = _filter(scaled, top_k, top_p, min_p)
+        probs = scaled.softmax(-1)
         for i, seq in enumerate(seqs):
             if not params[i].greedy:
                 gen = seq.generator or default

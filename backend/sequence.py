@@ -31,6 +31,7 @@ class Sequence:
     sampling: SamplingParams
     detok: Detok
     generator: torch.Generator | None = None
+    ends: list[int] = field(default_factory=list)  # the tokens that end it: stop_token_ids, and EOS unless ignored
     out: list[int] = field(default_factory=list)
     blocks: list[int] = field(default_factory=list)
     computed: int = 0  # tokens whose K/V is in the pool

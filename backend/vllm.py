@@ -148,6 +148,8 @@ class VLLMBackend:
             "stream_options": {"include_usage": True}, "return_token_ids": True,
             "max_tokens": s.max_tokens, "temperature": s.temperature, "top_p": s.top_p,
             "stop": s.stop, "stop_token_ids": s.stop_token_ids, "ignore_eos": s.ignore_eos,
+            "min_p": s.min_p, "min_tokens": s.min_tokens, "include_stop_str_in_output": s.include_stop_str_in_output,
+            "skip_special_tokens": s.skip_special_tokens,
             "presence_penalty": s.presence_penalty, "frequency_penalty": s.frequency_penalty,
             "repetition_penalty": s.repetition_penalty,
             # `full` reuses nothing: a salt of its own; `prefix` shares the key's prefix cache

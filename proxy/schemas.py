@@ -60,6 +60,11 @@ class Sampled(Struct, kw_only=True):
     top_p: float | None = None
     top_k: int | None = None
     seed: int | None = None
+    # vLLM's extra parameters
+    min_p: float | None = None
+    min_tokens: int | None = None
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
     frequency_penalty: float | None = None
@@ -128,8 +133,10 @@ def sampling(body: Sampled, max_tokens: int | None, logprobs: bool, top: int) ->
     p = SamplingParams(
         temperature=1.0 if body.temperature is None else body.temperature,
         top_p=1.0 if body.top_p is None else body.top_p,
-        top_k=body.top_k or 0, seed=body.seed, stop=stop,
+        top_k=body.top_k or 0, min_p=body.min_p or 0.0, seed=body.seed, stop=stop,
         stop_token_ids=list(body.stop_token_ids or []), ignore_eos=body.ignore_eos,
+        min_tokens=body.min_tokens or 0, include_stop_str_in_output=body.include_stop_str_in_output,
+        skip_special_tokens=body.skip_special_tokens,
         logprobs=logprobs, top_logprobs=top, presence_penalty=body.presence_penalty or 0.0,
         frequency_penalty=body.frequency_penalty or 0.0,
         repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty,
@@ -137,6 +144,8 @@ def sampling(body: Sampled, max_tokens: int | None, logprobs: bool, top: int) ->
         structure=structure(body.response_format, body.structured_outputs))
     if max_tokens is not None:
         p.max_tokens = max_tokens
+    else:  # the default length leaves room for min_tokens
+        p.max_tokens = max(p.max_tokens, p.min_tokens)
     try:
         p.validate()
     except InvalidRequest as exc:

@@ -54,7 +54,7 @@ def test_a_top_k_past_the_vocabulary_keeps_every_token(engine):
 
 def test_filter_masks_per_row():
     logits = torch.tensor([[4.0, 3.0, 2.0, 1.0], [4.0, 3.0, 2.0, 1.0]])
-    out = _filter(logits, torch.tensor([2, 0]), torch.tensor([1.0, 0.5]))
+    out = _filter(logits, torch.tensor([2, 0]), torch.tensor([1.0, 0.5]), torch.tensor([0.0, 0.0]))
     assert torch.isinf(out[0, 2:]).all() and torch.isfinite(out[0, :2]).all()
     p = logits[1].softmax(-1)
     keep = int(((p.cumsum(-1) - p) <= 0.5).sum())
@@ -92,3 +92,72 @@ def test_logprobs_match_model_distribution(engine):
     assert lp.logprob == pytest.approx(float(top.values[0]), abs=1e-4)
     assert [t.logprob for t in lp.top] == pytest.approx(top.values.tolist(), abs=1e-4)
     assert lp.token == eng.tokenizer.decode([delta.token_ids[0]])
+
+
+def test_min_p_drops_tokens_below_its_share_of_the_likeliest():
+    logits = torch.tensor([[4.0, 3.0, 2.0, 1.0]] * 3)
+    p = logits[0].softmax(-1)
+    out = _filter(logits, torch.tensor([0, 0, 0]), torch.tensor([1.0, 1.0, 1.0]),
+                  torch.tensor([0.0, float(p[1] / p[0]) + 1e-3, 1.0]))
+    assert torch.isfinite(out[0]).all()
+    assert torch.isfinite(out[1, :1]).all() and torch.isinf(out[1, 1:]).all()
+    assert torch.isfinite(out[2, :1]).all() and torch.isinf(out[2, 1:]).all()  # the likeliest stays
+
+
+def test_top_p_is_over_what_top_k_left_renormalized():
+    """vLLM's (and HF's) order: top-p after top-k, over the kept tokens' renormalized mass."""
+    logits = torch.tensor([[2.0, 1.9, 1.8, 0.0, 0.0, 0.0]])
+    out = _filter(logits, torch.tensor([3]), torch.tensor([0.6]), torch.tensor([0.0]))
+    # of the top 3 (~1/3 each) two reach 0.6; over all six the first two would hold ~0.55
+    assert torch.isfinite(out[0, :2]).all() and torch.isinf(out[0, 2:]).all()
+
+
+def test_min_p_samples_only_from_what_it_keeps(engine):
+    """A min_p of 1 leaves only the likeliest token: sampling at any temperature is greedy."""
+    greedy = run(engine, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))[0]
+    hot = SamplingParams(max_tokens=12, temperature=2.0, seed=7, ignore_eos=True)
+    assert run(engine, hot)[0] != greedy
+    hot.min_p = 1.0
+    assert run(engine, hot)[0] == greedy
+
+
+def test_min_tokens_holds_off_stop_tokens_and_strings(engine):
+    toks, text, _ = run(engine, SamplingParams(max_tokens=16, temperature=0, ignore_eos=True))
+    stop_at = toks[1]
+    early = run(engine, SamplingParams(max_tokens=16, temperature=0, ignore_eos=True, stop_token_ids=[stop_at]))
+    assert early[0] == toks[:2] and early[2] == "stop"
+    late, _, reason = run(engine, SamplingParams(max_tokens=16, temperature=0, ignore_eos=True,
+                                                 stop_token_ids=[stop_at], min_tokens=6))
+    assert len(late) >= 7 and stop_at not in late[:6] and reason in ("stop", "length")
+    assert reason == "length" or late[-1] == stop_at
+    piece = engine.tokenizer.decode(toks[:2])
+    cut = run(engine, SamplingParams(max_tokens=16, temperature=0, ignore_eos=True, stop=[piece[-2:]]))
+    assert cut[2] == "stop" and len(cut[0]) <= 2
+    held = run(engine, SamplingParams(max_tokens=16, temperature=0, ignore_eos=True, stop=[piece[-2:]],
+                                      min_tokens=4))
+    assert len(held[0]) > 4 and held[1].startswith(piece)  # the stop string in its first tokens is passed
+
+
+def test_min_tokens_keeps_eos_out_of_its_first_tokens(engine):
+    eos = sorted(engine.eos)
+    prompt = PROMPT[:5]
+    biased = dict(max_tokens=8, temperature=0, logit_bias={eos[0]: 100.0})
+    assert run(engine, SamplingParams(**biased), prompt)[0] == [eos[0]]
+    toks, _, reason = run(engine, SamplingParams(**biased, min_tokens=3), prompt)
+    assert len(toks) == 4 and not set(toks[:3]) & set(eos) and toks[3] == eos[0] and reason == "stop"
+
+
+def test_a_stop_string_can_stay_in_the_text(engine):
+    _, text, _ = run(engine, SamplingParams(max_tokens=30, temperature=0, ignore_eos=True))
+    stop = text[6:10]
+    _, kept, reason = run(engine, SamplingParams(max_tokens=30, temperature=0, ignore_eos=True, stop=[stop],
+                                                 include_stop_str_in_output=True))
+    assert reason == "stop" and kept == text[: text.index(stop) + len(stop)]
+
+
+def test_special_tokens_can_be_written_out(engine):
+    eos = sorted(engine.eos)[0]
+    s = dict(max_tokens=3, temperature=0, ignore_eos=True, logit_bias={eos: 100.0})
+    _, skipped, _ = run(engine, SamplingParams(**s))
+    _, written, _ = run(engine, SamplingParams(**s, skip_special_tokens=False))
+    assert skipped == "" and written == engine.tokenizer.decode([eos] * 3)

@@ -285,3 +285,21 @@ def test_a_shared_segment_leaves_the_prompts_tokens_as_the_text_has_them(client,
     assert r.usage.prompt_tokens == len(direct.encode(text))
     want = direct.generate([direct.encode(text)], SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))
     assert r.choices[0].message.content == want[0][1]
+
+
+def test_vllms_sampling_extras_arrive(client, model, direct):
+    """min_tokens, include_stop_str_in_output and min_p (vLLM's, in extra_body) give the
+    engine's own answer with them, whole and streamed."""
+    toks = direct.generate([PENALIZED], SamplingParams(max_tokens=24, temperature=0, ignore_eos=True))[0][0]
+    first = next(i for i, t in enumerate(toks) if t in toks[i + 1:])  # a token the answer repeats
+    stop = direct.tokenizer.decode([toks[first]]).strip()
+    kw = dict(stop=[stop], min_tokens=first + 1, include_stop_str_in_output=True, min_p=0.5)
+    want = expected(direct, PENALIZED, **kw)
+    cut = expected(direct, PENALIZED, stop=[stop])
+    assert want.endswith(stop) and len(want) > len(cut) + len(stop)  # past the first stop, kept
+    body = {"ignore_eos": True, **{k: v for k, v in kw.items() if k != "stop"}}
+    r = client.completions.create(model=model, prompt=PENALIZED, max_tokens=24, temperature=0, stop=[stop],
+                                  extra_body=body)
+    chunks = client.completions.create(model=model, prompt=PENALIZED, max_tokens=24, temperature=0, stop=[stop],
+                                       extra_body=body, stream=True)
+    assert r.choices[0].text == want == "".join(c.choices[0].text for c in chunks)

@@ -131,6 +131,12 @@ CASES = [  # (path, body or raw bytes, extra headers, status, param, code)
     ("text", {**TEXT, "repetition_penalty": -1.0}, {}, 400, "repetition_penalty", None),
     ("text", {**TEXT, "frequency_penalty": 2.01}, {}, 400, "frequency_penalty", None),
     ("text", {**TEXT, "max_tokens": 0}, {}, 400, "max_tokens", None),
+    ("text", {**TEXT, "min_p": 1.5}, {}, 400, "min_p", None),
+    ("chat", {**CHAT, "min_p": -0.1}, {}, 400, "min_p", None),
+    ("chat", {**CHAT, "min_tokens": -1}, {}, 400, "min_tokens", None),
+    ("chat", {**CHAT, "max_tokens": 4, "min_tokens": 5}, {}, 400, "min_tokens", None),
+    ("text", {**TEXT, "min_tokens": "many"}, {}, 400, "min_tokens", "invalid_type"),
+    ("text", {**TEXT, "skip_special_tokens": "no"}, {}, 400, "skip_special_tokens", "invalid_type"),
 ]
 PATHS = {"chat": "/v1/chat/completions", "text": "/v1/completions"}
 

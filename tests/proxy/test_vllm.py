@@ -99,6 +99,14 @@ async def test_a_chat_goes_to_vllm_as_token_ids(proxy, vllm, tiny_llama):
     assert r.usage.prompt_tokens_details.cached_tokens == 3
 
 
+async def test_vllms_sampling_extras_reach_it(proxy, vllm):
+    extra = {"min_p": 0.05, "min_tokens": 2, "include_stop_str_in_output": True, "skip_special_tokens": False}
+    await _client(proxy).chat.completions.create(model="fake-vllm", messages=user("Hi."), max_tokens=3,
+                                                 stop=["w2"], extra_body=extra)
+    body = vllm.bodies[-1]
+    assert {k: body[k] for k in extra} == extra and body["stop"] == ["w2"]
+
+
 @pytest.mark.parametrize("kw,sent", [
     ({"response_format": {"type": "json_object"}}, {"json_object": True}),
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "p", "schema": {"type": "integer"}}}},
