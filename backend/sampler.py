@@ -73,10 +73,14 @@ def choose(logits: torch.Tensor, seqs: list[Sequence], default: torch.Generator 
             min_p = upload_list([p.min_p for p in params], torch.float32, logits.device)
             scaled = _filter(scaled, top_k, top_p, min_p)
         probs = scaled.softmax(-1)
+        # A row pushed past float range (a tiny repetition_penalty makes a logit inf) has no
+        # distribution: it takes its argmax, without a sync and without failing its batch.
+        ok = torch.isfinite(probs).all(-1)
+        probs = torch.where(ok[:, None], probs, 1.0)
         for i, seq in enumerate(seqs):
             if not params[i].greedy:
                 gen = seq.generator or default
-                chosen[i] = torch.multinomial(probs[i], 1, generator=gen)[0]
+                chosen[i] = torch.where(ok[i], torch.multinomial(probs[i], 1, generator=gen)[0], chosen[i])
     if penalized is not None:
         penalized.count(chosen)
     return chosen

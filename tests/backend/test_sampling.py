@@ -161,3 +161,14 @@ def test_special_tokens_can_be_written_out(engine):
     _, skipped, _ = run(engine, SamplingParams(**s))
     _, written, _ = run(engine, SamplingParams(**s, skip_special_tokens=False))
     assert skipped == "" and written == engine.tokenizer.decode([eos] * 3)
+
+
+def test_logits_past_float_range_fail_no_one(engine):
+    """A repetition_penalty just above 0 makes seen tokens' logits inf: that row takes its
+    argmax and the request beside it in the batch samples as it would alone."""
+    good = SamplingParams(max_tokens=8, temperature=1.0, seed=11, ignore_eos=True)
+    bad = SamplingParams(max_tokens=8, temperature=1.0, seed=11, ignore_eos=True, repetition_penalty=1e-320)
+    alone = run(engine, good)[0]
+    (b, _, reason), (g, _, _) = engine.generate([PROMPT, PROMPT], [bad, good])
+    assert len(b) == 8 and reason == "length" and g == alone
+    assert b[0] in PROMPT  # a seen token: the only ones the penalty made inf

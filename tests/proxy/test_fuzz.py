@@ -1,0 +1,104 @@
+"""Random request bodies against the real engine (seeded, so a failure replays): no body
+gets a 5xx or a stream's error event; every 4xx has OpenAI's error shape; the engine
+serves on afterwards. Requests go several at a time, so good and bad ones share steps."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+from typing import Any
+
+import aiohttp
+import pytest
+
+WILD = [None, True, False, 0, 1, -1, 3, 0.5, -0.5, 1.5, 2**31, 2**63, 2**64, 1e308, -1e308, 1e-320, "", "x",
+        "auto", "none", "required", "json_object", "function", "user", "tool", "collective", [], {}, [1, 2],
+        ["a"], {"a": 1}, "\u0000", "a" * 3000]
+KEYS = ["type", "role", "content", "name", "function", "json_schema", "schema", "regex", "choice", "grammar",
+        "session", "agent", "round", "mode", "arguments", "id", "tool_calls", "include_usage", "json", "strict",
+        "parameters", "format", "structures", "triggers"]
+FIELDS = ["messages", "prompt", "n", "stop", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k",
+          "min_p", "min_tokens", "seed", "stream", "stream_options", "logprobs", "top_logprobs", "ignore_eos",
+          "stop_token_ids", "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias",
+          "response_format", "structured_outputs", "tools", "tool_choice", "parallel_tool_calls", "tokendance",
+          "include_stop_str_in_output", "skip_special_tokens", "add_special_tokens", "echo", "best_of"]
+TOOLS = [{"type": "function", "function": {"name": "f", "strict": True, "parameters": {
+    "type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}}},
+    {"type": "function", "function": {"name": "g"}}]
+PLAUSIBLE: dict[str, Any] = {
+    "n": [1, 2, 3], "stop": [["e"], ["the", "a"], "\n"], "max_tokens": [1, 5, 12], "temperature": [0, 0.7, 2, 1e-6],
+    "top_p": [1, 0.5, 0.01], "top_k": [0, 1, 5, 10**6], "min_p": [0, 0.1, 1], "min_tokens": [0, 2, 5],
+    "seed": [-5, 7, 2**40], "stream": [True], "ignore_eos": [True, False], "stop_token_ids": [[17], [2, 3]],
+    "presence_penalty": [-2, 1.5], "frequency_penalty": [2, -1], "repetition_penalty": [0.5, 1.3, 1e-320, 50.0],
+    "logit_bias": [{"17": 100}, {"5": -100}], "include_stop_str_in_output": [True], "skip_special_tokens": [False],
+    "response_format": [{"type": "json_object"}, {"type": "text"}, {"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"type": "object", "properties": {"k": {"type": "string"}}}}}],
+    "structured_outputs": [{"regex": "[a-c]{2,5}"}, {"choice": ["yes", "no"]}, {"grammar": 'root ::= "x" | "yy"'}],
+    "tokendance": [{"session": s, "agent": a, "round": r, "mode": m} for s in ("s1", "s2") for a in "ab"
+                   for r in (1, 2) for m in ("full", "prefix", "pic", "collective")],
+    "tools": [TOOLS], "tool_choice": ["auto", "none", "required", {"type": "function", "function": {"name": "f"}}],
+    "parallel_tool_calls": [False], "logprobs": [True, 2], "top_logprobs": [0, 3],
+}
+CONVOS = [[{"role": "user", "content": "hi there"}],
+          [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name a color."}],
+          [{"role": "user", "content": "call f"}, {"role": "assistant", "content": None, "tool_calls": [
+              {"id": "call_1", "type": "function", "function": {"name": "f", "arguments": '{"a": 1}'}}]},
+           {"role": "tool", "tool_call_id": "call_1", "content": "3"}]]
+
+
+def wild(r: random.Random, depth: int = 0) -> Any:
+    x = r.random()
+    if depth < 2 and x < 0.15:
+        return [wild(r, depth + 1) for _ in range(r.randint(0, 3))]
+    if depth < 2 and x < 0.3:
+        return {r.choice(KEYS): wild(r, depth + 1) for _ in range(r.randint(0, 3))}
+    return r.choice(WILD)
+
+
+def body(r: random.Random, model: str) -> tuple[str, dict[str, Any]]:
+    chat = r.random() < 0.6
+    b: dict[str, Any] = {"model": model, "max_tokens": 6}
+    if chat:
+        b["messages"] = r.choice(CONVOS)
+    else:
+        b["prompt"] = r.choice(["Once upon a time", [5, 6, 7, 8], ["a b", "c d"]])
+    fields = r.sample(FIELDS, r.randint(1, 5))
+    for k in fields:
+        b[k] = r.choice(PLAUSIBLE.get(k, [None]))
+    if r.random() < 0.5:  # half the bodies have one field gone wild
+        b[r.choice(fields)] = wild(r)
+    if r.random() < 0.02:
+        b["model"] = wild(r)
+    return ("/v1/chat/completions" if chat else "/v1/completions"), b
+
+
+async def fire(http: aiohttp.ClientSession, url: str, path: str, b: dict[str, Any]) -> str | None:
+    """None if the answer is as it should be, else what was wrong."""
+    async with http.post(url + path, data=json.dumps(b), headers={"Content-Type": "application/json"}) as resp:
+        text = await resp.text()
+    if resp.status >= 500 or (resp.status == 200 and '"error"' in text and b.get("stream") is True):
+        return f"{resp.status} for {json.dumps(b)[:500]}: {text[-300:]}"
+    if resp.status >= 400:
+        err = json.loads(text).get("error", {})
+        if set(err) != {"message", "type", "param", "code"} or not err["message"]:
+            return f"{resp.status} without OpenAI's error shape for {json.dumps(b)[:300]}: {text[:300]}"
+    return None
+
+
+@pytest.mark.parametrize("seed", [1, 2])
+async def test_random_bodies_get_no_5xx(engine_live, seed):
+    r = random.Random(seed)
+    model = engine_live.backend.info.name
+    bodies = [body(r, model) for _ in range(120)]
+    gate = asyncio.Semaphore(6)
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as http:
+        async def one(path: str, b: dict[str, Any]) -> str | None:
+            async with gate:
+                return await fire(http, engine_live.url, path, b)
+
+        wrong = [w for w in await asyncio.gather(*(one(p, b) for p, b in bodies)) if w]
+        async with http.get(engine_live.url + "/health") as h:
+            health = await h.json()
+    assert not wrong, "\n".join(wrong[:5])
+    assert health["status"] == "ok" and health["in_flight"] == 0
