@@ -6,8 +6,10 @@ see and the parts of tool calls it completed. One reader per `tool_choice`:
 
 - `Hermes` (`auto`): content passes through until a `<tool_call>` tag; text that could
   still become one is held back, as is whitespace that may turn out to stand only before
-  a call. Each call is given whole once its closing tag (or the end) comes. A call whose
-  body is not `{"name": ..., "arguments": {...}}` stays content, as the model wrote it.
+  a call. A body that begins `{"name": ..., "arguments": {` streams its arguments object
+  as it comes (as vLLM does), to where it closes; any other body is read whole once its
+  closing tag (or the end) comes, and stays content, as the model wrote it, unless it is
+  a call (arguments first, or as a JSON text).
 - `Llama3` (`auto`, for a template that asks for bare calls, Llama 3.1-3.3's): an answer
   that is `{"name": ..., "parameters": {...}}` objects (several joined by `;`) is calls;
   any other is content. An answer that starts with `{` is held back to its end, when it
@@ -26,6 +28,7 @@ import json
 import secrets
 from dataclasses import dataclass, field
 
+from .scan import Scan, head
 from .tools import CLOSE, LLAMA3, OPEN, Tools
 
 
@@ -90,6 +93,7 @@ class Hermes(Reader):
         self.inside = False
         self.gap = ""  # the whitespace before the open call's tag (content again if it fails)
         self.fresh = False  # a call just ended: the whitespace after it is dropped
+        self.open: _Open | bool | None = None  # streaming the open call's arguments; False: read whole
 
     def feed(self, text: str) -> tuple[str, list[Piece]]:
         self.pending += text
@@ -97,11 +101,19 @@ class Hermes(Reader):
         pieces: list[Piece] = []
         while True:
             if self.inside:
+                if self.open is None:
+                    self.open = self._start(pieces)
+                    if self.open is None:
+                        break
+                if isinstance(self.open, _Open):
+                    if not self._stream(self.open, pieces):
+                        break
+                    continue
                 j = self.pending.find(CLOSE)
                 if j < 0:
                     break
                 body, self.pending = self.pending[:j], self.pending[j + len(CLOSE):]
-                self.inside = False
+                self.inside, self.open = False, None
                 out.append(self._read(body, CLOSE, pieces))
                 continue
             i = self.pending.find(OPEN)
@@ -120,9 +132,47 @@ class Hermes(Reader):
         rest, self.pending = self.pending, ""
         pieces: list[Piece] = []
         if self.inside:  # a call the end cut off, or one the model never closed
-            self.inside = False
+            self.inside, open_ = False, self.open
+            self.open = None
+            if isinstance(open_, _Open):  # its arguments as far as they came
+                self.fresh = True
+                return "", pieces
             return self._read(rest, "", pieces), pieces
         return (self._text(rest).rstrip() if self.count else self._text(rest)), pieces
+
+    def _start(self, pieces: list[Piece]) -> _Open | bool | None:
+        """A call whose body begins `{"name": ..., "arguments": {` streams its arguments
+        from here; any other body is read whole at its end (False); None: too early to say."""
+        begun = head(self.pending)
+        if not isinstance(begun, tuple):
+            return begun
+        name, at = begun
+        self.gap, self.pending = "", self.pending[at:]
+        index = None
+        if not self.count or self.parallel:  # parallel_tool_calls false: the first call only
+            piece = self._call(name, "")
+            pieces.append(piece)
+            index = piece.index
+        return _Open(index)
+
+    def _stream(self, call: _Open, pieces: list[Piece]) -> bool:
+        """Hand on the arguments that came; True once the call has ended (its tag closed)."""
+        if not call.scan.done:
+            n = call.scan.feed(self.pending)
+            args, self.pending = self.pending[:n], self.pending[n:]
+            if call.index is not None and args:
+                if pieces and pieces[-1].index == call.index:
+                    pieces[-1].arguments += args
+                else:
+                    pieces.append(Piece(call.index, arguments=args))
+            if not call.scan.done:
+                return False
+        j = self.pending.find(CLOSE)  # what lies between (the object's "}") is dropped
+        if j < 0:
+            return False
+        self.pending = self.pending[j + len(CLOSE):]
+        self.inside, self.open, self.fresh = False, None, True
+        return True
 
     def _text(self, text: str) -> str:
         if self.fresh:
@@ -140,6 +190,15 @@ class Hermes(Reader):
         if not self.count or self.parallel:  # parallel_tool_calls false: the first call only
             pieces.append(self._call(*call))
         return ""
+
+
+@dataclass(slots=True)
+class _Open:
+    """A Hermes call whose arguments stream; `index` None: a call past the first that
+    parallel_tool_calls false drops."""
+
+    index: int | None
+    scan: Scan = field(default_factory=Scan)
 
 
 def _held(text: str) -> int:

@@ -9,7 +9,7 @@ import random
 
 import pytest
 
-from tokendance.proxy import calls, tools
+from tokendance.proxy import calls, scan, tools
 from tokendance.proxy.errors import ApiError
 
 CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
@@ -17,11 +17,16 @@ TEXTS = {  # text, then (content, [(name, arguments)]) or None: no call, all of 
     "plain": ("Hello there, plain text.  \n", None),
     "before": ("Let me check.\n" + CALL + "\n", ("Let me check.", [("get_weather", '{"city": "Paris"}')])),
     "two": ('<tool_call>{"name":"a","arguments":{}}</tool_call>\n\n<tool_call>{"name":"b","arguments":{"x":[1,2]}}'
-            "</tool_call>\n Done.", ("Done.", [("a", "{}"), ("b", '{"x": [1, 2]}')])),
+            "</tool_call>\n Done.", ("Done.", [("a", "{}"), ("b", '{"x":[1,2]}')])),  # as written: streamed
     "not json": ("Broken \n<tool_call>{name: oops}</tool_call> end", None),
     "no name": ('<tool_call>{"arguments": {}}</tool_call>', None),
     "unclosed": ('cut <tool_call>{"name":"a","arguments":{"q":"<tool_call>"}}',
-                 ("cut", [("a", '{"q": "<tool_call>"}')])),
+                 ("cut", [("a", '{"q":"<tool_call>"}')])),
+    "cut args": ('<tool_call>{"name": "a", "arguments": {"q": "Par', ("", [("a", '{"q": "Par')])),
+    "closing tag in an argument": ('<tool_call>{"name":"a","arguments":{"q":"</tool_call>"}}</tool_call> ok',
+                                   ("ok", [("a", '{"q":"</tool_call>"}')])),
+    "arguments first": ('<tool_call>{"arguments": {"k":1}, "name": "f"}</tool_call>', ("", [("f", '{"k": 1}')])),
+    "escaped name": ('<tool_call>{"name": "f\\u0031", "arguments": {}}</tool_call>', ("", [("f1", "{}")])),
     "cut": ('cut <tool_call>{"name":"a","argu', None),
     "tag-like": ("a < b and <tool but not <tool_cal", None),
     "string args": ('<tool_call>{"name": "f", "arguments": "{\\"k\\": 1}"}</tool_call>',
@@ -87,6 +92,17 @@ def test_hermes_hands_content_on_as_soon_as_it_cannot_be_a_call():
     assert r.feed(" <tool_call>{") == ("", [])
     content, pieces = r.feed('"name": "f", "arguments": {}}</tool_call>')
     assert content == "" and [p.name for p in pieces] == ["f"]
+    assert r.end() == ("", [])
+
+
+def test_hermes_streams_a_calls_arguments_as_they_come():
+    r = calls.Hermes()
+    assert r.feed('Hi <tool_call>\n{"name": "get_weather", "argu') == ("Hi", [])
+    content, pieces = r.feed('ments": {"city": "Pa')
+    assert content == "" and [(p.index, p.name, p.arguments) for p in pieces] == [(0, "get_weather", '{"city": "Pa')]
+    assert pieces[0].id.startswith("call_")
+    content, pieces = r.feed('ris"}}\n</tool_call>\n')
+    assert [(p.index, p.id, p.name, p.arguments) for p in pieces] == [(0, None, None, 'ris"}')]
     assert r.end() == ("", [])
 
 
@@ -212,3 +228,19 @@ def test_a_made_call_whose_arguments_are_not_an_object_is_a_400(arguments):
     with pytest.raises(ApiError) as e:
         tools.made_calls(3, [tools.MadeCall(function=tools.CalledFunction(name="f", arguments=arguments))])
     assert e.value.body.param == "messages[3].tool_calls[0].function.arguments"
+
+
+@pytest.mark.parametrize("body,want", [
+    ('{"name": "f", "arguments": {"a": 1}}', ("f", 27)), (' \n{ "name":"f" ,"arguments" : {', ("f", 30)),
+    ('{"name": "f', None), ('{"na', None), ("", None), ('{"name": "f", "arguments": ', None),
+    ('{"arguments": {}}', False), ('{"name": 5', False), ('{"name": "f", "arguments": "x', False),
+    ('[{"name"', False), ('{"name": "\\q", "arguments": {', False),
+])
+def test_a_hermes_body_begins_as_a_streamed_call_or_not(body, want):
+    assert scan.head(body) == want
+
+
+def test_a_scan_ends_where_its_value_closes():
+    s = scan.Scan()
+    assert s.feed('{"a": "}\\"", ') == 13 and not s.done
+    assert s.feed('"b": [1, {}]} tail') == 13 and s.done

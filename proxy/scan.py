@@ -1,0 +1,83 @@
+"""Scanning JSON text as it streams, for the tool-call readers (proxy/calls.py): where a
+value closes, and whether a Hermes call's body has begun as one that can stream."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+
+@dataclass(slots=True)
+class Scan:
+    """Where a JSON value's text, coming in pieces, closes."""
+
+    depth: int = 0
+    string: bool = False
+    escape: bool = False
+    done: bool = False
+
+    def feed(self, text: str) -> int:
+        """How many characters of `text` belong to the value: all of them while it is open."""
+        for i, c in enumerate(text):
+            if self.string:
+                if self.escape:
+                    self.escape = False
+                elif c == "\\":
+                    self.escape = True
+                elif c == '"':
+                    self.string = False
+            elif c == '"':
+                self.string = True
+            elif c in "{[":
+                self.depth += 1
+            elif c in "}]":
+                self.depth -= 1
+                if self.depth == 0:
+                    self.done = True
+                    return i + 1
+        return len(text)
+
+
+_HEAD = ("{", '"name"', ":", "", ",", '"arguments"', ":", "{")  # "": the name, a JSON string
+
+
+def head(body: str) -> tuple[str, int] | bool | None:
+    """(name, where the arguments object starts) when `body` begins as a call written name
+    first, arguments an object; False when it cannot; None while it still may."""
+    at, name = 0, ""
+    for part in _HEAD:
+        while at < len(body) and body[at] in " \t\r\n":
+            at += 1
+        if at == len(body):
+            return None
+        if not part:  # the name
+            if body[at] != '"':
+                return False
+            end = string_end(body, at)
+            if end < 0:
+                return None
+            try:
+                name = json.loads(body[at:end])
+            except ValueError:
+                return False
+            at = end
+            continue
+        have = body[at:at + len(part)]
+        if have != part:
+            return None if part.startswith(have) else False
+        at += len(part)
+    return name, at - 1
+
+
+def string_end(text: str, at: int) -> int:
+    """Past the JSON string that opens at text[at]; -1 if it has not closed yet."""
+    escape = False
+    for i in range(at + 1, len(text)):
+        c = text[i]
+        if escape:
+            escape = False
+        elif c == "\\":
+            escape = True
+        elif c == '"':
+            return i + 1
+    return -1
