@@ -140,6 +140,10 @@ class Proxy:
         meta = read_meta(headers, body.tokendance)
         prefix = "chatcmpl-" if kind == "chat" else "cmpl-"
         key = headers.get("Authorization", "").removeprefix("Bearer ").strip()
+        if body.cache_salt is not None:  # vLLM's: a namespace within the key's
+            if not body.cache_salt:
+                raise invalid("cache_salt must be a non-empty string", "cache_salt")
+            key += "\0" + body.cache_salt
         tenant = hashlib.sha256(key.encode()).hexdigest()[:16] if key else ""
         opts = body.stream_options
         return Call(prefix + secrets.token_hex(12), kind, body.model, meta, body.n, tenant,

@@ -65,6 +65,7 @@ class Sampled(Struct, kw_only=True):
     min_tokens: int | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    cache_salt: str | None = None  # reuses only KV computed under the same key and salt
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
     frequency_penalty: float | None = None

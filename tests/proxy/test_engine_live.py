@@ -199,6 +199,21 @@ def test_prefix_cache_is_per_api_key(engine_live, model):
     assert [cached("sk-one"), cached("sk-two"), cached("sk-one"), cached("sk-two")] == [0, 0, 64, 64]
 
 
+def test_a_cache_salt_namespaces_the_keys_cache(engine_live, model):
+    c = openai.OpenAI(base_url=engine_live.url + "/v1", api_key="sk-salty", max_retries=0)
+
+    def cached(salt: str | None) -> int:
+        r = c.completions.create(model=model, prompt=list(range(2000, 2080)), max_tokens=1,
+                                 extra_body={"tokendance": {"mode": "prefix"},
+                                             **({"cache_salt": salt} if salt is not None else {})})
+        return r.usage.prompt_tokens_details.cached_tokens
+
+    assert [cached(None), cached("a"), cached("b"), cached("a"), cached(None)] == [0, 0, 0, 64, 64]
+    with pytest.raises(openai.BadRequestError) as err:
+        cached("")  # vLLM's rule: a salt, if given, is not empty
+    assert err.value.param == "cache_salt"
+
+
 # Penalties and logit_bias: they arrive (the answer equals the engine's own with them) and
 # change the answer.
 
