@@ -240,6 +240,7 @@ class Stream(Protocol):
 
 class Backend(Protocol):
     info: ModelInfo
+    tokenizer: Any  # the HF tokenizer its prompts are tokenized with; None without a model
 
     def render_chat(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> str:
         """The chat template applied to `messages` (and `tools`, where the template renders

@@ -38,6 +38,10 @@ class EngineBackend:
     def load(cls, model: str | None = None, dtype: str = "auto", mode: str = "collective", **kw: Any) -> "EngineBackend":
         return cls(Engine(EngineConfig(model=model, dtype=dtype, **kw)), mode)
 
+    @property
+    def tokenizer(self) -> Any:
+        return self.engine.tokenizer
+
     def render_chat(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> str:
         return render_chat(self.engine.tokenizer, messages, tools)
 

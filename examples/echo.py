@@ -48,6 +48,8 @@ class EchoStream:
 class EchoBackend:
     """Implements tokendance.backend.api.Backend without a model."""
 
+    tokenizer = None
+
     def __init__(self, mode: str = "collective", max_model_len: int = 32768):
         check_mode(mode)
         self.mode = mode

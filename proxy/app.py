@@ -16,6 +16,7 @@ from aiohttp import web
 from tokendance.backend.api import Backend, InvalidRequest
 
 from . import schemas, segment
+from . import tokenize as tokens
 from .core import Config, Proxy
 from .errors import ApiError, middleware
 from .mqtt import Control
@@ -94,16 +95,24 @@ async def models(req: web.Request) -> web.Response:
 
 
 async def model(req: web.Request) -> web.Response:
-    card = _card(req.app[PROXY])
-    if req.match_info["model"] != card.id:
-        raise ApiError(404, f"The model `{req.match_info['model']}` does not exist", "model",
-                       "model_not_found")
-    return _json(card)
+    px = req.app[PROXY]
+    px.served(req.match_info["model"])
+    return _json(_card(px))
 
 
 def _card(px: Proxy) -> schemas.ModelCard:
     info = px.backend.info
     return schemas.ModelCard(info.name, int(px.started), info.max_model_len)
+
+
+async def tokenize(req: web.Request) -> web.Response:
+    body = schemas.decode(await req.read(), tokens.TokenizeRequest)
+    return _json(tokens.tokenize(req.app[PROXY], body))
+
+
+async def detokenize(req: web.Request) -> web.Response:
+    body = schemas.decode(await req.read(), tokens.DetokenizeRequest)
+    return _json(tokens.detokenize(req.app[PROXY], body))
 
 
 async def health(req: web.Request) -> web.Response:
@@ -163,6 +172,8 @@ def make_app(proxy: Proxy, control: Control | None = None) -> web.Application:
     r.add_post("/v1/completions", completions)
     r.add_get("/v1/models", models)
     r.add_get("/v1/models/{model}", model)
+    r.add_post("/tokenize", tokenize)
+    r.add_post("/detokenize", detokenize)
     r.add_get("/health", health)
     r.add_get("/metrics", metrics)
     rounds = "/v1/tokendance/sessions/{session}/rounds/{round}"

@@ -134,9 +134,13 @@ class Proxy:
 
     # The steps of a request, in order.
 
+    def served(self, model: str) -> None:
+        """A 404 unless `model` is the one served."""
+        if model != self.backend.info.name:
+            raise ApiError(404, f"The model `{model}` does not exist", "model", "model_not_found")
+
     def call(self, kind: str, body: Sampled, headers: Mapping[str, str], t0: float) -> Call:
-        if body.model != self.backend.info.name:
-            raise ApiError(404, f"The model `{body.model}` does not exist", "model", "model_not_found")
+        self.served(body.model)
         meta = read_meta(headers, body.tokendance)
         prefix = "chatcmpl-" if kind == "chat" else "cmpl-"
         key = headers.get("Authorization", "").removeprefix("Bearer ").strip()

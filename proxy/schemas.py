@@ -184,7 +184,7 @@ def check_chat(body: ChatRequest, dialect: Callable[[], str]) -> Checked:
         raise invalid("top_logprobs requires logprobs to be true", "top_logprobs")
     if not body.messages:
         raise invalid("messages must not be empty", "messages")
-    messages = [_message(i, m) for i, m in enumerate(body.messages)]
+    messages = [message(i, m) for i, m in enumerate(body.messages)]
     limit = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     sp = sampling(body, limit, bool(body.logprobs), body.top_logprobs or 0)
     forced = tools.structure() if tools is not None else None
@@ -199,7 +199,8 @@ def check_chat(body: ChatRequest, dialect: Callable[[], str]) -> Checked:
     return messages, sp, tools
 
 
-def _message(i: int, m: Message) -> dict[str, Any]:
+def message(i: int, m: Message) -> dict[str, Any]:
+    """A chat message as the template wants it; a 400 naming its field."""
     where = f"messages[{i}]"
     if m.role == "function":
         raise unsupported(f"{where}.role", "messages of role function (use tool)")

@@ -27,6 +27,7 @@ def words(text: str) -> list[str]:
 
 
 class FakeBackend:
+    tokenizer = None  # words, not a tokenizer: /tokenize answers 501
     def __init__(self, name: str = "fake-tiny", max_model_len: int = 4096, length: int = 6,
                  delay: float = 0.0, fail: str | None = None, kv_bytes: int = 1024):
         self.info = ModelInfo(name, max_model_len, kv_bytes)
