@@ -78,12 +78,15 @@ def graphs_vs_eager(mirrors: bool = False, n: int = 11, segments: int = 0) -> fl
     return float((graph - eager).norm() / eager.norm())
 
 
-def overlap_vs_sync() -> tuple[bool, int]:
+def overlap_vs_sync() -> tuple[list[str], int, bool]:
     """Decode with lookahead (a step's tokens feed the next on the device, the graphs'
     path) against without: the same tokens for plain sequences and Mirrors, greedy and
-    seeded sampling, penalties and logit bias on some (their counts of earlier tokens
-    live on the device), limits that end requests at different steps. Returns (equal,
-    steps that took their ids from the device)."""
+    seeded sampling (with min-p, top-k and top-p on one), penalties and logit bias on some
+    (their counts of earlier tokens live on the device), a repetition penalty that pushes
+    logits past float range, limits that end requests at different steps, and a forced
+    stop token held off by min_tokens. Returns (the requests whose tokens differ, steps that
+    took their ids from the device, the min_tokens request ended right after its minimum
+    both ways)."""
     from tokendance.bench.allgather import make_round
 
     eng = Engine(EngineConfig(model=str(small_folder()), dtype="bfloat16", random_weights=True,
@@ -96,7 +99,7 @@ def overlap_vs_sync() -> tuple[bool, int]:
         chained[0] += ids is not None
         return real(work, ids) if ids is not None else real(work)
 
-    def run(overlap: bool) -> list[list[int]]:
+    def run(overlap: bool) -> dict[str, list[int]]:
         eng.reset_caches()
         eng.overlap = overlap
         for i, p in enumerate(plain):
@@ -104,6 +107,12 @@ def overlap_vs_sync() -> tuple[bool, int]:
                                 seed=i, ignore_eos=True, frequency_penalty=1.5 * (i % 2),
                                 repetition_penalty=1.3 if i % 4 == 1 else 1.0,
                                 logit_bias={7: 5.0} if i == 5 else {})
+            if i == 2:  # token 7 forced, and a stop token: it may end the request from token 5 on
+                sp.logit_bias, sp.stop_token_ids, sp.min_tokens = {7: 100.0}, [7], 4
+            if i == 3:
+                sp.min_p, sp.top_k, sp.top_p = 0.05, 40, 0.9
+            if i == 6:
+                sp.temperature, sp.repetition_penalty = 1.0, 1e-320
             eng.add(f"p{i}", p[: 80 + 15 * i], sp)
         for i, (p, sh) in enumerate(zip(rnd.prompts, rnd.shared)):
             eng.add(f"m{i}", p, SamplingParams(max_tokens=10 + i, temperature=0, ignore_eos=True),
@@ -112,11 +121,12 @@ def overlap_vs_sync() -> tuple[bool, int]:
         while eng.has_work():
             for rid, d in eng.step():
                 toks.setdefault(rid, []).extend(d.token_ids)
-        return [toks[k] for k in sorted(toks)]
+        return toks
 
     eng.runner.run = spy
-    same = run(False) == run(True)
-    return same, chained[0]
+    sync, overlap = run(False), run(True)
+    held = all(len(t["p2"]) == 5 and t["p2"][-1] == 7 and 7 not in t["p2"][:4] for t in (sync, overlap))
+    return sorted(k for k in sync.keys() | overlap.keys() if sync.get(k) != overlap.get(k)), chained[0], held
 
 
 def producer_tails() -> tuple[float, bool]:
@@ -318,10 +328,11 @@ def main() -> int:
     err = graphs_vs_eager(mirrors=True)
     print(f"CUDA-graph decode vs eager over Mirrors, bf16: relative error {err:.2e}")
     ok &= err < 2e-2
-    same, chained = overlap_vs_sync()
-    print(f"decode with lookahead vs without (graphs, bf16): same tokens {same}, "
-          f"{chained} steps fed from the device")
-    ok &= same and chained > 0
+    differ, chained, held = overlap_vs_sync()
+    print(f"decode with lookahead vs without (graphs, bf16): same tokens {not differ}"
+          f"{' (not ' + ', '.join(differ) + ')' if differ else ''}, {chained} steps fed from the device; "
+          f"min_tokens held a forced stop token off {held}")
+    ok &= not differ and chained > 0 and held
     ok &= greedy_vs_hf("float32")
     ok &= mirrors()
     err, whole = producer_tails()
