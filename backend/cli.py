@@ -21,6 +21,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--min-p", type=float, default=0.0, help="0 to 1, of the likeliest token's probability")
+    p.add_argument("--min-tokens", type=int, default=0, help="no end before this many tokens")
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--presence-penalty", type=float, default=0.0, help="-2 to 2, over generated tokens")
     p.add_argument("--frequency-penalty", type=float, default=0.0, help="-2 to 2, over generated tokens")
@@ -38,7 +40,8 @@ def main(args: argparse.Namespace) -> int:
         if not _utf8(value):  # the tokenizer's TypeError would be a traceback
             raise ValueError(f"{what} is not UTF-8 text")
     sampling = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
-                              top_k=args.top_k, seed=args.seed, stop=args.stop,
+                              top_k=args.top_k, min_p=args.min_p, min_tokens=args.min_tokens,
+                              seed=args.seed, stop=args.stop,
                               presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
                               repetition_penalty=args.repetition_penalty)
     sampling.validate()

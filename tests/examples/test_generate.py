@@ -36,7 +36,8 @@ def test_bad_sampling_is_one_line_before_the_model_loads(capsys) -> None:
 
 @pytest.mark.parametrize("flag,param", [("--presence-penalty", "presence_penalty"),
                                         ("--frequency-penalty", "frequency_penalty"),
-                                        ("--repetition-penalty", "repetition_penalty")])
+                                        ("--repetition-penalty", "repetition_penalty"),
+                                        ("--min-p", "min_p"), ("--min-tokens", "min_tokens")])
 def test_a_bad_penalty_is_one_line_naming_it(capsys, flag, param) -> None:
     assert cli.main(["generate", "hi", "--model", "/nonexistent/model", flag, "-3"]) == 1
     err = capsys.readouterr().err.strip()
@@ -49,3 +50,15 @@ def test_a_repetition_penalty_changes_the_answer(tiny_llama, capsys) -> None:
     plain = capsys.readouterr().out
     assert cli.main([*base, "--repetition-penalty", "0.5"]) == 0
     assert capsys.readouterr().out != plain
+
+
+def test_min_tokens_holds_off_a_stop_string(tiny_llama, capsys) -> None:
+    base = ["generate", "Once upon a time", "--model", str(tiny_llama), "--raw", "--max-tokens", "12"]
+    assert cli.main(base) == 0
+    plain = capsys.readouterr().out.rstrip("\n")
+    stop = plain[1:3]
+    assert cli.main([*base, "--stop", stop]) == 0
+    cut = capsys.readouterr().out.rstrip("\n")
+    assert cli.main([*base, "--stop", stop, "--min-tokens", "6"]) == 0
+    held = capsys.readouterr().out.rstrip("\n")
+    assert len(cut) < 3 and plain.startswith(held) and len(held) > len(cut) + len(stop)
