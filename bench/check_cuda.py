@@ -21,6 +21,11 @@ from tokendance.bench.engine import rand_prompts
 from tokendance.bench.shapes import SHAPES, shape_folder
 
 
+# Their rounds' outputs (8-60 tokens) are shorter than the length CUDA reuses from by default:
+# every engine here reuses all of them, so the Mirror paths are what it checks.
+REUSE_ALL = {"min_shared_tokens": 0}
+
+
 def small_folder(layers: int = 4):
     """Qwen2.5-7B's widths with fewer layers: quick to build, same kernel shapes."""
     src = shape_folder("qwen2.5-7b")
@@ -37,7 +42,8 @@ def small_folder(layers: int = 4):
 def seeded(**cfg) -> Engine:
     """An fp32 engine on small_folder(2) whose random weights are the same in every engine
     made here."""
-    eng = Engine(EngineConfig(model=str(small_folder(2)), dtype="float32", random_weights=True, seed=0, **cfg))
+    eng = Engine(EngineConfig(model=str(small_folder(2)), dtype="float32", random_weights=True, seed=0,
+                              **REUSE_ALL, **cfg))
     torch.manual_seed(0)
     for p in eng.model.parameters():
         p.data.normal_(0, 0.02)
@@ -53,7 +59,7 @@ def graphs_vs_eager(mirrors: bool = False, n: int = 11, segments: int = 0) -> fl
     from tokendance.bench.allgather import make_round
 
     eng = Engine(EngineConfig(model=str(small_folder()), dtype="bfloat16", random_weights=True,
-                              kv_tokens=16 * 4096 if n <= 32 else 64 * 4096, cuda_graphs=max(32, n)))
+                              kv_tokens=16 * 4096 if n <= 32 else 64 * 4096, cuda_graphs=max(32, n), **REUSE_ALL))
     sampling = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
     if mirrors:
         rnd = make_round(segments, 8, 8, 49152, seed=2) if segments else make_round(n, 100, 40, 49152, seed=2)
@@ -90,7 +96,7 @@ def overlap_vs_sync() -> tuple[list[str], int, bool]:
     from tokendance.bench.allgather import make_round
 
     eng = Engine(EngineConfig(model=str(small_folder()), dtype="bfloat16", random_weights=True,
-                              kv_tokens=16 * 4096, cuda_graphs=32))
+                              kv_tokens=16 * 4096, cuda_graphs=32, **REUSE_ALL))
     rnd = make_round(6, 100, 40, 49152, seed=5)
     plain = rand_prompts(8, 200, 49152, 6)
     chained, real = [0], eng.runner.run
@@ -188,7 +194,7 @@ def collective_vs_tables(dtype: str) -> float:
     from tokendance.bench.allgather import make_round
 
     eng = Engine(EngineConfig(model=str(small_folder()), dtype=dtype, random_weights=True,
-                              kv_tokens=16 * 4096, cuda_graphs=0))
+                              kv_tokens=16 * 4096, cuda_graphs=0, **REUSE_ALL))
     rnd = make_round(11, 100, 40, 49152, seed=4)
     sampling = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
     for i, (p, sp) in enumerate(zip(rnd.prompts, rnd.shared)):

@@ -78,8 +78,10 @@ def resolve(model: str | None, random: bool = False) -> tuple[str | None, bool]:
 def round_engine(model: str | None, dtype: str, kv_tokens: int, random: bool = False,
                  **cfg) -> tuple[Engine, int]:
     """The round benchmarks' engine (--model a path or a shape name; 16 k tokens a step,
-    half the pool for segment bases), and the vocabulary their token ids are drawn below."""
+    half the pool for segment bases; every shared segment reused, however short: its length
+    is the benchmark's to choose), and the vocabulary their token ids are drawn below."""
     folder, random = resolve(model, random)
+    cfg.setdefault("min_shared_tokens", 0)
     eng = Engine(EngineConfig(model=folder, dtype=dtype, random_weights=random, kv_tokens=kv_tokens,
                               max_batched_tokens=16384, segment_cache_fraction=0.5, **cfg))
     return eng, min(eng.mcfg.vocab_size, len(eng.tokenizer))
