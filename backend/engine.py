@@ -141,7 +141,8 @@ class Engine:
         gen = None
         if sampling.seed is not None:
             gen = torch.Generator(device=self.device).manual_seed(sampling.seed)
-        ends = sorted(set(sampling.stop_token_ids) | (set() if sampling.ignore_eos else self.eos))
+        ends = sorted(t for t in set(sampling.stop_token_ids) | (set() if sampling.ignore_eos else self.eos)
+                      if 0 <= t < self.mcfg.vocab_size)  # another id is never sampled
         seq = Sequence(rid, list(prompt), sampling, Detok.of(self.tokenizer, sampling),
                        generator=gen, ends=ends, mode=mode, shared=spans, tenant=tenant,
                        publish=publish and self.cfg.bases == "producer")

@@ -172,3 +172,15 @@ def test_logits_past_float_range_fail_no_one(engine):
     (b, _, reason), (g, _, _) = engine.generate([PROMPT, PROMPT], [bad, good])
     assert len(b) == 8 and reason == "length" and g == alone
     assert b[0] in PROMPT  # a seen token: the only ones the penalty made inf
+
+
+def test_stop_token_ids_outside_the_vocabulary_end_nothing(engine):
+    """They can never be sampled; with min_tokens they mask nothing (a negative id would
+    index from the vocabulary's end)."""
+    s = dict(max_tokens=6, temperature=0, ignore_eos=True)
+    plain = run(engine, SamplingParams(**s))[0]
+    vocab = engine.mcfg.vocab_size
+    assert run(engine, SamplingParams(**s, stop_token_ids=[-1, vocab, 10**12], min_tokens=3))[0] == plain
+    last = SamplingParams(**s, stop_token_ids=[vocab - 1, -1], min_tokens=2, logit_bias={vocab - 1: 100.0})
+    toks = run(engine, last)[0]
+    assert toks == toks[:2] + [vocab - 1] and vocab - 1 not in toks[:2]
