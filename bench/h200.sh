@@ -59,9 +59,11 @@ what=" ${*:-all} "
 want() { [[ "$what" == *" all "* || "$what" == *" $1 "* ]]; }
 if want engine || want check; then
   python3 -m tokendance.bench.check_cuda 2>&1 | grep -v -i "warn\|deprecat" | tee "$OUT/check.txt"
-  # The GPU-only tests (skipped on the CPU machine).
-  python3 -m pytest -q -p no:cacheprovider -rs tests/kernels/test_prefill.py tests/backend/test_upload.py tests/backend/test_arena.py \
-    2>&1 | tail -4 | tee "$OUT/gpu_tests.txt"
+  # The GPU-only tests (skipped on the CPU machine), the kernels' apart: their conftest turns
+  # on Triton's interpreter for the whole process.
+  for t in tests/kernels/test_prefill.py "tests/backend/test_upload.py tests/backend/test_arena.py"; do
+    python3 -m pytest -q -p no:cacheprovider -rfEs $t 2>&1 | tail -4
+  done | tee "$OUT/gpu_tests.txt"
 fi
 if want act; then
   python3 -m tokendance.bench.check_cuda act 2>&1 | tee "$OUT/act.txt"
