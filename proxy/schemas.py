@@ -1,7 +1,8 @@
 """Request and response bodies of the OpenAI API, as msgspec Structs.
 
-Unknown fields are ignored; wrong types become a 400 naming the field. Features the
-server does not implement are rejected by `check_*`, never silently dropped.
+Unknown fields are ignored, with a warning in the log naming them (as vLLM does); wrong
+types become a 400 naming the field. Features the server knows but does not implement
+are rejected by `check_*`, never silently dropped.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from collections.abc import Callable
 from typing import Any
 
 import msgspec
+import structlog
 from msgspec import Struct
 
 from tokendance.backend.api import InvalidRequest, SamplingParams
@@ -20,6 +22,8 @@ from .errors import invalid, unsupported
 from .structured import ResponseFormat, StructuredOutputs, structure
 
 MAX_N = 64
+log = structlog.get_logger("tokendance.proxy")
+_keys = msgspec.json.Decoder(dict[str, msgspec.Raw])  # a body's top-level fields, values unread
 
 
 class TokenDance(Struct, kw_only=True):
@@ -109,7 +113,11 @@ class RoundOpen(Struct, kw_only=True):
 
 def decode(data: bytes, kind: type[Struct]) -> Any:
     try:
-        return msgspec.json.decode(data, type=kind)
+        body = msgspec.json.decode(data, type=kind)
+        ignored = sorted(_keys.decode(data).keys() - set(kind.__struct_fields__))
+        if ignored:
+            log.warning("fields ignored", fields=ignored, body=kind.__name__)
+        return body
     except msgspec.ValidationError as exc:
         text = str(exc)
         at = re.search(r"at `\$\.?(.+)`$", text)

@@ -5,6 +5,7 @@ import json
 
 import aiohttp
 import pytest
+import structlog
 
 M = [{"role": "user", "content": "hi"}]
 CHAT = {"model": "fake-tiny", "messages": M}
@@ -177,13 +178,20 @@ async def test_a_name_in_header_bytes_that_are_not_utf8_is_a_400(server):
     assert server.proxy.backend.groups == []
 
 
-async def test_unknown_fields_are_ignored(server):
+async def test_unknown_fields_are_ignored_and_logged(server):
     body = {**CHAT, "frobnicate": {"x": [1]}, "messages": [{"role": "user", "content": "ok", "extra": 1}],
-            "tools": [], "tool_choice": "none", "response_format": {"type": "text"}, "presence_penalty": 0}
-    async with aiohttp.ClientSession() as http:
-        async with http.post(server.url + PATHS["chat"], json=body) as resp:
-            assert resp.status == 200
-            assert (await resp.json())["choices"][0]["message"]["content"] == "ok"
+            "tools": [], "tool_choice": "none", "response_format": {"type": "text"}, "presence_penalty": 0,
+            "best_effort": True}
+    with structlog.testing.capture_logs() as logs:
+        async with aiohttp.ClientSession() as http:
+            async with http.post(server.url + PATHS["chat"], json=body) as resp:
+                assert resp.status == 200
+                assert (await resp.json())["choices"][0]["message"]["content"] == "ok"
+            async with http.post(server.url + PATHS["chat"], json=CHAT) as resp:
+                assert resp.status == 200
+    ignored = [e for e in logs if e["event"] == "fields ignored"]
+    assert [(e["fields"], e["body"], e["log_level"]) for e in ignored] == [
+        (["best_effort", "frobnicate"], "ChatRequest", "warning")]
 
 
 async def test_routes_and_control_endpoints_answer_in_the_same_shape(server):
