@@ -15,7 +15,7 @@ from aiohttp import web
 
 from tokendance.backend.api import Backend, InvalidRequest
 
-from . import schemas, segment
+from . import replies, schemas, segment
 from . import tokenize as tokens
 from .core import Config, Proxy
 from .errors import ApiError, middleware
@@ -91,7 +91,7 @@ async def completions(req: web.Request) -> web.StreamResponse:
 
 async def models(req: web.Request) -> web.Response:
     card = _card(req.app[PROXY])
-    return _json(schemas.ModelList([card]))
+    return _json(replies.ModelList([card]))
 
 
 async def model(req: web.Request) -> web.Response:
@@ -100,9 +100,9 @@ async def model(req: web.Request) -> web.Response:
     return _json(_card(px))
 
 
-def _card(px: Proxy) -> schemas.ModelCard:
+def _card(px: Proxy) -> replies.ModelCard:
     info = px.backend.info
-    return schemas.ModelCard(info.name, int(px.started), info.max_model_len)
+    return replies.ModelCard(info.name, int(px.started), info.max_model_len)
 
 
 async def tokenize(req: web.Request) -> web.Response:

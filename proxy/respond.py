@@ -18,7 +18,7 @@ from aiohttp import web
 
 from tokendance.backend.api import BackendError, Delta, Stream, TokenLogprob
 
-from . import calls, schemas as s
+from . import calls, replies as s
 from .core import Call, Proxy
 from .errors import ApiError, from_backend
 

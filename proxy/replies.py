@@ -1,0 +1,150 @@
+"""Response bodies of the OpenAI API (its model card with vLLM's max_model_len), as msgspec Structs."""
+
+from __future__ import annotations
+
+from msgspec import Struct
+
+
+class TopLogprob(Struct):
+    token: str
+    logprob: float
+    bytes: list[int] | None
+
+
+class ChatLogprob(Struct):
+    token: str
+    logprob: float
+    bytes: list[int] | None
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(Struct):
+    content: list[ChatLogprob]
+
+
+class TextLogprobs(Struct):
+    tokens: list[str]
+    token_logprobs: list[float]
+    top_logprobs: list[dict[str, float]]
+    text_offset: list[int]
+
+
+class CachedDetails(Struct):
+    cached_tokens: int
+
+
+class ReuseDetails(Struct):
+    """What reuse did for one request (an extension; clients that do not know it ignore it)."""
+
+    shared_tokens: int  # prompt tokens inside shared segments
+    recomputed_tokens: int  # of the cached ones, recomputed selectively
+    kv_dense_bytes: int  # what a dense per-request cache would hold
+    kv_held_bytes: int  # what it held privately
+
+
+class UsageOut(Struct):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    prompt_tokens_details: CachedDetails
+    tokendance: ReuseDetails
+
+
+class OutFunction(Struct):
+    name: str
+    arguments: str  # JSON text
+
+
+class OutCall(Struct):
+    id: str
+    function: OutFunction
+    type: str = "function"
+
+
+class OutMessage(Struct, omit_defaults=True):
+    role: str
+    content: str | None
+    tool_calls: list[OutCall] | None = None
+
+
+class FunctionDelta(Struct, omit_defaults=True):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class CallDelta(Struct, omit_defaults=True):
+    index: int
+    function: FunctionDelta
+    id: str | None = None
+    type: str | None = None
+
+
+class ChatChoice(Struct):
+    index: int
+    message: OutMessage
+    finish_reason: str | None
+    logprobs: ChatLogprobs | None = None
+
+
+class ChatCompletion(Struct):
+    id: str
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: UsageOut
+    object: str = "chat.completion"
+    system_fingerprint: str | None = None
+
+
+class OutDelta(Struct, omit_defaults=True):
+    role: str | None = None
+    content: str | None = None
+    tool_calls: list[CallDelta] | None = None
+
+
+class ChunkChoice(Struct):
+    index: int
+    delta: OutDelta
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+
+
+class ChatChunk(Struct):
+    id: str
+    created: int
+    model: str
+    choices: list[ChunkChoice]
+    usage: UsageOut | None = None
+    object: str = "chat.completion.chunk"
+
+
+class TextChoice(Struct):
+    index: int
+    text: str
+    finish_reason: str | None
+    logprobs: TextLogprobs | None = None
+
+
+class Completion(Struct):
+    """Both the whole answer and, streamed, each chunk of /v1/completions."""
+
+    id: str
+    created: int
+    model: str
+    choices: list[TextChoice]
+    usage: UsageOut | None = None
+    object: str = "text_completion"
+    system_fingerprint: str | None = None
+
+
+class ModelCard(Struct):
+    id: str
+    created: int
+    max_model_len: int
+    object: str = "model"
+    owned_by: str = "tokendance"
+
+
+class ModelList(Struct):
+    data: list[ModelCard]
+    object: str = "list"
