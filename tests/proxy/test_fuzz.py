@@ -77,7 +77,7 @@ async def fire(http: aiohttp.ClientSession, url: str, path: str, b: dict[str, An
     """None if the answer is as it should be, else what was wrong."""
     async with http.post(url + path, data=json.dumps(b), headers={"Content-Type": "application/json"}) as resp:
         text = await resp.text()
-    if resp.status >= 500 or (resp.status == 200 and '"error"' in text and b.get("stream") is True):
+    if resp.status >= 500 or (resp.status == 200 and 'data: {"error"' in text):  # a stream's error event
         return f"{resp.status} for {json.dumps(b)[:500]}: {text[-300:]}"
     if resp.status >= 400:
         err = json.loads(text).get("error", {})
