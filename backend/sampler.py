@@ -1,8 +1,8 @@
 """Next-token choice for a batch: logit bias and penalties (backend/penalties.py), the
 ends a request may not take yet (`min_tokens`), a structured output's grammar
 (backend/grammar.py), then greedy, or temperature, min-p, top-k and top-p (vLLM's order:
-top-p over what min-p and top-k left, renormalized) with per-request seeds; and the
-log-probabilities of chosen (and top) tokens under the model's distribution."""
+top-p over what min-p and top-k left, renormalized) and a draw with per-request seeds;
+and the log-probabilities of chosen (and top) tokens under the model's distribution."""
 
 from __future__ import annotations
 
@@ -23,15 +23,17 @@ class Sampled:
     top: list[tuple[int, float]] | None = None
 
 
-def _filter(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+def _filter(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor,
+            renorm: bool) -> torch.Tensor:
     """Mask (to -inf) what min-p, top-k and top-p exclude, per row; the likeliest token
-    always stays."""
+    always stays. `renorm`: some row has min-p or top-k, whose survivors top-p measures."""
     sorted_logits, order = logits.sort(dim=-1, descending=True)
     rank = torch.arange(logits.shape[-1], device=logits.device)[None, :]
     probs = sorted_logits.softmax(-1)
     drop = probs < min_p[:, None] * probs[:, :1]
     drop |= (top_k[:, None] > 0) & (rank >= top_k[:, None])
-    probs = sorted_logits.masked_fill(drop, float("-inf")).softmax(-1)
+    if renorm:
+        probs = sorted_logits.masked_fill(drop, float("-inf")).softmax(-1)
     drop |= (probs.cumsum(-1) - probs) > top_p[:, None]
     sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
     return torch.empty_like(logits).scatter_(-1, order, sorted_logits)
@@ -71,19 +73,28 @@ def choose(logits: torch.Tensor, seqs: list[Sequence], default: torch.Generator 
             top_k = upload_list([min(p.top_k, vocab) for p in params], torch.long, logits.device)
             top_p = upload_list([p.top_p for p in params], torch.float32, logits.device)
             min_p = upload_list([p.min_p for p in params], torch.float32, logits.device)
-            scaled = _filter(scaled, top_k, top_p, min_p)
-        probs = scaled.softmax(-1)
-        # A row pushed past float range (a tiny repetition_penalty makes a logit inf) has no
-        # distribution: it takes its argmax, without a sync and without failing its batch.
-        ok = torch.isfinite(probs).all(-1)
-        probs = torch.where(ok[:, None], probs, 1.0)
-        for i, seq in enumerate(seqs):
-            if not params[i].greedy:
-                gen = seq.generator or default
-                chosen[i] = torch.where(ok[i], torch.multinomial(probs[i], 1, generator=gen)[0], chosen[i])
+            scaled = _filter(scaled, top_k, top_p, min_p, any(p.top_k or p.min_p for p in params))
+        chosen = _draw(scaled.softmax(-1), seqs, default, chosen)
     if penalized is not None:
         penalized.count(chosen)
     return chosen
+
+
+def _draw(probs: torch.Tensor, seqs: list[Sequence], default: torch.Generator | None,
+          greedy: torch.Tensor) -> torch.Tensor:
+    """A token per sampled row, as vLLM draws it: the argmax of probs / E for E ~ Exp(1)
+    (a draw from probs), with E for the whole batch in one launch from `default` and a
+    seeded row's own from its generator; greedy rows keep `greedy`. A row pushed past float
+    range (a tiny repetition_penalty makes a logit inf) has no distribution: it keeps its
+    argmax too, without a sync and without failing its batch."""
+    e = torch.empty_like(probs).exponential_(generator=default)
+    for i, s in enumerate(seqs):
+        if s.generator is not None and not s.sampling.greedy:
+            e[i].exponential_(generator=s.generator)
+    drawn = (probs / e.clamp_(min=torch.finfo(e.dtype).tiny)).argmax(-1)
+    take = upload_list([not s.sampling.greedy for s in seqs], torch.bool, probs.device)
+    take &= probs.sum(-1).isfinite()
+    return torch.where(take, drawn, greedy)
 
 
 def sample(logits: torch.Tensor, seqs: list[Sequence], default: torch.Generator | None) -> list[Sampled]:

@@ -54,7 +54,7 @@ def test_a_top_k_past_the_vocabulary_keeps_every_token(engine):
 
 def test_filter_masks_per_row():
     logits = torch.tensor([[4.0, 3.0, 2.0, 1.0], [4.0, 3.0, 2.0, 1.0]])
-    out = _filter(logits, torch.tensor([2, 0]), torch.tensor([1.0, 0.5]), torch.tensor([0.0, 0.0]))
+    out = _filter(logits, torch.tensor([2, 0]), torch.tensor([1.0, 0.5]), torch.tensor([0.0, 0.0]), True)
     assert torch.isinf(out[0, 2:]).all() and torch.isfinite(out[0, :2]).all()
     p = logits[1].softmax(-1)
     keep = int(((p.cumsum(-1) - p) <= 0.5).sum())
@@ -98,7 +98,7 @@ def test_min_p_drops_tokens_below_its_share_of_the_likeliest():
     logits = torch.tensor([[4.0, 3.0, 2.0, 1.0]] * 3)
     p = logits[0].softmax(-1)
     out = _filter(logits, torch.tensor([0, 0, 0]), torch.tensor([1.0, 1.0, 1.0]),
-                  torch.tensor([0.0, float(p[1] / p[0]) + 1e-3, 1.0]))
+                  torch.tensor([0.0, float(p[1] / p[0]) + 1e-3, 1.0]), True)
     assert torch.isfinite(out[0]).all()
     assert torch.isfinite(out[1, :1]).all() and torch.isinf(out[1, 1:]).all()
     assert torch.isfinite(out[2, :1]).all() and torch.isinf(out[2, 1:]).all()  # the likeliest stays
@@ -107,7 +107,7 @@ def test_min_p_drops_tokens_below_its_share_of_the_likeliest():
 def test_top_p_is_over_what_top_k_left_renormalized():
     """vLLM's (and HF's) order: top-p after top-k, over the kept tokens' renormalized mass."""
     logits = torch.tensor([[2.0, 1.9, 1.8, 0.0, 0.0, 0.0]])
-    out = _filter(logits, torch.tensor([3]), torch.tensor([0.6]), torch.tensor([0.0]))
+    out = _filter(logits, torch.tensor([3]), torch.tensor([0.6]), torch.tensor([0.0]), True)
     # of the top 3 (~1/3 each) two reach 0.6; over all six the first two would hold ~0.55
     assert torch.isfinite(out[0, :2]).all() and torch.isinf(out[0, 2:]).all()
 
@@ -184,3 +184,21 @@ def test_stop_token_ids_outside_the_vocabulary_end_nothing(engine):
     last = SamplingParams(**s, stop_token_ids=[vocab - 1, -1], min_tokens=2, logit_bias={vocab - 1: 100.0})
     toks = run(engine, last)[0]
     assert toks == toks[:2] + [vocab - 1] and vocab - 1 not in toks[:2]
+
+
+def test_a_draw_follows_its_distribution_and_leaves_greedy_rows():
+    from types import SimpleNamespace
+
+    from tokendance.backend.sampler import _draw
+
+    probs = torch.tensor([[0.1, 0.2, 0.3, 0.4], [0.25, 0.25, 0.25, 0.25]])
+    hot, cold = SamplingParams(temperature=1.0), SamplingParams(temperature=0)
+    rows = [SimpleNamespace(sampling=hot, generator=torch.Generator().manual_seed(3)),
+            SimpleNamespace(sampling=cold, generator=None)]
+    greedy = torch.tensor([3, 2])
+    counts = torch.zeros(4)
+    for _ in range(4000):
+        got = _draw(probs, rows, None, greedy)
+        assert int(got[1]) == 2
+        counts[int(got[0])] += 1
+    assert torch.allclose(counts / 4000, probs[0], atol=0.03), counts
