@@ -50,10 +50,10 @@ def ours_prefill(eng: Engine, prompts: list[list[int]]) -> None:
     eng.generate(prompts, SamplingParams(max_tokens=1, temperature=0, ignore_eos=True))
 
 
-def ours_decode(eng: Engine, prompts: list[list[int]], steps: int) -> float:
+def ours_decode(eng: Engine, prompts: list[list[int]], steps: int, temperature: float = 0.0) -> float:
     """Seconds per decode step for the batch, after its prefill."""
     for i, p in enumerate(prompts):
-        eng.add(f"d{i}", p, SamplingParams(max_tokens=steps + 1, temperature=0, ignore_eos=True))
+        eng.add(f"d{i}", p, SamplingParams(max_tokens=steps + 1, temperature=temperature, ignore_eos=True))
     while any(s.computed < len(s.prompt) for s in eng.seqs.values()):
         eng.step()
     sync(eng.device)
@@ -82,18 +82,25 @@ def hf_prefill(hf, prompts: list[list[int]], dev: torch.device) -> None:
     hf(torch.tensor(prompts, device=dev), logits_to_keep=1)
 
 
+def pick(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    """HF generate's next tokens [B, 1]: the argmax, or one batched multinomial draw."""
+    if temperature == 0:
+        return logits.argmax(-1, keepdim=True)
+    return torch.multinomial((logits.float() / temperature).softmax(-1), 1)
+
+
 @torch.inference_mode()
-def hf_decode(hf, prompts: list[list[int]], steps: int, dev: torch.device) -> float:
+def hf_decode(hf, prompts: list[list[int]], steps: int, dev: torch.device, temperature: float = 0.0) -> float:
     # The KV cache's argument and output field: `cache` in newer transformers (which
     # deprecate `past_key_values`), `past_key_values` before.
     kw = "cache" if "cache" in inspect.signature(hf.forward).parameters else "past_key_values"
     out = hf(torch.tensor(prompts, device=dev), use_cache=True, logits_to_keep=1)
-    pkv, nxt = getattr(out, kw), out.logits[:, -1].argmax(-1, keepdim=True)
+    pkv, nxt = getattr(out, kw), pick(out.logits[:, -1], temperature)
     sync(dev)
     t0 = time.perf_counter()
     for _ in range(steps):
         out = hf(nxt, use_cache=True, **{kw: pkv})
-        pkv, nxt = getattr(out, kw), out.logits[:, -1].argmax(-1, keepdim=True)
+        pkv, nxt = getattr(out, kw), pick(out.logits[:, -1], temperature)
     sync(dev)
     return (time.perf_counter() - t0) / steps
 
@@ -107,6 +114,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--decode", type=batches, default="1x256,8x256", help="BATCHxCONTEXT,...")
     p.add_argument("--steps", type=positive, default=32)
     p.add_argument("--repeats", type=positive, default=3)
+    p.add_argument("--temperature", type=float, default=0.0,
+                   help="decode: 0 greedy; above, sampled (HF with one multinomial draw a step)")
     p.add_argument("--breakdown", action="store_true",
                    help="then split each decode step into GPU forward and host time")
 
@@ -127,9 +136,10 @@ def main(args: argparse.Namespace) -> int:
         rows.append((f"prefill {b}x{n}", b * n / t_ours, b * n / t_hf, "tok/s"))
     for b, n in dec:
         ps = rand_prompts(b, n, vocab, seed=n + 1)
-        t_ours, t_hf = paired(lambda: ours_decode(eng, ps, args.steps),
-                              lambda: hf_decode(hf, ps, args.steps, dev), args.repeats)
-        rows.append((f"decode batch {b}, context {n}", b / t_ours, b / t_hf, "tok/s"))
+        t_ours, t_hf = paired(lambda: ours_decode(eng, ps, args.steps, args.temperature),
+                              lambda: hf_decode(hf, ps, args.steps, dev, args.temperature), args.repeats)
+        how = f", temperature {args.temperature:g}" if args.temperature else ""
+        rows.append((f"decode batch {b}, context {n}{how}", b / t_ours, b / t_hf, "tok/s"))
     print(f"model {eng.name} on {dev}, {eng.dtype}; HF transformers SDPA in the same run, medians of {args.repeats} alternating pairs")
     print("| what | ours | HF | ratio |\n|---|---|---|---|")
     for name, a, h, unit in rows:

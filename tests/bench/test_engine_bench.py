@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import torch
+
 from tokendance.bench import engine as engine_bench
 
 
@@ -13,3 +15,15 @@ def test_engine_bench_with_breakdown(tiny_llama, bench):
     wall = float(out.split("| wall time of a step | ")[1].split(" |")[0])
     host = float(out.split("(inputs, launch; the forward on a CPU) | ")[1].split(" |")[0])
     assert 0 < host <= wall  # on a CPU the runner is the forward, inside the step
+
+
+def test_engine_bench_samples_when_asked(tiny_llama, bench, monkeypatch):
+    seen = []
+    real = engine_bench.pick
+    monkeypatch.setattr(engine_bench, "pick", lambda logits, t: seen.append(t) or real(logits, t))
+    out = bench(engine_bench, "--model", str(tiny_llama), "--dtype", "float32", "--prefill", "",
+                "--decode", "2x32", "--steps", "3", "--repeats", "1", "--temperature", "0.8")
+    assert "| decode batch 2, context 32, temperature 0.8 |" in out
+    assert seen and set(seen) == {0.8}  # HF's side sampled at that temperature too
+    toks = real(torch.tensor([[0.0, 5.0, 1.0]] * 4000), 1.0)[:, 0]
+    assert 0.9 < (toks == 1).float().mean() < 1.0  # a draw, not the argmax
