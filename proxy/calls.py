@@ -148,12 +148,8 @@ class Hermes(Reader):
             return begun
         name, at = begun
         self.gap, self.pending = "", self.pending[at:]
-        index = None
-        if not self.count or self.parallel:  # parallel_tool_calls false: the first call only
-            piece = self._call(name, "")
-            pieces.append(piece)
-            index = piece.index
-        return _Open(index)
+        piece = self._kept(name, "", pieces)
+        return _Open(piece.index if piece is not None else None)
 
     def _stream(self, call: _Open, pieces: list[Piece]) -> bool:
         """Hand on the arguments that came; True once the call has ended (its tag closed)."""
@@ -187,9 +183,17 @@ class Hermes(Reader):
         if call is None:
             return self._text(gap + OPEN + body + close)
         self.fresh = True
-        if not self.count or self.parallel:  # parallel_tool_calls false: the first call only
-            pieces.append(self._call(*call))
+        self._kept(*call, pieces)
         return ""
+
+    def _kept(self, name: str, arguments: str, pieces: list[Piece]) -> Piece | None:
+        """A new call's first piece, added to `pieces`; None for a call past the first
+        that parallel_tool_calls false drops."""
+        if self.count and not self.parallel:
+            return None
+        piece = self._call(name, arguments)
+        pieces.append(piece)
+        return piece
 
 
 @dataclass(slots=True)

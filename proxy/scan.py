@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 @dataclass(slots=True)
 class Scan:
-    """Where a JSON value's text, coming in pieces, closes."""
+    """Where a JSON value's text (an object, a list or a string), coming in pieces, closes."""
 
     depth: int = 0
     string: bool = False
@@ -26,6 +26,9 @@ class Scan:
                     self.escape = True
                 elif c == '"':
                     self.string = False
+                    if self.depth == 0:
+                        self.done = True
+                        return i + 1
             elif c == '"':
                 self.string = True
             elif c in "{[":
@@ -53,8 +56,9 @@ def head(body: str) -> tuple[str, int] | bool | None:
         if not part:  # the name
             if body[at] != '"':
                 return False
-            end = string_end(body, at)
-            if end < 0:
+            scan = Scan()
+            end = at + scan.feed(body[at:])
+            if not scan.done:
                 return None
             try:
                 name = json.loads(body[at:end])
@@ -67,17 +71,3 @@ def head(body: str) -> tuple[str, int] | bool | None:
             return None if part.startswith(have) else False
         at += len(part)
     return name, at - 1
-
-
-def string_end(text: str, at: int) -> int:
-    """Past the JSON string that opens at text[at]; -1 if it has not closed yet."""
-    escape = False
-    for i in range(at + 1, len(text)):
-        c = text[i]
-        if escape:
-            escape = False
-        elif c == "\\":
-            escape = True
-        elif c == '"':
-            return i + 1
-    return -1

@@ -244,3 +244,5 @@ def test_a_scan_ends_where_its_value_closes():
     s = scan.Scan()
     assert s.feed('{"a": "}\\"", ') == 13 and not s.done
     assert s.feed('"b": [1, {}]} tail') == 13 and s.done
+    string = scan.Scan()
+    assert string.feed('"a\\"b", x') == 6 and string.done  # a string closes at its quote
