@@ -230,6 +230,7 @@ class Gauge:
     help: str
     value: float
     kind: str = "gauge"  # or "counter"
+    labels: dict[str, str] = field(default_factory=dict)  # e.g. which engine of a fleet
 
 
 class Stream(Protocol):

@@ -129,13 +129,22 @@ class RemoteBackend:
             error = e
         except Exception as e:  # unreachable, reset, a malformed line: the group's open requests fail
             error = BackendError(f"lost the engine at {self.url}: {e or type(e).__name__}")
+            self._lost(str(error))
         finally:
             open_ = [st for st in streams if not st.done and not st.ended]
             if open_:
+                if error is None:
+                    self._lost(f"the engine at {self.url} ended a group's answer early")
                 err = error or BackendError("the engine ended the group's answer early")
                 log.error("remote group failed", requests=len(open_), error=str(err))
                 for st in open_:
                     st.put(err)
+
+    def _lost(self, why: str) -> None:
+        """Report a problem at once (a fleet sends nothing more here) until the engine
+        answers a poll again."""
+        self._problem = why
+        self.gauges()  # the poll that clears it
 
     def _deliver(self, ev: wire.Event, streams: list[QueueStream], again: set[int]) -> None:
         if not 0 <= ev.i < len(streams):

@@ -1,4 +1,4 @@
-"""`tokendance bench {engine,reuse,memory,mirror-decode,fidelity,restore,resume,remote,structured,tools,gaps}`."""
+"""`tokendance bench {engine,reuse,memory,mirror-decode,fidelity,restore,resume,remote,fleet,structured,tools,gaps}`."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ KINDS = {
     "restore": ("tokendance.bench.restore", "restoring idle agents from the host tier: fused against dense"),
     "resume": ("tokendance.bench.resume", "a second round with its agents resumed from the host tier, against without"),
     "remote": ("tokendance.bench.remote", "the proxy over a remote engine against the engine in-process"),
+    "fleet": ("tokendance.bench.fleet", "simulations side by side on several engines against one"),
     "structured": ("tokendance.bench.structured", "structured outputs (a JSON schema) against the same work unconstrained"),
     "tools": ("tokendance.bench.tools", "rounds of agents that call a tool and answer, in each reuse mode"),
     "gaps": ("tokendance.bench.gaps", "where the device waits on the host in a traced run (bench reuse --trace)"),

@@ -23,6 +23,7 @@ import argparse
 import asyncio
 import contextlib
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -47,9 +48,9 @@ async def run(model: str | None, dtype: str, repeats: int) -> list[tuple[str, fl
     engine = ["--dtype", dtype, "--offload-gib", "0"] + (["--model", model] if model else [])
     proxy = ["--mode", "collective", "--barrier-timeout-ms", "10000"]
     with contextlib.ExitStack() as stack:
-        local = stack.enter_context(_child(["serve", *proxy, *engine]))
-        far = stack.enter_context(_child(["engine", *engine]))
-        remote = stack.enter_context(_child(["serve", *proxy, "--engine", far]))
+        local = stack.enter_context(child(["serve", *proxy, *engine]))
+        far = stack.enter_context(child(["engine", *engine]))
+        remote = stack.enter_context(child(["serve", *proxy, "--engine", far]))
         async with httpx.AsyncClient(timeout=300) as http:
             name = (await http.get(local + "/v1/models")).json()["data"][0]["id"]
             cases = _cases(name)
@@ -68,17 +69,19 @@ async def run(model: str | None, dtype: str, repeats: int) -> list[tuple[str, fl
 
 
 @contextlib.contextmanager
-def _child(args: list[str]) -> Iterator[str]:
-    """`tokendance ARGS --port P` in a child process; its URL once it answers /health."""
+def child(args: list[str], env: dict[str, str] | None = None, cores: set[int] | None = None) -> Iterator[str]:
+    """`tokendance ARGS --port P` in a child process (`env` added to this one's, on `cores`
+    alone if given); its URL once it answers /health."""
     port = free_port()
     argv = [sys.executable, "-m", "tokendance.examples.cli", *args, "--port", str(port), "--log-level", "warning"]
-    child = subprocess.Popen(argv)
+    proc = subprocess.Popen(argv, env={**os.environ, **env} if env else None,
+                            preexec_fn=(lambda: os.sched_setaffinity(0, cores)) if cores else None)
     url = f"http://127.0.0.1:{port}"
     try:
         end = time.monotonic() + 300
         while True:
-            if child.poll() is not None:
-                raise RuntimeError(f"tokendance {args[0]} exited with {child.returncode}")
+            if proc.poll() is not None:
+                raise RuntimeError(f"tokendance {args[0]} exited with {proc.returncode}")
             try:
                 if httpx.get(url + "/health", timeout=2).status_code == 200:
                     break
@@ -89,8 +92,8 @@ def _child(args: list[str]) -> Iterator[str]:
             time.sleep(0.5)
         yield url
     finally:
-        child.terminate()
-        child.wait(60)
+        proc.terminate()
+        proc.wait(60)
 
 
 Case = Callable[[httpx.AsyncClient, str, str], Awaitable[dict[str, float]]]

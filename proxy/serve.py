@@ -1,5 +1,6 @@
 """`tokendance serve`: the proxy, with the engine in its process or, with --engine URL,
-an engine started elsewhere by `tokendance engine` (or, with --vllm URL, a vLLM server)."""
+an engine started elsewhere by `tokendance engine` (several: --engine once for each, each
+session pinned to one; or, with --vllm URL, a vLLM server)."""
 
 from __future__ import annotations
 
@@ -25,9 +26,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--mode", choices=MODES, default=None,
                    help=f"default KV reuse mode ({DEFAULT_MODE}; prefix with --vllm)")
-    p.add_argument("--engine", default=None, metavar="URL",
-                   help="an engine started by `tokendance engine` (default: one in this process, "
-                        "set by the flags below)")
+    p.add_argument("--engine", action="append", default=None, metavar="URL",
+                   help="an engine started by `tokendance engine`; repeat it for several, each "
+                        "session pinned to one (default: one in this process, set by the flags below)")
     p.add_argument("--vllm", default=None, metavar="URL",
                    help="a vLLM server instead of our engine: modes full and prefix only")
     p.add_argument("--tokenizer", default=None, metavar="PATH",
@@ -48,10 +49,14 @@ def load_backend(args: argparse.Namespace) -> Backend:
     from tokendance.backend.api import BackendError
 
     try:
+        if args.engine is not None and len(args.engine) > 1:
+            from tokendance.backend.fleet import Fleet
+
+            return asyncio.run(Fleet.connect(args.engine, args.mode or DEFAULT_MODE))
         if args.engine is not None:
             from tokendance.backend.remote import RemoteBackend
 
-            return asyncio.run(RemoteBackend.connect(args.engine, args.mode or DEFAULT_MODE))
+            return asyncio.run(RemoteBackend.connect(args.engine[0], args.mode or DEFAULT_MODE))
         if args.vllm is not None:
             from tokendance.backend.vllm import VLLMBackend
 
@@ -91,6 +96,10 @@ def main(args: argparse.Namespace) -> int:
         raise ValueError("--barrier-timeout-ms must be a number, not negative")
     if args.engine is not None and args.vllm is not None:
         raise ValueError("--engine and --vllm name two backends: give one")
+    urls = [u.rstrip("/") for u in args.engine or ()]
+    twice = next((u for u in urls if urls.count(u) > 1), None)
+    if twice is not None:
+        raise ValueError(f"--engine {twice} is given twice: name each engine once")
     flags = ", ".join(changed(args))
     if args.engine is not None and flags:
         raise ValueError(f"{flags} set the engine: with --engine, give them to `tokendance engine`")

@@ -104,7 +104,8 @@ def _agent(values: list[int]) -> dict[str, Any]:
 def _labels(labels: tuple[tuple[str, str], ...]) -> str:
     if not labels:
         return ""
-    return "{" + ",".join(f'{k}="{v}"' for k, v in labels) + "}"
+    esc = {ord("\\"): "\\\\", ord('"'): '\\"', ord("\n"): "\\n"}  # Prometheus' escapes
+    return "{" + ",".join(f'{k}="{v.translate(esc)}"' for k, v in labels) + "}"
 
 
 class Metric:
@@ -174,8 +175,10 @@ class Metrics:
         lines: list[str] = []
         for m in vars(self).values():
             lines += m.render()
+        engine: dict[str, Metric] = {}  # a fleet's engines give each name once per engine
         for g in gauges:
-            m = Metric(f"tokendance_engine_{g.name}", g.help, g.kind)
-            m.set(g.value)
+            m = engine.setdefault(g.name, Metric(f"tokendance_engine_{g.name}", g.help, g.kind))
+            m.set(g.value, **g.labels)
+        for m in engine.values():
             lines += m.render()
         return "\n".join(lines) + "\n"

@@ -66,7 +66,7 @@ def test_commands_parse_as_tokendance_engine_and_serve() -> None:
     engine, proxy = _parse("engine"), _parse("proxy")
     assert (engine.command, engine.host, engine.port) == ("engine", "0.0.0.0", 8001)
     assert (proxy.command, proxy.port, proxy.mqtt) == ("serve", 8000, "mqtt://mqtt:1883")
-    assert proxy.engine == f"http://engine:{engine.port}"
+    assert proxy.engine == [f"http://engine:{engine.port}"]
 
 
 def test_dockerfile_targets_and_sources_exist() -> None:

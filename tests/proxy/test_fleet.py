@@ -1,0 +1,240 @@
+"""Several engines behind one proxy (backend/fleet.py): a session's requests all go to
+one engine, new sessions to the least loaded, a down engine's sessions move, and the
+proxy answers while one engine serves."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import httpx
+import openai
+import pytest
+
+from tokendance.backend import fleet as fleet_module
+from tokendance.backend.api import BackendError, Gauge, Prepared, Request, SamplingParams, Segment
+from tokendance.backend.endpoint import Endpoint, engine_info
+from tokendance.backend.fleet import HALF_LIFE, Fleet
+from tokendance.backend.service import EngineBackend
+from tokendance.examples import cli
+from tokendance.proxy.segment import SEP
+from tokendance.proxy.stats import Metrics
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 1000.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def request(rid: str, session: str | None = None) -> Request:
+    return Request(rid, [Segment(f"hello from {rid}")], SamplingParams(max_tokens=2), session=session)
+
+
+@pytest.fixture
+def three(make_backend) -> tuple[Fleet, list[Any], Clock]:
+    engines = [make_backend() for _ in range(3)]
+    clock = Clock()
+    return Fleet(engines, clock=clock), engines, clock
+
+
+def test_a_session_stays_on_its_engine_and_new_ones_go_to_the_least_loaded(three):
+    f, engines, _ = three
+    for k in range(4):  # a session of four agents
+        f.prepare(request(f"a{k}", "big"))
+    f.prepare(request("b0", "small"))
+    assert [f.route(request("x", s)) for s in ("big", "small")] == [0, 1]
+    assert f.route(request("c0", "third")) == 2
+    f.prepare(request("c1", "third"))
+    f.prepare(request("c2", "third"))
+    # loads 4, 1, 2 (route alone adds nothing): the next session takes engine 1
+    assert f.route(request("d0", "fourth")) == 1
+    assert [f.route(request("y", s)) for s in ("big", "small", "third")] == [0, 1, 2]
+
+
+def test_load_halves_every_half_life(three):
+    f, _, clock = three
+    for k in range(8):
+        f.prepare(request(f"a{k}", "old"))
+    f.prepare(request("b0", "new"))
+    assert f.route(request("x", "next")) == 2
+    clock.t += 4 * HALF_LIFE
+    assert f.loads[0].now(clock.t) == pytest.approx(0.5)
+    assert f.loads[1].now(clock.t) == pytest.approx(1 / 16)
+
+
+def test_a_down_engine_takes_no_work_and_its_sessions_move(three):
+    f, engines, _ = three
+    f.prepare(request("a0", "s"))
+    assert f.pins["s"] == 0
+    engines[0].down = "on fire"
+    assert f.route(request("n", "new")) == 1  # not the down one
+    p = f.prepare(request("a1", "s"))
+    assert f.pins["s"] in (1, 2) and p.request.id == "a1"
+    streams = f.generate([p])
+    assert len(streams) == 1 and engines[f.pins["s"]].groups[-1][0].id == "a1"
+    assert f.problem() is None
+    engines[1].down = engines[2].down = "gone"
+    assert f.problem() == "no engine can serve: 0: on fire; 1: gone; 2: gone"
+    engines[2].down = None
+    assert f.problem() is None and f.route(request("a2", "s")) == 2
+
+
+def test_generate_splits_a_group_by_engine_and_keeps_its_order(three):
+    f, engines, _ = three
+    f.pins.update({"s0": 0, "s1": 1})
+    group = [f.prepare(r) for r in (request("a", "s1"), request("b", "s0"), request("c"), request("d", "s1"),
+                                    request("e"))]
+    streams = f.generate(group)
+    assert [s.p.request.id for s in streams] == ["a", "b", "c", "d", "e"]
+    assert [r.id for r in engines[1].groups[-1]] == ["a", "d"]
+    assert [r.id for r in engines[0].groups[-1]] == ["b"]
+    loose = [g for g in engines if g.groups and g.groups[-1][0].id == "c"]
+    assert [r.id for r in loose[0].groups[-1]] == ["c", "e"]  # one call's loose requests together
+
+
+def test_engines_that_differ_are_refused(make_backend):
+    with pytest.raises(BackendError, match="engines 0 and 1 do not serve the same model"):
+        Fleet([make_backend(), make_backend(name="other")])
+    with pytest.raises(ValueError):
+        Fleet([])
+
+
+def test_pins_are_bounded(three, monkeypatch):
+    f, _, _ = three
+    monkeypatch.setattr(fleet_module, "MAX_PINS", 3)
+    for k in range(5):
+        f.route(request(f"r{k}", f"s{k}"))
+    assert list(f.pins) == ["s2", "s3", "s4"]
+
+
+def test_gauges_are_labelled_by_engine(three):
+    f, engines, _ = three
+    engines[1].down = "gone"
+    f.prepare(request("a", "s"))
+    text = Metrics().render(f.gauges())
+    assert "tokendance_engine_fleet_engines_up 2" in text
+    assert 'tokendance_engine_fleet_sessions{engine="0"} 1' in text
+    assert 'tokendance_engine_fleet_load{engine="0"} 1' in text
+    assert 'tokendance_engine_groups{engine="2"} 0' in text
+    assert text.count("# TYPE tokendance_engine_groups gauge") == 1
+    assert Metrics().render([Gauge("x", "h", 1, labels={"engine": 'a"b\\c'})]).count('{engine="a\\"b\\\\c"}') == 1
+
+
+def test_serve_refuses_an_engine_named_twice(capsys):
+    assert cli.main(["serve", "--engine", "http://127.0.0.1:9", "--engine", "http://127.0.0.1:9/"]) == 1
+    assert capsys.readouterr().err.strip() == ("tokendance serve: --engine http://127.0.0.1:9 is given twice: "
+                                               "name each engine once")
+    assert cli.main(["serve", "--engine", "http://127.0.0.1:9", "--engine", "http://127.0.0.1:10"]) == 1
+    assert "no engine at http://127.0.0.1:9" in capsys.readouterr().err
+
+
+# -- two real engines ------------------------------------------------------------------------
+
+
+async def _engine(tiny_llama) -> tuple[str, EngineBackend, Any]:
+    from aiohttp import web
+
+    be = EngineBackend.load(str(tiny_llama), dtype="float32", offload_bytes=0)
+    runner = web.AppRunner(Endpoint(be, engine_info(be.engine)).app(), handler_cancellation=True)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", 0).start()
+    return f"http://127.0.0.1:{runner.addresses[0][1]}", be, runner
+
+
+@pytest.fixture
+async def pair(tiny_llama) -> Any:
+    engines = [await _engine(tiny_llama) for _ in range(2)]
+    yield engines
+    for _, be, runner in engines:
+        await runner.cleanup()
+        await be.close()
+
+
+async def test_two_engines_serve_two_sessions_each_round_on_its_engine(pair, start):
+    fleet = await Fleet.connect([u for u, _, _ in pair], "collective")
+    server = await start(fleet, barrier_timeout=10.0)
+    c = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="sk-test", max_retries=0)
+    name = fleet.info.name
+    block = " ".join(f"fact{i}" for i in range(40))
+
+    async def turn(session: str, agent: str, rnd: int) -> Any:
+        return await c.chat.completions.create(
+            model=name, messages=[{"role": "user", "content": f"I am {agent}.{SEP}{block}{SEP}Answer."}],
+            max_tokens=3, temperature=0,
+            extra_body={"tokendance": {"session": session, "agent": agent, "round": rnd, "separators": True}})
+
+    async with httpx.AsyncClient(base_url=server.url) as http:
+        for rnd in (1, 2):
+            for s in ("red", "blue"):
+                await http.post(f"/v1/tokendance/sessions/{s}/rounds/{rnd}", json={"agents": ["a", "b", "c"]})
+            rs = await asyncio.gather(*[turn(s, a, rnd) for s in ("red", "blue") for a in "abc"])
+            for s in ("red", "blue"):
+                stats = (await http.get(f"/v1/tokendance/sessions/{s}/rounds/{rnd}")).json()
+                assert (stats["groups"], stats["requests"]) == (1, 3) and stats["reused_tokens"] > 0
+        # The same prompts on two engines of the same model: the same answers.
+        texts = [r.choices[0].message.content for r in rs]
+        assert texts[:3] == texts[3:]
+        assert sorted(fleet.pins.values()) == [0, 1]  # one session on each engine
+        assert all(be.engine.segments.held > 0 for _, be, _ in pair)  # each keeps its round's Masters
+        metrics = (await http.get("/metrics")).text
+        for url, _, _ in pair:
+            assert f'tokendance_engine_fleet_sessions{{engine="{url}"}} 1' in metrics
+
+
+async def test_a_lost_engine_moves_its_session_and_the_proxy_keeps_serving(pair, start):
+    fleet = await Fleet.connect([u for u, _, _ in pair], "collective")
+    server = await start(fleet)
+    c = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="sk-test", max_retries=0)
+    kw = dict(model=fleet.info.name, messages=[{"role": "user", "content": "Tell me about rivers."}],
+              max_tokens=4, temperature=0)
+    first = await c.chat.completions.create(**kw, extra_body={"tokendance": {"session": "s", "agent": "a"}})
+    i = fleet.pins["s"]
+    await pair[i][2].cleanup()  # that engine's socket closes
+    # The next request may still be sent there (the poll has not seen it yet): a 500 that
+    # marks the engine down at once, so the SDK's own retry lands on the other engine.
+    retrying = c.with_options(max_retries=1)
+    again = await retrying.chat.completions.create(**kw, extra_body={"tokendance": {"session": "s", "agent": "a"}})
+    assert fleet.pins["s"] == 1 - i
+    assert again.choices[0].message.content == first.choices[0].message.content
+    async with httpx.AsyncClient(base_url=server.url) as http:
+        assert (await http.get("/health")).status_code == 200  # one engine serves
+        await pair[1 - i][2].cleanup()
+        for _ in range(100):  # the proxy polls each engine every 2 s
+            health = await http.get("/health")
+            if health.status_code == 503:
+                break
+            await asyncio.sleep(0.05)
+    assert health.json()["error"]["message"].startswith("no engine can serve: ")
+
+
+async def test_a_group_sent_to_a_lost_engine_fails_each_request(make_backend):
+    class Broken:
+        def __init__(self, inner: Any) -> None:
+            self.inner = inner
+
+        def __getattr__(self, name: str) -> Any:
+            return getattr(self.inner, name)
+
+        def generate(self, group: list[Prepared]) -> list[Any]:
+            raise BackendError("lost")
+
+    f = Fleet([Broken(make_backend()), make_backend()])
+    f.pins["s"] = 0
+    with pytest.raises(BackendError, match="lost"):
+        f.generate([f.prepare(request("a", "s"))])
+
+
+async def test_a_group_the_engine_lost_marks_it_down_at_once(pair):
+    from tokendance.backend.remote import RemoteBackend
+
+    url, _, runner = pair[0]
+    r = await RemoteBackend.connect(url)
+    await runner.cleanup()
+    (st,) = r.generate([r.prepare(request("a"))])
+    with pytest.raises(BackendError, match="lost the engine"):
+        [d async for d in st]
+    assert r.problem() is not None  # before any poll could have seen it
+    await r.close()
