@@ -1,10 +1,12 @@
 """Several engines behind one proxy (`tokendance serve --engine URL --engine URL ...`).
 
 A session is pinned to one engine: its rounds' Masters, its agents' Mirrors and parked
-KV live there, so every request of it goes there. A new session goes to the engine with
-the least recent work: requests routed to it, decaying with a half-life of HALF_LIFE
-seconds (so a session of 20 agents weighs more than one of 2, and work from an hour ago
-nothing). A request outside any session goes to the least loaded engine the same way.
+KV live there, so every request of it goes there. A new session goes to the engine whose
+active sessions weigh least: a session is active for ACTIVE seconds after its last
+request and weighs the requests of its latest round (a round of 20 agents weighs more
+than one of 2; a simulation that ended weighs nothing once it is idle). It counts from
+its first request's arrival, before the barrier, so simulations that start together
+spread out. Requests outside any session take the engines in turn.
 
 An engine that reports a problem (its /health, or a group it lost) takes no new work;
 its sessions move to another engine at their next request, where what they had cached
@@ -13,7 +15,7 @@ is computed again. The proxy is healthy while one engine is.
 
 from __future__ import annotations
 
-import math
+import itertools
 import time
 from collections import OrderedDict
 from collections.abc import Callable
@@ -26,22 +28,23 @@ from tokendance.backend.api import Backend, BackendError, Gauge, Prepared, Reque
 
 log = structlog.get_logger(__name__)
 
-HALF_LIFE = 60.0  # seconds
+ACTIVE = 120.0  # seconds a session counts after its last request
 MAX_PINS = 100_000  # sessions remembered (least recently used forgotten first)
 
 
 @dataclass(slots=True)
-class Load:
-    """Requests routed to an engine, decayed exponentially over time."""
+class Pin:
+    """A session's engine, and what it weighs there."""
 
-    value: float = 0.0
-    at: float = 0.0
+    engine: int
+    used: float  # when it was last routed
+    round: int | None = None  # its latest round
+    size: int = 0  # requests of that round so far
 
-    def now(self, t: float) -> float:
-        return self.value * math.exp2(-(t - self.at) / HALF_LIFE) if self.value else 0.0
-
-    def add(self, n: int, t: float) -> None:
-        self.value, self.at = self.now(t) + n, t
+    def count(self, request: Request) -> None:
+        if request.round != self.round:
+            self.round, self.size = request.round, 0
+        self.size += 1
 
 
 class Fleet:
@@ -58,8 +61,8 @@ class Fleet:
             _check_same(first, e, self.names[0], name)
         self.info = first.info
         self.tokenizer = first.tokenizer
-        self.pins: OrderedDict[str, int] = OrderedDict()  # session -> engine index
-        self.loads = [Load() for _ in engines]
+        self.pins: OrderedDict[str, Pin] = OrderedDict()  # session -> its pin, least recent first
+        self._turn = itertools.count()  # requests outside sessions
         self._clock = clock
         self._down: list[str | None] = [None] * len(engines)  # last problem seen, for the log
 
@@ -82,28 +85,39 @@ class Fleet:
 
     def route(self, request: Request) -> int:
         """The engine `request` goes to (and, for a session, stays on)."""
+        up = [i for i in range(len(self.engines)) if self._serves(i)] or [0]  # none: 0's error
         s = request.session
-        i = self.pins.get(s) if s is not None else None
-        if i is not None and self._serves(i):
-            self.pins.move_to_end(s)
-            return i
-        j = self._least_loaded(avoid=i)
-        if s is not None:
-            if i is not None and j != i:
-                log.warning("session moved", session=s, engine=self.names[j], was=self.names[i],
-                            why=self._down[i])
-            self.pins[s] = j
-            self.pins.move_to_end(s)
+        if s is None:
+            return up[next(self._turn) % len(up)]
+        t = self._clock()
+        pin = self.pins.get(s)
+        if pin is not None:
+            pin.used = t
+            self.pins.move_to_end(s)  # the pins stay in the order of `used`
+            if pin.engine in up:
+                return pin.engine
+        weight, count = self.loads()
+        j = min(up, key=lambda i: (weight[i], count[i]))
+        if pin is None:
+            self.pins[s] = Pin(j, t)
             while len(self.pins) > MAX_PINS:
                 self.pins.popitem(last=False)
+        elif j != pin.engine:
+            log.warning("session moved", session=s, engine=self.names[j], was=self.names[pin.engine],
+                        why=self._down[pin.engine])
+            pin.engine = j
         return j
 
-    def _least_loaded(self, avoid: int | None) -> int:
+    def loads(self) -> tuple[list[int], list[int]]:
+        """What each engine's active sessions weigh, and how many there are."""
         t = self._clock()
-        up = [i for i in range(len(self.engines)) if i != avoid and self._serves(i)]
-        if not up:  # nothing serves: the first gives the error its requests get
-            return avoid if avoid is not None else 0
-        return min(up, key=lambda i: (self.loads[i].now(t), i))
+        weight, count = [0] * len(self.engines), [0] * len(self.engines)
+        for pin in reversed(self.pins.values()):  # most recent first, up to the first idle one
+            if t - pin.used > ACTIVE:
+                break
+            weight[pin.engine] += pin.size
+            count[pin.engine] += 1
+        return weight, count
 
     def _serves(self, i: int) -> bool:
         problem = self.engines[i].problem()
@@ -121,11 +135,12 @@ class Fleet:
         return self.engines[0].render_chat(messages, tools)
 
     def prepare(self, request: Request) -> Prepared:
-        """Prepared by the engine it is routed to (every engine would prepare it alike); its
-        load counts from here, so a round's requests weigh before they are generated."""
+        """Prepared by the engine it is routed to (every engine would prepare it alike); it
+        weighs from here, so a round's requests count before they are generated."""
         i = self.route(request)
         p = self.engines[i].prepare(request)
-        self.loads[i].add(1, self._clock())
+        if request.session is not None:
+            self.pins[request.session].count(request)
         return p
 
     def generate(self, group: list[Prepared]) -> list[Stream]:
@@ -151,16 +166,13 @@ class Fleet:
 
     def gauges(self) -> list[Gauge]:
         """Every engine's gauges, labelled by engine, and the fleet's own."""
-        t = self._clock()
         out = [Gauge("fleet_engines_up", "engines serving now", sum(map(self._serves, range(len(self.engines)))))]
-        pinned = [0] * len(self.engines)
-        for i in self.pins.values():
-            pinned[i] += 1
+        weight, count = self.loads()
         for i, (name, e) in enumerate(zip(self.names, self.engines)):
             lab = {"engine": name}
-            out.append(Gauge("fleet_sessions", "sessions pinned to the engine", pinned[i], labels=lab))
-            out.append(Gauge("fleet_load", f"requests routed to the engine, halved every {HALF_LIFE:g} s",
-                             round(self.loads[i].now(t), 3), labels=lab))
+            out.append(Gauge("fleet_sessions", f"sessions on the engine active in the last {ACTIVE:g} s",
+                             count[i], labels=lab))
+            out.append(Gauge("fleet_load", "requests of those sessions' latest rounds", weight[i], labels=lab))
             out += [replace(g, labels={**g.labels, **lab}) for g in e.gauges()]
         return out
 

@@ -109,7 +109,7 @@ async def run(args: argparse.Namespace) -> list[tuple[str, list[float], list[flo
             metrics = (await http.get(fronts[f"{args.engines} engines"] + "/metrics")).text
     pinned = [line.rsplit(" ", 1)[1] for line in metrics.splitlines()
               if line.startswith("tokendance_engine_fleet_sessions{")]
-    print(f"sessions pinned per engine at the end: {', '.join(pinned)}")
+    print(f"sessions per engine (fleet_sessions) at the end: {', '.join(pinned)}")
     return [(label, *r) for label, r in results.items()]
 
 

@@ -17,7 +17,7 @@ def test_fleet_bench_runs_both_proxies_and_splits_the_sessions(bench, tiny_llama
     assert set(rows) == {"one engine", "2 engines"}
     assert all(float(m[3]) > 0 for m in rows.values())
     # Each pass's two sessions went one to each engine (and the warm-up's two before them).
-    assert "sessions pinned per engine at the end: 2, 2" in out
+    assert "sessions per engine (fleet_sessions) at the end: 2, 2" in out
 
 
 def test_pinning_to_more_cores_than_there_are_is_refused():

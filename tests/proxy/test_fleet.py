@@ -14,7 +14,7 @@ import pytest
 from tokendance.backend import fleet as fleet_module
 from tokendance.backend.api import BackendError, Gauge, Prepared, Request, SamplingParams, Segment
 from tokendance.backend.endpoint import Endpoint, engine_info
-from tokendance.backend.fleet import HALF_LIFE, Fleet
+from tokendance.backend.fleet import ACTIVE, Fleet, Pin
 from tokendance.backend.service import EngineBackend
 from tokendance.examples import cli
 from tokendance.proxy.segment import SEP
@@ -49,32 +49,38 @@ def test_a_session_stays_on_its_engine_and_new_ones_go_to_the_least_loaded(three
     assert f.route(request("c0", "third")) == 2
     f.prepare(request("c1", "third"))
     f.prepare(request("c2", "third"))
-    # loads 4, 1, 2 (route alone adds nothing): the next session takes engine 1
+    # weights 4, 1, 2 (route alone adds nothing): the next session takes engine 1
     assert f.route(request("d0", "fourth")) == 1
     assert [f.route(request("y", s)) for s in ("big", "small", "third")] == [0, 1, 2]
 
 
-def test_load_halves_every_half_life(three):
+def test_a_session_weighs_its_latest_round_while_active(three):
     f, _, clock = three
     for k in range(8):
         f.prepare(request(f"a{k}", "old"))
     f.prepare(request("b0", "new"))
-    assert f.route(request("x", "next")) == 2
-    clock.t += 4 * HALF_LIFE
-    assert f.loads[0].now(clock.t) == pytest.approx(0.5)
-    assert f.loads[1].now(clock.t) == pytest.approx(1 / 16)
+    assert f.loads() == ([8, 1, 0], [1, 1, 0])
+    old = request("a9", "old")
+    old.round = 2
+    f.prepare(old)  # its second round, of one request so far
+    assert f.loads() == ([1, 1, 0], [1, 1, 0])
+    clock.t += ACTIVE / 2
+    f.prepare(request("b1", "new"))
+    clock.t += ACTIVE / 2 + 1  # "old" idle for longer than ACTIVE: it weighs nothing
+    assert f.loads() == ([0, 2, 0], [0, 1, 0])
+    assert f.route(request("x", "next")) == 0  # ties go to the fewest sessions, then the first
 
 
 def test_a_down_engine_takes_no_work_and_its_sessions_move(three):
     f, engines, _ = three
     f.prepare(request("a0", "s"))
-    assert f.pins["s"] == 0
+    assert f.pins["s"].engine == 0
     engines[0].down = "on fire"
     assert f.route(request("n", "new")) == 1  # not the down one
     p = f.prepare(request("a1", "s"))
-    assert f.pins["s"] in (1, 2) and p.request.id == "a1"
+    assert f.pins["s"].engine in (1, 2) and p.request.id == "a1"
     streams = f.generate([p])
-    assert len(streams) == 1 and engines[f.pins["s"]].groups[-1][0].id == "a1"
+    assert len(streams) == 1 and engines[f.pins["s"].engine].groups[-1][0].id == "a1"
     assert f.problem() is None
     engines[1].down = engines[2].down = "gone"
     assert f.problem() == "no engine can serve: 0: on fire; 1: gone; 2: gone"
@@ -84,7 +90,7 @@ def test_a_down_engine_takes_no_work_and_its_sessions_move(three):
 
 def test_generate_splits_a_group_by_engine_and_keeps_its_order(three):
     f, engines, _ = three
-    f.pins.update({"s0": 0, "s1": 1})
+    f.pins.update({"s0": Pin(0, 0.0), "s1": Pin(1, 0.0)})
     group = [f.prepare(r) for r in (request("a", "s1"), request("b", "s0"), request("c"), request("d", "s1"),
                                     request("e"))]
     streams = f.generate(group)
@@ -177,7 +183,7 @@ async def test_two_engines_serve_two_sessions_each_round_on_its_engine(pair, sta
         # The same prompts on two engines of the same model: the same answers.
         texts = [r.choices[0].message.content for r in rs]
         assert texts[:3] == texts[3:]
-        assert sorted(fleet.pins.values()) == [0, 1]  # one session on each engine
+        assert sorted(p.engine for p in fleet.pins.values()) == [0, 1]  # one session on each engine
         assert all(be.engine.segments.held > 0 for _, be, _ in pair)  # each keeps its round's Masters
         metrics = (await http.get("/metrics")).text
         for url, _, _ in pair:
@@ -191,13 +197,13 @@ async def test_a_lost_engine_moves_its_session_and_the_proxy_keeps_serving(pair,
     kw = dict(model=fleet.info.name, messages=[{"role": "user", "content": "Tell me about rivers."}],
               max_tokens=4, temperature=0)
     first = await c.chat.completions.create(**kw, extra_body={"tokendance": {"session": "s", "agent": "a"}})
-    i = fleet.pins["s"]
+    i = fleet.pins["s"].engine
     await pair[i][2].cleanup()  # that engine's socket closes
     # The next request may still be sent there (the poll has not seen it yet): a 500 that
     # marks the engine down at once, so the SDK's own retry lands on the other engine.
     retrying = c.with_options(max_retries=1)
     again = await retrying.chat.completions.create(**kw, extra_body={"tokendance": {"session": "s", "agent": "a"}})
-    assert fleet.pins["s"] == 1 - i
+    assert fleet.pins["s"].engine == 1 - i
     assert again.choices[0].message.content == first.choices[0].message.content
     async with httpx.AsyncClient(base_url=server.url) as http:
         assert (await http.get("/health")).status_code == 200  # one engine serves
@@ -222,7 +228,7 @@ async def test_a_group_sent_to_a_lost_engine_fails_each_request(make_backend):
             raise BackendError("lost")
 
     f = Fleet([Broken(make_backend()), make_backend()])
-    f.pins["s"] = 0
+    f.pins["s"] = Pin(0, 0.0)
     with pytest.raises(BackendError, match="lost"):
         f.generate([f.prepare(request("a", "s"))])
 
