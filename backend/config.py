@@ -48,6 +48,7 @@ ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
 }
 
 
@@ -65,6 +66,7 @@ class ModelConfig:
     max_position: int
     tie_embeddings: bool
     qkv_bias: bool
+    qk_norm: bool = False  # Qwen3: RMSNorm over each head's q and k before RoPE
     rope: dict = field(default_factory=dict)  # rope_theta, rope_type, factor, ...
     eos_token_ids: list[int] = field(default_factory=list)
     sliding_window: int | None = None
@@ -111,6 +113,7 @@ class ModelConfig:
             max_position=raw.get("max_position_embeddings", 4096),
             tie_embeddings=bool(raw.get("tie_word_embeddings", False)),
             qkv_bias=arch == "qwen2" or bool(raw.get("attention_bias", False)),
+            qk_norm=arch == "qwen3",
             rope=rope,
             eos_token_ids=[] if eos is None else ([eos] if isinstance(eos, int) else list(eos)),
             sliding_window=window,

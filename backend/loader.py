@@ -131,6 +131,8 @@ def load(folder: Path, dtype: torch.dtype, device: torch.device | str) -> Decode
     expected = 9 * cfg.num_layers + 2 + (0 if cfg.tie_embeddings else 1)
     if cfg.qkv_bias:
         expected += 3 * cfg.num_layers
+    if cfg.qk_norm:
+        expected += 2 * cfg.num_layers
     if len(seen) < expected:
         raise InvalidRequest(f"checkpoint in {folder} is missing weights ({len(seen)}/{expected})", "model")
     return model

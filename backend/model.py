@@ -1,4 +1,4 @@
-"""Llama / Qwen2 / Mistral decoder, our own forward.
+"""Llama / Qwen2 / Qwen3 / Mistral decoder, our own forward.
 
 Every layer's K/V passes through `KVCache.store` (keys before RoPE) and attention reads
 them back through the paged pool, so reuse policies can see and replace any layer's
@@ -106,13 +106,21 @@ class Attention(nn.Module):
         self.nq, self.nkv, self.d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.qkv_proj = nn.Linear(cfg.hidden_size, (self.nq + 2 * self.nkv) * self.d, bias=cfg.qkv_bias)
         self.o_proj = nn.Linear(self.nq * self.d, cfg.hidden_size, bias=False)
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(self.d, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(self.d, cfg.rms_norm_eps)
+        self.qk_norm = cfg.qk_norm
         self.rope = rope
         self.scale = self.d ** -0.5
 
     def qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Un-rotated q, k, v of shape [T, H, D]."""
+        """Un-rotated q, k, v of shape [T, H, D] (q and k normed per head where the model
+        does so: the stored keys are the normed ones)."""
         q, k, v = self.qkv_proj(x).split([self.nq * self.d, self.nkv * self.d, self.nkv * self.d], -1)
         t = x.shape[0]
+        if self.qk_norm:  # rows of one head each: the norm kernel's 2-D layout
+            q = self.q_norm(q.reshape(-1, self.d))
+            k = self.k_norm(k.reshape(-1, self.d))
         return q.view(t, self.nq, self.d), k.view(t, self.nkv, self.d), v.view(t, self.nkv, self.d)
 
     def store(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttnMeta,

@@ -28,16 +28,17 @@ def smollm2() -> Path:
 
 
 def make_tiny(dest: Path, arch: str, tokenizer_from: Path, **over) -> Path:
-    """A 2-layer random model of `arch` ("llama" | "qwen2" | "mistral") saved as an HF folder."""
+    """A 2-layer random model of `arch` ("llama" | "qwen2" | "qwen3" | "mistral") saved as an
+    HF folder."""
     from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM
-    from transformers import Qwen2Config, Qwen2ForCausalLM
+    from transformers import Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
     kinds = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen2": (Qwen2Config, Qwen2ForCausalLM),
-             "mistral": (MistralConfig, MistralForCausalLM)}
+             "qwen3": (Qwen3Config, Qwen3ForCausalLM), "mistral": (MistralConfig, MistralForCausalLM)}
     cfg_cls, model_cls = kinds[arch]
     kw = dict(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
               num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
-              eos_token_id=2, bos_token_id=1, tie_word_embeddings=arch == "qwen2")
+              eos_token_id=2, bos_token_id=1, tie_word_embeddings=arch == "qwen2", head_dim=16)
     kw.update(over)
     torch.manual_seed(1234)
     model = model_cls(cfg_cls(**kw)).eval()
@@ -45,6 +46,9 @@ def make_tiny(dest: Path, arch: str, tokenizer_from: Path, **over) -> Path:
     # comparisons are not decided by rounding.
     with torch.no_grad():
         model.lm_head.weight.mul_(8.0)
+        for name, p in model.named_parameters():  # Qwen3's per-head norms: not all ones
+            if name.endswith(("q_norm.weight", "k_norm.weight")):
+                p.uniform_(0.5, 1.5)
     model.save_pretrained(dest)
     for name in TOKENIZER_FILES:
         if (tokenizer_from / name).exists():
@@ -66,7 +70,7 @@ def make_model(tmp_path_factory, smollm2):
 
 @pytest.fixture(scope="session")
 def tiny_models(make_model) -> dict[str, Path]:
-    return {a: make_model(a) for a in ("llama", "qwen2")}
+    return {a: make_model(a) for a in ("llama", "qwen2", "qwen3")}
 
 
 @pytest.fixture(scope="session")

@@ -32,7 +32,7 @@ def prompts_for(vocab: int, lengths: tuple[int, ...], seed: int) -> list[list[in
     return [torch.randint(3, vocab, (n,), generator=g).tolist() for n in lengths]
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
 def test_tiny_matches_hf(tiny_models, arch):
     folder = tiny_models[arch]
     eng = Engine(model=str(folder), dtype="float32", kv_tokens=8192, max_batched_tokens=512)

@@ -156,6 +156,23 @@ def test_ratio_one_gives_full_greedy_output(tiny_llama):
     assert eng.generate(prompts, GREEDY, mode="collective", shared=spans) == full
 
 
+def test_qwen3_reuses_its_normed_keys(tiny_models):
+    """Qwen3 norms each head's k before RoPE: the pool holds the normed keys, so reuse
+    works as for the others (ratio 1 = full; collective = pic, with tokens recomputed)."""
+    prompts, spans = round_prompts(3, seed=6)
+    eng = Engine(model=str(tiny_models["qwen3"]), dtype="float32", kv_tokens=8192, recompute_ratio=1.0)
+    full = eng.generate(prompts, GREEDY)
+    assert eng.generate(prompts, GREEDY, mode="collective", shared=spans) == full
+    eng = Engine(model=str(tiny_models["qwen3"]), dtype="float32", kv_tokens=8192)
+    seqs, logits = prefill(eng, "pic", prompts, spans)
+    kv = [kv_of(eng, s) for s in seqs]
+    col, col_logits = prefill(eng, "collective", prompts, spans)
+    assert [s.recomputed for s in col] == [s.recomputed for s in seqs] and all(s.recomputed for s in col)
+    for a, b in zip(col, kv):
+        torch.testing.assert_close(kv_of(eng, a), b, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(col_logits, logits, rtol=1e-4, atol=1e-4)
+
+
 def test_bases_prefilled_once_per_round(tiny_llama, monkeypatch):
     """Each unique segment is computed once per round: in collective's one blend forward,
     beside the Mirrors that read it; in pic's one standalone forward before them."""
