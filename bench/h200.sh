@@ -3,6 +3,7 @@
 # (default: all), run by the `device` tool from the repository root with `.whl`
 # (structlog) and `.device/tok` (tokenizer files) carried. Sections:
 #   engine: the CUDA checks, then Qwen2.5-7B shape, random bf16 weights, against HF SDPA
+#   qwen3: the engine on a Qwen3-8B shape (per-head q/k norms), random bf16 weights, against HF SDPA
 #   act: the fused SwiGLU activation against torch's two ops (error, time)
 #   prefill: the engine's prefill alone against HF (10 x 2 k)
 #   check: the CUDA checks alone (bench/check_cuda.py), and the GPU-only tests
@@ -75,6 +76,10 @@ fi
 if want engine; then
   td bench engine --model qwen2.5-7b --dtype bfloat16 --prefill 10x2048 --decode 32x4096 \
     --steps 48 --repeats 3 2>&1 | grep -v -i "warn\|deprecat\|forward_call" | tee "$OUT/engine.txt"
+fi
+if want qwen3; then
+  td bench engine --model qwen3-8b --dtype bfloat16 --prefill 10x2048 --decode 32x4096 \
+    --steps 48 --repeats 3 2>&1 | grep -v -i "warn\|deprecat\|forward_call" | tee "$OUT/qwen3.txt"
 fi
 if want readers; then
   td bench reuse --model qwen2.5-7b --dtype bfloat16 --agents 10,20 --history 512 --output 150 \

@@ -26,6 +26,9 @@ SHAPES = {
                        num_attention_heads=28, num_key_value_heads=4),
     "qwen2.5-14b": dict(QWEN_COMMON, hidden_size=5120, intermediate_size=13824, num_hidden_layers=48,
                         num_attention_heads=40, num_key_value_heads=8),
+    "qwen3-8b": dict(QWEN_COMMON, architectures=["Qwen3ForCausalLM"], model_type="qwen3", vocab_size=151936,
+                     max_position_embeddings=40960, hidden_size=4096, intermediate_size=12288,
+                     num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8, head_dim=128),
 }
 
 
