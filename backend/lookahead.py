@@ -11,9 +11,10 @@ The price is one step of lookahead: a sequence that stops (EOS, a stop string, i
 limit) had one more token computed, which is dropped with its KV; its finish is
 reported one call of `Engine.step` later. Sampling draws the same numbers in the same
 order as without overlap, so greedy and seeded outputs are unchanged as long as the
-logits are: the extra step can keep a batch on other kernels one step longer (its
-Mirrors leave it a step later), which in bf16 rounds differently and, on random
-weights, flipped near-tied tokens (bench/check_cuda.py compares in fp32). Penalties, which
+logits are, bit for bit: the extra step can run a batch through other kernels (its
+Mirrors leave it a step later), and on uninitialised bf16 weights a late token of one
+request differed between the two ways in three runs of four (bench/check_cuda.py
+compares them in fp32, on drawn weights). Penalties, which
 depend on every earlier token, count the chosen ids on the device (backend/penalties.py),
 so penalized requests take this path too.
 """
