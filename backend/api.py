@@ -59,6 +59,17 @@ class Structure:
 
 
 @dataclass(slots=True)
+class Template:
+    """How a chat is rendered, as vLLM's chat requests say it: variables for the template
+    (Qwen3's `enable_thinking`, say), the generation prompt, or the last (assistant)
+    message left open for the model to go on with."""
+
+    kwargs: dict[str, Any] = field(default_factory=dict)
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+
+
+@dataclass(slots=True)
 class SamplingParams:
     max_tokens: int = 256
     temperature: float = 1.0
@@ -243,9 +254,10 @@ class Backend(Protocol):
     info: ModelInfo
     tokenizer: Any  # the HF tokenizer its prompts are tokenized with; None without a model
 
-    def render_chat(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> str:
+    def render_chat(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None,
+                    template: Template | None = None) -> str:
         """The chat template applied to `messages` (and `tools`, where the template renders
-        them), with the generation prompt."""
+        them), with the generation prompt unless `template` says otherwise."""
 
     def prepare(self, request: Request) -> Prepared:
         """Tokenize and validate; raises InvalidRequest for client mistakes."""

@@ -24,7 +24,7 @@ from typing import Any
 
 import structlog
 
-from tokendance.backend.api import Backend, BackendError, Gauge, Prepared, Request, Stream
+from tokendance.backend.api import Backend, BackendError, Gauge, Prepared, Request, Stream, Template
 
 log = structlog.get_logger(__name__)
 
@@ -131,8 +131,9 @@ class Fleet:
 
     # -- the Backend protocol ------------------------------------------------------------
 
-    def render_chat(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> str:
-        return self.engines[0].render_chat(messages, tools)
+    def render_chat(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None,
+                    template: Template | None = None) -> str:
+        return self.engines[0].render_chat(messages, tools, template)
 
     def prepare(self, request: Request) -> Prepared:
         """Prepared by the engine it is routed to (every engine would prepare it alike); it

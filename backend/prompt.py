@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from tokendance.backend.api import BackendError, InvalidRequest, Request, SamplingParams, Segment
+from tokendance.backend.api import BackendError, InvalidRequest, Request, SamplingParams, Segment, Template
 from tokendance.backend.grammar import Grammars
 
 
@@ -40,11 +40,16 @@ def fast_tokenizer(path: Any, what: str = "") -> Any:
     return tok
 
 
-def render_chat(tokenizer: Any, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> str:
+def render_chat(tokenizer: Any, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None,
+                template: Template | None = None) -> str:
     """The chat template applied to `messages` (and `tools`, for a template that renders
-    them), with the generation prompt; a template that rejects them is the client's mistake."""
+    them), with the generation prompt unless `template` says otherwise; a template that
+    rejects them is the client's mistake."""
+    tp = template or Template()
     try:
-        return tokenizer.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=True)
+        return tokenizer.apply_chat_template(messages, tools=tools, tokenize=False,
+                                             add_generation_prompt=tp.add_generation_prompt,
+                                             continue_final_message=tp.continue_final_message, **tp.kwargs)
     except Exception as e:
         raise InvalidRequest(f"messages do not fit the model's chat template: {e}", "messages") from e
 

@@ -22,7 +22,7 @@ import structlog
 
 from tokendance.backend import wire
 from tokendance.backend.api import (
-    BackendError, Gauge, ModelInfo, Prepared, Request, check_mode,
+    BackendError, Gauge, ModelInfo, Prepared, Request, Template, check_mode,
 )
 from tokendance.backend.grammar import Grammars
 from tokendance.backend.prompt import check, fast_tokenizer, render_chat, request_ids
@@ -67,8 +67,9 @@ class RemoteBackend:
 
     # -- the Backend protocol ------------------------------------------------------------
 
-    def render_chat(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> str:
-        return render_chat(self.tokenizer, messages, tools)
+    def render_chat(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None,
+                    template: Template | None = None) -> str:
+        return render_chat(self.tokenizer, messages, tools, template)
 
     def prepare(self, request: Request) -> Prepared:
         request.mode = request.mode or self.mode

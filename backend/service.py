@@ -6,7 +6,7 @@ import itertools
 from dataclasses import dataclass
 from typing import Any
 
-from tokendance.backend.api import Gauge, ModelInfo, Prepared, Request, Stream, check_mode
+from tokendance.backend.api import Gauge, ModelInfo, Prepared, Request, Stream, Template, check_mode
 from tokendance.backend.async_engine import AsyncEngine, Job
 from tokendance.backend.config import EngineConfig
 from tokendance.backend.engine import Engine
@@ -42,8 +42,9 @@ class EngineBackend:
     def tokenizer(self) -> Any:
         return self.engine.tokenizer
 
-    def render_chat(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> str:
-        return render_chat(self.engine.tokenizer, messages, tools)
+    def render_chat(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None,
+                    template: Template | None = None) -> str:
+        return render_chat(self.engine.tokenizer, messages, tools, template)
 
     def prepare(self, request: Request) -> Prepared:
         mode = request.mode or self.mode

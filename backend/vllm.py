@@ -23,7 +23,7 @@ import structlog
 
 from tokendance.backend.api import (
     BackendError, Delta, Gauge, InvalidRequest, ModelInfo, Prepared, Request, TokenLogprob,
-    TopLogprob, Usage, check_mode,
+    Template, TopLogprob, Usage, check_mode,
 )
 from tokendance.backend.grammar import Grammars
 from tokendance.backend.prompt import check, fast_tokenizer, render_chat, request_ids
@@ -64,8 +64,9 @@ class VLLMBackend:
 
     # -- the Backend protocol ------------------------------------------------------------
 
-    def render_chat(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> str:
-        return render_chat(self.tokenizer, messages, tools)
+    def render_chat(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None,
+                    template: Template | None = None) -> str:
+        return render_chat(self.tokenizer, messages, tools, template)
 
     def prepare(self, request: Request) -> Prepared:
         mode = _served(request.mode or self.mode)

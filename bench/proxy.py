@@ -60,7 +60,8 @@ class InstantBackend:
         self.info = ModelInfo(MODEL, 32768, 1024)
         self.generated: list[tuple[float, list[str]]] = []  # (when, request ids) per group
 
-    def render_chat(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> str:
+    def render_chat(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None,
+                    template: Any = None) -> str:
         return "".join(f"<|{m['role']}|>{m['content']}\n" for m in messages) + "<|assistant|>"
 
     def prepare(self, request: Request) -> Prepared:

@@ -15,7 +15,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from tokendance.backend.api import (
-    Delta, InvalidRequest, ModelInfo, Prepared, Request, Stream, Usage, check_mode,
+    Delta, InvalidRequest, ModelInfo, Prepared, Request, Stream, Template, Usage, check_mode,
 )
 
 WORDS = (
@@ -56,9 +56,10 @@ class EchoBackend:
         self.info = ModelInfo("echo", max_model_len, BYTES_PER_TOKEN)
         self.seen: set[bytes] = set()  # hashes of shared segments whose "KV" exists
 
-    def render_chat(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> str:
+    def render_chat(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None,
+                    template: Template | None = None) -> str:
         turns = [f"<|{m.get('role', 'user')}|>\n{m.get('content') or ''}\n" for m in messages]
-        return "".join(turns) + "<|assistant|>\n"
+        return "".join(turns) + ("<|assistant|>\n" if template is None or template.add_generation_prompt else "")
 
     def prepare(self, request: Request) -> Prepared:
         mode = request.mode or self.mode

@@ -66,9 +66,10 @@ async def chat_completions(req: web.Request) -> web.StreamResponse:
     body = schemas.decode(await req.read(), schemas.ChatRequest)
     call = px.call("chat", body, req.headers, req[T0])
     messages, sampling, call.tools = schemas.check_chat(body, px.dialect)
+    template = schemas.template(body.chat_template_kwargs, body.add_generation_prompt, body.continue_final_message)
     call.meta.resumes = messages[-1]["role"] == "tool"
     known = px.place(call)
-    messages, render = px.chat_form(messages, call.tools)
+    messages, render = px.chat_form(messages, call.tools, template)
     prompt = segment.chat(render, messages, call.meta.separators, known)
     px.prepare(call, [prompt], sampling, body.add_special_tokens)
     streams = await px.admit(call)

@@ -12,11 +12,12 @@ import secrets
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
+from functools import partial
 
 import structlog
 
 from tokendance.backend.api import (Backend, BackendError, Delta, InvalidRequest, Prepared,
-                                    Request, SamplingParams, Segment, Stream, TokenLogprob, Usage)
+                                    Request, SamplingParams, Segment, Stream, Template, TokenLogprob, Usage)
 
 from . import tools as t
 from .barrier import Barrier, Entry, Gate
@@ -159,10 +160,12 @@ class Proxy:
             self._dialect = t.dialect(self.backend.render_chat)
         return self._dialect
 
-    def chat_form(self, messages: list[dict], tools: t.Tools | None) -> tuple[list[dict], t.Draw]:
+    def chat_form(self, messages: list[dict], tools: t.Tools | None,
+                  template: Template | None = None) -> tuple[list[dict], t.Draw]:
         """The messages to render and how (proxy/tools.py)."""
         d = self.dialect() if t.uses_tools(messages, tools) else t.WRITTEN
-        return t.form(self.backend.render_chat, d, messages, tools)
+        render = self.backend.render_chat if template is None else partial(self.backend.render_chat, template=template)
+        return t.form(render, d, messages, tools)
 
     def place(self, call: Call) -> Known:
         """Choose the round; return the earlier outputs to look for in the prompt."""

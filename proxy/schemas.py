@@ -16,7 +16,7 @@ import msgspec
 import structlog
 from msgspec import Struct
 
-from tokendance.backend.api import InvalidRequest, SamplingParams
+from tokendance.backend.api import InvalidRequest, SamplingParams, Template
 
 from . import tools as t
 from .errors import invalid, unsupported
@@ -94,6 +94,10 @@ class ChatRequest(Sampled, kw_only=True):
     functions: list[Any] | None = None
     function_call: Any = None
     add_special_tokens: bool = False  # vLLM's: the template writes the BOS
+    # vLLM's: how the chat template renders (backend/api.py Template)
+    chat_template_kwargs: dict[str, Any] | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
 
 
 class CompletionRequest(Sampled, kw_only=True):
@@ -206,6 +210,26 @@ def check_chat(body: ChatRequest, dialect: Callable[[], str]) -> Checked:
                           "it takes no response_format or structured_outputs", "tool_choice")
         sp.structure = forced
     return messages, sp, tools
+
+
+# apply_chat_template's own arguments, and the names it renders the chat under
+_RESERVED = {"conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
+             "continue_final_message", "tokenize", "padding", "truncation", "max_length", "return_tensors",
+             "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs", "processor_kwargs"}
+
+
+def template(kwargs: dict[str, Any] | None, add_generation_prompt: bool,
+             continue_final_message: bool) -> Template | None:
+    """How the chat template renders, as vLLM's fields say (None: as it does by default)."""
+    if add_generation_prompt and continue_final_message:
+        raise invalid("continue_final_message and add_generation_prompt cannot both be true",
+                      "continue_final_message")
+    taken = sorted(_RESERVED & set(kwargs or ()))
+    if taken:
+        raise invalid(f"chat_template_kwargs cannot set {', '.join(taken)}", "chat_template_kwargs")
+    if not kwargs and add_generation_prompt:
+        return None
+    return Template(dict(kwargs or {}), add_generation_prompt, continue_final_message)
 
 
 def message(i: int, m: Message) -> dict[str, Any]:

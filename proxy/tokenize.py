@@ -9,9 +9,10 @@ from msgspec import Struct
 
 from tokendance.backend.api import Segment
 
+from . import schemas
 from . import tools as t
 from .core import Proxy
-from .errors import ApiError, invalid, unsupported
+from .errors import ApiError, invalid
 from .schemas import Message, message
 
 
@@ -22,6 +23,8 @@ class TokenizeRequest(Struct, kw_only=True):
     tools: list[t.Tool] | None = None
     add_special_tokens: bool | None = None  # default: true for a prompt, false for messages
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
     return_token_strs: bool = False
 
 
@@ -52,12 +55,12 @@ def tokenize(px: Proxy, body: TokenizeRequest) -> Tokenized:
     else:
         if not body.messages:
             raise invalid("messages must not be empty", "messages")
-        if not body.add_generation_prompt:
-            raise unsupported("add_generation_prompt", "add_generation_prompt false (the chat's prompt has it)")
+        template = schemas.template(body.chat_template_kwargs, body.add_generation_prompt,
+                                    body.continue_final_message)
         tools = t.check(body.tools, None, None)
         if tools is not None:
             tools.dialect = px.dialect()
-        messages, render = px.chat_form([message(i, m) for i, m in enumerate(body.messages)], tools)
+        messages, render = px.chat_form([message(i, m) for i, m in enumerate(body.messages)], tools, template)
         text, special = render(messages), bool(body.add_special_tokens)
     ids = tokenize_segments(tok, [Segment(text)], special)[0]
     strs = tok.convert_ids_to_tokens(ids) if body.return_token_strs else None

@@ -40,9 +40,10 @@ class FakeBackend:
         self.closed = False
         self.down: str | None = None  # what problem() reports
 
-    def render_chat(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> str:
+    def render_chat(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None,
+                    template: Any = None) -> str:
         out = [f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n" for m in messages]
-        return "".join(out) + "<|im_start|>assistant\n"
+        return "".join(out) + ("<|im_start|>assistant\n" if template is None or template.add_generation_prompt else "")
 
     def prepare(self, request: Request) -> Prepared:
         if request.prompt_token_ids is not None:
