@@ -24,9 +24,13 @@ def assert_producer_kv(engine: Engine, entry, prompt: list[int], out: list[int])
     b, n = engine.cache.block_size, entry.ntokens
     src = flat_slots(entry.blocks, torch.arange(n), b)
     dst = flat_slots(rseq.blocks, torch.arange(len(prompt), len(prompt) + n), b)
+    # Decode steps and one prefill take other matmul kernels: float32 rounding alone moved
+    # single keys by up to 1.4e-5 (6e-4 of their value) by layer 3 on the AMD EPYC host, so
+    # each layer is held to its relative error as a whole (at most 1.3e-6 there; a wrong
+    # token or position is O(1)).
     for k0, k1 in zip(engine.cache.k, ref.cache.k):
-        torch.testing.assert_close(k0.view(-1, *k0.shape[2:])[src], k1.view(-1, *k1.shape[2:])[dst],
-                                   rtol=1e-4, atol=1e-5)
+        got, want = k0.view(-1, *k0.shape[2:])[src], k1.view(-1, *k1.shape[2:])[dst]
+        assert float((got - want).norm() / want.norm()) < 1e-5
 
 
 @pytest.mark.parametrize("max_tokens,reason", [(40, "stop"), (7, "length")])
