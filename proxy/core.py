@@ -37,6 +37,7 @@ class Config:
     memory_rounds: int = 2  # outputs of this many earlier rounds are searched in a prompt
     min_shared_chars: int = 16  # shorter outputs are never marked as shared
     drain_timeout: float = 30.0
+    reasoning: str | None = None  # vLLM's --reasoning-parser: "qwen3" | "deepseek_r1" (proxy/reasoning.py)
 
 
 @dataclass(slots=True, eq=False)

@@ -65,6 +65,7 @@ class OutMessage(Struct, omit_defaults=True):
     role: str
     content: str | None
     tool_calls: list[OutCall] | None = None
+    reasoning: str | None = None  # with a reasoning parser (proxy/reasoning.py)
 
 
 class FunctionDelta(Struct, omit_defaults=True):
@@ -100,6 +101,7 @@ class OutDelta(Struct, omit_defaults=True):
     role: str | None = None
     content: str | None = None
     tool_calls: list[CallDelta] | None = None
+    reasoning: str | None = None
 
 
 class ChunkChoice(Struct):

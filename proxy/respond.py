@@ -21,6 +21,7 @@ from tokendance.backend.api import BackendError, Delta, Stream, TokenLogprob
 from . import calls, replies as s
 from .core import Call, Proxy
 from .errors import ApiError, from_backend
+from .reasoning import Thinking
 
 log = structlog.get_logger("tokendance.proxy")
 _enc = msgspec.json.Encoder()
@@ -53,12 +54,13 @@ async def _json(px: Proxy, call: Call, streams: list[Stream]) -> web.Response:
     if call.kind == "chat":
         choices = []
         for i in range(len(streams)):
-            r = calls.reader(call.tools)
-            got = r.whole(call.text(i))
+            r, th = calls.reader(call.tools), _thinking(px, call)
+            reasoning, text = th.whole(call.text(i)) if th else ("", call.text(i))
+            got = r.whole(text)
             call.shown.append(got.content)
             message = s.OutMessage("assistant", got.content if got.content or not got.calls else None,
                                    [s.OutCall(c.id or "", s.OutFunction(c.name or "", c.arguments))
-                                    for c in got.calls] or None)
+                                    for c in got.calls] or None, reasoning or None)
             choices.append(s.ChatChoice(i, message, calls.finish(r, call.finish[i]),
                                         _chat_lp(call, call.logprobs[i])))
         body: Any = s.ChatCompletion(call.id, call.created, call.model, choices, usage)
@@ -76,6 +78,7 @@ async def _sse(req: web.Request, px: Proxy, call: Call, streams: list[Stream]) -
     chat = call.kind == "chat"
     offsets = [0] * len(streams)
     readers = [calls.reader(call.tools) for _ in streams]
+    thinking = [_thinking(px, call) for _ in streams]
     call.shown = [""] * len(streams) if chat else []
     try:
         if chat:
@@ -85,7 +88,8 @@ async def _sse(req: web.Request, px: Proxy, call: Call, streams: list[Stream]) -
             async with contextlib.aclosing(_merged(call, streams)) as deltas:
                 async for i, d in deltas:
                     call.add(i, d)
-                    chunk = _chat_chunk(call, i, d, readers[i]) if chat else _text_chunk(call, i, d, offsets[i])
+                    chunk = _chat_chunk(call, i, d, readers[i], thinking[i]) if chat else \
+                        _text_chunk(call, i, d, offsets[i])
                     offsets[i] += len(d.text)
                     if chunk is not None:
                         await resp.write(_event(chunk))
@@ -112,20 +116,33 @@ def _failed(px: Proxy, call: Call, exc: Exception) -> ApiError:
     return from_backend(exc)
 
 
-def _chat_chunk(call: Call, i: int, d: Delta, r: calls.Reader) -> s.ChatChunk | None:
-    """The delta as a chunk, tool calls read out; None when it has nothing to say yet."""
-    content, pieces = r.feed(d.text)
+def _thinking(px: Proxy, call: Call) -> Thinking | None:
+    """A choice's reasoning reader, with a parser set; a structured output is held to its
+    grammar from its first token, so it has no reasoning to read."""
+    if px.config.reasoning is None or call.prepared[0].request.sampling.structure is not None:
+        return None
+    return Thinking(px.config.reasoning)
+
+
+def _chat_chunk(call: Call, i: int, d: Delta, r: calls.Reader, th: Thinking | None) -> s.ChatChunk | None:
+    """The delta as a chunk, reasoning and tool calls read out; None when it has nothing
+    to say yet."""
+    reasoning, text = th.feed(d.text) if th else ("", d.text)
+    if th and d.finish_reason is not None:
+        more, rest = th.end()
+        reasoning, text = reasoning + more, text + rest
+    content, pieces = r.feed(text)
     if d.finish_reason is not None:
         more, last = r.end()
         content, pieces = content + more, pieces + last
     call.shown[i] += content
     lp = _chat_lp(call, d.logprobs)
-    if not (content or pieces or d.finish_reason or (lp and lp.content)):
+    if not (content or reasoning or pieces or d.finish_reason or (lp and lp.content)):
         return None
     deltas = [s.CallDelta(p.index, s.FunctionDelta(p.name, p.arguments), p.id, p.id and "function")
               for p in pieces]
     return s.ChatChunk(call.id, call.created, call.model, [s.ChunkChoice(
-        i, s.OutDelta(content=content or None, tool_calls=deltas or None), lp,
+        i, s.OutDelta(content=content or None, tool_calls=deltas or None, reasoning=reasoning or None), lp,
         calls.finish(r, d.finish_reason))])
 
 

@@ -15,6 +15,7 @@ from tokendance.backend.flags import add_engine_args, changed, engine_options
 from .app import Server
 from .core import Config
 from .mqtt import address
+from .reasoning import PARSERS
 
 DEFAULT_MODE = "collective"
 
@@ -39,6 +40,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
                    help="longest hold at a round barrier, from the group's first arrival")
     p.add_argument("--max-group", type=int, default=256, help="requests per group at most")
     p.add_argument("--drain-timeout", type=float, default=30.0, help="seconds to finish on shutdown")
+    p.add_argument("--reasoning-parser", choices=PARSERS, default=None,
+                   help="read a chat answer's thinking (<think>...</think>) into its message's reasoning")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     p.set_defaults(func=main)
     return p
@@ -70,7 +73,7 @@ def load_backend(args: argparse.Namespace) -> Backend:
 
 def config(args: argparse.Namespace) -> Config:
     return Config(barrier_timeout=args.barrier_timeout_ms / 1e3, max_group=args.max_group,
-                  drain_timeout=args.drain_timeout)
+                  drain_timeout=args.drain_timeout, reasoning=args.reasoning_parser)
 
 
 async def serve(server: Server, host: str, port: int, stop: asyncio.Event | None = None) -> None:

@@ -42,6 +42,10 @@ def test_flags():
     c = serve.config(a)
     assert (a.port, a.mode, a.dtype, a.model, c.barrier_timeout) == (9001, "prefix", "float32", "/m", 0.04)
     assert a.func is serve.main
+    assert serve.config(parse()).reasoning is None
+    assert serve.config(parse("--reasoning-parser", "deepseek_r1")).reasoning == "deepseek_r1"
+    with pytest.raises(SystemExit):  # argparse names the choices
+        parse("--reasoning-parser", "o1")
 
 
 @pytest.mark.parametrize("argv,message", [

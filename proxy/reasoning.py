@@ -1,0 +1,75 @@
+"""A chat answer's reasoning read out of its text, as vLLM's `--reasoning-parser` gives
+it (`tokendance serve --reasoning-parser qwen3|deepseek_r1`): the model's thinking, between
+`<think>` and `</think>`, goes to the message's `reasoning`, the rest to `content`, where
+tool calls are read and which the session remembers (what agents pass on is the answer,
+not the thinking).
+
+- `qwen3`: an answer that opens with `<think>` (after any whitespace) reasons up to
+  `</think>`; any other answer (thinking switched off, `enable_thinking: false`) is all
+  content.
+- `deepseek_r1`: the template opens the block in the prompt, so an answer reasons from
+  its start (a `<think>` it writes itself dropped) up to `</think>`.
+
+An answer cut off before `</think>` is all reasoning. Fed the same text in any pieces, a
+`Thinking` gives the same reasoning and content; text that could still become a tag is
+held back until it is known.
+"""
+
+from __future__ import annotations
+
+PARSERS = ("qwen3", "deepseek_r1")
+OPEN, CLOSE = "<think>", "</think>"
+
+
+class Thinking:
+    def __init__(self, parser: str):
+        if parser not in PARSERS:
+            raise ValueError(f"unknown reasoning parser {parser!r}; choose one of {', '.join(PARSERS)}")
+        self.opening = True  # before the answer's first text: a <think> may open it
+        self.inside = parser == "deepseek_r1"  # reasoning now
+        self.closed = False  # past </think>: all content from here
+        self.held = ""
+
+    def feed(self, text: str) -> tuple[str, str]:
+        """(reasoning, content) that `text` adds."""
+        if self.closed:
+            return "", text
+        self.held += text
+        if self.opening:
+            rest = self.held.lstrip()
+            if len(rest) < len(OPEN) and OPEN.startswith(rest):
+                return "", ""  # still undecided
+            self.opening = False
+            if rest.startswith(OPEN):
+                self.inside, self.held = True, rest[len(OPEN):]
+        if not self.inside:
+            self.closed, text, self.held = True, self.held, ""
+            return "", text
+        at = self.held.find(CLOSE)
+        if at >= 0:
+            reasoning, content = self.held[:at], self.held[at + len(CLOSE):]
+            self.closed, self.held = True, ""
+            return reasoning, content
+        keep = _partial(self.held, CLOSE)
+        reasoning, self.held = self.held[:len(self.held) - keep], self.held[len(self.held) - keep:]
+        return reasoning, ""
+
+    def end(self) -> tuple[str, str]:
+        """What was held back, once the answer is complete."""
+        held, self.held = self.held, ""
+        if self.inside and not self.closed:
+            return held, ""
+        return "", held
+
+    def whole(self, text: str) -> tuple[str, str]:
+        r1, c1 = self.feed(text)
+        r2, c2 = self.end()
+        return r1 + r2, c1 + c2
+
+
+def _partial(text: str, tag: str) -> int:
+    """The length of the longest end of `text` that begins `tag`."""
+    for n in range(min(len(tag) - 1, len(text)), 0, -1):
+        if text.endswith(tag[:n]):
+            return n
+    return 0

@@ -1,0 +1,113 @@
+"""`serve --reasoning-parser`: a chat answer's thinking in its message's `reasoning`, the
+rest in `content`, whole and streamed; tool calls read from the content; the session
+remembers the content, not the thinking (the fake backend echoes what it is asked to)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+
+import openai
+import pytest
+
+from tokendance.proxy.reasoning import Thinking
+
+from .conftest import FakeBackend, Threaded
+
+CASES = [  # parser, answer, reasoning, content
+    ("qwen3", "<think>\nLet me see.\n</think>\n\nIt is four.", "\nLet me see.\n", "\n\nIt is four."),
+    ("qwen3", "\n <think>a</think>b", "a", "b"),
+    ("qwen3", "It is four.", "", "It is four."),  # thinking switched off
+    ("qwen3", "<thin", "", "<thin"),
+    ("qwen3", "<think>cut off while thin", "cut off while thin", ""),
+    ("qwen3", "<think>x</think", "x</think", ""),
+    ("deepseek_r1", "Let me see.</think>Four.", "Let me see.", "Four."),
+    ("deepseek_r1", "<think>Let me see.</think>Four.", "Let me see.", "Four."),
+    ("deepseek_r1", "Still thinking", "Still thinking", ""),
+    ("deepseek_r1", "", "", ""),
+]
+
+
+@pytest.mark.parametrize("parser,text,reasoning,content", CASES)
+def test_any_split_of_an_answer_reads_alike(parser, text, reasoning, content):
+    assert Thinking(parser).whole(text) == (reasoning, content)
+    for cut in range(len(text) + 1):
+        for cut2 in range(cut, len(text) + 1):
+            th = Thinking(parser)
+            parts = [th.feed(text[:cut]), th.feed(text[cut:cut2]), th.feed(text[cut2:]), th.end()]
+            assert ("".join(r for r, _ in parts), "".join(c for _, c in parts)) == (reasoning, content)
+
+
+def test_an_unknown_parser_is_refused():
+    with pytest.raises(ValueError, match="qwen3, deepseek_r1"):
+        Thinking("o1")
+
+
+@pytest.fixture(scope="module")
+def thinking():
+    t = Threaded(FakeBackend(length=40), reasoning="qwen3")
+    yield t
+    t.close()
+
+
+@pytest.fixture(scope="module")
+def client(thinking) -> openai.OpenAI:
+    return openai.OpenAI(base_url=thinking.url + "/v1", api_key="sk-test", max_retries=0)
+
+
+def user(text: str) -> list[dict]:
+    return [{"role": "user", "content": text}]
+
+
+ANSWER = "<think> The others said four; I agree. </think> Two and two make four, as everyone agreed."
+CALL = '<tool_call>{"name": "get_weather", "arguments": {"city": "Oslo"}}</tool_call>'
+WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}}}}}
+
+
+def test_a_chat_answer_gives_its_reasoning_apart_whole_and_streamed(client):
+    kw = dict(model="fake-tiny", messages=user(ANSWER))
+    msg = client.chat.completions.create(**kw).choices[0].message
+    assert msg.model_extra["reasoning"] == " The others said four; I agree. "
+    assert msg.content == " Two and two make four, as everyone agreed."
+    chunks = list(client.chat.completions.create(**kw, stream=True))
+    deltas = [c.choices[0].delta for c in chunks if c.choices]
+    assert "".join((d.model_extra or {}).get("reasoning") or "" for d in deltas) == msg.model_extra["reasoning"]
+    assert "".join(d.content or "" for d in deltas) == msg.content
+    first_content = next(i for i, d in enumerate(deltas) if d.content)
+    assert all(not (d.model_extra or {}).get("reasoning") for d in deltas[first_content:])
+
+
+def test_an_answer_without_thinking_is_all_content(client):
+    msg = client.chat.completions.create(model="fake-tiny", messages=user("Four, plainly.")).choices[0].message
+    assert msg.content == "Four, plainly." and "reasoning" not in (msg.model_extra or {})
+
+
+def test_tool_calls_are_read_from_the_content(client):
+    kw = dict(model="fake-tiny", messages=user(f"<think> Oslo's weather is needed. </think> {CALL}"),
+              tools=[WEATHER])
+    ch = client.chat.completions.create(**kw).choices[0]
+    assert ch.finish_reason == "tool_calls" and ch.message.model_extra["reasoning"] == " Oslo's weather is needed. "
+    assert json.loads(ch.message.tool_calls[0].function.arguments) == {"city": "Oslo"}
+    streamed = [c.choices[0] for c in client.chat.completions.create(**kw, stream=True) if c.choices]
+    assert streamed[-1].finish_reason == "tool_calls"
+    assert any(d.delta.tool_calls for d in streamed)
+
+
+def test_completions_are_left_as_they_are(client):
+    text = client.completions.create(model="fake-tiny", prompt=ANSWER).choices[0].text
+    assert text.startswith("<think>")
+
+
+def test_the_session_remembers_the_answer_not_the_thinking(thinking, client):
+    tag = {"tokendance": {"session": "think", "agent": "a", "round": 1}}
+    got = client.chat.completions.create(model="fake-tiny", messages=user(ANSWER), extra_body=tag)
+    answer = got.choices[0].message.content.strip()
+    known = thinking.server.proxy.sessions.known("think", 2, hashlib.sha256(b"sk-test").hexdigest()[:16])
+    assert known.get(answer) is not None
+    assert known.get("The others said four; I agree.") is None
+    # The next round quotes the answer: the proxy finds it and shares it.
+    tag2 = {"tokendance": {"session": "think", "agent": "b", "round": 2}}
+    later = client.chat.completions.create(model="fake-tiny", messages=user(f"A said: {answer} Agree?"),
+                                           extra_body=tag2)
+    assert later.usage.model_extra["tokendance"]["shared_tokens"] > 0
