@@ -157,12 +157,18 @@ class Fleet:
                 i = self.route(p.request)
             parts.setdefault(i, []).append(k)
         streams: list[Stream | None] = [None] * len(group)
-        for i, ks in parts.items():
-            got = self.engines[i].generate([group[k] for k in ks])
-            if len(got) != len(ks):
-                raise BackendError(f"engine {self.names[i]} gave {len(got)} streams for {len(ks)} requests")
-            for k, st in zip(ks, got):
-                streams[k] = st
+        try:
+            for i, ks in parts.items():
+                got = self.engines[i].generate([group[k] for k in ks])
+                if len(got) != len(ks):
+                    raise BackendError(f"engine {self.names[i]} gave {len(got)} streams for {len(ks)} requests")
+                for k, st in zip(ks, got):
+                    streams[k] = st
+        except BaseException:  # the group fails whole: what other engines started stops
+            for st in streams:
+                if st is not None:
+                    st.abort()
+            raise
         return streams  # type: ignore[return-value]
 
     def gauges(self) -> list[Gauge]:

@@ -216,7 +216,7 @@ async def test_a_lost_engine_moves_its_session_and_the_proxy_keeps_serving(pair,
     assert health.json()["error"]["message"].startswith("no engine can serve: ")
 
 
-async def test_a_group_sent_to_a_lost_engine_fails_each_request(make_backend):
+def test_a_group_one_engine_fails_stops_on_every_engine(make_backend):
     class Broken:
         def __init__(self, inner: Any) -> None:
             self.inner = inner
@@ -227,10 +227,12 @@ async def test_a_group_sent_to_a_lost_engine_fails_each_request(make_backend):
         def generate(self, group: list[Prepared]) -> list[Any]:
             raise BackendError("lost")
 
-    f = Fleet([Broken(make_backend()), make_backend()])
-    f.pins["s"] = Pin(0, 0.0)
-    with pytest.raises(BackendError, match="lost"):
-        f.generate([f.prepare(request("a", "s"))])
+    ok = make_backend()
+    f = Fleet([Broken(make_backend()), ok])
+    f.pins.update({"s": Pin(0, 0.0), "t": Pin(1, 0.0)})
+    with pytest.raises(BackendError, match="lost"):  # the group fails whole
+        f.generate([f.prepare(request("b", "t")), f.prepare(request("a", "s"))])
+    assert ok.aborted == {"b"} and not ok.active  # what the other engine started stopped
 
 
 async def test_a_group_the_engine_lost_marks_it_down_at_once(pair):
