@@ -19,6 +19,14 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     add_reuse_args(p)
     p.add_argument("--offload-gib", type=float, default=1.0,
                    help="host memory for idle agents' KV between their rounds (0: off)")
+    p.add_argument("--kv-tokens", type=at_least(0), default=0,
+                   help="the KV pool's size in tokens (0: 16 k on the CPU, 85 %% of the GPU's memory "
+                        "left free by the weights)")
+    p.add_argument("--max-model-len", type=at_least(0), default=0,
+                   help="the longest prompt and answer together (0: the model's limit, or the pool's)")
+    p.add_argument("--max-num-seqs", type=at_least(1), default=256, help="requests running at once")
+    p.add_argument("--max-num-batched-tokens", type=at_least(0), default=0,
+                   help="tokens a step computes at most (0: 2,048 on the CPU, 16,384 on the GPU)")
 
 
 def add_reuse_args(p: argparse.ArgumentParser) -> None:
@@ -73,4 +81,5 @@ def engine_options(args: argparse.Namespace) -> dict[str, Any]:
     if not 0 <= args.offload_gib < math.inf:
         raise ValueError("--offload-gib must be a finite number, not negative")
     return {"model": args.model, "dtype": args.dtype, "offload_bytes": int(args.offload_gib * 2**30),
-            **reuse_options(args)}
+            "kv_tokens": args.kv_tokens, "max_model_len": args.max_model_len, "max_seqs": args.max_num_seqs,
+            "max_batched_tokens": args.max_num_batched_tokens, **reuse_options(args)}

@@ -127,15 +127,33 @@ def test_engine_flags_reach_the_engine_config(monkeypatch):
     assert seen["min_shared_tokens"] is None  # the engine's default for its device
     serve.load_backend(parse("--bases", "producer", "--min-shared-tokens", "32"))
     assert seen["bases"] == "producer" and seen["min_shared_tokens"] == 32
+    assert (seen["kv_tokens"], seen["max_model_len"], seen["max_seqs"], seen["max_batched_tokens"]) == (0, 0, 256, 0)
+    serve.load_backend(parse("--kv-tokens", "4096", "--max-model-len", "1000", "--max-num-seqs", "8",
+                             "--max-num-batched-tokens", "512"))
+    assert (seen["kv_tokens"], seen["max_model_len"], seen["max_seqs"], seen["max_batched_tokens"]) == \
+        (4096, 1000, 8, 512)
 
 
-@pytest.mark.parametrize("value", ["-1", "x", "1.5"])
-def test_bad_min_shared_tokens_is_one_line(monkeypatch, capsys, value):
+def test_pool_and_batch_flags_size_the_engine(tiny_llama):
+    from tokendance.backend.flags import engine_options
+    from tokendance.backend.service import EngineBackend
+
+    be = EngineBackend.load(**engine_options(parse("--model", str(tiny_llama), "--dtype", "float32",
+                                                   "--kv-tokens", "4096", "--max-model-len", "1000",
+                                                   "--max-num-seqs", "8", "--max-num-batched-tokens", "512")))
+    e = be.engine
+    assert (e.cache.num_blocks * e.cfg.block_size, e.max_model_len) == (4096, 1000)
+    assert (e.scheduler.max_seqs, e.scheduler.max_tokens) == (8, 512)
+
+
+@pytest.mark.parametrize("flag,value", [("--min-shared-tokens", v) for v in ("-1", "x", "1.5")] + [
+    ("--kv-tokens", "-5"), ("--max-model-len", "1e3"), ("--max-num-seqs", "0"), ("--max-num-batched-tokens", "-1")])
+def test_bad_integer_flags_are_one_line(monkeypatch, capsys, flag, value):
     monkeypatch.setattr(serve, "load_backend", lambda args: pytest.fail("the model must not load"))
     with pytest.raises(SystemExit) as e:
-        cli.main(["serve", "--min-shared-tokens", value])
+        cli.main(["serve", flag, value])
     err = capsys.readouterr().err.strip()
-    assert e.value.code == 2 and "--min-shared-tokens" in err and "\n" not in err
+    assert e.value.code == 2 and flag in err and "\n" not in err
 
 
 def test_bad_reuse_flag_is_one_line(tiny_llama, capsys):
