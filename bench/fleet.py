@@ -1,8 +1,8 @@
 """Several engines behind one proxy (backend/fleet.py) against one engine: what a fleet
 gives simulations that run side by side.
 
-    tokendance bench fleet [--model PATH] [--engines 2] [--pin gpu|cpu] [--sessions 4]
-                           [--agents 8] [--rounds 3] [--history 400] [--output 48]
+    tokendance bench fleet [--model PATH] [--engines 2] [--pin gpu|cpu] [--kv-tokens N]
+                           [--sessions 4] [--agents 8] [--rounds 3] [--history 400] [--output 48]
 
 Child processes: K engines (`tokendance engine`; `--pin gpu`: engine k sees only GPU k;
 `--pin cpu`: engine k runs on core k alone, one thread: cores standing in for GPUs),
@@ -30,7 +30,7 @@ import time
 
 import httpx
 
-from tokendance.bench.options import positive
+from tokendance.bench.options import natural, positive
 from tokendance.bench.remote import child
 from tokendance.examples import scenario
 
@@ -41,6 +41,7 @@ WORDS = ("river", "market", "harvest", "bridge", "winter", "council", "grain", "
 def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="HF folder or GGUF (default: embedded SmolLM2)")
     p.add_argument("--dtype", default="float32")
+    p.add_argument("--kv-tokens", type=natural, default=0, help="each engine's KV pool (0: its default)")
     p.add_argument("--engines", type=positive, default=2)
     p.add_argument("--pin", choices=("gpu", "cpu"), default=None,
                    help="engine k on GPU k alone, or on core k alone with one thread (default: unpinned)")
@@ -84,7 +85,7 @@ async def simulation(http: httpx.AsyncClient, url: str, model: str, session: str
 
 
 async def run(args: argparse.Namespace) -> list[tuple[str, list[float], list[float], list[float]]]:
-    engine = ["--dtype", args.dtype] + (["--model", args.model] if args.model else [])
+    engine = ["--dtype", args.dtype, "--kv-tokens", str(args.kv_tokens)] + (["--model", args.model] if args.model else [])
     proxy = ["--mode", "collective", "--barrier-timeout-ms", "30000"]
     with contextlib.ExitStack() as stack:
         urls = [stack.enter_context(child(["engine", *engine], *_pinned(args.pin, k))) for k in range(args.engines)]

@@ -3,7 +3,8 @@
 # (default: all), run by the `device` tool from the repository root with `.whl`
 # (structlog) and `.device/tok` (tokenizer files) carried. Sections:
 #   engine: the CUDA checks, then Qwen2.5-7B shape, random bf16 weights, against HF SDPA
-#   qwen3: the engine on a Qwen3-8B shape (per-head q/k norms), random bf16 weights, against HF SDPA
+#   qwen3: the engine on a Qwen3-8B shape (per-head q/k norms), random bf16 weights, against HF SDPA;
+#     qwen3-reuse: the All-Gather round of `reuse` (N = 10, 20) on it, full, prefix and collective
 #   act: the fused SwiGLU activation against torch's two ops (error, time)
 #   prefill: the engine's prefill alone against HF (10 x 2 k)
 #   check: the CUDA checks alone (bench/check_cuda.py), and the GPU-only tests
@@ -31,6 +32,8 @@
 #     rounds in `prefix` mode (what vLLM does)
 #   sweep: the paged decode kernel's launch configurations (bench/kernels.py --decode)
 #   steps: a decode step at batch 32 x 4k split into GPU forward and host time
+#   fleet: simulations side by side through a proxy over an engine per GPU against one engine
+#     (bench/fleet.py); on a machine of one GPU, two engines sharing it
 #   remote: the proxy over `tokendance engine` against the engine in-process (bench/remote.py),
 #     a Qwen2.5-0.5B shape with random weights saved as a folder (the servers load folders)
 #   structured: structured outputs against the same work unconstrained (bench/structured.py),
@@ -80,6 +83,10 @@ fi
 if want qwen3; then
   td bench engine --model qwen3-8b --dtype bfloat16 --prefill 10x2048 --decode 32x4096 \
     --steps 48 --repeats 3 2>&1 | grep -v -i "warn\|deprecat\|forward_call" | tee "$OUT/qwen3.txt"
+fi
+if want qwen3-reuse; then
+  td bench reuse --model qwen3-8b --dtype bfloat16 --agents 10,20 --history 512 --output 150 \
+    --repeats 3 --modes full,prefix,collective 2>&1 | grep -v -i "warn\|deprecat" | tee "$OUT/qwen3_reuse.txt"
 fi
 if want readers; then
   td bench reuse --model qwen2.5-7b --dtype bfloat16 --agents 10,20 --history 512 --output 150 \
@@ -159,6 +166,15 @@ if want remote; then
   python3 -m tokendance.bench.shapes qwen2.5-0.5b /tmp/qwen2.5-0.5b-random >/dev/null &&
     td bench remote --model /tmp/qwen2.5-0.5b-random --dtype bfloat16 --repeats 20 2>&1 \
     | grep "^|" | tee "$OUT/remote.txt"
+fi
+if want fleet; then
+  # one engine per GPU (a machine of two or more: nvidia-h200-x2 and up); on one GPU, two
+  # engines share it (each with a pool of its own), against one engine on it
+  gpus=$(nvidia-smi -L | wc -l)
+  python3 -m tokendance.bench.shapes qwen2.5-0.5b /tmp/qwen2.5-0.5b-random >/dev/null
+  if [ "$gpus" -ge 2 ]; then pin=(--pin gpu --engines "$gpus"); else pin=(--engines 2 --kv-tokens 400000); fi
+  td bench fleet --model /tmp/qwen2.5-0.5b-random --dtype bfloat16 "${pin[@]}" --sessions 8 --agents 10 \
+    --rounds 3 --history 400 --output 64 --repeats 3 2>&1 | grep -v -i "warn\|deprecat" | tee "$OUT/fleet.txt"
 fi
 if want structured || want tools; then
   # the tokenizer's vocabulary: a mask over 100 k ids no token has costs what no real model's does
