@@ -30,6 +30,7 @@ import time
 
 import httpx
 
+from tokendance.backend.flags import at_least
 from tokendance.bench.options import natural, positive
 from tokendance.bench.remote import child
 from tokendance.examples import scenario
@@ -42,7 +43,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="HF folder or GGUF (default: embedded SmolLM2)")
     p.add_argument("--dtype", default="float32")
     p.add_argument("--kv-tokens", type=natural, default=0, help="each engine's KV pool (0: its default)")
-    p.add_argument("--engines", type=positive, default=2)
+    p.add_argument("--engines", type=at_least(2), default=2)
     p.add_argument("--pin", choices=("gpu", "cpu"), default=None,
                    help="engine k on GPU k alone, or on core k alone with one thread (default: unpinned)")
     p.add_argument("--sessions", type=positive, default=4, help="simulations at once")
@@ -53,8 +54,10 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--repeats", type=positive, default=3)
 
 
-def notes(agent: str, words: int, seed: int) -> str:
-    rng = random.Random(f"{agent}-{seed}")
+def notes(agent: str, words: int) -> str:
+    """An agent's own notes, the same in every pass (the seed string the figures in
+    docs/benchmarks.md were measured with)."""
+    rng = random.Random(f"{agent}-0")
     return f"You are {agent}. Your notes: " + " ".join(rng.choice(WORDS) for _ in range(words))
 
 
@@ -69,7 +72,7 @@ async def simulation(http: httpx.AsyncClient, url: str, model: str, session: str
                          headers={"Authorization": f"Bearer {key}"})).raise_for_status()
 
         async def turn(a: str) -> str:
-            text = notes(a, args.history, 0)
+            text = notes(a, args.history)
             if last:
                 text += "\n\n" + scenario.gather(last, scenario.order(a, names)) + "\n\nYour turn."
             r = await http.post(url + "/v1/chat/completions", headers={"Authorization": f"Bearer {key}"}, json={
@@ -88,7 +91,8 @@ async def run(args: argparse.Namespace) -> list[tuple[str, list[float], list[flo
     engine = ["--dtype", args.dtype, "--kv-tokens", str(args.kv_tokens)] + (["--model", args.model] if args.model else [])
     proxy = ["--mode", "collective", "--barrier-timeout-ms", "30000"]
     with contextlib.ExitStack() as stack:
-        urls = [stack.enter_context(child(["engine", *engine], *_pinned(args.pin, k))) for k in range(args.engines)]
+        pins = [_pinned(args.pin, k) for k in range(args.engines)]  # a bad --pin fails before any start
+        urls = [stack.enter_context(child(["engine", *engine], *pin)) for pin in pins]
         fronts = {"one engine": stack.enter_context(child(["serve", *proxy, "--engine", urls[0]])),
                   f"{args.engines} engines": stack.enter_context(
                       child(["serve", *proxy, *[f"--engine={u}" for u in urls]]))}
