@@ -1,4 +1,5 @@
-"""Several engines behind one proxy (`tokendance serve --engine URL --engine URL ...`).
+"""Several engines behind one proxy (`tokendance serve --engine URL --engine URL ...`, or
+several vLLM servers: `--vllm URL --vllm URL ...`).
 
 A session is pinned to one engine: its rounds' Masters, its agents' Mirrors and parked
 KV live there, so every request of it goes there. A new session goes to the engine whose
@@ -18,7 +19,7 @@ from __future__ import annotations
 import itertools
 import time
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -67,15 +68,14 @@ class Fleet:
         self._down: list[str | None] = [None] * len(engines)  # last problem seen, for the log
 
     @classmethod
-    async def connect(cls, urls: list[str], mode: str = "collective", timeout: float = 10.0) -> "Fleet":
-        """Connect to every engine at `urls`; BackendError naming the first that cannot answer."""
-        from tokendance.backend.remote import RemoteBackend
-
+    async def connect(cls, urls: list[str], connect: Callable[[str], Awaitable[Backend]]) -> "Fleet":
+        """`connect` to every engine at `urls` (RemoteBackend.connect, VLLMBackend.connect);
+        BackendError naming the first that cannot answer."""
         engines: list[Backend] = []
         try:
             for url in urls:
-                engines.append(await RemoteBackend.connect(url, mode, timeout))
-            return cls(engines, [e.url for e in engines])  # type: ignore[attr-defined]
+                engines.append(await connect(url))
+            return cls(engines, [u.rstrip("/") for u in urls])
         except BaseException:
             for e in engines:
                 await e.close()

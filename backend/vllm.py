@@ -31,6 +31,7 @@ from tokendance.backend.stream import QueueStream
 
 log = structlog.get_logger(__name__)
 SERVED = ("full", "prefix")
+POLL = 2.0  # seconds between looks at a lost server's /health
 
 
 class VLLMBackend:
@@ -45,6 +46,7 @@ class VLLMBackend:
         self._session: aiohttp.ClientSession | None = None
         self._tasks: dict[str, asyncio.Task] = {}
         self._problem: str | None = None
+        self._watch: asyncio.Task | None = None  # polls /health while the server is lost
 
     @classmethod
     async def connect(cls, url: str, tokenizer: str | None = None, mode: str = "prefix",
@@ -89,7 +91,8 @@ class VLLMBackend:
         return []
 
     def problem(self) -> str | None:
-        """Why the last call to the server failed, until one succeeds."""
+        """Why the last call to the server failed, until one succeeds or its /health
+        answers again (polled every POLL seconds: a fleet sends a lost server no calls)."""
         return self._problem
 
     def abort(self, rid: str) -> None:
@@ -98,22 +101,43 @@ class VLLMBackend:
             task.cancel()  # closes the call; vLLM aborts a request whose client went away
 
     async def close(self) -> None:
-        for t in list(self._tasks.values()):
+        tasks = [*self._tasks.values(), *([self._watch] if self._watch else [])]
+        for t in tasks:
             t.cancel()
-        await asyncio.gather(*self._tasks.values(), return_exceptions=True)
+        await asyncio.gather(*tasks, return_exceptions=True)
         if self._session is not None:
             await self._session.close()
 
     # -- one request -----------------------------------------------------------------------
 
-    async def _one(self, req: Request, st: QueueStream) -> None:
-        if self._session is None:
+    def _client(self) -> aiohttp.ClientSession:
+        if self._session is None:  # made in the serving loop, on first use
             self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None, connect=self.timeout),
                                                   connector=aiohttp.TCPConnector(limit=0))
+        return self._session
+
+    def _lost(self, why: str) -> None:
+        self._problem = why
+        if self._watch is None or self._watch.done():
+            self._watch = asyncio.get_running_loop().create_task(self._recover())
+
+    async def _recover(self) -> None:
+        while self._problem is not None:
+            await asyncio.sleep(POLL)
+            try:
+                async with self._client().get(self.url + "/health",
+                                              timeout=aiohttp.ClientTimeout(total=self.timeout)) as r:
+                    if r.status == 200:
+                        log.info("vLLM server back", url=self.url)
+                        self._problem = None
+            except Exception:  # still lost
+                pass
+
+    async def _one(self, req: Request, st: QueueStream) -> None:
         shared = sum(b - a for a, b in req.shared_spans)  # reported, not used: vLLM has no segments
         last: Delta | None = None  # the finishing delta, held for the usage that follows it
         try:
-            async with self._session.post(self.url + "/v1/completions", json=self._body(req)) as r:
+            async with self._client().post(self.url + "/v1/completions", json=self._body(req)) as r:
                 if r.status != 200:
                     raise _refused(r.status, await r.text())
                 self._problem = None
@@ -139,7 +163,7 @@ class VLLMBackend:
         except asyncio.CancelledError:
             raise
         except Exception as e:  # unreachable, reset, a malformed chunk
-            self._problem = f"the vLLM server at {self.url} does not answer: {e or type(e).__name__}"
+            self._lost(f"the vLLM server at {self.url} does not answer: {e or type(e).__name__}")
             st.put(BackendError(f"lost the vLLM server at {self.url}: {e or type(e).__name__}"))
 
     def _body(self, req: Request) -> dict[str, Any]:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import signal
+from collections.abc import Awaitable, Callable
 
 from tokendance.backend import logs
 from tokendance.backend.api import MODES, Backend
@@ -30,8 +31,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     p.add_argument("--engine", action="append", default=None, metavar="URL",
                    help="an engine started by `tokendance engine`; repeat it for several, each "
                         "session pinned to one (default: one in this process, set by the flags below)")
-    p.add_argument("--vllm", default=None, metavar="URL",
-                   help="a vLLM server instead of our engine: modes full and prefix only")
+    p.add_argument("--vllm", action="append", default=None, metavar="URL",
+                   help="a vLLM server instead of our engine: modes full and prefix only; repeat it "
+                        "for several, each session pinned to one")
     p.add_argument("--tokenizer", default=None, metavar="PATH",
                    help="with --vllm: the model's folder, for its tokenizer (default: the one vLLM loaded)")
     add_engine_args(p)
@@ -52,23 +54,29 @@ def load_backend(args: argparse.Namespace) -> Backend:
     from tokendance.backend.api import BackendError
 
     try:
-        if args.engine is not None and len(args.engine) > 1:
-            from tokendance.backend.fleet import Fleet
-
-            return asyncio.run(Fleet.connect(args.engine, args.mode or DEFAULT_MODE))
         if args.engine is not None:
             from tokendance.backend.remote import RemoteBackend
 
-            return asyncio.run(RemoteBackend.connect(args.engine[0], args.mode or DEFAULT_MODE))
+            return asyncio.run(_connect(args.engine, lambda u: RemoteBackend.connect(u, args.mode or DEFAULT_MODE)))
         if args.vllm is not None:
             from tokendance.backend.vllm import VLLMBackend
 
-            return asyncio.run(VLLMBackend.connect(args.vllm, args.tokenizer, args.mode or "prefix"))
+            return asyncio.run(_connect(args.vllm, lambda u: VLLMBackend.connect(u, args.tokenizer,
+                                                                                 args.mode or "prefix")))
     except BackendError as e:  # a line for the user, not a traceback
         raise ValueError(str(e)) from e
     from tokendance.backend.service import EngineBackend
 
     return EngineBackend.load(mode=args.mode or DEFAULT_MODE, **engine_options(args))
+
+
+async def _connect(urls: list[str], connect: Callable[[str], Awaitable[Backend]]) -> Backend:
+    """One backend, or a fleet of them (each session pinned to one)."""
+    if len(urls) == 1:
+        return await connect(urls[0])
+    from tokendance.backend.fleet import Fleet
+
+    return await Fleet.connect(urls, connect)
 
 
 def config(args: argparse.Namespace) -> Config:
@@ -99,10 +107,11 @@ def main(args: argparse.Namespace) -> int:
         raise ValueError("--barrier-timeout-ms must be a number, not negative")
     if args.engine is not None and args.vllm is not None:
         raise ValueError("--engine and --vllm name two backends: give one")
-    urls = [u.rstrip("/") for u in args.engine or ()]
-    twice = next((u for u in urls if urls.count(u) > 1), None)
-    if twice is not None:
-        raise ValueError(f"--engine {twice} is given twice: name each engine once")
+    for flag, given in (("--engine", args.engine), ("--vllm", args.vllm)):
+        urls = [u.rstrip("/") for u in given or ()]
+        twice = next((u for u in urls if urls.count(u) > 1), None)
+        if twice is not None:
+            raise ValueError(f"{flag} {twice} is given twice: name each server once")
     flags = ", ".join(changed(args))
     if args.engine is not None and flags:
         raise ValueError(f"{flags} set the engine: with --engine, give them to `tokendance engine`")

@@ -15,6 +15,7 @@ from tokendance.backend import fleet as fleet_module
 from tokendance.backend.api import BackendError, Gauge, Prepared, Request, SamplingParams, Segment
 from tokendance.backend.endpoint import Endpoint, engine_info
 from tokendance.backend.fleet import ACTIVE, Fleet, Pin
+from tokendance.backend.remote import RemoteBackend
 from tokendance.backend.service import EngineBackend
 from tokendance.examples import cli
 from tokendance.proxy.segment import SEP
@@ -132,7 +133,7 @@ def test_gauges_are_labelled_by_engine(three):
 def test_serve_refuses_an_engine_named_twice(capsys):
     assert cli.main(["serve", "--engine", "http://127.0.0.1:9", "--engine", "http://127.0.0.1:9/"]) == 1
     assert capsys.readouterr().err.strip() == ("tokendance serve: --engine http://127.0.0.1:9 is given twice: "
-                                               "name each engine once")
+                                               "name each server once")
     assert cli.main(["serve", "--engine", "http://127.0.0.1:9", "--engine", "http://127.0.0.1:10"]) == 1
     assert "no engine at http://127.0.0.1:9" in capsys.readouterr().err
 
@@ -160,7 +161,7 @@ async def pair(tiny_llama) -> Any:
 
 
 async def test_two_engines_serve_two_sessions_each_round_on_its_engine(pair, start):
-    fleet = await Fleet.connect([u for u, _, _ in pair], "collective")
+    fleet = await Fleet.connect([u for u, _, _ in pair], lambda u: RemoteBackend.connect(u, "collective"))
     server = await start(fleet, barrier_timeout=10.0)
     c = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="sk-test", max_retries=0)
     name = fleet.info.name
@@ -191,7 +192,7 @@ async def test_two_engines_serve_two_sessions_each_round_on_its_engine(pair, sta
 
 
 async def test_a_lost_engine_moves_its_session_and_the_proxy_keeps_serving(pair, start):
-    fleet = await Fleet.connect([u for u, _, _ in pair], "collective")
+    fleet = await Fleet.connect([u for u, _, _ in pair], lambda u: RemoteBackend.connect(u, "collective"))
     server = await start(fleet)
     c = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="sk-test", max_retries=0)
     kw = dict(model=fleet.info.name, messages=[{"role": "user", "content": "Tell me about rivers."}],
@@ -236,8 +237,6 @@ def test_a_group_one_engine_fails_stops_on_every_engine(make_backend):
 
 
 async def test_a_group_the_engine_lost_marks_it_down_at_once(pair):
-    from tokendance.backend.remote import RemoteBackend
-
     url, _, runner = pair[0]
     r = await RemoteBackend.connect(url)
     await runner.cleanup()

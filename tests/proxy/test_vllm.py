@@ -28,7 +28,11 @@ class FakeVLLM:
         app = web.Application()
         app.router.add_get("/v1/models", self.models)
         app.router.add_post("/v1/completions", self.completions)
+        app.router.add_get("/health", self.health)
         return app
+
+    async def health(self, req: web.Request) -> web.Response:
+        return web.Response()
 
     async def models(self, req: web.Request) -> web.Response:
         return web.json_response({"data": [{"id": "fake-vllm", "max_model_len": 4096, "root": self.root}]})
@@ -60,16 +64,20 @@ class FakeVLLM:
         return resp
 
 
-@pytest.fixture
-async def vllm(tiny_llama) -> Any:
-    fake = FakeVLLM(str(tiny_llama))
+async def _served(fake: FakeVLLM, port: int = 0) -> FakeVLLM:
     runner = web.AppRunner(fake.app(), handler_cancellation=True)
     await runner.setup()
-    await web.TCPSite(runner, "127.0.0.1", 0).start()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
     fake.url = f"http://127.0.0.1:{runner.addresses[0][1]}"
     fake.runner = runner
+    return fake
+
+
+@pytest.fixture
+async def vllm(tiny_llama) -> Any:
+    fake = await _served(FakeVLLM(str(tiny_llama)))
     yield fake
-    await runner.cleanup()
+    await fake.runner.cleanup()
 
 
 @pytest.fixture
@@ -184,12 +192,55 @@ async def test_a_lost_server_is_a_500_and_health_says_so(proxy, vllm):
     assert r.status_code == 503 and "does not answer" in r.json()["error"]["message"]
 
 
+async def test_a_lost_server_is_found_again_once_its_health_answers(proxy, vllm, until, monkeypatch):
+    from tokendance.backend import vllm as vllm_module
+
+    monkeypatch.setattr(vllm_module, "POLL", 0.1)
+    port = int(vllm.url.rsplit(":", 1)[1])
+    await vllm.runner.cleanup()
+    with pytest.raises(openai.InternalServerError):
+        await _client(proxy).completions.create(model="fake-vllm", prompt="a b", max_tokens=2)
+    backend = proxy.proxy.backend
+    assert backend.problem() is not None
+    await _served(vllm, port)  # back, and nobody calls it: its /health says so
+    try:
+        await until(lambda: backend.problem() is None, timeout=10)
+        r = await _client(proxy).completions.create(model="fake-vllm", prompt="a b", max_tokens=2)
+        assert r.choices[0].text == " w0 w1"
+    finally:
+        await vllm.runner.cleanup()
+
+
+async def test_several_servers_each_take_whole_sessions(tiny_llama, start):
+    from tokendance.backend.fleet import Fleet
+
+    fakes = [await _served(FakeVLLM(str(tiny_llama))) for _ in range(2)]
+    try:
+        fleet = await Fleet.connect([f.url for f in fakes], lambda u: VLLMBackend.connect(u))
+        server = await start(fleet)
+        c = _client(server)
+        for rnd in (1, 2):
+            for session in ("red", "blue"):
+                await c.chat.completions.create(model="fake-vllm", messages=user(f"{session} {rnd}"), max_tokens=2,
+                                                extra_body={"tokendance": {"session": session, "agent": "a"}})
+        # each server saw one session's two rounds: its prefix cache holds that session
+        assert sorted(len(f.bodies) for f in fakes) == [2, 2]
+        assert all(len({b["cache_salt"] for b in f.bodies}) == 1 for f in fakes)
+        prompts = [[AutoTokenizer.from_pretrained(tiny_llama).decode(b["prompt"]) for b in f.bodies] for f in fakes]
+        assert all(len({p.split("user\n")[-1].split()[0] for p in ps}) == 1 for ps in prompts)
+    finally:
+        for f in fakes:
+            await f.runner.cleanup()
+
+
 @pytest.mark.parametrize("argv,message", [
     (["--vllm", "http://127.0.0.1:9", "--mode", "collective"], "--mode collective needs the TokenDance engine"),
     (["--vllm", "http://127.0.0.1:9", "--engine", "http://127.0.0.1:9"], "--engine and --vllm name two"),
     (["--vllm", "http://127.0.0.1:9", "--dtype", "float32"], "--dtype set our engine"),
     (["--tokenizer", "/x"], "--tokenizer goes with --vllm"),
     (["--vllm", "http://127.0.0.1:9"], "no vLLM server at http://127.0.0.1:9"),
+    (["--vllm", "http://127.0.0.1:9", "--vllm", "http://127.0.0.1:9/"], "--vllm http://127.0.0.1:9 is given twice"),
+    (["--vllm", "http://127.0.0.1:9", "--vllm", "http://127.0.0.1:10"], "no vLLM server at http://127.0.0.1:9"),
 ])
 def test_serve_with_vllm_refuses_what_cannot_work(capsys, argv, message):
     assert cli.main(["serve", *argv]) == 1
