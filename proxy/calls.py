@@ -205,14 +205,18 @@ class _Open:
     scan: Scan = field(default_factory=Scan)
 
 
+def tail(text: str, tag: str) -> int:
+    """The length of the longest end of `text` that begins `tag` (text still to hold back)."""
+    for n in range(min(len(tag) - 1, len(text)), 0, -1):
+        if text.endswith(tag[:n]):
+            return n
+    return 0
+
+
 def _held(text: str) -> int:
     """How many characters at the end of `text` may still be the start of a call: a
     prefix of the tag, with the whitespace before it."""
-    keep = 0
-    for k in range(min(len(OPEN) - 1, len(text)), 0, -1):
-        if OPEN.startswith(text[-k:]):
-            keep = k
-            break
+    keep = tail(text, OPEN)
     body = text[:len(text) - keep]
     return keep + len(body) - len(body.rstrip())
 

@@ -17,6 +17,8 @@ held back until it is known.
 
 from __future__ import annotations
 
+from .calls import tail
+
 PARSERS = ("qwen3", "deepseek_r1")
 OPEN, CLOSE = "<think>", "</think>"
 
@@ -50,7 +52,7 @@ class Thinking:
             reasoning, content = self.held[:at], self.held[at + len(CLOSE):]
             self.closed, self.held = True, ""
             return reasoning, content
-        keep = _partial(self.held, CLOSE)
+        keep = tail(self.held, CLOSE)
         reasoning, self.held = self.held[:len(self.held) - keep], self.held[len(self.held) - keep:]
         return reasoning, ""
 
@@ -65,11 +67,3 @@ class Thinking:
         r1, c1 = self.feed(text)
         r2, c2 = self.end()
         return r1 + r2, c1 + c2
-
-
-def _partial(text: str, tag: str) -> int:
-    """The length of the longest end of `text` that begins `tag`."""
-    for n in range(min(len(tag) - 1, len(text)), 0, -1):
-        if text.endswith(tag[:n]):
-            return n
-    return 0
