@@ -22,7 +22,8 @@ FIELDS = ["messages", "prompt", "n", "stop", "max_tokens", "max_completion_token
           "min_p", "min_tokens", "seed", "stream", "stream_options", "logprobs", "top_logprobs", "ignore_eos",
           "stop_token_ids", "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias",
           "response_format", "structured_outputs", "tools", "tool_choice", "parallel_tool_calls", "tokendance",
-          "include_stop_str_in_output", "skip_special_tokens", "add_special_tokens", "echo", "best_of"]
+          "include_stop_str_in_output", "skip_special_tokens", "add_special_tokens", "echo", "best_of",
+          "chat_template_kwargs", "add_generation_prompt", "continue_final_message"]
 TOOLS = [{"type": "function", "function": {"name": "f", "strict": True, "parameters": {
     "type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}}},
     {"type": "function", "function": {"name": "g"}}]
@@ -39,6 +40,8 @@ PLAUSIBLE: dict[str, Any] = {
                    for r in (1, 2) for m in ("full", "prefix", "pic", "collective")],
     "tools": [TOOLS], "tool_choice": ["auto", "none", "required", {"type": "function", "function": {"name": "f"}}],
     "parallel_tool_calls": [False], "logprobs": [True, 2], "top_logprobs": [0, 3],
+    "chat_template_kwargs": [{"enable_thinking": False}, {"messages": []}, {"bos_token": "<x>"}],
+    "add_generation_prompt": [False], "continue_final_message": [True],
 }
 CONVOS = [[{"role": "user", "content": "hi there"}],
           [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name a color."}],
