@@ -13,13 +13,12 @@ import pytest
 
 from tokendance.backend import fleet as fleet_module
 from tokendance.backend.api import BackendError, Gauge, Prepared, Request, SamplingParams, Segment
-from tokendance.backend.endpoint import Endpoint, engine_info
 from tokendance.backend.fleet import ACTIVE, Fleet, Pin
 from tokendance.backend.remote import RemoteBackend
-from tokendance.backend.service import EngineBackend
 from tokendance.examples import cli
 from tokendance.proxy.segment import SEP
 from tokendance.proxy.stats import Metrics
+from tests.proxy.test_remote import _serve
 
 
 class Clock:
@@ -141,23 +140,13 @@ def test_serve_refuses_an_engine_named_twice(capsys):
 # -- two real engines ------------------------------------------------------------------------
 
 
-async def _engine(tiny_llama) -> tuple[str, EngineBackend, Any]:
-    from aiohttp import web
-
-    be = EngineBackend.load(str(tiny_llama), dtype="float32", offload_bytes=0)
-    runner = web.AppRunner(Endpoint(be, engine_info(be.engine)).app(), handler_cancellation=True)
-    await runner.setup()
-    await web.TCPSite(runner, "127.0.0.1", 0).start()
-    return f"http://127.0.0.1:{runner.addresses[0][1]}", be, runner
-
-
 @pytest.fixture
 async def pair(tiny_llama) -> Any:
-    engines = [await _engine(tiny_llama) for _ in range(2)]
-    yield engines
-    for _, be, runner in engines:
-        await runner.cleanup()
-        await be.close()
+    engines = [await _serve(tiny_llama, offload_bytes=0) for _ in range(2)]
+    yield [(e.url, e.backend, e.runner) for e in engines]
+    for e in engines:
+        await e.runner.cleanup()
+        await e.backend.close()
 
 
 async def test_two_engines_serve_two_sessions_each_round_on_its_engine(pair, start):
