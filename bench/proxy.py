@@ -137,8 +137,9 @@ def pct(xs: list[float], q: float) -> float:
     return xs[min(int(q * len(xs)), len(xs) - 1)] if xs else float("nan")
 
 
-async def batch(url: str, n: int, sessions: int, stream: bool, tag: str) -> float:
-    """n concurrent requests over `sessions` announced rounds (0: no session); wall seconds."""
+async def batch(url: str, n: int, sessions: int, stream: bool, tag: str, api: str = "chat") -> float:
+    """n concurrent requests over `sessions` announced rounds (0: no session), as chats or
+    as responses (the Responses API, stored); wall seconds."""
     conn = aiohttp.TCPConnector(limit=0)
     async with aiohttp.ClientSession(connector=conn) as http:
         per = n // max(sessions, 1)
@@ -151,10 +152,15 @@ async def batch(url: str, n: int, sessions: int, stream: bool, tag: str) -> floa
         async def one(i: int) -> None:
             h = {"X-TokenDance-Session": f"{tag}-{i // per}", "X-TokenDance-Agent": f"a{i % per}"} \
                 if sessions else {}
-            body = {"model": MODEL, "stream": stream, "max_tokens": 16, "messages": [
-                {"role": "system", "content": "You are one of many agents in a debate."},
-                {"role": "user", "content": f"Agent {i}: here is what the others said. What do you say?"}]}
-            async with http.post(url + "/v1/chat/completions", json=body, headers=h) as r:
+            system, ask = "You are one of many agents in a debate.", \
+                f"Agent {i}: here is what the others said. What do you say?"
+            if api == "chat":
+                path, body = "/v1/chat/completions", {"model": MODEL, "stream": stream, "max_tokens": 16, "messages": [
+                    {"role": "system", "content": system}, {"role": "user", "content": ask}]}
+            else:
+                path, body = "/v1/responses", {"model": MODEL, "stream": stream, "max_output_tokens": 16,
+                                               "instructions": system, "input": ask}
+            async with http.post(url + path, json=body, headers=h) as r:
                 await r.read()
                 assert r.status == 200
 
@@ -163,23 +169,27 @@ async def batch(url: str, n: int, sessions: int, stream: bool, tag: str) -> floa
         return time.perf_counter() - t0
 
 
-SCENARIOS = [  # name, sessions, stream
-    ("no session (bypass), JSON", 0, False),
-    ("no session (bypass), SSE", 0, True),
-    ("1 round x 500 agents", 1, False),
-    ("50 rounds x 10 agents", 50, False),
+SCENARIOS = [  # name, sessions, stream, api
+    ("no session (bypass), JSON", 0, False, "chat"),
+    ("no session (bypass), SSE", 0, True, "chat"),
+    ("1 round x 500 agents", 1, False, "chat"),
+    ("50 rounds x 10 agents", 50, False, "chat"),
+    ("Responses API, no session, JSON", 0, False, "responses"),
+    ("Responses API, no session, SSE", 0, True, "responses"),
+    ("Responses API, 50 rounds x 10 agents", 50, False, "responses"),
 ]
 
 
 async def measure(url: str, n: int, repeats: int) -> list[dict[str, Any]]:
     rows = []
     async with aiohttp.ClientSession() as http:
-        for name, sessions, stream in SCENARIOS:
+        for name, sessions, stream, api in SCENARIOS:
             stats: dict[str, list[float]] = {}
-            await batch(url, n, sessions, stream, f"warm{name[:2]}")
+            tag = f"{api}-{name[:2]}"
+            await batch(url, n, sessions, stream, f"warm{tag}", api)
             await (await http.get(url + "/bench/samples")).json()
             for r in range(repeats):
-                wall = await batch(url, n, sessions, stream, f"r{r}-{name[:2]}")
+                wall = await batch(url, n, sessions, stream, f"r{r}-{tag}", api)
                 s = await (await http.get(url + "/bench/samples")).json()
                 for key in ("overhead", "release", "wake"):
                     stats.setdefault(f"{key} p50", []).append(pct(s[key], 0.5))

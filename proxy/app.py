@@ -13,12 +13,13 @@ import msgspec
 import structlog
 from aiohttp import web
 
-from tokendance.backend.api import Backend, InvalidRequest
+from tokendance.backend.api import Backend, InvalidRequest, Stream
 
-from . import replies, schemas, segment
+from . import replies, responses, schemas, segment
 from . import tokenize as tokens
-from .core import Config, Proxy
-from .errors import ApiError, middleware
+from .answer import Turn
+from .core import Call, Config, Proxy
+from .errors import ApiError, invalid, middleware
 from .mqtt import Control
 from .respond import reply
 from .session import round_number
@@ -65,6 +66,12 @@ async def chat_completions(req: web.Request) -> web.StreamResponse:
     px = req.app[PROXY]
     body = schemas.decode(await req.read(), schemas.ChatRequest)
     call = px.call("chat", body, req.headers, req[T0])
+    streams = await _chat(px, call, body)
+    return await reply(req, px, call, streams)
+
+
+async def _chat(px: Proxy, call: Call, body: schemas.ChatRequest) -> list[Stream]:
+    """A chat call from its checks to its streams, once its group has started."""
     messages, sampling, call.tools = schemas.check_chat(body, px.dialect)
     template = schemas.template(body.chat_template_kwargs, body.add_generation_prompt, body.continue_final_message)
     call.meta.resumes = messages[-1]["role"] == "tool"
@@ -72,8 +79,54 @@ async def chat_completions(req: web.Request) -> web.StreamResponse:
     messages, render = px.chat_form(messages, call.tools, template)
     prompt = segment.chat(render, messages, call.meta.separators, known)
     px.prepare(call, [prompt], sampling, body.add_special_tokens)
-    streams = await px.admit(call)
-    return await reply(req, px, call, streams)
+    return await px.admit(call)
+
+
+@tracked("responses")
+async def create_response(req: web.Request) -> web.StreamResponse:
+    """The Responses API: a chat call underneath (proxy/responses.py, proxy/answer.py)."""
+    px = req.app[PROXY]
+    body = schemas.decode(await req.read(), responses.ResponsesRequest)
+    responses.check(body)
+    owner = px.tenant(req.headers)
+    prev = None
+    if body.previous_response_id is not None:
+        prev = px.stored.get(body.previous_response_id, owner)
+        if prev is None:
+            raise invalid(f"Previous response with id {body.previous_response_id!r} not found.",
+                          "previous_response_id", "previous_response_not_found")
+    turn = Turn(body, responses.messages(body.input), prev.history if prev else [], owner)
+    chat = responses.chat(body, turn.history, turn.new, body.tokendance)
+    call = px.call("response", chat, req.headers, req[T0])
+    if prev is not None and call.meta.session is None:  # a conversation stays in its session
+        call.meta.session, call.meta.agent, mode = prev.tags
+        call.meta.mode = call.meta.mode or mode
+    try:
+        streams = await _chat(px, call, chat)
+    except ApiError as exc:
+        raise responses.renamed(exc) if exc.status == 400 else exc
+    return await reply(req, px, call, streams, turn.write)
+
+
+async def get_response(req: web.Request) -> web.Response:
+    px = req.app[PROXY]
+    s = px.stored.get(req.match_info["id"], px.tenant(req.headers))
+    if s is None:
+        raise _no_response(req)
+    return web.Response(body=s.body, content_type="application/json")
+
+
+async def delete_response(req: web.Request) -> web.Response:
+    px = req.app[PROXY]
+    id = req.match_info["id"]
+    if not px.stored.delete(id, px.tenant(req.headers)):
+        raise _no_response(req)
+    return _json({"id": id, "object": "response.deleted", "deleted": True})
+
+
+def _no_response(req: web.Request) -> ApiError:
+    return ApiError(404, f"Response with id {req.match_info['id']!r} not found.", "response_id",
+                    "response_not_found")
 
 
 @tracked("completions")
@@ -129,6 +182,8 @@ async def health(req: web.Request) -> web.Response:
 async def metrics(req: web.Request) -> web.Response:
     px = req.app[PROXY]
     px.metrics.waiting.set(px.barrier.waiting)
+    px.metrics.stored.set(len(px.stored.items))
+    px.metrics.stored_bytes.set(px.stored.bytes)
     control = req.app[CONTROL]
     if control is not None:
         px.metrics.mqtt.set(float(control.connected))
@@ -171,6 +226,9 @@ def make_app(proxy: Proxy, control: Control | None = None) -> web.Application:
     r = app.router
     r.add_post("/v1/chat/completions", chat_completions)
     r.add_post("/v1/completions", completions)
+    r.add_post("/v1/responses", create_response)
+    r.add_get("/v1/responses/{id}", get_response)
+    r.add_delete("/v1/responses/{id}", delete_response)
     r.add_get("/v1/models", models)
     r.add_get("/v1/models/{model}", model)
     r.add_post("/tokenize", tokenize)

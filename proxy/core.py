@@ -26,6 +26,7 @@ from .schemas import RoundOpen, Sampled
 from .known import Known
 from .session import Meta, Round, Sessions, check_name, read_meta, round_number
 from .stats import Metrics
+from .stored import Store
 
 log = structlog.get_logger("tokendance.proxy")
 
@@ -38,12 +39,13 @@ class Config:
     min_shared_chars: int = 16  # shorter outputs are never marked as shared
     drain_timeout: float = 30.0
     reasoning: str | None = None  # vLLM's --reasoning-parser: "qwen3" | "deepseek_r1" (proxy/reasoning.py)
+    store_bytes: int = 256 * 2**20  # stored responses of the Responses API (proxy/stored.py)
 
 
 @dataclass(slots=True, eq=False)
 class Call:
     id: str
-    kind: str  # "chat" | "completion"
+    kind: str  # "chat" | "completion" | "response"
     model: str
     meta: Meta
     n: int
@@ -126,6 +128,7 @@ class Proxy:
         self.sessions = Sessions(memory=c.memory_rounds, min_chars=c.min_shared_chars)
         self.barrier = Barrier(self._dispatch, c.barrier_timeout, c.max_group)
         self.metrics = Metrics()
+        self.stored = Store(c.store_bytes)
         self.publish: Callable[[str, int, dict], None] | None = None  # MQTT done
         self.observers: list[Callable[[Call], None]] = []
         self.started = time.time()
@@ -144,16 +147,20 @@ class Proxy:
     def call(self, kind: str, body: Sampled, headers: Mapping[str, str], t0: float) -> Call:
         self.served(body.model)
         meta = read_meta(headers, body.tokendance)
-        prefix = "chatcmpl-" if kind == "chat" else "cmpl-"
-        key = headers.get("Authorization", "").removeprefix("Bearer ").strip()
-        if body.cache_salt is not None:  # vLLM's: a namespace within the key's
-            if not body.cache_salt:
-                raise invalid("cache_salt must be a non-empty string", "cache_salt")
-            key += "\0" + body.cache_salt
-        tenant = hashlib.sha256(key.encode()).hexdigest()[:16] if key else ""
+        prefix = {"chat": "chatcmpl-", "completion": "cmpl-", "response": "resp_"}[kind]
         opts = body.stream_options
-        return Call(prefix + secrets.token_hex(12), kind, body.model, meta, body.n, tenant,
-                    body.stream, bool(opts and opts.include_usage), t0=t0)
+        return Call(prefix + secrets.token_hex(12), kind, body.model, meta, body.n,
+                    self.tenant(headers, body.cache_salt), body.stream, bool(opts and opts.include_usage), t0=t0)
+
+    @staticmethod
+    def tenant(headers: Mapping[str, str], salt: str | None = None) -> str:
+        """Whose KV a request may reuse: its API key's, within vLLM's `cache_salt`."""
+        key = headers.get("Authorization", "").removeprefix("Bearer ").strip()
+        if salt is not None:
+            if not salt:
+                raise invalid("cache_salt must be a non-empty string", "cache_salt")
+            key += "\0" + salt
+        return hashlib.sha256(key.encode()).hexdigest()[:16] if key else ""
 
     def dialect(self) -> str:
         """The chat template's way with tools (proxy/tools.py), found at its first use."""
@@ -189,7 +196,7 @@ class Proxy:
                 try:
                     call.prepared.append(self.backend.prepare(r))
                 except InvalidRequest as exc:  # the engine names the chat field, "messages"
-                    field = "messages" if call.kind == "chat" else "prompt"
+                    field = "prompt" if call.kind == "completion" else "messages"
                     raise invalid(exc.message, field if exc.param in (None, "messages") else exc.param,
                                   exc.code)
         k = len(call.prepared)

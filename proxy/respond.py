@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import msgspec
@@ -28,8 +28,15 @@ _enc = msgspec.json.Encoder()
 DONE = b"data: [DONE]\n\n"
 
 
-async def reply(req: web.Request, px: Proxy, call: Call, streams: list[Stream]) -> web.StreamResponse:
+Writer = Callable[[web.Request, Proxy, Call, list[Stream]], Awaitable[web.StreamResponse]]
+
+
+async def reply(req: web.Request, px: Proxy, call: Call, streams: list[Stream],
+                write: Writer | None = None) -> web.StreamResponse:
+    """Answer the call (`write`: in another API's shape than chat's or completions')."""
     try:
+        if write is not None:
+            return await write(req, px, call, streams)
         if call.stream:
             return await _sse(req, px, call, streams)
         return await _json(px, call, streams)
@@ -45,16 +52,16 @@ async def reply(req: web.Request, px: Proxy, call: Call, streams: list[Stream]) 
 
 async def _json(px: Proxy, call: Call, streams: list[Stream]) -> web.Response:
     try:
-        async with contextlib.aclosing(_merged(call, streams)) as deltas:
+        async with contextlib.aclosing(merged(call, streams)) as deltas:
             async for i, d in deltas:
                 call.add(i, d)
     except Exception as exc:
-        raise _failed(px, call, exc) from exc
+        raise failed(px, call, exc) from exc
     usage = _usage(call)
     if call.kind == "chat":
         choices = []
         for i in range(len(streams)):
-            r, th = calls.reader(call.tools), _thinking(px, call)
+            r, th = calls.reader(call.tools), thinking_of(px, call)
             reasoning, text = th.whole(call.text(i)) if th else ("", call.text(i))
             got = r.whole(text)
             call.shown.append(got.content)
@@ -62,7 +69,7 @@ async def _json(px: Proxy, call: Call, streams: list[Stream]) -> web.Response:
                                    [s.OutCall(c.id or "", s.OutFunction(c.name or "", c.arguments))
                                     for c in got.calls] or None, reasoning or None)
             choices.append(s.ChatChoice(i, message, calls.finish(r, call.finish[i]),
-                                        _chat_lp(call, call.logprobs[i])))
+                                        chat_lp(call, call.logprobs[i])))
         body: Any = s.ChatCompletion(call.id, call.created, call.model, choices, usage)
     else:
         body = s.Completion(call.id, call.created, call.model, [
@@ -78,14 +85,14 @@ async def _sse(req: web.Request, px: Proxy, call: Call, streams: list[Stream]) -
     chat = call.kind == "chat"
     offsets = [0] * len(streams)
     readers = [calls.reader(call.tools) for _ in streams]
-    thinking = [_thinking(px, call) for _ in streams]
+    thinking = [thinking_of(px, call) for _ in streams]
     call.shown = [""] * len(streams) if chat else []
     try:
         if chat:
             await resp.write(_event(s.ChatChunk(call.id, call.created, call.model, [
                 s.ChunkChoice(i, s.OutDelta("assistant", "")) for i in range(len(streams))])))
         try:
-            async with contextlib.aclosing(_merged(call, streams)) as deltas:
+            async with contextlib.aclosing(merged(call, streams)) as deltas:
                 async for i, d in deltas:
                     call.add(i, d)
                     chunk = _chat_chunk(call, i, d, readers[i], thinking[i]) if chat else \
@@ -96,7 +103,7 @@ async def _sse(req: web.Request, px: Proxy, call: Call, streams: list[Stream]) -
         except ConnectionResetError:
             raise
         except Exception as exc:
-            await resp.write(b"data: " + _failed(px, call, exc).encode() + b"\n\n")
+            await resp.write(b"data: " + failed(px, call, exc).encode() + b"\n\n")
             return resp
         if call.include_usage:
             usage = _usage(call)
@@ -109,24 +116,25 @@ async def _sse(req: web.Request, px: Proxy, call: Call, streams: list[Stream]) -
     return resp
 
 
-def _failed(px: Proxy, call: Call, exc: Exception) -> ApiError:
+def failed(px: Proxy, call: Call, exc: Exception) -> ApiError:
     call.outcome = "error"
     px.metrics.engine_errors.inc()
     log.error("stream failed", id=call.id, error=repr(exc))
     return from_backend(exc)
 
 
-def _thinking(px: Proxy, call: Call) -> Thinking | None:
-    """A choice's reasoning reader, with a parser set; a structured output is held to its
-    grammar from its first token, so it has no reasoning to read."""
-    if px.config.reasoning is None or call.prepared[0].request.sampling.structure is not None:
+def thinking_of(px: Proxy, call: Call) -> Thinking | None:
+    """A choice's reasoning reader, with a parser set. A structured output is held to its
+    grammar from its first token, so it has no reasoning to read; a structural tag (strict
+    tools' calls among them) holds only its tagged parts, and the text around them is free."""
+    st = call.prepared[0].request.sampling.structure
+    if px.config.reasoning is None or (st is not None and st.kind != "structural_tag"):
         return None
     return Thinking(px.config.reasoning)
 
 
-def _chat_chunk(call: Call, i: int, d: Delta, r: calls.Reader, th: Thinking | None) -> s.ChatChunk | None:
-    """The delta as a chunk, reasoning and tool calls read out; None when it has nothing
-    to say yet."""
+def split(d: Delta, r: calls.Reader, th: Thinking | None) -> tuple[str, str, list[calls.Piece]]:
+    """What a chat answer's delta adds to its reasoning, its content and its tool calls."""
     reasoning, text = th.feed(d.text) if th else ("", d.text)
     if th and d.finish_reason is not None:
         more, rest = th.end()
@@ -135,8 +143,15 @@ def _chat_chunk(call: Call, i: int, d: Delta, r: calls.Reader, th: Thinking | No
     if d.finish_reason is not None:
         more, last = r.end()
         content, pieces = content + more, pieces + last
+    return reasoning, content, pieces
+
+
+def _chat_chunk(call: Call, i: int, d: Delta, r: calls.Reader, th: Thinking | None) -> s.ChatChunk | None:
+    """The delta as a chunk, reasoning and tool calls read out; None when it has nothing
+    to say yet."""
+    reasoning, content, pieces = split(d, r, th)
     call.shown[i] += content
-    lp = _chat_lp(call, d.logprobs)
+    lp = chat_lp(call, d.logprobs)
     if not (content or reasoning or pieces or d.finish_reason or (lp and lp.content)):
         return None
     deltas = [s.CallDelta(p.index, s.FunctionDelta(p.name, p.arguments), p.id, p.id and "function")
@@ -155,7 +170,7 @@ def _event(obj: Any) -> bytes:
     return b"data: " + _enc.encode(obj) + b"\n\n"
 
 
-async def _merged(call: Call, streams: list[Stream]) -> AsyncIterator[tuple[int, Delta]]:
+async def merged(call: Call, streams: list[Stream]) -> AsyncIterator[tuple[int, Delta]]:
     """(choice index, delta) from every stream as they come; time spent waiting goes to call.gen."""
     if len(streams) == 1:
         it = aiter(streams[0])
@@ -210,7 +225,7 @@ def _usage(call: Call) -> s.UsageOut:
                       s.ReuseDetails(u.shared_tokens, u.recomputed_tokens, u.kv_dense_bytes, u.kv_held_bytes))
 
 
-def _chat_lp(call: Call, lps: list[TokenLogprob]) -> s.ChatLogprobs | None:
+def chat_lp(call: Call, lps: list[TokenLogprob]) -> s.ChatLogprobs | None:
     if not call.prepared[0].request.sampling.logprobs:
         return None
     return s.ChatLogprobs([s.ChatLogprob(t.token, t.logprob, t.bytes, [

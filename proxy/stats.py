@@ -163,6 +163,8 @@ class Metrics:
         self.engine_errors = Metric("tokendance_engine_errors_total",
                                     "groups or streams failed by the engine", c)
         self.mqtt = Metric("tokendance_mqtt_connected", "1 while connected to the MQTT broker", g)
+        self.stored = Metric("tokendance_responses_stored", "stored responses of the Responses API", g)
+        self.stored_bytes = Metric("tokendance_responses_stored_bytes", "what they hold, encoded", g)
         self.wait = Histogram("tokendance_barrier_wait_seconds", "time held at the barrier", SECONDS)
         self.latency = Histogram("tokendance_request_seconds", "arrival to last byte", SECONDS)
         self.overhead = Histogram("tokendance_proxy_overhead_seconds",

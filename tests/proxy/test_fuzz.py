@@ -1,4 +1,4 @@
-"""Random request bodies against the real engine (seeded, so a failure replays): no body
+"""Random request bodies (chats, completions, responses) against the real engine (seeded, so a failure replays): no body
 gets a 5xx or a stream's error event; every 4xx has OpenAI's error shape; the engine
 serves on afterwards. Requests go several at a time, so good and bad ones share steps."""
 
@@ -49,6 +49,24 @@ CONVOS = [[{"role": "user", "content": "hi there"}],
               {"id": "call_1", "type": "function", "function": {"name": "f", "arguments": '{"a": 1}'}}]},
            {"role": "tool", "tool_call_id": "call_1", "content": "3"}]]
 
+# The Responses API's fields (proxy/responses.py)
+R_FIELDS = ["instructions", "tools", "tool_choice", "max_output_tokens", "temperature", "top_p", "stream", "store",
+            "previous_response_id", "text", "include", "top_logprobs", "metadata", "reasoning", "truncation",
+            "parallel_tool_calls", "tokendance", "top_k", "seed", "stop", "input"]
+R_PLAUSIBLE: dict[str, Any] = {
+    "instructions": ["Be brief.", ""], "tools": [[{"type": "function", "name": "f", "parameters": TOOLS[0]["function"][
+        "parameters"]}, {"type": "function", "name": "g", "strict": False}], [{"type": "web_search"}]],
+    "tool_choice": ["auto", "none", "required", {"type": "function", "name": "f"}], "max_output_tokens": [1, 5, 0],
+    "stream": [True], "store": [False], "previous_response_id": ["resp_nope"], "top_logprobs": [0, 3, 30],
+    "text": [{"format": {"type": "json_object"}}, {"format": {"type": "json_schema", "name": "x", "schema": {
+        "type": "object", "properties": {"k": {"type": "string"}}}}}, {"format": {"type": "regex"}}],
+    "include": [["message.output_text.logprobs"], ["file_search_call.results"]], "metadata": [{"k": "v"}],
+    "reasoning": [{"effort": "low"}, {"effort": None}], "truncation": ["auto", "disabled"],
+    "input": [[{"role": "user", "content": [{"type": "input_text", "text": "hi"}]}], [
+        {"role": "user", "content": "call f"}, {"type": "function_call", "call_id": "c1", "name": "f", "arguments": "{}"},
+        {"type": "function_call_output", "call_id": "c1", "output": "3"}], [{"type": "reasoning", "summary": []}]],
+} | {k: PLAUSIBLE[k] for k in ("temperature", "top_p", "tokendance", "top_k", "seed", "stop", "parallel_tool_calls")}
+
 
 def wild(r: random.Random, depth: int = 0) -> Any:
     x = r.random()
@@ -60,6 +78,8 @@ def wild(r: random.Random, depth: int = 0) -> Any:
 
 
 def body(r: random.Random, model: str) -> tuple[str, dict[str, Any]]:
+    if r.random() < 0.25:
+        return response(r, model)
     chat = r.random() < 0.6
     b: dict[str, Any] = {"model": model, "max_tokens": 6}
     if chat:
@@ -76,11 +96,21 @@ def body(r: random.Random, model: str) -> tuple[str, dict[str, Any]]:
     return ("/v1/chat/completions" if chat else "/v1/completions"), b
 
 
+def response(r: random.Random, model: str) -> tuple[str, dict[str, Any]]:
+    b: dict[str, Any] = {"model": model, "input": "Name a color.", "max_output_tokens": 6}
+    fields = r.sample(R_FIELDS, r.randint(1, 5))
+    for k in fields:
+        b[k] = r.choice(R_PLAUSIBLE[k])
+    if r.random() < 0.5:
+        b[r.choice(fields)] = wild(r)
+    return "/v1/responses", b
+
+
 async def fire(http: aiohttp.ClientSession, url: str, path: str, b: dict[str, Any]) -> str | None:
     """None if the answer is as it should be, else what was wrong."""
     async with http.post(url + path, data=json.dumps(b), headers={"Content-Type": "application/json"}) as resp:
         text = await resp.text()
-    if resp.status >= 500 or (resp.status == 200 and 'data: {"error"' in text):  # a stream's error event
+    if resp.status >= 500 or (resp.status == 200 and ('data: {"error"' in text or "response.failed" in text)):
         return f"{resp.status} for {json.dumps(b)[:500]}: {text[-300:]}"
     if resp.status >= 400:
         err = json.loads(text).get("error", {})

@@ -1,0 +1,63 @@
+"""Stored responses: what `previous_response_id` continues, and what
+`GET /v1/responses/{id}` returns.
+
+In memory, per tenant (another API key finds nothing: a 404, as for an unknown id),
+evicted least recently used beyond a byte budget (each response's encoded body and
+conversation). A response is stored once it is done, unless its request said
+`store: false`; one that failed is not.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import msgspec
+import structlog
+
+from .schemas import Message
+
+log = structlog.get_logger("tokendance.proxy")
+
+
+@dataclass(slots=True)
+class Stored:
+    body: bytes  # the response object, encoded
+    history: list[Message]  # the conversation without instructions, this answer last
+    tenant: str
+    tags: tuple[str | None, str | None, str | None]  # its session, agent and mode: the next inherits them
+    size: int = 0
+
+
+class Store:
+    def __init__(self, budget: int):
+        self.budget = budget
+        self.items: OrderedDict[str, Stored] = OrderedDict()
+        self.bytes = 0
+
+    def put(self, id: str, s: Stored) -> None:
+        s.size = len(s.body) + len(msgspec.json.encode(s.history))
+        if s.size > self.budget:
+            log.warning("response not stored: larger than the store", id=id, bytes=s.size, budget=self.budget)
+            return
+        self.delete(id, s.tenant)
+        self.items[id] = s
+        self.bytes += s.size
+        while self.bytes > self.budget:
+            _, old = self.items.popitem(last=False)
+            self.bytes -= old.size
+
+    def get(self, id: str, tenant: str) -> Stored | None:
+        s = self.items.get(id)
+        if s is None or s.tenant != tenant:
+            return None
+        self.items.move_to_end(id)
+        return s
+
+    def delete(self, id: str, tenant: str) -> bool:
+        s = self.items.get(id)
+        if s is None or s.tenant != tenant:
+            return False
+        del self.items[id]
+        self.bytes -= s.size
+        return True
