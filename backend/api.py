@@ -56,6 +56,9 @@ class Structure:
     spec: str = ""
     param: str = "response_format"  # the request's field it came from, for errors
     whitespace: bool = True  # JSON may hold any whitespace between its tokens (vLLM's default)
+    # The output is free up to this text's tokens and held from there on (a reasoning
+    # model's "</think>", as vLLM lets the model think first); "": from its first token.
+    after: str = ""
 
 
 @dataclass(slots=True)

@@ -146,8 +146,11 @@ class Engine:
         seq = Sequence(rid, list(prompt), sampling, Detok.of(self.tokenizer, sampling),
                        generator=gen, ends=ends, mode=mode, shared=spans, tenant=tenant,
                        publish=publish and self.cfg.bases == "producer")
-        if sampling.structure is not None:
-            seq.matcher = self.grammars.matcher(sampling.structure)
+        st = sampling.structure
+        if st is not None:
+            seq.until = self.tokenizer.encode(st.after, add_special_tokens=False) if st.after else []
+            if not seq.until:
+                seq.matcher = self.grammars.matcher(st)
         self.seqs[rid] = seq
         if agent is not None and self.cfg.offload_bytes and mode in ("pic", "collective"):
             seq.agent = f"{tenant}\0{agent}"
@@ -297,6 +300,9 @@ class Engine:
             reason = "stop"
         elif n >= p.max_tokens or len(seq.prompt) + n >= self.max_model_len:
             reason = "length"
+        if not reason and seq.until and seq.out[max(n - len(seq.until), 0):n] == seq.until:
+            seq.until = []  # the grammar holds what follows
+            seq.matcher = self.grammars.matcher(p.structure)
         if reason:
             del seq.out[n:]  # a token sampled past the end, by a step of lookahead
             seq.lookahead = 0

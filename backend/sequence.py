@@ -52,6 +52,7 @@ class Sequence:
     lookahead: int = 0  # trailing tokens of `out` sampled but not read yet (backend/lookahead.py)
     seen: Seen | None = None  # a penalized request's token counts on the device (backend/penalties.py)
     matcher: Any = None  # a structured output's grammar state (backend/grammar.py)
+    until: list[int] = field(default_factory=list)  # the tokens after which the grammar holds (Structure.after)
 
     @property
     def prefix_cache(self) -> bool:

@@ -21,6 +21,7 @@ from .answer import Turn
 from .core import Call, Config, Proxy
 from .errors import ApiError, invalid, middleware
 from .mqtt import Control
+from .reasoning import held_after
 from .respond import reply
 from .session import round_number
 
@@ -78,6 +79,8 @@ async def _chat(px: Proxy, call: Call, body: schemas.ChatRequest) -> list[Stream
     known = px.place(call)
     messages, render = px.chat_form(messages, call.tools, template)
     prompt = segment.chat(render, messages, call.meta.separators, known)
+    if px.config.reasoning is not None and sampling.structure is not None:  # the model thinks first
+        sampling.structure = held_after(sampling.structure, "".join(s.text for s in prompt))
     px.prepare(call, [prompt], sampling, body.add_special_tokens)
     return await px.admit(call)
 

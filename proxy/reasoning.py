@@ -13,9 +13,18 @@ not the thinking).
 An answer cut off before `</think>` is all reasoning. Fed the same text in any pieces, a
 `Thinking` gives the same reasoning and content; text that could still become a tag is
 held back until it is known.
+
+A structured output lets the model think first, as vLLM's does with a reasoning parser:
+its grammar holds the answer from `</think>` on (`held_after`), unless the prompt has
+already closed the block (Qwen3 with thinking switched off), when it holds it from its
+first token.
 """
 
 from __future__ import annotations
+
+from dataclasses import replace
+
+from tokendance.backend.api import Structure
 
 from .calls import tail
 
@@ -67,3 +76,12 @@ class Thinking:
         r1, c1 = self.feed(text)
         r2, c2 = self.end()
         return r1 + r2, c1 + c2
+
+
+def held_after(st: Structure, prompt: str) -> Structure:
+    """A structured output as it holds after the thinking: from the end of a think block
+    that the prompt leaves open or to the model, or from the first token when the prompt
+    has closed it. A structural tag holds only its tagged parts, so it is left as it is."""
+    if st.kind == "structural_tag" or prompt.rfind(CLOSE) > prompt.rfind(OPEN):
+        return st
+    return replace(st, after=CLOSE)

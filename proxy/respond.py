@@ -124,11 +124,10 @@ def failed(px: Proxy, call: Call, exc: Exception) -> ApiError:
 
 
 def thinking_of(px: Proxy, call: Call) -> Thinking | None:
-    """A choice's reasoning reader, with a parser set. A structured output is held to its
-    grammar from its first token, so it has no reasoning to read; a structural tag (strict
-    tools' calls among them) holds only its tagged parts, and the text around them is free."""
+    """A choice's reasoning reader, with a parser set; none when a structured output is
+    held from its first token (the prompt closed the think block), with nothing to read."""
     st = call.prepared[0].request.sampling.structure
-    if px.config.reasoning is None or (st is not None and st.kind != "structural_tag"):
+    if px.config.reasoning is None or (st is not None and st.kind != "structural_tag" and not st.after):
         return None
     return Thinking(px.config.reasoning)
 

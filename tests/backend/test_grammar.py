@@ -121,3 +121,21 @@ def test_reused_requests_keep_to_their_spec(engine):
     for mode in ("pic", "collective"):
         outs = engine.generate(prompts, greedy(CASES[0][0]), mode=mode, shared=spans)
         assert all(r == "stop" and valid_vote(t) for _, t, r in outs), outs
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["stepwise", "lookahead"])
+def test_a_grammar_after_a_marker_holds_only_what_follows_it(tiny_llama, engine, overlap):
+    """Structure.after (a reasoning model's "</think>"): the output is free up to the
+    marker's tokens and held to the spec from there; without the marker, never held."""
+    eng = engine if not overlap else Engine(model=str(tiny_llama), dtype="float32", kv_tokens=16384, overlap=True)
+    marker = " Meanwhile"
+    (tok,) = eng.tokenizer.encode(marker, add_special_tokens=False)  # one token, forced first by its bias
+    choice = Structure("choice", json.dumps(["yes", "no"]), after=marker)
+    ids, text, reason = eng.generate([PROMPT], greedy(choice, logit_bias={tok: 100.0}))[0]
+    assert reason == "stop" and text in (marker + "yes", marker + "no"), text
+    assert ids[0] == tok and ids[-1] in eng.eos
+    free = eng.generate([PROMPT], greedy(max_tokens=12, logit_bias={tok: 100.0}))[0]
+    assert free[0] == [tok] * 12  # unconstrained, the bias alone picks every token
+    later = Structure("choice", json.dumps(["yes", "no"]), after="</think>")
+    assert eng.generate([PROMPT], greedy(later, max_tokens=12))[0] == \
+        eng.generate([PROMPT], greedy(max_tokens=12))[0]  # the marker never comes: never held

@@ -1,6 +1,7 @@
 """`serve --reasoning-parser`: a chat answer's thinking in its message's `reasoning`, the
 rest in `content`, whole and streamed; tool calls read from the content; the session
-remembers the content, not the thinking (the fake backend echoes what it is asked to)."""
+remembers the content, not the thinking; a structured output holds after the thinking
+(the fake backend echoes what it is asked to)."""
 
 from __future__ import annotations
 
@@ -10,9 +11,10 @@ import json
 import openai
 import pytest
 
-from tokendance.proxy.reasoning import Thinking
+from tokendance.backend.api import Structure
+from tokendance.proxy.reasoning import Thinking, held_after
 
-from .conftest import FakeBackend, Threaded
+from .conftest import FakeBackend, Threaded, fake
 
 CASES = [  # parser, answer, reasoning, content
     ("qwen3", "<think>\nLet me see.\n</think>\n\nIt is four.", "\nLet me see.\n", "\n\nIt is four."),
@@ -111,3 +113,49 @@ def test_the_session_remembers_the_answer_not_the_thinking(thinking, client):
     later = client.chat.completions.create(model="fake-tiny", messages=user(f"A said: {answer} Agree?"),
                                            extra_body=tag2)
     assert later.usage.model_extra["tokendance"]["shared_tokens"] > 0
+
+
+@pytest.mark.parametrize("prompt,after", [
+    ("<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n", "</think>"),  # Qwen3 thinks in its answer
+    ("<|im_start|>assistant\n<think>\n\n</think>\n\n", ""),  # enable_thinking false: the prompt closed it
+    ("<｜User｜>hi<｜Assistant｜><think>\n", "</think>"),  # R1's template opens it
+    ("<think>old</think> then <think>\n", "</think>"),
+])
+def test_a_structured_output_holds_from_where_the_thinking_ends(prompt, after):
+    js = Structure("json_object", param="response_format")
+    assert held_after(js, prompt).after == after
+    tag = Structure("structural_tag", "{}")
+    assert held_after(tag, prompt) is tag  # its free text is free anyway
+
+
+class Thinker(FakeBackend):
+    """Answers with a think block whatever it is asked (the echo would put one in the prompt)."""
+
+    def reply(self, p):
+        return fake.words('<think> one key </think> {"a": 1}')
+
+
+@pytest.fixture(scope="module")
+def thinker():
+    t = Threaded(Thinker(), reasoning="qwen3")
+    yield t
+    t.close()
+
+
+def test_a_structured_answer_thinks_first(thinker):
+    """The grammar holds from </think> on (the engine's part: tests/backend/test_grammar.py),
+    so the thinking is read out as any answer's is."""
+    client = openai.OpenAI(base_url=thinker.url + "/v1", api_key="sk-test", max_retries=0)
+    got = client.chat.completions.create(model="fake-tiny", messages=user("a JSON object, please"),
+                                         response_format={"type": "json_object"})
+    msg = got.choices[0].message
+    assert (msg.model_extra["reasoning"], msg.content) == (" one key ", ' {"a": 1}')
+    st = thinker.backend.groups[-1][0].sampling.structure
+    assert (st.kind, st.after) == ("json_object", "</think>")
+    r = client.responses.create(model="fake-tiny", input="a JSON object, please",
+                                text={"format": {"type": "json_object"}})
+    assert [o.type for o in r.output] == ["reasoning", "message"]
+    # Thinking switched off, the template closes the block in the prompt: held from the start.
+    client.chat.completions.create(model="fake-tiny", messages=user("<think></think> no thinking"),
+                                   response_format={"type": "json_object"})
+    assert thinker.backend.groups[-1][0].sampling.structure.after == ""
