@@ -1,5 +1,7 @@
 """An agent-side OpenAI client for the examples: chat completions over aiohttp, tagged
-with session / agent / round, plus the round control calls."""
+with session / agent / round, plus the round control calls. With `api="responses"` it
+speaks OpenAI's Responses API instead: each agent continues its own stored conversation
+by `previous_response_id` and sends only what its chat added since."""
 
 from __future__ import annotations
 
@@ -32,7 +34,10 @@ class Client:
     seed: int = 0
     api_key: str = "tokendance"
     timeout: float = 600.0
+    api: str = "chat"  # or "responses"
     http: aiohttp.ClientSession | None = field(default=None, repr=False)
+    # responses: per agent, its last response and the conversation stored with it
+    chains: dict[str, tuple[str, list[dict[str, str]]]] = field(default_factory=dict, repr=False)
 
     @property
     def rounds(self) -> Rounds:
@@ -47,7 +52,8 @@ class Client:
             await self.http.close()
 
     async def chat(self, agent: str, round: int, messages: list[dict[str, str]]) -> Reply:
-        assert self.http is not None, "use `async with Client(...)`"
+        if self.api == "responses":
+            return await self._respond(agent, round, messages)
         body = {
             "model": self.model,
             "messages": messages,
@@ -55,13 +61,38 @@ class Client:
             "temperature": self.temperature,
             "seed": self.seed,
         }
+        t0 = time.perf_counter()
+        out = await self._post("/chat/completions", body, agent, round)
+        text = out["choices"][0]["message"].get("content") or ""
+        return Reply(agent, text, out.get("usage") or {}, time.perf_counter() - t0)
+
+    async def _respond(self, agent: str, round: int, messages: list[dict[str, str]]) -> Reply:
+        """The chat as a response: its system message the instructions, and only what
+        follows the agent's stored conversation, when the chat starts with it."""
+        system = messages[0]["content"] if messages and messages[0]["role"] == "system" else None
+        rest = messages[1:] if system is not None else messages
+        body: dict[str, Any] = {"model": self.model, "input": rest, "max_output_tokens": self.max_tokens,
+                                "temperature": self.temperature, "seed": self.seed}
+        prev, stored = self.chains.get(agent, (None, []))
+        if prev is not None and rest[:len(stored)] == stored:
+            body |= {"input": rest[len(stored):], "previous_response_id": prev}
+        if system is not None:
+            body["instructions"] = system
+        t0 = time.perf_counter()
+        out = await self._post("/responses", body, agent, round)
+        text = "".join(c["text"] for o in out["output"] if o["type"] == "message" for c in o["content"])
+        self.chains[agent] = (out["id"], [*rest, {"role": "assistant", "content": text}])
+        u = out["usage"]  # in chat's words, for the round table
+        usage = {"prompt_tokens": u["input_tokens"], "completion_tokens": u["output_tokens"],
+                 "prompt_tokens_details": u["input_tokens_details"], "tokendance": u.get("tokendance", {})}
+        return Reply(agent, text, usage, time.perf_counter() - t0)
+
+    async def _post(self, path: str, body: dict[str, Any], agent: str, round: int) -> dict[str, Any]:
+        assert self.http is not None, "use `async with Client(...)`"
         tags = headers(self.session, agent, round, self.mode)
         tags["Authorization"] = f"Bearer {self.api_key}"
-        t0 = time.perf_counter()
-        async with self.http.post(f"{api_base(self.url)}/chat/completions", json=body, headers=tags) as r:
+        async with self.http.post(api_base(self.url) + path, json=body, headers=tags) as r:
             raw = await r.read()
             if r.status != 200:
                 raise ProxyError(r.status, error_message(raw))
-            out = await r.json()
-        text = out["choices"][0]["message"].get("content") or ""
-        return Reply(agent, text, out.get("usage") or {}, time.perf_counter() - t0)
+            return await r.json()

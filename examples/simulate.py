@@ -50,6 +50,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--max-tokens", type=int, default=48, help="per reply (default 48)")
     p.add_argument("--temperature", type=float, default=0.0, help="default 0: greedy, comparable")
+    p.add_argument("--api", choices=("chat", "responses"), default="chat",
+                   help="chat completions, or the Responses API (each agent continues its stored "
+                   "conversation by previous_response_id)")
     p.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
     return p
 
@@ -111,7 +114,8 @@ async def once(args: argparse.Namespace, url: str, scenario: Scenario, mode: str
     except OSError as e:
         raise ConnectionError(f"no proxy answers at {url} ({getattr(e, 'reason', e)})") from e
     session = f"{scenario.name}-{mode or 'default'}-{args.seed}-{secrets.token_hex(3)}"
-    async with Client(url, session, mode, model, args.max_tokens, args.temperature, args.seed) as c:
+    async with Client(url, session, mode, model, args.max_tokens, args.temperature, args.seed,
+                      api=args.api) as c:
         return await run(scenario, c, args.rounds, on_round)
 
 
