@@ -34,8 +34,8 @@ class Turn(TypedDict):
     others: str
 
 
-def build(url: str, session: str):
-    llm = chat_model(session, url=url, max_tokens=16, temperature=0.0, max_retries=0)
+def build(url: str, session: str, **kw):
+    llm = chat_model(session, url=url, max_tokens=16, temperature=0.0, max_retries=0, **kw)
     ctl = Rounds(session, url)
 
     def start(state: State) -> dict:
@@ -53,7 +53,7 @@ def build(url: str, session: str):
         if turn["others"]:
             msgs.append(("user", f"Others answered:\n\n{turn['others']}\n\nRevise your answer."))
         out = llm.invoke(msgs, **tag(turn["agent"], turn["round"]))
-        return {"answers": [(turn["round"], turn["agent"], out.content)]}
+        return {"answers": [(turn["round"], turn["agent"], out.text)]}  # the Responses API gives content blocks
 
     def gather(state: State) -> dict:
         return {"round": state["round"] + 1}
@@ -69,10 +69,14 @@ def build(url: str, session: str):
     return g.compile()
 
 
-def test_all_gather(proxy_url: str, check_rounds) -> None:
-    out = build(proxy_url, "lg-1").invoke({"round": 1, "answers": []})
+@pytest.mark.parametrize("responses", [False, True], ids=["chat", "responses"])
+def test_all_gather(proxy_url: str, check_rounds, responses: bool) -> None:
+    """Also through OpenAI's Responses API (`use_responses_api`), LangChain's other client."""
+    session = f"lg-1-{responses}"
+    out = build(proxy_url, session, use_responses_api=responses).invoke({"round": 1, "answers": []})
     assert sorted((r, a) for r, a, _ in out["answers"]) == [(r, a) for r in (1, 2) for a in AGENTS]
-    check_rounds("lg-1", ROUNDS)
+    assert all(isinstance(t, str) and t for _, _, t in out["answers"])
+    check_rounds(session, ROUNDS)
 
 
 def test_tags(proxy_url: str) -> None:
