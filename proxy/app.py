@@ -19,7 +19,7 @@ from . import replies, responses, schemas, segment
 from . import tokenize as tokens
 from .answer import Turn
 from .core import Call, Config, Proxy
-from .errors import ApiError, invalid, middleware
+from .errors import ApiError, invalid, keys, middleware
 from .mqtt import Control
 from .reasoning import held_after
 from .respond import reply
@@ -147,19 +147,18 @@ async def completions(req: web.Request) -> web.StreamResponse:
 
 
 async def models(req: web.Request) -> web.Response:
-    card = _card(req.app[PROXY])
-    return _json(replies.ModelList([card]))
+    px = req.app[PROXY]
+    return _json(replies.ModelList([_card(px, name) for name in px.names]))
 
 
 async def model(req: web.Request) -> web.Response:
     px = req.app[PROXY]
     px.served(req.match_info["model"])
-    return _json(_card(px))
+    return _json(_card(px, req.match_info["model"]))
 
 
-def _card(px: Proxy) -> replies.ModelCard:
-    info = px.backend.info
-    return replies.ModelCard(info.name, int(px.started), info.max_model_len)
+def _card(px: Proxy, name: str) -> replies.ModelCard:
+    return replies.ModelCard(name, int(px.started), px.backend.info.max_model_len)
 
 
 async def tokenize(req: web.Request) -> web.Response:
@@ -179,7 +178,7 @@ async def health(req: web.Request) -> web.Response:
     problem = px.backend.problem()
     if problem is not None:
         raise ApiError(503, problem, code="backend_unavailable")
-    return _json({"status": "ok", "model": px.backend.info.name, "in_flight": px.in_flight})
+    return _json({"status": "ok", "model": px.names[0], "in_flight": px.in_flight})
 
 
 async def metrics(req: web.Request) -> web.Response:
@@ -223,7 +222,7 @@ def _json(obj: object) -> web.Response:
 
 
 def make_app(proxy: Proxy, control: Control | None = None) -> web.Application:
-    app = web.Application(middlewares=[middleware], client_max_size=64 * 2**20)
+    app = web.Application(middlewares=[middleware, keys(proxy.config.api_keys)], client_max_size=64 * 2**20)
     app[PROXY] = proxy
     app[CONTROL] = control
     r = app.router
@@ -265,7 +264,7 @@ class Server:
         if self.control is not None:
             self.proxy.publish = self.control.publish
             self.control.start()
-        log.info("serving", host=host, port=self.port, model=self.proxy.backend.info.name)
+        log.info("serving", host=host, port=self.port, model=self.proxy.names[0])
 
     @property
     def url(self) -> str:

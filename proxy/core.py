@@ -40,6 +40,8 @@ class Config:
     drain_timeout: float = 30.0
     reasoning: str | None = None  # vLLM's --reasoning-parser: "qwen3" | "deepseek_r1" (proxy/reasoning.py)
     store_bytes: int = 256 * 2**20  # stored responses of the Responses API (proxy/stored.py)
+    names: tuple[str, ...] = ()  # vLLM's --served-model-name: the model's names in the API
+    api_keys: frozenset[str] = frozenset()  # vLLM's --api-key: required on /v1 routes (empty: none)
 
 
 @dataclass(slots=True, eq=False)
@@ -139,9 +141,14 @@ class Proxy:
 
     # The steps of a request, in order.
 
+    @property
+    def names(self) -> tuple[str, ...]:
+        """The model's names in the API; answers give the first."""
+        return self.config.names or (self.backend.info.name,)
+
     def served(self, model: str) -> None:
         """A 404 unless `model` is the one served."""
-        if model != self.backend.info.name:
+        if model not in self.names:
             raise ApiError(404, f"The model `{model}` does not exist", "model", "model_not_found")
 
     def call(self, kind: str, body: Sampled, headers: Mapping[str, str], t0: float) -> Call:
@@ -149,7 +156,7 @@ class Proxy:
         meta = read_meta(headers, body.tokendance)
         prefix = {"chat": "chatcmpl-", "completion": "cmpl-", "response": "resp_"}[kind]
         opts = body.stream_options
-        return Call(prefix + secrets.token_hex(12), kind, body.model, meta, body.n,
+        return Call(prefix + secrets.token_hex(12), kind, self.names[0], meta, body.n,
                     self.tenant(headers, body.cache_salt), body.stream, bool(opts and opts.include_usage), t0=t0)
 
     @staticmethod

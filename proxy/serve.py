@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import signal
 from collections.abc import Awaitable, Callable
+from pathlib import Path
 
 from tokendance.backend import logs
 from tokendance.backend.api import MODES, Backend
@@ -19,6 +21,7 @@ from .mqtt import address
 from .reasoning import PARSERS
 
 DEFAULT_MODE = "collective"
+KEY_ENV = "TOKENDANCE_API_KEY"
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -44,6 +47,15 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     p.add_argument("--drain-timeout", type=float, default=30.0, help="seconds to finish on shutdown")
     p.add_argument("--reasoning-parser", choices=PARSERS, default=None,
                    help="read a chat answer's thinking (<think>...</think>) into its message's reasoning")
+    p.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
+                   help="the model's name(s) in the API: requests may give any, answers and "
+                        "/v1/models the first (default: the model's own)")
+    p.add_argument("--api-key", action="append", default=None, metavar="KEY",
+                   help=f"answer /v1 routes only with this key (Authorization: Bearer); repeat it for "
+                        f"several (default: ${KEY_ENV}, else none)")
+    p.add_argument("--chat-template", default=None, metavar="PATH",
+                   help="a Jinja chat template file (or the template itself) to render chats with, "
+                        "instead of the tokenizer's")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     p.set_defaults(func=main)
     return p
@@ -80,8 +92,37 @@ async def _connect(urls: list[str], connect: Callable[[str], Awaitable[Backend]]
 
 
 def config(args: argparse.Namespace) -> Config:
+    keys = args.api_key or ([os.environ[KEY_ENV]] if os.environ.get(KEY_ENV) else [])
+    if any(not k.strip() or any(c.isspace() for c in k) for k in keys):
+        raise ValueError("--api-key: a key is a non-empty string without whitespace")
+    names = tuple(args.served_model_name or ())
+    if any(not n.strip() for n in names) or len(set(names)) != len(names):
+        raise ValueError("--served-model-name: give each name once, none empty")
     return Config(barrier_timeout=args.barrier_timeout_ms / 1e3, max_group=args.max_group,
-                  drain_timeout=args.drain_timeout, reasoning=args.reasoning_parser)
+                  drain_timeout=args.drain_timeout, reasoning=args.reasoning_parser, names=names,
+                  api_keys=frozenset(keys))
+
+
+def chat_template(backend: Backend, given: str) -> None:
+    """Render chats with `given` (a file, or the template itself) instead of the tokenizer's
+    own; a template that cannot render a plain chat is refused here, not per request."""
+    from tokendance.backend.api import InvalidRequest
+
+    path = Path(given).expanduser()
+    if path.is_file():
+        text = path.read_text()
+    elif "{{" in given or "{%" in given:
+        text = given
+    else:
+        raise ValueError(f"--chat-template: no such file: {given}")
+    tokenizer = getattr(backend, "tokenizer", None)
+    if tokenizer is None:
+        raise ValueError(f"--chat-template: the {backend.info.name} backend renders no chats")
+    tokenizer.chat_template = text
+    try:
+        backend.render_chat([{"role": "system", "content": "s"}, {"role": "user", "content": "u"}])
+    except InvalidRequest as e:
+        raise ValueError(f"--chat-template cannot render a chat: {e.message}") from None
 
 
 async def serve(server: Server, host: str, port: int, stop: asyncio.Event | None = None) -> None:
@@ -129,6 +170,10 @@ def main(args: argparse.Namespace) -> int:
         raise ValueError(f"--port must lie in 0..65535, got {args.port}")
     if args.mqtt:
         address(args.mqtt)  # a bad URL fails before the model loads
-    server = Server(load_backend(args), config(args), args.mqtt)
+    cfg = config(args)  # a bad flag fails before the model loads
+    backend = load_backend(args)
+    if args.chat_template is not None:
+        chat_template(backend, args.chat_template)
+    server = Server(backend, cfg, args.mqtt)
     asyncio.run(serve(server, args.host, args.port))
     return 0

@@ -7,6 +7,7 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.error
 import urllib.request
 from pathlib import Path
 
@@ -14,6 +15,8 @@ import pytest
 
 from tokendance.examples import cli
 from tokendance.proxy import serve
+
+from .conftest import FakeBackend, Threaded
 
 FAKE = Path(__file__).with_name("fake_backend.py")
 SCRIPT = """
@@ -63,6 +66,9 @@ def test_flags():
     (["--drain-timeout", "nan"], "--drain-timeout"),
     (["--port", "65536"], "--port must lie in 0..65535"),
     (["--port", "-5"], "--port"),
+    (["--api-key", ""], "--api-key: a key is a non-empty string"),
+    (["--api-key", "two words"], "--api-key: a key is a non-empty string without whitespace"),
+    (["--served-model-name", "a", "a"], "--served-model-name: give each name once"),
 ])
 def test_bad_flags_fail_in_one_line_before_loading_the_model(monkeypatch, capsys, argv, message):
     def never(args):
@@ -162,3 +168,64 @@ def test_bad_reuse_flag_is_one_line(tiny_llama, capsys):
     code = main(["serve", "--model", str(tiny_llama), "--port", "0", "--recompute-floor", "-1"])
     err = capsys.readouterr().err.strip()
     assert code == 1 and err == "tokendance serve: recompute floor must be >= 0, got -1.0"
+
+
+def test_served_model_names_and_api_keys(monkeypatch):
+    """vLLM's --served-model-name (requests may give any name, answers the first) and
+    --api-key (repeatable, or $TOKENDANCE_API_KEY; /v1 routes only)."""
+    import openai
+
+    monkeypatch.setenv(serve.KEY_ENV, "sk-env")
+    assert serve.config(parse()).api_keys == {"sk-env"}
+    c = serve.config(parse("--api-key", "sk-a", "--api-key", "sk-b", "--served-model-name", "gpt-4o-mini", "tiny"))
+    assert c.api_keys == {"sk-a", "sk-b"} and c.names == ("gpt-4o-mini", "tiny")
+    t = Threaded(FakeBackend(), names=c.names, api_keys=c.api_keys)
+    try:
+        _names_and_keys(t.url)
+    finally:
+        t.close()
+
+
+def _names_and_keys(url: str) -> None:
+    import openai
+
+    ok = openai.OpenAI(base_url=url + "/v1", api_key="sk-b", max_retries=0)
+    assert [m.id for m in ok.models.list()] == ["gpt-4o-mini", "tiny"]
+    r = ok.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "a b"}])
+    assert r.model == "gpt-4o-mini" and r.choices[0].message.content == "a b"
+    assert ok.responses.create(model="gpt-4o-mini", input="c d").model == "gpt-4o-mini"
+    with pytest.raises(openai.NotFoundError):
+        ok.chat.completions.create(model="fake-tiny", messages=[{"role": "user", "content": "x"}])
+    for key in ("sk-wrong", "sk-"):
+        bad = openai.OpenAI(base_url=url + "/v1", api_key=key, max_retries=0)
+        with pytest.raises(openai.AuthenticationError) as e:
+            bad.models.list()
+        assert e.value.body["code"] == "invalid_api_key"
+    req = urllib.request.Request(url + "/v1/tokendance/sessions/s/rounds/1", data=b"{}", method="POST")
+    with pytest.raises(urllib.error.HTTPError) as e:
+        urllib.request.urlopen(req)  # the control routes too
+    assert e.value.code == 401
+    assert json.load(urllib.request.urlopen(url + "/health"))["model"] == "gpt-4o-mini"  # open
+
+
+def test_a_chat_template_replaces_the_tokenizers(tiny_llama, tmp_path):
+    from tokendance.backend.service import EngineBackend
+
+    be = EngineBackend.load(str(tiny_llama), dtype="float32")
+    text = "{% for m in messages %}<{{ m.role }}>{{ m.content }}</{{ m.role }}>{% endfor %}<assistant>"
+    (tmp_path / "t.jinja").write_text(text)
+    serve.chat_template(be, str(tmp_path / "t.jinja"))
+    assert be.render_chat([{"role": "user", "content": "hi"}]) == "<user>hi</user><assistant>"
+    serve.chat_template(be, "{{ messages[0].content }}!")  # the template itself
+    assert be.render_chat([{"role": "user", "content": "hi"}]) == "hi!"
+    with pytest.raises(ValueError, match="no such file: /nope.jinja"):
+        serve.chat_template(be, "/nope.jinja")
+    with pytest.raises(ValueError, match="--chat-template cannot render a chat"):
+        serve.chat_template(be, "{{ raise_exception('no system messages') }}")
+
+
+def test_a_chat_template_needs_a_tokenizer(monkeypatch, capsys):
+    monkeypatch.setattr(serve, "load_backend", lambda args: FakeBackend())  # it renders without one
+    assert cli.main(["serve", "--chat-template", "{{ x }}"]) == 1
+    err = capsys.readouterr().err.strip()
+    assert err.endswith("--chat-template: the fake-tiny backend renders no chats") and "\n" not in err
