@@ -115,9 +115,8 @@ class Turn:
         if self.body.store:
             made = [(it.call_id, it.name, it.arguments) for it in r.output if it.type == "function_call"]
             m = call.meta
-            px.stored.put(call.id, Stored(_enc.encode(r), [*self.history, *self.new,
-                                                          output_message(call.shown[0], made)],
-                                          self.owner, (m.session, m.agent, m.mode)))
+            conversation = _enc.encode([*self.history, *self.new, output_message(call.shown[0], made)])
+            px.stored.put(call.id, Stored(_enc.encode(r), conversation, self.owner, (m.session, m.agent, m.mode)))
         return r
 
     def _response(self, call: Call, status: str) -> Response:

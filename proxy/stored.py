@@ -4,7 +4,8 @@
 In memory, per tenant (another API key finds nothing: a 404, as for an unknown id),
 evicted least recently used beyond a byte budget (each response's encoded body and
 conversation). A response is stored once it is done, unless its request said
-`store: false`; one that failed is not.
+`store: false`; one that failed is not. Both are kept encoded: the budget counts the
+bytes held exactly, and a stored response is two byte strings, not a tree of objects.
 """
 
 from __future__ import annotations
@@ -20,13 +21,20 @@ from .schemas import Message
 log = structlog.get_logger("tokendance.proxy")
 
 
+_history = msgspec.json.Decoder(list[Message])
+
+
 @dataclass(slots=True)
 class Stored:
     body: bytes  # the response object, encoded
-    history: list[Message]  # the conversation without instructions, this answer last
+    conversation: bytes  # without instructions, this answer last, encoded
     tenant: str
     tags: tuple[str | None, str | None, str | None]  # its session, agent and mode: the next inherits them
     size: int = 0
+
+    @property
+    def history(self) -> list[Message]:
+        return _history.decode(self.conversation)
 
 
 class Store:
@@ -36,7 +44,7 @@ class Store:
         self.bytes = 0
 
     def put(self, id: str, s: Stored) -> None:
-        s.size = len(s.body) + len(msgspec.json.encode(s.history))
+        s.size = len(s.body) + len(s.conversation)
         if s.size > self.budget:
             log.warning("response not stored: larger than the store", id=id, bytes=s.size, budget=self.budget)
             return
