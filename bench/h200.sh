@@ -43,7 +43,7 @@
 # The carried folders are git-ignored; make them once on the CPU machine:
 #   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 \
 #     --implementation cp --platform manylinux2014_x86_64 -d .whl structlog aiohttp msgspec aiomqtt
-#   (structured, tools: also xgrammar apache-tvm-ffi openai httpx2 httpcore2 anyio pydantic
+#   (structured, tools, and check's held-after-a-marker check: also xgrammar apache-tvm-ffi openai httpx2 httpcore2 anyio pydantic
 #   pydantic_core annotated-types typing-inspection distro jiter sniffio truststore idna h11
 #   paho-mqtt, with --platform manylinux_2_28_x86_64 and the versions .venv has)
 #   (then delete .whl/typing_extensions-*: the GPU host's own must stay)
