@@ -265,3 +265,33 @@ def test_on_the_engine_a_response_is_the_chats_answer(engine_client, engine_mode
     assert r.output_text == chat.choices[0].message.content
     assert (r.usage.input_tokens, r.usage.output_tokens) == (chat.usage.prompt_tokens, chat.usage.completion_tokens)
     assert r.status == ("incomplete" if chat.choices[0].finish_reason == "length" else "completed")
+
+
+async def test_an_engine_failure_mid_stream_is_response_failed(start, make_backend):
+    be = make_backend(fail="stream")
+    server = await start(be)
+    c = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="k", max_retries=0)
+    events = [e async for e in await c.responses.create(model=MODEL, input="a b c", stream=True)]
+    last = events[-1]
+    assert last.type == "response.failed" and last.response.status == "failed"
+    assert last.response.error.code == "engine_error" and "engine error" in last.response.error.message
+    with pytest.raises(openai.InternalServerError):
+        await c.responses.create(model=MODEL, input="a b c")
+    assert server.proxy.stored.items == {}  # a failed response is not stored
+    be.fail = None
+    assert (await c.responses.create(model=MODEL, input="a b c")).output_text == "a b c"
+    await c.close()
+
+
+async def test_a_client_gone_mid_stream_frees_the_engines_kv(start, make_backend, until):
+    import aiohttp
+
+    be = make_backend(length=30, delay=0.02)
+    server = await start(be)
+    words = " ".join(f"w{i}" for i in range(30))
+    async with aiohttp.ClientSession() as http:
+        r = await http.post(server.url + "/v1/responses", json={"model": MODEL, "input": words, "stream": True})
+        await r.content.readline()  # the stream began
+        r.close()
+    await until(lambda: be.aborted and not be.active)
+    assert server.proxy.stored.items == {}  # nor is one its client left
