@@ -14,8 +14,8 @@ import time
 from dataclasses import dataclass, field
 
 import msgspec
-from msgspec.structs import replace
 from aiohttp import web
+from msgspec.structs import replace
 
 from tokendance.backend.api import Stream
 

@@ -206,11 +206,14 @@ class Items:
             out.append(self._event("response.reasoning_text.done", it, content_index=0, text=it.content[0].text))
         else:
             out.append(self._event("response.function_call_arguments.done", it, arguments=it.arguments))
-        out.append(Event("response.output_item.done", output_index=self.output.index(it), item=it))
+        out.append(Event("response.output_item.done", output_index=self._index(it), item=it))
         return out
 
     def _event(self, type: str, it: Item, **kw: Any) -> Event:
-        return Event(type, output_index=self.output.index(it), item_id=it.id, **kw)
+        return Event(type, output_index=self._index(it), item_id=it.id, **kw)
+
+    def _index(self, it: Item) -> int:
+        return next(i for i, x in enumerate(self.output) if x is it)
 
 
 def _copy(it: Item) -> Item:

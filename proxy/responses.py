@@ -258,7 +258,12 @@ def renamed(exc: ApiError) -> ApiError:
     param = exc.body.param
     for old, new in _PARAMS:
         if param is not None and old in param:
-            exc.body.param = param.replace(old, new) if old.startswith(".") else new + param[param.index(old) + len(old):]
+            if old == "messages":  # a message's index is not its item's: the input as a whole
+                exc.body.param = new
+            elif old.startswith("."):
+                exc.body.param = param.replace(old, new)
+            else:
+                exc.body.param = new + param[param.index(old) + len(old):]
             if old.startswith("max_"):
                 exc.body.message = exc.body.message.replace("max_tokens", new)
             break

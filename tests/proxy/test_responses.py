@@ -229,6 +229,8 @@ def test_a_conversation_stays_in_its_session(client):
     ({"input": [{"role": "robot", "content": "x"}]}, "input[0].role"),
     ({"input": [{"type": "function_call", "name": "f"}]}, "input[0]"),
     ({"input": []}, "input"),
+    ({"input": [{"role": "user", "content": "x"},  # checked as a message: named as the input
+                {"type": "function_call", "call_id": "c", "name": "f", "arguments": "[1]"}]}, "input"),
     ({"background": True}, "background"),
     ({"conversation": "conv_1"}, "conversation"),
     ({"prompt": {"id": "pmpt_1"}}, "prompt"),
