@@ -23,7 +23,10 @@ class EngineConfig:
     dtype: str = "auto"  # auto: bfloat16 on CUDA, float32 on CPU
     device: str = "auto"
     block_size: int = 16
-    kv_tokens: int = 0  # pool size in tokens; 0: 16k on CPU, 85 % of free memory on CUDA
+    kv_tokens: int = 0  # pool size in tokens; 0: 16k on CPU, on CUDA as gpu_memory_utilization says
+    # vLLM's: the share of the GPU's memory this engine holds, weights, a step's peak and the
+    # pool together (backend/budget.py); 0: the pool takes 85 % of what the weights leave free
+    gpu_memory_utilization: float = 0.0
     max_seqs: int = 256
     max_batched_tokens: int = 0  # per step; 0: 2048 on CPU, 16384 on CUDA
     max_model_len: int = 0  # 0: the model's limit (capped by the pool)

@@ -11,6 +11,7 @@ import torch
 from tokendance.backend import heap, loader
 from tokendance.backend.api import BASES, Delta, InvalidRequest, SamplingParams, TokenLogprob, TopLogprob, Usage, check_mode
 from tokendance.backend.blocks import BlockManager
+from tokendance.backend.budget import pool_tokens
 from tokendance.backend.collector import Collector, ReuseConfig, batches
 from tokendance.backend.config import DTYPES, EngineConfig, ModelConfig
 from tokendance.backend.detok import Detok
@@ -50,6 +51,7 @@ class Engine:
         if dtype not in DTYPES:
             raise InvalidRequest(f"unsupported dtype {dtype!r}; choose one of {', '.join(DTYPES)}", "dtype")
         self.dtype = DTYPES[dtype]
+        free0 = torch.cuda.mem_get_info(self.device)[0] if self.device.type == "cuda" else 0  # before the weights
         self.folder: Path = loader.resolve(cfg.model)
         if cfg.random_weights:
             self.model = loader.build(ModelConfig.load(self.folder), self.dtype, self.device)
@@ -65,10 +67,12 @@ class Engine:
         if self.tokenizer.eos_token_id is not None:
             self.eos.add(self.tokenizer.eos_token_id)
         self.grammars = Grammars(self.tokenizer, self.mcfg.vocab_size, sorted(self.eos))
-        self.cache = KVCache(self.mcfg, self._num_blocks(), cfg.block_size, self.dtype, self.device)
+        budget = cfg.max_batched_tokens or (16384 if self.device.type == "cuda" else 2048)
+        per_token = self.mcfg.kv_bytes_per_token(torch.tensor([], dtype=self.dtype).element_size())
+        tokens = pool_tokens(cfg, self.model, self.device, per_token, budget, free0)
+        self.cache = KVCache(self.mcfg, max(2, tokens // cfg.block_size), cfg.block_size, self.dtype, self.device)
         self.pool = BlockPool(self.cache.num_blocks)
         self.blocks = BlockManager(self.pool, cfg.block_size)
-        budget = cfg.max_batched_tokens or (16384 if self.device.type == "cuda" else 2048)
         self.scheduler = Scheduler(self.blocks, cfg.max_seqs, budget)
         self.runner = Runner(self.model, self.cache)
         self.runner.late_from = cfg.check_layer
@@ -102,17 +106,6 @@ class Engine:
         log.info("engine ready", model=str(self.folder), device=str(self.device), dtype=dtype,
                  kv_blocks=self.cache.num_blocks, max_model_len=self.max_model_len,
                  host_tier_mib=self.idle.tier.arena.data.nbytes >> 20)
-
-    def _num_blocks(self) -> int:
-        per_token = self.mcfg.kv_bytes_per_token(torch.tensor([], dtype=self.dtype).element_size())
-        tokens = self.cfg.kv_tokens
-        if not tokens:
-            if self.device.type == "cuda":
-                free, _ = torch.cuda.mem_get_info(self.device)
-                tokens = int(free * 0.85) // per_token
-            else:
-                tokens = 16384
-        return max(2, tokens // self.cfg.block_size)
 
     @property
     def kv_bytes_per_token(self) -> int:

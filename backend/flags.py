@@ -22,6 +22,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-tokens", type=at_least(0), default=0,
                    help="the KV pool's size in tokens (0: 16 k on the CPU, 85 %% of the GPU's memory "
                         "left free by the weights)")
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.0, metavar="F",
+                   help="the share of the GPU's memory this engine holds: weights, a step's peak "
+                        "(measured at start) and the KV pool (0: as --kv-tokens says)")
     p.add_argument("--max-model-len", type=at_least(0), default=0,
                    help="the longest prompt and answer together (0: the model's limit, or the pool's)")
     p.add_argument("--max-num-seqs", type=at_least(1), default=256, help="requests running at once")
@@ -80,6 +83,11 @@ def engine_options(args: argparse.Namespace) -> dict[str, Any]:
     """EngineConfig's fields from `add_engine_args`' flags (ValueError for a bad one)."""
     if not 0 <= args.offload_gib < math.inf:
         raise ValueError("--offload-gib must be a finite number, not negative")
+    if not 0 <= args.gpu_memory_utilization <= 1:
+        raise ValueError("--gpu-memory-utilization must lie in (0, 1]")
+    if args.gpu_memory_utilization and args.kv_tokens:
+        raise ValueError("--kv-tokens and --gpu-memory-utilization both size the KV pool: give one")
     return {"model": args.model, "dtype": args.dtype, "offload_bytes": int(args.offload_gib * 2**30),
-            "kv_tokens": args.kv_tokens, "max_model_len": args.max_model_len, "max_seqs": args.max_num_seqs,
+            "kv_tokens": args.kv_tokens, "gpu_memory_utilization": args.gpu_memory_utilization,
+            "max_model_len": args.max_model_len, "max_seqs": args.max_num_seqs,
             "max_batched_tokens": args.max_num_batched_tokens, **reuse_options(args)}

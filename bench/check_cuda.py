@@ -344,9 +344,45 @@ def structured_after() -> bool | None:
     return forced in (marker + "yes", marker + "no") and first in ("yes", "no") and never
 
 
+def memory_share(util: float = 0.3) -> bool:
+    """--gpu-memory-utilization on a Qwen2.5-7B shape (random bf16 weights): what torch
+    holds at its peak (weights, the pool, every step's activations) stays within the
+    share, through full prefill steps and decode (run in a process of its own)."""
+    free0, total = torch.cuda.mem_get_info()
+    eng = Engine(EngineConfig(model=str(shape_folder("qwen2.5-7b")), dtype="bfloat16", random_weights=True,
+                              gpu_memory_utilization=util))
+    pool = eng.cache.kv.numel() * eng.cache.kv.element_size()
+    ready = torch.cuda.max_memory_reserved()
+    vocab = eng.mcfg.vocab_size
+    eng.generate(rand_prompts(8, 2048, vocab, 1), SamplingParams(max_tokens=1, ignore_eos=True))  # full steps
+    prefill = torch.cuda.max_memory_reserved()
+    eng.generate(rand_prompts(64, 1024, vocab, 2), SamplingParams(max_tokens=32, ignore_eos=True))
+    decode = torch.cuda.max_memory_reserved()
+    # a cold collective All-Gather round: 20 agents, histories 512, outputs 150, in turn
+    outs, prompts, spans = rand_prompts(20, 150, vocab, 3), [], []
+    for i, own in enumerate(rand_prompts(20, 512, vocab, 4)):
+        prompt, sp = list(own), []
+        for o in outs[i:] + outs[:i]:
+            sp.append((len(prompt), len(prompt) + len(o)))
+            prompt += o
+        prompts.append(prompt)
+        spans.append(sp)
+    eng.generate(prompts, SamplingParams(max_tokens=8, ignore_eos=True), mode="collective", shared=spans)
+    peak = torch.cuda.max_memory_reserved()
+    other = free0 - torch.cuda.mem_get_info()[0] - torch.cuda.memory_reserved()  # not torch's: libraries'
+    g = 2**30
+    print(f"--gpu-memory-utilization {util}: pool {pool / g:.1f} GiB; torch held at most {ready / g:.1f} GiB "
+          f"once ready, {prefill / g:.1f} through a full prefill step, {decode / g:.1f} through decode, "
+          f"{peak / g:.1f} through a collective round, besides {other / g:.2f} GiB outside torch; the share "
+          f"is {util * total / g:.1f} GiB")
+    return peak + other <= util * total
+
+
 def main() -> int:
     if sys.argv[1:] == ["act"]:
         return 0 if act() else 1
+    if sys.argv[1:] == ["memory"]:
+        return 0 if memory_share() else 1
     if sys.argv[1:] == ["mirrors"]:
         ok = True
         for n, segs in ((11, 0), (20, 0), (52, 0), (4, 300)):

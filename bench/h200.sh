@@ -63,6 +63,7 @@ what=" ${*:-all} "
 want() { [[ "$what" == *" all "* || "$what" == *" $1 "* ]]; }
 if want engine || want check; then
   python3 -m tokendance.bench.check_cuda 2>&1 | grep -v -i "warn\|deprecat" | tee "$OUT/check.txt"
+  python3 -m tokendance.bench.check_cuda memory 2>&1 | grep -i "utilization\|budget" | tee -a "$OUT/check.txt"
   # The GPU-only tests (skipped on the CPU machine), the kernels' apart: their conftest turns
   # on Triton's interpreter for the whole process.
   for t in tests/kernels/test_prefill.py "tests/backend/test_upload.py tests/backend/test_arena.py"; do

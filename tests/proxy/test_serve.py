@@ -69,6 +69,8 @@ def test_flags():
     (["--api-key", ""], "--api-key: a key is a non-empty string"),
     (["--api-key", "two words"], "--api-key: a key is a non-empty string without whitespace"),
     (["--served-model-name", "a", "a"], "--served-model-name: give each name once"),
+    (["--gpu-memory-utilization", "1.5"], "--gpu-memory-utilization must lie in (0, 1]"),
+    (["--gpu-memory-utilization", "0.5", "--kv-tokens", "4096"], "--kv-tokens and --gpu-memory-utilization"),
 ])
 def test_bad_flags_fail_in_one_line_before_loading_the_model(monkeypatch, capsys, argv, message):
     def never(args):
@@ -138,6 +140,9 @@ def test_engine_flags_reach_the_engine_config(monkeypatch):
                              "--max-num-batched-tokens", "512"))
     assert (seen["kv_tokens"], seen["max_model_len"], seen["max_seqs"], seen["max_batched_tokens"]) == \
         (4096, 1000, 8, 512)
+    assert seen["gpu_memory_utilization"] == 0.0
+    serve.load_backend(parse("--gpu-memory-utilization", "0.5"))
+    assert seen["gpu_memory_utilization"] == 0.5
 
 
 def test_pool_and_batch_flags_size_the_engine(tiny_llama):
