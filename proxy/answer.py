@@ -39,6 +39,7 @@ class Turn:
     new: list[Message]  # its input, as messages
     history: list[Message]  # the stored conversation it continues
     owner: str  # who may read it back
+    inputs: bytes = b"[]"  # its input items as listed back, encoded
     items: Items = field(init=False)
     reasoning_tokens: int = 0
     seq: int = 0
@@ -116,7 +117,8 @@ class Turn:
             made = [(it.call_id, it.name, it.arguments) for it in r.output if it.type == "function_call"]
             m = call.meta
             conversation = _enc.encode([*self.history, *self.new, output_message(call.shown[0], made)])
-            px.stored.put(call.id, Stored(_enc.encode(r), conversation, self.owner, (m.session, m.agent, m.mode)))
+            px.stored.put(call.id, Stored(_enc.encode(r), conversation, self.inputs, self.owner,
+                                          (m.session, m.agent, m.mode)))
         return r
 
     def _response(self, call: Call, status: str) -> Response:

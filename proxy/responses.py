@@ -15,8 +15,10 @@ and a `reasoning` item is dropped (as templates drop earlier turns' thinking).
 
 from __future__ import annotations
 
+import secrets
 from typing import Any
 
+import msgspec
 from msgspec import Struct
 
 from . import tools as t
@@ -177,6 +179,27 @@ def messages(items: str | list[Item]) -> list[Message]:
             out.append(Message(role="tool", content=_text(it.output, f"{where}.output"), tool_call_id=it.call_id))
         elif it.type != "reasoning":
             raise unsupported(f"{where}.type", f"input items of type {it.type!r}")
+    return out
+
+
+_PREFIX = {"message": "msg", "function_call": "fc", "function_call_output": "fco", "reasoning": "rs"}
+
+
+def listed(items: str | list[Item]) -> list[dict[str, Any]]:
+    """The input as `GET /v1/responses/{id}/input_items` gives it back: each item with an
+    id (its own, or one made), a message's content as parts."""
+    if isinstance(items, str):
+        items = [Item(role="user", content=items)]
+    out = []
+    for it in items:
+        d = {k: v for k, v in msgspec.structs.asdict(it).items() if v is not None}
+        d.setdefault("id", f"{_PREFIX[it.type]}_{secrets.token_hex(12)}")
+        if it.type == "message":
+            kind = "output_text" if it.role == "assistant" else "input_text"
+            if isinstance(it.content, str):
+                d["content"] = [{"type": kind, "text": it.content}]
+            d.setdefault("status", "completed")
+        out.append(msgspec.to_builtins(d))
     return out
 
 

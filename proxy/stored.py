@@ -4,8 +4,8 @@
 In memory, per tenant (another API key finds nothing: a 404, as for an unknown id),
 evicted least recently used beyond a byte budget (each response's encoded body and
 conversation). A response is stored once it is done, unless its request said
-`store: false`; one that failed is not. Both are kept encoded: the budget counts the
-bytes held exactly, and a stored response is two byte strings, not a tree of objects.
+`store: false`; one that failed is not. All is kept encoded: the budget counts the
+bytes held exactly, and a stored response is three byte strings, not a tree of objects.
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ _history = msgspec.json.Decoder(list[Message])
 class Stored:
     body: bytes  # the response object, encoded
     conversation: bytes  # without instructions, this answer last, encoded
+    inputs: bytes  # its input items as listed back, encoded
     tenant: str
     tags: tuple[str | None, str | None, str | None]  # its session, agent and mode: the next inherits them
     size: int = 0
@@ -44,7 +45,7 @@ class Store:
         self.bytes = 0
 
     def put(self, id: str, s: Stored) -> None:
-        s.size = len(s.body) + len(s.conversation)
+        s.size = len(s.body) + len(s.conversation) + len(s.inputs)
         if s.size > self.budget:
             log.warning("response not stored: larger than the store", id=id, bytes=s.size, budget=self.budget)
             return

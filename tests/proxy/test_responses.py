@@ -297,3 +297,29 @@ async def test_a_client_gone_mid_stream_frees_the_engines_kv(start, make_backend
         r.close()
     await until(lambda: be.aborted and not be.active)
     assert server.proxy.stored.items == {}  # nor is one its client left
+
+
+def test_a_stored_responses_input_items(client, echo):
+    r = client.responses.create(model=MODEL, tools=[WEATHER], input=[
+        {"role": "user", "content": "weather?"},
+        {"type": "function_call", "call_id": "c9", "name": "get_weather", "arguments": '{"city": "Oslo", "unit": "F"}'},
+        {"type": "function_call_output", "call_id": "c9", "output": "cold"}])
+    page = client.responses.input_items.list(r.id)  # the newest first
+    assert [i.type for i in page.data] == ["function_call_output", "function_call", "message"]
+    msg = page.data[-1]
+    assert (msg.role, msg.content[0].type, msg.content[0].text, msg.id[:4]) == ("user", "input_text", "weather?", "msg_")
+    assert (page.data[0].output, page.data[1].name) == ("cold", "get_weather") and not page.has_more
+    first = client.responses.input_items.list(r.id, order="asc", limit=1)
+    assert [i.type for i in first.data] == ["message"] and first.has_more
+    rest = client.responses.input_items.list(r.id, order="asc", after=first.data[0].id, limit=5)
+    assert [i.type for i in rest.data] == ["function_call", "function_call_output"] and not rest.has_more
+    assert [i.id for i in client.responses.input_items.list(r.id, order="asc")] == \
+        [first.data[0].id, *(i.id for i in rest.data)]  # the SDK pages through them too
+    text = client.responses.create(model=MODEL, input="just text")
+    (only,) = client.responses.input_items.list(text.id).data
+    assert only.content[0].text == "just text"
+    for bad in ({"limit": 0}, {"order": "up"}, {"after": "msg_x"}):
+        with pytest.raises(openai.BadRequestError):
+            client.responses.input_items.list(r.id, **bad)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.input_items.list("resp_nope")
