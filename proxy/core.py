@@ -62,6 +62,7 @@ class Call:
     created: int = field(default_factory=lambda: int(time.time()))
     t0: float = field(default_factory=time.perf_counter)
     released: float = 0.0  # resumed after the barrier
+    first: float = 0.0  # its first token arrived
     ended: float = 0.0
     wait: float = 0.0  # held at the barrier until its group was released
     held: float = 0.0  # from joining the barrier to resuming (wait, then the event loop's queue)
@@ -77,6 +78,8 @@ class Call:
     done: bool = False
 
     def add(self, i: int, d: Delta) -> None:
+        if not self.first and d.token_ids:
+            self.first = time.perf_counter()
         self.texts[i].append(d.text)
         self.logprobs[i].extend(d.logprobs)
         self.tokens[i] += len(d.token_ids)
@@ -256,6 +259,11 @@ class Proxy:
         m.kv_bytes.inc(u.kv_held_bytes, kind="held")
         shared = len(u.shared_blocks)  # in a round, only those no earlier request of it read
         m.latency.observe(latency)
+        if call.first:
+            m.ttft.observe(call.first - call.t0)
+            most = max(call.tokens)  # n choices generate side by side
+            if call.outcome == "ok" and most > 1:
+                m.tpot.observe((now - call.first) / (most - 1))
         m.wait.observe(call.wait)
         m.overhead.observe(call.overhead)
         if call.outcome == "abort":

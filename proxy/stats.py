@@ -146,6 +146,7 @@ class Histogram:
 
 
 SECONDS = [0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60]
+TOKEN_SECONDS = [0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 1, 2.5]
 
 
 class Metrics:
@@ -167,6 +168,10 @@ class Metrics:
         self.stored_bytes = Metric("tokendance_responses_stored_bytes", "what they hold, encoded", g)
         self.wait = Histogram("tokendance_barrier_wait_seconds", "time held at the barrier", SECONDS)
         self.latency = Histogram("tokendance_request_seconds", "arrival to last byte", SECONDS)
+        self.ttft = Histogram("tokendance_time_to_first_token_seconds",
+                              "arrival to the first token (the barrier's hold included)", SECONDS)
+        self.tpot = Histogram("tokendance_time_per_output_token_seconds",
+                              "first token to last, per token after the first (answered requests)", TOKEN_SECONDS)
         self.overhead = Histogram("tokendance_proxy_overhead_seconds",
                                   "request time spent in the proxy itself", SECONDS)
         self.group_size = Histogram("tokendance_group_size", "sequences per group (prompts times n)",

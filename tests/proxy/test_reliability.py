@@ -156,6 +156,9 @@ async def test_health_and_metrics(server):
     assert 'tokendance_tokens_total{kind="completion"} 2' in text
     assert 'tokendance_groups_total{reason="bypass"} 1' in text
     assert "tokendance_barrier_wait_seconds_count 1" in text
+    # the answered request's first token and the one after it (the 400 generated none)
+    assert "tokendance_time_to_first_token_seconds_count 1" in text
+    assert "tokendance_time_per_output_token_seconds_count 1" in text
     assert "tokendance_requests_in_flight 0" in text
     assert "# TYPE tokendance_engine_groups gauge\ntokendance_engine_groups 1" in text  # the backend's
 
@@ -198,3 +201,16 @@ async def test_health_is_a_503_once_the_engine_thread_stopped(start, tiny_llama)
         await be.core.close()
         async with http.get(server.url + "/health") as r:
             assert r.status == 503 and (await r.json())["error"]["message"] == "the engine has stopped"
+
+
+async def test_time_to_first_token_and_per_output_token(start, make_backend):
+    be = make_backend(length=5, delay=0.05)  # a token every 50 ms
+    server = await start(be)
+    async with aiohttp.ClientSession() as http:
+        for stream in (False, True):
+            async with http.post(server.url + "/v1/chat/completions", json=body("a b c d e", stream=stream)) as r:
+                await r.read()
+    m = server.proxy.metrics
+    assert (sum(m.ttft.counts), sum(m.tpot.counts)) == (2, 2)
+    assert 2 * 0.05 <= m.ttft.sum < m.latency.sum  # the first token came after one delay each
+    assert 2 * 0.04 <= m.tpot.sum <= 2 * 0.1  # 4 tokens after the first in ~4 x 50 ms
