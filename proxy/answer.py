@@ -4,11 +4,13 @@ or the API's stream events (`event:` and `data:` lines, as OpenAI and vLLM send 
 Both read the answer the same way, delta by delta (`Items`); a stream sends the events
 as they come. Once done, a response is stored with its conversation (proxy/stored.py),
 unless its request said `store: false` or it failed. A stream that fails sends
-`response.failed` with the error.
+`response.failed` with the error. A background response is answered at once and
+generated in a task of its own, stored as it goes.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import time
 from dataclasses import dataclass, field
@@ -21,6 +23,7 @@ from tokendance.backend.api import Stream
 
 from . import calls
 from .core import Call, Proxy
+from .errors import ApiError
 from .items import Event, Failure, Incomplete, InputDetails, Items, OutputDetails, Response, Usage
 from .replies import ReuseDetails
 from .respond import chat_lp, failed, merged, split, thinking_of
@@ -44,9 +47,12 @@ class Turn:
     reasoning_tokens: int = 0
     seq: int = 0
 
-    async def write(self, req: web.Request, px: Proxy, call: Call, streams: list[Stream]) -> web.StreamResponse:
+    def _start(self, call: Call) -> None:
         self.items = Items(bool(call.prepared[0].request.sampling.logprobs))
         call.shown = [""]
+
+    async def write(self, req: web.Request, px: Proxy, call: Call, streams: list[Stream]) -> web.StreamResponse:
+        self._start(call)
         if not call.stream:
             try:
                 await self._read(px, call, streams, None)
@@ -101,6 +107,40 @@ class Turn:
             e.sequence_number, self.seq = self.seq, self.seq + 1
             await resp.write(b"event: " + e.type.encode() + b"\ndata: " + _enc.encode(e) + b"\n\n")
 
+    def background(self, px: Proxy, call: Call) -> Response:
+        """Generate the response in a task of its own, and say so: it is stored now as
+        queued, then in progress once its group starts, and last as it ends (completed,
+        incomplete, failed or cancelled: `POST .../cancel` cancels the task)."""
+        self._start(call)
+        px.enter()  # a shutdown drains it as it drains a request
+        r = self._response(call, "queued")
+        self._store(px, call, r)
+        px.running[call.id] = asyncio.create_task(self._generate(px, call))
+        return r
+
+    async def _generate(self, px: Proxy, call: Call) -> None:
+        streams: list[Stream] = []
+        try:
+            streams = await px.admit(call)
+            self._store(px, call, self._response(call, "in_progress"))
+            await self._read(px, call, streams, None)
+            self._done(px, call)
+        except asyncio.CancelledError:
+            call.outcome = "abort"
+            self._store(px, call, self._response(call, "cancelled"))
+        except Exception as exc:  # an ApiError from the group's start is counted and says why already
+            err = exc.body if isinstance(exc, ApiError) else failed(px, call, exc).body
+            r = self._response(call, "failed")
+            r.error = Failure(err.code or "server_error", err.message)
+            self._store(px, call, r)
+        finally:
+            for i, st in enumerate(streams):
+                if call.finish[i] is None:
+                    st.abort()
+            px.finish(call)
+            px.running.pop(call.id, None)
+            px.leave()
+
     def _done(self, px: Proxy, call: Call) -> Response:
         """The finished response, stored unless the request said not to."""
         r = self._response(call, "incomplete" if call.finish[0] == "length" else "completed")
@@ -115,11 +155,15 @@ class Turn:
                         ReuseDetails(u.shared_tokens, u.recomputed_tokens, u.kv_dense_bytes, u.kv_held_bytes))
         if self.body.store:
             made = [(it.call_id, it.name, it.arguments) for it in r.output if it.type == "function_call"]
-            m = call.meta
-            conversation = _enc.encode([*self.history, *self.new, output_message(call.shown[0], made)])
-            px.stored.put(call.id, Stored(_enc.encode(r), conversation, self.inputs, self.owner,
-                                          (m.session, m.agent, m.mode)))
+            self._store(px, call, r, output_message(call.shown[0], made))
         return r
+
+    def _store(self, px: Proxy, call: Call, r: Response, answer: Message | None = None) -> None:
+        """Store `r` with its conversation, this answer last (none: it has none yet, or never will)."""
+        m = call.meta
+        conversation = _enc.encode([*self.history, *self.new, *([answer] if answer else [])])
+        px.stored.put(call.id, Stored(_enc.encode(r), conversation, self.inputs, self.owner,
+                                      (m.session, m.agent, m.mode)))
 
     def _response(self, call: Call, status: str) -> Response:
         b = self.body
@@ -130,4 +174,4 @@ class Turn:
             instructions=b.instructions, previous_response_id=b.previous_response_id,
             temperature=b.temperature, top_p=b.top_p, max_output_tokens=b.max_output_tokens,
             text=b.text or {"format": {"type": "text"}}, reasoning=b.reasoning, metadata=dict(b.metadata or {}),
-            store=b.store, user=b.user)
+            store=b.store, user=b.user, background=bool(b.background))

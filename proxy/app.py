@@ -73,6 +73,12 @@ async def chat_completions(req: web.Request) -> web.StreamResponse:
 
 async def _chat(px: Proxy, call: Call, body: schemas.ChatRequest) -> list[Stream]:
     """A chat call from its checks to its streams, once its group has started."""
+    _prepare(px, call, body)
+    return await px.admit(call)
+
+
+def _prepare(px: Proxy, call: Call, body: schemas.ChatRequest) -> None:
+    """A chat call checked, segmented and prepared: what comes before its barrier."""
     messages, sampling, call.tools = schemas.check_chat(body, px.dialect)
     template = schemas.template(body.chat_template_kwargs, body.add_generation_prompt, body.continue_final_message)
     call.meta.resumes = messages[-1]["role"] == "tool"
@@ -82,7 +88,6 @@ async def _chat(px: Proxy, call: Call, body: schemas.ChatRequest) -> list[Stream
     if px.config.reasoning is not None and sampling.structure is not None:  # the model thinks first
         sampling.structure = held_after(sampling.structure, "".join(s.text for s in prompt))
     px.prepare(call, [prompt], sampling, body.add_special_tokens)
-    return await px.admit(call)
 
 
 @tracked("responses")
@@ -107,10 +112,12 @@ async def create_response(req: web.Request) -> web.StreamResponse:
         call.meta.session, call.meta.agent, mode = prev.tags
         call.meta.mode = call.meta.mode or mode
     try:
-        streams = await _chat(px, call, chat)
+        _prepare(px, call, chat)
     except ApiError as exc:
         raise responses.renamed(exc) if exc.status == 400 else exc
-    return await reply(req, px, call, streams, turn.write)
+    if body.background:  # answered at once; the response is read back when done
+        return _json(turn.background(px, call))
+    return await reply(req, px, call, await px.admit(call), turn.write)
 
 
 async def get_response(req: web.Request) -> web.Response:
@@ -145,6 +152,22 @@ async def input_items(req: web.Request) -> web.Response:
     page = items[:int(limit)]
     return _json({"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
                   "last_id": page[-1]["id"] if page else None, "has_more": len(items) > len(page)})
+
+
+async def cancel_response(req: web.Request) -> web.Response:
+    px = req.app[PROXY]
+    id, owner = req.match_info["id"], px.tenant(req.headers)
+    s = px.stored.get(id, owner)
+    if s is None:
+        raise _no_response(req)
+    task = px.running.get(id)
+    if task is None and not msgspec.json.decode(s.body).get("background"):
+        raise invalid("only a background response can be cancelled", "response_id")
+    if task is not None:
+        task.cancel()
+        await asyncio.wait([task])
+        s = px.stored.get(id, owner) or s
+    return web.Response(body=s.body, content_type="application/json")
 
 
 async def delete_response(req: web.Request) -> web.Response:
@@ -259,6 +282,7 @@ def make_app(proxy: Proxy, control: Control | None = None) -> web.Application:
     r.add_post("/v1/responses", create_response)
     r.add_get("/v1/responses/{id}", get_response)
     r.add_get("/v1/responses/{id}/input_items", input_items)
+    r.add_post("/v1/responses/{id}/cancel", cancel_response)
     r.add_delete("/v1/responses/{id}", delete_response)
     r.add_get("/v1/models", models)
     r.add_get("/v1/models/{model}", model)

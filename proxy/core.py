@@ -134,6 +134,7 @@ class Proxy:
         self.barrier = Barrier(self._dispatch, c.barrier_timeout, c.max_group)
         self.metrics = Metrics()
         self.stored = Store(c.store_bytes)
+        self.running: dict[str, asyncio.Task] = {}  # background responses being generated
         self.publish: Callable[[str, int, dict], None] | None = None  # MQTT done
         self.observers: list[Callable[[Call], None]] = []
         self.started = time.time()
