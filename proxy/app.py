@@ -21,6 +21,7 @@ from .answer import Turn
 from .core import Call, Config, Proxy
 from .errors import ApiError, invalid, keys, middleware
 from .mqtt import Control
+from .peers import Peers
 from .reasoning import held_after
 from .respond import reply
 from .session import round_number
@@ -302,7 +303,14 @@ class Server:
 
     def __init__(self, backend: Backend, config: Config | None = None, mqtt: str | None = None):
         self.proxy = Proxy(backend, config)
-        self.control = Control(mqtt, self.proxy.open, self.proxy.seal) if mqtt else None
+        self.control = None
+        if mqtt:
+            peers = None
+            if self.proxy.config.peers:
+                peers = self.proxy.peers = Peers(self.proxy, lambda *m: self.control.send(*m))
+            self.control = Control(mqtt, self.proxy.open, self.proxy.seal, on_peer=peers and peers.handle)
+        elif self.proxy.config.peers:
+            raise ValueError("--mqtt-peers shares rounds over the MQTT broker: give --mqtt too")
         self.app = make_app(self.proxy, self.control)
         self.runner: web.AppRunner | None = None
         self.port = 0

@@ -38,6 +38,7 @@ class Gate:
     announced: bool = False  # expected came from open, not from the previous round
     missing: set[str] = field(default_factory=set)
     done: set[str] = field(default_factory=set)  # agents already released
+    away: set[str] = field(default_factory=set)  # agents that came to another proxy (proxy/peers.py)
     sealed: bool = False
     timeout: float | None = None  # overrides the barrier's default
     pending: list[Entry] = field(default_factory=list)
@@ -96,7 +97,14 @@ class Barrier:
     def expect(self, gate: Gate, agents: Iterable[str], announced: bool = True) -> None:
         gate.expected = frozenset(agents)
         gate.announced = announced
-        gate.missing = set(gate.expected) - gate.agents
+        gate.missing = set(gate.expected) - gate.agents - gate.away
+        if gate.pending and self._ready(gate):
+            self.release(gate, "all")
+
+    def elsewhere(self, gate: Gate, agent: str) -> None:
+        """`agent` came to another proxy of this round: it is not awaited here."""
+        gate.away.add(agent)
+        gate.missing.discard(agent)
         if gate.pending and self._ready(gate):
             self.release(gate, "all")
 

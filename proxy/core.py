@@ -24,6 +24,7 @@ from .barrier import Barrier, Entry, Gate
 from .errors import ApiError, from_backend, invalid
 from .schemas import RoundOpen, Sampled
 from .known import Known
+from .peers import Peers
 from .session import Meta, Round, Sessions, check_name, read_meta, round_number
 from .stats import Metrics
 from .stored import Store
@@ -40,6 +41,7 @@ class Config:
     drain_timeout: float = 30.0
     reasoning: str | None = None  # vLLM's --reasoning-parser: "qwen3" | "deepseek_r1" (proxy/reasoning.py)
     store_bytes: int = 256 * 2**20  # stored responses of the Responses API (proxy/stored.py)
+    peers: bool = False  # share rounds with the other proxies on the MQTT broker (proxy/peers.py)
     names: tuple[str, ...] = ()  # vLLM's --served-model-name: the model's names in the API
     api_keys: frozenset[str] = frozenset()  # vLLM's --api-key: required on /v1 routes (empty: none)
 
@@ -136,6 +138,7 @@ class Proxy:
         self.stored = Store(c.store_bytes)
         self.running: dict[str, asyncio.Task] = {}  # background responses being generated
         self.publish: Callable[[str, int, dict], None] | None = None  # MQTT done
+        self.peers: Peers | None = None  # the other proxies of a round (proxy/peers.py)
         self.observers: list[Callable[[Call], None]] = []
         self.started = time.time()
         self._dialect: str | None = None  # the chat template's way with tools, once asked
@@ -220,6 +223,8 @@ class Proxy:
             return self._alone(call, "bypass")
         rnd, call.before = self.sessions.commit(call.meta, call.number)
         call.rnd = rnd
+        if self.peers is not None and call.meta.agent is not None:
+            self.peers.arrived(rnd.session, rnd.number, call.meta.agent)
         rnd.active += 1
         rnd.stats.first = rnd.stats.first or call.t0
         if call.meta.resumes and (call.meta.agent is None or call.meta.agent in rnd.gate.done):
@@ -277,6 +282,8 @@ class Proxy:
             if call.outcome == "ok":
                 for i in range(len(call.prepared)):
                     self.sessions.remember(rnd, call.meta.agent, call.said(i), call.tenant)
+                    if self.peers is not None:
+                        self.peers.said(rnd.session, rnd.number, call.meta.agent, call.tenant, call.said(i))
             else:  # never answered (at the barrier or while generating): a retry keeps the round
                 self.sessions.uncommit(call.meta, rnd, call.before)
             if rnd.active == 0 and not rnd.gate.pending:
@@ -335,7 +342,7 @@ class Proxy:
             raise invalid("timeout_ms must not be negative", "timeout_ms")
         for i, agent in enumerate(body.agents or ()):  # a name no request can carry never arrives
             check_name(agent, f"agents[{i}]")
-        rnd = self._round(session, number)
+        rnd = self.round(session, number)
         if body.timeout_ms is not None:
             rnd.gate.timeout = body.timeout_ms / 1e3
         if body.agents is not None:
@@ -344,11 +351,11 @@ class Proxy:
         return rnd
 
     def seal(self, session: str, number: int) -> Round:
-        rnd = self._round(session, number)
+        rnd = self.round(session, number)
         self.barrier.seal(rnd.gate)
         return rnd
 
-    def _round(self, session: str, number: int) -> Round:
+    def round(self, session: str, number: int) -> Round:
         check_name(session, "session")
         return self.sessions.round(session, round_number(number, "round"))
 

@@ -2,6 +2,7 @@
 
 Subscribes tokendance/+/round/+/open (payload: JSON {"agents": [...], "timeout_ms": ..},
 or empty) and tokendance/+/round/+/seal; publishes tokendance/{session}/round/{round}/done.
+With peers (proxy/peers.py) it also carries .../arrived and .../said between proxies.
 The proxy starts without a broker and reconnects whenever the broker goes away; done
 messages published meanwhile wait in a bounded queue. Open and seal are commands, not
 state: a retained one, which the broker replays on every (re)subscribe, is ignored, or a
@@ -27,6 +28,7 @@ log = structlog.get_logger("tokendance.proxy.mqtt")
 
 PREFIX = "tokendance"
 MAX_PAYLOAD = 2**20  # an open's agent list; a larger one is refused, not decoded
+PEER_EVENTS = ("arrived", "said")  # between proxies, with --mqtt-peers (proxy/peers.py)
 
 
 def topic(session: str, number: int, event: str) -> str:
@@ -46,9 +48,11 @@ def address(url: str) -> tuple[str, int, str | None, str | None]:
 
 class Control:
     def __init__(self, url: str, on_open: Callable[[str, int, RoundOpen], None],
-                 on_seal: Callable[[str, int], None], backoff: tuple[float, float] = (0.2, 5.0)):
+                 on_seal: Callable[[str, int], None], backoff: tuple[float, float] = (0.2, 5.0),
+                 on_peer: Callable[[str, int, str, bytes], None] | None = None):
         self.host, self.port, self.user, self.password = address(url)
         self.on_open, self.on_seal = on_open, on_seal
+        self.on_peer = on_peer  # the other proxies' arrived / said (proxy/peers.py)
         self.backoff = backoff
         self.connected = False
         self.outbox: deque[tuple[str, bytes]] = deque(maxlen=1000)
@@ -69,7 +73,10 @@ class Control:
             self._task = None
 
     def publish(self, session: str, number: int, stats: dict[str, Any]) -> None:
-        self.outbox.append((topic(session, number, "done"), msgspec.json.encode(stats)))
+        self.send(session, number, "done", msgspec.json.encode(stats))
+
+    def send(self, session: str, number: int, event: str, payload: bytes) -> None:
+        self.outbox.append((topic(session, number, event), payload))
         self._wake.set()
 
     async def _run(self) -> None:
@@ -81,6 +88,9 @@ class Control:
                                           identifier=f"tokendance-{secrets.token_hex(4)}") as c:
                     await c.subscribe(f"{PREFIX}/+/round/+/open", qos=1)
                     await c.subscribe(f"{PREFIX}/+/round/+/seal", qos=1)
+                    if self.on_peer is not None:
+                        for event in PEER_EVENTS:
+                            await c.subscribe(f"{PREFIX}/+/round/+/{event}", qos=1)
                     self.connected, delay, warned = True, self.backoff[0], False
                     log.info("mqtt connected", host=self.host, port=self.port)
                     sender = asyncio.create_task(self._send(c))
@@ -128,5 +138,7 @@ class Control:
             elif parts[4] == "open":
                 self.on_open(parts[1], number, self._decoder.decode(payload) if payload.strip()
                              else RoundOpen())
+            elif parts[4] in PEER_EVENTS and self.on_peer is not None:
+                self.on_peer(parts[1], number, parts[4], payload)
         except Exception as exc:  # a bad control message must not stop the loop
             log.warning("mqtt message ignored", topic=t, error=str(exc))

@@ -41,6 +41,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
                    help="with --vllm: the model's folder, for its tokenizer (default: the one vLLM loaded)")
     add_engine_args(p)
     p.add_argument("--mqtt", default=None, metavar="URL", help="control plane broker, mqtt://host:port")
+    p.add_argument("--mqtt-peers", action="store_true",
+                   help="share rounds with the other proxies on the broker: the agents that came to "
+                        "each, and the answers' text (so one simulation may go through several)")
     p.add_argument("--barrier-timeout-ms", type=float, default=250.0,
                    help="longest hold at a round barrier, from the group's first arrival")
     p.add_argument("--max-group", type=int, default=256, help="requests per group at most")
@@ -98,9 +101,11 @@ def config(args: argparse.Namespace) -> Config:
     names = tuple(args.served_model_name or ())
     if any(not n.strip() for n in names) or len(set(names)) != len(names):
         raise ValueError("--served-model-name: give each name once, none empty")
+    if args.mqtt_peers and not args.mqtt:
+        raise ValueError("--mqtt-peers shares rounds over the MQTT broker: give --mqtt too")
     return Config(barrier_timeout=args.barrier_timeout_ms / 1e3, max_group=args.max_group,
                   drain_timeout=args.drain_timeout, reasoning=args.reasoning_parser, names=names,
-                  api_keys=frozenset(keys))
+                  api_keys=frozenset(keys), peers=args.mqtt_peers)
 
 
 def chat_template(backend: Backend, given: str) -> None:

@@ -147,8 +147,8 @@ class Sessions:
         if r is None:
             r = s.rounds[number] = Round(name, number)
             prev = s.rounds.get(number - 1)
-            if prev is not None and prev.gate.agents:
-                r.gate.expected = frozenset(prev.gate.agents)
+            if prev is not None and (prev.gate.agents or prev.gate.away):
+                r.gate.expected = frozenset(prev.gate.agents | prev.gate.away)
                 r.gate.missing = set(r.gate.expected)
             s.latest = max(s.latest, number)
             self._trim(s, r)

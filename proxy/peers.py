@@ -1,0 +1,77 @@
+"""Several proxies, one simulation: with `serve --mqtt URL --mqtt-peers`, the proxies on
+a broker tell each other, over the control plane, which agents came to them in a round
+and what they answered. An agent's requests may then go to any of them (a load
+balancer in front of several):
+
+- a round's barrier does not wait for an expected agent that came to another proxy, and
+  the next round expects it too;
+- an agent's round count follows its requests wherever they went;
+- a prompt that quotes an answer another proxy served finds it as a shared segment, as
+  it finds the answers its own proxy served (so that answer's text crosses the broker:
+  the flag is off by default).
+
+Each proxy still sends its own part of a round to the backend as its own group, and
+publishes its own round stats. Topics, beside open / seal / done (proxy/mqtt.py):
+tokendance/{session}/round/{round}/arrived (`Arrived`) and .../said (`Said`).
+"""
+
+from __future__ import annotations
+
+import secrets
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+import msgspec
+from msgspec import Struct
+
+from .session import check_name
+
+if TYPE_CHECKING:
+    from .core import Proxy
+
+
+class Arrived(Struct):
+    agent: str
+    origin: str  # the proxy it came to
+
+
+class Said(Struct):
+    text: str
+    origin: str
+    tenant: str = ""  # whose requests may find it (a hash of the API key)
+    agent: str | None = None
+
+
+_arrived, _said = msgspec.json.Decoder(Arrived), msgspec.json.Decoder(Said)
+
+
+class Peers:
+    def __init__(self, proxy: Proxy, send: Callable[[str, int, str, bytes], None]):
+        self.proxy, self.send = proxy, send  # send(session, round, event, payload)
+        self.origin = secrets.token_hex(8)
+
+    def arrived(self, session: str, number: int, agent: str) -> None:
+        self.send(session, number, "arrived", msgspec.json.encode(Arrived(agent, self.origin)))
+
+    def said(self, session: str, number: int, agent: str | None, tenant: str, text: str) -> None:
+        self.send(session, number, "said", msgspec.json.encode(Said(text, self.origin, tenant, agent)))
+
+    def handle(self, session: str, number: int, event: str, payload: bytes) -> None:
+        """A peer's message (this proxy's own come back from the broker: skipped)."""
+        px = self.proxy
+        if event == "arrived":
+            a = _arrived.decode(payload)
+            if a.origin == self.origin:
+                return
+            check_name(a.agent, "agent")
+            rnd = px.round(session, number)
+            counts = px.sessions.all[session].counts  # its next request, here, is its next round
+            counts[a.agent] = max(counts.get(a.agent, 0), number)
+            px.barrier.elsewhere(rnd.gate, a.agent)
+        elif event == "said":
+            s = _said.decode(payload)
+            if s.origin == self.origin:
+                return
+            if s.agent is not None:
+                check_name(s.agent, "agent")
+            px.sessions.remember(px.round(session, number), s.agent, s.text, s.tenant)

@@ -1,0 +1,72 @@
+"""Two proxies on one broker serving one simulation (`--mqtt-peers`, proxy/peers.py):
+agents' requests split between them, a round leaves neither barrier waiting for the
+agents that went to the other, and a prompt quoting an answer the other proxy served
+shares it."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import aiohttp
+import aiomqtt
+import pytest
+
+from tokendance.proxy.app import Server
+from tokendance.proxy.core import Config
+
+from .conftest import FakeBackend
+
+MODEL = "fake-tiny"
+KEY = {"Authorization": "Bearer sk-test"}
+
+
+async def ask(server, session: str, agent: str, text: str) -> tuple[dict, dict]:
+    h = {"X-TokenDance-Session": session, "X-TokenDance-Agent": agent, **KEY}
+    body = {"model": MODEL, "messages": [{"role": "user", "content": text}]}
+    async with aiohttp.ClientSession() as http:
+        async with http.post(server.url + "/v1/chat/completions", json=body, headers=h) as r:
+            assert r.status == 200, await r.text()
+            return await r.json(), dict(r.headers)
+
+
+async def test_one_simulation_through_two_proxies(start, broker, until):
+    be = FakeBackend(length=40)  # both proxies in front of one engine
+    p1, p2 = [await start(be, mqtt=broker.url, peers=True, barrier_timeout=10.0) for _ in range(2)]
+    for p in (p1, p2):
+        p.control.backoff = (0.05, 0.2)
+    await until(lambda: p1.control.connected and p2.control.connected)
+    await asyncio.sleep(0.2)  # both subscribed
+    async with aiomqtt.Client("127.0.0.1", broker.port) as c:
+        await c.publish("tokendance/two/round/1/open", json.dumps({"agents": ["ada", "bo"]}), qos=1)
+    await until(lambda: all((r := p.proxy.sessions.find("two", 1)) and r.gate.expected == {"ada", "bo"}
+                            for p in (p1, p2)))
+    loop = asyncio.get_running_loop()
+    t0 = loop.time()
+    (a1, h1), (b1, h2) = await asyncio.gather(ask(p1, "two", "ada", "ada thinks the answer is four"),
+                                              ask(p2, "two", "bo", "bo thinks the answer is five"))
+    assert loop.time() - t0 < 5  # neither waited out its 10 s barrier for the other's agent
+    assert (h1["X-TokenDance-Round"], h2["X-TokenDance-Round"]) == ("1", "1")
+    ada_said = a1["choices"][0]["message"]["content"]
+    bo_said = b1["choices"][0]["message"]["content"]
+    # Round 2, nobody announces it: each proxy expects both agents, and knows both answers.
+    tenant = p1.proxy.tenant(KEY)
+    await until(lambda: p1.proxy.sessions.known("two", 2, tenant).get(bo_said) is not None
+                and p2.proxy.sessions.known("two", 2, tenant).get(ada_said) is not None)
+    assert p1.proxy.sessions.round("two", 2).gate.expected == {"ada", "bo"}
+    t0 = loop.time()
+    (a2, h1), (b2, h2) = await asyncio.gather(ask(p1, "two", "ada", f"bo said: {bo_said} and I say"),
+                                              ask(p2, "two", "bo", f"ada said: {ada_said} and I say"))
+    assert loop.time() - t0 < 5 and (h1["X-TokenDance-Round"], h2["X-TokenDance-Round"]) == ("2", "2")
+    for got in (a2, b2):
+        assert got["usage"]["tokendance"]["shared_tokens"] > 0  # the other proxy's answer, found
+    # ada's third request goes to p2 (the only one of round 3): its count followed it there
+    async with aiohttp.ClientSession() as http:
+        await http.post(p2.url + "/v1/tokendance/sessions/two/rounds/3", json={"agents": ["ada"]})
+    _, h = await ask(p2, "two", "ada", "and now?")
+    assert h["X-TokenDance-Round"] == "3"
+
+
+async def test_peers_need_a_broker():
+    with pytest.raises(ValueError, match="give --mqtt too"):
+        Server(FakeBackend(), Config(peers=True))
