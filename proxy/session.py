@@ -5,7 +5,8 @@ session is its round k (an explicit round r moves its count to r). An anonymous
 request joins the session's latest round while that round's group is still forming,
 and otherwise starts the next one. A request that resumes a turn (its last message is a
 tool's result) stays in its agent's round (an anonymous one in the latest). A round
-that nobody announced expects the named agents of the previous round.
+that nobody announced expects the named agents of the previous round (with peers, those
+that came to the other proxies too: proxy/peers.py).
 """
 
 from __future__ import annotations
