@@ -12,6 +12,11 @@ spread out. Requests outside any session take the engines in turn.
 An engine that reports a problem (its /health, or a group it lost) takes no new work;
 its sessions move to another engine at their next request, where what they had cached
 is computed again. The proxy is healthy while one engine is.
+
+Several proxies in front of the same engines (proxy/peers.py) tell each other where
+they pinned a session (`on_pin`), and `adopt` another's pin: when two pinned one
+session apart, the pin decided first (by the wall clock, then by who decided) wins
+everywhere.
 """
 
 from __future__ import annotations
@@ -41,6 +46,7 @@ class Pin:
     used: float  # when it was last routed
     round: int | None = None  # its latest round
     size: int = 0  # requests of that round so far
+    decided: tuple[float, str] = (0.0, "")  # when (wall clock) and by whom (a proxy) it was put there
 
     def count(self, request: Request) -> None:
         if request.round != self.round:
@@ -66,6 +72,8 @@ class Fleet:
         self._turn = itertools.count()  # requests outside sessions
         self._clock = clock
         self._down: list[str | None] = [None] * len(engines)  # last problem seen, for the log
+        self.origin = ""  # this proxy, among several (proxy/peers.py)
+        self.on_pin: Callable[[str, str, tuple[float, str]], None] | None = None  # session, engine, decided
 
     @classmethod
     async def connect(cls, urls: list[str], connect: Callable[[str], Awaitable[Backend]]) -> "Fleet":
@@ -98,15 +106,35 @@ class Fleet:
                 return pin.engine
         weight, count = self.loads()
         j = min(up, key=lambda i: (weight[i], count[i]))
+        decided = (time.time(), self.origin)
         if pin is None:
-            self.pins[s] = Pin(j, t)
-            while len(self.pins) > MAX_PINS:
-                self.pins.popitem(last=False)
-        elif j != pin.engine:
+            self._pin(s, j, t, decided)
+        else:
             log.warning("session moved", session=s, engine=self.names[j], was=self.names[pin.engine],
                         why=self._down[pin.engine])
-            pin.engine = j
+            pin.engine, pin.decided = j, decided
+        if self.on_pin is not None:
+            self.on_pin(s, self.names[j], decided)
         return j
+
+    def adopt(self, session: str, engine: str, decided: tuple[float, str]) -> None:
+        """Another proxy pinned `session` on `engine`: so does this one, unless its own pin
+        was decided first (or the engine is not in this fleet, or cannot serve)."""
+        if engine not in self.names:
+            return
+        j = self.names.index(engine)
+        pin = self.pins.get(session)
+        if pin is None:
+            self._pin(session, j, self._clock(), decided)
+        elif pin.engine != j and decided < pin.decided and self._serves(j):
+            log.info("session moved", session=session, engine=engine, was=self.names[pin.engine],
+                     why="another proxy pinned it first")
+            pin.engine, pin.decided = j, decided
+
+    def _pin(self, session: str, engine: int, t: float, decided: tuple[float, str]) -> None:
+        self.pins[session] = Pin(engine, t, decided=decided)
+        while len(self.pins) > MAX_PINS:
+            self.pins.popitem(last=False)
 
     def loads(self) -> tuple[list[int], list[int]]:
         """What each engine's active sessions weigh, and how many there are."""

@@ -307,7 +307,7 @@ class Server:
         if mqtt:
             peers = None
             if self.proxy.config.peers:
-                peers = self.proxy.peers = Peers(self.proxy, lambda *m: self.control.send(*m))
+                peers = self.proxy.peers = Peers(self.proxy, lambda to, payload: self.control.send(to, payload))
             self.control = Control(mqtt, self.proxy.open, self.proxy.seal, on_peer=peers and peers.handle)
         elif self.proxy.config.peers:
             raise ValueError("--mqtt-peers shares rounds over the MQTT broker: give --mqtt too")

@@ -2,7 +2,8 @@
 
 Subscribes tokendance/+/round/+/open (payload: JSON {"agents": [...], "timeout_ms": ..},
 or empty) and tokendance/+/round/+/seal; publishes tokendance/{session}/round/{round}/done.
-With peers (proxy/peers.py) it also carries .../arrived and .../said between proxies.
+With peers (proxy/peers.py) it also carries .../arrived, .../said and
+tokendance/{session}/pinned between proxies.
 The proxy starts without a broker and reconnects whenever the broker goes away; done
 messages published meanwhile wait in a bounded queue. Open and seal are commands, not
 state: a retained one, which the broker replays on every (re)subscribe, is ignored, or a
@@ -29,6 +30,7 @@ log = structlog.get_logger("tokendance.proxy.mqtt")
 PREFIX = "tokendance"
 MAX_PAYLOAD = 2**20  # an open's agent list; a larger one is refused, not decoded
 PEER_EVENTS = ("arrived", "said")  # between proxies, with --mqtt-peers (proxy/peers.py)
+PINNED = "pinned"  # tokendance/{session}/pinned: the engine a proxy put a session on (same)
 
 
 def topic(session: str, number: int, event: str) -> str:
@@ -73,10 +75,10 @@ class Control:
             self._task = None
 
     def publish(self, session: str, number: int, stats: dict[str, Any]) -> None:
-        self.send(session, number, "done", msgspec.json.encode(stats))
+        self.send(topic(session, number, "done"), msgspec.json.encode(stats))
 
-    def send(self, session: str, number: int, event: str, payload: bytes) -> None:
-        self.outbox.append((topic(session, number, event), payload))
+    def send(self, to: str, payload: bytes) -> None:
+        self.outbox.append((to, payload))
         self._wake.set()
 
     async def _run(self) -> None:
@@ -91,6 +93,7 @@ class Control:
                     if self.on_peer is not None:
                         for event in PEER_EVENTS:
                             await c.subscribe(f"{PREFIX}/+/round/+/{event}", qos=1)
+                        await c.subscribe(f"{PREFIX}/+/{PINNED}", qos=1)
                     self.connected, delay, warned = True, self.backoff[0], False
                     log.info("mqtt connected", host=self.host, port=self.port)
                     sender = asyncio.create_task(self._send(c))
@@ -129,6 +132,9 @@ class Control:
         try:
             if len(payload) > MAX_PAYLOAD:
                 raise ValueError(f"payload over {MAX_PAYLOAD} bytes")
+            if len(parts) == 3 and parts[2] == PINNED and self.on_peer is not None:
+                self.on_peer(parts[1], 0, PINNED, payload)
+                return
             raw = parts[3]  # plain ASCII digits: int() also takes ' 7', '1_0', '\u0663'
             if len(parts) != 5 or not (raw.isascii() and raw.isdecimal()) or len(raw) > 4000:
                 raise ValueError("round must be a non-negative integer")

@@ -10,9 +10,13 @@ balancer in front of several):
   it finds the answers its own proxy served (so that answer's text crosses the broker:
   the flag is off by default).
 
+- in front of the same fleet of engines, a session stays on one engine: each proxy
+  tells the others where it pinned a session, and the pin decided first wins.
+
 Each proxy still sends its own part of a round to the backend as its own group, and
 publishes its own round stats. Topics, beside open / seal / done (proxy/mqtt.py):
-tokendance/{session}/round/{round}/arrived (`Arrived`) and .../said (`Said`).
+tokendance/{session}/round/{round}/arrived (`Arrived`), .../said (`Said`) and
+tokendance/{session}/pinned (`Pinned`).
 """
 
 from __future__ import annotations
@@ -24,6 +28,9 @@ from typing import TYPE_CHECKING
 import msgspec
 from msgspec import Struct
 
+from tokendance.backend.fleet import Fleet
+
+from .mqtt import PINNED, PREFIX, topic
 from .session import check_name
 
 if TYPE_CHECKING:
@@ -42,19 +49,32 @@ class Said(Struct):
     agent: str | None = None
 
 
-_arrived, _said = msgspec.json.Decoder(Arrived), msgspec.json.Decoder(Said)
+class Pinned(Struct):
+    engine: str  # its URL
+    at: float  # when it was decided (the wall clock)
+    origin: str
+
+
+_arrived, _said, _pinned = msgspec.json.Decoder(Arrived), msgspec.json.Decoder(Said), msgspec.json.Decoder(Pinned)
 
 
 class Peers:
-    def __init__(self, proxy: Proxy, send: Callable[[str, int, str, bytes], None]):
-        self.proxy, self.send = proxy, send  # send(session, round, event, payload)
+    def __init__(self, proxy: Proxy, send: Callable[[str, bytes], None]):
+        self.proxy, self.send = proxy, send  # send(topic, payload)
         self.origin = secrets.token_hex(8)
+        fleet = proxy.backend
+        if isinstance(fleet, Fleet):
+            fleet.origin = self.origin
+            fleet.on_pin = self.pinned
 
     def arrived(self, session: str, number: int, agent: str) -> None:
-        self.send(session, number, "arrived", msgspec.json.encode(Arrived(agent, self.origin)))
+        self.send(topic(session, number, "arrived"), msgspec.json.encode(Arrived(agent, self.origin)))
 
     def said(self, session: str, number: int, agent: str | None, tenant: str, text: str) -> None:
-        self.send(session, number, "said", msgspec.json.encode(Said(text, self.origin, tenant, agent)))
+        self.send(topic(session, number, "said"), msgspec.json.encode(Said(text, self.origin, tenant, agent)))
+
+    def pinned(self, session: str, engine: str, decided: tuple[float, str]) -> None:
+        self.send(f"{PREFIX}/{session}/{PINNED}", msgspec.json.encode(Pinned(engine, *decided)))
 
     def handle(self, session: str, number: int, event: str, payload: bytes) -> None:
         """A peer's message (this proxy's own come back from the broker: skipped)."""
@@ -75,3 +95,8 @@ class Peers:
             if s.agent is not None:
                 check_name(s.agent, "agent")
             px.sessions.remember(px.round(session, number), s.agent, s.text, s.tenant)
+        elif event == PINNED:
+            p = _pinned.decode(payload)
+            if p.origin != self.origin and isinstance(px.backend, Fleet):
+                check_name(session, "session")
+                px.backend.adopt(session, p.engine, (p.at, p.origin))

@@ -234,3 +234,23 @@ async def test_a_group_the_engine_lost_marks_it_down_at_once(pair):
         [d async for d in st]
     assert r.problem() is not None  # before any poll could have seen it
     await r.close()
+
+
+def test_a_pin_another_proxy_decided_first_wins(three):
+    f, engines, _ = three
+    f.names = ["e0", "e1", "e2"]
+    told = []
+    f.origin, f.on_pin = "me", lambda *pin: told.append(pin)
+    assert f.route(request("a", "s")) == 0 and told[-1][:2] == ("s", "e0")
+    mine = told[-1][2]
+    f.adopt("s", "e1", (mine[0] + 1, "peer"))  # decided after mine: mine stays
+    assert f.route(request("b", "s")) == 0
+    f.adopt("s", "e1", (mine[0] - 1, "peer"))  # decided before mine: everyone goes there
+    assert f.route(request("c", "s")) == 1
+    f.adopt("s", "e9", (0.0, "peer"))  # not one of these engines
+    engines[2].down = "gone"
+    f.adopt("s", "e2", (0.0, "peer"))  # cannot serve
+    assert f.route(request("d", "s")) == 1
+    f.adopt("new", "e2", (5.0, "peer"))  # a session not pinned here yet takes the peer's pin
+    engines[2].down = None
+    assert f.route(request("e", "new")) == 2 and len(told) == 1  # adopting tells nobody

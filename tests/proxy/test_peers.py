@@ -70,3 +70,28 @@ async def test_one_simulation_through_two_proxies(start, broker, until):
 async def test_peers_need_a_broker():
     with pytest.raises(ValueError, match="give --mqtt too"):
         Server(FakeBackend(), Config(peers=True))
+
+
+async def test_peers_in_front_of_one_fleet_keep_a_session_on_one_engine(start, broker, until):
+    from tokendance.backend.fleet import Fleet
+
+    engines = [FakeBackend(length=8) for _ in range(2)]
+
+    def fleet() -> Fleet:
+        return Fleet(engines, ["http://e0", "http://e1"])
+
+    p1, p2 = [await start(fleet(), mqtt=broker.url, peers=True, barrier_timeout=0.05) for _ in range(2)]
+    for p in (p1, p2):
+        p.control.backoff = (0.05, 0.2)
+    await until(lambda: p1.control.connected and p2.control.connected)
+    await asyncio.sleep(0.2)
+    await ask(p2, "other", "x", "a session that loads engine e0 for p2 only")  # p2 alone would pick e1 next
+    await until(lambda: "other" in p1.proxy.backend.pins)
+    p1.proxy.backend.pins.pop("other")  # p1 sees no load: e0 is its least loaded
+    await ask(p1, "one", "ada", "ada speaks first")
+    await until(lambda: "one" in p2.proxy.backend.pins)
+    assert p2.proxy.backend.pins["one"].engine == p1.proxy.backend.pins["one"].engine
+    for k in range(3):  # the session's requests alternate between the proxies
+        await ask((p1, p2)[k % 2], "one", "bo", f"bo speaks, turn {k}")
+    went = [sum(any(r.session == "one" for r in g) for g in e.groups) for e in engines]
+    assert sorted(went) == [0, 4]  # one engine served all four
