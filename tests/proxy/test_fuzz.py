@@ -52,7 +52,7 @@ CONVOS = [[{"role": "user", "content": "hi there"}],
 # The Responses API's fields (proxy/responses.py)
 R_FIELDS = ["instructions", "tools", "tool_choice", "max_output_tokens", "temperature", "top_p", "stream", "store",
             "previous_response_id", "text", "include", "top_logprobs", "metadata", "reasoning", "truncation",
-            "parallel_tool_calls", "tokendance", "top_k", "seed", "stop", "input"]
+            "parallel_tool_calls", "tokendance", "top_k", "seed", "stop", "input", "background"]
 R_PLAUSIBLE: dict[str, Any] = {
     "instructions": ["Be brief.", ""], "tools": [[{"type": "function", "name": "f", "parameters": TOOLS[0]["function"][
         "parameters"]}, {"type": "function", "name": "g", "strict": False}], [{"type": "web_search"}]],
@@ -61,7 +61,7 @@ R_PLAUSIBLE: dict[str, Any] = {
     "text": [{"format": {"type": "json_object"}}, {"format": {"type": "json_schema", "name": "x", "schema": {
         "type": "object", "properties": {"k": {"type": "string"}}}}}, {"format": {"type": "regex"}}],
     "include": [["message.output_text.logprobs"], ["file_search_call.results"]], "metadata": [{"k": "v"}],
-    "reasoning": [{"effort": "low"}, {"effort": None}], "truncation": ["auto", "disabled"],
+    "reasoning": [{"effort": "low"}, {"effort": None}], "truncation": ["auto", "disabled"], "background": [True],
     "input": [[{"role": "user", "content": [{"type": "input_text", "text": "hi"}]}], [
         {"role": "user", "content": "call f"}, {"type": "function_call", "call_id": "c1", "name": "f", "arguments": "{}"},
         {"type": "function_call_output", "call_id": "c1", "output": "3"}], [{"type": "reasoning", "summary": []}]],
@@ -131,6 +131,12 @@ async def test_random_bodies_get_no_5xx(engine_live, seed):
                 return await fire(http, engine_live.url, path, b)
 
         wrong = [w for w in await asyncio.gather(*(one(p, b) for p, b in bodies)) if w]
+        for _ in range(600):  # background responses run on after their answers
+            if not engine_live.server.proxy.running:
+                break
+            await asyncio.sleep(0.1)
+        failed = [r for r in engine_live.server.proxy.stored.items.values() if b'"status":"failed"' in r.body]
+        wrong += [f"a background response failed: {r.body[:300]!r}" for r in failed]
         async with http.get(engine_live.url + "/health") as h:
             health = await h.json()
     assert not wrong, "\n".join(wrong[:5])
