@@ -2,53 +2,24 @@
 with lookahead equals decode without, the engine's greedy tokens equal HF transformers'
 on the same random weights (bf16 and fp32), Mirrors (the Triton kernels through
 slot-position tables, and the Master read collectively in decode) give what the dense
-paths give, and with producer bases requests ended by length publish exact K/V. Run on
-the GPU machine: python -m tokendance.bench.check_cuda"""
+paths give, and with producer bases requests ended by length publish exact K/V; then
+the serving checks (bench/check_serving.py). Run on the GPU machine:
+python -m tokendance.bench.check_cuda [act | memory | mirrors]"""
 
 from __future__ import annotations
 
-import json
-import shutil
 import sys
 
 import torch
 
-from tokendance.backend.api import SamplingParams, Structure
+from tokendance.backend.api import SamplingParams
 from tokendance.backend.config import EngineConfig
 from tokendance.backend.engine import Engine
 from tokendance.backend.pool import flat_slots
+from tokendance.bench.check_serving import memory_share, structured_after
 from tokendance.bench.engine import rand_prompts
-from tokendance.bench.shapes import SHAPES, shape_folder
-
-
-# Their rounds' outputs (8-60 tokens) are shorter than the length CUDA reuses from by default:
-# every engine here reuses all of them, so the Mirror paths are what it checks.
-REUSE_ALL = {"min_shared_tokens": 0}
-
-
-def small_folder(layers: int = 4, shape: str = "qwen2.5-7b"):
-    """A shape's widths (Qwen2.5-7B's by default) with fewer layers: quick to build, same
-    kernel shapes."""
-    src = shape_folder(shape)
-    out = src.parent / f"{shape}-{layers}l"
-    out.mkdir(exist_ok=True)
-    cfg = dict(SHAPES[shape], num_hidden_layers=layers)
-    (out / "config.json").write_text(json.dumps(cfg))
-    for f in src.iterdir():
-        if f.name != "config.json":
-            shutil.copy(f, out / f.name)
-    return out
-
-
-def seeded(**cfg) -> Engine:
-    """An fp32 engine on small_folder(2) whose random weights are the same in every engine
-    made here."""
-    eng = Engine(EngineConfig(model=str(small_folder(2)), dtype="float32", random_weights=True, seed=0,
-                              **REUSE_ALL, **cfg))
-    torch.manual_seed(0)
-    for p in eng.model.parameters():
-        p.data.normal_(0, 0.02)
-    return eng
+from tokendance.bench.shapes import SHAPES
+from tokendance.bench.small import REUSE_ALL, seeded, small_folder
 
 
 def graphs_vs_eager(mirrors: bool = False, n: int = 11, segments: int = 0) -> float:
@@ -319,63 +290,6 @@ def act() -> bool:
     print(f"silu * up, 4096 x 18944 bf16: fused {fused:.3f} ms, torch {ref:.3f} ms "
           f"({ref / fused:.2f}x); largest relative error {rel:.1e}")
     return rel <= 2 ** -6  # two bf16 roundings
-
-
-def structured_after() -> bool | None:
-    """A grammar held after its marker (Structure.after, a reasoning model's "</think>"),
-    with lookahead on: free up to the marker, held from it; never held without it. None
-    without xgrammar (the device's carried wheels, bench/h200.sh)."""
-    try:
-        import xgrammar  # noqa: F401
-    except ImportError:
-        return None
-    eng = seeded()
-    prompt, marker = list(range(100, 140)), " Meanwhile"
-    (tok,) = eng.tokenizer.encode(marker, add_special_tokens=False)
-    yes_no = json.dumps(["yes", "no"])
-
-    def text(st: Structure | None, **kw) -> tuple[list[int], str]:
-        ids, out, _ = eng.generate([prompt], SamplingParams(temperature=0, structure=st, **kw))[0]
-        return ids, out
-
-    forced = text(Structure("choice", yes_no, after=marker), max_tokens=40, logit_bias={tok: 100.0})[1]
-    first = text(Structure("choice", yes_no), max_tokens=40)[1]
-    never = text(Structure("choice", yes_no, after="</think>"), max_tokens=12)[0] == text(None, max_tokens=12)[0]
-    return forced in (marker + "yes", marker + "no") and first in ("yes", "no") and never
-
-
-def memory_share(util: float = 0.3) -> bool:
-    """--gpu-memory-utilization on a Qwen2.5-7B shape (random bf16 weights): what torch
-    holds at its peak (weights, the pool, every step's activations) stays within the
-    share, through full prefill steps and decode (run in a process of its own)."""
-    free0, total = torch.cuda.mem_get_info()
-    eng = Engine(EngineConfig(model=str(shape_folder("qwen2.5-7b")), dtype="bfloat16", random_weights=True,
-                              gpu_memory_utilization=util))
-    pool = eng.cache.kv.numel() * eng.cache.kv.element_size()
-    ready = torch.cuda.max_memory_reserved()
-    vocab = eng.mcfg.vocab_size
-    eng.generate(rand_prompts(8, 2048, vocab, 1), SamplingParams(max_tokens=1, ignore_eos=True))  # full steps
-    prefill = torch.cuda.max_memory_reserved()
-    eng.generate(rand_prompts(64, 1024, vocab, 2), SamplingParams(max_tokens=32, ignore_eos=True))
-    decode = torch.cuda.max_memory_reserved()
-    # a cold collective All-Gather round: 20 agents, histories 512, outputs 150, in turn
-    outs, prompts, spans = rand_prompts(20, 150, vocab, 3), [], []
-    for i, own in enumerate(rand_prompts(20, 512, vocab, 4)):
-        prompt, sp = list(own), []
-        for o in outs[i:] + outs[:i]:
-            sp.append((len(prompt), len(prompt) + len(o)))
-            prompt += o
-        prompts.append(prompt)
-        spans.append(sp)
-    eng.generate(prompts, SamplingParams(max_tokens=8, ignore_eos=True), mode="collective", shared=spans)
-    peak = torch.cuda.max_memory_reserved()
-    other = free0 - torch.cuda.mem_get_info()[0] - torch.cuda.memory_reserved()  # not torch's: libraries'
-    g = 2**30
-    print(f"--gpu-memory-utilization {util}: pool {pool / g:.1f} GiB; torch held at most {ready / g:.1f} GiB "
-          f"once ready, {prefill / g:.1f} through a full prefill step, {decode / g:.1f} through decode, "
-          f"{peak / g:.1f} through a collective round, besides {other / g:.2f} GiB outside torch; the share "
-          f"is {util * total / g:.1f} GiB")
-    return peak + other <= util * total
 
 
 def main() -> int:

@@ -179,8 +179,6 @@ def test_bad_reuse_flag_is_one_line(tiny_llama, capsys):
 def test_served_model_names_and_api_keys(monkeypatch):
     """vLLM's --served-model-name (requests may give any name, answers the first) and
     --api-key (repeatable, or $TOKENDANCE_API_KEY; /v1 routes only)."""
-    import openai
-
     monkeypatch.setenv(serve.KEY_ENV, "sk-env")
     assert serve.config(parse()).api_keys == {"sk-env"}
     c = serve.config(parse("--api-key", "sk-a", "--api-key", "sk-b", "--served-model-name", "gpt-4o-mini", "tiny"))
