@@ -5,7 +5,8 @@ Both read the answer the same way, delta by delta (`Items`); a stream sends the 
 as they come. Once done, a response is stored with its conversation (proxy/stored.py),
 unless its request said `store: false` or it failed. A stream that fails sends
 `response.failed` with the error. A background response is answered at once and
-generated in a task of its own, stored as it goes.
+generated in a task of its own, stored as it goes; with `stream: true` its events go to
+a feed (proxy/feed.py) that the request and later `GET`s follow.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import msgspec
@@ -23,7 +25,8 @@ from tokendance.backend.api import Stream
 
 from . import calls
 from .core import Call, Proxy
-from .errors import ApiError
+from .errors import ApiError, invalid
+from .feed import Feed
 from .items import Event, Failure, Incomplete, InputDetails, Items, OutputDetails, Response, Usage
 from .replies import ReuseDetails
 from .respond import chat_lp, failed, merged, split, thinking_of
@@ -46,6 +49,7 @@ class Turn:
     items: Items = field(init=False)
     reasoning_tokens: int = 0
     seq: int = 0
+    feed: Feed | None = None  # a streamed background response's events
 
     def _start(self, call: Call) -> None:
         self.items = Items(bool(call.prepared[0].request.sampling.logprobs))
@@ -58,7 +62,8 @@ class Turn:
                 await self._read(px, call, streams, None)
             except Exception as exc:
                 raise failed(px, call, exc) from exc
-            r = self._done(px, call)
+            r = self._finished(call)
+            self._keep(px, call, r)
             return web.Response(body=_enc.encode(r), content_type="application/json", headers=call.headers())
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
                                            **call.headers()})
@@ -72,18 +77,17 @@ class Turn:
             except ConnectionResetError:
                 raise
             except Exception as exc:
-                err = failed(px, call, exc).body
-                r = self._response(call, "failed")
-                r.error = Failure(err.code or "server_error", err.message)
-                await self._send(resp, [Event("response.failed", response=r)])
+                await self._send(resp, [Event("response.failed", response=self._failed(px, call, exc))])
                 return resp
-            r = self._done(px, call)
+            r = self._finished(call)
+            self._keep(px, call, r)
             await self._send(resp, [Event(f"response.{r.status}", response=r)])
         except ConnectionResetError:  # the client went away while we wrote
             call.outcome = "abort"
         return resp
 
     async def _read(self, px: Proxy, call: Call, streams: list[Stream], resp: web.StreamResponse | None) -> None:
+        """Read the answer into `self.items`; its events go to `resp`, else to the feed (if any)."""
         reader, th = calls.reader(call.tools), thinking_of(px, call)
         lp = call.prepared[0].request.sampling.logprobs
         async with contextlib.aclosing(merged(call, streams)) as deltas:
@@ -101,19 +105,33 @@ class Turn:
                     events += self.items.end(d.finish_reason == "length")
                 if resp is not None:
                     await self._send(resp, events)
+                else:
+                    self._post(events)
 
     async def _send(self, resp: web.StreamResponse, events: list[Event]) -> None:
         for e in events:
-            e.sequence_number, self.seq = self.seq, self.seq + 1
-            await resp.write(b"event: " + e.type.encode() + b"\ndata: " + _enc.encode(e) + b"\n\n")
+            await resp.write(self._frame(e))
+
+    def _post(self, events: list[Event]) -> None:
+        if self.feed is not None:
+            for e in events:
+                self.feed.add(self._frame(e))
+
+    def _frame(self, e: Event) -> bytes:
+        e.sequence_number, self.seq = self.seq, self.seq + 1
+        return b"event: " + e.type.encode() + b"\ndata: " + _enc.encode(e) + b"\n\n"
 
     def background(self, px: Proxy, call: Call) -> Response:
         """Generate the response in a task of its own, and say so: it is stored now as
         queued, then in progress once its group starts, and last as it ends (completed,
-        incomplete, failed or cancelled: `POST .../cancel` cancels the task)."""
+        incomplete, failed or cancelled: `POST .../cancel` cancels the task). Streamed, its
+        events go to `self.feed`; a cancelled one's end with an `error` event."""
         self._start(call)
         px.enter()  # a shutdown drains it as it drains a request
         r = self._response(call, "queued")
+        if self.body.stream:
+            self.feed = Feed()
+            self._post([Event("response.created", response=r), Event("response.queued", response=r)])
         self._store(px, call, r)
         px.running[call.id] = asyncio.create_task(self._generate(px, call))
         return r
@@ -122,18 +140,24 @@ class Turn:
         streams: list[Stream] = []
         try:
             streams = await px.admit(call)
-            self._store(px, call, self._response(call, "in_progress"))
+            r = self._response(call, "in_progress")
+            self._post([Event("response.in_progress", response=r)])
+            self._store(px, call, r)
             await self._read(px, call, streams, None)
-            self._done(px, call)
+            r = self._finished(call)
+            self._post([Event(f"response.{r.status}", response=r)])
+            self._keep(px, call, r)
         except asyncio.CancelledError:
             call.outcome = "abort"
+            self._post([Event("error", code="response_cancelled", message="the response was cancelled")])
             self._store(px, call, self._response(call, "cancelled"))
-        except Exception as exc:  # an ApiError from the group's start is counted and says why already
-            err = exc.body if isinstance(exc, ApiError) else failed(px, call, exc).body
-            r = self._response(call, "failed")
-            r.error = Failure(err.code or "server_error", err.message)
+        except Exception as exc:
+            r = self._failed(px, call, exc)
+            self._post([Event("response.failed", response=r)])
             self._store(px, call, r)
         finally:
+            if self.feed is not None:
+                self.feed.close()
             for i, st in enumerate(streams):
                 if call.finish[i] is None:
                     st.abort()
@@ -141,8 +165,15 @@ class Turn:
             px.running.pop(call.id, None)
             px.leave()
 
-    def _done(self, px: Proxy, call: Call) -> Response:
-        """The finished response, stored unless the request said not to."""
+    def _failed(self, px: Proxy, call: Call, exc: Exception) -> Response:
+        # an ApiError from the group's start is counted and says why already
+        err = exc.body if isinstance(exc, ApiError) else failed(px, call, exc).body
+        r = self._response(call, "failed")
+        r.error = Failure(err.code or "server_error", err.message)
+        return r
+
+    def _finished(self, call: Call) -> Response:
+        """The response as it ended: completed, or incomplete when cut off."""
         r = self._response(call, "incomplete" if call.finish[0] == "length" else "completed")
         if r.status == "incomplete":
             r.incomplete_details = Incomplete("max_output_tokens")
@@ -153,17 +184,20 @@ class Turn:
         r.usage = Usage(u.prompt_tokens, InputDetails(u.cached_tokens), u.completion_tokens,
                         OutputDetails(reasoning), u.prompt_tokens + u.completion_tokens,
                         ReuseDetails(u.shared_tokens, u.recomputed_tokens, u.kv_dense_bytes, u.kv_held_bytes))
+        return r
+
+    def _keep(self, px: Proxy, call: Call, r: Response) -> None:
+        """Store the finished response with its answer, unless the request said not to."""
         if self.body.store:
             made = [(it.call_id, it.name, it.arguments) for it in r.output if it.type == "function_call"]
             self._store(px, call, r, output_message(call.shown[0], made))
-        return r
 
     def _store(self, px: Proxy, call: Call, r: Response, answer: Message | None = None) -> None:
         """Store `r` with its conversation, this answer last (none: it has none yet, or never will)."""
         m = call.meta
         conversation = _enc.encode([*self.history, *self.new, *([answer] if answer else [])])
         px.stored.put(call.id, Stored(_enc.encode(r), conversation, self.inputs, self.owner,
-                                      (m.session, m.agent, m.mode)))
+                                      (m.session, m.agent, m.mode), self.feed))
 
     def _response(self, call: Call, status: str) -> Response:
         b = self.body
@@ -175,3 +209,24 @@ class Turn:
             temperature=b.temperature, top_p=b.top_p, max_output_tokens=b.max_output_tokens,
             text=b.text or {"format": {"type": "text"}}, reasoning=b.reasoning, metadata=dict(b.metadata or {}),
             store=b.store, user=b.user, background=bool(b.background))
+
+
+async def follow(req: web.Request, feed: Feed, after: int, headers: dict[str, str] | None = None) -> web.StreamResponse:
+    """Send a streamed background response's events after sequence number `after`, as
+    they come. A follower that goes away leaves the response running."""
+    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
+                                       **(headers or {})})
+    await resp.prepare(req)
+    with contextlib.suppress(ConnectionResetError):
+        async for frame in feed.follow(after):
+            await resp.write(frame)
+    return resp
+
+
+def starting_after(query: Mapping[str, str]) -> int:
+    """`GET .../{id}?stream=true&starting_after=N`'s N (-1: from the first event)."""
+    raw = query.get("starting_after", "-1")
+    n = int(raw) if raw.lstrip("-").isdecimal() and len(raw) < 20 else None
+    if n is None or n < -1:
+        raise invalid("starting_after must be an integer, an event's sequence number", "starting_after")
+    return n

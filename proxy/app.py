@@ -17,7 +17,7 @@ from tokendance.backend.api import Backend, InvalidRequest, Stream
 
 from . import replies, responses, schemas, segment
 from . import tokenize as tokens
-from .answer import Turn
+from .answer import Turn, follow, starting_after
 from .core import Call, Config, Proxy
 from .errors import ApiError, invalid, keys, middleware
 from .mqtt import Control
@@ -116,17 +116,28 @@ async def create_response(req: web.Request) -> web.StreamResponse:
         _prepare(px, call, chat)
     except ApiError as exc:
         raise responses.renamed(exc) if exc.status == 400 else exc
-    if body.background:  # answered at once; the response is read back when done
-        return _json(turn.background(px, call))
+    if body.background:  # answered at once; the response is read back (or followed) as it goes
+        r = turn.background(px, call)
+        return await follow(req, turn.feed, -1, call.headers()) if turn.feed else _json(r)
     return await reply(req, px, call, await px.admit(call), turn.write)
 
 
-async def get_response(req: web.Request) -> web.Response:
+async def get_response(req: web.Request) -> web.StreamResponse:
+    """A stored response; with `stream=true`, a streamed background response's events
+    (from after `starting_after`), as they come."""
     px = req.app[PROXY]
     s = px.stored.get(req.match_info["id"], px.tenant(req.headers))
     if s is None:
         raise _no_response(req)
-    return web.Response(body=s.body, content_type="application/json")
+    stream = req.query.get("stream", "false").lower()
+    if stream not in ("true", "false"):
+        raise invalid("stream must be true or false", "stream")
+    if stream == "false":
+        return web.Response(body=s.body, content_type="application/json")
+    after = starting_after(req.query)
+    if s.feed is None:
+        raise invalid("only a background response created with stream: true can be streamed", "stream")
+    return await follow(req, s.feed, after)
 
 
 async def input_items(req: web.Request) -> web.Response:

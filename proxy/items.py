@@ -132,6 +132,8 @@ class Event(Struct, omit_defaults=True):
     text: str | None = None
     arguments: str | None = None
     logprobs: list[ChatLogprob] | None = None
+    code: str | None = None  # an `error` event's
+    message: str | None = None
 
 
 class Items:

@@ -6,7 +6,7 @@ the barrier, shared segments, tool calls, reasoning; proxy/app.py): its `instruc
 become the system message, its `input` items the messages after the stored conversation
 that `previous_response_id` names (proxy/stored.py), its function tools chat tools and its
 `text.format` a response format. What the API has and this server does not (built-in
-tools, images and files, streamed background responses) is a 400 naming the field.
+tools, images and files, conversation objects) is a 400 naming the field.
 
 Items become messages as chat templates take them: a `function_call` is a call of the
 assistant message before it (or of a new one), a `function_call_output` a tool message,
@@ -130,8 +130,6 @@ def check(body: ResponsesRequest) -> None:
     chat request it becomes)."""
     if body.background and not body.store:
         raise invalid("a background response is read back when done: store must be true", "store")
-    if body.background and body.stream:
-        raise unsupported("stream", "streaming a background response")
     if body.conversation is not None:
         raise unsupported("conversation", "conversations (use previous_response_id)")
     if body.prompt is not None:

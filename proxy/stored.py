@@ -2,10 +2,11 @@
 `GET /v1/responses/{id}` returns.
 
 In memory, per tenant (another API key finds nothing: a 404, as for an unknown id),
-evicted least recently used beyond a byte budget (each response's encoded body and
-conversation). A response is stored once it is done, unless its request said
-`store: false`; one that failed is not. All is kept encoded: the budget counts the
-bytes held exactly, and a stored response is three byte strings, not a tree of objects.
+evicted least recently used beyond a byte budget. A response is stored once it is done,
+unless its request said `store: false`; one that failed is not, except in the background
+(its status is how the client learns it failed). All is kept encoded, and the budget
+counts the bytes held exactly: the body, the conversation, the input items and a
+streamed background response's events (proxy/feed.py).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from dataclasses import dataclass
 import msgspec
 import structlog
 
+from .feed import Feed
 from .schemas import Message
 
 log = structlog.get_logger("tokendance.proxy")
@@ -31,6 +33,7 @@ class Stored:
     inputs: bytes  # its input items as listed back, encoded
     tenant: str
     tags: tuple[str | None, str | None, str | None]  # its session, agent and mode: the next inherits them
+    feed: Feed | None = None  # a streamed background response's events (proxy/feed.py)
     size: int = 0
 
     @property
@@ -45,7 +48,7 @@ class Store:
         self.bytes = 0
 
     def put(self, id: str, s: Stored) -> None:
-        s.size = len(s.body) + len(s.conversation) + len(s.inputs)
+        s.size = len(s.body) + len(s.conversation) + len(s.inputs) + (s.feed.size if s.feed else 0)
         if s.size > self.budget:
             log.warning("response not stored: larger than the store", id=id, bytes=s.size, budget=self.budget)
             return

@@ -1,7 +1,8 @@
 """OpenAI's Responses API (`/v1/responses`) with the real openai SDK: whole and streamed
 (the SDK's own stream accumulator checks the events), conversations by
 `previous_response_id`, the store, function tools, reasoning, structured text, sessions,
-and every unsupported field a 400; on the real engine, the same tokens as a chat."""
+and every unsupported field a 400; on the real engine, the same tokens as a chat.
+Background responses: tests/proxy/test_background.py."""
 
 from __future__ import annotations
 
@@ -232,7 +233,6 @@ def test_a_conversation_stays_in_its_session(client):
     ({"input": [{"role": "user", "content": "x"},  # checked as a message: named as the input
                 {"type": "function_call", "call_id": "c", "name": "f", "arguments": "[1]"}]}, "input"),
     ({"background": True, "store": False}, "store"),
-    ({"background": True, "stream": True}, "stream"),
     ({"conversation": "conv_1"}, "conversation"),
     ({"prompt": {"id": "pmpt_1"}}, "prompt"),
     ({"truncation": "auto"}, "truncation"),
@@ -324,51 +324,3 @@ def test_a_stored_responses_input_items(client, echo):
             client.responses.input_items.list(r.id, **bad)
     with pytest.raises(openai.NotFoundError):
         client.responses.input_items.list("resp_nope")
-
-
-async def test_a_background_response_is_read_back_when_done(start, make_backend, until):
-    be = make_backend(length=30, delay=0.01)
-    server = await start(be)
-    c = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="k", max_retries=0)
-    words = " ".join(f"w{i}" for i in range(30))
-    r = await c.responses.create(model=MODEL, input=words, background=True)
-    assert (r.status, r.background, r.output) == ("queued", True, [])
-    await until(lambda: r.id not in server.proxy.running)
-    done = await c.responses.retrieve(r.id)
-    assert (done.status, done.output_text, done.usage.output_tokens) == ("completed", words, 30)
-    assert (await c.responses.create(model=MODEL, input="more", previous_response_id=r.id)).output_text == "more"
-    # cancelled while it generates: the engine lets go of it, and it is read back as cancelled
-    r = await c.responses.create(model=MODEL, input=words, background=True)
-    await until(lambda: be.active)
-    gone = await c.responses.cancel(r.id)
-    assert gone.status == "cancelled" and (await c.responses.retrieve(r.id)).status == "cancelled"
-    assert be.aborted and not be.active and server.proxy.in_flight == 0
-    assert (await c.responses.cancel(r.id)).status == "cancelled"  # again: as it is
-    plain = await c.responses.create(model=MODEL, input="x")
-    with pytest.raises(openai.BadRequestError, match="only a background response"):
-        await c.responses.cancel(plain.id)
-    with pytest.raises(openai.NotFoundError):
-        await c.responses.cancel("resp_nope")
-    await c.close()
-
-
-async def test_a_background_response_the_engine_fails_is_read_back_failed(start, make_backend, until):
-    be = make_backend(fail="generate")
-    server = await start(be)
-    c = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="k", max_retries=0)
-    r = await c.responses.create(model=MODEL, input="a b", background=True)
-    await until(lambda: r.id not in server.proxy.running)
-    got = await c.responses.retrieve(r.id)
-    assert got.status == "failed" and got.error.code == "engine_error"
-    await c.close()
-
-
-async def test_shutdown_finishes_a_background_response(start, make_backend):
-    be = make_backend(length=20, delay=0.01)
-    server = await start(be)
-    c = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="k", max_retries=0)
-    r = await c.responses.create(model=MODEL, input=" ".join(f"w{i}" for i in range(20)), background=True)
-    await c.close()
-    await server.stop()  # drains: the background response runs to its end
-    assert server.proxy.running == {}
-    assert b'"status":"completed"' in server.proxy.stored.get(r.id, server.proxy.tenant({"Authorization": "Bearer k"})).body
