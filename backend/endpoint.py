@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import signal
 import tempfile
 from pathlib import Path
@@ -18,6 +19,7 @@ from aiohttp import web
 
 from tokendance.backend import logs, wire
 from tokendance.backend.api import Backend, Request, Stream
+from tokendance.backend.auth import ENGINE_KEY_ENV, Keys, check_keys
 from tokendance.backend.flags import add_engine_args, engine_options
 
 log = structlog.get_logger(__name__)
@@ -25,13 +27,14 @@ MAX_BODY = 256 * 2**20  # a group of long prompts
 
 
 class Endpoint:
-    def __init__(self, backend: Backend, info: wire.Info):
+    def __init__(self, backend: Backend, info: wire.Info, keys: Keys | None = None):
         self.backend = backend
         self.info = wire.encoder.encode(info)
+        self.keys = keys or Keys()  # required on the protocol's routes (/health stays open)
         self.live: dict[str, Stream] = {}  # request id -> its stream, while its group answers
 
     def app(self) -> web.Application:
-        app = web.Application(client_max_size=MAX_BODY)
+        app = web.Application(client_max_size=MAX_BODY, middlewares=[self._check_key])
         r, p = app.router, wire.PREFIX
         r.add_get(p + "/info", self.get_info)
         r.add_post(p + "/generate", self.generate)
@@ -39,6 +42,14 @@ class Endpoint:
         r.add_get(p + "/gauges", self.gauges)
         r.add_get("/health", self.health)
         return app
+
+    @web.middleware
+    async def _check_key(self, req: web.Request, handler) -> web.StreamResponse:
+        if self.keys and req.path.startswith(wire.PREFIX) and not self.keys.accept(req.headers):
+            raise web.HTTPUnauthorized(text=wire.encoder.encode(wire.WireError(
+                "this engine requires an API key (Authorization: Bearer ...)")).decode(),
+                content_type="application/json")
+        return await handler(req)
 
     async def get_info(self, req: web.Request) -> web.Response:
         return web.Response(body=self.info, content_type="application/json")
@@ -163,6 +174,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8001)
     p.add_argument("--drain-timeout", type=float, default=30.0, help="seconds to finish on shutdown")
+    p.add_argument("--api-key", action="append", default=None, metavar="KEY",
+                   help=f"answer proxies only with this key (`tokendance serve --engine-api-key`); repeat "
+                        f"it for several (default: ${ENGINE_KEY_ENV}, else none)")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     p.set_defaults(func=main)
     return p
@@ -174,11 +188,14 @@ def main(args: argparse.Namespace) -> int:
         raise ValueError(f"--port must lie in 0..65535, got {args.port}")
     if not args.drain_timeout >= 0:
         raise ValueError("--drain-timeout must be a number, not negative")
+    env = os.environ.get(ENGINE_KEY_ENV)
+    keys = Keys(check_keys(args.api_key or ([env] if env else []), "--api-key"))
     options = engine_options(args)
     from tokendance.backend.service import EngineBackend
 
     backend = EngineBackend.load(**options)
-    asyncio.run(serve(Endpoint(backend, engine_info(backend.engine)), args.host, args.port, args.drain_timeout))
+    endpoint = Endpoint(backend, engine_info(backend.engine), keys)
+    asyncio.run(serve(endpoint, args.host, args.port, args.drain_timeout))
     return 0
 
 

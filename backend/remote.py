@@ -21,6 +21,7 @@ import aiohttp
 import structlog
 
 from tokendance.backend import wire
+from tokendance.backend.auth import header, refused
 from tokendance.backend.api import (
     BackendError, Gauge, ModelInfo, Prepared, Request, Template, check_mode,
 )
@@ -35,7 +36,7 @@ GAUGES_EVERY = 2.0  # seconds between refreshes of the engine's gauges for /metr
 
 class RemoteBackend:
     def __init__(self, url: str, info: wire.Info, tokenizer: Any, mode: str = "collective",
-                 timeout: float = 10.0):
+                 timeout: float = 10.0, api_key: str | None = None):
         check_mode(mode)
         self.url = url.rstrip("/")
         self.info = ModelInfo(info.name, info.max_model_len, info.kv_bytes_per_token)
@@ -44,6 +45,7 @@ class RemoteBackend:
         self.grammars = Grammars(tokenizer, info.vocab_size)  # checks structured outputs' specs
         self.mode = mode
         self.timeout = timeout  # to connect, and for the small calls
+        self.headers = header(api_key)  # the engine's key, when it requires one (backend/auth.py)
         self._session: aiohttp.ClientSession | None = None
         self._tasks: set[asyncio.Task] = set()
         self._gauges: list[Gauge] = []
@@ -51,19 +53,23 @@ class RemoteBackend:
         self._problem: str | None = None
 
     @classmethod
-    async def connect(cls, url: str, mode: str = "collective", timeout: float = 10.0) -> "RemoteBackend":
+    async def connect(cls, url: str, mode: str = "collective", timeout: float = 10.0,
+                      api_key: str | None = None) -> "RemoteBackend":
         """Ask the engine at `url` for its model and tokenizer; BackendError if it cannot answer."""
         t = aiohttp.ClientTimeout(total=max(timeout, 60.0), connect=timeout)
         try:
-            async with aiohttp.ClientSession(timeout=t) as s, s.get(url.rstrip("/") + wire.PREFIX + "/info") as r:
+            async with aiohttp.ClientSession(timeout=t, headers=header(api_key)) as s, \
+                    s.get(url.rstrip("/") + wire.PREFIX + "/info") as r:
                 body = await r.read()
+                if r.status == 401:
+                    raise BackendError(refused(url, api_key))
                 if r.status != 200:
                     raise BackendError(f"{url} answered {wire.PREFIX}/info with HTTP {r.status}: "
                                        "is it a `tokendance engine`?")
                 info = wire.decode(body, wire.Info)
         except (aiohttp.ClientError, TimeoutError, ValueError) as e:
             raise BackendError(f"no engine at {url}: {e or type(e).__name__}") from e
-        return cls(url, info, _tokenizer(info.tokenizer), mode, timeout)
+        return cls(url, info, _tokenizer(info.tokenizer), mode, timeout, api_key)
 
     # -- the Backend protocol ------------------------------------------------------------
 
@@ -191,7 +197,7 @@ class RemoteBackend:
         if self._session is None:  # made in the serving loop, on first use
             self._session = aiohttp.ClientSession(
                 timeout=aiohttp.ClientTimeout(total=None, connect=self.timeout),
-                connector=aiohttp.TCPConnector(limit=0))
+                connector=aiohttp.TCPConnector(limit=0), headers=self.headers)
         return self._session
 
     def _spawn(self, coro: Any) -> None:

@@ -25,6 +25,7 @@ from tokendance.backend.api import (
     BackendError, Delta, Gauge, InvalidRequest, ModelInfo, Prepared, Request, TokenLogprob,
     Template, TopLogprob, Usage, check_mode,
 )
+from tokendance.backend.auth import header, refused
 from tokendance.backend.grammar import Grammars
 from tokendance.backend.prompt import check, fast_tokenizer, render_chat, request_ids
 from tokendance.backend.stream import QueueStream
@@ -36,13 +37,14 @@ POLL = 2.0  # seconds between looks at a lost server's /health
 
 class VLLMBackend:
     def __init__(self, url: str, model: str, max_model_len: int, tokenizer: Any, mode: str = "prefix",
-                 timeout: float = 10.0):
+                 timeout: float = 10.0, api_key: str | None = None):
         self.url = url.rstrip("/")
         self.info = ModelInfo(model, max_model_len, 0)  # vLLM does not say its KV bytes per token
         self.tokenizer = tokenizer
         self.grammars = Grammars(tokenizer, len(tokenizer))  # checks structured outputs' specs
         self.mode = _served(mode)
         self.timeout = timeout
+        self.headers = header(api_key)  # vLLM's --api-key, when it has one (backend/auth.py)
         self._session: aiohttp.ClientSession | None = None
         self._tasks: dict[str, asyncio.Task] = {}
         self._problem: str | None = None
@@ -50,19 +52,23 @@ class VLLMBackend:
 
     @classmethod
     async def connect(cls, url: str, tokenizer: str | None = None, mode: str = "prefix",
-                      timeout: float = 10.0) -> "VLLMBackend":
+                      timeout: float = 10.0, api_key: str | None = None) -> "VLLMBackend":
         """Ask the server at `url` for its model; BackendError if it cannot answer."""
         _served(mode)
         t = aiohttp.ClientTimeout(total=max(timeout, 30.0), connect=timeout)
         try:
-            async with aiohttp.ClientSession(timeout=t) as s, s.get(url.rstrip("/") + "/v1/models") as r:
+            async with aiohttp.ClientSession(timeout=t, headers=header(api_key)) as s, \
+                    s.get(url.rstrip("/") + "/v1/models") as r:
+                if r.status == 401:
+                    raise BackendError(refused(url, api_key))
                 if r.status != 200:
                     raise BackendError(f"{url} answered /v1/models with HTTP {r.status}: is it a vLLM server?")
                 card = (await r.json())["data"][0]
                 name, max_len, root = card["id"], int(card["max_model_len"]), card.get("root") or card["id"]
         except (aiohttp.ClientError, TimeoutError, ValueError, KeyError, IndexError, TypeError) as e:
             raise BackendError(f"no vLLM server at {url}: {e or type(e).__name__}") from e
-        return cls(url, name, max_len, fast_tokenizer(tokenizer or root, f"the tokenizer at {tokenizer or root} (--tokenizer: a local model folder)"), mode, timeout)
+        tok = fast_tokenizer(tokenizer or root, f"the tokenizer at {tokenizer or root} (--tokenizer: a local model folder)")
+        return cls(url, name, max_len, tok, mode, timeout, api_key)
 
     # -- the Backend protocol ------------------------------------------------------------
 
@@ -113,7 +119,7 @@ class VLLMBackend:
     def _client(self) -> aiohttp.ClientSession:
         if self._session is None:  # made in the serving loop, on first use
             self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None, connect=self.timeout),
-                                                  connector=aiohttp.TCPConnector(limit=0))
+                                                  connector=aiohttp.TCPConnector(limit=0), headers=self.headers)
         return self._session
 
     def _lost(self, why: str) -> None:

@@ -18,6 +18,7 @@ import structlog
 
 from tokendance.backend.api import (Backend, BackendError, Delta, InvalidRequest, Prepared,
                                     Request, SamplingParams, Segment, Stream, Template, TokenLogprob, Usage)
+from tokendance.backend.auth import bearer
 
 from . import tools as t
 from .barrier import Barrier, Entry, Gate
@@ -169,7 +170,7 @@ class Proxy:
     @staticmethod
     def tenant(headers: Mapping[str, str], salt: str | None = None) -> str:
         """Whose KV a request may reuse: its API key's, within vLLM's `cache_salt`."""
-        key = headers.get("Authorization", "").removeprefix("Bearer ").strip()
+        key = bearer(headers)
         if salt is not None:
             if not salt:
                 raise invalid("cache_salt must be a non-empty string", "cache_salt")

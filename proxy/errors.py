@@ -7,13 +7,13 @@ may produce a 5xx or a traceback. The middleware turns every exception into that
 from __future__ import annotations
 
 import asyncio
-import hmac
 
 import msgspec
 import structlog
 from aiohttp import web
 
 from tokendance.backend.api import BackendError, InvalidRequest
+from tokendance.backend.auth import Keys
 
 log = structlog.get_logger("tokendance.proxy")
 
@@ -87,13 +87,12 @@ async def middleware(request: web.Request, handler) -> web.StreamResponse:
 def keys(accepted: frozenset[str]):
     """vLLM's --api-key: a /v1 route answers only a request that carries one of `accepted`
     (Authorization: Bearer), else a 401; the rest (health, metrics) stays open."""
-    wanted = [k.encode() for k in accepted]
+    wanted = Keys(accepted)
 
     @web.middleware
     async def check(request: web.Request, handler) -> web.StreamResponse:
         if wanted and request.path.startswith("/v1"):
-            given = request.headers.get("Authorization", "").removeprefix("Bearer ").strip().encode()
-            if not any(hmac.compare_digest(given, k) for k in wanted):
+            if not wanted.accept(request.headers):
                 raise ApiError(401, "an API key this server accepts is required (Authorization: Bearer ...)",
                                code="invalid_api_key")
         return await handler(request)

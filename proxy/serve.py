@@ -13,6 +13,7 @@ from pathlib import Path
 
 from tokendance.backend import logs
 from tokendance.backend.api import MODES, Backend
+from tokendance.backend.auth import ENGINE_KEY_ENV, check_keys
 from tokendance.backend.flags import add_engine_args, changed, engine_options
 
 from .app import Server
@@ -39,6 +40,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
                         "for several, each session pinned to one")
     p.add_argument("--tokenizer", default=None, metavar="PATH",
                    help="with --vllm: the model's folder, for its tokenizer (default: the one vLLM loaded)")
+    p.add_argument("--engine-api-key", default=None, metavar="KEY",
+                   help=f"the key the --engine or --vllm servers require (default: ${ENGINE_KEY_ENV}, else none)")
     add_engine_args(p)
     p.add_argument("--mqtt", default=None, metavar="URL", help="control plane broker, mqtt://host:port")
     p.add_argument("--mqtt-peers", action="store_true",
@@ -68,16 +71,18 @@ def load_backend(args: argparse.Namespace) -> Backend:
     # Imported here: torch and the model load only when a server is really started.
     from tokendance.backend.api import BackendError
 
+    key = engine_key(args)
     try:
         if args.engine is not None:
             from tokendance.backend.remote import RemoteBackend
 
-            return asyncio.run(_connect(args.engine, lambda u: RemoteBackend.connect(u, args.mode or DEFAULT_MODE)))
+            return asyncio.run(_connect(args.engine, lambda u: RemoteBackend.connect(
+                u, args.mode or DEFAULT_MODE, api_key=key)))
         if args.vllm is not None:
             from tokendance.backend.vllm import VLLMBackend
 
-            return asyncio.run(_connect(args.vllm, lambda u: VLLMBackend.connect(u, args.tokenizer,
-                                                                                 args.mode or "prefix")))
+            return asyncio.run(_connect(args.vllm, lambda u: VLLMBackend.connect(
+                u, args.tokenizer, args.mode or "prefix", api_key=key)))
     except BackendError as e:  # a line for the user, not a traceback
         raise ValueError(str(e)) from e
     from tokendance.backend.service import EngineBackend
@@ -94,10 +99,19 @@ async def _connect(urls: list[str], connect: Callable[[str], Awaitable[Backend]]
     return await Fleet.connect(urls, connect)
 
 
+def engine_key(args: argparse.Namespace) -> str | None:
+    """The key sent to the --engine or --vllm servers: the flag's, else $TOKENDANCE_ENGINE_API_KEY's."""
+    remote = args.engine is not None or args.vllm is not None
+    if args.engine_api_key is not None:
+        if not remote:
+            raise ValueError("--engine-api-key is sent to the --engine or --vllm servers: give one")
+        return check_keys([args.engine_api_key], "--engine-api-key")[0]
+    env = os.environ.get(ENGINE_KEY_ENV)
+    return check_keys([env], "$" + ENGINE_KEY_ENV)[0] if env and remote else None
+
+
 def config(args: argparse.Namespace) -> Config:
-    keys = args.api_key or ([os.environ[KEY_ENV]] if os.environ.get(KEY_ENV) else [])
-    if any(not k.strip() or any(c.isspace() for c in k) for k in keys):
-        raise ValueError("--api-key: a key is a non-empty string without whitespace")
+    keys = check_keys(args.api_key or ([os.environ[KEY_ENV]] if os.environ.get(KEY_ENV) else []), "--api-key")
     names = tuple(args.served_model_name or ())
     if any(not n.strip() for n in names) or len(set(names)) != len(names):
         raise ValueError("--served-model-name: give each name once, none empty")
@@ -176,6 +190,7 @@ def main(args: argparse.Namespace) -> int:
     if args.mqtt:
         address(args.mqtt)  # a bad URL fails before the model loads
     cfg = config(args)  # a bad flag fails before the model loads
+    engine_key(args)
     backend = load_backend(args)
     if args.chat_template is not None:
         chat_template(backend, args.chat_template)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 import shutil
 import subprocess
@@ -19,10 +20,10 @@ pytestmark = pytest.mark.skipif(
 )
 
 
-def _compose(*args: str) -> subprocess.CompletedProcess[str]:
+def _compose(*args: str, **env: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         ["docker-compose", "-f", str(COMPOSE), *args],
-        capture_output=True, text=True, timeout=60, cwd=ROOT,
+        capture_output=True, text=True, timeout=60, cwd=ROOT, env=os.environ | env,
     )
 
 
@@ -46,6 +47,16 @@ def test_services_and_gpu() -> None:
     assert "--mqtt=mqtt://mqtt:1883" in proxy["command"] and "--engine=http://engine:8001" in proxy["command"]
     assert any(":8000" in str(p) for p in proxy["ports"])
     assert proxy["image"] == engine["image"]  # one image, built once
+    # one engine key on both sides, unset (empty: none) unless the shell sets it
+    assert engine["environment"]["TOKENDANCE_ENGINE_API_KEY"] == proxy["environment"]["TOKENDANCE_ENGINE_API_KEY"]
+    assert "TOKENDANCE_API_KEY" in proxy["environment"]
+
+
+def test_the_keys_come_from_the_shell() -> None:
+    out = _compose("config", TOKENDANCE_ENGINE_API_KEY="ek", TOKENDANCE_API_KEY="pk")
+    svc = yaml.safe_load(out.stdout)["services"]
+    assert svc["engine"]["environment"]["TOKENDANCE_ENGINE_API_KEY"] == "ek"
+    assert svc["proxy"]["environment"] == {"TOKENDANCE_API_KEY": "pk", "TOKENDANCE_ENGINE_API_KEY": "ek"}
 
 
 def _parse(service: str) -> Any:

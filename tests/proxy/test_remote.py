@@ -19,6 +19,7 @@ from aiohttp import web
 
 from tokendance.backend import wire
 from tokendance.backend.api import BackendError, InvalidRequest, Prepared, Request, SamplingParams, Segment
+from tokendance.backend.auth import Keys
 from tokendance.backend.endpoint import Endpoint, engine_info
 from tokendance.backend.remote import RemoteBackend
 from tokendance.backend.service import EngineBackend
@@ -33,9 +34,9 @@ class Remote:
     runner: web.AppRunner
 
 
-async def _serve(tiny_llama, **kw: Any) -> Remote:
+async def _serve(tiny_llama, keys: Keys | None = None, **kw: Any) -> Remote:
     be = EngineBackend.load(str(tiny_llama), dtype="float32", **kw)
-    runner = web.AppRunner(Endpoint(be, engine_info(be.engine)).app(), handler_cancellation=True)
+    runner = web.AppRunner(Endpoint(be, engine_info(be.engine), keys).app(), handler_cancellation=True)
     await runner.setup()
     await web.TCPSite(runner, "127.0.0.1", 0).start()
     return Remote(f"http://127.0.0.1:{runner.addresses[0][1]}", be, runner)
@@ -222,6 +223,49 @@ async def test_the_endpoint_refuses_bad_bodies(remote):
 async def test_connect_names_what_is_wrong():
     with pytest.raises(BackendError, match="no engine at http://127.0.0.1:9"):
         await RemoteBackend.connect("http://127.0.0.1:9", timeout=2)
+
+
+async def test_an_engine_with_a_key_answers_only_proxies_that_carry_it(tiny_llama, start):
+    r = await _serve(tiny_llama, Keys(["ek-1", "ek-2"]), offload_bytes=0)
+    try:
+        with pytest.raises(BackendError, match="requires an API key: give it with --engine-api-key"):
+            await RemoteBackend.connect(r.url)
+        with pytest.raises(BackendError, match="refused the API key given"):
+            await RemoteBackend.connect(r.url, api_key="ek-3")
+        async with httpx.AsyncClient(base_url=r.url) as http:
+            assert (await http.get("/health")).status_code == 200  # open, as the proxy's is
+            no = await http.post(wire.PREFIX + "/abort", json={"ids": ["x"]})
+            assert no.status_code == 401 and "requires an API key" in no.json()["message"]
+        server = await start(await RemoteBackend.connect(r.url, api_key="ek-2"), barrier_timeout=10.0)
+        got = await _client(server).chat.completions.create(
+            model=server.proxy.backend.info.name, messages=user("hello there"), max_tokens=4, temperature=0)
+        assert got.usage.completion_tokens == 4
+        blocks = r.backend.engine.cache.num_blocks
+        async with httpx.AsyncClient(base_url=server.url) as http:  # the gauges come with the key too
+            for _ in range(100):
+                if f"tokendance_engine_kv_blocks {blocks}" in (await http.get("/metrics")).text:
+                    break
+                await asyncio.sleep(0.05)
+            else:
+                pytest.fail("no gauges")
+    finally:
+        await r.runner.cleanup()
+        await r.backend.close()
+
+
+@pytest.mark.parametrize("argv,env,message", [
+    (["serve", "--engine-api-key", "k"], None, "--engine-api-key is sent to the --engine or --vllm servers"),
+    (["serve", "--engine", "http://127.0.0.1:9", "--engine-api-key", "a b"], None, "--engine-api-key: a key is"),
+    (["serve", "--engine", "http://127.0.0.1:9"], " ", "$TOKENDANCE_ENGINE_API_KEY: a key is"),
+    (["engine", "--api-key", ""], None, "tokendance engine: --api-key: a key is a non-empty string"),
+])
+def test_engine_keys_fail_in_one_line(monkeypatch, capsys, argv, env, message):
+    monkeypatch.setattr(EngineBackend, "load", classmethod(lambda cls, **kw: pytest.fail("loaded")))
+    if env is not None:
+        monkeypatch.setenv("TOKENDANCE_ENGINE_API_KEY", env)
+    assert cli.main(argv) == 1
+    err = capsys.readouterr().err.strip()
+    assert message in err and len(err.splitlines()) == 1
 
 
 def test_serve_with_an_engine_refuses_engine_flags(capsys):

@@ -14,18 +14,26 @@ import pytest
 from aiohttp import web
 from transformers import AutoTokenizer
 
+from tokendance.backend.api import BackendError
 from tokendance.backend.vllm import VLLMBackend
 from tokendance.examples import cli
 
 
 class FakeVLLM:
-    def __init__(self, root: str):
+    def __init__(self, root: str, key: str | None = None):
         self.root = root
+        self.key = key  # vLLM's --api-key: its /v1 routes answer 401 without it
         self.bodies: list[dict[str, Any]] = []
         self.cancelled = 0
 
+    @web.middleware
+    async def _check(self, req: web.Request, handler) -> web.StreamResponse:
+        if self.key and req.path.startswith("/v1") and req.headers.get("Authorization") != f"Bearer {self.key}":
+            return web.json_response({"error": "Unauthorized"}, status=401)
+        return await handler(req)
+
     def app(self) -> web.Application:
-        app = web.Application()
+        app = web.Application(middlewares=[self._check])
         app.router.add_get("/v1/models", self.models)
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_get("/health", self.health)
@@ -231,6 +239,19 @@ async def test_several_servers_each_take_whole_sessions(tiny_llama, start):
     finally:
         for f in fakes:
             await f.runner.cleanup()
+
+
+async def test_a_server_with_an_api_key_gets_it(tiny_llama, start):
+    fake = await _served(FakeVLLM(str(tiny_llama), key="vk"))
+    try:
+        for key, match in ((None, "requires an API key: give it with --engine-api-key"), ("no", "refused the API key")):
+            with pytest.raises(BackendError, match=match):
+                await VLLMBackend.connect(fake.url, api_key=key)
+        server = await start(await VLLMBackend.connect(fake.url, api_key="vk"))
+        got = await _client(server).chat.completions.create(model="fake-vllm", messages=user("hi"), max_tokens=3)
+        assert got.choices[0].message.content == " w0 w1 w2" and len(fake.bodies) == 1
+    finally:
+        await fake.runner.cleanup()
 
 
 @pytest.mark.parametrize("argv,message", [
