@@ -29,7 +29,7 @@ from .errors import ApiError, invalid
 from .feed import Feed
 from .items import Event, Failure, Incomplete, InputDetails, Items, OutputDetails, Response, Usage
 from .replies import ReuseDetails
-from .respond import chat_lp, failed, merged, split, thinking_of
+from .respond import chat_lp, close, failed, merged, split, thinking_of
 from .responses import ResponsesRequest, output_message
 from .schemas import Message
 from .stored import Stored
@@ -158,10 +158,7 @@ class Turn:
         finally:
             if self.feed is not None:
                 self.feed.close()
-            for i, st in enumerate(streams):
-                if call.finish[i] is None:
-                    st.abort()
-            px.finish(call)
+            close(px, call, streams)
             px.running.pop(call.id, None)
             px.leave()
 

@@ -44,10 +44,16 @@ async def reply(req: web.Request, px: Proxy, call: Call, streams: list[Stream],
         call.outcome = "abort"
         raise
     finally:
-        for i, st in enumerate(streams):
-            if call.finish[i] is None:
-                st.abort()
-        px.finish(call)
+        close(px, call, streams)
+
+
+def close(px: Proxy, call: Call, streams: list[Stream]) -> None:
+    """The call is answered, or never will be: abort its unfinished streams (the engine
+    frees their KV) and count it."""
+    for i, st in enumerate(streams):
+        if call.finish[i] is None:
+            st.abort()
+    px.finish(call)
 
 
 async def _json(px: Proxy, call: Call, streams: list[Stream]) -> web.Response:

@@ -15,6 +15,7 @@ from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import openai
 import pytest
 
 from tokendance.proxy.app import Server
@@ -81,6 +82,10 @@ class Threaded:
     def call(self, coro: Any, timeout: float = 30) -> Any:
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
 
+    def client(self, key: str = "sk-test", **kw: Any) -> openai.OpenAI:
+        """The sync openai SDK, pointed here, retrying nothing."""
+        return openai.OpenAI(base_url=self.url + "/v1", api_key=key, max_retries=0, **kw)
+
     def close(self) -> None:
         self.call(self.server.stop())
         self.loop.call_soon_threadsafe(self.loop.stop)
@@ -109,9 +114,7 @@ def engine_live(tiny_llama: Path) -> Iterator[Threaded]:
 @pytest.fixture(scope="module")
 def engine_client(engine_live) -> Any:
     """The openai SDK's client of `engine_live`."""
-    import openai
-
-    return openai.OpenAI(base_url=engine_live.url + "/v1", api_key="sk-test", max_retries=0)
+    return engine_live.client()
 
 
 @pytest.fixture(scope="module")

@@ -20,7 +20,7 @@ def model(engine_live) -> str:
 
 @pytest.fixture(scope="module")
 def client(engine_live) -> openai.OpenAI:
-    return openai.OpenAI(base_url=engine_live.url + "/v1", api_key="sk-test", max_retries=0)
+    return engine_live.client()
 
 
 def user(text: str) -> list[dict]:
@@ -191,7 +191,7 @@ async def test_an_agents_next_turn_resumes_its_parked_kv(engine_live, model):
 
 def test_prefix_cache_is_per_api_key(engine_live, model):
     def cached(key: str) -> int:
-        c = openai.OpenAI(base_url=engine_live.url + "/v1", api_key=key, max_retries=0)
+        c = engine_live.client(key)
         r = c.completions.create(model=model, prompt=list(range(1000, 1080)), max_tokens=1,
                                  extra_body={"tokendance": {"mode": "prefix"}})
         return r.usage.prompt_tokens_details.cached_tokens
@@ -200,7 +200,7 @@ def test_prefix_cache_is_per_api_key(engine_live, model):
 
 
 def test_a_cache_salt_namespaces_the_keys_cache(engine_live, model):
-    c = openai.OpenAI(base_url=engine_live.url + "/v1", api_key="sk-salty", max_retries=0)
+    c = engine_live.client("sk-salty")
 
     def cached(salt: str | None) -> int:
         r = c.completions.create(model=model, prompt=list(range(2000, 2080)), max_tokens=1,

@@ -12,7 +12,7 @@ MODEL = "fake-tiny"
 
 @pytest.fixture(scope="module")
 def client(live) -> openai.OpenAI:
-    return openai.OpenAI(base_url=live.url + "/v1", api_key="sk-test", max_retries=0)
+    return live.client()
 
 
 def ask(text: str) -> list[dict]:
@@ -119,8 +119,7 @@ def test_cached_tokens_count_reused_shared_blocks(client):
 
 
 def test_per_client_default_headers_and_inferred_rounds(live):
-    c = openai.OpenAI(base_url=live.url + "/v1", api_key="sk-test", max_retries=0,
-                      default_headers={"X-TokenDance-Session": "sdk-hdr", "X-TokenDance-Agent": "solo"})
+    c = live.client(default_headers={"X-TokenDance-Session": "sdk-hdr", "X-TokenDance-Agent": "solo"})
     rounds = []
     for _ in range(3):
         raw = c.chat.completions.with_raw_response.create(

@@ -54,7 +54,7 @@ def thinking():
 
 @pytest.fixture(scope="module")
 def client(thinking) -> openai.OpenAI:
-    return openai.OpenAI(base_url=thinking.url + "/v1", api_key="sk-test", max_retries=0)
+    return thinking.client()
 
 
 def user(text: str) -> list[dict]:
@@ -145,7 +145,7 @@ def thinker():
 def test_a_structured_answer_thinks_first(thinker):
     """The grammar holds from </think> on (the engine's part: tests/backend/test_grammar.py),
     so the thinking is read out as any answer's is."""
-    client = openai.OpenAI(base_url=thinker.url + "/v1", api_key="sk-test", max_retries=0)
+    client = thinker.client()
     got = client.chat.completions.create(model="fake-tiny", messages=user("a JSON object, please"),
                                          response_format={"type": "json_object"})
     msg = got.choices[0].message

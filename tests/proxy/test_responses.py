@@ -31,7 +31,7 @@ def echo():
 
 @pytest.fixture(scope="module")
 def client(echo) -> openai.OpenAI:
-    return openai.OpenAI(base_url=echo.url + "/v1", api_key="sk-test", max_retries=0)
+    return echo.client()
 
 
 def prompt(echo) -> str:
@@ -90,7 +90,7 @@ def test_the_store(client, echo):
     r = client.responses.create(model=MODEL, input="kept here", metadata={"k": "v"})
     got = client.responses.retrieve(r.id)
     assert (got.id, got.output_text, got.metadata, got.usage.output_tokens) == (r.id, "kept here", {"k": "v"}, 2)
-    other = openai.OpenAI(base_url=echo.url + "/v1", api_key="sk-other", max_retries=0)
+    other = echo.client("sk-other")
     with pytest.raises(openai.NotFoundError, match="not found"):
         other.responses.retrieve(r.id)  # another key's responses are not there
     with pytest.raises(openai.BadRequestError) as e:

@@ -128,7 +128,7 @@ def test_the_sdks_parse_gives_a_pydantic_object_on_smollm2(smollm2):
     """The real model, with the SDK's own helper: the schema of a pydantic model, strict."""
     t = Threaded(EngineBackend.load(str(smollm2), dtype="float32", mode="full"))
     try:
-        c = openai.OpenAI(base_url=t.url + "/v1", api_key="sk-test", max_retries=0)
+        c = t.client()
         kw = dict(model=t.backend.info.name, temperature=0, max_tokens=120, messages=user(
             "The defendant stole a bike. Give a verdict as JSON with guilty, reason, years."))
         r = c.chat.completions.parse(**kw, response_format=Verdict)

@@ -22,7 +22,7 @@ async def post(url: str, path: str, body: Any) -> tuple[int, dict]:
 
 @pytest.fixture(scope="module")
 def client(engine_live) -> openai.OpenAI:
-    return openai.OpenAI(base_url=engine_live.url + "/v1", api_key="sk-tok", max_retries=0)
+    return engine_live.client("sk-tok")
 
 
 async def test_a_prompt_tokenizes_as_its_completion_does(engine_live, client):

@@ -69,7 +69,7 @@ def echo():
 
 @pytest.fixture(scope="module")
 def fake(echo) -> openai.OpenAI:
-    return openai.OpenAI(base_url=echo.url + "/v1", api_key="sk-test", max_retries=0)
+    return echo.client()
 
 
 def test_auto_reads_a_hermes_call_whole_and_streamed(fake):
@@ -308,7 +308,7 @@ def test_smollm2_calls_the_tool_a_question_needs(smollm2):
 
     t = Threaded(EngineBackend.load(str(smollm2), dtype="float32", mode="full"))
     try:
-        c = openai.OpenAI(base_url=t.url + "/v1", api_key="sk-test", max_retries=0)
+        c = t.client()
         free = {**WEATHER, "function": {**WEATHER["function"], "parameters": {
             "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
         for city in ("Paris", "Tokyo"):
