@@ -138,8 +138,9 @@ def pct(xs: list[float], q: float) -> float:
 
 
 async def batch(url: str, n: int, sessions: int, stream: bool, tag: str, api: str = "chat") -> float:
-    """n concurrent requests over `sessions` announced rounds (0: no session), as chats or
-    as responses (the Responses API, stored); wall seconds."""
+    """n concurrent requests over `sessions` announced rounds (0: no session), as chats, as
+    responses (the Responses API, stored) or as background responses (followed as they
+    stream); wall seconds."""
     conn = aiohttp.TCPConnector(limit=0)
     async with aiohttp.ClientSession(connector=conn) as http:
         per = n // max(sessions, 1)
@@ -159,7 +160,8 @@ async def batch(url: str, n: int, sessions: int, stream: bool, tag: str, api: st
                     {"role": "system", "content": system}, {"role": "user", "content": ask}]}
             else:
                 path, body = "/v1/responses", {"model": MODEL, "stream": stream, "max_output_tokens": 16,
-                                               "instructions": system, "input": ask}
+                                               "instructions": system, "input": ask,
+                                               "background": api == "background"}
             async with http.post(url + path, json=body, headers=h) as r:
                 await r.read()
                 assert r.status == 200
@@ -177,6 +179,7 @@ SCENARIOS = [  # name, sessions, stream, api
     ("Responses API, no session, JSON", 0, False, "responses"),
     ("Responses API, no session, SSE", 0, True, "responses"),
     ("Responses API, 50 rounds x 10 agents", 50, False, "responses"),
+    ("Responses API, background, SSE", 0, True, "background"),
 ]
 
 
@@ -216,6 +219,9 @@ def main() -> None:
     p.add_argument("--port", type=int, default=0)
     p.add_argument("--serve", type=int, default=None, help=argparse.SUPPRESS)
     a = p.parse_args()
+    most = max(sessions for _, sessions, *_ in SCENARIOS)
+    if a.requests < most:
+        p.error(f"--requests must be at least {most}: a scenario spreads them over {most} rounds")
     if a.serve is not None:
         return child(a.serve)
     port = a.port or free_port()
