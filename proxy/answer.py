@@ -133,13 +133,15 @@ class Turn:
             self.feed = Feed()
             self._post([Event("response.created", response=r), Event("response.queued", response=r)])
         self._store(px, call, r)
-        px.running[call.id] = asyncio.create_task(self._generate(px, call))
+        px.running[call.id] = asyncio.create_task(self._generate(px, call, time.perf_counter()))
         return r
 
-    async def _generate(self, px: Proxy, call: Call) -> None:
+    async def _generate(self, px: Proxy, call: Call, queued: float) -> None:
         streams: list[Stream] = []
+        waited = time.perf_counter() - queued  # for the event loop to start the task
         try:
             streams = await px.admit(call)
+            call.held += waited  # not the proxy's own time (Call.overhead)
             r = self._response(call, "in_progress")
             self._post([Event("response.in_progress", response=r)])
             self._store(px, call, r)
