@@ -260,17 +260,20 @@ async def open_round(req: web.Request) -> web.Response:
     px = req.app[PROXY]
     data = await req.read()
     body = schemas.decode(data, schemas.RoundOpen) if data.strip() else schemas.RoundOpen()
-    return _json(px.open(req.match_info["session"], _number(req), body).view())
+    if body.api_key is not None:
+        raise invalid("api_key names an MQTT message's owner; over HTTP, send the key as "
+                      "Authorization: Bearer", "api_key")
+    return _json(px.open(req.match_info["session"], _number(req), body, px.owner(req.headers)).view())
 
 
 async def seal_round(req: web.Request) -> web.Response:
     px = req.app[PROXY]
-    return _json(px.seal(req.match_info["session"], _number(req)).view())
+    return _json(px.seal(req.match_info["session"], _number(req), px.owner(req.headers)).view())
 
 
 async def round_stats(req: web.Request) -> web.Response:
     px = req.app[PROXY]
-    rnd = px.sessions.find(req.match_info["session"], _number(req))
+    rnd = px.sessions.find(req.match_info["session"], _number(req), px.owner(req.headers))
     if rnd is None:
         raise ApiError(404, "no such round", "round", "round_not_found")
     return _json(rnd.view())
@@ -309,6 +312,15 @@ def make_app(proxy: Proxy, control: Control | None = None) -> web.Application:
     return app
 
 
+def _mqtt_owner(px: Proxy, body: schemas.RoundOpen) -> str:
+    """Whose session an MQTT open or seal names: under --api-key, its payload's `api_key`'s."""
+    if not px.config.api_keys:
+        return ""
+    if body.api_key not in px.config.api_keys:
+        raise ValueError("under --api-key an MQTT open or seal gives its session's key as api_key")
+    return px.owner({"Authorization": f"Bearer {body.api_key}"})
+
+
 class Server:
     """The proxy on a socket, with its MQTT control plane; stop() drains."""
 
@@ -319,7 +331,10 @@ class Server:
             peers = None
             if self.proxy.config.peers:
                 peers = self.proxy.peers = Peers(self.proxy, lambda to, payload: self.control.send(to, payload))
-            self.control = Control(mqtt, self.proxy.open, self.proxy.seal, on_peer=peers and peers.handle)
+            px = self.proxy
+            self.control = Control(mqtt, lambda s, n, body: px.open(s, n, body, _mqtt_owner(px, body)),
+                                   lambda s, n, body: px.seal(s, n, _mqtt_owner(px, body)),
+                                   on_peer=peers and peers.handle)
         elif self.proxy.config.peers:
             raise ValueError("--mqtt-peers shares rounds over the MQTT broker: give --mqtt too")
         self.app = make_app(self.proxy, self.control)

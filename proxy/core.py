@@ -162,6 +162,7 @@ class Proxy:
     def call(self, kind: str, body: Sampled, headers: Mapping[str, str], t0: float) -> Call:
         self.served(body.model)
         meta = read_meta(headers, body.tokendance)
+        meta.owner = self.owner(headers)
         prefix = {"chat": "chatcmpl-", "completion": "cmpl-", "response": "resp_"}[kind]
         opts = body.stream_options
         return Call(prefix + secrets.token_hex(12), kind, self.names[0], meta, body.n,
@@ -176,6 +177,10 @@ class Proxy:
                 raise invalid("cache_salt must be a non-empty string", "cache_salt")
             key += "\0" + salt
         return hashlib.sha256(key.encode()).hexdigest()[:16] if key else ""
+
+    def owner(self, headers: Mapping[str, str]) -> str:
+        """Whose sessions a request names: its API key's under --api-key (proxy/session.py)."""
+        return self.tenant(headers) if self.config.api_keys else ""
 
     def dialect(self) -> str:
         """The chat template's way with tools (proxy/tools.py), found at its first use."""
@@ -195,7 +200,7 @@ class Proxy:
         if call.meta.session is None:
             return Known()
         call.number = self.sessions.infer(call.meta)
-        return self.sessions.known(call.meta.session, call.number, call.tenant)
+        return self.sessions.known(call.meta.session, call.number, call.tenant, call.meta.owner)
 
     def prepare(self, call: Call, prompts: list[list[Segment] | list[int]], sp: SamplingParams,
                 special: bool = False) -> None:
@@ -225,7 +230,7 @@ class Proxy:
         rnd, call.before = self.sessions.commit(call.meta, call.number)
         call.rnd = rnd
         if self.peers is not None and call.meta.agent is not None:
-            self.peers.arrived(rnd.session, rnd.number, call.meta.agent)
+            self.peers.arrived(rnd, call.meta.agent)
         rnd.active += 1
         rnd.stats.first = rnd.stats.first or call.t0
         if call.meta.resumes and (call.meta.agent is None or call.meta.agent in rnd.gate.done):
@@ -284,7 +289,7 @@ class Proxy:
                 for i in range(len(call.prepared)):
                     self.sessions.remember(rnd, call.meta.agent, call.said(i), call.tenant)
                     if self.peers is not None:
-                        self.peers.said(rnd.session, rnd.number, call.meta.agent, call.tenant, call.said(i))
+                        self.peers.said(rnd, call.meta.agent, call.tenant, call.said(i))
             else:  # never answered (at the barrier or while generating): a retry keeps the round
                 self.sessions.uncommit(call.meta, rnd, call.before)
             if rnd.active == 0 and not rnd.gate.pending:
@@ -338,12 +343,12 @@ class Proxy:
 
     # Control: open, seal, stats.
 
-    def open(self, session: str, number: int, body: RoundOpen) -> Round:
+    def open(self, session: str, number: int, body: RoundOpen, owner: str = "") -> Round:
         if body.timeout_ms is not None and body.timeout_ms < 0:  # all checks before any change
             raise invalid("timeout_ms must not be negative", "timeout_ms")
         for i, agent in enumerate(body.agents or ()):  # a name no request can carry never arrives
             check_name(agent, f"agents[{i}]")
-        rnd = self.round(session, number)
+        rnd = self.round(session, number, owner)
         if body.timeout_ms is not None:
             rnd.gate.timeout = body.timeout_ms / 1e3
         if body.agents is not None:
@@ -351,14 +356,14 @@ class Proxy:
         log.debug("round open", session=session, round=number, agents=body.agents)
         return rnd
 
-    def seal(self, session: str, number: int) -> Round:
-        rnd = self.round(session, number)
+    def seal(self, session: str, number: int, owner: str = "") -> Round:
+        rnd = self.round(session, number, owner)
         self.barrier.seal(rnd.gate)
         return rnd
 
-    def round(self, session: str, number: int) -> Round:
+    def round(self, session: str, number: int, owner: str = "") -> Round:
         check_name(session, "session")
-        return self.sessions.round(session, round_number(number, "round"))
+        return self.sessions.round(session, round_number(number, "round"), owner)
 
     # Lifecycle.
 

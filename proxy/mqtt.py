@@ -2,6 +2,8 @@
 
 Subscribes tokendance/+/round/+/open (payload: JSON {"agents": [...], "timeout_ms": ..},
 or empty) and tokendance/+/round/+/seal; publishes tokendance/{session}/round/{round}/done.
+Under --api-key, open and seal name their session's key in the payload (`"api_key"`):
+each key's sessions are its own (proxy/session.py).
 With peers (proxy/peers.py) it also carries .../arrived, .../said and
 tokendance/{session}/pinned between proxies.
 The proxy starts without a broker and reconnects whenever the broker goes away; done
@@ -50,7 +52,7 @@ def address(url: str) -> tuple[str, int, str | None, str | None]:
 
 class Control:
     def __init__(self, url: str, on_open: Callable[[str, int, RoundOpen], None],
-                 on_seal: Callable[[str, int], None], backoff: tuple[float, float] = (0.2, 5.0),
+                 on_seal: Callable[[str, int, RoundOpen], None], backoff: tuple[float, float] = (0.2, 5.0),
                  on_peer: Callable[[str, int, str, bytes], None] | None = None):
         self.host, self.port, self.user, self.password = address(url)
         self.on_open, self.on_seal = on_open, on_seal
@@ -139,11 +141,9 @@ class Control:
             if len(parts) != 5 or not (raw.isascii() and raw.isdecimal()) or len(raw) > 4000:
                 raise ValueError("round must be a non-negative integer")
             number = int(raw)
-            if parts[4] == "seal":
-                self.on_seal(parts[1], number)
-            elif parts[4] == "open":
-                self.on_open(parts[1], number, self._decoder.decode(payload) if payload.strip()
-                             else RoundOpen())
+            if parts[4] in ("open", "seal"):
+                body = self._decoder.decode(payload) if payload.strip() else RoundOpen()
+                (self.on_open if parts[4] == "open" else self.on_seal)(parts[1], number, body)
             elif parts[4] in PEER_EVENTS and self.on_peer is not None:
                 self.on_peer(parts[1], number, parts[4], payload)
         except Exception as exc:  # a bad control message must not stop the loop

@@ -31,7 +31,7 @@ from msgspec import Struct
 from tokendance.backend.fleet import Fleet
 
 from .mqtt import PINNED, PREFIX, topic
-from .session import check_name
+from .session import Round, check_name
 
 if TYPE_CHECKING:
     from .core import Proxy
@@ -40,6 +40,7 @@ if TYPE_CHECKING:
 class Arrived(Struct):
     agent: str
     origin: str  # the proxy it came to
+    owner: str = ""  # whose session (Proxy.owner)
 
 
 class Said(Struct):
@@ -47,6 +48,7 @@ class Said(Struct):
     origin: str
     tenant: str = ""  # whose requests may find it (a hash of the API key)
     agent: str | None = None
+    owner: str = ""
 
 
 class Pinned(Struct):
@@ -67,11 +69,12 @@ class Peers:
             fleet.origin = self.origin
             fleet.on_pin = self.pinned
 
-    def arrived(self, session: str, number: int, agent: str) -> None:
-        self.send(topic(session, number, "arrived"), msgspec.json.encode(Arrived(agent, self.origin)))
+    def arrived(self, rnd: Round, agent: str) -> None:
+        self.send(topic(rnd.session, rnd.number, "arrived"), msgspec.json.encode(Arrived(agent, self.origin, rnd.owner)))
 
-    def said(self, session: str, number: int, agent: str | None, tenant: str, text: str) -> None:
-        self.send(topic(session, number, "said"), msgspec.json.encode(Said(text, self.origin, tenant, agent)))
+    def said(self, rnd: Round, agent: str | None, tenant: str, text: str) -> None:
+        self.send(topic(rnd.session, rnd.number, "said"),
+                  msgspec.json.encode(Said(text, self.origin, tenant, agent, rnd.owner)))
 
     def pinned(self, session: str, engine: str, decided: tuple[float, str]) -> None:
         self.send(f"{PREFIX}/{session}/{PINNED}", msgspec.json.encode(Pinned(engine, *decided)))
@@ -84,8 +87,8 @@ class Peers:
             if a.origin == self.origin:
                 return
             check_name(a.agent, "agent")
-            rnd = px.round(session, number)
-            counts = px.sessions.all[session].counts  # its next request, here, is its next round
+            rnd = px.round(session, number, a.owner)
+            counts = px.sessions.all[a.owner, session].counts  # its next request, here, is its next round
             counts[a.agent] = max(counts.get(a.agent, 0), number)
             px.barrier.elsewhere(rnd.gate, a.agent)
         elif event == "said":
@@ -94,7 +97,7 @@ class Peers:
                 return
             if s.agent is not None:
                 check_name(s.agent, "agent")
-            px.sessions.remember(px.round(session, number), s.agent, s.text, s.tenant)
+            px.sessions.remember(px.round(session, number, s.owner), s.agent, s.text, s.tenant)
         elif event == PINNED:
             p = _pinned.decode(payload)
             if p.origin != self.origin and isinstance(px.backend, Fleet):

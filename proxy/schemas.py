@@ -110,10 +110,11 @@ class CompletionRequest(Sampled, kw_only=True):
 
 
 class RoundOpen(Struct, kw_only=True):
-    """Body of POST .../rounds/{round} and payload of the MQTT open topic."""
+    """Body of POST .../rounds/{round} and payload of the MQTT open and seal topics."""
 
     agents: list[str] | None = None
     timeout_ms: float | None = None
+    api_key: str | None = None  # over MQTT, under --api-key: whose session (HTTP sends Authorization)
 
 
 def decode(data: bytes, kind: type[Struct]) -> Any:

@@ -7,6 +7,10 @@ and otherwise starts the next one. A request that resumes a turn (its last messa
 tool's result) stays in its agent's round (an anonymous one in the latest). A round
 that nobody announced expects the named agents of the previous round (with peers, those
 that came to the other proxies too: proxy/peers.py).
+
+Sessions are named within an owner: with `--api-key`, each key's requests and round
+control see only that key's sessions (two keys that name one session hold two); without,
+keys are not checked, and every request shares the one namespace.
 """
 
 from __future__ import annotations
@@ -46,6 +50,7 @@ class Meta:
     mode: str | None = None
     separators: bool = False
     resumes: bool = False  # the last message is a tool's result: the agent's turn goes on
+    owner: str = ""  # whose sessions it names (Proxy.owner)
 
 
 def read_meta(headers: Mapping[str, str], body: TokenDance | None) -> Meta:
@@ -94,6 +99,7 @@ def check_name(value: str, param: str) -> None:
 class Round:
     session: str
     number: int
+    owner: str = ""
     gate: Gate = field(default_factory=Gate)
     stats: RoundStats = field(default_factory=RoundStats)
     outputs: dict[str, Outputs] = field(default_factory=dict)  # by tenant; as generated and stripped
@@ -108,6 +114,7 @@ class Round:
 @dataclass(slots=True, eq=False)
 class Session:
     name: str
+    owner: str = ""
     rounds: dict[int, Round] = field(default_factory=dict)
     counts: dict[str, int] = field(default_factory=dict)  # agent -> its latest round
     latest: int = 0
@@ -131,22 +138,22 @@ class Sessions:
         self.max_bytes = max_bytes  # ... and in all (the rounds added to longest ago forget first)
         self.bytes = 0
         self._lru: OrderedDict[Round, None] = OrderedDict()  # rounds holding outputs
-        self.all: dict[str, Session] = {}
+        self.all: dict[tuple[str, str], Session] = {}  # by (owner, name)
         self._swept = time.monotonic()
 
-    def get(self, name: str) -> Session:
-        s = self.all.get(name)
+    def get(self, name: str, owner: str = "") -> Session:
+        s = self.all.get((owner, name))
         if s is None:
             self._sweep()
-            s = self.all[name] = Session(name)
+            s = self.all[owner, name] = Session(name, owner)
         s.used = time.monotonic()
         return s
 
-    def round(self, name: str, number: int) -> Round:
-        s = self.get(name)
+    def round(self, name: str, number: int, owner: str = "") -> Round:
+        s = self.get(name, owner)
         r = s.rounds.get(number)
         if r is None:
-            r = s.rounds[number] = Round(name, number)
+            r = s.rounds[number] = Round(name, number, owner)
             prev = s.rounds.get(number - 1)
             if prev is not None and (prev.gate.agents or prev.gate.away):
                 r.gate.expected = frozenset(prev.gate.agents | prev.gate.away)
@@ -155,15 +162,15 @@ class Sessions:
             self._trim(s, r)
         return r
 
-    def find(self, name: str, number: int) -> Round | None:
-        s = self.all.get(name)
+    def find(self, name: str, number: int, owner: str = "") -> Round | None:
+        s = self.all.get((owner, name))
         return s.rounds.get(number) if s else None
 
     def infer(self, m: Meta) -> int:
         """The round of a request, without recording anything."""
         if m.round is not None:
             return m.round
-        s = self.all.get(m.session or "")
+        s = self.all.get((m.owner, m.session or ""))
         if s is None:
             return 1
         if m.agent is not None:
@@ -178,27 +185,27 @@ class Sessions:
 
     def commit(self, m: Meta, number: int) -> tuple[Round, int]:
         """Record the request in its round; returns the agent's count before it."""
-        r = self.round(m.session or "", number)
+        r = self.round(m.session or "", number, m.owner)
         before = 0
         if m.agent is not None:
-            counts = self.all[r.session].counts
+            counts = self.all[r.owner, r.session].counts
             before = counts.get(m.agent, 0)
             counts[m.agent] = max(before, number)
         return r, before
 
     def uncommit(self, m: Meta, r: Round, before: int) -> None:
         """A request went unanswered (it left, or failed): its retry belongs to the same round."""
-        s = self.all.get(r.session)
+        s = self.all.get((r.owner, r.session))
         if s is not None and m.agent is not None and s.counts.get(m.agent) == r.number:
             s.counts[m.agent] = before
 
-    def known(self, name: str, number: int, tenant: str = "") -> Known:
+    def known(self, name: str, number: int, tenant: str = "", owner: str = "") -> Known:
         """Outputs to look for in a prompt of round `number`: the tenant's (another tenant's
         could never be reused, and finding them would say what they were) of the last
         rounds before it, and of those before each agent's latest round. Agents' counts
         drift apart in an uneven conversation (a group chat's manager speaks every turn),
         and the manager's prompt then holds outputs of rounds far below its own."""
-        s = self.all.get(name)
+        s = self.all.get((owner, name))
         if s is None:
             return Known()
         wanted = set(range(max(number - self.memory, 0), number + 1))

@@ -136,7 +136,7 @@ async def test_a_round_level_that_is_not_plain_digits_is_one_clear_warning(start
                 await c.publish(f"tokendance/lv/round/{level}/open", b"", qos=1)
             await c.publish("tokendance/lv/round/2/open", b"", qos=1)
         await until(lambda: server.proxy.sessions.find("lv", 2) is not None)
-    assert sorted(server.proxy.sessions.all["lv"].rounds) == [2]
+    assert sorted(server.proxy.sessions.all["", "lv"].rounds) == [2]
     said = [e for e in logs if e["log_level"] == "warning"]
     assert len(said) == 6
     assert all(e["error"] == "round must be a non-negative integer" for e in said), said

@@ -30,16 +30,23 @@ async def ask(server, session: str, agent: str, text: str) -> tuple[dict, dict]:
             return await r.json(), dict(r.headers)
 
 
-async def test_one_simulation_through_two_proxies(start, broker, until):
+@pytest.mark.parametrize("keys", [False, True], ids=["open", "api-key"])
+async def test_one_simulation_through_two_proxies(start, broker, until, keys):
+    """Under --api-key, in the session namespace of the agents' key (the MQTT open names it)."""
     be = FakeBackend(length=40)  # both proxies in front of one engine
-    p1, p2 = [await start(be, mqtt=broker.url, peers=True, barrier_timeout=10.0) for _ in range(2)]
+    accepted = frozenset({"sk-test"} if keys else ())
+    p1, p2 = [await start(be, mqtt=broker.url, peers=True, barrier_timeout=10.0, api_keys=accepted)
+              for _ in range(2)]
     for p in (p1, p2):
         p.control.backoff = (0.05, 0.2)
     await until(lambda: p1.control.connected and p2.control.connected)
     await asyncio.sleep(0.2)  # both subscribed
+    owner = p1.proxy.owner(KEY)
+    assert bool(owner) == keys
     async with aiomqtt.Client("127.0.0.1", broker.port) as c:
-        await c.publish("tokendance/two/round/1/open", json.dumps({"agents": ["ada", "bo"]}), qos=1)
-    await until(lambda: all((r := p.proxy.sessions.find("two", 1)) and r.gate.expected == {"ada", "bo"}
+        opened = {"agents": ["ada", "bo"]} | ({"api_key": "sk-test"} if keys else {})
+        await c.publish("tokendance/two/round/1/open", json.dumps(opened), qos=1)
+    await until(lambda: all((r := p.proxy.sessions.find("two", 1, owner)) and r.gate.expected == {"ada", "bo"}
                             for p in (p1, p2)))
     loop = asyncio.get_running_loop()
     t0 = loop.time()
@@ -51,9 +58,9 @@ async def test_one_simulation_through_two_proxies(start, broker, until):
     bo_said = b1["choices"][0]["message"]["content"]
     # Round 2, nobody announces it: each proxy expects both agents, and knows both answers.
     tenant = p1.proxy.tenant(KEY)
-    await until(lambda: p1.proxy.sessions.known("two", 2, tenant).get(bo_said) is not None
-                and p2.proxy.sessions.known("two", 2, tenant).get(ada_said) is not None)
-    assert p1.proxy.sessions.round("two", 2).gate.expected == {"ada", "bo"}
+    await until(lambda: p1.proxy.sessions.known("two", 2, tenant, owner).get(bo_said) is not None
+                and p2.proxy.sessions.known("two", 2, tenant, owner).get(ada_said) is not None)
+    assert p1.proxy.sessions.round("two", 2, owner).gate.expected == {"ada", "bo"}
     t0 = loop.time()
     (a2, h1), (b2, h2) = await asyncio.gather(ask(p1, "two", "ada", f"bo said: {bo_said} and I say"),
                                               ask(p2, "two", "bo", f"ada said: {ada_said} and I say"))
@@ -62,7 +69,7 @@ async def test_one_simulation_through_two_proxies(start, broker, until):
         assert got["usage"]["tokendance"]["shared_tokens"] > 0  # the other proxy's answer, found
     # ada's third request goes to p2 (the only one of round 3): its count followed it there
     async with aiohttp.ClientSession() as http:
-        await http.post(p2.url + "/v1/tokendance/sessions/two/rounds/3", json={"agents": ["ada"]})
+        await http.post(p2.url + "/v1/tokendance/sessions/two/rounds/3", json={"agents": ["ada"]}, headers=KEY)
     _, h = await ask(p2, "two", "ada", "and now?")
     assert h["X-TokenDance-Round"] == "3"
 
