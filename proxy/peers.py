@@ -11,16 +11,21 @@ balancer in front of several):
   the flag is off by default).
 
 - in front of the same fleet of engines, a session stays on one engine: each proxy
-  tells the others where it pinned a session, and the pin decided first wins.
+  tells the others where it pinned a session, and the pin decided first wins;
+- a stored response of the Responses API is stored by every proxy (and deleted from
+  every one), so a conversation goes on by `previous_response_id` at any of them (a
+  streamed background response's events stay with the proxy that made it).
 
 Each proxy still sends its own part of a round to the backend as its own group, and
 publishes its own round stats. Topics, beside open / seal / done (proxy/mqtt.py):
-tokendance/{session}/round/{round}/arrived (`Arrived`), .../said (`Said`) and
-tokendance/{session}/pinned (`Pinned`).
+tokendance/{session}/round/{round}/arrived (`Arrived`), .../said (`Said`),
+tokendance/{session}/pinned (`Pinned`) and tokendance/responses/{id}/stored (`Shared`)
+or .../deleted (`Dropped`).
 """
 
 from __future__ import annotations
 
+import re
 import secrets
 from collections.abc import Callable
 from typing import TYPE_CHECKING
@@ -30,8 +35,9 @@ from msgspec import Struct
 
 from tokendance.backend.fleet import Fleet
 
-from .mqtt import PINNED, PREFIX, topic
+from .mqtt import PINNED, PREFIX, RESPONSES, STORE_EVENTS, topic
 from .session import Round, check_name
+from .stored import Stored
 
 if TYPE_CHECKING:
     from .core import Proxy
@@ -57,7 +63,25 @@ class Pinned(Struct):
     origin: str
 
 
+class Shared(Struct):
+    """A stored response (proxy/stored.py), its encoded parts as they are."""
+
+    origin: str
+    body: msgspec.Raw
+    conversation: msgspec.Raw
+    inputs: msgspec.Raw
+    tenant: str
+    tags: tuple[str | None, str | None, str | None]
+
+
+class Dropped(Struct):
+    origin: str
+    tenant: str
+
+
 _arrived, _said, _pinned = msgspec.json.Decoder(Arrived), msgspec.json.Decoder(Said), msgspec.json.Decoder(Pinned)
+_shared, _dropped = msgspec.json.Decoder(Shared), msgspec.json.Decoder(Dropped)
+RESPONSE_ID = re.compile(r"resp_[0-9a-f]{24}")
 
 
 class Peers:
@@ -68,6 +92,7 @@ class Peers:
         if isinstance(fleet, Fleet):
             fleet.origin = self.origin
             fleet.on_pin = self.pinned
+        proxy.stored.shared = self.stored
 
     def arrived(self, rnd: Round, agent: str) -> None:
         self.send(topic(rnd.session, rnd.number, "arrived"), msgspec.json.encode(Arrived(agent, self.origin, rnd.owner)))
@@ -79,10 +104,30 @@ class Peers:
     def pinned(self, session: str, engine: str, decided: tuple[float, str]) -> None:
         self.send(f"{PREFIX}/{session}/{PINNED}", msgspec.json.encode(Pinned(engine, *decided)))
 
+    def stored(self, id: str, s: Stored | None, tenant: str) -> None:
+        if s is None:
+            self.send(f"{PREFIX}/{RESPONSES}/{id}/deleted", msgspec.json.encode(Dropped(self.origin, tenant)))
+        else:
+            self.send(f"{PREFIX}/{RESPONSES}/{id}/stored", msgspec.json.encode(Shared(
+                self.origin, msgspec.Raw(s.body), msgspec.Raw(s.conversation), msgspec.Raw(s.inputs),
+                s.tenant, s.tags)))
+
     def handle(self, session: str, number: int, event: str, payload: bytes) -> None:
-        """A peer's message (this proxy's own come back from the broker: skipped)."""
+        """A peer's message (this proxy's own come back from the broker: skipped). For a
+        stored response's, `session` is the response's id."""
         px = self.proxy
-        if event == "arrived":
+        if event in STORE_EVENTS:
+            if not RESPONSE_ID.fullmatch(session):
+                raise ValueError("not a response id")
+            m = (_shared if event == "stored" else _dropped).decode(payload)
+            if m.origin == self.origin:
+                return
+            if isinstance(m, Dropped):
+                px.stored.delete(session, m.tenant, share=False)
+            else:
+                px.stored.put(session, Stored(bytes(m.body), bytes(m.conversation), bytes(m.inputs), m.tenant,
+                                              m.tags), share=False)
+        elif event == "arrived":
             a = _arrived.decode(payload)
             if a.origin == self.origin:
                 return

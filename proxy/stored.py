@@ -12,6 +12,7 @@ streamed background response's events (proxy/feed.py).
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import msgspec
@@ -46,18 +47,22 @@ class Store:
         self.budget = budget
         self.items: OrderedDict[str, Stored] = OrderedDict()
         self.bytes = 0
+        # told of each put (its response) and delete (None, its tenant): peers (proxy/peers.py)
+        self.shared: Callable[[str, Stored | None, str], None] | None = None
 
-    def put(self, id: str, s: Stored) -> None:
+    def put(self, id: str, s: Stored, share: bool = True) -> None:
         s.size = len(s.body) + len(s.conversation) + len(s.inputs) + (s.feed.size if s.feed else 0)
         if s.size > self.budget:
             log.warning("response not stored: larger than the store", id=id, bytes=s.size, budget=self.budget)
             return
-        self.delete(id, s.tenant)
+        self.delete(id, s.tenant, share=False)
         self.items[id] = s
         self.bytes += s.size
         while self.bytes > self.budget:
             _, old = self.items.popitem(last=False)
             self.bytes -= old.size
+        if share and self.shared is not None:
+            self.shared(id, s, s.tenant)
 
     def get(self, id: str, tenant: str) -> Stored | None:
         s = self.items.get(id)
@@ -66,10 +71,12 @@ class Store:
         self.items.move_to_end(id)
         return s
 
-    def delete(self, id: str, tenant: str) -> bool:
+    def delete(self, id: str, tenant: str, share: bool = True) -> bool:
         s = self.items.get(id)
         if s is None or s.tenant != tenant:
             return False
         del self.items[id]
         self.bytes -= s.size
+        if share and self.shared is not None:
+            self.shared(id, None, tenant)
         return True

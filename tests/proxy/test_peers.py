@@ -102,3 +102,35 @@ async def test_peers_in_front_of_one_fleet_keep_a_session_on_one_engine(start, b
         await ask((p1, p2)[k % 2], "one", "bo", f"bo speaks, turn {k}")
     went = [sum(any(r.session == "one" for r in g) for g in e.groups) for e in engines]
     assert sorted(went) == [0, 4]  # one engine served all four
+
+
+async def test_a_stored_conversation_goes_on_at_either_proxy(start, broker, until):
+    be = FakeBackend(length=40)
+    p1, p2 = [await start(be, mqtt=broker.url, peers=True, barrier_timeout=0.05) for _ in range(2)]
+    for p in (p1, p2):
+        p.control.backoff = (0.05, 0.2)
+    await until(lambda: p1.control.connected and p2.control.connected)
+    await asyncio.sleep(0.2)  # both subscribed
+
+    async def post(server, body: dict, key: dict = KEY) -> tuple[int, dict]:
+        async with aiohttp.ClientSession() as http:
+            async with http.post(server.url + "/v1/responses", json={"model": MODEL, **body}, headers=key) as r:
+                return r.status, await r.json()
+
+    _, first = await post(p1, {"input": "one two", "tokendance": {"session": "talk", "agent": "ada"}})
+    tenant = p1.proxy.tenant(KEY)
+    await until(lambda: p2.proxy.stored.get(first["id"], tenant) is not None)
+    status, second = await post(p2, {"input": "three", "previous_response_id": first["id"]})
+    assert status == 200 and second["output"][0]["content"][0]["text"] == "three"
+    assert p2.proxy.sessions.find("talk", 2).view()["agents"] == ["ada"]  # the conversation's session, round 2
+    history = p2.proxy.stored.get(second["id"], tenant).history
+    assert [m.content for m in history] == ["one two", "one two", "three", "three"]
+    # another key finds nothing at either proxy; a delete at one deletes at both
+    status, _ = await post(p1, {"input": "x", "previous_response_id": second["id"]}, {"Authorization": "Bearer other"})
+    assert status == 400
+    await until(lambda: p1.proxy.stored.get(second["id"], tenant) is not None)
+    async with aiohttp.ClientSession() as http:
+        async with http.delete(p1.url + f"/v1/responses/{second['id']}", headers=KEY) as r:
+            assert r.status == 200
+    await until(lambda: p2.proxy.stored.get(second["id"], tenant) is None)
+    assert p2.proxy.stored.get(first["id"], tenant) is not None
