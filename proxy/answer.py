@@ -23,7 +23,8 @@ from msgspec.structs import replace
 
 from tokendance.backend.api import Stream
 
-from . import calls
+from . import calls, conversations
+from .conversations import Conversation
 from .core import Call, Proxy
 from .errors import ApiError, invalid
 from .feed import Feed
@@ -45,6 +46,7 @@ class Turn:
     new: list[Message]  # its input, as messages
     history: list[Message]  # the stored conversation it continues
     owner: str  # who may read it back
+    conversation: Conversation | None = None  # the one it continues and adds its items to
     inputs: bytes = b"[]"  # its input items as listed back, encoded
     items: Items = field(init=False)
     reasoning_tokens: int = 0
@@ -186,10 +188,16 @@ class Turn:
         return r
 
     def _keep(self, px: Proxy, call: Call, r: Response) -> None:
-        """Store the finished response with its answer, unless the request said not to."""
+        """Store the finished response with its answer, unless the request said not to, and
+        add its input and output items to its conversation (unless that was deleted)."""
         if self.body.store:
             made = [(it.call_id, it.name, it.arguments) for it in r.output if it.type == "function_call"]
             self._store(px, call, r, output_message(call.shown[0], made))
+        c = self.conversation
+        if c is not None and px.conversations.get(c.id, c.tenant) is c:
+            m = call.meta
+            c.tags = (m.session, m.agent, m.mode)
+            conversations.add(px, c, msgspec.json.decode(self.inputs) + msgspec.to_builtins(r.output))
 
     def _store(self, px: Proxy, call: Call, r: Response, answer: Message | None = None) -> None:
         """Store `r` with its conversation, this answer last (none: it has none yet, or never will)."""
@@ -207,7 +215,8 @@ class Turn:
             instructions=b.instructions, previous_response_id=b.previous_response_id,
             temperature=b.temperature, top_p=b.top_p, max_output_tokens=b.max_output_tokens,
             text=b.text or {"format": {"type": "text"}}, reasoning=b.reasoning, metadata=dict(b.metadata or {}),
-            store=b.store, user=b.user, background=bool(b.background))
+            store=b.store, user=b.user, background=bool(b.background),
+            conversation={"id": self.conversation.id} if self.conversation else None)
 
 
 async def follow(req: web.Request, feed: Feed, after: int, headers: dict[str, str] | None = None) -> web.StreamResponse:

@@ -15,7 +15,7 @@ from aiohttp import web
 
 from tokendance.backend.api import Backend, InvalidRequest, Stream
 
-from . import replies, responses, schemas, segment
+from . import conversations, replies, responses, schemas, segment
 from . import tokenize as tokens
 from .answer import Turn, follow, starting_after
 from .core import Call, Config, Proxy
@@ -98,19 +98,23 @@ async def create_response(req: web.Request) -> web.StreamResponse:
     body = schemas.decode(await req.read(), responses.ResponsesRequest)
     responses.check(body)
     owner = px.tenant(req.headers)
-    prev = None
+    prev, conv = None, None
     if body.previous_response_id is not None:
         prev = px.stored.get(body.previous_response_id, owner)
         if prev is None:
             raise invalid(f"Previous response with id {body.previous_response_id!r} not found.",
                           "previous_response_id", "previous_response_not_found")
-    turn = Turn(body, responses.messages(body.input), prev.history if prev else [], owner)
-    if body.store:
+    if (cid := responses.conversation_id(body)) is not None:
+        conv = conversations.find(px, cid, owner, "conversation")
+    history = prev.history if prev else conv.history() if conv else []
+    turn = Turn(body, responses.messages(body.input), history, owner, conversation=conv)
+    if body.store or conv:
         turn.inputs = msgspec.json.encode(responses.listed(body.input))
     chat = responses.chat(body, turn.history, turn.new, body.tokendance)
     call = px.call("response", chat, req.headers, req[T0])
-    if prev is not None and call.meta.session is None:  # a conversation stays in its session
-        call.meta.session, call.meta.agent, mode = prev.tags
+    tags = prev.tags if prev else conv.tags if conv else None
+    if tags is not None and call.meta.session is None:  # a conversation stays in its session
+        call.meta.session, call.meta.agent, mode = tags
         call.meta.mode = call.meta.mode or mode
     try:
         _prepare(px, call, chat)
@@ -141,29 +145,12 @@ async def get_response(req: web.Request) -> web.StreamResponse:
 
 
 async def input_items(req: web.Request) -> web.Response:
-    """A stored response's input items, a page at a time (OpenAI's list: `limit` 1-100,
-    `order` desc (the default) or asc, `after` an item's id)."""
+    """A stored response's input items, a page at a time."""
     px = req.app[PROXY]
     s = px.stored.get(req.match_info["id"], px.tenant(req.headers))
     if s is None:
         raise _no_response(req)
-    q = req.query
-    limit = q.get("limit", "20")
-    if not (limit.isdecimal() and 1 <= int(limit) <= 100):
-        raise invalid("limit must be an integer from 1 to 100", "limit")
-    if q.get("order", "desc") not in ("asc", "desc"):
-        raise invalid("order must be asc or desc", "order")
-    items = msgspec.json.decode(s.inputs)
-    if q.get("order", "desc") == "desc":
-        items.reverse()
-    if "after" in q:
-        at = next((i for i, it in enumerate(items) if it["id"] == q["after"]), None)
-        if at is None:
-            raise invalid(f"no input item {q['after']!r} in this response", "after")
-        items = items[at + 1:]
-    page = items[:int(limit)]
-    return _json({"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
-                  "last_id": page[-1]["id"] if page else None, "has_more": len(items) > len(page)})
+    return _json(conversations.page(msgspec.json.decode(s.inputs), req.query))
 
 
 async def cancel_response(req: web.Request) -> web.Response:
@@ -299,6 +286,7 @@ def make_app(proxy: Proxy, control: Control | None = None) -> web.Application:
     r.add_get("/v1/responses/{id}/input_items", input_items)
     r.add_post("/v1/responses/{id}/cancel", cancel_response)
     r.add_delete("/v1/responses/{id}", delete_response)
+    conversations.routes(r, proxy)
     r.add_get("/v1/models", models)
     r.add_get("/v1/models/{model}", model)
     r.add_post("/tokenize", tokenize)

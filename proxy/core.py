@@ -28,7 +28,7 @@ from .known import Known
 from .peers import Peers
 from .session import Meta, Round, Sessions, check_name, read_meta, round_number
 from .stats import Metrics
-from .stored import Store
+from .stored import Store, Stored
 
 log = structlog.get_logger("tokendance.proxy")
 
@@ -41,7 +41,7 @@ class Config:
     min_shared_chars: int = 16  # shorter outputs are never marked as shared
     drain_timeout: float = 30.0
     reasoning: str | None = None  # vLLM's --reasoning-parser: "qwen3" | "deepseek_r1" (proxy/reasoning.py)
-    store_bytes: int = 256 * 2**20  # stored responses of the Responses API (proxy/stored.py)
+    store_bytes: int = 256 * 2**20  # stored responses, and conversations, each (proxy/stored.py)
     peers: bool = False  # share rounds with the other proxies on the MQTT broker (proxy/peers.py)
     names: tuple[str, ...] = ()  # vLLM's --served-model-name: the model's names in the API
     api_keys: frozenset[str] = frozenset()  # vLLM's --api-key: required on /v1 routes (empty: none)
@@ -136,7 +136,8 @@ class Proxy:
         self.sessions = Sessions(memory=c.memory_rounds, min_chars=c.min_shared_chars)
         self.barrier = Barrier(self._dispatch, c.barrier_timeout, c.max_group)
         self.metrics = Metrics()
-        self.stored = Store(c.store_bytes)
+        self.stored: Store[Stored] = Store(c.store_bytes)
+        self.conversations = Store(c.store_bytes)  # proxy/conversations.py
         self.running: dict[str, asyncio.Task] = {}  # background responses being generated
         self.publish: Callable[[str, int, dict], None] | None = None  # MQTT done
         self.peers: Peers | None = None  # the other proxies of a round (proxy/peers.py)

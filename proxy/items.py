@@ -114,6 +114,7 @@ class Response(Struct):
     completed_at: int | None = None
     truncation: str = "disabled"
     background: bool = False
+    conversation: dict[str, str] | None = None  # {"id": ...}: the conversation it went on
     object: str = "response"
 
 

@@ -6,7 +6,7 @@ the barrier, shared segments, tool calls, reasoning; proxy/app.py): its `instruc
 become the system message, its `input` items the messages after the stored conversation
 that `previous_response_id` names (proxy/stored.py), its function tools chat tools and its
 `text.format` a response format. What the API has and this server does not (built-in
-tools, images and files, conversation objects) is a 400 naming the field.
+tools, images and files) is a 400 naming the field. Conversation objects: proxy/conversations.py.
 
 Items become messages as chat templates take them: a `function_call` is a call of the
 assistant message before it (or of a new one), a `function_call_output` a tool message,
@@ -130,8 +130,6 @@ def check(body: ResponsesRequest) -> None:
     chat request it becomes)."""
     if body.background and not body.store:
         raise invalid("a background response is read back when done: store must be true", "store")
-    if body.conversation is not None:
-        raise unsupported("conversation", "conversations (use previous_response_id)")
     if body.prompt is not None:
         raise unsupported("prompt", "prompt templates")
     if body.truncation not in (None, "disabled"):
@@ -144,10 +142,28 @@ def check(body: ResponsesRequest) -> None:
     for i, name in enumerate(body.include or ()):
         if name not in INCLUDES:
             raise unsupported(f"include[{i}]", f"include {name!r}")
-    for key, value in (body.metadata or {}).items():
+    check_metadata(body.metadata or {})
+    if body.conversation is not None and body.previous_response_id is not None:
+        raise invalid("give previous_response_id or conversation, not both", "conversation")
+
+
+def conversation_id(body: ResponsesRequest) -> str | None:
+    """The conversation a request continues: `conversation`, its id or `{"id": ...}`."""
+    c = body.conversation
+    if c is None:
+        return None
+    if isinstance(c, dict):
+        c = c.get("id")
+    if not isinstance(c, str) or not c:
+        raise invalid("conversation is a conversation's id, or {\"id\": ...}", "conversation")
+    return c
+
+
+def check_metadata(metadata: dict[str, str]) -> None:
+    for key, value in metadata.items():
         if len(key) > 64 or len(value) > 512:
             raise invalid("metadata keys are at most 64 characters, values at most 512", "metadata")
-    if len(body.metadata or {}) > 16:
+    if len(metadata) > 16:
         raise invalid("metadata holds at most 16 pairs", "metadata")
 
 

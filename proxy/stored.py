@@ -14,6 +14,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Generic, Protocol, TypeVar
 
 import msgspec
 import structlog
@@ -41,17 +42,33 @@ class Stored:
     def history(self) -> list[Message]:
         return _history.decode(self.conversation)
 
+    def weight(self) -> int:
+        return len(self.body) + len(self.conversation) + len(self.inputs) + (self.feed.size if self.feed else 0)
 
-class Store:
+
+class Kept(Protocol):
+    tenant: str
+    size: int
+
+    def weight(self) -> int: ...
+
+
+K = TypeVar("K", bound=Kept)
+
+
+class Store(Generic[K]):
+    """Stored responses, or anything else kept so, by id and tenant, that weighs its bytes
+    (conversations: proxy/conversations.py)."""
+
     def __init__(self, budget: int):
         self.budget = budget
-        self.items: OrderedDict[str, Stored] = OrderedDict()
+        self.items: OrderedDict[str, K] = OrderedDict()
         self.bytes = 0
-        # told of each put (its response) and delete (None, its tenant): peers (proxy/peers.py)
-        self.shared: Callable[[str, Stored | None, str], None] | None = None
+        # told of each put (what was put) and delete (None, its tenant): peers (proxy/peers.py)
+        self.shared: Callable[[str, K | None, str], None] | None = None
 
-    def put(self, id: str, s: Stored, share: bool = True) -> None:
-        s.size = len(s.body) + len(s.conversation) + len(s.inputs) + (s.feed.size if s.feed else 0)
+    def put(self, id: str, s: K, share: bool = True) -> None:
+        s.size = s.weight()
         if s.size > self.budget:
             log.warning("response not stored: larger than the store", id=id, bytes=s.size, budget=self.budget)
             return
@@ -64,7 +81,7 @@ class Store:
         if share and self.shared is not None:
             self.shared(id, s, s.tenant)
 
-    def get(self, id: str, tenant: str) -> Stored | None:
+    def get(self, id: str, tenant: str) -> K | None:
         s = self.items.get(id)
         if s is None or s.tenant != tenant:
             return None

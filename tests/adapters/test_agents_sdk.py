@@ -1,6 +1,6 @@
 """The OpenAI Agents SDK through the proxy, by the Responses API (its default model) and by
 chat completions: a function tool's loop, a streamed run, a second round that quotes the
-first's answers, and a conversation the proxy stores. The SDK runs in a venv of its own
+first's answers, a stored response continued and a conversation object. The SDK runs in a venv of its own
 (.venv-agents, made by .ci/setup; see tests/adapters/agents_sdk_run.py); the proxy here,
 in front of a backend that echoes the prompt's last message, so a call in the prompt comes
 back as the model's call."""
@@ -53,7 +53,9 @@ def test_two_agents_a_tool_and_two_rounds(api):
     assert out["second"] == ["bo said: Say hello to everyone in the room today. What do you say?",
                              f"ada said: {out['said']['ada']} What do you say?"]
     ada, bo = two["per_agent"]["ada"]["prompt_tokens"], two["per_agent"]["bo"]["prompt_tokens"]
-    if api == "responses":  # ada's stored conversation (the tool loop) came before her new input
-        assert ada > bo + 30, (ada, bo)
+    if api == "responses":  # ada's stored conversation (the tool loop) came before her new input,
+        assert ada > bo + 30, (ada, bo)  # and bo's conversation object got his turn
+        asked = f"ada said: {out['said']['ada']}\nWhat do you say?"
+        assert out["conversation"] == ["Hello, bo.", asked, asked.replace("\n", " ")], out["conversation"]
     else:
         assert abs(ada - bo) < 10, (ada, bo)

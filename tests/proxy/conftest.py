@@ -94,6 +94,19 @@ class Threaded:
 
 
 @pytest.fixture(scope="module")
+def echo() -> Iterator[Threaded]:
+    """The fake backend echoing 40 words, behind a proxy that reads Qwen3 thinking."""
+    t = Threaded(FakeBackend(length=40), reasoning="qwen3")
+    yield t
+    t.close()
+
+
+@pytest.fixture(scope="module")
+def client(echo: Threaded) -> openai.OpenAI:
+    return echo.client()
+
+
+@pytest.fixture(scope="module")
 def live() -> Iterator[Threaded]:
     """The fake backend: predictable answers, so every field can be checked."""
     t = Threaded(FakeBackend())

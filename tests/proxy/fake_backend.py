@@ -40,6 +40,10 @@ class FakeBackend:
         self.closed = False
         self.down: str | None = None  # what problem() reports
 
+    def last_prompt(self) -> str:
+        """The prompt of the first request of the last group it was given, as text."""
+        return "".join(s.text for s in self.groups[-1][0].segments)
+
     def render_chat(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None,
                     template: Any = None) -> str:
         out = [f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n" for m in messages]

@@ -1,4 +1,4 @@
-"""Random request bodies (chats, completions, responses) against the real engine (seeded, so a failure replays): no body
+"""Random request bodies (chats, completions, responses, conversations) against the real engine (seeded, so a failure replays): no body
 gets a 5xx or a stream's error event; every 4xx has OpenAI's error shape; the engine
 serves on afterwards. Requests go several at a time, so good and bad ones share steps."""
 
@@ -52,7 +52,7 @@ CONVOS = [[{"role": "user", "content": "hi there"}],
 # The Responses API's fields (proxy/responses.py)
 R_FIELDS = ["instructions", "tools", "tool_choice", "max_output_tokens", "temperature", "top_p", "stream", "store",
             "previous_response_id", "text", "include", "top_logprobs", "metadata", "reasoning", "truncation",
-            "parallel_tool_calls", "tokendance", "top_k", "seed", "stop", "input", "background"]
+            "parallel_tool_calls", "tokendance", "top_k", "seed", "stop", "input", "background", "conversation"]
 R_PLAUSIBLE: dict[str, Any] = {
     "instructions": ["Be brief.", ""], "tools": [[{"type": "function", "name": "f", "parameters": TOOLS[0]["function"][
         "parameters"]}, {"type": "function", "name": "g", "strict": False}], [{"type": "web_search"}]],
@@ -62,6 +62,7 @@ R_PLAUSIBLE: dict[str, Any] = {
         "type": "object", "properties": {"k": {"type": "string"}}}}}, {"format": {"type": "regex"}}],
     "include": [["message.output_text.logprobs"], ["file_search_call.results"]], "metadata": [{"k": "v"}],
     "reasoning": [{"effort": "low"}, {"effort": None}], "truncation": ["auto", "disabled"], "background": [True],
+    "conversation": ["conv_nope", {"id": "conv_nope"}],
     "input": [[{"role": "user", "content": [{"type": "input_text", "text": "hi"}]}], [
         {"role": "user", "content": "call f"}, {"type": "function_call", "call_id": "c1", "name": "f", "arguments": "{}"},
         {"type": "function_call_output", "call_id": "c1", "output": "3"}], [{"type": "reasoning", "summary": []}]],
@@ -78,6 +79,11 @@ def wild(r: random.Random, depth: int = 0) -> Any:
 
 
 def body(r: random.Random, model: str) -> tuple[str, dict[str, Any]]:
+    if r.random() < 0.05:  # a conversation object (proxy/conversations.py)
+        b = {"items": r.choice(R_PLAUSIBLE["input"]), "metadata": {"k": "v"}}
+        if r.random() < 0.5:
+            b[r.choice(list(b))] = wild(r)
+        return "/v1/conversations", b
     if r.random() < 0.25:
         return response(r, model)
     chat = r.random() < 0.6

@@ -13,8 +13,6 @@ import urllib.request
 import openai
 import pytest
 
-from .conftest import FakeBackend, Threaded
-
 MODEL = "fake-tiny"
 WEATHER = {"type": "function", "name": "get_weather", "description": "The weather of a city",
            "parameters": {"type": "object", "additionalProperties": False, "required": ["city", "unit"],
@@ -22,21 +20,8 @@ WEATHER = {"type": "function", "name": "get_weather", "description": "The weathe
 ASK = 'Sure. <tool_call>{"name": "get_weather", "arguments": {"city": "Paris", "unit": "C"}}</tool_call>'
 
 
-@pytest.fixture(scope="module")
-def echo():
-    t = Threaded(FakeBackend(length=40), reasoning="qwen3")
-    yield t
-    t.close()
-
-
-@pytest.fixture(scope="module")
-def client(echo) -> openai.OpenAI:
-    return echo.client()
-
-
 def prompt(echo) -> str:
-    """The prompt the backend got last."""
-    return "".join(s.text for s in echo.backend.groups[-1][0].segments)
+    return echo.backend.last_prompt()
 
 
 def sampling(echo):
@@ -233,7 +218,8 @@ def test_a_conversation_stays_in_its_session(client):
     ({"input": [{"role": "user", "content": "x"},  # checked as a message: named as the input
                 {"type": "function_call", "call_id": "c", "name": "f", "arguments": "[1]"}]}, "input"),
     ({"background": True, "store": False}, "store"),
-    ({"conversation": "conv_1"}, "conversation"),
+    ({"conversation": 5}, "conversation"),
+    ({"conversation": "conv_1", "previous_response_id": "resp_1"}, "conversation"),
     ({"prompt": {"id": "pmpt_1"}}, "prompt"),
     ({"truncation": "auto"}, "truncation"),
     ({"reasoning": {"effort": "high"}}, "reasoning.effort"),

@@ -110,7 +110,7 @@ def test_a_template_without_tools_gets_them_in_the_messages(fake, echo):
                                                                "arguments": '{"city": "Paris", "unit": "C"}'}}]},
              {"role": "tool", "tool_call_id": "c1", "content": "18 and sunny"}]
     got = fake.chat.completions.create(model="fake-tiny", messages=convo, tools=[WEATHER])
-    prompt = "".join(s.text for s in echo.backend.groups[-1][0].segments)
+    prompt = echo.backend.last_prompt()
     assert prompt.startswith("<|im_start|>system\n# Tools\n") and '"name": "get_weather"' in prompt
     assert tools.call_text("get_weather", {"city": "Paris", "unit": "C"}) in prompt
     assert "<|im_start|>user\n<tool_response>\n18 and sunny\n</tool_response><|im_end|>" in prompt
