@@ -3,7 +3,8 @@ or the API's stream events (`event:` and `data:` lines, as OpenAI and vLLM send 
 
 Both read the answer the same way, delta by delta (`Items`); a stream sends the events
 as they come. Once done, a response is stored with its conversation (proxy/stored.py),
-unless its request said `store: false` or it failed. A stream that fails sends
+unless its request said `store: false` or it failed, and its items are added to the
+conversation object it went on in, if any (proxy/conversations.py). A stream that fails sends
 `response.failed` with the error. A background response is answered at once and
 generated in a task of its own, stored as it goes; with `stream: true` its events go to
 a feed (proxy/feed.py) that the request and later `GET`s follow.

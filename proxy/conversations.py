@@ -108,7 +108,7 @@ def _added(items: list[Item]) -> list[dict[str, Any]]:
     if len(items) > MAX_ADDED:
         raise invalid(f"at most {MAX_ADDED} items may be added at a time", "items")
     if items:
-        messages(items)  # what no response could continue is refused now
+        messages(items, "items")  # what no response could continue is refused now
     return listed(items) if items else []
 
 

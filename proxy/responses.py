@@ -167,15 +167,16 @@ def check_metadata(metadata: dict[str, str]) -> None:
         raise invalid("metadata holds at most 16 pairs", "metadata")
 
 
-def messages(items: str | list[Item]) -> list[Message]:
-    """The input as chat messages; a 400 naming the item that cannot be one."""
+def messages(items: str | list[Item], name: str = "input") -> list[Message]:
+    """The input (or the `name` list of items) as chat messages; a 400 naming the item
+    that cannot be one."""
     if isinstance(items, str):
         return [Message(role="user", content=items)]
     if not items:
-        raise invalid("input must not be empty", "input")
+        raise invalid(f"{name} must not be empty", name)
     out: list[Message] = []
     for i, it in enumerate(items):
-        where = f"input[{i}]"
+        where = f"{name}[{i}]"
         if it.type == "message":
             if it.role not in ROLES:
                 raise invalid(f"unknown role {it.role!r}", f"{where}.role")

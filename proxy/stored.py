@@ -68,11 +68,12 @@ class Store(Generic[K]):
         self.shared: Callable[[str, K | None, str], None] | None = None
 
     def put(self, id: str, s: K, share: bool = True) -> None:
+        """Keep `s` (again: what is put once more is weighed once more)."""
+        self.delete(id, s.tenant, share=False)  # by the size it had
         s.size = s.weight()
         if s.size > self.budget:
-            log.warning("response not stored: larger than the store", id=id, bytes=s.size, budget=self.budget)
+            log.warning("not stored: larger than the store", id=id, bytes=s.size, budget=self.budget)
             return
-        self.delete(id, s.tenant, share=False)
         self.items[id] = s
         self.bytes += s.size
         while self.bytes > self.budget:

@@ -7,6 +7,9 @@ from __future__ import annotations
 import openai
 import pytest
 
+from tokendance.proxy.conversations import Conversation
+from tokendance.proxy.stored import Store
+
 MODEL = "fake-tiny"
 
 
@@ -68,10 +71,12 @@ def test_what_a_conversation_refuses(client, echo):
         other.conversations.retrieve(c.id)
     with pytest.raises(openai.NotFoundError):
         other.responses.create(model=MODEL, input="x", conversation=c.id)
-    for bad in ({"items": [{"role": "user", "content": "x"}] * 21}, {"metadata": {"k" * 65: "v"}},
-                {"items": [{"type": "item_reference", "id": "x"}]}):
-        with pytest.raises(openai.BadRequestError):
+    for bad, param in (({"items": [{"role": "user", "content": "x"}] * 21}, "items"),
+                       ({"metadata": {"k" * 65: "v"}}, "metadata"),
+                       ({"items": [{"type": "item_reference", "id": "x"}]}, "items[0].type")):
+        with pytest.raises(openai.BadRequestError) as e:
             client.conversations.create(**bad)
+        assert e.value.body["param"] == param
     with pytest.raises(openai.NotFoundError):
         client.conversations.items.retrieve("msg_nope", conversation_id=c.id)
     with pytest.raises(openai.NotFoundError):
@@ -80,3 +85,16 @@ def test_what_a_conversation_refuses(client, echo):
         client.conversations.delete("conv_nope")
     with pytest.raises(openai.BadRequestError):
         client.conversations.items.list(c.id, limit=0)
+
+
+def test_the_store_weighs_a_conversation_again_as_it_grows():
+    store = Store(10_000)
+    c = Conversation("conv_x", "t", {})
+    store.put(c.id, c)
+    first = store.bytes
+    c.items.append(b'{"id": "msg_1", "content": "words"}')
+    store.put(c.id, c)
+    assert store.bytes == c.size == c.weight() > first
+    c.items.append(b"x" * 20_000)  # over the budget now: let go
+    store.put(c.id, c)
+    assert store.bytes == 0 and store.get(c.id, "t") is None
