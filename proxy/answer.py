@@ -194,8 +194,9 @@ class Turn:
         if self.body.store:
             made = [(it.call_id, it.name, it.arguments) for it in r.output if it.type == "function_call"]
             self._store(px, call, r, output_message(call.shown[0], made))
-        c = self.conversation
-        if c is not None and px.conversations.get(c.id, c.tenant) is c:
+        # as it is now (a peer proxy may have replaced it meanwhile), unless deleted
+        c = self.conversation and px.conversations.get(self.conversation.id, self.owner)
+        if c:
             m = call.meta
             c.tags = (m.session, m.agent, m.mode)
             conversations.add(px, c, msgspec.json.decode(self.inputs) + msgspec.to_builtins(r.output))

@@ -16,16 +16,18 @@ import secrets
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 from aiohttp import web
 from msgspec import Struct
 
-from .core import Proxy
 from .errors import ApiError, invalid
 from .responses import Item, check_metadata, listed, messages
 from .schemas import Message, decode
+
+if TYPE_CHECKING:
+    from .core import Proxy
 
 MAX_ADDED = 20  # items one request may add
 _item = msgspec.json.Decoder(Item)

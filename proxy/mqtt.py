@@ -33,7 +33,8 @@ PREFIX = "tokendance"
 MAX_PAYLOAD = 2**20  # an open's agent list; a larger one is refused, not decoded
 PEER_EVENTS = ("arrived", "said")  # between proxies, with --mqtt-peers (proxy/peers.py)
 PINNED = "pinned"  # tokendance/{session}/pinned: the engine a proxy put a session on (same)
-RESPONSES, STORE_EVENTS = "responses", ("stored", "deleted")  # tokendance/responses/{id}/stored (same)
+# tokendance/responses/{id}/stored, tokendance/conversations/{id}/deleted, ... (same)
+KEPT, STORE_EVENTS = ("responses", "conversations"), ("stored", "deleted")
 
 
 def topic(session: str, number: int, event: str) -> str:
@@ -97,8 +98,8 @@ class Control:
                         for event in PEER_EVENTS:
                             await c.subscribe(f"{PREFIX}/+/round/+/{event}", qos=1)
                         await c.subscribe(f"{PREFIX}/+/{PINNED}", qos=1)
-                        for event in STORE_EVENTS:
-                            await c.subscribe(f"{PREFIX}/{RESPONSES}/+/{event}", qos=1)
+                        for kind in KEPT:
+                            await c.subscribe(f"{PREFIX}/{kind}/+/+", qos=1)
                     self.connected, delay, warned = True, self.backoff[0], False
                     log.info("mqtt connected", host=self.host, port=self.port)
                     sender = asyncio.create_task(self._send(c))
@@ -140,8 +141,8 @@ class Control:
             if len(parts) == 3 and parts[2] == PINNED and self.on_peer is not None:
                 self.on_peer(parts[1], 0, PINNED, payload)
                 return
-            if len(parts) == 4 and parts[1] == RESPONSES and parts[3] in STORE_EVENTS and self.on_peer is not None:
-                self.on_peer(parts[2], 0, parts[3], payload)  # the response's id where a session goes
+            if len(parts) == 4 and parts[1] in KEPT and parts[3] in STORE_EVENTS and self.on_peer is not None:
+                self.on_peer(parts[2], 0, parts[3], payload)  # the id where a session goes
                 return
             raw = parts[3]  # plain ASCII digits: int() also takes ' 7', '1_0', '\u0663'
             if len(parts) != 5 or not (raw.isascii() and raw.isdecimal()) or len(raw) > 4000:

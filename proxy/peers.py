@@ -12,15 +12,15 @@ balancer in front of several):
 
 - in front of the same fleet of engines, a session stays on one engine: each proxy
   tells the others where it pinned a session, and the pin decided first wins;
-- a stored response of the Responses API is stored by every proxy (and deleted from
-  every one), so a conversation goes on by `previous_response_id` at any of them (a
+- a stored response of the Responses API, and a conversation object, is kept by every
+  proxy (and deleted from every one), so a conversation goes on at any of them (a
   streamed background response's events stay with the proxy that made it).
 
 Each proxy still sends its own part of a round to the backend as its own group, and
 publishes its own round stats. Topics, beside open / seal / done (proxy/mqtt.py):
 tokendance/{session}/round/{round}/arrived (`Arrived`), .../said (`Said`),
-tokendance/{session}/pinned (`Pinned`) and tokendance/responses/{id}/stored (`Shared`)
-or .../deleted (`Dropped`).
+tokendance/{session}/pinned (`Pinned`), tokendance/responses/{id}/stored (`Shared`),
+tokendance/conversations/{id}/stored (`Talk`) and .../deleted for either (`Dropped`).
 """
 
 from __future__ import annotations
@@ -35,7 +35,8 @@ from msgspec import Struct
 
 from tokendance.backend.fleet import Fleet
 
-from .mqtt import PINNED, PREFIX, RESPONSES, STORE_EVENTS, topic
+from .conversations import Conversation
+from .mqtt import PINNED, PREFIX, STORE_EVENTS, topic
 from .session import Round, check_name
 from .stored import Stored
 
@@ -74,14 +75,27 @@ class Shared(Struct):
     tags: tuple[str | None, str | None, str | None]
 
 
+class Talk(Struct):
+    """A conversation object (proxy/conversations.py), its items as they are."""
+
+    origin: str
+    tenant: str
+    metadata: dict[str, str]
+    created_at: int
+    items: list[msgspec.Raw]
+    tags: tuple[str | None, str | None, str | None]
+
+
 class Dropped(Struct):
     origin: str
     tenant: str
 
 
 _arrived, _said, _pinned = msgspec.json.Decoder(Arrived), msgspec.json.Decoder(Said), msgspec.json.Decoder(Pinned)
-_shared, _dropped = msgspec.json.Decoder(Shared), msgspec.json.Decoder(Dropped)
-RESPONSE_ID = re.compile(r"resp_[0-9a-f]{24}")
+_dropped = msgspec.json.Decoder(Dropped)
+# What a stored id names, by its form: (topic, decoder, the proxy's store)
+KINDS = {re.compile(r"resp_[0-9a-f]{24}"): ("responses", msgspec.json.Decoder(Shared), "stored"),
+         re.compile(r"conv_[0-9a-f]{48}"): ("conversations", msgspec.json.Decoder(Talk), "conversations")}
 
 
 class Peers:
@@ -92,7 +106,7 @@ class Peers:
         if isinstance(fleet, Fleet):
             fleet.origin = self.origin
             fleet.on_pin = self.pinned
-        proxy.stored.shared = self.stored
+        proxy.stored.shared = proxy.conversations.shared = self.kept
 
     def arrived(self, rnd: Round, agent: str) -> None:
         self.send(topic(rnd.session, rnd.number, "arrived"), msgspec.json.encode(Arrived(agent, self.origin, rnd.owner)))
@@ -104,29 +118,39 @@ class Peers:
     def pinned(self, session: str, engine: str, decided: tuple[float, str]) -> None:
         self.send(f"{PREFIX}/{session}/{PINNED}", msgspec.json.encode(Pinned(engine, *decided)))
 
-    def stored(self, id: str, s: Stored | None, tenant: str) -> None:
+    def kept(self, id: str, s: Stored | Conversation | None, tenant: str) -> None:
+        """A stored response or a conversation was put (or deleted: None) here."""
+        kind = "responses" if id.startswith("resp_") else "conversations"
         if s is None:
-            self.send(f"{PREFIX}/{RESPONSES}/{id}/deleted", msgspec.json.encode(Dropped(self.origin, tenant)))
+            m: Struct = Dropped(self.origin, tenant)
+        elif isinstance(s, Stored):
+            m = Shared(self.origin, msgspec.Raw(s.body), msgspec.Raw(s.conversation), msgspec.Raw(s.inputs),
+                       s.tenant, s.tags)
         else:
-            self.send(f"{PREFIX}/{RESPONSES}/{id}/stored", msgspec.json.encode(Shared(
-                self.origin, msgspec.Raw(s.body), msgspec.Raw(s.conversation), msgspec.Raw(s.inputs),
-                s.tenant, s.tags)))
+            m = Talk(self.origin, s.tenant, s.metadata, s.created_at, [msgspec.Raw(i) for i in s.items], s.tags)
+        self.send(f"{PREFIX}/{kind}/{id}/{'deleted' if s is None else 'stored'}", msgspec.json.encode(m))
 
     def handle(self, session: str, number: int, event: str, payload: bytes) -> None:
         """A peer's message (this proxy's own come back from the broker: skipped). For a
         stored response's, `session` is the response's id."""
         px = self.proxy
         if event in STORE_EVENTS:
-            if not RESPONSE_ID.fullmatch(session):
-                raise ValueError("not a response id")
-            m = (_shared if event == "stored" else _dropped).decode(payload)
+            id = session
+            _, decoder, where = next((k for form, k in KINDS.items() if form.fullmatch(id)), (0, None, ""))
+            if decoder is None:
+                raise ValueError("not a response's or a conversation's id")
+            m = (decoder if event == "stored" else _dropped).decode(payload)
             if m.origin == self.origin:
                 return
+            store = getattr(px, where)
             if isinstance(m, Dropped):
-                px.stored.delete(session, m.tenant, share=False)
+                store.delete(id, m.tenant, share=False)
+            elif isinstance(m, Shared):
+                store.put(id, Stored(bytes(m.body), bytes(m.conversation), bytes(m.inputs), m.tenant, m.tags),
+                          share=False)
             else:
-                px.stored.put(session, Stored(bytes(m.body), bytes(m.conversation), bytes(m.inputs), m.tenant,
-                                              m.tags), share=False)
+                store.put(id, Conversation(id, m.tenant, m.metadata, m.created_at, [bytes(i) for i in m.items],
+                                           m.tags), share=False)
         elif event == "arrived":
             a = _arrived.decode(payload)
             if a.origin == self.origin:

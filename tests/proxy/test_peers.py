@@ -104,7 +104,7 @@ async def test_peers_in_front_of_one_fleet_keep_a_session_on_one_engine(start, b
     assert sorted(went) == [0, 4]  # one engine served all four
 
 
-async def test_a_stored_conversation_goes_on_at_either_proxy(start, broker, until):
+async def test_stored_responses_and_conversations_go_on_at_either_proxy(start, broker, until):
     be = FakeBackend(length=40)
     p1, p2 = [await start(be, mqtt=broker.url, peers=True, barrier_timeout=0.05) for _ in range(2)]
     for p in (p1, p2):
@@ -134,3 +134,18 @@ async def test_a_stored_conversation_goes_on_at_either_proxy(start, broker, unti
             assert r.status == 200
     await until(lambda: p2.proxy.stored.get(second["id"], tenant) is None)
     assert p2.proxy.stored.get(first["id"], tenant) is not None
+    # a conversation object made at one goes on at the other, and its items come back
+    async with aiohttp.ClientSession() as http:
+        async with http.post(p1.url + "/v1/conversations", json={"items": [{"role": "user", "content": "hi"}]},
+                             headers=KEY) as r:
+            conv = (await r.json())["id"]
+        await until(lambda: p2.proxy.conversations.get(conv, tenant) is not None)
+        status, third = await post(p2, {"input": "four five", "conversation": conv})
+        assert status == 200 and third["conversation"] == {"id": conv}
+        await until(lambda: len(p1.proxy.conversations.get(conv, tenant).items) == 3)
+        async with http.get(p1.url + f"/v1/conversations/{conv}/items?order=asc", headers=KEY) as r:
+            texts = [i["content"][0]["text"] for i in (await r.json())["data"]]
+        assert texts == ["hi", "four five", "four five"]
+        async with http.delete(p2.url + f"/v1/conversations/{conv}", headers=KEY) as r:
+            assert r.status == 200
+    await until(lambda: p1.proxy.conversations.get(conv, tenant) is None)
