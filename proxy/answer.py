@@ -217,7 +217,7 @@ class Turn:
             instructions=b.instructions, previous_response_id=b.previous_response_id,
             temperature=b.temperature, top_p=b.top_p, max_output_tokens=b.max_output_tokens,
             text=b.text or {"format": {"type": "text"}}, reasoning=b.reasoning, metadata=dict(b.metadata or {}),
-            store=b.store, user=b.user, background=bool(b.background),
+            store=b.store, user=b.user, background=bool(b.background), truncation=b.truncation or "disabled",
             conversation={"id": self.conversation.id} if self.conversation else None)
 
 

@@ -116,10 +116,15 @@ async def create_response(req: web.Request) -> web.StreamResponse:
     if tags is not None and call.meta.session is None:  # a conversation stays in its session
         call.meta.session, call.meta.agent, mode = tags
         call.meta.mode = call.meta.mode or mode
-    try:
-        _prepare(px, call, chat)
-    except ApiError as exc:
-        raise responses.renamed(exc) if exc.status == 400 else exc
+    drop = 0  # with truncation auto, the conversation's oldest turns left out until it fits
+    while True:
+        try:
+            _prepare(px, call, responses.chat(body, turn.history[drop:], turn.new, body.tokendance))
+            break
+        except ApiError as exc:
+            if body.truncation != "auto" or exc.body.code != "context_length_exceeded" or drop == len(turn.history):
+                raise responses.renamed(exc) if exc.status == 400 else exc
+            drop = responses.next_turn(turn.history, drop)
     if body.background:  # answered at once; the response is read back (or followed) as it goes
         r = turn.background(px, call)
         return await follow(req, turn.feed, -1, call.headers()) if turn.feed else _json(r)

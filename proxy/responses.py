@@ -132,8 +132,8 @@ def check(body: ResponsesRequest) -> None:
         raise invalid("a background response is read back when done: store must be true", "store")
     if body.prompt is not None:
         raise unsupported("prompt", "prompt templates")
-    if body.truncation not in (None, "disabled"):
-        raise unsupported("truncation", f"truncation {body.truncation!r}")
+    if body.truncation not in (None, "disabled", "auto"):
+        raise invalid("truncation must be auto or disabled", "truncation")
     if body.reasoning is not None and body.reasoning.effort not in (None, "none"):
         raise unsupported("reasoning.effort", "reasoning.effort (a template's switch, such as Qwen3's "
                           "enable_thinking, goes in chat_template_kwargs)")
@@ -308,6 +308,12 @@ def renamed(exc: ApiError) -> ApiError:
                 exc.body.message = exc.body.message.replace("max_tokens", new)
             break
     return exc
+
+
+def next_turn(history: list[Message], start: int) -> int:
+    """Where the conversation's next turn after `start` begins (its next user message), for
+    `truncation: auto` to drop whole turns, a call never without its result."""
+    return next((i for i in range(start + 1, len(history)) if history[i].role == "user"), len(history))
 
 
 def output_message(content: str, calls: list[tuple[str, str, str]]) -> Message:

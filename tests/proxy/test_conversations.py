@@ -1,6 +1,7 @@
 """OpenAI's Conversations API with the real openai SDK: a conversation made, read, updated
 and deleted, its items listed by page, added, read and deleted, and responses that go on
-in it (their items added as they end, their session kept); every misuse a 4xx."""
+in it (their items added as they end, their session kept, the oldest turns left out
+with truncation auto); every misuse a 4xx."""
 
 from __future__ import annotations
 
@@ -9,6 +10,8 @@ import pytest
 
 from tokendance.proxy.conversations import Conversation
 from tokendance.proxy.stored import Store
+
+from .conftest import FakeBackend, Threaded
 
 MODEL = "fake-tiny"
 
@@ -98,3 +101,25 @@ def test_the_store_weighs_a_conversation_again_as_it_grows():
     c.items.append(b"x" * 20_000)  # over the budget now: let go
     store.put(c.id, c)
     assert store.bytes == 0 and store.get(c.id, "t") is None
+
+
+def test_truncation_auto_leaves_out_the_oldest_turns_until_the_prompt_fits():
+    t = Threaded(FakeBackend(length=8, max_model_len=60))
+    try:
+        client = t.client()
+        said = [f"turn{i} " + "word " * 9 for i in range(6)]
+        c = client.conversations.create(items=[
+            {"role": "user" if i % 2 == 0 else "assistant", "content": text} for i, text in enumerate(said)])
+        with pytest.raises(openai.BadRequestError) as e:
+            client.responses.create(model=MODEL, input="and now?", conversation=c.id)
+        assert (e.value.body["code"], e.value.body["param"]) == ("context_length_exceeded", "input")
+        r = client.responses.create(model=MODEL, input="and now?", conversation=c.id, truncation="auto")
+        kept = t.backend.last_prompt()
+        assert r.truncation == "auto" and "and now?" in kept and "turn5" in kept
+        assert "turn0" not in kept and "turn1" not in kept  # a whole turn left out, its answer with it
+        # the conversation itself keeps every item, the new ones last
+        assert len(client.conversations.items.list(c.id, limit=100).data) == 8
+        with pytest.raises(openai.BadRequestError):  # nothing to leave out: the input alone is too long
+            client.responses.create(model=MODEL, input="word " * 70, truncation="auto")
+    finally:
+        t.close()

@@ -221,7 +221,7 @@ def test_a_conversation_stays_in_its_session(client):
     ({"conversation": 5}, "conversation"),
     ({"conversation": "conv_1", "previous_response_id": "resp_1"}, "conversation"),
     ({"prompt": {"id": "pmpt_1"}}, "prompt"),
-    ({"truncation": "auto"}, "truncation"),
+    ({"truncation": "middle"}, "truncation"),
     ({"reasoning": {"effort": "high"}}, "reasoning.effort"),
     ({"include": ["file_search_call.results"]}, "include[0]"),
     ({"text": {"format": {"type": "json_schema", "name": "x"}}}, "text.format.schema"),
