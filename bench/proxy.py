@@ -139,8 +139,8 @@ def pct(xs: list[float], q: float) -> float:
 
 async def batch(url: str, n: int, sessions: int, stream: bool, tag: str, api: str = "chat") -> float:
     """n concurrent requests over `sessions` announced rounds (0: no session), as chats, as
-    responses (the Responses API, stored) or as background responses (followed as they
-    stream); wall seconds."""
+    responses (the Responses API, stored), as background responses (followed as they
+    stream) or as responses each in a conversation object of its own; wall seconds."""
     conn = aiohttp.TCPConnector(limit=0)
     async with aiohttp.ClientSession(connector=conn) as http:
         per = n // max(sessions, 1)
@@ -149,6 +149,12 @@ async def batch(url: str, n: int, sessions: int, stream: bool, tag: str, api: st
             path = f"/v1/tokendance/sessions/{tag}-{s}/rounds/1"
             async with http.post(url + path, json={"agents": agents}) as r:
                 assert r.status == 200
+
+        talks: list[str] = []  # each agent's conversation object, made before the clock starts
+        for i in range(n if api == "conversation" else 0):
+            async with http.post(url + "/v1/conversations", json={"items": [
+                    {"role": "user", "content": f"Agent {i}, the debate is about bridges."}]}) as r:
+                talks.append((await r.json())["id"])
 
         async def one(i: int) -> None:
             h = {"X-TokenDance-Session": f"{tag}-{i // per}", "X-TokenDance-Agent": f"a{i % per}"} \
@@ -160,8 +166,11 @@ async def batch(url: str, n: int, sessions: int, stream: bool, tag: str, api: st
                     {"role": "system", "content": system}, {"role": "user", "content": ask}]}
             else:
                 path, body = "/v1/responses", {"model": MODEL, "stream": stream, "max_output_tokens": 16,
-                                               "instructions": system, "input": ask,
-                                               "background": api == "background"}
+                                               "instructions": system, "input": ask}
+                if api == "background":
+                    body["background"] = True
+                if talks:
+                    body["conversation"] = talks[i]
             async with http.post(url + path, json=body, headers=h) as r:
                 await r.read()
                 assert r.status == 200
@@ -180,6 +189,7 @@ SCENARIOS = [  # name, sessions, stream, api
     ("Responses API, no session, SSE", 0, True, "responses"),
     ("Responses API, 50 rounds x 10 agents", 50, False, "responses"),
     ("Responses API, background, SSE", 0, True, "background"),
+    ("Responses API, 50 rounds x 10 agents, conversations", 50, False, "conversation"),
 ]
 
 
