@@ -285,3 +285,40 @@ def test_engine_flags_fail_in_one_line_before_loading_the_model(monkeypatch, cap
     monkeypatch.setattr(EngineBackend, "load", classmethod(lambda cls, **kw: pytest.fail("loaded")))
     assert cli.main(["engine", *argv]) == 1
     assert capsys.readouterr().err.strip() == message
+
+
+def test_the_engine_key_goes_to_remote_engines_only(monkeypatch):
+    from tokendance.backend import endpoint
+    from tokendance.backend.remote import RemoteBackend
+    from tokendance.proxy import serve
+
+    parser = cli.Parser(prog="tokendance")
+    subs = parser.add_subparsers(dest="command")
+    serve.add_parser(subs)
+    endpoint.add_parser(subs)
+    monkeypatch.setenv("TOKENDANCE_ENGINE_API_KEY", "ek-env")
+    assert serve.engine_key(parser.parse_args(["serve"])) is None  # in-process: nobody to send it to
+    assert serve.engine_key(parser.parse_args(["serve", "--engine", "http://e"])) == "ek-env"
+    flag = parser.parse_args(["serve", "--vllm", "http://v", "--engine-api-key", "ek-flag"])
+    assert serve.engine_key(flag) == "ek-flag"
+    sent = {}
+
+    async def connect(url, mode="collective", timeout=10.0, api_key=None):
+        sent[url] = api_key
+        raise BackendError("stop here")
+
+    monkeypatch.setattr(RemoteBackend, "connect", staticmethod(connect))
+    with pytest.raises(ValueError, match="stop here"):
+        serve.load_backend(parser.parse_args(["serve", "--engine", "http://e"]))
+    assert sent == {"http://e": "ek-env"}
+    # the engine takes its keys from the same variable, or from --api-key
+    kept = []
+    monkeypatch.setattr(EngineBackend, "load", classmethod(lambda cls, **kw: type("B", (), {"engine": None})()))
+    monkeypatch.setattr(endpoint, "engine_info", lambda engine: wire.Info(name="m", max_model_len=8,
+                                                                          kv_bytes_per_token=1, vocab_size=8,
+                                                                          tokenizer={}))
+    monkeypatch.setattr(endpoint, "serve", lambda ep, *a: kept.append(ep.keys) or asyncio.sleep(0))
+    assert endpoint.main(parser.parse_args(["engine"])) == 0
+    assert endpoint.main(parser.parse_args(["engine", "--api-key", "a", "--api-key", "b"])) == 0
+    assert kept[0].accept({"Authorization": "Bearer ek-env"}) and not kept[0].accept({})
+    assert kept[1].accept({"Authorization": "Bearer b"}) and not kept[1].accept({"Authorization": "Bearer ek-env"})
