@@ -189,7 +189,9 @@ def main(args: argparse.Namespace) -> int:
     if not args.drain_timeout >= 0:
         raise ValueError("--drain-timeout must be a number, not negative")
     env = os.environ.get(ENGINE_KEY_ENV)
-    keys = Keys(check_keys(args.api_key or ([env] if env else []), "--api-key"))
+    given = check_keys(args.api_key, "--api-key") if args.api_key else check_keys([env] if env else [],
+                                                                                  "$" + ENGINE_KEY_ENV)
+    keys = Keys(given)
     options = engine_options(args)
     from tokendance.backend.service import EngineBackend
 
