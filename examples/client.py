@@ -1,7 +1,9 @@
 """An agent-side OpenAI client for the examples: chat completions over aiohttp, tagged
 with session / agent / round, plus the round control calls. With `api="responses"` it
 speaks OpenAI's Responses API instead: each agent continues its own stored conversation
-by `previous_response_id` and sends only what its chat added since."""
+by `previous_response_id` and sends only what its chat added since; with
+`api="conversations"` each agent's conversation is a conversation object
+(`/v1/conversations`) that its responses go on in."""
 
 from __future__ import annotations
 
@@ -34,9 +36,9 @@ class Client:
     seed: int = 0
     api_key: str = "tokendance"
     timeout: float = 600.0
-    api: str = "chat"  # or "responses"
+    api: str = "chat"  # or "responses", "conversations"
     http: aiohttp.ClientSession | None = field(default=None, repr=False)
-    # responses: per agent, its last response and the conversation stored with it
+    # per agent, its last response (or its conversation object) and the conversation it holds
     chains: dict[str, tuple[str, list[dict[str, str]]]] = field(default_factory=dict, repr=False)
 
     @property
@@ -52,7 +54,7 @@ class Client:
             await self.http.close()
 
     async def chat(self, agent: str, round: int, messages: list[dict[str, str]]) -> Reply:
-        if self.api == "responses":
+        if self.api != "chat":
             return await self._respond(agent, round, messages)
         body = {
             "model": self.model,
@@ -74,14 +76,22 @@ class Client:
         body: dict[str, Any] = {"model": self.model, "input": rest, "max_output_tokens": self.max_tokens,
                                 "temperature": self.temperature, "seed": self.seed}
         prev, stored = self.chains.get(agent, (None, []))
-        if prev is not None and rest[:len(stored)] == stored:
-            body |= {"input": rest[len(stored):], "previous_response_id": prev}
+        goes_on = prev is not None and rest[:len(stored)] == stored
+        if goes_on:
+            body["input"] = rest[len(stored):]
         if system is not None:
             body["instructions"] = system
         t0 = time.perf_counter()
+        if self.api == "conversations":
+            if not goes_on:
+                prev = (await self._post("/conversations", {}, agent, round))["id"]
+            body["conversation"] = prev
+        elif goes_on:
+            body["previous_response_id"] = prev
         out = await self._post("/responses", body, agent, round)
         text = "".join(c["text"] for o in out["output"] if o["type"] == "message" for c in o["content"])
-        self.chains[agent] = (out["id"], [*rest, {"role": "assistant", "content": text}])
+        kept = prev if self.api == "conversations" else out["id"]
+        self.chains[agent] = (kept, [*rest, {"role": "assistant", "content": text}])
         u = out["usage"]  # in chat's words, for the round table
         usage = {"prompt_tokens": u["input_tokens"], "completion_tokens": u["output_tokens"],
                  "prompt_tokens_details": u["input_tokens_details"], "tokendance": u.get("tokendance", {})}

@@ -122,28 +122,32 @@ def test_the_rounds_held_kv_counts_the_shared_blocks_once() -> None:
 
 
 async def test_the_responses_api_runs_the_same_simulation(tiny_llama) -> None:
-    """Through /v1/responses each agent continues its stored conversation, sending only
-    its new message: same prompts, so the same greedy answers and the same reuse."""
+    """Through /v1/responses each agent continues its stored conversation, or its
+    conversation object, sending only its new message: same prompts, so the same greedy
+    answers and the same reuse."""
     from tokendance.backend.service import EngineBackend
 
     be = EngineBackend.load(str(tiny_llama), dtype="float32", mode="collective")
+    apis = ("chat", "responses", "conversations")
     async with proxy(be) as url:
-        runs = {}
-        for api in ("chat", "responses"):
+        runs, chains = {}, {}
+        for api in apis:
             async with Client(url, f"api-{api}", model=be.info.name, max_tokens=6, api=api,
-                              api_key=f"key-{api}") as c:  # no KV reused across the two runs
+                              api_key=f"key-{api}") as c:  # no KV reused across the runs
                 runs[api] = await run(Debate(3, 0), c, 3)
-                if api == "responses":
-                    chained = dict(c.chains)
-    assert diverged(runs["chat"], runs["responses"]) == "outputs identical in all 3 rounds"
-    for a, b in zip(runs["chat"], runs["responses"]):
-        assert a.stats["reused_tokens"] == b.stats["reused_tokens"] and a.stats["groups"] == b.stats["groups"] == 1
-    assert runs["responses"][-1].stats["reused_tokens"] > 0
-    # Each agent's last response holds its whole debate: 2 user turns and 3 answers after round 1's question.
-    assert all(len(conversation) == 6 for _, conversation in chained.values())
+                chains[api] = dict(c.chains)
+    for api in apis[1:]:
+        assert diverged(runs["chat"], runs[api]) == "outputs identical in all 3 rounds"
+        for a, b in zip(runs["chat"], runs[api]):
+            assert a.stats["reused_tokens"] == b.stats["reused_tokens"] and a.stats["groups"] == b.stats["groups"] == 1
+        assert runs[api][-1].stats["reused_tokens"] > 0
+        # Each agent's conversation holds its whole debate: 2 user turns and 3 answers after round 1's question.
+        assert all(len(conversation) == 6 for _, conversation in chains[api].values())
+    assert all(kept.startswith("conv_") for kept, _ in chains["conversations"].values())
 
 
-def test_simulate_takes_the_responses_api(capsys) -> None:
-    assert cli.main(["simulate", "town", "--model", "echo", "--agents", "3", "--rounds", "2", "--api", "responses"]) == 0
+@pytest.mark.parametrize("api", ["responses", "conversations"])
+def test_simulate_takes_the_responses_api(capsys, api) -> None:
+    assert cli.main(["simulate", "town", "--model", "echo", "--agents", "3", "--rounds", "2", "--api", api]) == 0
     rows = _lines(capsys.readouterr().out)
     assert [r[0] for r in rows] == ["1", "2"] and float(rows[-1][5]) > 0
