@@ -25,19 +25,16 @@ async def sdk(start, make_backend):
     await c.close()
 
 
-async def test_a_background_response_is_read_back_when_done(start, make_backend, until):
-    be = make_backend(length=30, delay=0.01)
-    server = await start(be)
-    c = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="k", max_retries=0)
-    words = " ".join(f"w{i}" for i in range(30))
-    r = await c.responses.create(model=MODEL, input=words, background=True)
+async def test_a_background_response_is_read_back_when_done(sdk, until):
+    server, be, c = sdk
+    r = await c.responses.create(model=MODEL, input=WORDS, background=True)
     assert (r.status, r.background, r.output) == ("queued", True, [])
     await until(lambda: r.id not in server.proxy.running)
     done = await c.responses.retrieve(r.id)
-    assert (done.status, done.output_text, done.usage.output_tokens) == ("completed", words, 30)
+    assert (done.status, done.output_text, done.usage.output_tokens) == ("completed", WORDS, 30)
     assert (await c.responses.create(model=MODEL, input="more", previous_response_id=r.id)).output_text == "more"
     # cancelled while it generates: the engine lets go of it, and it is read back as cancelled
-    r = await c.responses.create(model=MODEL, input=words, background=True)
+    r = await c.responses.create(model=MODEL, input=WORDS, background=True)
     await until(lambda: be.active)
     gone = await c.responses.cancel(r.id)
     assert gone.status == "cancelled" and (await c.responses.retrieve(r.id)).status == "cancelled"
@@ -48,7 +45,6 @@ async def test_a_background_response_is_read_back_when_done(start, make_backend,
         await c.responses.cancel(plain.id)
     with pytest.raises(openai.NotFoundError):
         await c.responses.cancel("resp_nope")
-    await c.close()
 
 
 async def test_a_background_response_the_engine_fails_is_read_back_failed(start, make_backend, until):
