@@ -18,7 +18,7 @@ from tokendance.backend.api import Backend, InvalidRequest, Stream
 from . import conversations, replies, responses, schemas, segment
 from . import tokenize as tokens
 from .answer import Turn, follow, starting_after
-from .core import Call, Config, Proxy
+from .core import Call, Config, Proxy, digest
 from .errors import ApiError, invalid, keys, middleware
 from .mqtt import Control
 from .peers import Peers
@@ -311,7 +311,7 @@ def _mqtt_owner(px: Proxy, body: schemas.RoundOpen) -> str:
         return ""
     if body.api_key not in px.config.api_keys:
         raise ValueError("under --api-key an MQTT open or seal gives its session's key as api_key")
-    return px.owner({"Authorization": f"Bearer {body.api_key}"})
+    return digest(body.api_key)
 
 
 class Server:

@@ -33,6 +33,11 @@ from .stored import Store, Stored
 log = structlog.get_logger("tokendance.proxy")
 
 
+def digest(key: str) -> str:
+    """An API key's namespace ("" without one)."""
+    return hashlib.sha256(key.encode()).hexdigest()[:16] if key else ""
+
+
 @dataclass(slots=True)
 class Config:
     barrier_timeout: float = 0.25  # seconds since a group's first arrival
@@ -177,11 +182,11 @@ class Proxy:
             if not salt:
                 raise invalid("cache_salt must be a non-empty string", "cache_salt")
             key += "\0" + salt
-        return hashlib.sha256(key.encode()).hexdigest()[:16] if key else ""
+        return digest(key)
 
     def owner(self, headers: Mapping[str, str]) -> str:
         """Whose sessions a request names: its API key's under --api-key (proxy/session.py)."""
-        return self.tenant(headers) if self.config.api_keys else ""
+        return digest(bearer(headers)) if self.config.api_keys else ""
 
     def dialect(self) -> str:
         """The chat template's way with tools (proxy/tools.py), found at its first use."""

@@ -28,6 +28,7 @@ from __future__ import annotations
 import re
 import secrets
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import msgspec
@@ -93,9 +94,27 @@ class Dropped(Struct):
 
 _arrived, _said, _pinned = msgspec.json.Decoder(Arrived), msgspec.json.Decoder(Said), msgspec.json.Decoder(Pinned)
 _dropped = msgspec.json.Decoder(Dropped)
-# What a stored id names, by its form: (topic, decoder, the proxy's store)
-KINDS = {re.compile(r"resp_[0-9a-f]{24}"): ("responses", msgspec.json.Decoder(Shared), "stored"),
-         re.compile(r"conv_[0-9a-f]{48}"): ("conversations", msgspec.json.Decoder(Talk), "conversations")}
+
+
+@dataclass(frozen=True, slots=True)
+class Kind:
+    """What a kept id names, told by its form."""
+
+    form: re.Pattern[str]
+    topic: str  # tokendance/{topic}/{id}/stored (proxy/mqtt.py's KEPT)
+    store: str  # the Proxy's attribute that keeps it
+    decoder: msgspec.json.Decoder
+
+
+KINDS = (Kind(re.compile(r"resp_[0-9a-f]{24}"), "responses", "stored", msgspec.json.Decoder(Shared)),
+         Kind(re.compile(r"conv_[0-9a-f]{48}"), "conversations", "conversations", msgspec.json.Decoder(Talk)))
+
+
+def kind(id: str) -> Kind:
+    k = next((k for k in KINDS if k.form.fullmatch(id)), None)
+    if k is None:
+        raise ValueError("not a response's or a conversation's id")
+    return k
 
 
 class Peers:
@@ -120,7 +139,6 @@ class Peers:
 
     def kept(self, id: str, s: Stored | Conversation | None, tenant: str) -> None:
         """A stored response or a conversation was put (or deleted: None) here."""
-        kind = "responses" if id.startswith("resp_") else "conversations"
         if s is None:
             m: Struct = Dropped(self.origin, tenant)
         elif isinstance(s, Stored):
@@ -128,21 +146,18 @@ class Peers:
                        s.tenant, s.tags)
         else:
             m = Talk(self.origin, s.tenant, s.metadata, s.created_at, [msgspec.Raw(i) for i in s.items], s.tags)
-        self.send(f"{PREFIX}/{kind}/{id}/{'deleted' if s is None else 'stored'}", msgspec.json.encode(m))
+        self.send(f"{PREFIX}/{kind(id).topic}/{id}/{'deleted' if s is None else 'stored'}", msgspec.json.encode(m))
 
     def handle(self, session: str, number: int, event: str, payload: bytes) -> None:
         """A peer's message (this proxy's own come back from the broker: skipped). For a
         stored response's, `session` is the response's id."""
         px = self.proxy
         if event in STORE_EVENTS:
-            id = session
-            _, decoder, where = next((k for form, k in KINDS.items() if form.fullmatch(id)), (0, None, ""))
-            if decoder is None:
-                raise ValueError("not a response's or a conversation's id")
-            m = (decoder if event == "stored" else _dropped).decode(payload)
+            id, k = session, kind(session)
+            m = (k.decoder if event == "stored" else _dropped).decode(payload)
             if m.origin == self.origin:
                 return
-            store = getattr(px, where)
+            store = getattr(px, k.store)
             if isinstance(m, Dropped):
                 store.delete(id, m.tenant, share=False)
             elif isinstance(m, Shared):
