@@ -3,6 +3,7 @@ child process (a few requests, one repeat: the command works, not how fast)."""
 
 from __future__ import annotations
 
+import math
 import subprocess
 import sys
 
@@ -18,7 +19,7 @@ def test_every_scenario_gets_a_row_of_numbers():
     for name, sessions, *_ in SCENARIOS:
         cells = rows[name]
         overhead, reqs = float(cells[0]), float(cells[-1])
-        assert 0 < overhead < 1000 and reqs > 0, (name, cells)
+        assert 0 < overhead < math.inf and reqs > 0, (name, cells)  # numbers measured, not a time limit
         assert (cells[2] == "—") == (sessions == 0), (name, cells)  # a release only where a barrier holds
 
 
