@@ -2,7 +2,9 @@
 several vLLM servers: `--vllm URL --vllm URL ...`).
 
 A session is pinned to one engine: its rounds' Masters, its agents' Mirrors and parked
-KV live there, so every request of it goes there. A new session goes to the engine whose
+KV live there, so every request of it goes there. A pin is a session's name within a
+tenant (the API key: KV is never shared across keys), so two tenants' sessions of one
+name spread out like any two sessions. A new session goes to the engine whose
 active sessions weigh least: a session is active for ACTIVE seconds after its last
 request and weighs the requests of its latest round (a round of 20 agents weighs more
 than one of 2; a simulation that ended weighs nothing once it is idle). It counts from
@@ -34,6 +36,7 @@ from tokendance.backend.api import Backend, BackendError, Gauge, Prepared, Reque
 
 log = structlog.get_logger(__name__)
 
+Key = tuple[str, str]  # a pinned session: its tenant, its name
 ACTIVE = 120.0  # seconds a session counts after its last request
 MAX_PINS = 100_000  # sessions remembered (least recently used forgotten first)
 
@@ -68,12 +71,12 @@ class Fleet:
             _check_same(first, e, self.names[0], name)
         self.info = first.info
         self.tokenizer = first.tokenizer
-        self.pins: OrderedDict[str, Pin] = OrderedDict()  # session -> its pin, least recent first
+        self.pins: OrderedDict[Key, Pin] = OrderedDict()  # least recent first
         self._turn = itertools.count()  # requests outside sessions
         self._clock = clock
         self._down: list[str | None] = [None] * len(engines)  # last problem seen, for the log
         self.origin = ""  # this proxy, among several (proxy/peers.py)
-        self.on_pin: Callable[[str, str, tuple[float, str]], None] | None = None  # session, engine, decided
+        self.on_pin: Callable[[Key, str, tuple[float, str]], None] | None = None  # engine, decided
 
     @classmethod
     async def connect(cls, urls: list[str], connect: Callable[[str], Awaitable[Backend]]) -> "Fleet":
@@ -94,9 +97,9 @@ class Fleet:
     def route(self, request: Request) -> int:
         """The engine `request` goes to (and, for a session, stays on)."""
         up = [i for i in range(len(self.engines)) if self._serves(i)] or [0]  # none: 0's error
-        s = request.session
-        if s is None:
+        if request.session is None:
             return up[next(self._turn) % len(up)]
+        s = (request.tenant, request.session)
         t = self._clock()
         pin = self.pins.get(s)
         if pin is not None:
@@ -110,14 +113,14 @@ class Fleet:
         if pin is None:
             self._pin(s, j, t, decided)
         else:
-            log.warning("session moved", session=s, engine=self.names[j], was=self.names[pin.engine],
+            log.warning("session moved", session=s[1], engine=self.names[j], was=self.names[pin.engine],
                         why=self._down[pin.engine])
             pin.engine, pin.decided = j, decided
         if self.on_pin is not None:
             self.on_pin(s, self.names[j], decided)
         return j
 
-    def adopt(self, session: str, engine: str, decided: tuple[float, str]) -> None:
+    def adopt(self, session: Key, engine: str, decided: tuple[float, str]) -> None:
         """Another proxy pinned `session` on `engine`: so does this one, unless its own pin
         was decided first (or the engine is not in this fleet, or cannot serve)."""
         if engine not in self.names:
@@ -127,11 +130,11 @@ class Fleet:
         if pin is None:
             self._pin(session, j, self._clock(), decided)
         elif pin.engine != j and decided < pin.decided and self._serves(j):
-            log.info("session moved", session=session, engine=engine, was=self.names[pin.engine],
+            log.info("session moved", session=session[1], engine=engine, was=self.names[pin.engine],
                      why="another proxy pinned it first")
             pin.engine, pin.decided = j, decided
 
-    def _pin(self, session: str, engine: int, t: float, decided: tuple[float, str]) -> None:
+    def _pin(self, session: Key, engine: int, t: float, decided: tuple[float, str]) -> None:
         self.pins[session] = Pin(engine, t, decided=decided)
         while len(self.pins) > MAX_PINS:
             self.pins.popitem(last=False)
@@ -169,7 +172,7 @@ class Fleet:
         i = self.route(request)
         p = self.engines[i].prepare(request)
         if request.session is not None:
-            self.pins[request.session].count(request)
+            self.pins[request.tenant, request.session].count(request)
         return p
 
     def generate(self, group: list[Prepared]) -> list[Stream]:

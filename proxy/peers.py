@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING
 import msgspec
 from msgspec import Struct
 
-from tokendance.backend.fleet import Fleet
+from tokendance.backend.fleet import Fleet, Key
 
 from .conversations import Conversation
 from .mqtt import PINNED, PREFIX, STORE_EVENTS, topic
@@ -63,6 +63,7 @@ class Pinned(Struct):
     engine: str  # its URL
     at: float  # when it was decided (the wall clock)
     origin: str
+    tenant: str  # whose session of that name (backend/fleet.py Key)
 
 
 class Shared(Struct):
@@ -134,8 +135,9 @@ class Peers:
         self.send(topic(rnd.session, rnd.number, "said"),
                   msgspec.json.encode(Said(text, self.origin, tenant, agent, rnd.owner)))
 
-    def pinned(self, session: str, engine: str, decided: tuple[float, str]) -> None:
-        self.send(f"{PREFIX}/{session}/{PINNED}", msgspec.json.encode(Pinned(engine, *decided)))
+    def pinned(self, session: Key, engine: str, decided: tuple[float, str]) -> None:
+        tenant, name = session
+        self.send(f"{PREFIX}/{name}/{PINNED}", msgspec.json.encode(Pinned(engine, *decided, tenant)))
 
     def kept(self, id: str, s: Stored | Conversation | None, tenant: str) -> None:
         """A stored response or a conversation was put (or deleted: None) here."""
@@ -186,4 +188,4 @@ class Peers:
             p = _pinned.decode(payload)
             if p.origin != self.origin and isinstance(px.backend, Fleet):
                 check_name(session, "session")
-                px.backend.adopt(session, p.engine, (p.at, p.origin))
+                px.backend.adopt((p.tenant, session), p.engine, (p.at, p.origin))

@@ -29,8 +29,9 @@ class Clock:
         return self.t
 
 
-def request(rid: str, session: str | None = None) -> Request:
-    return Request(rid, [Segment(f"hello from {rid}")], SamplingParams(max_tokens=2), session=session)
+def request(rid: str, session: str | None = None, tenant: str = "") -> Request:
+    return Request(rid, [Segment(f"hello from {rid}")], SamplingParams(max_tokens=2), session=session,
+                   tenant=tenant)
 
 
 @pytest.fixture
@@ -54,6 +55,15 @@ def test_a_session_stays_on_its_engine_and_new_ones_go_to_the_least_loaded(three
     assert [f.route(request("y", s)) for s in ("big", "small", "third")] == [0, 1, 2]
 
 
+def test_two_tenants_sessions_of_one_name_are_two_sessions(three):
+    f, _, _ = three
+    for k in range(3):
+        f.prepare(request(f"a{k}", "debate", tenant="key-a"))
+    f.prepare(request("b0", "debate", tenant="key-b"))  # not key-a's session: the next engine
+    assert f.loads() == ([3, 1, 0], [1, 1, 0])
+    assert [f.route(request("x", "debate", tenant=t)) for t in ("key-a", "key-b", "key-c")] == [0, 1, 2]
+
+
 def test_a_session_weighs_its_latest_round_while_active(three):
     f, _, clock = three
     for k in range(8):
@@ -74,13 +84,13 @@ def test_a_session_weighs_its_latest_round_while_active(three):
 def test_a_down_engine_takes_no_work_and_its_sessions_move(three):
     f, engines, _ = three
     f.prepare(request("a0", "s"))
-    assert f.pins["s"].engine == 0
+    assert f.pins["", "s"].engine == 0
     engines[0].down = "on fire"
     assert f.route(request("n", "new")) == 1  # not the down one
     p = f.prepare(request("a1", "s"))
-    assert f.pins["s"].engine in (1, 2) and p.request.id == "a1"
+    assert f.pins["", "s"].engine in (1, 2) and p.request.id == "a1"
     streams = f.generate([p])
-    assert len(streams) == 1 and engines[f.pins["s"].engine].groups[-1][0].id == "a1"
+    assert len(streams) == 1 and engines[f.pins["", "s"].engine].groups[-1][0].id == "a1"
     assert f.problem() is None
     engines[1].down = engines[2].down = "gone"
     assert f.problem() == "no engine can serve: 0: on fire; 1: gone; 2: gone"
@@ -90,7 +100,7 @@ def test_a_down_engine_takes_no_work_and_its_sessions_move(three):
 
 def test_generate_splits_a_group_by_engine_and_keeps_its_order(three):
     f, engines, _ = three
-    f.pins.update({"s0": Pin(0, 0.0), "s1": Pin(1, 0.0)})
+    f.pins.update({("", "s0"): Pin(0, 0.0), ("", "s1"): Pin(1, 0.0)})
     group = [f.prepare(r) for r in (request("a", "s1"), request("b", "s0"), request("c"), request("d", "s1"),
                                     request("e"))]
     streams = f.generate(group)
@@ -113,7 +123,7 @@ def test_pins_are_bounded(three, monkeypatch):
     monkeypatch.setattr(fleet_module, "MAX_PINS", 3)
     for k in range(5):
         f.route(request(f"r{k}", f"s{k}"))
-    assert list(f.pins) == ["s2", "s3", "s4"]
+    assert list(f.pins) == [("", "s2"), ("", "s3"), ("", "s4")]
 
 
 def test_gauges_are_labelled_by_engine(three):
@@ -187,13 +197,14 @@ async def test_a_lost_engine_moves_its_session_and_the_proxy_keeps_serving(pair,
     kw = dict(model=fleet.info.name, messages=[{"role": "user", "content": "Tell me about rivers."}],
               max_tokens=4, temperature=0)
     first = await c.chat.completions.create(**kw, extra_body={"tokendance": {"session": "s", "agent": "a"}})
-    i = fleet.pins["s"].engine
+    (pin,) = fleet.pins.values()  # the one session's
+    i = pin.engine
     await pair[i][2].cleanup()  # that engine's socket closes
     # The next request may still be sent there (the poll has not seen it yet): a 500 that
     # marks the engine down at once, so the SDK's own retry lands on the other engine.
     retrying = c.with_options(max_retries=1)
     again = await retrying.chat.completions.create(**kw, extra_body={"tokendance": {"session": "s", "agent": "a"}})
-    assert fleet.pins["s"].engine == 1 - i
+    assert pin.engine == 1 - i
     assert again.choices[0].message.content == first.choices[0].message.content
     async with httpx.AsyncClient(base_url=server.url) as http:
         assert (await http.get("/health")).status_code == 200  # one engine serves
@@ -219,7 +230,7 @@ def test_a_group_one_engine_fails_stops_on_every_engine(make_backend):
 
     ok = make_backend()
     f = Fleet([Broken(make_backend()), ok])
-    f.pins.update({"s": Pin(0, 0.0), "t": Pin(1, 0.0)})
+    f.pins.update({("", "s"): Pin(0, 0.0), ("", "t"): Pin(1, 0.0)})
     with pytest.raises(BackendError, match="lost"):  # the group fails whole
         f.generate([f.prepare(request("b", "t")), f.prepare(request("a", "s"))])
     assert ok.aborted == {"b"} and not ok.active  # what the other engine started stopped
@@ -241,16 +252,16 @@ def test_a_pin_another_proxy_decided_first_wins(three):
     f.names = ["e0", "e1", "e2"]
     told = []
     f.origin, f.on_pin = "me", lambda *pin: told.append(pin)
-    assert f.route(request("a", "s")) == 0 and told[-1][:2] == ("s", "e0")
+    assert f.route(request("a", "s")) == 0 and told[-1][:2] == (("", "s"), "e0")
     mine = told[-1][2]
-    f.adopt("s", "e1", (mine[0] + 1, "peer"))  # decided after mine: mine stays
+    f.adopt(("", "s"), "e1", (mine[0] + 1, "peer"))  # decided after mine: mine stays
     assert f.route(request("b", "s")) == 0
-    f.adopt("s", "e1", (mine[0] - 1, "peer"))  # decided before mine: everyone goes there
+    f.adopt(("", "s"), "e1", (mine[0] - 1, "peer"))  # decided before mine: everyone goes there
     assert f.route(request("c", "s")) == 1
-    f.adopt("s", "e9", (0.0, "peer"))  # not one of these engines
+    f.adopt(("", "s"), "e9", (0.0, "peer"))  # not one of these engines
     engines[2].down = "gone"
-    f.adopt("s", "e2", (0.0, "peer"))  # cannot serve
+    f.adopt(("", "s"), "e2", (0.0, "peer"))  # cannot serve
     assert f.route(request("d", "s")) == 1
-    f.adopt("new", "e2", (5.0, "peer"))  # a session not pinned here yet takes the peer's pin
+    f.adopt(("", "new"), "e2", (5.0, "peer"))  # a session not pinned here yet takes the peer's pin
     engines[2].down = None
     assert f.route(request("e", "new")) == 2 and len(told) == 1  # adopting tells nobody

@@ -13,7 +13,7 @@ import aiomqtt
 import pytest
 
 from tokendance.proxy.app import Server
-from tokendance.proxy.core import Config
+from tokendance.proxy.core import Config, Proxy
 
 from .conftest import FakeBackend
 
@@ -93,11 +93,12 @@ async def test_peers_in_front_of_one_fleet_keep_a_session_on_one_engine(start, b
     await until(lambda: p1.control.connected and p2.control.connected)
     await asyncio.sleep(0.2)
     await ask(p2, "other", "x", "a session that loads engine e0 for p2 only")  # p2 alone would pick e1 next
-    await until(lambda: "other" in p1.proxy.backend.pins)
-    p1.proxy.backend.pins.pop("other")  # p1 sees no load: e0 is its least loaded
+    tenant = Proxy.tenant(KEY)
+    await until(lambda: (tenant, "other") in p1.proxy.backend.pins)
+    p1.proxy.backend.pins.pop((tenant, "other"))  # p1 sees no load: e0 is its least loaded
     await ask(p1, "one", "ada", "ada speaks first")
-    await until(lambda: "one" in p2.proxy.backend.pins)
-    assert p2.proxy.backend.pins["one"].engine == p1.proxy.backend.pins["one"].engine
+    await until(lambda: (tenant, "one") in p2.proxy.backend.pins)
+    assert p2.proxy.backend.pins[tenant, "one"].engine == p1.proxy.backend.pins[tenant, "one"].engine
     for k in range(3):  # the session's requests alternate between the proxies
         await ask((p1, p2)[k % 2], "one", "bo", f"bo speaks, turn {k}")
     went = [sum(any(r.session == "one" for r in g) for g in e.groups) for e in engines]
