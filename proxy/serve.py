@@ -71,7 +71,7 @@ def load_backend(args: argparse.Namespace) -> Backend:
     # Imported here: torch and the model load only when a server is really started.
     from tokendance.backend.api import BackendError
 
-    key = engine_key(args)
+    key = engine_key(args)  # a bad key fails before the model loads
     try:
         if args.engine is not None:
             from tokendance.backend.remote import RemoteBackend
@@ -190,7 +190,6 @@ def main(args: argparse.Namespace) -> int:
     if args.mqtt:
         address(args.mqtt)  # a bad URL fails before the model loads
     cfg = config(args)  # a bad flag fails before the model loads
-    engine_key(args)
     backend = load_backend(args)
     if args.chat_template is not None:
         chat_template(backend, args.chat_template)
