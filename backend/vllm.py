@@ -177,7 +177,9 @@ class VLLMBackend:
         body: dict[str, Any] = {
             "model": self.info.name, "prompt": req.prompt_token_ids, "stream": True,
             "stream_options": {"include_usage": True}, "return_token_ids": True,
-            "max_tokens": s.max_tokens, "temperature": s.temperature, "top_p": s.top_p,
+            # vLLM ends at the context too, but some versions refuse a length past it
+            "max_tokens": min(s.max_tokens, self.info.max_model_len - len(req.prompt_token_ids or ())),
+            "temperature": s.temperature, "top_p": s.top_p,
             "stop": s.stop, "stop_token_ids": s.stop_token_ids, "ignore_eos": s.ignore_eos,
             "min_p": s.min_p, "min_tokens": s.min_tokens, "include_stop_str_in_output": s.include_stop_str_in_output,
             "skip_special_tokens": s.skip_special_tokens,

@@ -80,7 +80,7 @@ async def _chat(px: Proxy, call: Call, body: schemas.ChatRequest) -> list[Stream
 
 def _prepare(px: Proxy, call: Call, body: schemas.ChatRequest) -> None:
     """A chat call checked, segmented and prepared: what comes before its barrier."""
-    messages, sampling, call.tools = schemas.check_chat(body, px.dialect)
+    messages, sampling, call.tools = schemas.check_chat(body, px.dialect, px.backend.info.max_model_len)
     template = schemas.template(body.chat_template_kwargs, body.add_generation_prompt, body.continue_final_message)
     call.meta.resumes = messages[-1]["role"] == "tool"
     known = px.place(call)

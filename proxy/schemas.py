@@ -23,6 +23,7 @@ from .errors import invalid, unsupported
 from .structured import ResponseFormat, StructuredOutputs, structure
 
 MAX_N = 64
+COMPLETION_TOKENS = 16  # a completion's length without max_tokens (OpenAI's legacy API, vLLM)
 log = structlog.get_logger("tokendance.proxy")
 _keys = msgspec.json.Decoder(dict[str, msgspec.Raw])  # a body's top-level fields, values unread
 
@@ -139,7 +140,8 @@ def decode(data: bytes, kind: type[Struct]) -> Any:
 
 # Checks: everything a client can get wrong, as a 400 before any work is done.
 
-def sampling(body: Sampled, max_tokens: int | None, logprobs: bool, top: int) -> SamplingParams:
+def sampling(body: Sampled, max_tokens: int | None, logprobs: bool, top: int, default: int) -> SamplingParams:
+    """`default`: the length without max_tokens (a chat's: to the end of the context)."""
     if not 1 <= body.n <= MAX_N:
         raise invalid(f"n must be between 1 and {MAX_N}", "n")
     if body.stream_options is not None and not body.stream:
@@ -157,10 +159,8 @@ def sampling(body: Sampled, max_tokens: int | None, logprobs: bool, top: int) ->
         repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty,
         logit_bias=_logit_bias(body.logit_bias or {}),
         structure=structure(body.response_format, body.structured_outputs))
-    if max_tokens is not None:
-        p.max_tokens = max_tokens
-    else:  # the default length leaves room for min_tokens
-        p.max_tokens = max(p.max_tokens, p.min_tokens)
+    # the default length leaves room for min_tokens
+    p.max_tokens = max(default, p.min_tokens) if max_tokens is None else max_tokens
     try:
         p.validate()
     except InvalidRequest as exc:
@@ -184,9 +184,10 @@ def _logit_bias(bias: dict[str, float]) -> dict[int, float]:
 Checked = tuple[list[dict[str, Any]], SamplingParams, t.Tools | None]  # messages, sampling, tools
 
 
-def check_chat(body: ChatRequest, dialect: Callable[[], str]) -> Checked:
+def check_chat(body: ChatRequest, dialect: Callable[[], str], context: int) -> Checked:
     """The messages as the chat template wants them, the sampling parameters and the tools
-    (`dialect`: the chat template's, asked only when tools are given)."""
+    (`dialect`: the chat template's, asked only when tools are given). Without a length
+    a chat goes on to the end of the `context`, as in vLLM."""
     if body.functions:
         raise unsupported("functions", "functions (use tools)")
     if body.function_call not in (None, "none"):
@@ -200,7 +201,7 @@ def check_chat(body: ChatRequest, dialect: Callable[[], str]) -> Checked:
         raise invalid("messages must not be empty", "messages")
     messages = [message(i, m) for i, m in enumerate(body.messages)]
     limit = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-    sp = sampling(body, limit, bool(body.logprobs), body.top_logprobs or 0)
+    sp = sampling(body, limit, bool(body.logprobs), body.top_logprobs or 0, context)
     forced = tools.structure() if tools is not None else None
     if forced is not None:
         if sp.structure is not None and tools.choice == "auto":
@@ -277,7 +278,7 @@ def check_completion(body: CompletionRequest) -> tuple[list[str | list[int]], Sa
         raise invalid("logprobs must be between 0 and 5", "logprobs")
     prompts = _prompts(body.prompt)
     lp = body.logprobs is not None
-    return prompts, sampling(body, body.max_tokens, lp, body.logprobs or 0)
+    return prompts, sampling(body, body.max_tokens, lp, body.logprobs or 0, COMPLETION_TOKENS)
 
 
 def _prompts(prompt: str | list[Any]) -> list[str | list[int]]:

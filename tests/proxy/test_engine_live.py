@@ -46,6 +46,28 @@ def test_completions_with_token_ids_logprobs_and_n(client, model):
     assert r.usage.prompt_tokens == 4 and r.usage.completion_tokens == 8
 
 
+def test_without_a_length_a_chat_ends_with_the_context_and_a_completion_at_16(tiny_llama):
+    """vLLM's defaults: a chat without max_tokens goes on to the end of the context, a
+    completion (OpenAI's legacy API) stops at 16 tokens."""
+    from tokendance.backend.service import EngineBackend
+
+    from .conftest import Threaded
+
+    t = Threaded(EngineBackend.load(str(tiny_llama), dtype="float32", mode="full", max_model_len=96))
+    try:
+        c, name = t.client(), t.backend.info.name
+        chat = c.chat.completions.create(model=name, messages=user("Go on."), temperature=0,
+                                         extra_body={"ignore_eos": True})
+        assert chat.choices[0].finish_reason == "length" and chat.usage.total_tokens == 96
+        text = c.completions.create(model=name, prompt="Go on.", temperature=0, extra_body={"ignore_eos": True})
+        assert (text.choices[0].finish_reason, text.usage.completion_tokens) == ("length", 16)
+        longer = c.completions.create(model=name, prompt="Go on.", temperature=0,
+                                      extra_body={"ignore_eos": True, "min_tokens": 20})
+        assert longer.usage.completion_tokens == 20  # the default length grows to min_tokens
+    finally:
+        t.close()
+
+
 def test_prompt_longer_than_the_context_is_a_400(client, model, engine_live):
     n = engine_live.backend.info.max_model_len
     with pytest.raises(openai.BadRequestError):

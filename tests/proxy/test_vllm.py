@@ -180,6 +180,16 @@ async def test_what_vllm_refuses_is_a_400(proxy):
     assert "max_tokens is too large" in e.value.body["message"]
 
 
+async def test_a_chat_without_a_length_asks_vllm_for_the_rest_of_the_context(proxy, vllm):
+    with pytest.raises(openai.BadRequestError):  # the fake refuses more than 100
+        await _client(proxy).chat.completions.create(model="fake-vllm", messages=user("Go."))
+    body = vllm.bodies[-1]
+    assert body["max_tokens"] == 4096 - len(body["prompt"])
+    with pytest.raises(openai.BadRequestError):
+        await _client(proxy).completions.create(model="fake-vllm", prompt="a b", max_tokens=9000)
+    assert vllm.bodies[-1]["max_tokens"] == 4096 - len(vllm.bodies[-1]["prompt"])  # never past the context
+
+
 async def test_a_client_that_leaves_closes_its_vllm_call(proxy, vllm, until):
     stream = await _client(proxy).chat.completions.create(model="fake-vllm", messages=user("Go."),
                                                           max_tokens=90, stream=True)
