@@ -234,6 +234,9 @@ class ModelInfo:
     name: str
     max_model_len: int
     kv_bytes_per_token: int
+    # what a request that leaves them out samples with, by SamplingParams' names: the
+    # model's generation config (backend/generation.py)
+    sampling: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass(slots=True)

@@ -45,6 +45,10 @@ class EngineConfig:
     segment_cache_fraction: float = 0.25  # of the pool, for shared segments' base KV
     offload_bytes: int = 1 << 30  # host memory for idle agents' KV (backend/idle.py); 0: off
     overlap: bool | None = None  # decode steps overlap host and GPU (backend/lookahead.py); None: on CUDA
+    # the default sampling (backend/generation.py): "auto" (the model folder's
+    # generation_config.json), "vllm" (none) or a folder; values set over it
+    generation_config: str = "auto"
+    override_generation_config: dict[str, float] = field(default_factory=dict)
 
 
 ARCHITECTURES = {

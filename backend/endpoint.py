@@ -159,10 +159,12 @@ def tokenizer_files(tokenizer: Any) -> dict[str, str]:
         return {p.name: p.read_text(encoding="utf-8") for p in sorted(Path(d).iterdir()) if p.is_file()}
 
 
-def engine_info(engine: Any) -> wire.Info:
+def engine_info(backend: Any) -> wire.Info:
+    """What /info tells a proxy of an EngineBackend."""
+    engine = backend.engine
     return wire.Info(name=engine.name, max_model_len=engine.max_model_len,
                      kv_bytes_per_token=engine.kv_bytes_per_token, vocab_size=engine.mcfg.vocab_size,
-                     tokenizer=tokenizer_files(engine.tokenizer))
+                     tokenizer=tokenizer_files(engine.tokenizer), sampling=backend.info.sampling)
 
 
 # -- `tokendance engine` --------------------------------------------------------------------
@@ -196,7 +198,7 @@ def main(args: argparse.Namespace) -> int:
     from tokendance.backend.service import EngineBackend
 
     backend = EngineBackend.load(**options)
-    endpoint = Endpoint(backend, engine_info(backend.engine), keys)
+    endpoint = Endpoint(backend, engine_info(backend), keys)
     asyncio.run(serve(endpoint, args.host, args.port, args.drain_timeout))
     return 0
 

@@ -5,10 +5,12 @@ engine in-process), `tokendance engine` (the engine alone, for a remote proxy) a
 from __future__ import annotations
 
 import argparse
+import json
 import math
 from collections.abc import Callable
 from typing import Any
 
+from tokendance.backend import generation
 from tokendance.backend.api import BASES, REUSE_DEFAULTS
 
 
@@ -30,6 +32,31 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-seqs", type=at_least(1), default=256, help="requests running at once")
     p.add_argument("--max-num-batched-tokens", type=at_least(0), default=0,
                    help="tokens a step computes at most (0: 2,048 on the CPU, 16,384 on the GPU)")
+    add_generation_args(p)
+
+
+GENERATION_FLAGS = ("--generation-config", "--override-generation-config")
+
+
+def add_generation_args(p: argparse.ArgumentParser) -> None:
+    """vLLM's flags for the default sampling (backend/generation.py)."""
+    p.add_argument("--generation-config", default="auto", metavar="auto|vllm|FOLDER",
+                   help="where a request's sampling defaults come from: the model folder's "
+                        "generation_config.json (auto), none (vllm), or another folder's")
+    p.add_argument("--override-generation-config", type=json_object, default=None, metavar="JSON",
+                   help='sampling defaults over those, e.g. \'{"temperature": 0.5}\' (temperature, '
+                        "top_p, top_k, min_p, repetition_penalty, max_new_tokens)")
+
+
+def json_object(text: str) -> dict[str, Any]:
+    """A JSON object option (argparse `type=`)."""
+    try:
+        value = json.loads(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"not JSON: {e}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"expected a JSON object, got {text!r}")
+    return value
 
 
 def add_reuse_args(p: argparse.ArgumentParser) -> None:
@@ -87,7 +114,9 @@ def engine_options(args: argparse.Namespace) -> dict[str, Any]:
         raise ValueError("--gpu-memory-utilization must lie in (0, 1]")
     if args.gpu_memory_utilization and args.kv_tokens:
         raise ValueError("--kv-tokens and --gpu-memory-utilization both size the KV pool: give one")
+    generation.check(args.generation_config, args.override_generation_config)
     return {"model": args.model, "dtype": args.dtype, "offload_bytes": int(args.offload_gib * 2**30),
             "kv_tokens": args.kv_tokens, "gpu_memory_utilization": args.gpu_memory_utilization,
             "max_model_len": args.max_model_len, "max_seqs": args.max_num_seqs,
-            "max_batched_tokens": args.max_num_batched_tokens, **reuse_options(args)}
+            "max_batched_tokens": args.max_num_batched_tokens, "generation_config": args.generation_config,
+            "override_generation_config": args.override_generation_config or {}, **reuse_options(args)}

@@ -39,7 +39,7 @@ class RemoteBackend:
                  timeout: float = 10.0, api_key: str | None = None):
         check_mode(mode)
         self.url = url.rstrip("/")
-        self.info = ModelInfo(info.name, info.max_model_len, info.kv_bytes_per_token)
+        self.info = ModelInfo(info.name, info.max_model_len, info.kv_bytes_per_token, info.sampling)
         self.vocab_size = info.vocab_size
         self.tokenizer = tokenizer
         self.grammars = Grammars(tokenizer, info.vocab_size)  # checks structured outputs' specs

@@ -10,6 +10,7 @@ from tokendance.backend.api import Gauge, ModelInfo, Prepared, Request, Stream, 
 from tokendance.backend.async_engine import AsyncEngine, Job
 from tokendance.backend.config import EngineConfig
 from tokendance.backend.engine import Engine
+from tokendance.backend.generation import defaults
 from tokendance.backend.prompt import render_chat, request_ids
 
 
@@ -31,7 +32,9 @@ class EngineBackend:
         self.engine = engine
         self.mode = mode
         self.core = AsyncEngine(engine)
-        self.info = ModelInfo(engine.name, engine.max_model_len, engine.kv_bytes_per_token)
+        cfg = engine.cfg
+        self.info = ModelInfo(engine.name, engine.max_model_len, engine.kv_bytes_per_token,
+                              defaults(engine.folder, cfg.generation_config, cfg.override_generation_config))
         self._ids = itertools.count()
 
     @classmethod

@@ -27,6 +27,7 @@ from tokendance.backend.api import (
 )
 from tokendance.backend.auth import header, refused
 from tokendance.backend.grammar import Grammars
+from tokendance.backend.generation import defaults
 from tokendance.backend.prompt import check, fast_tokenizer, render_chat, request_ids
 from tokendance.backend.stream import QueueStream
 
@@ -37,9 +38,11 @@ POLL = 2.0  # seconds between looks at a lost server's /health
 
 class VLLMBackend:
     def __init__(self, url: str, model: str, max_model_len: int, tokenizer: Any, mode: str = "prefix",
-                 timeout: float = 10.0, api_key: str | None = None):
+                 timeout: float = 10.0, api_key: str | None = None, sampling: dict[str, float] | None = None):
         self.url = url.rstrip("/")
-        self.info = ModelInfo(model, max_model_len, 0)  # vLLM does not say its KV bytes per token
+        # vLLM does not say its KV bytes per token. The proxy sends every sampling field, so
+        # it applies the model's defaults itself, as the server would (`sampling`).
+        self.info = ModelInfo(model, max_model_len, 0, sampling or {})
         self.tokenizer = tokenizer
         self.grammars = Grammars(tokenizer, len(tokenizer))  # checks structured outputs' specs
         self.mode = _served(mode)
@@ -52,8 +55,11 @@ class VLLMBackend:
 
     @classmethod
     async def connect(cls, url: str, tokenizer: str | None = None, mode: str = "prefix",
-                      timeout: float = 10.0, api_key: str | None = None) -> "VLLMBackend":
-        """Ask the server at `url` for its model; BackendError if it cannot answer."""
+                      timeout: float = 10.0, api_key: str | None = None,
+                      generation: tuple[str, dict[str, Any] | None] = ("auto", None)) -> "VLLMBackend":
+        """Ask the server at `url` for its model; BackendError if it cannot answer.
+        `generation`: the server's --generation-config and --override-generation-config,
+        read here from the model folder (the tokenizer's) as vLLM reads them."""
         _served(mode)
         t = aiohttp.ClientTimeout(total=max(timeout, 30.0), connect=timeout)
         try:
@@ -68,7 +74,7 @@ class VLLMBackend:
         except (aiohttp.ClientError, TimeoutError, ValueError, KeyError, IndexError, TypeError) as e:
             raise BackendError(f"no vLLM server at {url}: {e or type(e).__name__}") from e
         tok = fast_tokenizer(tokenizer or root, f"the tokenizer at {tokenizer or root} (--tokenizer: a local model folder)")
-        return cls(url, name, max_len, tok, mode, timeout, api_key)
+        return cls(url, name, max_len, tok, mode, timeout, api_key, defaults(tokenizer or root, *generation))
 
     # -- the Backend protocol ------------------------------------------------------------
 

@@ -30,6 +30,7 @@ class Info(Struct, kw_only=True):
     kv_bytes_per_token: int
     vocab_size: int
     tokenizer: dict[str, str]  # file name -> text: what the proxy tokenizes and renders chats with
+    sampling: dict[str, int | float] = {}  # the model's default sampling (backend/generation.py)
 
 
 class Failure(Struct):

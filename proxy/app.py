@@ -80,7 +80,7 @@ async def _chat(px: Proxy, call: Call, body: schemas.ChatRequest) -> list[Stream
 
 def _prepare(px: Proxy, call: Call, body: schemas.ChatRequest) -> None:
     """A chat call checked, segmented and prepared: what comes before its barrier."""
-    messages, sampling, call.tools = schemas.check_chat(body, px.dialect, px.backend.info.max_model_len)
+    messages, sampling, call.tools = schemas.check_chat(body, px.dialect, px.backend.info)
     template = schemas.template(body.chat_template_kwargs, body.add_generation_prompt, body.continue_final_message)
     call.meta.resumes = messages[-1]["role"] == "tool"
     known = px.place(call)
@@ -192,7 +192,7 @@ async def completions(req: web.Request) -> web.StreamResponse:
     px = req.app[PROXY]
     body = schemas.decode(await req.read(), schemas.CompletionRequest)
     call = px.call("completion", body, req.headers, req[T0])
-    prompts, sampling = schemas.check_completion(body)
+    prompts, sampling = schemas.check_completion(body, px.backend.info)
     known = px.place(call)
     segmented = [p if isinstance(p, list) else segment.text(p, call.meta.separators, known)
                  for p in prompts]

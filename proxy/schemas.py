@@ -16,13 +16,14 @@ import msgspec
 import structlog
 from msgspec import Struct
 
-from tokendance.backend.api import InvalidRequest, SamplingParams, Template
+from tokendance.backend.api import InvalidRequest, ModelInfo, SamplingParams, Template
 
 from . import tools as t
 from .errors import invalid, unsupported
 from .structured import ResponseFormat, StructuredOutputs, structure
 
 MAX_N = 64
+SAMPLED = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")  # a model may set their defaults
 COMPLETION_TOKENS = 16  # a completion's length without max_tokens (OpenAI's legacy API, vLLM)
 log = structlog.get_logger("tokendance.proxy")
 _keys = msgspec.json.Decoder(dict[str, msgspec.Raw])  # a body's top-level fields, values unread
@@ -140,27 +141,27 @@ def decode(data: bytes, kind: type[Struct]) -> Any:
 
 # Checks: everything a client can get wrong, as a 400 before any work is done.
 
-def sampling(body: Sampled, max_tokens: int | None, logprobs: bool, top: int, default: int) -> SamplingParams:
-    """`default`: the length without max_tokens (a chat's: to the end of the context)."""
+def sampling(body: Sampled, max_tokens: int | None, logprobs: bool, top: int, length: int,
+             model: dict[str, float]) -> SamplingParams:
+    """`length`: the length without max_tokens (a chat's: to the end of the context);
+    `model`: the model's defaults for what the body leaves out (ModelInfo.sampling)."""
     if not 1 <= body.n <= MAX_N:
         raise invalid(f"n must be between 1 and {MAX_N}", "n")
     if body.stream_options is not None and not body.stream:
         raise invalid("stream_options is only allowed when stream is true", "stream_options")
     stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
+    if max_tokens is None:  # the default length (the model's, if shorter), with room for min_tokens
+        max_tokens = max(min(length, int(model.get("max_tokens", length))), body.min_tokens or 0)
+    given = {k: v for k in SAMPLED if (v := getattr(body, k)) is not None}
     p = SamplingParams(
-        temperature=1.0 if body.temperature is None else body.temperature,
-        top_p=1.0 if body.top_p is None else body.top_p,
-        top_k=body.top_k or 0, min_p=body.min_p or 0.0, seed=body.seed, stop=stop,
+        **{**model, **given, "max_tokens": max_tokens}, seed=body.seed, stop=stop,
         stop_token_ids=list(body.stop_token_ids or []), ignore_eos=body.ignore_eos,
         min_tokens=body.min_tokens or 0, include_stop_str_in_output=body.include_stop_str_in_output,
         skip_special_tokens=body.skip_special_tokens,
         logprobs=logprobs, top_logprobs=top, presence_penalty=body.presence_penalty or 0.0,
         frequency_penalty=body.frequency_penalty or 0.0,
-        repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty,
         logit_bias=_logit_bias(body.logit_bias or {}),
         structure=structure(body.response_format, body.structured_outputs))
-    # the default length leaves room for min_tokens
-    p.max_tokens = max(default, p.min_tokens) if max_tokens is None else max_tokens
     try:
         p.validate()
     except InvalidRequest as exc:
@@ -184,10 +185,10 @@ def _logit_bias(bias: dict[str, float]) -> dict[int, float]:
 Checked = tuple[list[dict[str, Any]], SamplingParams, t.Tools | None]  # messages, sampling, tools
 
 
-def check_chat(body: ChatRequest, dialect: Callable[[], str], context: int) -> Checked:
+def check_chat(body: ChatRequest, dialect: Callable[[], str], model: ModelInfo) -> Checked:
     """The messages as the chat template wants them, the sampling parameters and the tools
     (`dialect`: the chat template's, asked only when tools are given). Without a length
-    a chat goes on to the end of the `context`, as in vLLM."""
+    a chat goes on to the end of the context, as in vLLM."""
     if body.functions:
         raise unsupported("functions", "functions (use tools)")
     if body.function_call not in (None, "none"):
@@ -201,7 +202,7 @@ def check_chat(body: ChatRequest, dialect: Callable[[], str], context: int) -> C
         raise invalid("messages must not be empty", "messages")
     messages = [message(i, m) for i, m in enumerate(body.messages)]
     limit = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-    sp = sampling(body, limit, bool(body.logprobs), body.top_logprobs or 0, context)
+    sp = sampling(body, limit, bool(body.logprobs), body.top_logprobs or 0, model.max_model_len, model.sampling)
     forced = tools.structure() if tools is not None else None
     if forced is not None:
         if sp.structure is not None and tools.choice == "auto":
@@ -266,7 +267,7 @@ def message(i: int, m: Message) -> dict[str, Any]:
     return out
 
 
-def check_completion(body: CompletionRequest) -> tuple[list[str | list[int]], SamplingParams]:
+def check_completion(body: CompletionRequest, model: ModelInfo) -> tuple[list[str | list[int]], SamplingParams]:
     """The prompts (text or token ids) and the sampling parameters."""
     if body.echo:
         raise unsupported("echo")
@@ -278,7 +279,7 @@ def check_completion(body: CompletionRequest) -> tuple[list[str | list[int]], Sa
         raise invalid("logprobs must be between 0 and 5", "logprobs")
     prompts = _prompts(body.prompt)
     lp = body.logprobs is not None
-    return prompts, sampling(body, body.max_tokens, lp, body.logprobs or 0, COMPLETION_TOKENS)
+    return prompts, sampling(body, body.max_tokens, lp, body.logprobs or 0, COMPLETION_TOKENS, model.sampling)
 
 
 def _prompts(prompt: str | list[Any]) -> list[str | list[int]]:

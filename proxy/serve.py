@@ -14,7 +14,7 @@ from pathlib import Path
 from tokendance.backend import logs
 from tokendance.backend.api import MODES, Backend
 from tokendance.backend.auth import ENGINE_KEY_ENV, check_keys
-from tokendance.backend.flags import add_engine_args, changed, engine_options
+from tokendance.backend.flags import GENERATION_FLAGS, add_engine_args, changed, engine_options
 
 from .app import Server
 from .core import Config
@@ -81,8 +81,9 @@ def load_backend(args: argparse.Namespace) -> Backend:
         if args.vllm is not None:
             from tokendance.backend.vllm import VLLMBackend
 
+            generation = (args.generation_config, args.override_generation_config)
             return asyncio.run(_connect(args.vllm, lambda u: VLLMBackend.connect(
-                u, args.tokenizer, args.mode or "prefix", api_key=key)))
+                u, args.tokenizer, args.mode or "prefix", api_key=key, generation=generation)))
     except BackendError as e:  # a line for the user, not a traceback
         raise ValueError(str(e)) from e
     from tokendance.backend.service import EngineBackend
@@ -172,11 +173,13 @@ def main(args: argparse.Namespace) -> int:
         twice = next((u for u in urls if urls.count(u) > 1), None)
         if twice is not None:
             raise ValueError(f"{flag} {twice} is given twice: name each server once")
-    flags = ", ".join(changed(args))
+    given = changed(args)
+    flags = ", ".join(given)
     if args.engine is not None and flags:
         raise ValueError(f"{flags} set the engine: with --engine, give them to `tokendance engine`")
-    if args.vllm is not None and flags:
-        raise ValueError(f"{flags} set our engine: a vLLM server has its own")
+    own = ", ".join(f for f in given if f not in GENERATION_FLAGS)  # the proxy samples for vLLM by these
+    if args.vllm is not None and own:
+        raise ValueError(f"{own} set our engine: a vLLM server has its own")
     if args.vllm is not None and args.mode not in (None, "full", "prefix"):
         raise ValueError(f"--mode {args.mode} needs the TokenDance engine; a vLLM server serves full and prefix")
     if args.tokenizer is not None and args.vllm is None:

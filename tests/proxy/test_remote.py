@@ -36,7 +36,7 @@ class Remote:
 
 async def _serve(tiny_llama, keys: Keys | None = None, **kw: Any) -> Remote:
     be = EngineBackend.load(str(tiny_llama), dtype="float32", **kw)
-    runner = web.AppRunner(Endpoint(be, engine_info(be.engine), keys).app(), handler_cancellation=True)
+    runner = web.AppRunner(Endpoint(be, engine_info(be), keys).app(), handler_cancellation=True)
     await runner.setup()
     await web.TCPSite(runner, "127.0.0.1", 0).start()
     return Remote(f"http://127.0.0.1:{runner.addresses[0][1]}", be, runner)
@@ -322,3 +322,14 @@ def test_the_engine_key_goes_to_remote_engines_only(monkeypatch):
     assert endpoint.main(parser.parse_args(["engine", "--api-key", "a", "--api-key", "b"])) == 0
     assert kept[0].accept({"Authorization": "Bearer ek-env"}) and not kept[0].accept({})
     assert kept[1].accept({"Authorization": "Bearer b"}) and not kept[1].accept({"Authorization": "Bearer ek-env"})
+
+
+async def test_a_remote_engine_tells_the_proxy_its_default_sampling(tiny_llama):
+    r = await _serve(tiny_llama, offload_bytes=0, override_generation_config={"temperature": 0.4, "top_k": 3})
+    try:
+        be = await RemoteBackend.connect(r.url)
+        assert be.info.sampling == {"temperature": 0.4, "top_k": 3} and isinstance(be.info.sampling["top_k"], int)
+        await be.close()
+    finally:
+        await r.runner.cleanup()
+        await r.backend.close()

@@ -180,6 +180,16 @@ async def test_what_vllm_refuses_is_a_400(proxy):
     assert "max_tokens is too large" in e.value.body["message"]
 
 
+async def test_the_proxy_samples_with_the_generation_config_vllm_would(vllm, start):
+    """The proxy sends every field, so it applies what the server's --generation-config
+    and --override-generation-config would (the model folder's, here overridden)."""
+    be = await VLLMBackend.connect(vllm.url, generation=("vllm", {"temperature": 0.25, "top_k": 7}))
+    assert be.info.sampling == {"temperature": 0.25, "top_k": 7}
+    proxy = await start(be)
+    await _client(proxy).chat.completions.create(model="fake-vllm", messages=user("Hi."), max_tokens=2)
+    assert (vllm.bodies[-1]["temperature"], vllm.bodies[-1]["top_k"]) == (0.25, 7)
+
+
 async def test_a_chat_without_a_length_asks_vllm_for_the_rest_of_the_context(proxy, vllm):
     with pytest.raises(openai.BadRequestError):  # the fake refuses more than 100
         await _client(proxy).chat.completions.create(model="fake-vllm", messages=user("Go."))
