@@ -31,9 +31,8 @@ def save_log(name: str) -> None:
 
 def median_ms(fn, smoke: bool) -> float:
     """Median milliseconds (do_bench clears L2 between calls: the bytes come from HBM);
-    under the interpreter, one timed call after a warm-up."""
+    under the interpreter (nothing compiles, nothing is warm), one timed call."""
     if smoke:
-        fn()
         t = time.perf_counter()
         fn()
         return (time.perf_counter() - t) * 1e3

@@ -40,10 +40,6 @@ bench = partial(median_ms, smoke=SMOKE)
 B = 16
 
 
-
-
-
-
 def make(lens: list[int], q_pos: list[torch.Tensor], hq: int, hkv: int, d: int,
          dtype: torch.dtype, theta: float = 1e6) -> tuple:
     """Shuffled block tables; slots no sequence owns are NaN."""
@@ -68,8 +64,6 @@ def make(lens: list[int], q_pos: list[torch.Tensor], hq: int, hkv: int, d: int,
     inv = 1.0 / theta ** (torch.arange(0, d, 2, device=DEV).float() / d)
     return (q, qp, cu, kc, vc, tables, torch.tensor(lens, device=DEV, dtype=torch.int32),
             inv, 1.0, d ** -0.5)
-
-
 
 
 def run_tri(args: tuple, **kw) -> torch.Tensor:
@@ -182,7 +176,7 @@ def section(kind: str, args: tuple, base: dict, variants: list[tuple[dict, dict]
 
 def timings() -> list[str]:
     Hq, Hkv, D = 28, 4, 128
-    S, L = (4, 256) if SMOKE else (32, 4096)
+    S, L = (2, 64) if SMOKE else (32, 4096)
     say(f"(b) decode: {S} x {L} context, Hq={Hq} Hkv={Hkv} D={D} bf16")
     args = make([L] * S, suffix([L] * S, [1] * S), Hq, Hkv, D, torch.bfloat16)
     kv_bytes = 2 * S * L * Hkv * D * 2
@@ -205,7 +199,7 @@ def timings() -> list[str]:
     if "--decode" in sys.argv:
         return rows
 
-    S, L = (2, 128) if SMOKE else (10, 2048)
+    S, L = (1, 64) if SMOKE else (10, 2048)
     say(f"(b) prefill: {S} x {L} tokens from scratch, Hq={Hq} Hkv={Hkv} D={D} bf16")
     args = make([L] * S, suffix([L] * S, [L] * S), Hq, Hkv, D, torch.bfloat16)
     flops = 4 * Hq * D * S * L * (L + 1) / 2
@@ -216,8 +210,6 @@ def timings() -> list[str]:
     rows += section("prefill", args, pt.PREFILL_CFG, variants,
                     lambda ms: f"{flops / ms / 1e9:6.1f} TFLOP/s", 270)
     return rows
-
-
 
 
 def copy_bandwidth() -> float:
