@@ -90,6 +90,9 @@ class SamplingParams:
     skip_special_tokens: bool = True
     logprobs: bool = False
     top_logprobs: int = 0
+    # each prompt token's logprob given those before it, with this many alternatives
+    # (backend/scoring.py; the request then runs in `full`): None for none
+    prompt_logprobs: int | None = None
     # OpenAI's penalties over the tokens generated so far, vLLM's over prompt and output
     # too, and OpenAI's bias by token id (backend/penalties.py applies them).
     presence_penalty: float = 0.0
@@ -113,6 +116,8 @@ class SamplingParams:
             raise InvalidRequest(f"min_tokens must be between 0 and max_tokens ({self.max_tokens})", "min_tokens")
         if not 0 <= self.top_logprobs <= 20:
             raise InvalidRequest("top_logprobs must be between 0 and 20", "top_logprobs")
+        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= 20:
+            raise InvalidRequest("prompt_logprobs must be between 0 and 20", "prompt_logprobs")
         if self.seed is not None and not -2**63 <= self.seed < 2**63:  # torch's; n > 1 adds up to 63
             raise InvalidRequest("seed must be a 64-bit signed integer", "seed")
         if len(self.stop) > 16:
@@ -204,7 +209,7 @@ class TopLogprob:
 @dataclass(slots=True)
 class TokenLogprob:
     token: str
-    logprob: float
+    logprob: float | None  # None: a prompt's first token, which nothing predicts
     bytes: list[int]
     top: list[TopLogprob] = field(default_factory=list)
 
@@ -218,6 +223,8 @@ class Delta:
     logprobs: list[TokenLogprob] = field(default_factory=list)
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     usage: Usage | None = None  # set on the last delta
+    # on a request's first delta, with SamplingParams.prompt_logprobs: one per prompt token
+    prompt_logprobs: list[TokenLogprob] | None = None
 
 
 @dataclass(slots=True)

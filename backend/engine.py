@@ -8,7 +8,7 @@ from pathlib import Path
 import structlog
 import torch
 
-from tokendance.backend import heap, loader
+from tokendance.backend import heap, loader, scoring
 from tokendance.backend.api import BASES, Delta, InvalidRequest, SamplingParams, TokenLogprob, TopLogprob, Usage, check_mode
 from tokendance.backend.blocks import BlockManager
 from tokendance.backend.budget import pool_tokens
@@ -88,13 +88,10 @@ class Engine:
         self.collector = Collector(self.model, self.cache, self.blocks, self.runner, self.segments,
                                    self.idle, reuse)
         self.blend_waiting: list[Sequence] = []
-        capacity = self.cache.num_blocks * cfg.block_size
-        limits = [self.mcfg.max_position, capacity]
-        if self.mcfg.sliding_window:
-            limits.append(self.mcfg.sliding_window)  # within the window, full attention is exact
-        if cfg.max_model_len:
-            limits.append(cfg.max_model_len)
-        self.max_model_len = min(limits)
+        # the model's, the pool's, a sliding window's (within it full attention is exact), the flag's
+        limits = (self.mcfg.max_position, self.cache.num_blocks * cfg.block_size, self.mcfg.sliding_window,
+                  cfg.max_model_len)
+        self.max_model_len = min(x for x in limits if x)
         self.seqs: dict[str, Sequence] = {}
         self.overlap = cfg.overlap if cfg.overlap is not None else self.device.type == "cuda"
         self.min_shared = min_shared(cfg.min_shared_tokens, self.device)
@@ -128,6 +125,7 @@ class Engine:
         share (`full` stays the no-reuse baseline; `prefix` has its block cache)."""
         self.check(prompt, sampling)
         check_mode(mode)
+        mode = "full" if sampling.prompt_logprobs is not None else mode  # scored prompts are computed whole
         if rid in self.seqs:
             raise InvalidRequest(f"duplicate request id {rid}", "id")
         spans = [(lo, hi) for lo, hi in check_spans(shared or [], len(prompt)) if hi - lo >= self.min_shared]
@@ -138,7 +136,8 @@ class Engine:
                       if 0 <= t < self.mcfg.vocab_size)  # another id is never sampled
         seq = Sequence(rid, list(prompt), sampling, Detok.of(self.tokenizer, sampling),
                        generator=gen, ends=ends, mode=mode, shared=spans, tenant=tenant,
-                       publish=publish and self.cfg.bases == "producer")
+                       publish=publish and self.cfg.bases == "producer",
+                       scored=None if sampling.prompt_logprobs is None else scoring.start(prompt, self._logprob))
         st = sampling.structure
         if st is not None:
             seq.until = self.tokenizer.encode(st.after, add_special_tokens=False) if st.after else []
@@ -208,6 +207,8 @@ class Engine:
             w.seq.computed = w.start + w.count
             self.blocks.publish(w.seq)
         ready = [w.seq for w in work if w.samples]
+        scoring.record(work, logits[len(ready):], self._logprob)
+        logits = logits[:len(ready)]
         if ahead:
             launched = launch(logits, ready, self.generator)
             out += self._land() if chain else []  # while the GPU runs this step
@@ -304,6 +305,7 @@ class Engine:
         else:
             delta = Delta(text=seq.detok.take(final=False))
         delta.token_ids = [tok]
+        delta.prompt_logprobs = seq.scored if at == 0 else None
         if pick.logprob is not None:
             delta.logprobs = [self._logprob(tok, pick)]
         return delta

@@ -5,6 +5,7 @@ from __future__ import annotations
 import structlog
 import torch
 
+from tokendance.backend import scoring
 from tokendance.backend.graphs import DecodeGraphs
 from tokendance.backend.mirror import EARLY, LATE
 from tokendance.backend.model import AttnMeta, Decoder, KVCache
@@ -32,6 +33,7 @@ def step_meta(work: list[Scheduled], block_size: int, device: torch.device, tras
         cu.append(cu[-1] + w.count)
         if w.samples:
             last.append(cu[-1] - 1)
+    last += scoring.rows(work, cu)  # after the sampled rows: Engine.step splits them so
 
     def t(x: list[int], dtype: torch.dtype = torch.int64) -> torch.Tensor:
         return upload_list(x, dtype, device)
@@ -82,7 +84,7 @@ class Runner:
         """Logits [rows that sample, vocab] in float32. ids: a decode step's input
         tokens on the device, when the host has not read them (backend/lookahead.py)."""
         if self.graphs is not None:
-            if self.graphs.fits(work):
+            if self.graphs.fits(work) and not any(map(scoring.count, work)):  # graphs give sampled rows
                 self.work += len(work) * len(self.model.layers)
                 return self.graphs.run(work, ids)
             if all(w.count == 1 for w in work):

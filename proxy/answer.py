@@ -26,7 +26,8 @@ from tokendance.backend.api import Stream
 
 from . import calls, conversations
 from .conversations import Conversation
-from .core import Call, Proxy
+from .call import Call
+from .core import Proxy
 from .errors import ApiError, invalid
 from .feed import Feed
 from .items import Event, Failure, Incomplete, InputDetails, Items, OutputDetails, Response, Usage

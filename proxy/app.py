@@ -15,10 +15,11 @@ from aiohttp import web
 
 from tokendance.backend.api import Backend, InvalidRequest, Stream
 
-from . import conversations, replies, responses, schemas, segment
+from . import conversations, echo, replies, responses, schemas, segment
 from . import tokenize as tokens
 from .answer import Turn, follow, starting_after
-from .core import Call, Config, Proxy, digest
+from .call import Call
+from .core import Config, Proxy, digest
 from .errors import ApiError, invalid, keys, middleware
 from .mqtt import Control
 from .peers import Peers
@@ -193,6 +194,8 @@ async def completions(req: web.Request) -> web.StreamResponse:
     body = schemas.decode(await req.read(), schemas.CompletionRequest)
     call = px.call("completion", body, req.headers, req[T0])
     prompts, sampling = schemas.check_completion(body, px.backend.info)
+    if body.echo:
+        call.echo = echo.make(prompts, body.n, body.max_tokens == 0, getattr(px.backend, "tokenizer", None))
     known = px.place(call)
     segmented = [p if isinstance(p, list) else segment.text(p, call.meta.separators, known)
                  for p in prompts]

@@ -19,7 +19,8 @@ from aiohttp import web
 from tokendance.backend.api import BackendError, Delta, Stream, TokenLogprob
 
 from . import calls, replies as s
-from .core import Call, Proxy
+from .call import Call
+from .core import Proxy
 from .errors import ApiError, from_backend
 from .reasoning import Thinking
 
@@ -78,8 +79,10 @@ async def _json(px: Proxy, call: Call, streams: list[Stream]) -> web.Response:
                                         chat_lp(call, call.logprobs[i])))
         body: Any = s.ChatCompletion(call.id, call.created, call.model, choices, usage)
     else:
+        e = call.echo
         body = s.Completion(call.id, call.created, call.model, [
-            s.TextChoice(i, call.text(i), call.finish[i], _text_lp(call, call.logprobs[i], 0))
+            s.TextChoice(i, e.text(i, call.text(i)) if e else call.text(i), call.finish[i],
+                         _text_lp(call, e.logprobs(i, call.logprobs[i]) if e else call.logprobs[i], 0))
             for i in range(len(streams))], usage)
     return web.Response(body=_enc.encode(body), content_type="application/json", headers=call.headers())
 
@@ -101,9 +104,10 @@ async def _sse(req: web.Request, px: Proxy, call: Call, streams: list[Stream]) -
             async with contextlib.aclosing(merged(call, streams)) as deltas:
                 async for i, d in deltas:
                     call.add(i, d)
+                    text, lps = call.echo.piece(i, d) if call.echo else (d.text, d.logprobs)
                     chunk = _chat_chunk(call, i, d, readers[i], thinking[i]) if chat else \
-                        _text_chunk(call, i, d, offsets[i])
-                    offsets[i] += len(d.text)
+                        _text_chunk(call, i, text, lps, d.finish_reason, offsets[i])
+                    offsets[i] += len(text)
                     if chunk is not None:
                         await resp.write(_event(chunk))
         except ConnectionResetError:
@@ -166,9 +170,10 @@ def _chat_chunk(call: Call, i: int, d: Delta, r: calls.Reader, th: Thinking | No
         calls.finish(r, d.finish_reason))])
 
 
-def _text_chunk(call: Call, i: int, d: Delta, offset: int) -> s.Completion:
+def _text_chunk(call: Call, i: int, text: str, lps: list[TokenLogprob], finish: str | None,
+                offset: int) -> s.Completion:
     return s.Completion(call.id, call.created, call.model, [
-        s.TextChoice(i, d.text, d.finish_reason, _text_lp(call, d.logprobs, offset))])
+        s.TextChoice(i, text, finish, _text_lp(call, lps, offset))])
 
 
 def _event(obj: Any) -> bytes:
@@ -225,6 +230,8 @@ def _check_finished(call: Call) -> None:
 
 def _usage(call: Call) -> s.UsageOut:
     u = call.total()
+    if call.echo is not None and call.echo.only:  # the token generated is left out
+        u.completion_tokens = 0
     return s.UsageOut(u.prompt_tokens, u.completion_tokens, u.prompt_tokens + u.completion_tokens,
                       s.CachedDetails(u.cached_tokens),
                       s.ReuseDetails(u.shared_tokens, u.recomputed_tokens, u.kv_dense_bytes, u.kv_held_bytes))
@@ -245,4 +252,5 @@ def _text_lp(call: Call, lps: list[TokenLogprob], offset: int) -> s.TextLogprobs
         offsets.append(offset)
         offset += len(t.token)
     return s.TextLogprobs([t.token for t in lps], [t.logprob for t in lps],
-                          [{x.token: x.logprob for x in t.top} for t in lps], offsets)
+                          [None if t.logprob is None else {x.token: x.logprob for x in t.top} for t in lps],
+                          offsets)

@@ -269,8 +269,6 @@ def message(i: int, m: Message) -> dict[str, Any]:
 
 def check_completion(body: CompletionRequest, model: ModelInfo) -> tuple[list[str | list[int]], SamplingParams]:
     """The prompts (text or token ids) and the sampling parameters."""
-    if body.echo:
-        raise unsupported("echo")
     if body.suffix:
         raise unsupported("suffix")
     if body.best_of not in (None, body.n):
@@ -279,7 +277,11 @@ def check_completion(body: CompletionRequest, model: ModelInfo) -> tuple[list[st
         raise invalid("logprobs must be between 0 and 5", "logprobs")
     prompts = _prompts(body.prompt)
     lp = body.logprobs is not None
-    return prompts, sampling(body, body.max_tokens, lp, body.logprobs or 0, COMPLETION_TOKENS, model.sampling)
+    length = 1 if body.echo and body.max_tokens == 0 else body.max_tokens  # the prompt alone: one token, dropped
+    sp = sampling(body, length, lp, body.logprobs or 0, COMPLETION_TOKENS, model.sampling)
+    if body.echo and lp:
+        sp.prompt_logprobs = body.logprobs
+    return prompts, sp
 
 
 def _prompts(prompt: str | list[Any]) -> list[str | list[int]]:

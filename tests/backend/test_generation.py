@@ -69,6 +69,8 @@ def test_a_bad_file_fails_in_one_line(tmp_path):
     (["engine", "--override-generation-config", '{"top_p": 2}'], "top_p must be in (0, 1]"),
     (["serve", "--engine", "http://127.0.0.1:9", "--generation-config", "vllm"],
      "--generation-config set the engine: with --engine, give them to `tokendance engine`"),
+    (["serve", "--vllm", "http://127.0.0.1:9", "--generation-config", "vllm"],  # the proxy's, for vLLM
+     "no vLLM server at http://127.0.0.1:9"),
 ])
 def test_the_cli_says_what_is_wrong_before_any_model_loads(capsys, argv, message):
     try:

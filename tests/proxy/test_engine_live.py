@@ -68,6 +68,31 @@ def test_without_a_length_a_chat_ends_with_the_context_and_a_completion_at_16(ti
         t.close()
 
 
+def test_echo_gives_the_prompt_and_its_logprobs_before_the_answer(client, model):
+    """The legacy completions' echo: the text begins with the prompt; with logprobs the
+    prompt's tokens come first, the first one's logprob null; streamed, the first chunk
+    carries them; max_tokens 0 scores the prompt alone."""
+    prompt = "The river runs to the sea"
+    kw = dict(model=model, prompt=prompt, temperature=0, max_tokens=3, logprobs=2)
+    plain = client.completions.create(**{**kw, "logprobs": None})
+    whole = client.completions.create(**kw, echo=True)
+    c = whole.choices[0]
+    assert c.text == prompt + plain.choices[0].text
+    lp = c.logprobs
+    n = whole.usage.prompt_tokens
+    assert len(lp.tokens) == n + 3 and lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert all(x < 0 for x in lp.token_logprobs[1:]) and all(len(t) == 2 for t in lp.top_logprobs[1:])
+    assert "".join(lp.tokens[:n]) == prompt and lp.text_offset[n] == len(prompt)
+    chunks = list(client.completions.create(**kw, echo=True, stream=True))
+    assert chunks[0].choices[0].text.startswith(prompt)
+    assert "".join(x.choices[0].text for x in chunks) == c.text
+    assert sum((x.choices[0].logprobs.tokens for x in chunks), []) == lp.tokens
+    scored = client.completions.create(**{**kw, "max_tokens": 0}, echo=True)
+    s = scored.choices[0]
+    assert s.text == prompt and s.logprobs.token_logprobs == lp.token_logprobs[:n]
+    assert (s.finish_reason, scored.usage.completion_tokens) == ("length", 0)
+
+
 def test_prompt_longer_than_the_context_is_a_400(client, model, engine_live):
     n = engine_live.backend.info.max_model_len
     with pytest.raises(openai.BadRequestError):

@@ -127,7 +127,8 @@ CASES = [  # (path, body or raw bytes, extra headers, status, param, code)
     ("text", {**TEXT, "prompt": [[1], [-2]]}, {}, 400, "prompt", None),
     ("text", {**TEXT, "prompt": ""}, {}, 400, "prompt", None),
     ("text", {**TEXT, "prompt": "w " * 5000}, {}, 400, "prompt", "context_length_exceeded"),
-    ("text", {**TEXT, "echo": True}, {}, 400, "echo", "unsupported"),
+    ("text", {**TEXT, "prompt": [5, 6], "echo": True}, {}, 400, "echo", "unsupported"),  # no tokenizer
+    ("text", {**TEXT, "max_tokens": 0}, {}, 400, "max_tokens", None),  # only with echo
     ("text", {**TEXT, "suffix": "end"}, {}, 400, "suffix", "unsupported"),
     ("text", {**TEXT, "best_of": 3}, {}, 400, "best_of", "unsupported"),
     ("text", {**TEXT, "best_of": 1, "n": 2}, {}, 400, "best_of", "unsupported"),  # fewer than n

@@ -75,6 +75,11 @@ async def test_answers_equal_the_in_process_engines(tiny_llama, proxy, start):
     sampled = dict(model=name, prompt="The market opens", max_tokens=6, temperature=1.0, seed=7, n=2)
     a, b = [await _client(s).completions.create(**sampled) for s in (proxy, local)]
     assert [c.text for c in a.choices] == [c.text for c in b.choices]
+    # The prompt's logprobs come over the wire with the first token.
+    echoed = dict(model=name, prompt="The market opens", max_tokens=2, temperature=0, logprobs=2, echo=True)
+    a, b = [await _client(s).completions.create(**echoed) for s in (proxy, local)]
+    assert a.choices[0].logprobs.model_dump() == b.choices[0].logprobs.model_dump()
+    assert a.choices[0].logprobs.token_logprobs[0] is None and len(a.choices[0].logprobs.tokens) > 2
     chunks = [c async for c in await _client(proxy).chat.completions.create(
         **kw, stream=True, stream_options={"include_usage": True})]
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)

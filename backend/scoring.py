@@ -1,0 +1,66 @@
+"""Prompt logprobs: each prompt token's log-probability given the tokens before it, and
+its top alternatives (vLLM's `prompt_logprobs`; the legacy completions' `echo` with
+`logprobs`).
+
+They come from rows a prefill already computes: the row of position p predicts the
+token at p + 1, so a step that prefills positions [start, start + count) of a scoring
+request reads the logits of those rows too (`rows`), besides the rows it samples from,
+and `record` keeps them by position (a preempted request computed again writes the same
+values). Only `full` computes every prompt token (the others reuse KV and skip them),
+so a request that asks for them runs in `full` (Engine.add). Nothing predicts the first
+token: its logprob is None.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+import torch
+
+from tokendance.backend.api import TokenLogprob
+from tokendance.backend.sampler import Sampled
+
+if TYPE_CHECKING:
+    from tokendance.backend.scheduler import Scheduled
+
+
+def start(prompt: list[int], convert: Callable[[int, Sampled], TokenLogprob]) -> list[TokenLogprob | None]:
+    """A request's scores before its prefill: the first token's (its logprob None), the
+    rest to come."""
+    return [convert(prompt[0], Sampled(prompt[0]))] + [None] * (len(prompt) - 1)
+
+
+def count(w: Scheduled) -> int:
+    """How many rows of this scheduled chunk predict a prompt token to be scored."""
+    if w.seq.scored is None:
+        return 0
+    return max(0, min(w.count, len(w.seq.prompt) - 1 - w.start))
+
+
+def rows(work: list[Scheduled], cu: list[int]) -> list[int]:
+    """The step's rows (by the chunks' starts `cu`) whose logits score prompt tokens."""
+    return [r for w, at in zip(work, cu) for r in range(at, at + count(w))]
+
+
+def record(work: list[Scheduled], logits: torch.Tensor,
+           convert: Callable[[int, Sampled], TokenLogprob]) -> None:
+    """Keep the scores of `logits` (the `rows` of this step, in their order): each
+    request's k best alternatives, raw logits as for sampled tokens (backend/sampler.py)."""
+    if not len(logits):
+        return
+    logp = logits.log_softmax(-1)
+    at = 0
+    for w in work:
+        n = count(w)
+        if not n:
+            continue
+        target = torch.tensor(w.seq.prompt[w.start + 1:w.start + 1 + n], device=logp.device)
+        part = logp[at:at + n]
+        picked = part.gather(-1, target[:, None])[:, 0].tolist()
+        k = w.seq.sampling.prompt_logprobs or 0
+        top = part.topk(k, -1) if k else None
+        for j, (tok, lp) in enumerate(zip(target.tolist(), picked)):
+            alt = list(zip(top.indices[j].tolist(), top.values[j].tolist())) if top is not None else None
+            w.seq.scored[w.start + 1 + j] = convert(tok, Sampled(tok, lp, alt))
+        at += n

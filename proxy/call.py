@@ -1,0 +1,98 @@
+"""One HTTP request on its way through the proxy (proxy/core.py): its n choices for each
+of its prompts, what the backend gave each, and its timings."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from tokendance.backend.api import Delta, Prepared, TokenLogprob, Usage
+
+from . import tools as t
+from .echo import Echo
+from .session import Meta, Round
+
+
+@dataclass(slots=True, eq=False)
+class Call:
+    id: str
+    kind: str  # "chat" | "completion" | "response"
+    model: str
+    meta: Meta
+    n: int
+    tenant: str = ""
+    stream: bool = False
+    include_usage: bool = False
+    prepared: list[Prepared] = field(default_factory=list)
+    tools: t.Tools | None = None
+    number: int | None = None  # the round, when in a session
+    rnd: Round | None = None
+    before: int = 0  # the agent's round count before this call (restored if it goes unanswered)
+    created: int = field(default_factory=lambda: int(time.time()))
+    t0: float = field(default_factory=time.perf_counter)
+    released: float = 0.0  # resumed after the barrier
+    first: float = 0.0  # its first token arrived
+    ended: float = 0.0
+    wait: float = 0.0  # held at the barrier until its group was released
+    held: float = 0.0  # from joining the barrier to resuming (wait, then the event loop's queue)
+    gen: float = 0.0  # waiting for the backend's deltas
+    group: int = 1
+    texts: list[list[str]] = field(default_factory=list)
+    shown: list[str] = field(default_factory=list)  # a chat choice's content, tool calls read out
+    logprobs: list[list[TokenLogprob]] = field(default_factory=list)
+    tokens: list[int] = field(default_factory=list)
+    finish: list[str | None] = field(default_factory=list)
+    usage: list[Usage | None] = field(default_factory=list)
+    outcome: str = "ok"  # "ok" | "error" | "abort"
+    done: bool = False
+    echo: Echo | None = None  # a completion's `echo` (proxy/echo.py)
+
+    def add(self, i: int, d: Delta) -> None:
+        if not self.first and d.token_ids:
+            self.first = time.perf_counter()
+        self.texts[i].append(d.text)
+        self.logprobs[i].extend(d.logprobs)
+        if self.echo is not None:
+            self.echo.take(i, d)
+        self.tokens[i] += len(d.token_ids)
+        if d.finish_reason is not None:
+            self.finish[i] = d.finish_reason
+            self.usage[i] = d.usage
+
+    @property
+    def overhead(self) -> float:
+        """Time the proxy itself spent on this request."""
+        return max(self.ended - self.t0 - self.held - self.gen, 0.0)
+
+    def text(self, i: int) -> str:
+        return "".join(self.texts[i])
+
+    def said(self, i: int) -> str:
+        """What the client got as the choice's text (its content, without tool calls)."""
+        return self.shown[i] if self.shown else self.text(i)
+
+    def total(self) -> Usage:
+        """Usage of the whole call: prompt numbers once per prompt, the rest summed."""
+        u = Usage()
+        for i, p in enumerate(self.prepared):
+            c = self.usage[i] or Usage(prompt_tokens=p.prompt_tokens)
+            if i % self.n == 0:
+                u.prompt_tokens += c.prompt_tokens
+                u.cached_tokens += c.cached_tokens
+                u.recomputed_tokens += c.recomputed_tokens
+                u.shared_tokens += c.shared_tokens
+            u.completion_tokens += c.completion_tokens if self.usage[i] else self.tokens[i]
+            u.kv_dense_bytes += c.kv_dense_bytes
+            u.kv_held_bytes += c.kv_held_bytes
+            u.shared_blocks = tuple(dict.fromkeys(u.shared_blocks + c.shared_blocks))
+            u.block_bytes = u.block_bytes or c.block_bytes
+        return u
+
+    def headers(self) -> dict[str, str]:
+        h = {"X-Request-Id": self.id}
+        if self.rnd is not None:
+            h |= {"X-TokenDance-Session": self.rnd.session, "X-TokenDance-Round": str(self.rnd.number),
+                  "X-TokenDance-Group": str(self.group)}
+            if self.meta.agent is not None:
+                h["X-TokenDance-Agent"] = self.meta.agent
+        return h

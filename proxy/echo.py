@@ -1,0 +1,51 @@
+"""The legacy completions' `echo`: each choice's text begins with its prompt and, with
+`logprobs`, its logprobs with the prompt tokens' (the engine scores them:
+backend/scoring.py; the first token's is null). With `max_tokens` 0 a choice is its
+prompt alone, scored: the engine generates one token, which the answer leaves out."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from tokendance.backend.api import Delta, TokenLogprob
+
+from .errors import unsupported
+
+
+@dataclass(slots=True)
+class Echo:
+    texts: list[str]  # each choice's prompt, as its text begins
+    only: bool  # max_tokens 0: the prompt alone
+    scored: list[list[TokenLogprob]] = field(default_factory=list)  # each choice's prompt tokens'
+    begun: list[bool] = field(default_factory=list)  # streamed: the prompt was sent
+
+    def take(self, i: int, d: Delta) -> None:
+        if d.prompt_logprobs is not None:
+            self.scored[i] = d.prompt_logprobs
+
+    def text(self, i: int, said: str) -> str:
+        return self.texts[i] + ("" if self.only else said)
+
+    def logprobs(self, i: int, said: list[TokenLogprob]) -> list[TokenLogprob]:
+        return self.scored[i] + ([] if self.only else said)
+
+    def piece(self, i: int, d: Delta) -> tuple[str, list[TokenLogprob]]:
+        """What a streamed chunk of choice i carries for delta d: the prompt first."""
+        text, lps = ("", []) if self.only else (d.text, d.logprobs)
+        if self.begun[i]:
+            return text, lps
+        self.begun[i] = True
+        return self.texts[i] + text, self.scored[i] + lps
+
+
+def make(prompts: list[str | list[int]], n: int, only: bool, tokenizer: Any) -> Echo:
+    """An Echo of each prompt's `n` choices (a token prompt decoded by `tokenizer`)."""
+    texts = []
+    for p in prompts:
+        if isinstance(p, list):
+            if tokenizer is None:
+                raise unsupported("echo", "echo of token ids (this backend gives the proxy no tokenizer)")
+            p = tokenizer.decode(p)
+        texts += [p] * n
+    return Echo(texts, only, [[] for _ in texts], [False] * len(texts))

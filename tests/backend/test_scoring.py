@@ -1,0 +1,60 @@
+"""Prompt logprobs (backend/scoring.py): each prompt token's logprob and top alternatives
+equal HF transformers' on the same weights, whatever the chunking and the mode asked."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from tokendance.backend.api import Delta, SamplingParams
+from tokendance.backend.engine import Engine
+
+K = 3
+
+
+def run(eng: Engine, prompts: list[list[int]], sampling: SamplingParams, mode: str) -> list[list[Delta]]:
+    ids = [f"r{i}" for i in range(len(prompts))]
+    got: dict[str, list[Delta]] = {r: [] for r in ids}
+    for rid, p in zip(ids, prompts):
+        eng.add(rid, p, sampling, mode)
+    while eng.has_work():
+        for rid, d in eng.step():
+            got[rid].append(d)
+    return [got[r] for r in ids]
+
+
+@pytest.fixture(scope="module")
+def hf(tiny_llama):
+    return AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32).eval()
+
+
+@pytest.mark.parametrize("budget,mode", [(512, "full"), (16, "full"), (512, "collective")],
+                         ids=["whole", "chunked", "collective-asked"])
+def test_prompt_logprobs_equal_hfs(tiny_llama, hf, budget, mode):
+    eng = Engine(model=str(tiny_llama), dtype="float32", kv_tokens=4096, max_batched_tokens=budget)
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(3, eng.mcfg.vocab_size, (n,), generator=g).tolist() for n in (1, 9, 40)]
+    sp = SamplingParams(max_tokens=2, temperature=0, ignore_eos=True, prompt_logprobs=K)
+    for p, deltas in zip(prompts, run(eng, prompts, sp, mode)):
+        scored = deltas[0].prompt_logprobs
+        assert scored is not None and len(scored) == len(p)
+        assert (scored[0].token, scored[0].logprob, scored[0].top) == (eng.tokenizer.decode([p[0]]), None, [])
+        assert all(d.prompt_logprobs is None for d in deltas[1:])  # on the first delta only
+        with torch.no_grad():
+            logp = hf(torch.tensor([p])).logits[0].float().log_softmax(-1)
+        for i in range(1, len(p)):
+            t = scored[i]
+            assert t.token == eng.tokenizer.decode([p[i]])
+            assert t.logprob == pytest.approx(logp[i - 1, p[i]].item(), abs=1e-4)
+            want = logp[i - 1].topk(K)
+            assert [x.token for x in t.top] == [eng.tokenizer.decode([j]) for j in want.indices.tolist()]
+            assert [x.logprob for x in t.top] == pytest.approx(want.values.tolist(), abs=1e-4)
+
+
+def test_without_them_nothing_is_scored(tiny_llama):
+    eng = Engine(model=str(tiny_llama), dtype="float32", kv_tokens=4096)
+    (deltas,) = run(eng, [[5, 6, 7, 8]], SamplingParams(max_tokens=2, temperature=0), "full")
+    assert all(d.prompt_logprobs is None for d in deltas)
+    (deltas,) = run(eng, [[5, 6, 7, 8]], SamplingParams(max_tokens=2, temperature=0, prompt_logprobs=0), "full")
+    assert [t.top for t in deltas[0].prompt_logprobs[1:]] == [[], [], []]  # the token's own only

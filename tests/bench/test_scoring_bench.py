@@ -1,0 +1,13 @@
+"""bench/scoring.py times a prefill with prompt logprobs against one without."""
+
+from __future__ import annotations
+
+from tokendance.bench import scoring
+
+
+def test_both_prefills_are_timed(capsys, tiny_llama):
+    ms = scoring.main(["--model", str(tiny_llama), "--dtype", "float32", "--tokens", "40", "--prompts", "2",
+                       "--repeats", "2"])
+    assert ms["plain"] > 0 and ms["scored"] > 0 and ms["ratio"] == ms["scored"] / ms["plain"]
+    out = capsys.readouterr().out
+    assert "2 x 40 tokens, top 5, cpu torch.float32, medians of 2:" in out and "scored prefill" in out
