@@ -7,6 +7,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from tokendance.backend import scoring
 from tokendance.backend.api import Delta, SamplingParams
 from tokendance.backend.engine import Engine
 
@@ -29,9 +30,11 @@ def hf(tiny_llama):
     return AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32).eval()
 
 
-@pytest.mark.parametrize("budget,mode", [(512, "full"), (16, "full"), (512, "collective")],
-                         ids=["whole", "chunked", "collective-asked"])
-def test_prompt_logprobs_equal_hfs(tiny_llama, hf, budget, mode):
+@pytest.mark.parametrize("budget,mode,rows", [(512, "full", 1024), (16, "full", 1024), (512, "collective", 1024),
+                                              (512, "full", 8)],
+                         ids=["whole", "chunked", "collective-asked", "few-rows-a-step"])
+def test_prompt_logprobs_equal_hfs(tiny_llama, hf, monkeypatch, budget, mode, rows):
+    monkeypatch.setattr(scoring, "ROWS", rows)  # the rows a step may score
     eng = Engine(model=str(tiny_llama), dtype="float32", kv_tokens=4096, max_batched_tokens=budget)
     g = torch.Generator().manual_seed(3)
     prompts = [torch.randint(3, eng.mcfg.vocab_size, (n,), generator=g).tolist() for n in (1, 9, 40)]
@@ -58,3 +61,14 @@ def test_without_them_nothing_is_scored(tiny_llama):
     assert all(d.prompt_logprobs is None for d in deltas)
     (deltas,) = run(eng, [[5, 6, 7, 8]], SamplingParams(max_tokens=2, temperature=0, prompt_logprobs=0), "full")
     assert [t.top for t in deltas[0].prompt_logprobs[1:]] == [[], [], []]  # the token's own only
+
+
+def test_a_step_scores_at_most_rows_and_the_rest_waits(tiny_llama, monkeypatch):
+    monkeypatch.setattr(scoring, "ROWS", 10)
+    eng = Engine(model=str(tiny_llama), dtype="float32", kv_tokens=4096, max_batched_tokens=512)
+    for i, n in enumerate((25, 25)):
+        eng.add(f"s{i}", list(range(3, 3 + n)), SamplingParams(max_tokens=1, prompt_logprobs=0), "full")
+    eng.add("plain", list(range(3, 40)), SamplingParams(max_tokens=1), "full")
+    work, _ = eng.scheduler.schedule()
+    assert [(w.seq.id, w.count) for w in work] == [("s0", 10)]  # s1 waits its turn, and the rest behind it
+    assert sum(map(scoring.count, work)) == 10
