@@ -23,6 +23,7 @@ class Call:
     tenant: str = ""
     stream: bool = False
     include_usage: bool = False
+    continuous_usage: bool = False  # stream_options.continuous_usage_stats (vLLM's)
     prepared: list[Prepared] = field(default_factory=list)
     tools: t.Tools | None = None
     number: int | None = None  # the round, when in a session

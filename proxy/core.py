@@ -89,9 +89,10 @@ class Proxy:
         meta = read_meta(headers, body.tokendance)
         meta.owner = self.owner(headers)
         prefix = {"chat": "chatcmpl-", "completion": "cmpl-", "response": "resp_"}[kind]
-        opts = body.stream_options
+        usage = bool(body.stream_options and body.stream_options.include_usage)
         return Call(prefix + secrets.token_hex(12), kind, self.names[0], meta, body.n,
-                    self.tenant(headers, body.cache_salt), body.stream, bool(opts and opts.include_usage), t0=t0)
+                    self.tenant(headers, body.cache_salt), body.stream, usage,
+                    usage and body.stream_options.continuous_usage_stats, t0=t0)
 
     @staticmethod
     def tenant(headers: Mapping[str, str], salt: str | None = None) -> str:

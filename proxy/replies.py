@@ -42,12 +42,13 @@ class ReuseDetails(Struct):
     kv_held_bytes: int  # what it held privately
 
 
-class UsageOut(Struct):
+class UsageOut(Struct, omit_defaults=True):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
-    prompt_tokens_details: CachedDetails
-    tokendance: ReuseDetails
+    # known at the end (a streamed chunk's continuous usage has the counts so far only)
+    prompt_tokens_details: CachedDetails | None = None
+    tokendance: ReuseDetails | None = None
 
 
 class OutFunction(Struct):

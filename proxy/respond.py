@@ -99,7 +99,7 @@ async def _sse(req: web.Request, px: Proxy, call: Call, streams: list[Stream]) -
     try:
         if chat:
             await resp.write(_event(s.ChatChunk(call.id, call.created, call.model, [
-                s.ChunkChoice(i, s.OutDelta("assistant", "")) for i in range(len(streams))])))
+                s.ChunkChoice(i, s.OutDelta("assistant", "")) for i in range(len(streams))], _so_far(call, 0))))
         try:
             async with contextlib.aclosing(merged(call, streams)) as deltas:
                 async for i, d in deltas:
@@ -109,6 +109,7 @@ async def _sse(req: web.Request, px: Proxy, call: Call, streams: list[Stream]) -
                         _text_chunk(call, i, text, lps, d.finish_reason, offsets[i])
                     offsets[i] += len(text)
                     if chunk is not None:
+                        chunk.usage = _so_far(call, i)
                         await resp.write(_event(chunk))
         except ConnectionResetError:
             raise
@@ -226,6 +227,14 @@ async def merged(call: Call, streams: list[Stream]) -> AsyncIterator[tuple[int, 
 def _check_finished(call: Call) -> None:
     if any(f is None for f in call.finish):
         raise BackendError("a stream ended without a finish reason")
+
+
+def _so_far(call: Call, i: int) -> s.UsageOut | None:
+    """vLLM's continuous usage: choice i's counts so far, in each chunk."""
+    if not call.continuous_usage:
+        return None
+    p, c = call.prepared[i].prompt_tokens, 0 if call.echo is not None and call.echo.only else call.tokens[i]
+    return s.UsageOut(p, c, p + c)
 
 
 def _usage(call: Call) -> s.UsageOut:

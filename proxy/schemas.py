@@ -54,6 +54,7 @@ class Message(Struct, kw_only=True):
 
 class StreamOptions(Struct):
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM's: with include_usage, the counts so far in every chunk
 
 
 class Sampled(Struct, kw_only=True):

@@ -46,6 +46,24 @@ def test_chat_stream_matches_the_whole_answer(client):
     assert all(c.usage is None for c in chunks[:-1])
 
 
+def test_continuous_usage_gives_the_counts_so_far_in_every_chunk(client):
+    """vLLM's stream_options.continuous_usage_stats (with include_usage; alone it does nothing)."""
+    opts = {"include_usage": True, "continuous_usage_stats": True}
+    chunks = list(client.chat.completions.create(model=MODEL, messages=ask("alpha beta gamma"), stream=True,
+                                                 stream_options=opts))
+    *steps, last = chunks
+    p = last.usage.prompt_tokens
+    assert [(c.usage.prompt_tokens, c.usage.completion_tokens) for c in steps] == \
+        [(p, 0), (p, 1), (p, 2), (p, 3)]  # the role chunk, then a word each
+    assert all(c.usage.prompt_tokens_details is None for c in steps)
+    assert last.usage.prompt_tokens_details is not None and last.usage.completion_tokens == 3
+    text = list(client.completions.create(model=MODEL, prompt="k l", stream=True, stream_options=opts))
+    assert [c.usage.completion_tokens for c in text] == [1, 2, 2]
+    alone = list(client.chat.completions.create(model=MODEL, messages=ask("x y"), stream=True,
+                                                stream_options={"continuous_usage_stats": True}))
+    assert all(c.usage is None for c in alone)
+
+
 def test_stream_without_usage_has_no_usage_chunk(client):
     chunks = list(client.chat.completions.create(model=MODEL, messages=ask("x y"), stream=True))
     assert all(c.choices for c in chunks) and all(c.usage is None for c in chunks)
