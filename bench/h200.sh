@@ -8,6 +8,8 @@
 #   act: the fused SwiGLU activation against torch's two ops (error, time)
 #   prefill: the engine's prefill alone against HF (10 x 2 k)
 #   check: the CUDA checks alone (bench/check_cuda.py), and the GPU-only tests
+#   scoring: a prefill that scores its prompt (prompt logprobs: completions' echo with
+#     logprobs) against the same prefill without, Qwen2.5-7B shape, random bf16 weights
 #   reuse:  one All-Gather round, N = 10 and 20, every mode, serial pic and collective with
 #     reader bases, profiled at N = 10 (and r = 5 % at N = 10)
 #   gaps: one cold N = 10 round per mode traced with Python stacks: where the GPU waits
@@ -69,6 +71,10 @@ if want engine || want check; then
   for t in tests/kernels/test_prefill.py "tests/backend/test_upload.py tests/backend/test_arena.py"; do
     python3 -m pytest -q -p no:cacheprovider -rfEs $t 2>&1 | tail -4
   done | tee "$OUT/gpu_tests.txt"
+fi
+if want scoring; then
+  python3 -m tokendance.bench.scoring --model qwen2.5-7b --dtype bfloat16 --tokens 2048 --prompts 8 \
+    --repeats 5 2>&1 | grep -v -i "warn\|deprecat" | tee "$OUT/scoring.txt"
 fi
 if want act; then
   python3 -m tokendance.bench.check_cuda act 2>&1 | tee "$OUT/act.txt"

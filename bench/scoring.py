@@ -19,23 +19,29 @@ import torch
 from tokendance.backend.api import SamplingParams
 from tokendance.bench.options import positive
 from tokendance.bench.prompt import medians_ms
+from tokendance.bench.shapes import resolve
 
 
 def main(argv: list[str] | None = None) -> dict[str, float]:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", default=None, help="HF folder or .gguf (default: the embedded SmolLM2)")
+    ap.add_argument("--model", default=None,
+                    help="HF folder, .gguf, or a shape name with random weights (qwen2.5-7b); default: SmolLM2")
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--tokens", type=positive, default=512)
     ap.add_argument("--prompts", type=positive, default=4)
     ap.add_argument("--top", type=int, default=5, choices=range(21), metavar="0-20")
     ap.add_argument("--repeats", type=positive, default=11)
     args = ap.parse_args(argv)
+    from tokendance.backend.config import EngineConfig
     from tokendance.backend.engine import Engine
 
-    eng = Engine(model=args.model, dtype=args.dtype, kv_tokens=max(4096, 2 * args.prompts * (args.tokens + 16)),
-                 max_batched_tokens=args.prompts * args.tokens)
+    model, random = resolve(args.model)
+    eng = Engine(EngineConfig(model=model, dtype=args.dtype, random_weights=random,
+                              kv_tokens=max(4096, 2 * args.prompts * (args.tokens + 16)),
+                              max_batched_tokens=args.prompts * args.tokens))
+    vocab = min(eng.mcfg.vocab_size, len(eng.tokenizer))
     g = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(3, eng.mcfg.vocab_size, (args.tokens,), generator=g).tolist()
+    prompts = [torch.randint(3, vocab, (args.tokens,), generator=g).tolist()
                for _ in range(args.prompts)]
     plain = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
     scored = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True, prompt_logprobs=args.top)
@@ -45,7 +51,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     ms = medians_ms(run, args.repeats)
     ratio = ms["scored"] / ms["plain"]
     print(f"{args.prompts} x {args.tokens} tokens, top {args.top}, {eng.device} {eng.dtype}, "
-          f"medians of {args.repeats}:")
+          f"vocabulary {eng.mcfg.vocab_size}, medians of {args.repeats}:")
     print(f"  plain prefill  {ms['plain']:9.1f} ms")
     print(f"  scored prefill {ms['scored']:9.1f} ms  ({ratio:.2f}x)")
     return {**ms, "ratio": ratio}

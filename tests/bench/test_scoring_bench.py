@@ -10,4 +10,4 @@ def test_both_prefills_are_timed(capsys, tiny_llama):
                        "--repeats", "2"])
     assert ms["plain"] > 0 and ms["scored"] > 0 and ms["ratio"] == ms["scored"] / ms["plain"]
     out = capsys.readouterr().out
-    assert "2 x 40 tokens, top 5, cpu torch.float32, medians of 2:" in out and "scored prefill" in out
+    assert "2 x 40 tokens, top 5, cpu torch.float32, vocabulary" in out and "scored prefill" in out
