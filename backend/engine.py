@@ -137,7 +137,7 @@ class Engine:
         seq = Sequence(rid, list(prompt), sampling, Detok.of(self.tokenizer, sampling),
                        generator=gen, ends=ends, mode=mode, shared=spans, tenant=tenant,
                        publish=publish and self.cfg.bases == "producer",
-                       scored=None if sampling.prompt_logprobs is None else scoring.start(prompt, self._logprob))
+                       scored=None if sampling.prompt_logprobs is None else scoring.start(prompt, self.tokenizer))
         st = sampling.structure
         if st is not None:
             seq.until = self.tokenizer.encode(st.after, add_special_tokens=False) if st.after else []
@@ -207,7 +207,7 @@ class Engine:
             w.seq.computed = w.start + w.count
             self.blocks.publish(w.seq)
         ready = [w.seq for w in work if w.samples]
-        scoring.record(work, logits[len(ready):], self._logprob)
+        scoring.record(work, logits[len(ready):], self.tokenizer)
         logits = logits[:len(ready)]
         if ahead:
             launched = launch(logits, ready, self.generator)

@@ -13,13 +13,11 @@ token: its logprob is None.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-from tokendance.backend.api import TokenLogprob
-from tokendance.backend.sampler import Sampled
+from tokendance.backend.api import TokenLogprob, TopLogprob
 
 if TYPE_CHECKING:
     from tokendance.backend.scheduler import Scheduled
@@ -30,10 +28,16 @@ if TYPE_CHECKING:
 ROWS = 1024
 
 
-def start(prompt: list[int], convert: Callable[[int, Sampled], TokenLogprob]) -> list[TokenLogprob | None]:
+def start(prompt: list[int], tokenizer: Any) -> list[TokenLogprob | None]:
     """A request's scores before its prefill: the first token's (its logprob None), the
     rest to come."""
-    return [convert(prompt[0], Sampled(prompt[0]))] + [None] * (len(prompt) - 1)
+    (first,) = pieces([prompt[0]], tokenizer)
+    return [TokenLogprob(first, None, list(first.encode()))] + [None] * (len(prompt) - 1)
+
+
+def pieces(ids: list[int], tokenizer: Any) -> list[str]:
+    """Each token's text alone, as a sampled token's logprob gives it, in one call."""
+    return tokenizer.batch_decode([[i] for i in ids])
 
 
 def fit(seq: Sequence, n: int, rows: int) -> int:
@@ -57,14 +61,14 @@ def rows(work: list[Scheduled], cu: list[int]) -> list[int]:
     return [r for w, at in zip(work, cu) for r in range(at, at + count(w))]
 
 
-def record(work: list[Scheduled], logits: torch.Tensor,
-           convert: Callable[[int, Sampled], TokenLogprob]) -> None:
+def record(work: list[Scheduled], logits: torch.Tensor, tokenizer: Any) -> None:
     """Keep the scores of `logits` (the `rows` of this step, in their order): each
-    request's k best alternatives, raw logits as for sampled tokens (backend/sampler.py)."""
+    request's k best alternatives, raw logits as for sampled tokens (backend/sampler.py).
+    The tokens' texts are decoded together, once each."""
     if not len(logits):
         return
     logp = logits.log_softmax(-1)
-    at = 0
+    at, parts = 0, []
     for w in work:
         n = count(w)
         if not n:
@@ -74,7 +78,13 @@ def record(work: list[Scheduled], logits: torch.Tensor,
         picked = part.gather(-1, target[:, None])[:, 0].tolist()
         k = w.seq.sampling.prompt_logprobs or 0
         top = part.topk(k, -1) if k else None
-        for j, (tok, lp) in enumerate(zip(target.tolist(), picked)):
-            alt = list(zip(top.indices[j].tolist(), top.values[j].tolist())) if top is not None else None
-            w.seq.scored[w.start + 1 + j] = convert(tok, Sampled(tok, lp, alt))
+        alts = (top.indices.tolist(), top.values.tolist()) if top is not None else ([[]] * n, [[]] * n)
+        parts.append((w, target.tolist(), picked, *alts))
         at += n
+    ids = sorted({t for _, targets, _, tops, _ in parts for row in (targets, *tops) for t in row})
+    text = dict(zip(ids, pieces(ids, tokenizer)))
+    for w, targets, picked, top_ids, top_lps in parts:
+        for j, (tok, lp, alt, alt_lp) in enumerate(zip(targets, picked, top_ids, top_lps)):
+            s = text[tok]
+            w.seq.scored[w.start + 1 + j] = TokenLogprob(s, lp, list(s.encode()), [
+                TopLogprob(text[a], v, list(text[a].encode())) for a, v in zip(alt, alt_lp)])
