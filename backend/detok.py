@@ -63,3 +63,19 @@ class Detok:
         out = self.text[self.emitted:end]
         self.emitted = end
         return out
+
+
+@dataclass(slots=True)
+class Pieces:
+    """Each token's text alone, as `tokenizer.decode([id])` gives it, with its UTF-8
+    bytes (a logprob's token and bytes), kept once decoded: at most the vocabulary."""
+
+    tokenizer: Any
+    known: dict[int, tuple[str, list[int]]] = field(default_factory=dict)
+
+    def __call__(self, ids: list[int]) -> list[tuple[str, list[int]]]:
+        for i in ids:
+            if i not in self.known:
+                s = self.tokenizer.decode([i])
+                self.known[i] = (s, list(s.encode()))
+        return [self.known[i] for i in ids]

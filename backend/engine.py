@@ -14,7 +14,7 @@ from tokendance.backend.blocks import BlockManager
 from tokendance.backend.budget import pool_tokens
 from tokendance.backend.collector import Collector, ReuseConfig, batches
 from tokendance.backend.config import DTYPES, EngineConfig, ModelConfig
-from tokendance.backend.detok import Detok
+from tokendance.backend.detok import Detok, Pieces
 from tokendance.backend.device import host_threads, pick_device
 from tokendance.backend.grammar import Grammars
 from tokendance.backend.idle import IdleAgents
@@ -62,6 +62,7 @@ class Engine:
         from transformers import AutoTokenizer
 
         self.tokenizer = AutoTokenizer.from_pretrained(self.folder)
+        self.pieces = Pieces(self.tokenizer)  # tokens' texts alone, for logprobs
         self.name = loader.DEFAULT_MODEL if cfg.model in (None, "", "default") else Path(cfg.model).name
         self.eos = set(self.mcfg.eos_token_ids)
         if self.tokenizer.eos_token_id is not None:
@@ -137,7 +138,7 @@ class Engine:
         seq = Sequence(rid, list(prompt), sampling, Detok.of(self.tokenizer, sampling),
                        generator=gen, ends=ends, mode=mode, shared=spans, tenant=tenant,
                        publish=publish and self.cfg.bases == "producer",
-                       scored=None if sampling.prompt_logprobs is None else scoring.start(prompt, self.tokenizer))
+                       scored=None if sampling.prompt_logprobs is None else scoring.start(prompt, self.pieces))
         st = sampling.structure
         if st is not None:
             seq.until = self.tokenizer.encode(st.after, add_special_tokens=False) if st.after else []
@@ -207,7 +208,7 @@ class Engine:
             w.seq.computed = w.start + w.count
             self.blocks.publish(w.seq)
         ready = [w.seq for w in work if w.samples]
-        scoring.record(work, logits[len(ready):], self.tokenizer)
+        scoring.record(work, logits[len(ready):], self.pieces)
         logits = logits[:len(ready)]
         if ahead:
             launched = launch(logits, ready, self.generator)
@@ -311,12 +312,9 @@ class Engine:
         return delta
 
     def _logprob(self, tok: int, pick: Sampled) -> TokenLogprob:
-        def piece(t: int) -> str:
-            return self.tokenizer.decode([t])
-
-        top = [TopLogprob(piece(t), lp, list(piece(t).encode())) for t, lp in pick.top or []]
-        s = piece(tok)
-        return TokenLogprob(s, pick.logprob, list(s.encode()), top)
+        top = pick.top or []
+        (s, b), *alts = self.pieces([tok] + [t for t, _ in top])
+        return TokenLogprob(s, pick.logprob, b, [TopLogprob(ts, lp, tb) for (ts, tb), (_, lp) in zip(alts, top)])
 
     def _finish(self, seq: Sequence, reason: str) -> Delta:
         seq.status = Status.FINISHED

@@ -13,13 +13,14 @@ token: its logprob is None.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 
 from tokendance.backend.api import TokenLogprob, TopLogprob
 
 if TYPE_CHECKING:
+    from tokendance.backend.detok import Pieces
     from tokendance.backend.scheduler import Scheduled
     from tokendance.backend.sequence import Sequence
 
@@ -28,16 +29,11 @@ if TYPE_CHECKING:
 ROWS = 1024
 
 
-def start(prompt: list[int], tokenizer: Any) -> list[TokenLogprob | None]:
+def start(prompt: list[int], pieces: Pieces) -> list[TokenLogprob | None]:
     """A request's scores before its prefill: the first token's (its logprob None), the
     rest to come."""
-    (first,) = pieces([prompt[0]], tokenizer)
-    return [TokenLogprob(first, None, list(first.encode()))] + [None] * (len(prompt) - 1)
-
-
-def pieces(ids: list[int], tokenizer: Any) -> list[str]:
-    """Each token's text alone, as a sampled token's logprob gives it, in one call."""
-    return tokenizer.batch_decode([[i] for i in ids])
+    ((s, b),) = pieces(prompt[:1])
+    return [TokenLogprob(s, None, b)] + [None] * (len(prompt) - 1)
 
 
 def fit(seq: Sequence, n: int, rows: int) -> int:
@@ -61,10 +57,9 @@ def rows(work: list[Scheduled], cu: list[int]) -> list[int]:
     return [r for w, at in zip(work, cu) for r in range(at, at + count(w))]
 
 
-def record(work: list[Scheduled], logits: torch.Tensor, tokenizer: Any) -> None:
+def record(work: list[Scheduled], logits: torch.Tensor, pieces: Pieces) -> None:
     """Keep the scores of `logits` (the `rows` of this step, in their order): each
-    request's k best alternatives, raw logits as for sampled tokens (backend/sampler.py).
-    The tokens' texts are decoded together, once each."""
+    request's k best alternatives, raw logits as for sampled tokens (backend/sampler.py)."""
     if not len(logits):
         return
     logp = logits.log_softmax(-1)
@@ -81,10 +76,10 @@ def record(work: list[Scheduled], logits: torch.Tensor, tokenizer: Any) -> None:
         alts = (top.indices.tolist(), top.values.tolist()) if top is not None else ([[]] * n, [[]] * n)
         parts.append((w, target.tolist(), picked, *alts))
         at += n
-    ids = sorted({t for _, targets, _, tops, _ in parts for row in (targets, *tops) for t in row})
-    text = dict(zip(ids, pieces(ids, tokenizer)))
+    ids = list({t for _, targets, _, tops, _ in parts for row in (targets, *tops) for t in row})
+    text = dict(zip(ids, pieces(ids)))
     for w, targets, picked, top_ids, top_lps in parts:
         for j, (tok, lp, alt, alt_lp) in enumerate(zip(targets, picked, top_ids, top_lps)):
-            s = text[tok]
-            w.seq.scored[w.start + 1 + j] = TokenLogprob(s, lp, list(s.encode()), [
-                TopLogprob(text[a], v, list(text[a].encode())) for a, v in zip(alt, alt_lp)])
+            s, b = text[tok]
+            w.seq.scored[w.start + 1 + j] = TokenLogprob(s, lp, b, [
+                TopLogprob(text[a][0], v, text[a][1]) for a, v in zip(alt, alt_lp)])

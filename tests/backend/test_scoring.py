@@ -72,3 +72,15 @@ def test_a_step_scores_at_most_rows_and_the_rest_waits(tiny_llama, monkeypatch):
     work, _ = eng.scheduler.schedule()
     assert [(w.seq.id, w.count) for w in work] == [("s0", 10)]  # s1 waits its turn, and the rest behind it
     assert sum(map(scoring.count, work)) == 10
+
+
+def test_pieces_are_what_decode_gives_each_token(tiny_llama):
+    from transformers import AutoTokenizer
+
+    from tokendance.backend.detok import Pieces
+
+    tok = AutoTokenizer.from_pretrained(tiny_llama)
+    pieces = Pieces(tok)
+    ids = list(range(0, len(tok), 7))
+    assert pieces(ids) == [(tok.decode([i]), list(tok.decode([i]).encode())) for i in ids]
+    assert pieces(ids[:3]) == pieces(ids)[:3] and len(pieces.known) == len(ids)  # decoded once each
