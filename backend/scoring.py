@@ -68,13 +68,13 @@ def record(work: list[Scheduled], logits: torch.Tensor, pieces: Pieces) -> None:
         n = count(w)
         if not n:
             continue
-        target = torch.tensor(w.seq.prompt[w.start + 1:w.start + 1 + n], device=logp.device)
+        targets = w.seq.prompt[w.start + 1:w.start + 1 + n]
         part = logp[at:at + n]
-        picked = part.gather(-1, target[:, None])[:, 0].tolist()
+        picked = part.gather(-1, torch.tensor(targets, device=logp.device)[:, None])[:, 0].tolist()
         k = w.seq.sampling.prompt_logprobs or 0
         top = part.topk(k, -1) if k else None
         alts = (top.indices.tolist(), top.values.tolist()) if top is not None else ([[]] * n, [[]] * n)
-        parts.append((w, target.tolist(), picked, *alts))
+        parts.append((w, targets, picked, *alts))
         at += n
     ids = list({t for _, targets, _, tops, _ in parts for row in (targets, *tops) for t in row})
     text = dict(zip(ids, pieces(ids)))
