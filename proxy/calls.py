@@ -11,9 +11,11 @@ see and the parts of tool calls it completed. One reader per `tool_choice`:
   closing tag (or the end) comes, and stays content, as the model wrote it, unless it is
   a call (arguments first, or as a JSON text).
 - `Llama3` (`auto`, for a template that asks for bare calls, Llama 3.1-3.3's): an answer
-  that is `{"name": ..., "parameters": {...}}` objects (several joined by `;`) is calls;
-  any other is content. An answer that starts with `{` is held back to its end, when it
-  is known which; any other streams as it comes.
+  that begins with a `{"name": ..., "parameters": {` object is calls (several joined by
+  `;`), their parameters streamed as they come (as vLLM streams them); text after them
+  is content. One that begins with `{` otherwise is held back to its end and read whole:
+  calls if all of it is call objects, else content. Any other answer streams as it
+  comes, as content.
 - `Named`: the whole output is the named function's arguments (held to its schema), so
   they stream as they come.
 - `Required`: the output is a JSON list of `{"name", "parameters"}` (held to a schema of
@@ -154,13 +156,7 @@ class Hermes(Reader):
     def _stream(self, call: _Open, pieces: list[Piece]) -> bool:
         """Hand on the arguments that came; True once the call has ended (its tag closed)."""
         if not call.scan.done:
-            n = call.scan.feed(self.pending)
-            args, self.pending = self.pending[:n], self.pending[n:]
-            if call.index is not None and args:
-                if pieces and pieces[-1].index == call.index:
-                    pieces[-1].arguments += args
-                else:
-                    pieces.append(Piece(call.index, arguments=args))
+            self.pending = self.pending[call.take(self.pending, pieces):]
             if not call.scan.done:
                 return False
         j = self.pending.find(CLOSE)  # what lies between (the object's "}") is dropped
@@ -198,11 +194,22 @@ class Hermes(Reader):
 
 @dataclass(slots=True)
 class _Open:
-    """A Hermes call whose arguments stream; `index` None: a call past the first that
+    """A call whose arguments stream; `index` None: a call past the first that
     parallel_tool_calls false drops."""
 
     index: int | None
     scan: Scan = field(default_factory=Scan)
+
+    def take(self, text: str, pieces: list[Piece]) -> int:
+        """Hand on the arguments at the start of `text` (to `pieces`); how many characters
+        they are (all of `text` while the arguments object is open)."""
+        n = self.scan.feed(text)
+        if self.index is not None and n:
+            if pieces and pieces[-1].index == self.index:
+                pieces[-1].arguments += text[:n]
+            else:
+                pieces.append(Piece(self.index, arguments=text[:n]))
+        return n
 
 
 def tail(text: str, tag: str) -> int:
@@ -248,26 +255,63 @@ class Llama3(Reader):
     def __init__(self, parallel: bool = True):
         super().__init__()
         self.parallel = parallel
-        self.held = ""  # whitespace so far, or an answer that starts with "{"
-        self.passing = False  # the answer is text: it all streams
+        self.held = ""  # not given yet: whitespace, a call's beginning, or an answer read whole
+        self.passing = False  # the rest is text: it streams
+        self.open: _Open | None = None  # the call whose arguments stream
+        self.at_end = False  # the rest is read at the end (it began with "{", not as a call streams)
 
     def feed(self, text: str) -> tuple[str, list[Piece]]:
         if self.passing:
             return text, []
         self.held += text
-        head = self.held.lstrip()
-        if not head or head[0] == "{":
-            return "", []
-        self.passing = True
-        out, self.held = self.held, ""
-        return out, []
+        pieces: list[Piece] = []
+        while not self.at_end:
+            if self.open is not None:
+                if not self._stream(self.open, pieces):
+                    break
+                continue
+            body = self.held.lstrip(" \t\r\n;" if self.count else " \t\r\n")
+            if not body:
+                break
+            if body[0] != "{":  # text: the answer's, or what follows its calls
+                self.passing = True
+                out, self.held = (body if self.count else self.held), ""
+                return out, pieces
+            begun = head(body)
+            if begun is None:
+                break
+            if begun is False:
+                self.at_end = True
+                break
+            name, at = begun
+            self.held = body[at:]
+            piece = None if self.count and not self.parallel else self._call(name, "")
+            if piece is not None:
+                pieces.append(piece)
+            self.open = _Open(piece.index if piece is not None else None)
+        return "", pieces
 
     def end(self) -> tuple[str, list[Piece]]:
-        text, self.held = self.held, ""
+        text, self.held, self.open = self.held, "", None
+        if not self.at_end:  # a call cut off keeps the arguments it got
+            return ("" if self.count else text), []
         found = _llama3_calls(text) if text.strip() else None
-        if found is None:
-            return text, []
-        return "", [self._call(*c) for c in (found if self.parallel else found[:1])]
+        if found is None:  # text: the answer's, or what follows its calls
+            return (text.lstrip(" \t\r\n;").rstrip() if self.count else text), []
+        keep = found if self.parallel else found[:max(0, 1 - self.count)]
+        return "", [self._call(*c) for c in keep]
+
+    def _stream(self, call: _Open, pieces: list[Piece]) -> bool:
+        """Hand on the arguments that came; True once the call's object has closed."""
+        if not call.scan.done:
+            self.held = self.held[call.take(self.held, pieces):]
+            if not call.scan.done:
+                return False
+        j = self.held.find("}")  # the call object's own brace (what lies before it is dropped)
+        if j < 0:
+            return False
+        self.held, self.open = self.held[j + 1:], None
+        return True
 
 
 def _llama3_calls(text: str) -> list[tuple[str, str]] | None:

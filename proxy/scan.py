@@ -1,5 +1,5 @@
 """Scanning JSON text as it streams, for the tool-call readers (proxy/calls.py): where a
-value closes, and whether a Hermes call's body has begun as one that can stream."""
+value closes, and whether a call's body has begun as one that can stream."""
 
 from __future__ import annotations
 
@@ -41,12 +41,13 @@ class Scan:
         return len(text)
 
 
-_HEAD = ("{", '"name"', ":", "", ",", '"arguments"', ":", "{")  # "": the name, a JSON string
+# "": the name, a JSON string; a tuple: either key (Hermes writes "arguments", Llama 3 "parameters")
+_HEAD = ("{", '"name"', ":", "", ",", ('"arguments"', '"parameters"'), ":", "{")
 
 
 def head(body: str) -> tuple[str, int] | bool | None:
     """(name, where the arguments object starts) when `body` begins as a call written name
-    first, arguments an object; False when it cannot; None while it still may."""
+    first, arguments (or parameters) an object; False when it cannot; None while it still may."""
     at, name = 0, ""
     for part in _HEAD:
         while at < len(body) and body[at] in " \t\r\n":
@@ -66,8 +67,9 @@ def head(body: str) -> tuple[str, int] | bool | None:
                 return False
             at = end
             continue
-        have = body[at:at + len(part)]
-        if have != part:
-            return None if part.startswith(have) else False
-        at += len(part)
+        options = part if isinstance(part, tuple) else (part,)
+        done = next((o for o in options if body.startswith(o, at)), None)
+        if done is None:
+            return None if any(o.startswith(body[at:at + len(o)]) for o in options) else False
+        at += len(done)
     return name, at - 1

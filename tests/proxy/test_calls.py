@@ -53,7 +53,13 @@ LLAMA_TEXTS = {  # as TEXTS, for the Llama 3 reader: a whole answer of calls, or
     "two": (LLAMA + '; {"name": "b", "arguments": {"x": [1, 2]}}', ("", [("get_weather", '{"city": "Paris"}'),
                                                                         ("b", '{"x": [1, 2]}')])),
     "json answer": ('{"city": "Paris", "weather": "sunny"}', None),
-    "text after": (LLAMA + " and then I will tell you", None),
+    "text after": (LLAMA + " and then I will tell you", ("and then I will tell you",
+                                                        [("get_weather", '{"city": "Paris"}')])),
+    "cut args": ('{"name": "a", "parameters": {"q": "Par', ("", [("a", '{"q": "Par')])),
+    "parameters first": ('{"parameters": {"k":1}, "name": "f"}', ("", [("f", '{"k": 1}')])),  # read whole
+    "streamed, then whole": (LLAMA + '; {"parameters": {}, "name": "g"}', ("", [("get_weather", '{"city": "Paris"}'),
+                                                                               ("g", "{}")])),
+    "streamed, then not a call": (LLAMA + '; {"x": 1}', ('{"x": 1}', [("get_weather", '{"city": "Paris"}')])),
     "cut": ('{"name": "get_weather", "param', None),
     "text first": ("Let me call: " + LLAMA, None),
     "whitespace": (" \n ", None),
@@ -83,6 +89,16 @@ def test_llama3_streams_text_at_once_and_keeps_the_first_call_without_parallel_c
     assert [c.name for c in one.calls] == ["get_weather"] and one.content == ""
     assert calls.reader(tools.Tools([], "auto", dialect=tools.LLAMA3)).__class__ is calls.Llama3
     assert calls.reader(tools.Tools([], "auto", dialect=tools.HERMES)).__class__ is calls.Hermes
+
+
+def test_llama3_streams_a_calls_parameters_as_they_come():
+    r = calls.Llama3()
+    assert r.feed(' {"name": "get_weather", "param') == ("", [])
+    content, pieces = r.feed('eters": {"city": "Pa')
+    assert content == "" and [(p.index, p.name, p.arguments) for p in pieces] == [(0, "get_weather", '{"city": "Pa')]
+    content, pieces = r.feed('ris"}}; {"name": "b", "parameters": {}}')
+    assert [(p.index, p.name, p.arguments) for p in pieces] == [(0, None, 'ris"}'), (1, "b", "{}")]
+    assert r.end() == ("", [])
 
 
 def test_hermes_hands_content_on_as_soon_as_it_cannot_be_a_call():
