@@ -154,6 +154,8 @@ def sampling(body: Sampled, max_tokens: int | None, logprobs: bool, top: int, le
     if max_tokens is None:  # the default length (the model's, if shorter), with room for min_tokens
         max_tokens = max(min(length, int(model.get("max_tokens", length))), body.min_tokens or 0)
     given = {k: v for k in SAMPLED if (v := getattr(body, k)) is not None}
+    if given.get("top_k") == -1:  # vLLM's other way to say "off"
+        given["top_k"] = 0
     p = SamplingParams(
         **{**model, **given, "max_tokens": max_tokens}, seed=body.seed, stop=stop,
         stop_token_ids=list(body.stop_token_ids or []), ignore_eos=body.ignore_eos,

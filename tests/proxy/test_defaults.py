@@ -50,6 +50,8 @@ async def test_the_model_defaults_fill_only_what_a_request_leaves_out(start):
     await c.chat.completions.create(model="fake-tiny", messages=msgs, temperature=0, top_p=1, max_tokens=9,
                                     extra_body={"top_k": 0, "min_p": 0.1, "repetition_penalty": 1.0})
     assert sent() == (0, 1, 0, 0.1, 1.0, 9)
+    await c.chat.completions.create(model="fake-tiny", messages=msgs, extra_body={"top_k": -1})
+    assert sent()[2] == 0  # vLLM's -1: off
     await c.completions.create(model="fake-tiny", prompt="hello there")
     assert sent()[-1] == 16  # the completions' default, shorter than the model's
     await c.responses.create(model="fake-tiny", input="hello there", temperature=0.2)
