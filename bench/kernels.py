@@ -100,11 +100,11 @@ def correctness() -> bool:
         L = [1, 17, 100 * sc, 500 * sc, 333]
         ok &= check("decode mixed lengths 28/4 D128", make(L, suffix(L, [1] * 5), 28, 4, 128, dt))
         ok &= check("decode mixed lengths 9/3 D64", make(L, suffix(L, [1] * 5), 9, 3, 64, dt))
-        L = [400 if SMOKE else 32000, 100]  # RoPE angles far past 2 pi
+        L = [200 if SMOKE else 32000, 100]  # RoPE angles far past 2 pi
         ok &= check("decode, long context, step=False",
                     make(L, suffix(L, [1, 1]), 28, 4, 128, dt), cfg=dict(step=False))
         ok &= check("chunk at long positions 28/4 D128",
-                    make(L, suffix(L, [40, 3]), 28, 4, 128, dt))
+                    make(L, suffix(L, [16 if SMOKE else 40, 3]), 28, 4, 128, dt))
     return ok
 
 
