@@ -11,7 +11,7 @@ import pytest
 from tokendance.backend.generation import check, defaults
 from tokendance.examples import cli
 
-# Qwen2.5-7B-Instruct's generation_config.json, as it ships
+# a generation_config.json of the kind instruct models ship: sampling beside token ids
 QWEN = {"bos_token_id": 151643, "pad_token_id": 151643, "do_sample": True, "eos_token_id": [151645, 151643],
         "repetition_penalty": 1.05, "temperature": 0.7, "top_p": 0.8, "top_k": 20,
         "transformers_version": "4.37.0"}
