@@ -130,8 +130,9 @@ class DecodeGraphs:
 
     def _plan(self, work: list[Scheduled]) -> int | None:
         """The chunk cap of the graph that replays this batch (0: a batch without Mirrors),
-        None if no graph can."""
-        if len(work) > self.sizes[-1] or not all(w.count == 1 for w in work):
+        None if no graph can. A graph gives a logits row for each row: every row must
+        sample (a one-token chunk inside a prompt does not)."""
+        if len(work) > self.sizes[-1] or not all(w.count == 1 and w.samples for w in work):
             return None
         seqs = [w.seq for w in work]
         if any(len(s.blocks) > self.max_blocks for s in seqs):

@@ -84,10 +84,10 @@ class Runner:
         """Logits [rows that sample, vocab] in float32. ids: a decode step's input
         tokens on the device, when the host has not read them (backend/lookahead.py)."""
         if self.graphs is not None:
-            if self.graphs.fits(work) and not any(map(scoring.count, work)):  # graphs give sampled rows
+            if self.graphs.fits(work):
                 self.work += len(work) * len(self.model.layers)
                 return self.graphs.run(work, ids)
-            if all(w.count == 1 for w in work):
+            if all(w.count == 1 and w.samples for w in work):
                 if not self.eager_decodes:
                     log.warning("a decode step runs without a CUDA graph (slower): its batch is "
                                 "over the graphs' rows, a sequence over the context, or Mirrors read "
