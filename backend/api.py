@@ -24,6 +24,7 @@ BASES = ("standalone", "producer", "reader")
 # shared segments reused from the length the device gains by (None: the engine's default).
 REUSE_DEFAULTS: dict[str, Any] = {"recompute_ratio": 0.15, "recompute_floor": 0.0, "bases": "standalone",
                                   "min_shared_tokens": None}
+TOP_LOGPROBS = 20  # alternatives a token's logprob lists at most (OpenAI's limit)
 
 
 class InvalidRequest(ValueError):
@@ -114,10 +115,10 @@ class SamplingParams:
             raise InvalidRequest("min_p must be between 0 and 1", "min_p")
         if not 0 <= self.min_tokens <= self.max_tokens:
             raise InvalidRequest(f"min_tokens must be between 0 and max_tokens ({self.max_tokens})", "min_tokens")
-        if not 0 <= self.top_logprobs <= 20:
-            raise InvalidRequest("top_logprobs must be between 0 and 20", "top_logprobs")
-        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= 20:
-            raise InvalidRequest("prompt_logprobs must be between 0 and 20", "prompt_logprobs")
+        if not 0 <= self.top_logprobs <= TOP_LOGPROBS:
+            raise InvalidRequest(f"top_logprobs must be between 0 and {TOP_LOGPROBS}", "top_logprobs")
+        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= TOP_LOGPROBS:
+            raise InvalidRequest(f"prompt_logprobs must be between 0 and {TOP_LOGPROBS}", "prompt_logprobs")
         if self.seed is not None and not -2**63 <= self.seed < 2**63:  # torch's; n > 1 adds up to 63
             raise InvalidRequest("seed must be a 64-bit signed integer", "seed")
         if len(self.stop) > 16:

@@ -5,7 +5,7 @@ free; or, with vLLM's `--gpu-memory-utilization F`, what F of the GPU's memory l
 once this engine's weights (and the workspaces its libraries took), the peak of its
 largest step and its decode graphs are counted. Both are measured at start, as torch's
 allocator holds them: one forward of `max_num_batched_tokens` fresh prompt tokens, its
-K/V stored nowhere, and the decode graphs captured once over a pool of two blocks, then
+K/V stored nowhere, their logprobs scored as a prompt's (backend/scoring.py), and the decode graphs captured once over a pool of two blocks, then
 let go. A cold collective round also holds the hidden states of up to `AHEAD` forwards
 queued ahead (backend/collector.py): counted as their size. As in vLLM the share is this
 engine's: other processes on the GPU count only in what is free; the CUDA context, made
@@ -19,6 +19,8 @@ import gc
 import structlog
 import torch
 
+from tokendance.backend import scoring
+from tokendance.backend.api import TOP_LOGPROBS
 from tokendance.backend.collector import AHEAD
 from tokendance.backend.config import EngineConfig
 from tokendance.backend.model import AttnMeta, Decoder, KVCache
@@ -124,6 +126,8 @@ def step_peak(model: Decoder, tokens: int, device: torch.device) -> int:
         x, res = layer(x, meta, _Nowhere(), res)
     last = torch.tensor(cu[1:], device=device) - 1
     model.logits(x[last], res[last])
+    h = model.model.norm.add(x[:scoring.ROWS], res[:scoring.ROWS])[0]  # a step that scores its prompt
+    scoring.scores(model, h, torch.zeros(len(h), dtype=torch.long, device=device), TOP_LOGPROBS)
     torch.cuda.synchronize(device)
     peak = torch.cuda.max_memory_reserved(device) - base
     del x, res, meta

@@ -156,10 +156,10 @@ class Collector:
                 work.append(Scheduled(seq, start, n))
                 start, left = start + n, left - n
                 if not left:
-                    logits.append(self.runner.run(work))
+                    logits.append(self.runner.run(work)[0])
                     work, left = [], budget
         if work:
-            logits.append(self.runner.run(work))
+            logits.append(self.runner.run(work)[0])
         return logits
 
     def _readers(self, group: list[Sequence], keys: list[list[tuple[int, int, Key]]],

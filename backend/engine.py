@@ -203,13 +203,12 @@ class Engine:
         out += [(s.id, self._finish(s, "length")) for s in starved if s.status is not Status.FINISHED]
         if not work:
             return out
-        logits = self.runner.run(work, self.inflight.tokens) if chain else self.runner.run(work)
+        logits, scored = self.runner.run(work, self.inflight.tokens) if chain else self.runner.run(work)
         for w in work:
             w.seq.computed = w.start + w.count
             self.blocks.publish(w.seq)
         ready = [w.seq for w in work if w.samples]
-        scoring.record(work, logits[len(ready):], self.pieces)
-        logits = logits[:len(ready)]
+        scoring.record(work, scored, self.model, self.pieces)
         if ahead:
             launched = launch(logits, ready, self.generator)
             out += self._land() if chain else []  # while the GPU runs this step

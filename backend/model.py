@@ -223,12 +223,24 @@ class Decoder(nn.Module):
 
     def logits(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
         """Next-token logits of the hidden states x + residual (a last layer's pair)."""
-        return self.lm_head(self.model.norm.add(x, residual)[0]).float()
+        return self.head(self.model.norm.add(x, residual)[0])
+
+    def head(self, h: torch.Tensor) -> torch.Tensor:
+        """Next-token logits, in float32, of final (normed) hidden states."""
+        return self.lm_head(h).float()
+
+    def states(self, ids: torch.Tensor, meta: AttnMeta, cache: KVCache,
+               last: torch.Tensor | None = None) -> torch.Tensor:
+        """The final (normed) hidden states [len(last), hidden] of the rows `last` (all
+        rows if None): what `head` reads."""
+        x, residual = self.embed(ids), None
+        for i, layer in enumerate(self.layers):
+            x, residual = layer(x, meta.at(i), cache, residual)
+        if last is not None:
+            x, residual = x[last], residual[last]
+        return self.model.norm.add(x, residual)[0]
 
     def forward(self, ids: torch.Tensor, meta: AttnMeta, cache: KVCache,
                 last: torch.Tensor | None = None) -> torch.Tensor:
         """Logits [len(last), vocab] of the rows `last` (all rows if None)."""
-        x, residual = self.embed(ids), None
-        for i, layer in enumerate(self.layers):
-            x, residual = layer(x, meta.at(i), cache, residual)
-        return self.logits(x, residual) if last is None else self.logits(x[last], residual[last])
+        return self.head(self.states(ids, meta, cache, last))

@@ -33,7 +33,7 @@ def step_meta(work: list[Scheduled], block_size: int, device: torch.device, tras
         cu.append(cu[-1] + w.count)
         if w.samples:
             last.append(cu[-1] - 1)
-    last += scoring.rows(work, cu)  # after the sampled rows: Engine.step splits them so
+    last += scoring.rows(work, cu)  # after the sampled rows: Runner.run splits them so
 
     def t(x: list[int], dtype: torch.dtype = torch.int64) -> torch.Tensor:
         return upload_list(x, dtype, device)
@@ -80,13 +80,16 @@ class Runner:
                                    self.late_from)
 
     @torch.inference_mode()
-    def run(self, work: list[Scheduled], ids: torch.Tensor | None = None) -> torch.Tensor:
-        """Logits [rows that sample, vocab] in float32. ids: a decode step's input
-        tokens on the device, when the host has not read them (backend/lookahead.py)."""
+    def run(self, work: list[Scheduled], ids: torch.Tensor | None = None
+            ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(Logits [rows that sample, vocab] in float32, the final hidden states of the
+        rows that score prompt tokens, or None: backend/scoring.py reads them). ids: a
+        decode step's input tokens on the device, when the host has not read them
+        (backend/lookahead.py)."""
         if self.graphs is not None:
             if self.graphs.fits(work):
                 self.work += len(work) * len(self.model.layers)
-                return self.graphs.run(work, ids)
+                return self.graphs.run(work, ids), None
             if all(w.count == 1 and w.samples for w in work):
                 if not self.eager_decodes:
                     log.warning("a decode step runs without a CUDA graph (slower): its batch is "
@@ -102,4 +105,6 @@ class Runner:
             for m in (meta, meta.late):
                 if m is not None:
                     m.plan["rotated"] = RotatedStep(self.rotated, rows, qpos, m.slots)
-        return self.model(ids, meta, self.cache, last)
+        h = self.model.states(ids, meta, self.cache, last)
+        n = sum(w.samples for w in work)  # the sampled rows come first (step_meta)
+        return self.model.head(h[:n]), (h[n:] if len(h) > n else None)

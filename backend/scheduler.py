@@ -14,7 +14,6 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from tokendance.backend import scoring
 from tokendance.backend.blocks import BlockManager
 from tokendance.backend.sequence import Sequence, Status
 
@@ -79,15 +78,12 @@ class Scheduler:
         out: list[Scheduled] = []
         starved: list[Sequence] = []
         budget = self.max_tokens
-        rows = scoring.ROWS  # prompt rows scored this step (each a float32 row of the vocabulary)
         # Running sequences first, oldest first; victims are taken from the newest end,
         # which this loop has not reached yet.
         for seq in list(self.running):
             if seq.status is not Status.RUNNING or budget == 0:
                 continue
-            n = scoring.fit(seq, min(seq.pending, budget), rows)
-            if n == 0:
-                continue
+            n = min(seq.pending, budget)
             while not self._reserve(seq, seq.computed + n):
                 victim = self.running[-1]
                 if victim is seq:
@@ -96,7 +92,6 @@ class Scheduler:
             else:
                 out.append(Scheduled(seq, seq.computed, n))
                 budget -= n
-                rows -= scoring.count(out[-1])
                 continue
             # Even alone, the pool cannot hold it any longer (a Mirror also holds its Master's
             # blocks: preempted, it is recomputed plain, which may fit).
@@ -109,9 +104,7 @@ class Scheduler:
         while self.waiting and budget > 0 and len(self.running) < self.max_seqs:
             seq = self.waiting[0]
             self.blocks.match_prefix(seq)
-            n = scoring.fit(seq, min(seq.pending, budget), rows)
-            if n == 0:
-                break
+            n = min(seq.pending, budget)
             if not self._reserve(seq, seq.computed + n):
                 self.blocks.free(seq)
                 seq.computed = 0
@@ -125,5 +118,4 @@ class Scheduler:
             self.running.append(seq)
             out.append(Scheduled(seq, seq.computed, n))
             budget -= n
-            rows -= scoring.count(out[-1])
         return out, starved

@@ -109,7 +109,7 @@ def teacher_forced(eng: Engine, prepared, mode: str, cont: list[list[int]], prod
     else:
         for s in seqs:
             assert eng.blocks.reserve(s, len(s.prompt))
-        first = eng.runner.run([Scheduled(s, 0, len(s.prompt)) for s in seqs])
+        first, _ = eng.runner.run([Scheduled(s, 0, len(s.prompt)) for s in seqs])
     kvs = [layer_kv(eng, s) for s in seqs]
     # Held privately for the shared segments: all a request holds but its other tokens.
     counts = (sum(s.shared_tokens for s in seqs), sum(s.held - (len(s.prompt) - s.shared_tokens) for s in seqs))

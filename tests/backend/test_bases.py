@@ -143,7 +143,7 @@ def test_reader_bases_are_a_readers_exact_kv(tiny_llama, budget):
     eng, prompts, spans, seqs, logits = _reader_round(tiny_llama, "reader", max_batched_tokens=budget)
     ref = Engine(model=str(tiny_llama), dtype="float32", kv_tokens=8192)
     full = prefill_full(ref, prompts)
-    lead_logits = ref.runner.run([Scheduled(s, len(s.prompt) - 1, 1) for s in full[:2]])
+    lead_logits, _ = ref.runner.run([Scheduled(s, len(s.prompt) - 1, 1) for s in full[:2]])
     torch.testing.assert_close(logits[:2], lead_logits, rtol=1e-4, atol=1e-5)
     for s in seqs[:2]:
         assert s.cached == s.recomputed == 0 and s.computed == len(s.prompt)

@@ -135,8 +135,8 @@ def test_decode_through_mirror_tables_equals_a_dense_copy(engine):
     for s in seqs:
         s.computed = len(s.prompt) - 1
     # Recompute the last prompt token of both (a one-token step through each layout).
-    mirror = engine.runner.run([Scheduled(s, len(s.prompt) - 1, 1) for s in seqs])
-    dense = engine.runner.run([Scheduled(t, len(t.prompt) - 1, 1) for t in twins])
+    mirror, _ = engine.runner.run([Scheduled(s, len(s.prompt) - 1, 1) for s in seqs])
+    dense, _ = engine.runner.run([Scheduled(t, len(t.prompt) - 1, 1) for t in twins])
     torch.testing.assert_close(mirror, dense, rtol=1e-4, atol=1e-4)
 
 

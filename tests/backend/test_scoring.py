@@ -63,15 +63,21 @@ def test_without_them_nothing_is_scored(tiny_llama):
     assert [t.top for t in deltas[0].prompt_logprobs[1:]] == [[], [], []]  # the token's own only
 
 
-def test_a_step_scores_at_most_rows_and_the_rest_waits(tiny_llama, monkeypatch):
-    monkeypatch.setattr(scoring, "ROWS", 10)
-    eng = Engine(model=str(tiny_llama), dtype="float32", kv_tokens=4096, max_batched_tokens=512)
-    for i, n in enumerate((25, 25)):
-        eng.add(f"s{i}", list(range(3, 3 + n)), SamplingParams(max_tokens=1, prompt_logprobs=0), "full")
-    eng.add("plain", list(range(3, 40)), SamplingParams(max_tokens=1), "full")
-    work, _ = eng.scheduler.schedule()
-    assert [(w.seq.id, w.count) for w in work] == [("s0", 10)]  # s1 waits its turn, and the rest behind it
-    assert sum(map(scoring.count, work)) == 10
+def test_a_step_scores_all_its_prompt_rows_in_chunks(tiny_llama, monkeypatch):
+    def scored(rows: int) -> list[list]:
+        monkeypatch.setattr(scoring, "ROWS", rows)  # rows of logits held at once
+        eng = Engine(model=str(tiny_llama), dtype="float32", kv_tokens=4096, max_batched_tokens=512)
+        for i, n in enumerate((25, 25)):
+            eng.add(f"s{i}", list(range(3 + i, 3 + i + n)), SamplingParams(max_tokens=1, prompt_logprobs=2), "full")
+        eng.add("plain", list(range(3, 40)), SamplingParams(max_tokens=1), "full")
+        out = dict(eng.step())  # one step prefills all three and samples their first tokens
+        assert set(out) == {"s0", "s1", "plain"} and out["plain"].prompt_logprobs is None
+        return [out[s].prompt_logprobs for s in ("s0", "s1")]
+
+    chunked, whole = scored(10), scored(1024)
+    assert all(t is not None for p in chunked for t in p)
+    assert [[(t.token, t.top) for t in p] for p in chunked] == [[(t.token, t.top) for t in p] for p in whole]
+    assert [t.logprob for p in chunked for t in p[1:]] == pytest.approx([t.logprob for p in whole for t in p[1:]])
 
 
 def test_pieces_are_what_decode_gives_each_token(tiny_llama):
