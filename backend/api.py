@@ -205,6 +205,7 @@ class TopLogprob:
     token: str
     logprob: float
     bytes: list[int]
+    id: int | None = None  # a prompt token's alternatives name their ids (vLLM's prompt_logprobs)
 
 
 @dataclass(slots=True)
@@ -213,6 +214,9 @@ class TokenLogprob:
     logprob: float | None  # None: a prompt's first token, which nothing predicts
     bytes: list[int]
     top: list[TopLogprob] = field(default_factory=list)
+    # a scored prompt token's (backend/scoring.py): its id, and 1 + how many tokens were likelier
+    id: int | None = None
+    rank: int | None = None
 
 
 @dataclass(slots=True)

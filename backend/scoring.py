@@ -51,17 +51,20 @@ def rows(work: list[Scheduled], cu: list[int]) -> list[int]:
 
 
 def scores(model: Decoder, h: torch.Tensor, targets: torch.Tensor, k: int
-           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(The logprob of each row's target [R], the k best alternatives' ids and logprobs
-    [R, k]) of the final hidden states `h` [R, hidden], `ROWS` rows at a time."""
-    picked, ids, vals = [], [], []
+           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(The logprob of each row's target [R] and its rank (1 + how many tokens are likelier)
+    [R], the k best alternatives' ids and logprobs [R, k]) of the final hidden states `h`
+    [R, hidden], `ROWS` rows at a time."""
+    picked, ranks, ids, vals = [], [], [], []
     for at in range(0, len(h), ROWS):
         logp = model.head(h[at:at + ROWS]).log_softmax(-1)
-        picked.append(logp.gather(-1, targets[at:at + ROWS, None])[:, 0])
+        own = logp.gather(-1, targets[at:at + ROWS, None])
+        picked.append(own[:, 0])
+        ranks.append((logp > own).sum(-1) + 1)
         top = logp.topk(k, -1)
         ids.append(top.indices)
         vals.append(top.values)
-    return torch.cat(picked), torch.cat(ids), torch.cat(vals)
+    return torch.cat(picked), torch.cat(ranks), torch.cat(ids), torch.cat(vals)
 
 
 def record(work: list[Scheduled], h: torch.Tensor | None, model: Decoder, pieces: Pieces) -> None:
@@ -73,16 +76,17 @@ def record(work: list[Scheduled], h: torch.Tensor | None, model: Decoder, pieces
     parts = [(w, count(w)) for w in work if count(w)]
     targets = [t for w, n in parts for t in w.seq.prompt[w.start + 1:w.start + 1 + n]]
     k = max(w.seq.sampling.prompt_logprobs or 0 for w, _ in parts)
-    picked, top_ids, top_lps = scores(model, h, upload_list(targets, torch.int64, h.device), k)
-    picked, top_ids, top_lps = picked.tolist(), top_ids.tolist(), top_lps.tolist()
+    got = scores(model, h, upload_list(targets, torch.int64, h.device), k)
+    picked, ranks, top_ids, top_lps = (x.tolist() for x in got)
     ids = list({t for row in (targets, *top_ids) for t in row})
     text = dict(zip(ids, pieces(ids)))
-    at = 0
+    r = 0
     for w, n in parts:
         k = w.seq.sampling.prompt_logprobs or 0
-        for j in range(n):
-            tok, r = targets[at + j], at + j
+        for j in range(w.start + 1, w.start + 1 + n):
+            tok = targets[r]
             s, b = text[tok]
-            w.seq.scored[w.start + 1 + j] = TokenLogprob(s, picked[r], b, [
-                TopLogprob(text[a][0], v, text[a][1]) for a, v in zip(top_ids[r][:k], top_lps[r][:k])])
-        at += n
+            w.seq.scored[j] = TokenLogprob(s, picked[r], b, [
+                TopLogprob(text[a][0], v, text[a][1], a) for a, v in zip(top_ids[r][:k], top_lps[r][:k])],
+                tok, ranks[r])
+            r += 1

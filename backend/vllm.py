@@ -85,7 +85,8 @@ class VLLMBackend:
     def prepare(self, request: Request) -> Prepared:
         mode = _served(request.mode or self.mode)
         if request.sampling.prompt_logprobs is not None:
-            raise InvalidRequest("prompt logprobs (echo with logprobs) need the TokenDance engine", "echo")
+            raise InvalidRequest("prompt logprobs (prompt_logprobs, or echo with logprobs) need the TokenDance "
+                                 "engine: this proxy streams from its vLLM server", "prompt_logprobs")
         ids, spans = request_ids(self.tokenizer, request)
         check(ids, request.sampling, self.info.max_model_len, len(self.tokenizer), self.grammars)
         return Prepared(request, len(ids), replace(request, mode=mode, segments=[], prompt_token_ids=ids,

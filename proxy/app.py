@@ -195,7 +195,8 @@ async def completions(req: web.Request) -> web.StreamResponse:
     call = px.call("completion", body, req.headers, req[T0])
     prompts, sampling = schemas.check_completion(body, px.backend.info)
     if body.echo:
-        call.echo = echo.make(prompts, body.n, body.max_tokens == 0, getattr(px.backend, "tokenizer", None))
+        call.echo = echo.make(prompts, body.n, body.max_tokens == 0, body.logprobs or 0,
+                              getattr(px.backend, "tokenizer", None))
     known = px.place(call)
     segmented = [p if isinstance(p, list) else segment.text(p, call.meta.separators, known)
                  for p in prompts]

@@ -47,14 +47,16 @@ class Call:
     outcome: str = "ok"  # "ok" | "error" | "abort"
     done: bool = False
     echo: Echo | None = None  # a completion's `echo` (proxy/echo.py)
+    prompt_logprobs: int | None = None  # vLLM's field: alternatives to list per prompt token
+    scored: list[list[TokenLogprob]] = field(default_factory=list)  # each choice's prompt tokens'
 
     def add(self, i: int, d: Delta) -> None:
         if not self.first and d.token_ids:
             self.first = time.perf_counter()
         self.texts[i].append(d.text)
         self.logprobs[i].extend(d.logprobs)
-        if self.echo is not None:
-            self.echo.take(i, d)
+        if d.prompt_logprobs is not None:
+            self.scored[i] = d.prompt_logprobs
         self.tokens[i] += len(d.token_ids)
         if d.finish_reason is not None:
             self.finish[i] = d.finish_reason

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from msgspec import Struct
+from msgspec import UNSET, Struct, UnsetType
 
 
 class TopLogprob(Struct):
@@ -27,6 +27,17 @@ class TextLogprobs(Struct):
     token_logprobs: list[float | None]  # None: an echoed prompt's first token
     top_logprobs: list[dict[str, float] | None]
     text_offset: list[int]
+
+
+class PromptLogprob(Struct):
+    """A prompt token's or one of its alternatives' (vLLM's prompt_logprobs)."""
+
+    logprob: float
+    rank: int | None  # 1 + how many tokens were likelier
+    decoded_token: str
+
+
+PromptLogprobs = list[dict[int, PromptLogprob] | None]  # None for the first token
 
 
 class CachedDetails(Struct):
@@ -96,6 +107,7 @@ class ChatCompletion(Struct):
     usage: UsageOut
     object: str = "chat.completion"
     system_fingerprint: str | None = None
+    prompt_logprobs: PromptLogprobs | None = None  # vLLM's, of the prompt all choices share
 
 
 class OutDelta(Struct, omit_defaults=True):
@@ -126,6 +138,8 @@ class TextChoice(Struct):
     text: str
     finish_reason: str | None
     logprobs: TextLogprobs | None = None
+    # vLLM's, of this choice's prompt: null in a whole answer without them, not in a chunk
+    prompt_logprobs: PromptLogprobs | None | UnsetType = UNSET
 
 
 class Completion(Struct):

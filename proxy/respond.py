@@ -77,12 +77,14 @@ async def _json(px: Proxy, call: Call, streams: list[Stream]) -> web.Response:
                                     for c in got.calls] or None, reasoning or None)
             choices.append(s.ChatChoice(i, message, calls.finish(r, call.finish[i]),
                                         chat_lp(call, call.logprobs[i])))
-        body: Any = s.ChatCompletion(call.id, call.created, call.model, choices, usage)
+        body: Any = s.ChatCompletion(call.id, call.created, call.model, choices, usage,
+                                     prompt_logprobs=_prompt_lp(call, call.scored[0]))
     else:
         e = call.echo
         body = s.Completion(call.id, call.created, call.model, [
             s.TextChoice(i, e.text(i, call.text(i)) if e else call.text(i), call.finish[i],
-                         _text_lp(call, e.logprobs(i, call.logprobs[i]) if e else call.logprobs[i], 0))
+                         _text_lp(call, e.logprobs(call.scored[i], call.logprobs[i]) if e else call.logprobs[i], 0),
+                         _prompt_lp(call, call.scored[i]))
             for i in range(len(streams))], usage)
     return web.Response(body=_enc.encode(body), content_type="application/json", headers=call.headers())
 
@@ -104,7 +106,7 @@ async def _sse(req: web.Request, px: Proxy, call: Call, streams: list[Stream]) -
             async with contextlib.aclosing(merged(call, streams)) as deltas:
                 async for i, d in deltas:
                     call.add(i, d)
-                    text, lps = call.echo.piece(i, d) if call.echo else (d.text, d.logprobs)
+                    text, lps = call.echo.piece(i, d, call.scored[i]) if call.echo else (d.text, d.logprobs)
                     chunk = _chat_chunk(call, i, d, readers[i], thinking[i]) if chat else \
                         _text_chunk(call, i, text, lps, d.finish_reason, offsets[i])
                     offsets[i] += len(text)
@@ -251,6 +253,20 @@ def chat_lp(call: Call, lps: list[TokenLogprob]) -> s.ChatLogprobs | None:
         return None
     return s.ChatLogprobs([s.ChatLogprob(t.token, t.logprob, t.bytes, [
         s.TopLogprob(x.token, x.logprob, x.bytes) for x in t.top]) for t in lps])
+
+
+def _prompt_lp(call: Call, scored: list[TokenLogprob]) -> list[dict[int, s.PromptLogprob] | None] | None:
+    """vLLM's prompt_logprobs: per prompt token (None for the first), its own logprob and
+    rank, then its k best alternatives', by token id."""
+    if call.prompt_logprobs is None:
+        return None
+    k, out = call.prompt_logprobs, [None]
+    for t in scored[1:]:
+        d = {t.id: s.PromptLogprob(t.logprob, t.rank, t.token)}
+        for rank, a in enumerate(t.top[:k], 1):
+            d.setdefault(a.id, s.PromptLogprob(a.logprob, rank, a.token))
+        out.append(d)
+    return out
 
 
 def _text_lp(call: Call, lps: list[TokenLogprob], offset: int) -> s.TextLogprobs | None:

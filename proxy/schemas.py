@@ -79,6 +79,7 @@ class Sampled(Struct, kw_only=True):
     frequency_penalty: float | None = None
     presence_penalty: float | None = None
     repetition_penalty: float | None = None  # vLLM's extra parameter
+    prompt_logprobs: int | None = None  # vLLM's: each prompt token's logprob and k best alternatives
     logit_bias: dict[str, float] | None = None
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputs | None = None  # vLLM's extra parameter
@@ -165,6 +166,10 @@ def sampling(body: Sampled, max_tokens: int | None, logprobs: bool, top: int, le
         frequency_penalty=body.frequency_penalty or 0.0,
         logit_bias=_logit_bias(body.logit_bias or {}),
         structure=structure(body.response_format, body.structured_outputs))
+    if body.prompt_logprobs and body.stream:  # as vLLM: a chunk has no place for them; 0 is dropped
+        raise invalid("prompt_logprobs are not available when stream is true", "prompt_logprobs")
+    if not body.stream:
+        p.prompt_logprobs = body.prompt_logprobs
     try:
         p.validate()
     except InvalidRequest as exc:
@@ -283,7 +288,7 @@ def check_completion(body: CompletionRequest, model: ModelInfo) -> tuple[list[st
     length = 1 if body.echo and body.max_tokens == 0 else body.max_tokens  # the prompt alone: one token, dropped
     sp = sampling(body, length, lp, body.logprobs or 0, COMPLETION_TOKENS, model.sampling)
     if body.echo and lp:
-        sp.prompt_logprobs = body.logprobs
+        sp.prompt_logprobs = max(sp.prompt_logprobs or 0, body.logprobs)
     return prompts, sp
 
 

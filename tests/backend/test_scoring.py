@@ -48,9 +48,11 @@ def test_prompt_logprobs_equal_hfs(tiny_llama, hf, monkeypatch, budget, mode, ro
             logp = hf(torch.tensor([p])).logits[0].float().log_softmax(-1)
         for i in range(1, len(p)):
             t = scored[i]
-            assert t.token == eng.tokenizer.decode([p[i]])
+            assert (t.token, t.id) == (eng.tokenizer.decode([p[i]]), p[i])
             assert t.logprob == pytest.approx(logp[i - 1, p[i]].item(), abs=1e-4)
+            assert t.rank == 1 + (logp[i - 1] > logp[i - 1, p[i]]).sum().item()
             want = logp[i - 1].topk(K)
+            assert [x.id for x in t.top] == want.indices.tolist()
             assert [x.token for x in t.top] == [eng.tokenizer.decode([j]) for j in want.indices.tolist()]
             assert [x.logprob for x in t.top] == pytest.approx(want.values.tolist(), abs=1e-4)
 

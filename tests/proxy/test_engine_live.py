@@ -93,6 +93,35 @@ def test_echo_gives_the_prompt_and_its_logprobs_before_the_answer(client, model)
     assert (s.finish_reason, scored.usage.completion_tokens) == ("length", 0)
 
 
+def test_prompt_logprobs_as_vllm_gives_them(client, model):
+    """vLLM's prompt_logprobs: per prompt token (null for the first) a map from token id to
+    logprob, rank and text: the token's own, then its k best alternatives (ranks 1..k);
+    on each completion choice, once for a chat; a streamed 0 is dropped."""
+    prompt = "The river runs to the sea"
+    kw = dict(model=model, prompt=prompt, temperature=0, max_tokens=2)
+    echoed = client.completions.create(**kw, echo=True, logprobs=3).choices[0].logprobs
+    r = client.completions.create(**kw, n=2, extra_body={"prompt_logprobs": 2})
+    n = r.usage.prompt_tokens
+    got = [c.model_extra["prompt_logprobs"] for c in r.choices]
+    assert got[0] == got[1] and len(got[0]) == n and got[0][0] is None
+    for i, d in enumerate(got[0][1:], 1):
+        own = next(iter(d.values()))  # the prompt token's entry comes first
+        assert own["decoded_token"] == echoed.tokens[i]
+        assert own["logprob"] == pytest.approx(echoed.token_logprobs[i], abs=1e-5)
+        tops = sorted((v for v in d.values() if v["rank"] <= 2), key=lambda v: v["rank"])
+        assert [v["rank"] for v in tops] == [1, 2] and len(d) == 2 + (own["rank"] > 2)
+        assert [v["decoded_token"] for v in tops] == list(echoed.top_logprobs[i])[:2]
+        likelier = sum(x > own["logprob"] for x in echoed.top_logprobs[i].values())  # of the echo's 3 best
+        assert own["rank"] == 1 + likelier if likelier < 3 else own["rank"] > 3
+    assert client.completions.create(**kw).choices[0].model_extra["prompt_logprobs"] is None
+    chat = client.chat.completions.create(model=model, messages=user("Hi."), max_tokens=1,
+                                          extra_body={"prompt_logprobs": 0})
+    scored = chat.model_extra["prompt_logprobs"]
+    assert len(scored) == chat.usage.prompt_tokens and all(len(d) == 1 for d in scored[1:])
+    chunks = list(client.completions.create(**kw, stream=True, extra_body={"prompt_logprobs": 0}))
+    assert all("prompt_logprobs" not in c.choices[0].model_extra for c in chunks if c.choices)
+
+
 def test_prompt_longer_than_the_context_is_a_400(client, model, engine_live):
     n = engine_live.backend.info.max_model_len
     with pytest.raises(openai.BadRequestError):

@@ -133,6 +133,9 @@ CASES = [  # (path, body or raw bytes, extra headers, status, param, code)
     ("text", {**TEXT, "best_of": 3}, {}, 400, "best_of", "unsupported"),
     ("text", {**TEXT, "best_of": 1, "n": 2}, {}, 400, "best_of", "unsupported"),  # fewer than n
     ("text", {**TEXT, "logprobs": 9}, {}, 400, "logprobs", None),
+    ("text", {**TEXT, "prompt_logprobs": 21}, {}, 400, "prompt_logprobs", None),
+    ("chat", {**CHAT, "prompt_logprobs": -1}, {}, 400, "prompt_logprobs", None),  # vLLM's whole vocabulary
+    ("chat", {**CHAT, "prompt_logprobs": 2, "stream": True}, {}, 400, "prompt_logprobs", None),
     ("text", {**TEXT, "repetition_penalty": -1.0}, {}, 400, "repetition_penalty", None),
     ("text", {**TEXT, "frequency_penalty": 2.01}, {}, 400, "frequency_penalty", None),
     ("text", {**TEXT, "max_tokens": 0}, {}, 400, "max_tokens", None),

@@ -23,7 +23,7 @@ FIELDS = ["messages", "prompt", "n", "stop", "max_tokens", "max_completion_token
           "stop_token_ids", "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias",
           "response_format", "structured_outputs", "tools", "tool_choice", "parallel_tool_calls", "tokendance",
           "include_stop_str_in_output", "skip_special_tokens", "add_special_tokens", "echo", "best_of",
-          "chat_template_kwargs", "add_generation_prompt", "continue_final_message"]
+          "chat_template_kwargs", "add_generation_prompt", "continue_final_message", "prompt_logprobs"]
 TOOLS = [{"type": "function", "function": {"name": "f", "strict": True, "parameters": {
     "type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}}},
     {"type": "function", "function": {"name": "g"}}]
@@ -39,7 +39,7 @@ PLAUSIBLE: dict[str, Any] = {
     "tokendance": [{"session": s, "agent": a, "round": r, "mode": m} for s in ("s1", "s2") for a in "ab"
                    for r in (1, 2) for m in ("full", "prefix", "pic", "collective")],
     "tools": [TOOLS], "tool_choice": ["auto", "none", "required", {"type": "function", "function": {"name": "f"}}],
-    "parallel_tool_calls": [False], "logprobs": [True, 2], "top_logprobs": [0, 3],
+    "parallel_tool_calls": [False], "logprobs": [True, 2], "top_logprobs": [0, 3], "prompt_logprobs": [0, 2],
     "chat_template_kwargs": [{"enable_thinking": False}, {"messages": []}, {"bos_token": "<x>"}],
     "add_generation_prompt": [False], "continue_final_message": [True],
 }

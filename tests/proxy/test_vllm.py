@@ -190,12 +190,16 @@ async def test_the_proxy_samples_with_the_generation_config_vllm_would(vllm, sta
     assert (vllm.bodies[-1]["temperature"], vllm.bodies[-1]["top_k"]) == (0.25, 7)
 
 
-async def test_echo_through_vllm_without_logprobs_only(proxy, vllm):
+async def test_echo_through_vllm_without_logprobs_only_and_no_prompt_logprobs(proxy, vllm):
     r = await _client(proxy).completions.create(model="fake-vllm", prompt="a b", max_tokens=2, echo=True)
     assert r.choices[0].text == "a b w0 w1"
     with pytest.raises(openai.BadRequestError) as e:
         await _client(proxy).completions.create(model="fake-vllm", prompt="a b", max_tokens=2, echo=True, logprobs=1)
-    assert e.value.body["param"] == "echo" and "TokenDance engine" in e.value.body["message"]
+    assert e.value.body["param"] == "prompt_logprobs" and "TokenDance engine" in e.value.body["message"]
+    with pytest.raises(openai.BadRequestError) as e:
+        await _client(proxy).completions.create(model="fake-vllm", prompt="a b", max_tokens=2,
+                                                extra_body={"prompt_logprobs": 1})
+    assert e.value.body["param"] == "prompt_logprobs"
 
 
 async def test_a_chat_without_a_length_asks_vllm_for_the_rest_of_the_context(proxy, vllm):
