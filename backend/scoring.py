@@ -50,6 +50,7 @@ def rows(work: list[Scheduled], cu: list[int]) -> list[int]:
     return [r for w, at in zip(work, cu) for r in range(at, at + count(w))]
 
 
+@torch.inference_mode()
 def scores(model: Decoder, h: torch.Tensor, targets: torch.Tensor, k: int
            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(The logprob of each row's target [R] and its rank (1 + how many tokens are likelier)
@@ -60,7 +61,7 @@ def scores(model: Decoder, h: torch.Tensor, targets: torch.Tensor, k: int
         logp = model.head(h[at:at + ROWS]).log_softmax(-1)
         own = logp.gather(-1, targets[at:at + ROWS, None])
         picked.append(own[:, 0])
-        ranks.append((logp > own).sum(-1) + 1)
+        ranks.append((logp > own).sum(-1, dtype=torch.int32) + 1)  # int32: half the time of int64 on a CPU
         top = logp.topk(k, -1)
         ids.append(top.indices)
         vals.append(top.values)
