@@ -100,6 +100,9 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     logit_bias: dict[int, float] = field(default_factory=dict)
+    # vLLM's: the only tokens it may sample (None: all); words it may not write (backend/banned.py)
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] = field(default_factory=list)
     structure: Structure | None = None  # structured outputs (backend/grammar.py)
 
     def validate(self) -> None:
@@ -137,18 +140,24 @@ class SamplingParams:
                 raise InvalidRequest(f"logit_bias of token {token} is {bias}; it must be between -100 "
                                      "and 100", "logit_bias")
 
+        if self.allowed_token_ids is not None and not self.allowed_token_ids:
+            raise InvalidRequest("allowed_token_ids must name at least one token", "allowed_token_ids")
+        if not all(self.bad_words):
+            raise InvalidRequest("bad_words must be non-empty strings", "bad_words")
+
     def check_vocab(self, vocab_size: int) -> None:
-        """Raise InvalidRequest for a logit_bias token id outside the vocabulary."""
-        outside = sorted(t for t in self.logit_bias if t >= vocab_size)
-        if outside:
-            raise InvalidRequest(f"logit_bias names token ids outside the vocabulary [0, {vocab_size}): "
-                                 f"{', '.join(map(str, outside[:5]))}", "logit_bias")
+        """Raise InvalidRequest for a logit_bias or allowed token id outside the vocabulary."""
+        for name, ids in (("logit_bias", self.logit_bias), ("allowed_token_ids", self.allowed_token_ids or [])):
+            outside = sorted(t for t in ids if not 0 <= t < vocab_size)
+            if outside:
+                raise InvalidRequest(f"{name} names token ids outside the vocabulary [0, {vocab_size}): "
+                                     f"{', '.join(map(str, outside[:5]))}", name)
 
     @property
     def penalized(self) -> bool:
-        """Whether sampling changes the logits before choosing (penalties or a bias)."""
+        """Whether sampling changes the logits before choosing (penalties, a bias, banned tokens)."""
         return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
-                    or self.logit_bias)
+                    or self.logit_bias or self.allowed_token_ids is not None or self.bad_words)
 
     @property
     def greedy(self) -> bool:

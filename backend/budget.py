@@ -5,11 +5,12 @@ free; or, with vLLM's `--gpu-memory-utilization F`, what F of the GPU's memory l
 once this engine's weights (and the workspaces its libraries took), the peak of its
 largest step and its decode graphs are counted. Both are measured at start, as torch's
 allocator holds them: one forward of `max_num_batched_tokens` fresh prompt tokens, its
-K/V stored nowhere, their logprobs scored as a prompt's (backend/scoring.py), and the decode graphs captured once over a pool of two blocks, then
-let go. A cold collective round also holds the hidden states of up to `AHEAD` forwards
-queued ahead (backend/collector.py): counted as their size. As in vLLM the share is this
-engine's: other processes on the GPU count only in what is free; the CUDA context, made
-before anything is measured, is outside it.
+K/V stored nowhere, their logprobs scored as a prompt's are (backend/scoring.py), and
+the decode graphs captured once over a pool of two blocks, then let go. A cold
+collective round also holds the hidden states of up to `AHEAD` forwards queued ahead
+(backend/collector.py): counted as their size. As in vLLM the share is this engine's:
+other processes on the GPU count only in what is free; the CUDA context, made before
+anything is measured, is outside it.
 """
 
 from __future__ import annotations

@@ -9,6 +9,7 @@ import structlog
 import torch
 
 from tokendance.backend import heap, loader, scoring
+from tokendance.backend.banned import sequences
 from tokendance.backend.api import BASES, Delta, InvalidRequest, SamplingParams, TokenLogprob, TopLogprob, Usage, check_mode
 from tokendance.backend.blocks import BlockManager
 from tokendance.backend.budget import pool_tokens
@@ -138,6 +139,7 @@ class Engine:
         seq = Sequence(rid, list(prompt), sampling, Detok.of(self.tokenizer, sampling),
                        generator=gen, ends=ends, mode=mode, shared=spans, tenant=tenant,
                        publish=publish and self.cfg.bases == "producer",
+                       bad=sequences(self.tokenizer, sampling.bad_words),
                        scored=None if sampling.prompt_logprobs is None else scoring.start(prompt, self.pieces))
         st = sampling.structure
         if st is not None:

@@ -1,5 +1,5 @@
-"""Logit bias and penalties: the logits a request samples from, changed by its bias and
-by the tokens it has seen.
+"""Logit bias and penalties: the logits a request samples from, changed by its bias, by
+the tokens it may not sample (backend/banned.py) and by the tokens it has seen.
 
 vLLM's order and math: the bias is added first; then the repetition penalty over prompt
 and generated tokens (a seen token's positive logit divided by it, a negative one
@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
+from tokendance.backend.banned import banned
 from tokendance.backend.sequence import Sequence
 from tokendance.backend.upload import upload_list
 
@@ -33,6 +34,7 @@ class Seen:
     prompt: torch.Tensor | None  # [V] bool: in the prompt; only with a repetition penalty
     bias_ids: torch.Tensor | None  # [k] long: logit_bias's token ids
     bias: torch.Tensor | None  # [k] float32: their biases
+    barred: torch.Tensor | None  # [V] bool: the tokens outside allowed_token_ids
 
     @classmethod
     def of(cls, seq: Sequence, vocab: int, device: torch.device) -> Seen:
@@ -51,7 +53,11 @@ class Seen:
         if p.logit_bias:
             ids = upload_list(list(p.logit_bias), torch.long, device)
             bias = upload_list(list(p.logit_bias.values()), torch.float32, device)
-        return cls(counts, prompt, ids, bias)
+        barred = None
+        if p.allowed_token_ids is not None:
+            barred = torch.ones(vocab, dtype=torch.bool, device=device)
+            barred.index_fill_(0, upload_list(p.allowed_token_ids, torch.long, device), False)
+        return cls(counts, prompt, ids, bias, barred)
 
 
 @dataclass(slots=True)
@@ -80,6 +86,10 @@ class Penalized:
         for j, s in enumerate(self.seqs):
             if s.seen.bias is not None:
                 sub[j].index_add_(0, s.seen.bias_ids, s.seen.bias)
+            if s.seen.barred is not None:
+                sub[j].masked_fill_(s.seen.barred, float("-inf"))
+            if s.bad and (ban := banned(s.bad, s.out)):  # the host has every token (lookahead.eligible)
+                sub[j].index_fill_(0, upload_list(ban, torch.long, logits.device), float("-inf"))
         params = [s.sampling for s in self.seqs]
         rep = [p.repetition_penalty for p in params]
         fp = [(p.frequency_penalty, p.presence_penalty) for p in params]

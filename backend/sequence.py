@@ -53,6 +53,7 @@ class Sequence:
     seen: Seen | None = None  # a penalized request's token counts on the device (backend/penalties.py)
     matcher: Any = None  # a structured output's grammar state (backend/grammar.py)
     until: list[int] = field(default_factory=list)  # the tokens after which the grammar holds (Structure.after)
+    bad: list[list[int]] = field(default_factory=list)  # its bad_words' token sequences (backend/banned.py)
     scored: list[Any] | None = None  # its prompt tokens' logprobs, as prefill computes them (backend/scoring.py)
 
     @property

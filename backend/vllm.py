@@ -205,6 +205,10 @@ class VLLMBackend:
             body["logit_bias"] = {str(k): v for k, v in s.logit_bias.items()}
         if s.logprobs:
             body["logprobs"] = s.top_logprobs
+        if s.allowed_token_ids is not None:
+            body["allowed_token_ids"] = s.allowed_token_ids
+        if s.bad_words:
+            body["bad_words"] = s.bad_words
         if s.structure is not None:  # vLLM's structured_outputs, which the kinds mirror
             st = s.structure
             so = body["structured_outputs"] = {st.kind: True if st.kind == "json_object" else

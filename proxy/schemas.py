@@ -80,6 +80,8 @@ class Sampled(Struct, kw_only=True):
     presence_penalty: float | None = None
     repetition_penalty: float | None = None  # vLLM's extra parameter
     prompt_logprobs: int | None = None  # vLLM's: each prompt token's logprob and k best alternatives
+    allowed_token_ids: list[int] | None = None  # vLLM's: the only tokens it may sample
+    bad_words: list[str] | None = None  # vLLM's: words it may not write
     logit_bias: dict[str, float] | None = None
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputs | None = None  # vLLM's extra parameter
@@ -164,7 +166,8 @@ def sampling(body: Sampled, max_tokens: int | None, logprobs: bool, top: int, le
         skip_special_tokens=body.skip_special_tokens,
         logprobs=logprobs, top_logprobs=top, presence_penalty=body.presence_penalty or 0.0,
         frequency_penalty=body.frequency_penalty or 0.0,
-        logit_bias=_logit_bias(body.logit_bias or {}),
+        logit_bias=_logit_bias(body.logit_bias or {}), allowed_token_ids=body.allowed_token_ids,
+        bad_words=list(body.bad_words or []),
         structure=structure(body.response_format, body.structured_outputs))
     if body.prompt_logprobs and body.stream:  # as vLLM: a chunk has no place for them; 0 is dropped
         raise invalid("prompt_logprobs are not available when stream is true", "prompt_logprobs")

@@ -122,6 +122,21 @@ def test_prompt_logprobs_as_vllm_gives_them(client, model):
     assert all("prompt_logprobs" not in c.choices[0].model_extra for c in chunks if c.choices)
 
 
+def test_allowed_token_ids_and_bad_words_reach_the_engine(client, model, engine_live):
+    """vLLM's fields (backend/banned.py has the engine's tests)."""
+    tok = engine_live.backend.engine.tokenizer
+    kw = dict(model=model, prompt="The river", temperature=0, max_tokens=4)
+    r = client.completions.create(**kw, extra_body={"allowed_token_ids": [1040]})
+    assert r.choices[0].text == tok.decode([1040] * 4)
+    plain = client.completions.create(**kw, logprobs=0).choices[0].logprobs.tokens
+    word = plain[1].strip() or plain[1]
+    r = client.completions.create(**kw, logprobs=0, extra_body={"bad_words": [word]})
+    assert word not in [t.strip() or t for t in r.choices[0].logprobs.tokens]
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(**kw, extra_body={"allowed_token_ids": [10**9]})
+    assert e.value.body["param"] == "allowed_token_ids"
+
+
 def test_prompt_longer_than_the_context_is_a_400(client, model, engine_live):
     n = engine_live.backend.info.max_model_len
     with pytest.raises(openai.BadRequestError):
