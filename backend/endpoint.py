@@ -17,7 +17,7 @@ import msgspec
 import structlog
 from aiohttp import web
 
-from tokendance.backend import logs, wire
+from tokendance.backend import heap, logs, wire
 from tokendance.backend.api import Backend, Request, Stream
 from tokendance.backend.auth import ENGINE_KEY_ENV, Keys, check_keys
 from tokendance.backend.flags import add_engine_args, engine_options
@@ -199,6 +199,7 @@ def main(args: argparse.Namespace) -> int:
 
     backend = EngineBackend.load(**options)
     endpoint = Endpoint(backend, engine_info(backend), keys)
+    heap.freeze()
     asyncio.run(serve(endpoint, args.host, args.port, args.drain_timeout))
     return 0
 

@@ -11,11 +11,14 @@ same round then faults ~50 k times (docs/benchmarks.md, "the host heap"). What t
 does for vLLM-CPU, with the C library at hand. The cost: the process keeps its peak heap
 for the next peak, as a caching allocator does; `trim()` once the engine is built hands
 back what loading the weights left free, so that peak is serving's, not loading's.
+
+`freeze()` is for Python's own heap: a server calls it once started (vLLM's does too).
 """
 
 from __future__ import annotations
 
 import ctypes
+import gc
 
 import structlog
 
@@ -55,3 +58,14 @@ def trim() -> None:
     libc = _glibc()
     if libc is not None:
         libc.malloc_trim(0)
+
+
+def freeze() -> int:
+    """Put every Python object alive now (the model, its tokenizer, the engine's tables)
+    out of the cyclic collector's reach, and say how many: its full collections, which a
+    burst of small objects (a scored prompt's logprobs) sets off, then walk only what came
+    since (on the H200 a scored 16 k-token prefill took about a fifth less: docs/benchmarks.md)."""
+    gc.collect()
+    gc.freeze()
+    log.info("startup heap frozen for the garbage collector", objects=gc.get_freeze_count())
+    return gc.get_freeze_count()

@@ -6,8 +6,9 @@ without them.
 
 `prompts` random prompts of `tokens` tokens each, prefilled to their first token
 (max_tokens 1) in `full`; scored: with SamplingParams.prompt_logprobs = `top` (what
-`echo` with `logprobs` asks for: backend/scoring.py). Each variant once per repeat, in
-turn; medians in ms, and scored / plain.
+`echo` with `logprobs` asks for: backend/scoring.py). The engine's startup heap is frozen
+for Python's garbage collector, as `serve` freezes it (backend/heap.py). Each variant once
+per repeat, in turn; medians in ms, and scored / plain.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import argparse
 
 import torch
 
+from tokendance.backend import heap
 from tokendance.backend.api import SamplingParams
 from tokendance.bench.options import positive
 from tokendance.bench.prompt import medians_ms
@@ -39,6 +41,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     eng = Engine(EngineConfig(model=model, dtype=args.dtype, random_weights=random,
                               kv_tokens=max(4096, 2 * args.prompts * (args.tokens + 16)),
                               max_batched_tokens=args.prompts * args.tokens))
+    heap.freeze()  # as a server does once started
     vocab = min(eng.mcfg.vocab_size, len(eng.tokenizer))
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(3, vocab, (args.tokens,), generator=g).tolist()

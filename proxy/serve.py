@@ -11,7 +11,7 @@ import signal
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
-from tokendance.backend import logs
+from tokendance.backend import heap, logs
 from tokendance.backend.api import MODES, Backend
 from tokendance.backend.auth import ENGINE_KEY_ENV, check_keys
 from tokendance.backend.flags import GENERATION_FLAGS, add_engine_args, changed, engine_options
@@ -197,5 +197,6 @@ def main(args: argparse.Namespace) -> int:
     if args.chat_template is not None:
         chat_template(backend, args.chat_template)
     server = Server(backend, cfg, args.mqtt)
+    heap.freeze()
     asyncio.run(serve(server, args.host, args.port))
     return 0

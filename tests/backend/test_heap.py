@@ -89,3 +89,16 @@ def test_engine_on_cpu_keeps_the_heap_and_trims_what_loading_left(tiny_llama, mo
     monkeypatch.setattr(heap, "trim", lambda: calls.append("trim"))
     Engine(model=str(tiny_llama), dtype="float32", kv_tokens=256)
     assert calls == ["keep", "trim"]
+
+
+def test_freeze_puts_the_startup_heap_out_of_the_collectors_reach():
+    import gc
+
+    try:
+        n = heap.freeze()
+        assert n == gc.get_freeze_count() > 1000  # this process's modules, at least
+        gc.collect()
+        assert gc.get_freeze_count() == n  # a collection leaves it frozen
+    finally:
+        gc.unfreeze()
+    assert gc.get_freeze_count() == 0

@@ -323,7 +323,10 @@ def test_the_engine_key_goes_to_remote_engines_only(monkeypatch):
                                                                           kv_bytes_per_token=1, vocab_size=8,
                                                                           tokenizer={}))
     monkeypatch.setattr(endpoint, "serve", lambda ep, *a: kept.append(ep.keys) or asyncio.sleep(0))
+    frozen = []
+    monkeypatch.setattr(endpoint.heap, "freeze", lambda: frozen.append(len(kept)))  # before serving
     assert endpoint.main(parser.parse_args(["engine"])) == 0
+    assert frozen == [0]
     assert endpoint.main(parser.parse_args(["engine", "--api-key", "a", "--api-key", "b"])) == 0
     assert kept[0].accept({"Authorization": "Bearer ek-env"}) and not kept[0].accept({})
     assert kept[1].accept({"Authorization": "Bearer b"}) and not kept[1].accept({"Authorization": "Bearer ek-env"})

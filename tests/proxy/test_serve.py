@@ -233,3 +233,16 @@ def test_a_chat_template_needs_a_tokenizer(monkeypatch, capsys):
     assert cli.main(["serve", "--chat-template", "{{ x }}"]) == 1
     err = capsys.readouterr().err.strip()
     assert err.endswith("--chat-template: the fake-tiny backend renders no chats") and "\n" not in err
+
+
+def test_the_server_freezes_its_startup_heap_before_serving(monkeypatch):
+    calls = []
+    monkeypatch.setattr(serve, "load_backend", lambda args: FakeBackend())
+    monkeypatch.setattr(serve.heap, "freeze", lambda: calls.append("freeze"))
+
+    async def served(server, host, port):
+        calls.append("serve")
+
+    monkeypatch.setattr(serve, "serve", served)
+    assert cli.main(["serve"]) == 0
+    assert calls == ["freeze", "serve"]
