@@ -199,8 +199,8 @@ def main(args: argparse.Namespace) -> int:
 
     backend = EngineBackend.load(**options)
     endpoint = Endpoint(backend, engine_info(backend), keys)
-    heap.freeze()
-    asyncio.run(serve(endpoint, args.host, args.port, args.drain_timeout))
+    with heap.frozen():
+        asyncio.run(serve(endpoint, args.host, args.port, args.drain_timeout))
     return 0
 
 

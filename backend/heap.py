@@ -12,13 +12,15 @@ does for vLLM-CPU, with the C library at hand. The cost: the process keeps its p
 for the next peak, as a caching allocator does; `trim()` once the engine is built hands
 back what loading the weights left free, so that peak is serving's, not loading's.
 
-`freeze()` is for Python's own heap: a server calls it once started (vLLM's does too).
+`frozen()` is for Python's own heap: a server serves inside it (vLLM's freezes it too).
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import gc
+from collections.abc import Iterator
 
 import structlog
 
@@ -60,12 +62,18 @@ def trim() -> None:
         libc.malloc_trim(0)
 
 
-def freeze() -> int:
+@contextlib.contextmanager
+def frozen() -> Iterator[int]:
     """Put every Python object alive now (the model, its tokenizer, the engine's tables)
-    out of the cyclic collector's reach, and say how many: its full collections, which a
-    burst of small objects (a scored prompt's logprobs) sets off, then walk only what came
-    since (on the H200 a scored 16 k-token prefill took about a fifth less: docs/benchmarks.md)."""
+    out of the cyclic collector's reach while the block runs, and give how many: its full
+    collections, which a burst of small objects (a scored prompt's logprobs) sets off,
+    then walk only what came since (on the H200 a scored 16 k-token prefill took about a
+    fifth less: docs/benchmarks.md). Unfrozen after, so that the process's exit still
+    frees them (native bindings report what it does not free as leaks)."""
     gc.collect()
     gc.freeze()
     log.info("startup heap frozen for the garbage collector", objects=gc.get_freeze_count())
-    return gc.get_freeze_count()
+    try:
+        yield gc.get_freeze_count()
+    finally:
+        gc.unfreeze()

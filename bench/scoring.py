@@ -7,7 +7,7 @@ without them.
 `prompts` random prompts of `tokens` tokens each, prefilled to their first token
 (max_tokens 1) in `full`; scored: with SamplingParams.prompt_logprobs = `top` (what
 `echo` with `logprobs` asks for: backend/scoring.py). The engine's startup heap is frozen
-for Python's garbage collector, as `serve` freezes it (backend/heap.py). Each variant once
+for Python's garbage collector while they run, as `serve` freezes it (backend/heap.py). Each variant once
 per repeat, in turn; medians in ms, and scored / plain.
 """
 
@@ -41,7 +41,6 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     eng = Engine(EngineConfig(model=model, dtype=args.dtype, random_weights=random,
                               kv_tokens=max(4096, 2 * args.prompts * (args.tokens + 16)),
                               max_batched_tokens=args.prompts * args.tokens))
-    heap.freeze()  # as a server does once started
     vocab = min(eng.mcfg.vocab_size, len(eng.tokenizer))
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(3, vocab, (args.tokens,), generator=g).tolist()
@@ -49,9 +48,10 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     plain = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
     scored = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True, prompt_logprobs=args.top)
     run = {"plain": lambda: eng.generate(prompts, plain), "scored": lambda: eng.generate(prompts, scored)}
-    for fn in run.values():  # warm-up
-        fn()
-    ms = medians_ms(run, args.repeats)
+    with heap.frozen():  # as `serve` serves
+        for fn in run.values():  # warm-up
+            fn()
+        ms = medians_ms(run, args.repeats)
     ratio = ms["scored"] / ms["plain"]
     print(f"{args.prompts} x {args.tokens} tokens, top {args.top}, {eng.device} {eng.dtype}, "
           f"vocabulary {eng.mcfg.vocab_size}, medians of {args.repeats}:")

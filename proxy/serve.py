@@ -197,6 +197,6 @@ def main(args: argparse.Namespace) -> int:
     if args.chat_template is not None:
         chat_template(backend, args.chat_template)
     server = Server(backend, cfg, args.mqtt)
-    heap.freeze()
-    asyncio.run(serve(server, args.host, args.port))
+    with heap.frozen():
+        asyncio.run(serve(server, args.host, args.port))
     return 0

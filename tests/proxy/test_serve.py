@@ -235,14 +235,23 @@ def test_a_chat_template_needs_a_tokenizer(monkeypatch, capsys):
     assert err.endswith("--chat-template: the fake-tiny backend renders no chats") and "\n" not in err
 
 
-def test_the_server_freezes_its_startup_heap_before_serving(monkeypatch):
+def test_the_server_serves_with_its_startup_heap_frozen(monkeypatch):
+    import contextlib
+
     calls = []
+
+    @contextlib.contextmanager
+    def frozen():
+        calls.append("freeze")
+        yield 1
+        calls.append("unfreeze")
+
     monkeypatch.setattr(serve, "load_backend", lambda args: FakeBackend())
-    monkeypatch.setattr(serve.heap, "freeze", lambda: calls.append("freeze"))
+    monkeypatch.setattr(serve.heap, "frozen", frozen)
 
     async def served(server, host, port):
         calls.append("serve")
 
     monkeypatch.setattr(serve, "serve", served)
     assert cli.main(["serve"]) == 0
-    assert calls == ["freeze", "serve"]
+    assert calls == ["freeze", "serve", "unfreeze"]
