@@ -248,6 +248,7 @@ class Prepared:
     request: Request
     prompt_tokens: int
     state: Any = None  # the backend's own data (token ids per segment, ...)
+    ids: list[int] | None = None  # the prompt's token ids (None: a backend without a tokenizer)
 
 
 @dataclass(slots=True)

@@ -83,7 +83,8 @@ class RemoteBackend:
         ids, spans = request_ids(self.tokenizer, request)
         check(ids, request.sampling, self.info.max_model_len, self.vocab_size, self.grammars)
         # What the engine gets: the tokens, tokenized here once with its own tokenizer.
-        return Prepared(request, len(ids), replace(request, segments=[], prompt_token_ids=ids, shared_spans=spans))
+        return Prepared(request, len(ids), replace(request, segments=[], prompt_token_ids=ids, shared_spans=spans),
+                        ids)
 
     def generate(self, group: list[Prepared]) -> list[QueueStream]:
         streams = [QueueStream(p.request.id, self) for p in group]

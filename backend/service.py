@@ -54,7 +54,7 @@ class EngineBackend:
         check_mode(mode)
         ids, shared = request_ids(self.engine.tokenizer, request)
         self.engine.check(ids, request.sampling)
-        return Prepared(request, len(ids), Tokens(ids, shared, mode))
+        return Prepared(request, len(ids), Tokens(ids, shared, mode), ids)
 
     def generate(self, group: list[Prepared]) -> list[Stream]:
         jobs = []

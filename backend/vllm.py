@@ -90,7 +90,7 @@ class VLLMBackend:
         ids, spans = request_ids(self.tokenizer, request)
         check(ids, request.sampling, self.info.max_model_len, len(self.tokenizer), self.grammars)
         return Prepared(request, len(ids), replace(request, mode=mode, segments=[], prompt_token_ids=ids,
-                                                   shared_spans=spans))
+                                                   shared_spans=spans), ids)
 
     def generate(self, group: list[Prepared]) -> list[QueueStream]:
         streams = []

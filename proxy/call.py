@@ -48,6 +48,8 @@ class Call:
     done: bool = False
     echo: Echo | None = None  # a completion's `echo` (proxy/echo.py)
     prompt_logprobs: int | None = None  # vLLM's field: alternatives to list per prompt token
+    return_ids: bool = False  # vLLM's return_token_ids: the prompt's and each choice's token ids
+    ids: list[list[int]] = field(default_factory=list)  # each choice's output token ids
     scored: list[list[TokenLogprob]] = field(default_factory=list)  # each choice's prompt tokens'
 
     def add(self, i: int, d: Delta) -> None:
@@ -58,6 +60,7 @@ class Call:
         if d.prompt_logprobs is not None:
             self.scored[i] = d.prompt_logprobs
         self.tokens[i] += len(d.token_ids)
+        self.ids[i] += d.token_ids
         if d.finish_reason is not None:
             self.finish[i] = d.finish_reason
             self.usage[i] = d.usage

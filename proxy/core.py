@@ -93,7 +93,8 @@ class Proxy:
         return Call(prefix + secrets.token_hex(12), kind, self.names[0], meta, body.n,
                     self.tenant(headers, body.cache_salt), body.stream, usage,
                     usage and body.stream_options.continuous_usage_stats, t0=t0,
-                    prompt_logprobs=None if body.stream else body.prompt_logprobs)
+                    prompt_logprobs=None if body.stream else body.prompt_logprobs,
+                    return_ids=body.return_token_ids)
 
     @staticmethod
     def tenant(headers: Mapping[str, str], salt: str | None = None) -> str:
@@ -147,7 +148,7 @@ class Proxy:
                     raise invalid(exc.message, field if exc.param in (None, "messages") else exc.param,
                                   exc.code)
         k = len(call.prepared)
-        call.texts, call.logprobs, call.scored = [[] for _ in range(k)], [[] for _ in range(k)], [[] for _ in range(k)]
+        call.texts, call.logprobs, call.scored, call.ids = ([[] for _ in range(k)] for _ in range(4))
         call.tokens, call.finish, call.usage = [0] * k, [None] * k, [None] * k
 
     async def admit(self, call: Call) -> list[Stream]:

@@ -97,6 +97,7 @@ class ChatChoice(Struct):
     message: OutMessage
     finish_reason: str | None
     logprobs: ChatLogprobs | None = None
+    token_ids: list[int] | UnsetType = UNSET  # vLLM's return_token_ids
 
 
 class ChatCompletion(Struct):
@@ -108,6 +109,7 @@ class ChatCompletion(Struct):
     object: str = "chat.completion"
     system_fingerprint: str | None = None
     prompt_logprobs: PromptLogprobs | None = None  # vLLM's, of the prompt all choices share
+    prompt_token_ids: list[int] | None | UnsetType = UNSET  # vLLM's return_token_ids
 
 
 class OutDelta(Struct, omit_defaults=True):
@@ -122,6 +124,7 @@ class ChunkChoice(Struct):
     delta: OutDelta
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
+    token_ids: list[int] | UnsetType = UNSET  # vLLM's return_token_ids: this chunk's
 
 
 class ChatChunk(Struct):
@@ -131,6 +134,7 @@ class ChatChunk(Struct):
     choices: list[ChunkChoice]
     usage: UsageOut | None = None
     object: str = "chat.completion.chunk"
+    prompt_token_ids: list[int] | None | UnsetType = UNSET  # vLLM's return_token_ids: the first chunk's
 
 
 class TextChoice(Struct):
@@ -140,6 +144,9 @@ class TextChoice(Struct):
     logprobs: TextLogprobs | None = None
     # vLLM's, of this choice's prompt: null in a whole answer without them, not in a chunk
     prompt_logprobs: PromptLogprobs | None | UnsetType = UNSET
+    # vLLM's return_token_ids: its prompt's (streamed: in its first chunk) and its output's
+    prompt_token_ids: list[int] | None | UnsetType = UNSET
+    token_ids: list[int] | UnsetType = UNSET
 
 
 class Completion(Struct):

@@ -13,6 +13,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import msgspec
+from msgspec import UNSET, UnsetType
 import structlog
 from aiohttp import web
 
@@ -76,15 +77,17 @@ async def _json(px: Proxy, call: Call, streams: list[Stream]) -> web.Response:
                                    [s.OutCall(c.id or "", s.OutFunction(c.name or "", c.arguments))
                                     for c in got.calls] or None, reasoning or None)
             choices.append(s.ChatChoice(i, message, calls.finish(r, call.finish[i]),
-                                        chat_lp(call, call.logprobs[i])))
+                                        chat_lp(call, call.logprobs[i]), _ids(call, i)[1]))
         body: Any = s.ChatCompletion(call.id, call.created, call.model, choices, usage,
-                                     prompt_logprobs=_prompt_lp(call, call.scored[0]))
+                                     prompt_logprobs=_prompt_lp(call, call.scored[0]),
+                                     prompt_token_ids=_ids(call, 0)[0])
     else:
         e = call.echo
         body = s.Completion(call.id, call.created, call.model, [
             s.TextChoice(i, e.text(i, call.text(i)) if e else call.text(i), call.finish[i],
                          _text_lp(call, e.logprobs(call.scored[i], call.logprobs[i]) if e else call.logprobs[i], 0),
-                         _prompt_lp(call, call.scored[i]))
+                         _prompt_lp(call, call.scored[i]),
+                         *_ids(call, i))
             for i in range(len(streams))], usage)
     return web.Response(body=_enc.encode(body), content_type="application/json", headers=call.headers())
 
@@ -99,9 +102,12 @@ async def _sse(req: web.Request, px: Proxy, call: Call, streams: list[Stream]) -
     thinking = [thinking_of(px, call) for _ in streams]
     call.shown = [""] * len(streams) if chat else []
     try:
+        sent: list[int | None] = [None] * len(streams)  # return_token_ids: output ids sent (None: no chunk yet)
         if chat:
             await resp.write(_event(s.ChatChunk(call.id, call.created, call.model, [
-                s.ChunkChoice(i, s.OutDelta("assistant", "")) for i in range(len(streams))], _so_far(call, 0))))
+                s.ChunkChoice(i, s.OutDelta("assistant", "")) for i in range(len(streams))], _so_far(call, 0),
+                prompt_token_ids=_ids(call, 0)[0])))
+            sent = [0] * len(streams)
         try:
             async with contextlib.aclosing(merged(call, streams)) as deltas:
                 async for i, d in deltas:
@@ -112,6 +118,8 @@ async def _sse(req: web.Request, px: Proxy, call: Call, streams: list[Stream]) -
                     offsets[i] += len(text)
                     if chunk is not None:
                         chunk.usage = _so_far(call, i)
+                        if call.return_ids:
+                            _stream_ids(call, i, chunk.choices[0], sent)
                         await resp.write(_event(chunk))
         except ConnectionResetError:
             raise
@@ -127,6 +135,24 @@ async def _sse(req: web.Request, px: Proxy, call: Call, streams: list[Stream]) -
     except ConnectionResetError:  # the client went away while we wrote
         call.outcome = "abort"
     return resp
+
+
+def _stream_ids(call: Call, i: int, choice: s.ChunkChoice | s.TextChoice, sent: list[int | None]) -> None:
+    """vLLM's return_token_ids in a stream: the output ids that came since choice i's last
+    chunk; a completion choice's first chunk has its prompt's too (a chat's first, the
+    role chunk, had them)."""
+    prompt, ids = _ids(call, i)
+    if sent[i] is None:
+        choice.prompt_token_ids, sent[i] = prompt, 0
+    choice.token_ids, sent[i] = ids[sent[i]:], len(ids)
+
+
+def _ids(call: Call, i: int) -> tuple[list[int] | None | UnsetType, list[int] | UnsetType]:
+    """vLLM's return_token_ids: choice i's prompt and output token ids, as its answer
+    counts them (unset when not asked; the prompt's None from a backend without a tokenizer)."""
+    if not call.return_ids:
+        return UNSET, UNSET
+    return call.prepared[i].ids, [] if call.echo is not None and call.echo.only else call.ids[i]
 
 
 def failed(px: Proxy, call: Call, exc: Exception) -> ApiError:

@@ -82,6 +82,7 @@ class Sampled(Struct, kw_only=True):
     prompt_logprobs: int | None = None  # vLLM's: each prompt token's logprob and k best alternatives
     allowed_token_ids: list[int] | None = None  # vLLM's: the only tokens it may sample
     bad_words: list[str] | None = None  # vLLM's: words it may not write
+    return_token_ids: bool = False  # vLLM's: the prompt's and the output's token ids in the answer
     logit_bias: dict[str, float] | None = None
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputs | None = None  # vLLM's extra parameter

@@ -137,6 +137,33 @@ def test_allowed_token_ids_and_bad_words_reach_the_engine(client, model, engine_
     assert e.value.body["param"] == "allowed_token_ids"
 
 
+def test_return_token_ids_as_vllm_gives_them(client, model, engine_live):
+    """vLLM's return_token_ids: the prompt's ids (a chat's once, a completion's per choice)
+    and each choice's output ids; streamed, the prompt's in the first chunk and each
+    chunk's own output ids."""
+    tok = engine_live.backend.engine.tokenizer
+    ask = {"return_token_ids": True}
+    kw = dict(model=model, prompt=[5, 6, 7, 8], temperature=0, max_tokens=5, n=2)
+    r = client.completions.create(**kw, extra_body=ask)
+    for c in r.choices:
+        assert c.model_extra["prompt_token_ids"] == [5, 6, 7, 8]
+        assert len(c.model_extra["token_ids"]) == 5 and tok.decode(c.model_extra["token_ids"]) == c.text
+    chunks = [c for c in client.completions.create(**kw, stream=True, extra_body=ask) if c.choices]
+    for i in range(2):
+        mine = [c.choices[0].model_extra for c in chunks if c.choices[0].index == i]
+        assert mine[0]["prompt_token_ids"] == [5, 6, 7, 8] and all("prompt_token_ids" not in m for m in mine[1:])
+        assert sum((m["token_ids"] for m in mine), []) == r.choices[i].model_extra["token_ids"]
+    assert "token_ids" not in client.completions.create(**kw).choices[0].model_extra
+    chat = dict(model=model, messages=user("Tell me more."), temperature=0, max_tokens=6)
+    whole = client.chat.completions.create(**chat, extra_body=ask)
+    assert len(whole.model_extra["prompt_token_ids"]) == whole.usage.prompt_tokens
+    out = whole.choices[0].model_extra["token_ids"]
+    assert len(out) == 6 and tok.decode(out, skip_special_tokens=True) == whole.choices[0].message.content
+    streamed = list(client.chat.completions.create(**chat, stream=True, extra_body=ask))
+    assert streamed[0].model_extra["prompt_token_ids"] == whole.model_extra["prompt_token_ids"]
+    assert sum((c.choices[0].model_extra.get("token_ids", []) for c in streamed[1:] if c.choices), []) == out
+
+
 def test_prompt_longer_than_the_context_is_a_400(client, model, engine_live):
     n = engine_live.backend.info.max_model_len
     with pytest.raises(openai.BadRequestError):
