@@ -192,6 +192,7 @@ class Request:
     shared_spans: list[tuple[int, int]] = field(default_factory=list)
     tenant: str = ""  # namespaces the segment cache (the API key)
     add_special_tokens: bool = False  # the tokenizer's BOS/EOS around the text (vLLM: completions)
+    truncate: int | None = None  # vLLM's truncate_prompt_tokens: only the prompt's last this many tokens
 
 
 @dataclass(slots=True)

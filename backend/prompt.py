@@ -19,10 +19,16 @@ from tokendance.backend.grammar import Grammars
 
 
 def request_ids(tokenizer: Any, request: Request) -> tuple[list[int], list[tuple[int, int]]]:
-    """A request's prompt ids and its shared segments' spans."""
+    """A request's prompt ids and its shared segments' spans, its prompt's last
+    `request.truncate` tokens only if it asks (a segment cut short is private then)."""
     if request.prompt_token_ids is not None:
-        return list(request.prompt_token_ids), list(request.shared_spans)
-    return tokenize(tokenizer, request.segments, request.add_special_tokens)
+        ids, spans = list(request.prompt_token_ids), list(request.shared_spans)
+    else:
+        ids, spans = tokenize(tokenizer, request.segments, request.add_special_tokens)
+    cut = len(ids) - (request.truncate or len(ids))
+    if cut > 0:
+        ids, spans = ids[cut:], [(lo - cut, hi - cut) for lo, hi in spans if lo >= cut]
+    return ids, spans
 
 
 def fast_tokenizer(path: Any, what: str = "") -> Any:

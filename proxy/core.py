@@ -24,7 +24,7 @@ from . import tools as t
 from .barrier import Barrier, Entry, Gate
 from .call import Call
 from .errors import ApiError, from_backend, invalid
-from .schemas import RoundOpen, Sampled
+from .schemas import RoundOpen, Sampled, truncation
 from .known import Known
 from .peers import Peers
 from .session import Round, Sessions, check_name, read_meta, round_number
@@ -94,7 +94,8 @@ class Proxy:
                     self.tenant(headers, body.cache_salt), body.stream, usage,
                     usage and body.stream_options.continuous_usage_stats, t0=t0,
                     prompt_logprobs=None if body.stream else body.prompt_logprobs,
-                    return_ids=body.return_token_ids)
+                    return_ids=body.return_token_ids,
+                    truncate=truncation(body, self.backend.info.max_model_len))
 
     @staticmethod
     def tenant(headers: Mapping[str, str], salt: str | None = None) -> str:
@@ -140,7 +141,7 @@ class Proxy:
                 r = Request(f"{call.id}-{len(call.prepared)}", [] if ids else prompt, s, mode=m.mode,
                             session=m.session, agent=m.agent, round=call.number,
                             prompt_token_ids=prompt if ids else None, tenant=call.tenant,
-                            add_special_tokens=special)
+                            add_special_tokens=special, truncate=call.truncate)
                 try:
                     call.prepared.append(self.backend.prepare(r))
                 except InvalidRequest as exc:  # the engine names the chat field, "messages"

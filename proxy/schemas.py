@@ -83,6 +83,7 @@ class Sampled(Struct, kw_only=True):
     allowed_token_ids: list[int] | None = None  # vLLM's: the only tokens it may sample
     bad_words: list[str] | None = None  # vLLM's: words it may not write
     return_token_ids: bool = False  # vLLM's: the prompt's and the output's token ids in the answer
+    truncate_prompt_tokens: int | None = None  # vLLM's: only the prompt's last k tokens (-1: the context's)
     logit_bias: dict[str, float] | None = None
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputs | None = None  # vLLM's extra parameter
@@ -182,6 +183,20 @@ def sampling(body: Sampled, max_tokens: int | None, logprobs: bool, top: int, le
             exc.param = "max_completion_tokens"
         raise invalid(exc.message, exc.param, exc.code)
     return p
+
+
+def truncation(body: Sampled, max_model_len: int) -> int | None:
+    """How many of the prompt's last tokens to keep (vLLM's truncate_prompt_tokens; -1:
+    as many as the context holds); None: the whole prompt."""
+    k = body.truncate_prompt_tokens
+    if k is None:
+        return None
+    if k == -1:
+        return max_model_len
+    if not 1 <= k <= max_model_len:
+        raise invalid(f"truncate_prompt_tokens must be -1 or between 1 and the context's {max_model_len} "
+                      f"tokens, not {k}", "truncate_prompt_tokens")
+    return k
 
 
 def _logit_bias(bias: dict[str, float]) -> dict[int, float]:

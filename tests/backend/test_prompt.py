@@ -10,10 +10,10 @@ import pytest
 from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 from transformers import AutoTokenizer, LlamaTokenizer
 
-from tokendance.backend.api import SamplingParams, Segment
+from tokendance.backend.api import Request, SamplingParams, Segment
 from tokendance.backend.engine import Engine
 from tokendance.backend.keys import segment_key
-from tokendance.backend.prompt import tokenize
+from tokendance.backend.prompt import request_ids, tokenize
 from tokendance.backend.service import EngineBackend
 
 CORPUS = ["I think the sky is blue because of Rayleigh scattering. Bob said: Blue, clearly. "
@@ -110,3 +110,14 @@ def test_a_tokenizer_without_offsets_is_refused_when_the_server_starts(tiny_llam
     engine.tokenizer = SimpleNamespace(is_fast=False)  # a slow (Python) tokenizer: no offsets
     with pytest.raises(ValueError, match="no fast"):
         EngineBackend(engine)
+
+
+def test_truncation_keeps_the_prompts_last_tokens_and_whole_segments_only():
+    r = Request("r", [], SamplingParams(), prompt_token_ids=list(range(10, 30)),
+                shared_spans=[(2, 6), (8, 12), (14, 18)], truncate=12)
+    ids, spans = request_ids(None, r)
+    assert ids == list(range(18, 30)) and spans == [(0, 4), (6, 10)]
+    r.truncate = 11
+    assert request_ids(None, r) == (list(range(19, 30)), [(5, 9)])  # (8, 12) was cut into: private
+    r.truncate = 20
+    assert request_ids(None, r) == (list(range(10, 30)), [(2, 6), (8, 12), (14, 18)])

@@ -164,6 +164,22 @@ def test_return_token_ids_as_vllm_gives_them(client, model, engine_live):
     assert sum((c.choices[0].model_extra.get("token_ids", []) for c in streamed[1:] if c.choices), []) == out
 
 
+def test_truncate_prompt_tokens_keeps_the_prompts_end(client, model, engine_live):
+    kw = dict(model=model, temperature=0, max_tokens=4)
+    cut = client.completions.create(**kw, prompt=list(range(5, 25)),
+                                    extra_body={"truncate_prompt_tokens": 6, "return_token_ids": True})
+    tail = client.completions.create(**kw, prompt=list(range(19, 25)))
+    assert cut.usage.prompt_tokens == 6 and cut.choices[0].model_extra["prompt_token_ids"] == list(range(19, 25))
+    assert cut.choices[0].text == tail.choices[0].text
+    n = engine_live.backend.info.max_model_len
+    whole = client.completions.create(**kw, prompt=[5, 6, 7], extra_body={"truncate_prompt_tokens": -1})
+    assert whole.usage.prompt_tokens == 3
+    for k in (0, -2, n + 1):
+        with pytest.raises(openai.BadRequestError) as e:
+            client.chat.completions.create(**kw, messages=user("Hi."), extra_body={"truncate_prompt_tokens": k})
+        assert e.value.body["param"] == "truncate_prompt_tokens"
+
+
 def test_prompt_longer_than_the_context_is_a_400(client, model, engine_live):
     n = engine_live.backend.info.max_model_len
     with pytest.raises(openai.BadRequestError):
