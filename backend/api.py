@@ -139,7 +139,6 @@ class SamplingParams:
             if not -100.0 <= bias <= 100.0:
                 raise InvalidRequest(f"logit_bias of token {token} is {bias}; it must be between -100 "
                                      "and 100", "logit_bias")
-
         if self.allowed_token_ids is not None and not self.allowed_token_ids:
             raise InvalidRequest("allowed_token_ids must name at least one token", "allowed_token_ids")
         if not all(self.bad_words):

@@ -9,8 +9,8 @@ import structlog
 import torch
 
 from tokendance.backend import heap, loader, scoring
-from tokendance.backend.banned import sequences
 from tokendance.backend.api import BASES, Delta, InvalidRequest, SamplingParams, TokenLogprob, TopLogprob, Usage, check_mode
+from tokendance.backend.banned import sequences
 from tokendance.backend.blocks import BlockManager
 from tokendance.backend.budget import pool_tokens
 from tokendance.backend.collector import Collector, ReuseConfig, batches

@@ -7,8 +7,8 @@ without them.
 `prompts` random prompts of `tokens` tokens each, prefilled to their first token
 (max_tokens 1) in `full`; scored: with SamplingParams.prompt_logprobs = `top` (what
 `echo` with `logprobs` asks for: backend/scoring.py). The engine's startup heap is frozen
-for Python's garbage collector while they run, as `serve` freezes it (backend/heap.py). Each variant once
-per repeat, in turn; medians in ms, and scored / plain.
+for Python's garbage collector while they run, as `serve` freezes it (backend/heap.py).
+Each variant once per repeat, in turn; medians in ms, and scored / plain.
 """
 
 from __future__ import annotations

@@ -13,9 +13,9 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import msgspec
-from msgspec import UNSET, UnsetType
 import structlog
 from aiohttp import web
+from msgspec import UNSET, UnsetType
 
 from tokendance.backend.api import BackendError, Delta, Stream, TokenLogprob
 
