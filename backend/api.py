@@ -214,7 +214,7 @@ class TopLogprob:
     token: str
     logprob: float
     bytes: list[int]
-    id: int | None = None  # a prompt token's alternatives name their ids (vLLM's prompt_logprobs)
+    id: int | None = None  # the token's id (None from a backend that does not name it)
 
 
 @dataclass(slots=True)
@@ -223,9 +223,8 @@ class TokenLogprob:
     logprob: float | None  # None: a prompt's first token, which nothing predicts
     bytes: list[int]
     top: list[TopLogprob] = field(default_factory=list)
-    # a scored prompt token's (backend/scoring.py): its id, and 1 + how many tokens were likelier
-    id: int | None = None
-    rank: int | None = None
+    id: int | None = None  # the token's id (None from a backend that does not name it)
+    rank: int | None = None  # a scored prompt token's (backend/scoring.py): 1 + how many were likelier
 
 
 @dataclass(slots=True)

@@ -315,7 +315,8 @@ class Engine:
     def _logprob(self, tok: int, pick: Sampled) -> TokenLogprob:
         top = pick.top or []
         (s, b), *alts = self.pieces([tok] + [t for t, _ in top])
-        return TokenLogprob(s, pick.logprob, b, [TopLogprob(ts, lp, tb) for (ts, tb), (_, lp) in zip(alts, top)])
+        return TokenLogprob(s, pick.logprob, b, [TopLogprob(ts, lp, tb, t) for (ts, tb), (t, lp) in zip(alts, top)],
+                            tok)
 
     def _finish(self, seq: Sequence, reason: str) -> Delta:
         seq.status = Status.FINISHED

@@ -26,6 +26,7 @@ from tokendance.backend.api import (
     Template, TopLogprob, Usage, check_mode,
 )
 from tokendance.backend.auth import header, refused
+from tokendance.backend.detok import Pieces
 from tokendance.backend.grammar import Grammars
 from tokendance.backend.generation import defaults
 from tokendance.backend.prompt import check, fast_tokenizer, render_chat, request_ids
@@ -45,6 +46,7 @@ class VLLMBackend:
         self.info = ModelInfo(model, max_model_len, 0, sampling or {})
         self.tokenizer = tokenizer
         self.grammars = Grammars(tokenizer, len(tokenizer))  # checks structured outputs' specs
+        self.pieces = Pieces(tokenizer)  # a logprob's token text, as the engine writes it
         self.mode = _served(mode)
         self.timeout = timeout
         self.headers = header(api_key)  # vLLM's --api-key, when it has one (backend/auth.py)
@@ -161,7 +163,7 @@ class VLLMBackend:
                         continue
                     chunk = json.loads(line[6:])
                     for c in chunk.get("choices") or []:
-                        d = _delta(c)
+                        d = _delta(c, self.pieces)
                         if d.finish_reason is None:
                             st.put(d)
                         else:
@@ -203,8 +205,8 @@ class VLLMBackend:
             body["seed"] = s.seed
         if s.logit_bias:
             body["logit_bias"] = {str(k): v for k, v in s.logit_bias.items()}
-        if s.logprobs:
-            body["logprobs"] = s.top_logprobs
+        if s.logprobs:  # by id: their text is written as our engine writes it (_delta)
+            body["logprobs"], body["return_tokens_as_token_ids"] = s.top_logprobs, True
         if s.allowed_token_ids is not None:
             body["allowed_token_ids"] = s.allowed_token_ids
         if s.bad_words:
@@ -237,15 +239,26 @@ def _refused(status: int, text: str) -> Exception:
     return BackendError(f"the vLLM server answered HTTP {status}: {message}")
 
 
-def _delta(c: dict[str, Any]) -> Delta:
+def _delta(c: dict[str, Any], pieces: Pieces) -> Delta:
+    """A streamed choice as a Delta; its logprobs' tokens come as "token_id:N"."""
     d = Delta(c.get("text") or "", list(c.get("token_ids") or []), finish_reason=c.get("finish_reason"))
     lp = c.get("logprobs")
     if lp:
         tops = lp.get("top_logprobs") or [None] * len(lp["tokens"])
         for tok, val, top in zip(lp["tokens"], lp["token_logprobs"], tops):
-            d.logprobs.append(TokenLogprob(tok, val, list(tok.encode()), [
-                TopLogprob(t, v, list(t.encode())) for t, v in (top or {}).items()]))
+            alts = [(_id(t), v) for t, v in (top or {}).items()]
+            (s, b), *texts = pieces([_id(tok)] + [a for a, _ in alts])
+            d.logprobs.append(TokenLogprob(s, val, b, [TopLogprob(ts, v, tb, a) for (ts, tb), (a, v)
+                                                       in zip(texts, alts)], _id(tok)))
     return d
+
+
+def _id(token: str) -> int:
+    """vLLM's "token_id:N" (its return_tokens_as_token_ids) as N."""
+    try:
+        return int(token.removeprefix("token_id:"))
+    except ValueError:
+        raise BackendError(f"the vLLM server named a logprob's token {token[:40]!r}, not its id") from None
 
 
 def _usage(u: dict[str, Any], shared: int) -> Usage:

@@ -49,6 +49,7 @@ class Call:
     echo: Echo | None = None  # a completion's `echo` (proxy/echo.py)
     prompt_logprobs: int | None = None  # vLLM's field: alternatives to list per prompt token
     return_ids: bool = False  # vLLM's return_token_ids: the prompt's and each choice's token ids
+    as_ids: bool = False  # vLLM's return_tokens_as_token_ids: logprobs' tokens as "token_id:N"
     truncate: int | None = None  # vLLM's truncate_prompt_tokens, resolved (Request.truncate)
     ids: list[list[int]] = field(default_factory=list)  # each choice's output token ids
     scored: list[list[TokenLogprob]] = field(default_factory=list)  # each choice's prompt tokens'

@@ -94,7 +94,7 @@ class Proxy:
                     self.tenant(headers, body.cache_salt), body.stream, usage,
                     usage and body.stream_options.continuous_usage_stats, t0=t0,
                     prompt_logprobs=None if body.stream else body.prompt_logprobs,
-                    return_ids=body.return_token_ids,
+                    return_ids=body.return_token_ids, as_ids=body.return_tokens_as_token_ids,
                     truncate=truncation(body, self.backend.info.max_model_len))
 
     @staticmethod

@@ -17,7 +17,7 @@ import structlog
 from aiohttp import web
 from msgspec import UNSET, UnsetType
 
-from tokendance.backend.api import BackendError, Delta, Stream, TokenLogprob
+from tokendance.backend.api import BackendError, Delta, Stream, TokenLogprob, TopLogprob
 
 from . import calls, replies as s
 from .call import Call
@@ -277,8 +277,17 @@ def _usage(call: Call) -> s.UsageOut:
 def chat_lp(call: Call, lps: list[TokenLogprob]) -> s.ChatLogprobs | None:
     if not call.prepared[0].request.sampling.logprobs:
         return None
-    return s.ChatLogprobs([s.ChatLogprob(t.token, t.logprob, t.bytes, [
-        s.TopLogprob(x.token, x.logprob, x.bytes) for x in t.top]) for t in lps])
+    return s.ChatLogprobs([s.ChatLogprob(*_named(call, t), [
+        s.TopLogprob(*_named(call, x)) for x in t.top]) for t in lps])
+
+
+def _named(call: Call, t: TokenLogprob | TopLogprob) -> tuple[str, float | None, list[int]]:
+    """(token, logprob, bytes) of a logprob; its token "token_id:N" under vLLM's
+    return_tokens_as_token_ids."""
+    if call.as_ids and t.id is not None:
+        name = f"token_id:{t.id}"
+        return name, t.logprob, list(name.encode())
+    return t.token, t.logprob, t.bytes
 
 
 def _prompt_lp(call: Call, scored: list[TokenLogprob]) -> list[dict[int, s.PromptLogprob] | None] | None:
@@ -302,6 +311,6 @@ def _text_lp(call: Call, lps: list[TokenLogprob], offset: int) -> s.TextLogprobs
     for t in lps:
         offsets.append(offset)
         offset += len(t.token)
-    return s.TextLogprobs([t.token for t in lps], [t.logprob for t in lps],
-                          [None if t.logprob is None else {x.token: x.logprob for x in t.top} for t in lps],
-                          offsets)
+    return s.TextLogprobs([_named(call, t)[0] for t in lps], [t.logprob for t in lps],
+                          [None if t.logprob is None else {_named(call, x)[0]: x.logprob for x in t.top}
+                           for t in lps], offsets)

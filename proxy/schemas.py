@@ -83,6 +83,7 @@ class Sampled(Struct, kw_only=True):
     allowed_token_ids: list[int] | None = None  # vLLM's: the only tokens it may sample
     bad_words: list[str] | None = None  # vLLM's: words it may not write
     return_token_ids: bool = False  # vLLM's: the prompt's and the output's token ids in the answer
+    return_tokens_as_token_ids: bool = False  # vLLM's: logprobs name their tokens "token_id:N"
     truncate_prompt_tokens: int | None = None  # vLLM's: only the prompt's last k tokens (-1: the context's)
     logit_bias: dict[str, float] | None = None
     response_format: ResponseFormat | None = None

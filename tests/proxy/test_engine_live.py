@@ -164,6 +164,20 @@ def test_return_token_ids_as_vllm_gives_them(client, model, engine_live):
     assert sum((c.choices[0].model_extra.get("token_ids", []) for c in streamed[1:] if c.choices), []) == out
 
 
+def test_return_tokens_as_token_ids_names_logprobs_by_id(client, model):
+    ask = {"return_tokens_as_token_ids": True, "return_token_ids": True}
+    chat = client.chat.completions.create(model=model, messages=user("Hi."), max_tokens=3, temperature=0,
+                                          logprobs=True, top_logprobs=2, extra_body=ask)
+    lps = chat.choices[0].logprobs.content
+    assert [t.token for t in lps] == [f"token_id:{i}" for i in chat.choices[0].model_extra["token_ids"]]
+    assert all(t.bytes == list(t.token.encode()) and x.token.startswith("token_id:")
+               for t in lps for x in t.top_logprobs)
+    text = client.completions.create(model=model, prompt="Hi.", max_tokens=3, temperature=0, logprobs=2,
+                                     extra_body=ask).choices[0]
+    assert text.logprobs.tokens == [f"token_id:{i}" for i in text.model_extra["token_ids"]]
+    assert all(k.startswith("token_id:") for top in text.logprobs.top_logprobs for k in top)
+
+
 def test_truncate_prompt_tokens_keeps_the_prompts_end(client, model, engine_live):
     kw = dict(model=model, temperature=0, max_tokens=4)
     cut = client.completions.create(**kw, prompt=list(range(5, 25)),

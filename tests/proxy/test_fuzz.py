@@ -24,7 +24,8 @@ FIELDS = ["messages", "prompt", "n", "stop", "max_tokens", "max_completion_token
           "response_format", "structured_outputs", "tools", "tool_choice", "parallel_tool_calls", "tokendance",
           "include_stop_str_in_output", "skip_special_tokens", "add_special_tokens", "echo", "best_of",
           "chat_template_kwargs", "add_generation_prompt", "continue_final_message", "prompt_logprobs",
-          "allowed_token_ids", "bad_words", "return_token_ids", "truncate_prompt_tokens"]
+          "allowed_token_ids", "bad_words", "return_token_ids", "truncate_prompt_tokens",
+          "return_tokens_as_token_ids"]
 TOOLS = [{"type": "function", "function": {"name": "f", "strict": True, "parameters": {
     "type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}}},
     {"type": "function", "function": {"name": "g"}}]
@@ -42,6 +43,7 @@ PLAUSIBLE: dict[str, Any] = {
     "tools": [TOOLS], "tool_choice": ["auto", "none", "required", {"type": "function", "function": {"name": "f"}}],
     "parallel_tool_calls": [False], "logprobs": [True, 2], "top_logprobs": [0, 3], "prompt_logprobs": [0, 2],
     "allowed_token_ids": [[5, 6], [17]], "bad_words": [["a"], ["the end", "x"]], "return_token_ids": [True],
+    "return_tokens_as_token_ids": [True],
     "truncate_prompt_tokens": [-1, 3, 50],
     "chat_template_kwargs": [{"enable_thinking": False}, {"messages": []}, {"bos_token": "<x>"}],
     "add_generation_prompt": [False], "continue_final_message": [True],

@@ -57,9 +57,10 @@ class FakeVLLM:
             for i in range(n):
                 choice = {"index": 0, "text": f" w{i}", "token_ids": [100 + i],
                           "finish_reason": "length" if i == n - 1 else None}
-                if body.get("logprobs") is not None:
-                    choice["logprobs"] = {"tokens": [f" w{i}"], "token_logprobs": [-0.5],
-                                          "top_logprobs": [{f" w{i}": -0.5, " x": -1.5}]}
+                if body.get("logprobs") is not None:  # as vLLM names them with return_tokens_as_token_ids
+                    assert body["return_tokens_as_token_ids"]
+                    choice["logprobs"] = {"tokens": [f"token_id:{100 + i}"], "token_logprobs": [-0.5],
+                                          "top_logprobs": [{f"token_id:{100 + i}": -0.5, "token_id:7": -1.5}]}
                 await resp.write(b"data: " + json.dumps({"choices": [choice]}).encode() + b"\n\n")
                 await asyncio.sleep(0.01)
             usage = {"prompt_tokens": len(body["prompt"]), "completion_tokens": n,
@@ -165,14 +166,21 @@ async def test_full_and_prefix_map_to_cache_salts(proxy, vllm):
     assert e.value.body["param"] == "mode" and "TokenDance engine" in e.value.body["message"]
 
 
-async def test_streams_and_logprobs_come_back(proxy):
+async def test_streams_and_logprobs_come_back(proxy, tiny_llama):
+    """The logprobs' tokens come by id and are written as the engine writes them."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_llama)
+    kw = dict(model="fake-vllm", messages=user("Go."), max_tokens=4, logprobs=True, top_logprobs=2)
     chunks = [c async for c in await _client(proxy).chat.completions.create(
-        model="fake-vllm", messages=user("Go."), max_tokens=4, logprobs=True, top_logprobs=2, stream=True,
-        stream_options={"include_usage": True})]
+        **kw, stream=True, stream_options={"include_usage": True})]
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     lps = [t for c in chunks if c.choices and c.choices[0].logprobs for t in c.choices[0].logprobs.content]
-    assert text == " w0 w1 w2 w3" and [t.token for t in lps] == [" w0", " w1", " w2", " w3"]
-    assert [x.token for x in lps[0].top_logprobs] == [" w0", " x"] and chunks[-1].usage.completion_tokens == 4
+    assert text == " w0 w1 w2 w3" and [t.token for t in lps] == [tok.decode([100 + i]) for i in range(4)]
+    assert [x.token for x in lps[0].top_logprobs] == [tok.decode([100]), tok.decode([7])]
+    assert chunks[-1].usage.completion_tokens == 4
+    named = await _client(proxy).chat.completions.create(**kw, extra_body={"return_tokens_as_token_ids": True})
+    assert [t.token for t in named.choices[0].logprobs.content] == [f"token_id:{100 + i}" for i in range(4)]
 
 
 async def test_what_vllm_refuses_is_a_400(proxy):
