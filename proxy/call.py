@@ -3,6 +3,7 @@ of its prompts, what the backend gave each, and its timings."""
 
 from __future__ import annotations
 
+import secrets
 import time
 from dataclasses import dataclass, field
 
@@ -15,7 +16,7 @@ from .session import Meta, Round
 
 @dataclass(slots=True, eq=False)
 class Call:
-    id: str
+    id: str  # the answer's (a client may choose it: proxy/schemas.answer_id)
     kind: str  # "chat" | "completion" | "response"
     model: str
     meta: Meta
@@ -51,6 +52,7 @@ class Call:
     return_ids: bool = False  # vLLM's return_token_ids: the prompt's and each choice's token ids
     as_ids: bool = False  # vLLM's return_tokens_as_token_ids: logprobs' tokens as "token_id:N"
     truncate: int | None = None  # vLLM's truncate_prompt_tokens, resolved (Request.truncate)
+    key: str = field(default_factory=lambda: secrets.token_hex(12))  # its requests' ids begin with it: unique
     ids: list[list[int]] = field(default_factory=list)  # each choice's output token ids
     scored: list[list[TokenLogprob]] = field(default_factory=list)  # each choice's prompt tokens'
 

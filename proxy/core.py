@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-import secrets
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
@@ -24,7 +23,7 @@ from . import tools as t
 from .barrier import Barrier, Entry, Gate
 from .call import Call
 from .errors import ApiError, from_backend, invalid
-from .schemas import RoundOpen, Sampled, truncation
+from .schemas import RoundOpen, Sampled, answer_id, truncation
 from .known import Known
 from .peers import Peers
 from .session import Round, Sessions, check_name, read_meta, round_number
@@ -90,7 +89,7 @@ class Proxy:
         meta.owner = self.owner(headers)
         prefix = {"chat": "chatcmpl-", "completion": "cmpl-", "response": "resp_"}[kind]
         usage = bool(body.stream_options and body.stream_options.include_usage)
-        return Call(prefix + secrets.token_hex(12), kind, self.names[0], meta, body.n,
+        return Call(prefix + answer_id(body), kind, self.names[0], meta, body.n,
                     self.tenant(headers, body.cache_salt), body.stream, usage,
                     usage and body.stream_options.continuous_usage_stats, t0=t0,
                     prompt_logprobs=None if body.stream else body.prompt_logprobs,
@@ -138,7 +137,7 @@ class Proxy:
             ids = prompt and isinstance(prompt[0], int)
             for j in range(call.n):
                 s = sp if j == 0 or sp.seed is None else replace(sp, seed=sp.seed + j)
-                r = Request(f"{call.id}-{len(call.prepared)}", [] if ids else prompt, s, mode=m.mode,
+                r = Request(f"{call.key}-{len(call.prepared)}", [] if ids else prompt, s, mode=m.mode,
                             session=m.session, agent=m.agent, round=call.number,
                             prompt_token_ids=prompt if ids else None, tenant=call.tenant,
                             add_special_tokens=special, truncate=call.truncate)

@@ -9,6 +9,7 @@ are rejected by `check_*`, never silently dropped.
 from __future__ import annotations
 
 import re
+import secrets
 from collections.abc import Callable
 from typing import Any
 
@@ -85,6 +86,7 @@ class Sampled(Struct, kw_only=True):
     return_token_ids: bool = False  # vLLM's: the prompt's and the output's token ids in the answer
     return_tokens_as_token_ids: bool = False  # vLLM's: logprobs name their tokens "token_id:N"
     truncate_prompt_tokens: int | None = None  # vLLM's: only the prompt's last k tokens (-1: the context's)
+    request_id: str | None = None  # vLLM's: the answer's id, after its prefix
     logit_bias: dict[str, float] | None = None
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputs | None = None  # vLLM's extra parameter
@@ -184,6 +186,17 @@ def sampling(body: Sampled, max_tokens: int | None, logprobs: bool, top: int, le
             exc.param = "max_completion_tokens"
         raise invalid(exc.message, exc.param, exc.code)
     return p
+
+
+def answer_id(body: Sampled) -> str:
+    """The answer's id after its prefix: vLLM's `request_id` (visible ASCII, at most 256
+    characters: it is a header's value too), else a random one."""
+    rid = body.request_id
+    if rid is None:
+        return secrets.token_hex(12)
+    if not (0 < len(rid) <= 256 and all("!" <= c <= "~" for c in rid)):
+        raise invalid("request_id must be 1 to 256 visible ASCII characters", "request_id")
+    return rid
 
 
 def truncation(body: Sampled, max_model_len: int) -> int | None:

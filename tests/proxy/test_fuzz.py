@@ -25,7 +25,7 @@ FIELDS = ["messages", "prompt", "n", "stop", "max_tokens", "max_completion_token
           "include_stop_str_in_output", "skip_special_tokens", "add_special_tokens", "echo", "best_of",
           "chat_template_kwargs", "add_generation_prompt", "continue_final_message", "prompt_logprobs",
           "allowed_token_ids", "bad_words", "return_token_ids", "truncate_prompt_tokens",
-          "return_tokens_as_token_ids"]
+          "return_tokens_as_token_ids", "request_id"]
 TOOLS = [{"type": "function", "function": {"name": "f", "strict": True, "parameters": {
     "type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}}},
     {"type": "function", "function": {"name": "g"}}]
@@ -43,7 +43,7 @@ PLAUSIBLE: dict[str, Any] = {
     "tools": [TOOLS], "tool_choice": ["auto", "none", "required", {"type": "function", "function": {"name": "f"}}],
     "parallel_tool_calls": [False], "logprobs": [True, 2], "top_logprobs": [0, 3], "prompt_logprobs": [0, 2],
     "allowed_token_ids": [[5, 6], [17]], "bad_words": [["a"], ["the end", "x"]], "return_token_ids": [True],
-    "return_tokens_as_token_ids": [True],
+    "return_tokens_as_token_ids": [True], "request_id": ["a-1", "x:y"],
     "truncate_prompt_tokens": [-1, 3, 50],
     "chat_template_kwargs": [{"enable_thinking": False}, {"messages": []}, {"bos_token": "<x>"}],
     "add_generation_prompt": [False], "continue_final_message": [True],

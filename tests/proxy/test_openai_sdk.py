@@ -33,6 +33,20 @@ def test_chat(client):
     assert r.usage.prompt_tokens_details.cached_tokens == 0
 
 
+def test_a_client_may_name_its_answer_as_in_vllm(client):
+    """vLLM's request_id: the answer's id after its prefix (two requests may share one)."""
+    r = client.chat.completions.with_raw_response.create(model=MODEL, messages=ask("a b"),
+                                                         extra_body={"request_id": "agent-7:turn-3"})
+    assert r.parse().id == "chatcmpl-agent-7:turn-3" and r.headers["X-Request-Id"] == r.parse().id
+    chunks = list(client.completions.create(model=MODEL, prompt="c d", n=2, stream=True,
+                                            extra_body={"request_id": "agent-7:turn-3"}))
+    assert {c.id for c in chunks} == {"cmpl-agent-7:turn-3"}
+    for bad in ("", "has space", "x" * 257, "new\nline"):
+        with pytest.raises(openai.BadRequestError) as e:
+            client.chat.completions.create(model=MODEL, messages=ask("a"), extra_body={"request_id": bad})
+        assert e.value.body["param"] == "request_id"
+
+
 def test_chat_stream_matches_the_whole_answer(client):
     msgs = ask("alpha beta gamma delta")
     whole = client.chat.completions.create(model=MODEL, messages=msgs)
