@@ -84,6 +84,8 @@ def _prepare(px: Proxy, call: Call, body: schemas.ChatRequest) -> None:
     messages, sampling, call.tools = schemas.check_chat(body, px.dialect, px.backend.info)
     template = schemas.template(body.chat_template_kwargs, body.add_generation_prompt, body.continue_final_message)
     call.meta.resumes = messages[-1]["role"] == "tool"
+    if body.echo and messages[-1]["role"] == "assistant":  # what continue_final_message goes on from
+        call.echo = echo.make([messages[-1]["content"]], body.n, False, 0, None)
     known = px.place(call)
     messages, render = px.chat_form(messages, call.tools, template)
     prompt = segment.chat(render, messages, call.meta.separators, known)

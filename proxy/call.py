@@ -47,7 +47,7 @@ class Call:
     usage: list[Usage | None] = field(default_factory=list)
     outcome: str = "ok"  # "ok" | "error" | "abort"
     done: bool = False
-    echo: Echo | None = None  # a completion's `echo` (proxy/echo.py)
+    echo: Echo | None = None  # a completion's `echo`, or a chat's (proxy/echo.py)
     prompt_logprobs: int | None = None  # vLLM's field: alternatives to list per prompt token
     return_ids: bool = False  # vLLM's return_token_ids: the prompt's and each choice's token ids
     as_ids: bool = False  # vLLM's return_tokens_as_token_ids: logprobs' tokens as "token_id:N"

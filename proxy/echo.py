@@ -1,7 +1,11 @@
 """The legacy completions' `echo`: each choice's text begins with its prompt and, with
 `logprobs`, its logprobs with the prompt tokens' (the engine scores them:
 backend/scoring.py; the first token's is null). With `max_tokens` 0 a choice is its
-prompt alone, scored: the engine generates one token, which the answer leaves out."""
+prompt alone, scored: the engine generates one token, which the answer leaves out.
+
+vLLM's chat `echo` is the same for the last message's content, when that is the
+assistant's (what `continue_final_message` goes on from): each choice's content begins
+with it."""
 
 from __future__ import annotations
 

@@ -73,7 +73,8 @@ async def _json(px: Proxy, call: Call, streams: list[Stream]) -> web.Response:
             reasoning, text = th.whole(call.text(i)) if th else ("", call.text(i))
             got = r.whole(text)
             call.shown.append(got.content)
-            message = s.OutMessage("assistant", got.content if got.content or not got.calls else None,
+            content = call.echo.text(i, got.content) if call.echo else got.content
+            message = s.OutMessage("assistant", content if content or not got.calls else None,
                                    [s.OutCall(c.id or "", s.OutFunction(c.name or "", c.arguments))
                                     for c in got.calls] or None, reasoning or None)
             choices.append(s.ChatChoice(i, message, calls.finish(r, call.finish[i]),
@@ -108,11 +109,14 @@ async def _sse(req: web.Request, px: Proxy, call: Call, streams: list[Stream]) -
                 s.ChunkChoice(i, s.OutDelta("assistant", "")) for i in range(len(streams))], _so_far(call, 0),
                 prompt_token_ids=_ids(call, 0)[0])))
             sent = [0] * len(streams)
+            if call.echo:  # vLLM's: the last message's content first
+                await resp.write(_event(s.ChatChunk(call.id, call.created, call.model, [
+                    s.ChunkChoice(i, s.OutDelta(content=call.echo.texts[i])) for i in range(len(streams))])))
         try:
             async with contextlib.aclosing(merged(call, streams)) as deltas:
                 async for i, d in deltas:
                     call.add(i, d)
-                    text, lps = call.echo.piece(i, d, call.scored[i]) if call.echo else (d.text, d.logprobs)
+                    text, lps = call.echo.piece(i, d, call.scored[i]) if call.echo and not chat else (d.text, d.logprobs)
                     chunk = _chat_chunk(call, i, d, readers[i], thinking[i]) if chat else \
                         _text_chunk(call, i, text, lps, d.finish_reason, offsets[i])
                     offsets[i] += len(text)

@@ -109,6 +109,7 @@ class ChatRequest(Sampled, kw_only=True):
     chat_template_kwargs: dict[str, Any] | None = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False
+    echo: bool = False  # vLLM's: the answer begins with the last message's content, if the assistant's
 
 
 class CompletionRequest(Sampled, kw_only=True):

@@ -164,6 +164,21 @@ def test_return_token_ids_as_vllm_gives_them(client, model, engine_live):
     assert sum((c.choices[0].model_extra.get("token_ids", []) for c in streamed[1:] if c.choices), []) == out
 
 
+def test_a_chats_echo_begins_with_the_assistants_last_message(client, model):
+    """vLLM's chat echo, with continue_final_message: the answer is the whole message."""
+    said = "The river runs"
+    kw = dict(model=model, temperature=0, max_tokens=4,
+              messages=[{"role": "user", "content": "Go on."}, {"role": "assistant", "content": said}])
+    go_on = {"continue_final_message": True, "add_generation_prompt": False}
+    plain = client.chat.completions.create(**kw, extra_body=go_on).choices[0].message.content
+    whole = client.chat.completions.create(**kw, extra_body={**go_on, "echo": True}).choices[0].message.content
+    assert whole == said + plain
+    chunks = list(client.chat.completions.create(**kw, stream=True, extra_body={**go_on, "echo": True}))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == whole
+    user_last = client.chat.completions.create(**{**kw, "messages": user("Go on.")}, extra_body={"echo": True})
+    assert not user_last.choices[0].message.content.startswith("Go on.")  # only the assistant's is echoed
+
+
 def test_return_tokens_as_token_ids_names_logprobs_by_id(client, model):
     ask = {"return_tokens_as_token_ids": True, "return_token_ids": True}
     chat = client.chat.completions.create(model=model, messages=user("Hi."), max_tokens=3, temperature=0,
