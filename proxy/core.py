@@ -89,7 +89,8 @@ class Proxy:
         meta.owner = self.owner(headers)
         prefix = {"chat": "chatcmpl-", "completion": "cmpl-", "response": "resp_"}[kind]
         usage = bool(body.stream_options and body.stream_options.include_usage)
-        return Call(prefix + answer_id(body), kind, self.names[0], meta, body.n,
+        named = headers.get("X-Request-Id") if kind != "response" else None  # a response's id keys its store
+        return Call(prefix + answer_id(body, named), kind, self.names[0], meta, body.n,
                     self.tenant(headers, body.cache_salt), body.stream, usage,
                     usage and body.stream_options.continuous_usage_stats, t0=t0,
                     prompt_logprobs=None if body.stream else body.prompt_logprobs,

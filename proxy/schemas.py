@@ -87,6 +87,7 @@ class Sampled(Struct, kw_only=True):
     return_tokens_as_token_ids: bool = False  # vLLM's: logprobs name their tokens "token_id:N"
     truncate_prompt_tokens: int | None = None  # vLLM's: only the prompt's last k tokens (-1: the context's)
     request_id: str | None = None  # vLLM's: the answer's id, after its prefix
+    priority: int = 0  # vLLM's: only 0, as a vLLM server without priority scheduling takes it
     logit_bias: dict[str, float] | None = None
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputs | None = None  # vLLM's extra parameter
@@ -175,6 +176,8 @@ def sampling(body: Sampled, max_tokens: int | None, logprobs: bool, top: int, le
         logit_bias=_logit_bias(body.logit_bias or {}), allowed_token_ids=body.allowed_token_ids,
         bad_words=list(body.bad_words or []),
         structure=structure(body.response_format, body.structured_outputs))
+    if body.priority:
+        raise unsupported("priority", "priority other than 0 (first come, first served here)")
     if body.prompt_logprobs and body.stream:  # as vLLM: a chunk has no place for them; 0 is dropped
         raise invalid("prompt_logprobs are not available when stream is true", "prompt_logprobs")
     if not body.stream:
@@ -189,14 +192,15 @@ def sampling(body: Sampled, max_tokens: int | None, logprobs: bool, top: int, le
     return p
 
 
-def answer_id(body: Sampled) -> str:
-    """The answer's id after its prefix: vLLM's `request_id` (visible ASCII, at most 256
-    characters: it is a header's value too), else a random one."""
-    rid = body.request_id
+def answer_id(body: Sampled, header: str | None = None) -> str:
+    """The answer's id after its prefix: as vLLM takes it, the request's `X-Request-Id`
+    header, else its `request_id` (visible ASCII, at most 256 characters: it is a header's
+    value too), else a random one."""
+    rid, name = (header, "X-Request-Id") if header is not None else (body.request_id, "request_id")
     if rid is None:
         return secrets.token_hex(12)
     if not (0 < len(rid) <= 256 and all("!" <= c <= "~" for c in rid)):
-        raise invalid("request_id must be 1 to 256 visible ASCII characters", "request_id")
+        raise invalid(f"{name} must be 1 to 256 visible ASCII characters", name)
     return rid
 
 

@@ -25,7 +25,7 @@ FIELDS = ["messages", "prompt", "n", "stop", "max_tokens", "max_completion_token
           "include_stop_str_in_output", "skip_special_tokens", "add_special_tokens", "echo", "best_of",
           "chat_template_kwargs", "add_generation_prompt", "continue_final_message", "prompt_logprobs",
           "allowed_token_ids", "bad_words", "return_token_ids", "truncate_prompt_tokens",
-          "return_tokens_as_token_ids", "request_id"]
+          "return_tokens_as_token_ids", "request_id", "priority"]
 TOOLS = [{"type": "function", "function": {"name": "f", "strict": True, "parameters": {
     "type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}}},
     {"type": "function", "function": {"name": "g"}}]

@@ -45,6 +45,14 @@ def test_a_client_may_name_its_answer_as_in_vllm(client):
         with pytest.raises(openai.BadRequestError) as e:
             client.chat.completions.create(model=MODEL, messages=ask("a"), extra_body={"request_id": bad})
         assert e.value.body["param"] == "request_id"
+    header = client.chat.completions.create(model=MODEL, messages=ask("a"), extra_body={"request_id": "body"},
+                                            extra_headers={"X-Request-Id": "from-header"})
+    assert header.id == "chatcmpl-from-header"  # the header first, as vLLM takes it
+    r = client.responses.with_raw_response.create(model=MODEL, input="a", extra_headers={"X-Request-Id": "h"})
+    assert r.parse().id.startswith("resp_") and r.parse().id != "resp_h"  # a stored response's key stays ours
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=MODEL, messages=ask("a"), extra_body={"priority": 1})
+    assert (e.value.body["param"], e.value.body["code"]) == ("priority", "unsupported")
 
 
 def test_chat_stream_matches_the_whole_answer(client):
