@@ -74,7 +74,7 @@ def record(work: list[Scheduled], h: torch.Tensor | None, model: Decoder, pieces
     (backend/sampler.py)."""
     if h is None:
         return
-    parts = [(w, count(w)) for w in work if count(w)]
+    parts = [(w, n) for w in work if (n := count(w))]
     targets = [t for w, n in parts for t in w.seq.prompt[w.start + 1:w.start + 1 + n]]
     k = max(w.seq.sampling.prompt_logprobs or 0 for w, _ in parts)
     got = scores(model, h, upload_list(targets, torch.int64, h.device), k)

@@ -70,6 +70,11 @@ class Call:
             self.usage[i] = d.usage
 
     @property
+    def prompt_only(self) -> bool:
+        """A completion's `echo` with max_tokens 0: the token generated is left out."""
+        return self.echo is not None and self.echo.only
+
+    @property
     def overhead(self) -> float:
         """Time the proxy itself spent on this request."""
         return max(self.ended - self.t0 - self.held - self.gen, 0.0)

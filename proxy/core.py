@@ -23,7 +23,7 @@ from . import tools as t
 from .barrier import Barrier, Entry, Gate
 from .call import Call
 from .errors import ApiError, from_backend, invalid
-from .schemas import RoundOpen, Sampled, answer_id, truncation
+from .schemas import RoundOpen, Sampled, answer_id, prompt_logprobs, truncation
 from .known import Known
 from .peers import Peers
 from .session import Round, Sessions, check_name, read_meta, round_number
@@ -93,7 +93,7 @@ class Proxy:
         return Call(prefix + answer_id(body, named), kind, self.names[0], meta, body.n,
                     self.tenant(headers, body.cache_salt), body.stream, usage,
                     usage and body.stream_options.continuous_usage_stats, t0=t0,
-                    prompt_logprobs=None if body.stream else body.prompt_logprobs,
+                    prompt_logprobs=prompt_logprobs(body),
                     return_ids=body.return_token_ids, as_ids=body.return_tokens_as_token_ids,
                     truncate=truncation(body, self.backend.info.max_model_len))
 

@@ -156,7 +156,7 @@ def _ids(call: Call, i: int) -> tuple[list[int] | None | UnsetType, list[int] | 
     counts them (unset when not asked; the prompt's None from a backend without a tokenizer)."""
     if not call.return_ids:
         return UNSET, UNSET
-    return call.prepared[i].ids, [] if call.echo is not None and call.echo.only else call.ids[i]
+    return call.prepared[i].ids, [] if call.prompt_only else call.ids[i]
 
 
 def failed(px: Proxy, call: Call, exc: Exception) -> ApiError:
@@ -265,13 +265,13 @@ def _so_far(call: Call, i: int) -> s.UsageOut | None:
     """vLLM's continuous usage: choice i's counts so far, in each chunk."""
     if not call.continuous_usage:
         return None
-    p, c = call.prepared[i].prompt_tokens, 0 if call.echo is not None and call.echo.only else call.tokens[i]
+    p, c = call.prepared[i].prompt_tokens, 0 if call.prompt_only else call.tokens[i]
     return s.UsageOut(p, c, p + c)
 
 
 def _usage(call: Call) -> s.UsageOut:
     u = call.total()
-    if call.echo is not None and call.echo.only:  # the token generated is left out
+    if call.prompt_only:
         u.completion_tokens = 0
     return s.UsageOut(u.prompt_tokens, u.completion_tokens, u.prompt_tokens + u.completion_tokens,
                       s.CachedDetails(u.cached_tokens),

@@ -178,10 +178,7 @@ def sampling(body: Sampled, max_tokens: int | None, logprobs: bool, top: int, le
         structure=structure(body.response_format, body.structured_outputs))
     if body.priority:
         raise unsupported("priority", "priority other than 0 (first come, first served here)")
-    if body.prompt_logprobs and body.stream:  # as vLLM: a chunk has no place for them; 0 is dropped
-        raise invalid("prompt_logprobs are not available when stream is true", "prompt_logprobs")
-    if not body.stream:
-        p.prompt_logprobs = body.prompt_logprobs
+    p.prompt_logprobs = prompt_logprobs(body)
     try:
         p.validate()
     except InvalidRequest as exc:
@@ -190,6 +187,14 @@ def sampling(body: Sampled, max_tokens: int | None, logprobs: bool, top: int, le
             exc.param = "max_completion_tokens"
         raise invalid(exc.message, exc.param, exc.code)
     return p
+
+
+def prompt_logprobs(body: Sampled) -> int | None:
+    """vLLM's prompt_logprobs as served: never streamed (a chunk has no place for them), so
+    k > 0 with `stream` is a 400 and 0 is dropped."""
+    if body.prompt_logprobs and body.stream:
+        raise invalid("prompt_logprobs are not available when stream is true", "prompt_logprobs")
+    return None if body.stream else body.prompt_logprobs
 
 
 def answer_id(body: Sampled, header: str | None = None) -> str:
