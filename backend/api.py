@@ -165,6 +165,15 @@ class SamplingParams:
 
 
 @dataclass(slots=True)
+class Pooling:
+    """An embedding request: the prompt's last token's final hidden state is its answer,
+    as vLLM pools a generative model converted to embeddings (backend/pooling.py);
+    nothing is generated."""
+
+    normalize: bool = True  # to unit length (vLLM's default)
+
+
+@dataclass(slots=True)
 class Segment:
     """A piece of the prompt. The prompt is tokenized whole; a shared segment holds the
     tokens wholly inside its text (backend/prompt.py), whose reusable KV is keyed by them."""
@@ -192,6 +201,7 @@ class Request:
     tenant: str = ""  # namespaces the segment cache (the API key)
     add_special_tokens: bool = False  # the tokenizer's BOS/EOS around the text (vLLM: completions)
     truncate: int | None = None  # vLLM's truncate_prompt_tokens: only the prompt's last this many tokens
+    pooling: Pooling | None = None  # an embedding: the prompt pooled, nothing generated
 
 
 @dataclass(slots=True)
@@ -238,6 +248,7 @@ class Delta:
     usage: Usage | None = None  # set on the last delta
     # on a request's first delta, with SamplingParams.prompt_logprobs: one per prompt token
     prompt_logprobs: list[TokenLogprob] | None = None
+    embedding: list[float] | None = None  # a pooling request's, on its last (only) delta
 
 
 @dataclass(slots=True)

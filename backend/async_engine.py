@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import structlog
 
-from tokendance.backend.api import BackendError, Delta, InvalidRequest, SamplingParams
+from tokendance.backend.api import BackendError, Delta, InvalidRequest, Pooling, SamplingParams
 from tokendance.backend.engine import Engine
 from tokendance.backend.stream import QueueStream
 
@@ -36,6 +36,7 @@ class Job:
     tenant: str = ""
     publish: bool = False
     agent: str | None = None  # session/agent: its next request may resume from this one
+    pool: Pooling | None = None  # an embedding request (backend/pooling.py)
 
 
 class AsyncEngine:
@@ -65,7 +66,7 @@ class AsyncEngine:
             for j in jobs:
                 try:
                     self.engine.add(j.rid, j.prompt, j.sampling, j.mode, j.shared, j.tenant, j.publish,
-                                    j.agent)
+                                    j.agent, j.pool)
                 except InvalidRequest as e:
                     self._deliver(j.rid, e)
                 except Exception as e:  # fails this job only: the thread serves everyone else

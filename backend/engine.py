@@ -8,8 +8,8 @@ from pathlib import Path
 import structlog
 import torch
 
-from tokendance.backend import heap, loader, scoring
-from tokendance.backend.api import BASES, Delta, InvalidRequest, SamplingParams, TokenLogprob, TopLogprob, Usage, check_mode
+from tokendance.backend import heap, loader, pooling, scoring
+from tokendance.backend.api import BASES, Delta, InvalidRequest, Pooling, SamplingParams, Usage, check_mode
 from tokendance.backend.banned import sequences
 from tokendance.backend.blocks import BlockManager
 from tokendance.backend.budget import pool_tokens
@@ -118,16 +118,18 @@ class Engine:
 
     def add(self, rid: str, prompt: list[int], sampling: SamplingParams, mode: str = "full",
             shared: list[tuple[int, int]] | None = None, tenant: str = "", publish: bool = False,
-            agent: str | None = None) -> None:
+            agent: str | None = None, pool: Pooling | None = None) -> None:
         """Queue a request. `shared`: [lo, hi) token spans of shared segments, reused in
         pic / collective mode; `publish`: keep its output's KV as the next round's base
         (with producer bases only);
         `agent`: who sent it (a session's agent): in pic / collective mode its KV is
         parked when it finishes, and the agent's next request restores the prefix they
-        share (`full` stays the no-reuse baseline; `prefix` has its block cache)."""
+        share (`full` stays the no-reuse baseline; `prefix` has its block cache);
+        `pool`: an embedding request (backend/pooling.py), exact, so never by reuse."""
         self.check(prompt, sampling)
         check_mode(mode)
         mode = "full" if sampling.prompt_logprobs is not None else mode  # scored prompts are computed whole
+        mode = "prefix" if pool is not None and mode in ("pic", "collective") else mode
         if rid in self.seqs:
             raise InvalidRequest(f"duplicate request id {rid}", "id")
         spans = [(lo, hi) for lo, hi in check_spans(shared or [], len(prompt)) if hi - lo >= self.min_shared]
@@ -140,7 +142,8 @@ class Engine:
                        generator=gen, ends=ends, mode=mode, shared=spans, tenant=tenant,
                        publish=publish and self.cfg.bases == "producer",
                        bad=sequences(self.tokenizer, sampling.bad_words),
-                       scored=None if sampling.prompt_logprobs is None else scoring.start(prompt, self.pieces))
+                       scored=None if sampling.prompt_logprobs is None else scoring.start(prompt, self.pieces),
+                       pooling=pool)
         st = sampling.structure
         if st is not None:
             seq.until = self.tokenizer.encode(st.after, add_special_tokens=False) if st.after else []
@@ -205,12 +208,17 @@ class Engine:
         out += [(s.id, self._finish(s, "length")) for s in starved if s.status is not Status.FINISHED]
         if not work:
             return out
-        logits, scored = self.runner.run(work, self.inflight.tokens) if chain else self.runner.run(work)
+        logits, kept = self.runner.run(work, self.inflight.tokens) if chain else self.runner.run(work)
         for w in work:
             w.seq.computed = w.start + w.count
             self.blocks.publish(w.seq)
         ready = [w.seq for w in work if w.samples]
+        scored, pooled = pooling.split(work, kept)
         scoring.record(work, scored, self.model, self.pieces)
+        for w, h in pooled:  # embeddings: done once their prompt is
+            delta = self._finish(w.seq, "stop")
+            delta.embedding = pooling.vector(h, w.seq.pooling.normalize)
+            out.append((w.seq.id, delta))
         if ahead:
             launched = launch(logits, ready, self.generator)
             out += self._land() if chain else []  # while the GPU runs this step
@@ -309,14 +317,8 @@ class Engine:
         delta.token_ids = [tok]
         delta.prompt_logprobs = seq.scored if at == 0 else None
         if pick.logprob is not None:
-            delta.logprobs = [self._logprob(tok, pick)]
+            delta.logprobs = [pick.written(self.pieces)]
         return delta
-
-    def _logprob(self, tok: int, pick: Sampled) -> TokenLogprob:
-        top = pick.top or []
-        (s, b), *alts = self.pieces([tok] + [t for t, _ in top])
-        return TokenLogprob(s, pick.logprob, b, [TopLogprob(ts, lp, tb, t) for (ts, tb), (t, lp) in zip(alts, top)],
-                            tok)
 
     def _finish(self, seq: Sequence, reason: str) -> Delta:
         seq.status = Status.FINISHED

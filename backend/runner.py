@@ -5,7 +5,7 @@ from __future__ import annotations
 import structlog
 import torch
 
-from tokendance.backend import scoring
+from tokendance.backend import pooling, scoring
 from tokendance.backend.graphs import DecodeGraphs
 from tokendance.backend.mirror import EARLY, LATE
 from tokendance.backend.model import AttnMeta, Decoder, KVCache
@@ -33,7 +33,7 @@ def step_meta(work: list[Scheduled], block_size: int, device: torch.device, tras
         cu.append(cu[-1] + w.count)
         if w.samples:
             last.append(cu[-1] - 1)
-    last += scoring.rows(work, cu)  # after the sampled rows: Runner.run splits them so
+    last += scoring.rows(work, cu) + pooling.rows(work, cu)  # after the sampled rows: Runner.run splits them so
 
     def t(x: list[int], dtype: torch.dtype = torch.int64) -> torch.Tensor:
         return upload_list(x, dtype, device)
@@ -83,7 +83,8 @@ class Runner:
     def run(self, work: list[Scheduled], ids: torch.Tensor | None = None
             ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(Logits [rows that sample, vocab] in float32, the final hidden states of the
-        rows that score prompt tokens, or None: backend/scoring.py reads them). ids: a
+        rows that score prompt tokens and then of those that pool them, or None:
+        backend/scoring.py and backend/pooling.py read them). ids: a
         decode step's input tokens on the device, when the host has not read them
         (backend/lookahead.py)."""
         if self.graphs is not None:

@@ -7,13 +7,18 @@ and the log-probabilities of chosen (and top) tokens under the model's distribut
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
+from tokendance.backend.api import TokenLogprob, TopLogprob
 from tokendance.backend.grammar import mask
 from tokendance.backend.penalties import Penalized
 from tokendance.backend.sequence import Sequence
 from tokendance.backend.upload import upload_list
+
+if TYPE_CHECKING:
+    from tokendance.backend.detok import Pieces
 
 
 @dataclass(slots=True)
@@ -21,6 +26,13 @@ class Sampled:
     token: int
     logprob: float | None = None
     top: list[tuple[int, float]] | None = None
+
+    def written(self, pieces: Pieces) -> TokenLogprob:
+        """Its logprob and alternatives, with their texts (`logprob` must be set)."""
+        top = self.top or []
+        (s, b), *alts = pieces([self.token] + [t for t, _ in top])
+        return TokenLogprob(s, self.logprob, b, [TopLogprob(ts, lp, tb, t) for (ts, tb), (t, lp) in zip(alts, top)],
+                            self.token)
 
 
 def _filter(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor,

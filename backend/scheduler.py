@@ -26,8 +26,13 @@ class Scheduled:
 
     @property
     def samples(self) -> bool:
-        """Whether this step completes the sequence's pending tokens."""
-        return self.start + self.count == len(self.seq)
+        """Whether this step completes the sequence's pending tokens and samples the next."""
+        return self.start + self.count == len(self.seq) and self.seq.pooling is None
+
+    @property
+    def pools(self) -> bool:
+        """Whether this step completes an embedding request's prompt (backend/pooling.py)."""
+        return self.start + self.count == len(self.seq) and self.seq.pooling is not None
 
 
 class Scheduler:

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from tokendance.backend.api import SamplingParams
+from tokendance.backend.api import Pooling, SamplingParams
 from tokendance.backend.detok import Detok
 from tokendance.backend.mirror import Mirror
 from tokendance.backend.pool import flat_slots
@@ -55,6 +55,7 @@ class Sequence:
     until: list[int] = field(default_factory=list)  # the tokens after which the grammar holds (Structure.after)
     bad: list[list[int]] = field(default_factory=list)  # its bad_words' token sequences (backend/banned.py)
     scored: list[Any] | None = None  # its prompt tokens' logprobs, as prefill computes them (backend/scoring.py)
+    pooling: Pooling | None = None  # an embedding request: its prompt pooled, nothing sampled (backend/pooling.py)
 
     @property
     def prefix_cache(self) -> bool:

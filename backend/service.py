@@ -64,7 +64,7 @@ class EngineBackend:
             r = p.request
             agent = f"{r.session}/{r.agent}" if r.session is not None and r.agent is not None else None
             jobs.append(Job(rid, tok.ids, r.sampling, tok.mode, tok.shared, r.tenant,
-                            publish=r.session is not None, agent=agent))
+                            publish=r.session is not None, agent=agent, pool=r.pooling))
         return list(self.core.submit(jobs))
 
     def gauges(self) -> list[Gauge]:
