@@ -154,6 +154,9 @@ class VLLMBackend:
         shared = sum(b - a for a, b in req.shared_spans)  # reported, not used: vLLM has no segments
         last: Delta | None = None  # the finishing delta, held for the usage that follows it
         try:
+            if req.pooling is not None:
+                st.put(await self._embedding(req, shared))
+                return
             async with self._client().post(self.url + "/v1/completions", json=self._body(req)) as r:
                 if r.status != 200:
                     raise _refused(r.status, await r.text())
@@ -182,6 +185,19 @@ class VLLMBackend:
         except Exception as e:  # unreachable, reset, a malformed chunk
             self._lost(f"the vLLM server at {self.url} does not answer: {e or type(e).__name__}")
             st.put(BackendError(f"lost the vLLM server at {self.url}: {e or type(e).__name__}"))
+
+    async def _embedding(self, req: Request, shared: int) -> Delta:
+        """An embedding request as one call to the server's /v1/embeddings (a server that
+        serves no embeddings refuses it: a 400 at the proxy)."""
+        body = {"model": self.info.name, "input": req.prompt_token_ids, "encoding_format": "float",
+                "normalize": req.pooling.normalize}
+        async with self._client().post(self.url + "/v1/embeddings", json=body) as r:
+            if r.status != 200:
+                raise _refused(r.status, await r.text())
+            self._problem = None
+            got = await r.json()
+        return Delta(finish_reason="stop", embedding=got["data"][0]["embedding"],
+                     usage=_usage(got.get("usage") or {}, shared))
 
     def _body(self, req: Request) -> dict[str, Any]:
         s = req.sampling

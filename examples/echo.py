@@ -64,6 +64,8 @@ class EchoBackend:
     def prepare(self, request: Request) -> Prepared:
         mode = request.mode or self.mode
         check_mode(mode)
+        if request.pooling is not None:
+            raise InvalidRequest("the echo backend has no model to compute embeddings with", "model")
         request.sampling.validate()
         if request.prompt_token_ids is not None:
             n = len(request.prompt_token_ids)

@@ -15,7 +15,7 @@ from aiohttp import web
 
 from tokendance.backend.api import Backend, InvalidRequest, Stream
 
-from . import conversations, echo, replies, responses, schemas, segment
+from . import conversations, echo, embeddings as vectors, replies, responses, schemas, segment
 from . import tokenize as tokens
 from .answer import Turn, follow, starting_after
 from .call import Call
@@ -207,6 +207,16 @@ async def completions(req: web.Request) -> web.StreamResponse:
     return await reply(req, px, call, streams)
 
 
+@tracked("embeddings")
+async def embeddings(req: web.Request) -> web.Response:
+    px = req.app[PROXY]
+    body = schemas.decode(await req.read(), vectors.EmbeddingRequest)
+    out = await vectors.embed(px, body, req.headers)
+    resp = _json(out)
+    resp.headers["X-Request-Id"] = out.id
+    return resp
+
+
 async def models(req: web.Request) -> web.Response:
     px = req.app[PROXY]
     return _json(replies.ModelList([_card(px, name) for name in px.names]))
@@ -297,6 +307,7 @@ def make_app(proxy: Proxy, control: Control | None = None) -> web.Application:
     r.add_get("/v1/responses/{id}/input_items", input_items)
     r.add_post("/v1/responses/{id}/cancel", cancel_response)
     r.add_delete("/v1/responses/{id}", delete_response)
+    r.add_post("/v1/embeddings", embeddings)
     conversations.routes(r, proxy)
     r.add_get("/v1/models", models)
     r.add_get("/v1/models/{model}", model)

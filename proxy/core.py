@@ -90,12 +90,12 @@ class Proxy:
         prefix = {"chat": "chatcmpl-", "completion": "cmpl-", "response": "resp_"}[kind]
         usage = bool(body.stream_options and body.stream_options.include_usage)
         named = headers.get("X-Request-Id") if kind != "response" else None  # a response's id keys its store
-        return Call(prefix + answer_id(body, named), kind, self.names[0], meta, body.n,
+        return Call(prefix + answer_id(body.request_id, named), kind, self.names[0], meta, body.n,
                     self.tenant(headers, body.cache_salt), body.stream, usage,
                     usage and body.stream_options.continuous_usage_stats, t0=t0,
                     prompt_logprobs=prompt_logprobs(body),
                     return_ids=body.return_token_ids, as_ids=body.return_tokens_as_token_ids,
-                    truncate=truncation(body, self.backend.info.max_model_len))
+                    truncate=truncation(body.truncate_prompt_tokens, self.backend.info.max_model_len))
 
     @staticmethod
     def tenant(headers: Mapping[str, str], salt: str | None = None) -> str:
@@ -180,7 +180,7 @@ class Proxy:
         call.released = time.perf_counter()
         self._count_group(len(call.prepared), reason)
         try:
-            return self._generate(call.prepared)
+            return self.generate(call.prepared)
         except ApiError:
             self.finish(call, "error")
             raise
@@ -237,7 +237,7 @@ class Proxy:
         live[0].tag.rnd.stats.group_sizes.append(size)
         self._count_group(size, reason)
         try:
-            streams = self._generate([p for e in live for p in e.prepared])
+            streams = self.generate([p for e in live for p in e.prepared])
         except ApiError as exc:
             for e in live:
                 e.future.set_exception(ApiError(exc.status, exc.body.message, exc.body.param,
@@ -248,7 +248,7 @@ class Proxy:
             e.future.set_result(streams[i:i + len(e.prepared)])
             i += len(e.prepared)
 
-    def _generate(self, group: list[Prepared]) -> list[Stream]:
+    def generate(self, group: list[Prepared]) -> list[Stream]:
         try:
             streams = self.backend.generate(group)
             if len(streams) != len(group):

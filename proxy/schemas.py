@@ -197,11 +197,11 @@ def prompt_logprobs(body: Sampled) -> int | None:
     return None if body.stream else body.prompt_logprobs
 
 
-def answer_id(body: Sampled, header: str | None = None) -> str:
+def answer_id(request_id: str | None, header: str | None = None) -> str:
     """The answer's id after its prefix: as vLLM takes it, the request's `X-Request-Id`
     header, else its `request_id` (visible ASCII, at most 256 characters: it is a header's
     value too), else a random one."""
-    rid, name = (header, "X-Request-Id") if header is not None else (body.request_id, "request_id")
+    rid, name = (header, "X-Request-Id") if header is not None else (request_id, "request_id")
     if rid is None:
         return secrets.token_hex(12)
     if not (0 < len(rid) <= 256 and all("!" <= c <= "~" for c in rid)):
@@ -209,10 +209,9 @@ def answer_id(body: Sampled, header: str | None = None) -> str:
     return rid
 
 
-def truncation(body: Sampled, max_model_len: int) -> int | None:
-    """How many of the prompt's last tokens to keep (vLLM's truncate_prompt_tokens; -1:
-    as many as the context holds); None: the whole prompt."""
-    k = body.truncate_prompt_tokens
+def truncation(k: int | None, max_model_len: int) -> int | None:
+    """How many of the prompt's last tokens to keep (vLLM's truncate_prompt_tokens `k`;
+    -1: as many as the context holds); None: the whole prompt."""
     if k is None:
         return None
     if k == -1:

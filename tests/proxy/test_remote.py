@@ -100,6 +100,15 @@ async def test_answers_equal_the_in_process_engines(tiny_llama, proxy, start):
     assert json.loads(a.choices[0].message.tool_calls[0].function.arguments)["x"] in ("left", "right")
 
 
+async def test_embeddings_equal_the_in_process_engines(tiny_llama, proxy, start):
+    local = await start(EngineBackend.load(str(tiny_llama), dtype="float32", offload_bytes=0))
+    kw = dict(model=proxy.proxy.backend.info.name, input=["The market opens", "at dawn"], encoding_format="float")
+    a, b = [await _client(s).embeddings.create(**kw) for s in (proxy, local)]
+    assert a.usage == b.usage and [d.index for d in a.data] == [0, 1]
+    for x, y in zip(a.data, b.data):
+        assert max(abs(p - q) for p, q in zip(x.embedding, y.embedding)) < 1e-5
+
+
 async def test_a_round_reuses_its_shared_block_on_the_engine(proxy):
     c = _client(proxy)
     agents = ["a", "b", "c"]

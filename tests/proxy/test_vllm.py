@@ -36,6 +36,7 @@ class FakeVLLM:
         app = web.Application(middlewares=[self._check])
         app.router.add_get("/v1/models", self.models)
         app.router.add_post("/v1/completions", self.completions)
+        app.router.add_post("/v1/embeddings", self.embeddings)
         app.router.add_get("/health", self.health)
         return app
 
@@ -71,6 +72,20 @@ class FakeVLLM:
             self.cancelled += 1
             raise
         return resp
+
+
+    async def embeddings(self, req: web.Request) -> web.Response:
+        """A pooling server's answer: the ids' sum, count and first id; a generative one's
+        refusal for an input that starts with id 0."""
+        body = await req.json()
+        self.bodies.append(body)
+        ids = body["input"]
+        if ids[0] == 0:
+            return web.json_response({"error": {"message": "The model does not support Embeddings API"}},
+                                     status=400)
+        return web.json_response({"data": [{"index": 0, "object": "embedding",
+                                            "embedding": [float(sum(ids)), float(len(ids)), float(ids[0])]}],
+                                  "usage": {"prompt_tokens": len(ids), "total_tokens": len(ids)}})
 
 
 async def _served(fake: FakeVLLM, port: int = 0) -> FakeVLLM:
@@ -187,6 +202,18 @@ async def test_what_vllm_refuses_is_a_400(proxy):
     with pytest.raises(openai.BadRequestError) as e:
         await _client(proxy).completions.create(model="fake-vllm", prompt="a b", max_tokens=500)
     assert "max_tokens is too large" in e.value.body["message"]
+
+
+async def test_embeddings_go_to_vllm_as_token_ids_and_its_refusal_is_a_400(proxy, vllm):
+    r = await _client(proxy).embeddings.create(model="fake-vllm", input=[[5, 6, 7], [9]], encoding_format="float",
+                                               extra_body={"normalize": False})
+    assert [d.embedding for d in r.data] == [[18.0, 3.0, 5.0], [9.0, 1.0, 9.0]]
+    assert r.usage.prompt_tokens == 4
+    assert sorted(b["input"] for b in vllm.bodies[-2:]) == [[5, 6, 7], [9]]
+    assert not any(b["normalize"] for b in vllm.bodies[-2:])
+    with pytest.raises(openai.BadRequestError) as e:
+        await _client(proxy).embeddings.create(model="fake-vllm", input=[0, 1])
+    assert "does not support Embeddings" in e.value.body["message"]
 
 
 async def test_the_proxy_samples_with_the_generation_config_vllm_would(vllm, start):

@@ -1,0 +1,130 @@
+"""`/v1/embeddings` through the openai SDK, on the real engine over a tiny random model:
+each input's vector is HF's last hidden state of its tokens, in float or base64 (the
+SDK's default), for texts and token ids; vLLM's extra fields; and a 400 for what cannot
+be served."""
+
+from __future__ import annotations
+
+import httpx
+import openai
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from tokendance.examples.echo import EchoBackend
+
+from .conftest import Threaded
+
+
+@pytest.fixture(scope="module")
+def hf(tiny_llama):
+    return AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="module")
+def tok(tiny_llama):
+    return AutoTokenizer.from_pretrained(tiny_llama)
+
+
+def expected(hf, ids: list[int], normalize: bool = True) -> torch.Tensor:
+    with torch.no_grad():
+        h = hf(torch.tensor([ids]), output_hidden_states=True).hidden_states[-1][0, -1]
+    return torch.nn.functional.normalize(h, dim=-1) if normalize else h
+
+
+TEXTS = ["The river runs to the sea.", "Ada proposes a truce", "x"]
+
+
+@pytest.mark.parametrize("fmt", ["float", None], ids=["float", "base64-by-default"])
+def test_each_input_is_embedded_in_its_order(engine_client, engine_model, hf, tok, fmt):
+    kw = {"encoding_format": fmt} if fmt else {}
+    r = engine_client.embeddings.create(model=engine_model, input=TEXTS, **kw)
+    assert r.object == "list" and r.model == engine_model and [d.index for d in r.data] == [0, 1, 2]
+    ids = [tok(t)["input_ids"] for t in TEXTS]  # vLLM's add_special_tokens: true
+    assert r.usage.prompt_tokens == r.usage.total_tokens == sum(map(len, ids))
+    for d, i in zip(r.data, ids):
+        assert d.object == "embedding"
+        assert torch.allclose(torch.tensor(d.embedding), expected(hf, i), atol=1e-5)
+
+
+def test_token_ids_and_vllms_fields(engine_client, engine_model, hf, tok):
+    ids = tok("Ada proposes a truce to Grace", add_special_tokens=False)["input_ids"]
+    one = engine_client.embeddings.create(model=engine_model, input=ids, encoding_format="float")
+    two = engine_client.embeddings.create(model=engine_model, input=[ids, ids[:3]], encoding_format="float")
+    assert len(one.data) == 1 and len(two.data) == 2 and one.usage.prompt_tokens == len(ids)
+    assert torch.allclose(torch.tensor(one.data[0].embedding), expected(hf, ids), atol=1e-5)
+    assert torch.allclose(torch.tensor(two.data[1].embedding), expected(hf, ids[:3]), atol=1e-5)
+    raw = engine_client.embeddings.create(model=engine_model, input=ids, encoding_format="float",
+                                          extra_body={"normalize": False, "truncate_prompt_tokens": 4})
+    assert raw.usage.prompt_tokens == 4
+    assert torch.allclose(torch.tensor(raw.data[0].embedding), expected(hf, ids[-4:], False), atol=1e-4)
+    plain = engine_client.embeddings.create(model=engine_model, input="Ada", encoding_format="float",
+                                            extra_body={"add_special_tokens": False})
+    assert plain.usage.prompt_tokens == len(tok("Ada", add_special_tokens=False)["input_ids"])
+
+
+def test_vllms_chat_form_request_id_and_use_activation(engine_live, engine_client, engine_model, hf, tok):
+    chat = [{"role": "user", "content": "Where is Ada?"}, {"role": "assistant", "content": "At the bridge."}]
+    http = httpx.post(engine_live.url + "/v1/embeddings", headers={"X-Request-Id": "mem-7"},
+                      json={"model": engine_model, "messages": chat, "use_activation": False})
+    assert http.status_code == 200 and http.headers["X-Request-Id"] == "embd-mem-7"
+    r = http.json()
+    assert r["id"] == "embd-mem-7"
+    ids = tok(tok.apply_chat_template(chat, tokenize=False), add_special_tokens=False)["input_ids"]
+    assert r["usage"]["prompt_tokens"] == len(ids)  # no generation prompt, no BOS: vLLM's defaults
+    assert torch.allclose(torch.tensor(r["data"][0]["embedding"]), expected(hf, ids, False), atol=1e-4)
+    named = engine_client.embeddings.create(model=engine_model, input="a", extra_body={"request_id": "n1"})
+    assert named.id == "embd-n1"
+
+
+@pytest.mark.parametrize("kw,param", [
+    ({"input": "a", "extra_body": {"messages": [{"role": "user", "content": "a"}]}}, "input"),
+    ({"input": None, "extra_body": {"messages": []}}, "messages"),
+    ({"input": "a", "extra_body": {"cache_salt": ""}}, "cache_salt"),
+    ({"input": "a", "extra_body": {"request_id": "has space"}}, "request_id"),
+    ({"input": []}, "input"),
+    ({"input": ""}, "input"),
+    ({"input": ["a", ""]}, "input"),
+    ({"input": [[1, 2], []]}, "input"),
+    ({"input": ["a", 7]}, "input"),
+    ({"input": [10**9]}, "input"),
+    ({"input": ["a"] * 2049}, "input"),
+    ({"input": "a", "dimensions": 8}, "dimensions"),
+    ({"input": "a", "encoding_format": "int8"}, "encoding_format"),
+    ({"input": "a", "extra_body": {"priority": 1}}, "priority"),
+    ({"input": "a", "extra_body": {"truncate_prompt_tokens": 0}}, "truncate_prompt_tokens"),
+    ({"input": {"text": "a"}}, "input"),
+], ids=["both-forms", "no-messages", "salt", "request-id", "empty", "empty-string", "an-empty-string", "an-empty-list", "mixed", "outside-vocab", "too-many",
+        "dimensions", "format", "priority", "truncate", "object"])
+def test_what_cannot_be_embedded_is_a_400_naming_its_field(engine_client, engine_model, kw, param):
+    with pytest.raises(openai.BadRequestError) as e:
+        engine_client.embeddings.create(model=engine_model, **kw)
+    assert e.value.body["param"] == param
+
+
+def test_a_prompt_over_the_context_and_an_unknown_model(engine_live, engine_client, engine_model):
+    n = engine_live.backend.info.max_model_len
+    with pytest.raises(openai.BadRequestError) as e:
+        engine_client.embeddings.create(model=engine_model, input=[5] * n)
+    assert e.value.body["code"] == "context_length_exceeded" and e.value.body["param"] == "input", e.value.body
+    with pytest.raises(openai.NotFoundError):
+        engine_client.embeddings.create(model="no-such-model", input="a")
+
+
+def test_the_server_goes_on_after_a_bad_call_and_counts_the_calls(engine_live, engine_client, engine_model):
+    with pytest.raises(openai.BadRequestError):
+        engine_client.embeddings.create(model=engine_model, input=["fine", 3])
+    assert engine_client.embeddings.create(model=engine_model, input="fine").data
+    text = httpx.get(engine_live.url + "/metrics").text
+    assert 'tokendance_requests_total{code="400",endpoint="embeddings"}' in text
+    assert 'tokendance_requests_total{code="200",endpoint="embeddings"}' in text
+
+
+def test_a_backend_without_a_model_refuses_embeddings():
+    t = Threaded(EchoBackend())
+    try:
+        with pytest.raises(openai.BadRequestError) as e:
+            t.client().embeddings.create(model=t.backend.info.name, input="a")
+        assert "embeddings" in e.value.body["message"]
+    finally:
+        t.close()
