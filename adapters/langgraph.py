@@ -7,7 +7,8 @@ One model can serve every agent of a graph: session (and mode) ride in its
     def speak(state):                      # a node, reached through Send(...)
         return llm.invoke(msgs, **tag(state["agent"], state["round"]))
 
-or bind them once per agent: `tag_model(llm, "alice", 2).invoke(msgs)`.
+or bind them once per agent: `tag_model(llm, "alice", 2).invoke(msgs)`. Agents' memories
+can embed with the same server and model: `embeddings()` (an OpenAIEmbeddings).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from __future__ import annotations
 from typing import Any
 
 from langchain_core.runnables import Runnable
-from langchain_openai import ChatOpenAI
+from langchain_openai import ChatOpenAI, OpenAIEmbeddings
 
 from tokendance.adapters.rounds import served_model
 from tokendance.adapters.tags import api_base, headers
@@ -49,3 +50,12 @@ def tag(agent: str, round: int | None = None, mode: str | None = None) -> dict[s
 def tag_model(llm: ChatOpenAI, agent: str, round: int | None = None) -> Runnable:
     """`llm` bound to one agent (and round)."""
     return llm.bind(**tag(agent, round))
+
+
+def embeddings(*, url: str | None = None, model: str | None = None, api_key: str = "tokendance",
+               **kw: Any) -> OpenAIEmbeddings:
+    """OpenAIEmbeddings for the proxy at `url` (its /v1/embeddings). Texts go as they are:
+    LangChain's length check would first split them with OpenAI's tokenizer, not the
+    served model's."""
+    return OpenAIEmbeddings(model=model or served_model(url, api_key), base_url=api_base(url), api_key=api_key,
+                            check_embedding_ctx_length=False, **kw)
