@@ -5,6 +5,8 @@
 #   engine: the CUDA checks, then Qwen2.5-7B shape, random bf16 weights, against HF SDPA
 #   qwen3: the engine on a Qwen3-8B shape (per-head q/k norms), random bf16 weights, against HF SDPA;
 #     qwen3-reuse: the All-Gather round of `reuse` (N = 10, 20) on it, full, prefix and collective
+#   embed: embeddings (pooling requests) against HF's base model over the same prompts, Qwen2.5-7B
+#     shape, random bf16 weights
 #   act: the fused SwiGLU activation against torch's two ops (error, time)
 #   prefill: the engine's prefill alone against HF (10 x 2 k)
 #   check: the CUDA checks alone (bench/check_cuda.py), and the GPU-only tests
@@ -75,6 +77,10 @@ fi
 if want scoring; then
   python3 -m tokendance.bench.scoring --model qwen2.5-7b --dtype bfloat16 --tokens 2048 --prompts 8 \
     --repeats 5 2>&1 | grep -v -i "warn\|deprecat" | tee "$OUT/scoring.txt"
+fi
+if want embed; then
+  python3 -m tokendance.bench.embed --model qwen2.5-7b --dtype bfloat16 --inputs 64 --tokens 16,512 --batch 32 \
+    --repeats 5 2>&1 | grep -v -i "warn\|deprecat" | tee "$OUT/embed.txt"
 fi
 if want act; then
   python3 -m tokendance.bench.check_cuda act 2>&1 | tee "$OUT/act.txt"
