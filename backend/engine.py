@@ -112,9 +112,9 @@ class Engine:
 
     # -- requests ------------------------------------------------------------------
 
-    def check(self, prompt: list[int], sampling: SamplingParams) -> None:
-        """Raise InvalidRequest unless the engine can serve this prompt."""
-        check(prompt, sampling, self.max_model_len, self.mcfg.vocab_size, self.grammars)
+    def check(self, prompt: list[int], sampling: SamplingParams, pooled: bool = False) -> None:
+        """Raise InvalidRequest unless the engine can serve this prompt (`pooled`: embed it)."""
+        check(prompt, sampling, self.max_model_len, self.mcfg.vocab_size, self.grammars, pooled)
 
     def add(self, rid: str, prompt: list[int], sampling: SamplingParams, mode: str = "full",
             shared: list[tuple[int, int]] | None = None, tenant: str = "", publish: bool = False,
@@ -126,7 +126,7 @@ class Engine:
         parked when it finishes, and the agent's next request restores the prefix they
         share (`full` stays the no-reuse baseline; `prefix` has its block cache);
         `pool`: an embedding request (backend/pooling.py), exact, so never by reuse."""
-        self.check(prompt, sampling)
+        self.check(prompt, sampling, pool is not None)
         check_mode(mode)
         mode = "full" if sampling.prompt_logprobs is not None else mode  # scored prompts are computed whole
         mode = "prefix" if pool is not None and mode in ("pic", "collective") else mode

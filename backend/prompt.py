@@ -61,16 +61,17 @@ def render_chat(tokenizer: Any, messages: list[dict[str, Any]], tools: list[dict
 
 
 def check(ids: list[int], sampling: SamplingParams, max_model_len: int, vocab_size: int,
-          grammars: Grammars) -> None:
+          grammars: Grammars, pooled: bool = False) -> None:
     """Raise InvalidRequest unless an engine of these limits can serve this prompt (and
-    its structured output's spec compiles)."""
+    its structured output's spec compiles). `pooled`: an embedding request, which needs
+    no room for a generated token."""
     sampling.validate()
     sampling.check_vocab(vocab_size)
     if sampling.structure is not None:
         grammars.compile(sampling.structure)
     if not ids:
         raise InvalidRequest("the prompt is empty", "prompt")
-    if len(ids) >= max_model_len:
+    if len(ids) > max_model_len - (not pooled):
         raise InvalidRequest(f"the prompt is {len(ids)} tokens; this model's context is {max_model_len} tokens",
                              "messages", "context_length_exceeded")
     if min(ids) < 0 or max(ids) >= vocab_size:

@@ -81,7 +81,8 @@ class RemoteBackend:
         request.mode = request.mode or self.mode
         check_mode(request.mode)
         ids, spans = request_ids(self.tokenizer, request)
-        check(ids, request.sampling, self.info.max_model_len, self.vocab_size, self.grammars)
+        check(ids, request.sampling, self.info.max_model_len, self.vocab_size, self.grammars,
+              request.pooling is not None)
         # What the engine gets: the tokens, tokenized here once with its own tokenizer.
         return Prepared(request, len(ids), replace(request, segments=[], prompt_token_ids=ids, shared_spans=spans),
                         ids)

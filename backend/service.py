@@ -53,7 +53,7 @@ class EngineBackend:
         mode = request.mode or self.mode
         check_mode(mode)
         ids, shared = request_ids(self.engine.tokenizer, request)
-        self.engine.check(ids, request.sampling)
+        self.engine.check(ids, request.sampling, request.pooling is not None)
         return Prepared(request, len(ids), Tokens(ids, shared, mode), ids)
 
     def generate(self, group: list[Prepared]) -> list[Stream]:

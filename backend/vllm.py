@@ -90,7 +90,8 @@ class VLLMBackend:
             raise InvalidRequest("prompt logprobs (prompt_logprobs, or echo with logprobs) need the TokenDance "
                                  "engine: this proxy streams from its vLLM server", "prompt_logprobs")
         ids, spans = request_ids(self.tokenizer, request)
-        check(ids, request.sampling, self.info.max_model_len, len(self.tokenizer), self.grammars)
+        check(ids, request.sampling, self.info.max_model_len, len(self.tokenizer), self.grammars,
+              request.pooling is not None)
         return Prepared(request, len(ids), replace(request, mode=mode, segments=[], prompt_token_ids=ids,
                                                    shared_spans=spans), ids)
 

@@ -7,11 +7,11 @@ Inputs are strings, or token ids (one prompt as a list of ints, several as a lis
 lists), or, as vLLM takes them, a chat's `messages` rendered by the model's template
 (without the generation prompt unless asked). Every input of a call starts in one group,
 outside any round: the engine prefills them together, exactly (`prefix` mode at most:
-never by reuse), its prefix cache the API key's (within `cache_salt`). vLLM's
-`truncate_prompt_tokens`, `add_special_tokens` (default true for `input`, false for
-`messages`, as vLLM's), `normalize` (or its newer name, `use_activation`) and
-`request_id` are taken; `dimensions` is a 400, as vLLM answers it for a model without
-Matryoshka training.
+never by reuse), its prefix cache the API key's (within `cache_salt`). A prompt may fill
+the whole context: no token is generated. vLLM's `truncate_prompt_tokens`,
+`add_special_tokens` (default true for `input`, false for `messages`, as vLLM's),
+`normalize` (or its newer name, `use_activation`) and `request_id` are taken;
+`dimensions` is a 400, as vLLM answers it for a model without Matryoshka training.
 """
 
 from __future__ import annotations

@@ -102,16 +102,22 @@ def test_what_cannot_be_embedded_is_a_400_naming_its_field(engine_client, engine
     assert e.value.body["param"] == param
 
 
-def test_a_prompt_over_the_context_and_an_unknown_model(engine_live, engine_client, engine_model):
+def test_the_whole_context_is_embedded_not_a_token_more(engine_live, engine_client, engine_model):
+    """No token is generated, so a prompt may fill the context (a chat's must leave one)."""
     n = engine_live.backend.info.max_model_len
+    full = engine_client.embeddings.create(model=engine_model, input=[5] * n)
+    cut = engine_client.embeddings.create(model=engine_model, input=[5] * (2 * n),
+                                          extra_body={"truncate_prompt_tokens": -1})
+    assert full.usage.prompt_tokens == cut.usage.prompt_tokens == n
+    assert full.data[0].embedding == pytest.approx(cut.data[0].embedding, abs=1e-5)
     with pytest.raises(openai.BadRequestError) as e:
-        engine_client.embeddings.create(model=engine_model, input=[5] * n)
+        engine_client.embeddings.create(model=engine_model, input=[5] * (n + 1))
     assert e.value.body["code"] == "context_length_exceeded" and e.value.body["param"] == "input", e.value.body
-    with pytest.raises(openai.NotFoundError):
-        engine_client.embeddings.create(model="no-such-model", input="a")
 
 
 def test_the_server_goes_on_after_a_bad_call_and_counts_the_calls(engine_live, engine_client, engine_model):
+    with pytest.raises(openai.NotFoundError):
+        engine_client.embeddings.create(model="no-such-model", input="a")
     with pytest.raises(openai.BadRequestError):
         engine_client.embeddings.create(model=engine_model, input=["fine", 3])
     assert engine_client.embeddings.create(model=engine_model, input="fine").data
