@@ -132,6 +132,7 @@ async def embed(px: Proxy, body: EmbeddingRequest, headers: Mapping[str, str]) -
     truncate = truncation(body.truncate_prompt_tokens, px.backend.info.max_model_len)
     special = body.add_special_tokens if body.add_special_tokens is not None else body.messages is None
     pool = Pooling(next((x for x in (body.use_activation, body.normalize) if x is not None), True))
+    field = "input" if body.messages is None else "messages"
     group = []
     for i, p in enumerate(prompts):
         text = isinstance(p, str)
@@ -141,10 +142,10 @@ async def embed(px: Proxy, body: EmbeddingRequest, headers: Mapping[str, str]) -
         try:
             group.append(px.backend.prepare(r))
         except InvalidRequest as exc:
-            raise _named(exc) from None
+            raise _named(exc, field) from None
     streams = px.generate(group)
     try:
-        vectors = await asyncio.gather(*(_vector(s) for s in streams))
+        vectors = await asyncio.gather(*(_vector(s, field) for s in streams))
     finally:  # a client gone, or another input failed: nothing keeps running
         for s in streams:
             s.abort()
@@ -154,21 +155,22 @@ async def embed(px: Proxy, body: EmbeddingRequest, headers: Mapping[str, str]) -
     return EmbeddingList(f"embd-{key}", int(time.time()), px.names[0], data, EmbeddingUsage(used, used))
 
 
-async def _vector(stream: Stream) -> list[float]:
+async def _vector(stream: Stream, field: str) -> list[float]:
     try:
         async for d in stream:
             if d.embedding is not None:
                 return d.embedding
     except InvalidRequest as exc:
-        raise _named(exc) from None
+        raise _named(exc, field) from None
     except BackendError as exc:
         raise from_backend(exc) from exc
     raise from_backend(BackendError("the backend ended an embedding without its vector"))
 
 
-def _named(exc: InvalidRequest) -> ApiError:
-    """A backend's refusal as a 400 naming `input` (the engine names a chat's field)."""
-    return invalid(exc.message, "input" if exc.param in (None, "messages", "prompt") else exc.param, exc.code)
+def _named(exc: InvalidRequest, field: str) -> ApiError:
+    """A backend's refusal as a 400 naming the prompt's `field` where it names a prompt
+    (the engine names a chat's)."""
+    return invalid(exc.message, field if exc.param in (None, "messages", "prompt") else exc.param, exc.code)
 
 
 def _encoded(v: list[float], fmt: str) -> list[float] | str:

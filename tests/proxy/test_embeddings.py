@@ -80,6 +80,7 @@ def test_vllms_chat_form_request_id_and_use_activation(engine_live, engine_clien
 @pytest.mark.parametrize("kw,param", [
     ({"input": "a", "extra_body": {"messages": [{"role": "user", "content": "a"}]}}, "input"),
     ({"input": None, "extra_body": {"messages": []}}, "messages"),
+    ({"input": None, "extra_body": {"messages": [{"role": "user", "content": "word " * 10000}]}}, "messages"),
     ({"input": "a", "extra_body": {"cache_salt": ""}}, "cache_salt"),
     ({"input": "a", "extra_body": {"request_id": "has space"}}, "request_id"),
     ({"input": []}, "input"),
@@ -94,7 +95,7 @@ def test_vllms_chat_form_request_id_and_use_activation(engine_live, engine_clien
     ({"input": "a", "extra_body": {"priority": 1}}, "priority"),
     ({"input": "a", "extra_body": {"truncate_prompt_tokens": 0}}, "truncate_prompt_tokens"),
     ({"input": {"text": "a"}}, "input"),
-], ids=["both-forms", "no-messages", "salt", "request-id", "empty", "empty-string", "an-empty-string", "an-empty-list", "mixed", "outside-vocab", "too-many",
+], ids=["both-forms", "no-messages", "long-messages", "salt", "request-id", "empty", "empty-string", "an-empty-string", "an-empty-list", "mixed", "outside-vocab", "too-many",
         "dimensions", "format", "priority", "truncate", "object"])
 def test_what_cannot_be_embedded_is_a_400_naming_its_field(engine_client, engine_model, kw, param):
     with pytest.raises(openai.BadRequestError) as e:
