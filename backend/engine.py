@@ -215,10 +215,7 @@ class Engine:
         ready = [w.seq for w in work if w.samples]
         scored, pooled = pooling.split(work, kept)
         scoring.record(work, scored, self.model, self.pieces)
-        for w, h in pooled:  # embeddings: done once their prompt is
-            delta = self._finish(w.seq, "stop")
-            delta.embedding = pooling.vector(h, w.seq.pooling.normalize)
-            out.append((w.seq.id, delta))
+        out += [(seq.id, self._finish(seq, "stop", v)) for seq, v in pooled]  # embeddings: done with the prompt
         if ahead:
             launched = launch(logits, ready, self.generator)
             out += self._land() if chain else []  # while the GPU runs this step
@@ -320,7 +317,7 @@ class Engine:
             delta.logprobs = [pick.written(self.pieces)]
         return delta
 
-    def _finish(self, seq: Sequence, reason: str) -> Delta:
+    def _finish(self, seq: Sequence, reason: str, embedding: list[float] | None = None) -> Delta:
         seq.status = Status.FINISHED
         seq.finish_reason = reason
         text = seq.detok.take(final=True)
@@ -341,7 +338,7 @@ class Engine:
             self.tails.append((seq, pub, end))
         else:
             self._close(seq, pub)
-        return Delta(text=text, finish_reason=reason, usage=usage)
+        return Delta(text=text, finish_reason=reason, usage=usage, embedding=embedding)
 
     def _close(self, seq: Sequence, pub: list[Run]) -> None:
         """A finished request lets go of its KV: its output's (the runs `pub`) kept as

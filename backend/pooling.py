@@ -16,6 +16,7 @@ import torch
 
 if TYPE_CHECKING:
     from tokendance.backend.scheduler import Scheduled
+    from tokendance.backend.sequence import Sequence
 
 
 def rows(work: list[Scheduled], cu: list[int]) -> list[int]:
@@ -25,21 +26,18 @@ def rows(work: list[Scheduled], cu: list[int]) -> list[int]:
 
 
 def split(work: list[Scheduled], kept: torch.Tensor | None
-          ) -> tuple[torch.Tensor | None, list[tuple[Scheduled, torch.Tensor]]]:
+          ) -> tuple[torch.Tensor | None, list[tuple[Sequence, list[float]]]]:
     """The rows the runner kept (scored rows first, then pooled ones) as (the scored
-    rows or None, each pooling chunk with its hidden state)."""
-    pools = [w for w in work if w.pools]
+    rows or None, each pooling request with its embedding, in float32: read from the
+    device in one copy)."""
+    seqs = [w.seq for w in work if w.pools]
     if kept is None:
         return None, []
-    n = len(kept) - len(pools)
-    return (kept[:n] if n else None), list(zip(pools, kept[n:]))
-
-
-@torch.inference_mode()
-def vector(h: torch.Tensor, normalize: bool) -> list[float]:
-    """An embedding of a final hidden state, in float32."""
-    v = h.float()
-    if normalize:
-        v = torch.nn.functional.normalize(v, dim=-1)
-    return v.tolist()
-
+    n = len(kept) - len(seqs)
+    if not seqs:
+        return kept, []
+    with torch.inference_mode():
+        v = kept[n:].float()
+        unit = torch.tensor([s.pooling.normalize for s in seqs], device=v.device)[:, None]
+        v = torch.where(unit, torch.nn.functional.normalize(v, dim=-1), v)
+    return (kept[:n] if n else None), list(zip(seqs, v.tolist()))

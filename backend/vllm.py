@@ -156,7 +156,7 @@ class VLLMBackend:
         last: Delta | None = None  # the finishing delta, held for the usage that follows it
         try:
             if req.pooling is not None:
-                st.put(await self._embedding(req, shared))
+                st.put(await self._embedding(req))
                 return
             async with self._client().post(self.url + "/v1/completions", json=self._body(req)) as r:
                 if r.status != 200:
@@ -187,7 +187,7 @@ class VLLMBackend:
             self._lost(f"the vLLM server at {self.url} does not answer: {e or type(e).__name__}")
             st.put(BackendError(f"lost the vLLM server at {self.url}: {e or type(e).__name__}"))
 
-    async def _embedding(self, req: Request, shared: int) -> Delta:
+    async def _embedding(self, req: Request) -> Delta:
         """An embedding request as one call to the server's /v1/embeddings (a server that
         serves no embeddings refuses it: a 400 at the proxy)."""
         body = {"model": self.info.name, "input": req.prompt_token_ids, "encoding_format": "float",
@@ -198,7 +198,7 @@ class VLLMBackend:
             self._problem = None
             got = await r.json()
         return Delta(finish_reason="stop", embedding=got["data"][0]["embedding"],
-                     usage=_usage(got.get("usage") or {}, shared))
+                     usage=_usage(got.get("usage") or {}, 0))
 
     def _body(self, req: Request) -> dict[str, Any]:
         s = req.sampling
