@@ -200,7 +200,8 @@ class Request:
     shared_spans: list[tuple[int, int]] = field(default_factory=list)
     tenant: str = ""  # namespaces the segment cache (the API key)
     add_special_tokens: bool = False  # the tokenizer's BOS/EOS around the text (vLLM: completions)
-    truncate: int | None = None  # vLLM's truncate_prompt_tokens: only the prompt's last this many tokens
+    truncate: int | None = None  # vLLM's truncate_prompt_tokens: only this many of the prompt's tokens
+    truncation_side: str = "left"  # which end `truncate` cuts: "left" keeps the last tokens, "right" the first
     pooling: Pooling | None = None  # an embedding: the prompt pooled, nothing generated
 
 

@@ -19,14 +19,17 @@ from tokendance.backend.grammar import Grammars
 
 
 def request_ids(tokenizer: Any, request: Request) -> tuple[list[int], list[tuple[int, int]]]:
-    """A request's prompt ids and its shared segments' spans, its prompt's last
-    `request.truncate` tokens only if it asks (a segment cut short is private then)."""
+    """A request's prompt ids and its shared segments' spans; only `request.truncate`
+    of them if it asks, its prompt's last (or first, truncation side "right") tokens (a
+    segment cut short is private then)."""
     if request.prompt_token_ids is not None:
         ids, spans = list(request.prompt_token_ids), list(request.shared_spans)
     else:
         ids, spans = tokenize(tokenizer, request.segments, request.add_special_tokens)
     cut = len(ids) - (request.truncate or len(ids))
-    if cut > 0:
+    if cut > 0 and request.truncation_side == "right":
+        ids, spans = ids[:len(ids) - cut], [(lo, hi) for lo, hi in spans if hi <= len(ids) - cut]
+    elif cut > 0:
         ids, spans = ids[cut:], [(lo - cut, hi - cut) for lo, hi in spans if lo >= cut]
     return ids, spans
 

@@ -191,7 +191,7 @@ class VLLMBackend:
         """An embedding request as one call to the server's /v1/embeddings (a server that
         serves no embeddings refuses it: a 400 at the proxy)."""
         body = {"model": self.info.name, "input": req.prompt_token_ids, "encoding_format": "float",
-                "normalize": req.pooling.normalize}
+                "use_activation": req.pooling.normalize}
         async with self._client().post(self.url + "/v1/embeddings", json=body) as r:
             if r.status != 200:
                 raise _refused(r.status, await r.text())

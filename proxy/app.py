@@ -212,7 +212,12 @@ async def embeddings(req: web.Request) -> web.Response:
     px = req.app[PROXY]
     body = schemas.decode(await req.read(), vectors.EmbeddingRequest)
     out = await vectors.embed(px, body, req.headers)
-    resp = _json(out)
+    if isinstance(out, vectors.Binary):
+        resp = web.Response(body=out.body, content_type="application/octet-stream")
+        if out.metadata is not None:
+            resp.headers["metadata"] = out.metadata
+    else:
+        resp = _json(out)
     resp.headers["X-Request-Id"] = out.id
     return resp
 

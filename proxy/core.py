@@ -95,7 +95,8 @@ class Proxy:
                     usage and body.stream_options.continuous_usage_stats, t0=t0,
                     prompt_logprobs=prompt_logprobs(body),
                     return_ids=body.return_token_ids, as_ids=body.return_tokens_as_token_ids,
-                    truncate=truncation(body.truncate_prompt_tokens, self.backend.info.max_model_len))
+                    truncate=truncation(body.truncate_prompt_tokens, self.backend.info.max_model_len),
+                    truncation_side=body.truncation_side or "left")
 
     @staticmethod
     def tenant(headers: Mapping[str, str], salt: str | None = None) -> str:
@@ -141,7 +142,8 @@ class Proxy:
                 r = Request(f"{call.key}-{len(call.prepared)}", [] if ids else prompt, s, mode=m.mode,
                             session=m.session, agent=m.agent, round=call.number,
                             prompt_token_ids=prompt if ids else None, tenant=call.tenant,
-                            add_special_tokens=special, truncate=call.truncate)
+                            add_special_tokens=special, truncate=call.truncate,
+                            truncation_side=call.truncation_side)
                 try:
                     call.prepared.append(self.backend.prepare(r))
                 except InvalidRequest as exc:  # the engine names the chat field, "messages"

@@ -1,55 +1,54 @@
 """OpenAI's `/v1/embeddings`, as vLLM serves it for a generative model converted to
 embeddings: each input's last token's final hidden state, normalized to unit length
-(backend/pooling.py). Agents' memories (retrieval by similarity) can then use the same
-server and model as their chats.
+(backend/pooling.py, proxy/pooled.py). Agents' memories (retrieval by similarity) can
+then use the same server and model as their chats.
 
 Inputs are strings, or token ids (one prompt as a list of ints, several as a list of
-lists), or, as vLLM takes them, a chat's `messages` rendered by the model's template
-(without the generation prompt unless asked). Every input of a call starts in one group,
-outside any round: the engine prefills them together, exactly (`prefix` mode at most:
-never by reuse), its prefix cache the API key's (within `cache_salt`). A prompt may fill
-the whole context: no token is generated. vLLM's `truncate_prompt_tokens`,
-`add_special_tokens` (default true for `input`, false for `messages`, as vLLM's),
-`normalize` (or its newer name, `use_activation`) and `request_id` are taken;
-`dimensions` is a 400, as vLLM answers it for a model without Matryoshka training.
+lists), or, as vLLM takes them, chats rendered by the model's template (without the
+generation prompt unless asked): one chat or a list of chats, in `messages` or in
+`input`. vLLM's fields are taken: `truncate_prompt_tokens` with `truncation_side`
+(a pooling model keeps the first tokens), `add_special_tokens` (default true for
+`input`, false for chats), `use_activation`, `request_id`, `cache_salt`; and its
+encodings: `encoding_format` float, base64, bytes or bytes_only, `embed_dtype` and
+`endianness`. `dimensions` is a 400, as vLLM answers it for a model without Matryoshka
+training; so is `normalize`, which vLLM no longer takes.
 """
 
 from __future__ import annotations
 
-import asyncio
+import json
 import struct
+import sys
 import time
 from base64 import b64encode
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
+import msgspec
 from msgspec import Struct
-
-from tokendance.backend.api import BackendError, InvalidRequest, Pooling, Request, SamplingParams, Segment, Stream
 
 from . import schemas
 from .core import Proxy
-from .errors import ApiError, from_backend, invalid, unsupported
-from .schemas import Message, answer_id, truncation
+from .errors import invalid
+from .pooled import Fields, pool, shape
+from .schemas import Message
 
 MAX_INPUTS = 2048  # OpenAI's limit on one call's inputs
+DTYPES = ("float32", "float16", "bfloat16", "fp8_e4m3", "fp8_e5m2")  # vLLM's embed_dtype
+ENDIANNESS = ("native", "big", "little")
+FORMATS = ("float", "base64", "bytes", "bytes_only")
 
 
-class EmbeddingRequest(Struct, kw_only=True):
-    input: str | list[str | int | list[int]] | None = None
-    messages: list[Message] | None = None  # vLLM's chat form, instead of input
-    model: str | None = None
-    encoding_format: str = "float"  # or "base64": little-endian float32s (the openai SDK's default)
+class EmbeddingRequest(Fields, kw_only=True):
+    input: str | list[Any] | None = None
+    messages: list[Any] | None = None  # vLLM's chat form: one chat, or a list of chats
+    encoding_format: str = "float"  # base64: the openai SDK's default
+    embed_dtype: str = "float32"
+    endianness: str = "native"
     dimensions: int | None = None
-    user: str | None = None
-    # vLLM's
-    truncate_prompt_tokens: int | None = None
-    add_special_tokens: bool | None = None  # default: true for input, false for messages
-    normalize: bool | None = None  # default true
-    use_activation: bool | None = None  # newer vLLM's name for normalize
-    priority: int = 0
-    cache_salt: str | None = None
-    request_id: str | None = None
+    add_special_tokens: bool | None = None  # default: true for input, false for chats
+    normalize: Any = None  # vLLM's old name for use_activation: refused, as vLLM refuses it
     add_generation_prompt: bool = False
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
@@ -75,103 +74,121 @@ class EmbeddingList(Struct):
     object: str = "list"
 
 
-def inputs(px: Proxy, body: EmbeddingRequest) -> list[str | list[int]]:
-    """The call's prompts: texts, or token id lists."""
+@dataclass(slots=True)
+class Binary:
+    """encoding_format bytes: the vectors back to back, and what the metadata header says."""
+
+    body: bytes
+    metadata: str | None  # None for bytes_only
+    id: str
+
+
+def check(body: EmbeddingRequest) -> None:
+    if body.normalize is not None:
+        raise invalid("Parameter `normalize` was removed; use `use_activation` instead.", "normalize")
+    if body.encoding_format not in FORMATS:
+        raise invalid(f"encoding_format must be one of {', '.join(FORMATS)}, not {body.encoding_format!r}",
+                      "encoding_format")
+    if body.embed_dtype not in DTYPES:
+        raise invalid(f"embed_dtype must be one of {', '.join(DTYPES)}, not {body.embed_dtype!r}", "embed_dtype")
+    if body.endianness not in ENDIANNESS:
+        raise invalid(f"endianness must be one of {', '.join(ENDIANNESS)}, not {body.endianness!r}", "endianness")
+    if body.dimensions is not None:
+        raise invalid("this model does not support Matryoshka representations: dimensions cannot "
+                      "change its embeddings' size", "dimensions")
+
+
+def _is_chat(x: Any) -> bool:
+    return isinstance(x, list) and bool(x) and all(isinstance(m, dict) and isinstance(m.get("role"), str) for m in x)
+
+
+def chats(body: EmbeddingRequest) -> list[list[Any]] | None:
+    """The chats to embed, if the call gives chats (in `messages`, or in `input`)."""
+    x = body.messages if body.messages is not None else body.input
+    if body.messages is None and not (_is_chat(x) or (x and all(_is_chat(c) for c in x))):
+        return None
+    if _is_chat(x):
+        return [x]
+    if x and all(_is_chat(c) for c in x):
+        if len(x) > MAX_INPUTS:
+            raise invalid(f"messages holds {len(x)} chats; at most {MAX_INPUTS} per request", "messages")
+        return x
+    raise invalid("messages must be a chat (a list of messages with roles) or a list of chats", "messages")
+
+
+def inputs(px: Proxy, body: EmbeddingRequest) -> tuple[list[str | list[int]], bool]:
+    """The call's prompts, texts or token id lists, and whether they are chats."""
     if (body.input is None) == (body.messages is None):
         raise invalid("give either input or messages", "input")
-    if body.messages is not None:
-        return [_chat(px, body)]
-    x = body.input
-    if isinstance(x, str):
-        x = [x]
+    given = chats(body)
+    if given is not None:
+        return [_render(px, body, c) for c in given], True
+    x = [body.input] if isinstance(body.input, str) else body.input
     if not x:
         raise invalid("input must not be empty", "input")
-    if all(isinstance(i, int) for i in x):
-        return [x]  # one prompt of token ids
+    if all(type(i) is int for i in x):
+        return [x], False  # one prompt of token ids
     if len(x) > MAX_INPUTS:
         raise invalid(f"input holds {len(x)} inputs; at most {MAX_INPUTS} per request", "input")
     if all(isinstance(i, str) for i in x):
         if not all(x):
             raise invalid("input must not hold empty strings", "input")
-        return x
-    if all(isinstance(i, list) for i in x):
+        return x, False
+    if all(isinstance(i, list) and all(type(t) is int for t in i) for i in x):
         if not all(x):
             raise invalid("input must not hold empty token lists", "input")
-        return x
-    raise invalid("input must be a string, a list of strings, a list of token ids or a list of "
-                  "token id lists, not a mix", "input")
+        return x, False
+    raise invalid("input must be a string, a list of strings, a list of token ids, a list of token id "
+                  "lists or chats, not a mix", "input")
 
 
-def _chat(px: Proxy, body: EmbeddingRequest) -> str:
-    """The messages as the model's chat template renders them."""
-    if not body.messages:
-        raise invalid("messages must not be empty", "messages")
+def _render(px: Proxy, body: EmbeddingRequest, chat: list[Any]) -> str:
+    """A chat as the model's chat template renders it."""
+    try:
+        msgs = msgspec.convert(chat, list[Message])
+    except msgspec.ValidationError as exc:
+        raise invalid(f"invalid chat message: {exc}", "messages", "invalid_type") from None
     template = schemas.template(body.chat_template_kwargs, body.add_generation_prompt, body.continue_final_message)
-    messages, render = px.chat_form([schemas.message(i, m) for i, m in enumerate(body.messages)], None, template)
+    messages, render = px.chat_form([schemas.message(i, m) for i, m in enumerate(msgs)], None, template)
     return render(messages)
 
 
-def check(body: EmbeddingRequest) -> None:
-    if body.encoding_format not in ("float", "base64"):
-        raise invalid(f"encoding_format must be float or base64, not {body.encoding_format!r}", "encoding_format")
-    if body.dimensions is not None:
-        raise invalid("this model does not support Matryoshka representations: dimensions cannot "
-                      "change its embeddings' size", "dimensions")
-    if body.priority:
-        raise unsupported("priority", "priority other than 0 (first come, first served here)")
-
-
-async def embed(px: Proxy, body: EmbeddingRequest, headers: Mapping[str, str]) -> EmbeddingList:
-    """Every input embedded, in their order."""
-    if body.model is not None:
-        px.served(body.model)
+async def embed(px: Proxy, body: EmbeddingRequest, headers: Mapping[str, str]) -> EmbeddingList | Binary:
+    """Every input embedded, in their order, encoded as the call asks."""
     check(body)
-    prompts = inputs(px, body)
-    key = answer_id(body.request_id, headers.get("X-Request-Id"))
-    tenant = px.tenant(headers, body.cache_salt)
-    truncate = truncation(body.truncate_prompt_tokens, px.backend.info.max_model_len)
-    special = body.add_special_tokens if body.add_special_tokens is not None else body.messages is None
-    pool = Pooling(next((x for x in (body.use_activation, body.normalize) if x is not None), True))
-    field = "input" if body.messages is None else "messages"
-    group = []
-    for i, p in enumerate(prompts):
-        text = isinstance(p, str)
-        r = Request(f"embd-{key}-{i}", [Segment(p)] if text else [], SamplingParams(max_tokens=1),
-                    prompt_token_ids=None if text else p, tenant=tenant, add_special_tokens=special,
-                    truncate=truncate, pooling=pool)
-        try:
-            group.append(px.backend.prepare(r))
-        except InvalidRequest as exc:
-            raise _named(exc, field) from None
-    streams = px.generate(group)
-    try:
-        vectors = await asyncio.gather(*(_vector(s, field) for s in streams))
-    finally:  # a client gone, or another input failed: nothing keeps running
-        for s in streams:
-            s.abort()
-    used = sum(p.prompt_tokens for p in group)
-    px.metrics.tokens.inc(used, kind="prompt")
-    data = [Embedding(i, _encoded(v, body.encoding_format)) for i, v in enumerate(vectors)]
-    return EmbeddingList(f"embd-{key}", int(time.time()), px.names[0], data, EmbeddingUsage(used, used))
+    prompts, chat = inputs(px, body)
+    special = body.add_special_tokens if body.add_special_tokens is not None else not chat
+    key, how = shape(px, body, headers, special)
+    got = await pool(px, f"embd-{key}", prompts, how, "messages" if chat else "input")
+    used = sum(got.tokens)
+    id, created, model = f"embd-{key}", int(time.time()), px.names[0]
+    if body.encoding_format in ("bytes", "bytes_only"):
+        packed = [packed_vector(v, body.embed_dtype, body.endianness) for v in got.vectors]
+        meta = None
+        if body.encoding_format == "bytes":
+            ends = [sum(len(b) for b in packed[:i + 1]) for i in range(len(packed))]
+            items = [{"index": i, "embed_dtype": body.embed_dtype, "endianness": body.endianness,
+                      "start": end - len(b), "end": end, "shape": [len(v)]}
+                     for i, (b, end, v) in enumerate(zip(packed, ends, got.vectors))]
+            meta = json.dumps({"id": id, "created": created, "model": model, "data": items,
+                               "usage": {"prompt_tokens": used, "total_tokens": used}})
+        return Binary(b"".join(packed), meta, id)
+    data = [Embedding(i, v if body.encoding_format == "float"
+                      else b64encode(packed_vector(v, body.embed_dtype, body.endianness)).decode())
+            for i, v in enumerate(got.vectors)]
+    return EmbeddingList(id, created, model, data, EmbeddingUsage(used, used))
 
 
-async def _vector(stream: Stream, field: str) -> list[float]:
-    try:
-        async for d in stream:
-            if d.embedding is not None:
-                return d.embedding
-    except InvalidRequest as exc:
-        raise _named(exc, field) from None
-    except BackendError as exc:
-        raise from_backend(exc) from exc
-    raise from_backend(BackendError("the backend ended an embedding without its vector"))
+def packed_vector(v: list[float], dtype: str, endianness: str) -> bytes:
+    """A vector's bytes in `dtype` (vLLM's embed_dtype) and byte order."""
+    order = sys.byteorder if endianness == "native" else endianness
+    if dtype == "float32":  # the openai SDK's base64: no torch needed for it
+        return struct.pack(f"{'<' if order == 'little' else '>'}{len(v)}f", *v)
+    import torch  # the other dtypes round as torch rounds them (vLLM's conversion)
 
-
-def _named(exc: InvalidRequest, field: str) -> ApiError:
-    """A backend's refusal as a 400 naming the prompt's `field` where it names a prompt
-    (the engine names a chat's)."""
-    return invalid(exc.message, field if exc.param in (None, "messages", "prompt") else exc.param, exc.code)
-
-
-def _encoded(v: list[float], fmt: str) -> list[float] | str:
-    return b64encode(struct.pack(f"<{len(v)}f", *v)).decode() if fmt == "base64" else v
+    kinds = {"float16": torch.float16, "bfloat16": torch.bfloat16, "fp8_e4m3": torch.float8_e4m3fn,
+             "fp8_e5m2": torch.float8_e5m2}
+    raw = torch.tensor(v, dtype=torch.float32).to(kinds[dtype]).view(torch.uint8).numpy()
+    if order != sys.byteorder and raw.size > len(v):  # two-byte values: swap each pair
+        raw = raw.reshape(-1, 2)[:, ::-1]
+    return raw.tobytes()

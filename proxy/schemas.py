@@ -11,7 +11,7 @@ from __future__ import annotations
 import re
 import secrets
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Literal
 
 import msgspec
 import structlog
@@ -86,6 +86,7 @@ class Sampled(Struct, kw_only=True):
     return_token_ids: bool = False  # vLLM's: the prompt's and the output's token ids in the answer
     return_tokens_as_token_ids: bool = False  # vLLM's: logprobs name their tokens "token_id:N"
     truncate_prompt_tokens: int | None = None  # vLLM's: only the prompt's last k tokens (-1: the context's)
+    truncation_side: Literal["left", "right"] | None = None  # vLLM's: "right" keeps the first k instead
     request_id: str | None = None  # vLLM's: the answer's id, after its prefix
     priority: int = 0  # vLLM's: only 0, as a vLLM server without priority scheduling takes it
     logit_bias: dict[str, float] | None = None
@@ -210,8 +211,8 @@ def answer_id(request_id: str | None, header: str | None = None) -> str:
 
 
 def truncation(k: int | None, max_model_len: int) -> int | None:
-    """How many of the prompt's last tokens to keep (vLLM's truncate_prompt_tokens `k`;
-    -1: as many as the context holds); None: the whole prompt."""
+    """How many of the prompt's tokens to keep (vLLM's truncate_prompt_tokens `k`; -1: as
+    many as the context holds); None: the whole prompt."""
     if k is None:
         return None
     if k == -1:

@@ -121,3 +121,13 @@ def test_truncation_keeps_the_prompts_last_tokens_and_whole_segments_only():
     assert request_ids(None, r) == (list(range(19, 30)), [(5, 9)])  # (8, 12) was cut into: private
     r.truncate = 20
     assert request_ids(None, r) == (list(range(10, 30)), [(2, 6), (8, 12), (14, 18)])
+
+
+def test_truncation_from_the_right_keeps_the_prompts_first_tokens():
+    r = Request("r", [], SamplingParams(), prompt_token_ids=list(range(10, 30)),
+                shared_spans=[(2, 6), (8, 12), (14, 18)], truncate=12, truncation_side="right")
+    assert request_ids(None, r) == (list(range(10, 22)), [(2, 6), (8, 12)])
+    r.truncate = 11
+    assert request_ids(None, r) == (list(range(10, 21)), [(2, 6)])  # (8, 12) still whole
+    r.truncate = 10
+    assert request_ids(None, r) == (list(range(10, 20)), [(2, 6)])  # (8, 12) cut into: private

@@ -5,6 +5,9 @@ be served."""
 
 from __future__ import annotations
 
+import base64
+import json
+
 import httpx
 import openai
 import pytest
@@ -55,9 +58,12 @@ def test_token_ids_and_vllms_fields(engine_client, engine_model, hf, tok):
     assert torch.allclose(torch.tensor(one.data[0].embedding), expected(hf, ids), atol=1e-5)
     assert torch.allclose(torch.tensor(two.data[1].embedding), expected(hf, ids[:3]), atol=1e-5)
     raw = engine_client.embeddings.create(model=engine_model, input=ids, encoding_format="float",
-                                          extra_body={"normalize": False, "truncate_prompt_tokens": 4})
-    assert raw.usage.prompt_tokens == 4
-    assert torch.allclose(torch.tensor(raw.data[0].embedding), expected(hf, ids[-4:], False), atol=1e-4)
+                                          extra_body={"use_activation": False, "truncate_prompt_tokens": 4})
+    assert raw.usage.prompt_tokens == 4  # a pooling model keeps the first tokens, as vLLM's does
+    assert torch.allclose(torch.tensor(raw.data[0].embedding), expected(hf, ids[:4], False), atol=1e-4)
+    tail = engine_client.embeddings.create(model=engine_model, input=ids, encoding_format="float", extra_body={
+        "truncate_prompt_tokens": 4, "truncation_side": "left"})
+    assert torch.allclose(torch.tensor(tail.data[0].embedding), expected(hf, ids[-4:]), atol=1e-5)
     plain = engine_client.embeddings.create(model=engine_model, input="Ada", encoding_format="float",
                                             extra_body={"add_special_tokens": False})
     assert plain.usage.prompt_tokens == len(tok("Ada", add_special_tokens=False)["input_ids"])
@@ -75,6 +81,45 @@ def test_vllms_chat_form_request_id_and_use_activation(engine_live, engine_clien
     assert torch.allclose(torch.tensor(r["data"][0]["embedding"]), expected(hf, ids, False), atol=1e-4)
     named = engine_client.embeddings.create(model=engine_model, input="a", extra_body={"request_id": "n1"})
     assert named.id == "embd-n1"
+
+
+def test_several_chats_in_messages_or_input(engine_live, engine_model):
+    a = [{"role": "user", "content": "Where is Ada?"}]
+    b = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "And Bo?"}]
+    got = {}
+    for name, body in {"a": {"messages": a}, "b": {"input": b}, "both": {"messages": [a, b]},
+                       "both-input": {"input": [a, b]}}.items():
+        r = httpx.post(engine_live.url + "/v1/embeddings", json={"model": engine_model, **body})
+        assert r.status_code == 200, r.text
+        got[name] = [d["embedding"] for d in r.json()["data"]]
+    assert torch.allclose(torch.tensor(got["both"]), torch.tensor(got["a"] + got["b"]), atol=1e-5)
+    assert torch.allclose(torch.tensor(got["both-input"]), torch.tensor(got["both"]), atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16", "fp8_e4m3", "fp8_e5m2"])
+@pytest.mark.parametrize("endianness", ["native", "big"])
+def test_vllms_encodings(engine_live, engine_model, dtype, endianness):
+    """base64 and bytes carry each vector as torch converts it, in the byte order asked."""
+    body = {"model": engine_model, "input": ["Ada", "Bo and Cy"]}
+    floats = httpx.post(engine_live.url + "/v1/embeddings", json=body).json()
+    kinds = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
+             "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
+    want = [torch.tensor(d["embedding"]).to(kinds[dtype]).view(torch.uint8).numpy() for d in floats["data"]]
+    if endianness == "big" and dtype in ("float32", "float16", "bfloat16"):
+        want = [w.reshape(-1, torch.finfo(kinds[dtype]).bits // 8)[:, ::-1] for w in want]
+    want = [w.tobytes() for w in want]
+    enc = {"embed_dtype": dtype, "endianness": endianness}
+    b64 = httpx.post(engine_live.url + "/v1/embeddings", json={**body, **enc, "encoding_format": "base64"}).json()
+    assert [base64.b64decode(d["embedding"]) for d in b64["data"]] == want
+    raw = httpx.post(engine_live.url + "/v1/embeddings", json={**body, **enc, "encoding_format": "bytes"})
+    assert raw.headers["content-type"] == "application/octet-stream" and raw.content == b"".join(want)
+    meta = json.loads(raw.headers["metadata"])
+    assert meta["id"] == raw.headers["X-Request-Id"] and meta["usage"] == floats["usage"]
+    assert [raw.content[d["start"]:d["end"]] for d in meta["data"]] == want
+    assert {(d["embed_dtype"], d["endianness"], tuple(d["shape"])) for d in meta["data"]} == {
+        (dtype, endianness, (len(floats["data"][0]["embedding"]),))}
+    only = httpx.post(engine_live.url + "/v1/embeddings", json={**body, **enc, "encoding_format": "bytes_only"})
+    assert only.content == b"".join(want) and "metadata" not in only.headers
 
 
 @pytest.mark.parametrize("kw,param", [
@@ -95,8 +140,17 @@ def test_vllms_chat_form_request_id_and_use_activation(engine_live, engine_clien
     ({"input": "a", "extra_body": {"priority": 1}}, "priority"),
     ({"input": "a", "extra_body": {"truncate_prompt_tokens": 0}}, "truncate_prompt_tokens"),
     ({"input": {"text": "a"}}, "input"),
-], ids=["both-forms", "no-messages", "long-messages", "salt", "request-id", "empty", "empty-string", "an-empty-string", "an-empty-list", "mixed", "outside-vocab", "too-many",
-        "dimensions", "format", "priority", "truncate", "object"])
+    ({"input": "a", "extra_body": {"normalize": True}}, "normalize"),
+    ({"input": "a", "extra_body": {"embed_dtype": "int8"}}, "embed_dtype"),
+    ({"input": "a", "extra_body": {"endianness": "middle"}}, "endianness"),
+    ({"input": "a", "extra_body": {"truncation_side": "middle"}}, "truncation_side"),
+    ({"input": "a", "extra_body": {"padding": "max_length"}}, "padding"),
+    ({"input": "a", "extra_body": {"mm_processor_kwargs": {"size": 2}}}, "mm_processor_kwargs"),
+    ({"input": None, "extra_body": {"messages": ["a"]}}, "messages"),
+    ({"input": None, "extra_body": {"messages": [{"role": "user", "content": 3}]}}, "messages"),
+], ids=["both-forms", "no-messages", "long-messages", "salt", "request-id", "empty", "empty-string", "an-empty-string",
+        "an-empty-list", "mixed", "outside-vocab", "too-many", "dimensions", "format", "priority", "truncate",
+        "object", "normalize", "dtype", "endianness", "side", "padding", "multimodal", "not-a-chat", "bad-message"])
 def test_what_cannot_be_embedded_is_a_400_naming_its_field(engine_client, engine_model, kw, param):
     with pytest.raises(openai.BadRequestError) as e:
         engine_client.embeddings.create(model=engine_model, **kw)

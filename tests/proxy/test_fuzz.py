@@ -24,7 +24,7 @@ FIELDS = ["messages", "prompt", "n", "stop", "max_tokens", "max_completion_token
           "response_format", "structured_outputs", "tools", "tool_choice", "parallel_tool_calls", "tokendance",
           "include_stop_str_in_output", "skip_special_tokens", "add_special_tokens", "echo", "best_of",
           "chat_template_kwargs", "add_generation_prompt", "continue_final_message", "prompt_logprobs",
-          "allowed_token_ids", "bad_words", "return_token_ids", "truncate_prompt_tokens",
+          "allowed_token_ids", "bad_words", "return_token_ids", "truncate_prompt_tokens", "truncation_side",
           "return_tokens_as_token_ids", "request_id", "priority"]
 TOOLS = [{"type": "function", "function": {"name": "f", "strict": True, "parameters": {
     "type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}}},
@@ -44,7 +44,7 @@ PLAUSIBLE: dict[str, Any] = {
     "parallel_tool_calls": [False], "logprobs": [True, 2], "top_logprobs": [0, 3], "prompt_logprobs": [0, 2],
     "allowed_token_ids": [[5, 6], [17]], "bad_words": [["a"], ["the end", "x"]], "return_token_ids": [True],
     "return_tokens_as_token_ids": [True], "request_id": ["a-1", "x:y"],
-    "truncate_prompt_tokens": [-1, 3, 50],
+    "truncate_prompt_tokens": [-1, 3, 50], "truncation_side": ["left", "right"],
     "chat_template_kwargs": [{"enable_thinking": False}, {"messages": []}, {"bos_token": "<x>"}],
     "add_generation_prompt": [False], "continue_final_message": [True],
 }

@@ -159,3 +159,15 @@ def test_truncate_prompt_tokens_keeps_the_prompts_end(client, model, engine_live
         with pytest.raises(openai.BadRequestError) as e:
             client.chat.completions.create(**kw, messages=user("Hi."), extra_body={"truncate_prompt_tokens": k})
         assert e.value.body["param"] == "truncate_prompt_tokens"
+
+
+def test_truncation_side_right_keeps_the_prompts_start(client, model):
+    kw = dict(model=model, temperature=0, max_tokens=4)
+    cut = client.completions.create(**kw, prompt=list(range(5, 25)), extra_body={
+        "truncate_prompt_tokens": 6, "truncation_side": "right", "return_token_ids": True})
+    head = client.completions.create(**kw, prompt=list(range(5, 11)))
+    assert cut.choices[0].model_extra["prompt_token_ids"] == list(range(5, 11))
+    assert cut.choices[0].text == head.choices[0].text
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(**kw, messages=user("Hi."), extra_body={"truncation_side": "middle"})
+    assert e.value.body["param"] == "truncation_side"

@@ -76,10 +76,12 @@ class FakeVLLM:
 
     async def embeddings(self, req: web.Request) -> web.Response:
         """A pooling server's answer: the ids' sum, count and first id; a generative one's
-        refusal for an input that starts with id 0."""
+        refusal for an input that starts with id 0; vLLM 0.32's refusal of `normalize`."""
         body = await req.json()
         self.bodies.append(body)
         ids = body["input"]
+        if "normalize" in body:
+            return web.json_response({"error": {"message": "Parameter `normalize` was removed"}}, status=400)
         if ids[0] == 0:
             return web.json_response({"error": {"message": "The model does not support Embeddings API"}},
                                      status=400)
@@ -206,11 +208,11 @@ async def test_what_vllm_refuses_is_a_400(proxy):
 
 async def test_embeddings_go_to_vllm_as_token_ids_and_its_refusal_is_a_400(proxy, vllm):
     r = await _client(proxy).embeddings.create(model="fake-vllm", input=[[5, 6, 7], [9]], encoding_format="float",
-                                               extra_body={"normalize": False})
+                                               extra_body={"use_activation": False})
     assert [d.embedding for d in r.data] == [[18.0, 3.0, 5.0], [9.0, 1.0, 9.0]]
     assert r.usage.prompt_tokens == 4
     assert sorted(b["input"] for b in vllm.bodies[-2:]) == [[5, 6, 7], [9]]
-    assert not any(b["normalize"] for b in vllm.bodies[-2:])
+    assert not any(b["use_activation"] for b in vllm.bodies[-2:])
     with pytest.raises(openai.BadRequestError) as e:
         await _client(proxy).embeddings.create(model="fake-vllm", input=[0, 1])
     assert "does not support Embeddings" in e.value.body["message"]
