@@ -124,7 +124,7 @@ class HostTier:
         if not self._room(need, set(masters)):
             self._release(masters)
             return 0
-        entry = self.agents[name] = _Parked(self._to_host(slots), need, masters)
+        self.agents[name] = _Parked(self._to_host(slots), need, masters)
         self._bytes += need
         return need
 

@@ -4,6 +4,7 @@ one-line usage error when the command line is parsed, before any model loads."""
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable
 
 from tokendance.backend.flags import at_least
 

@@ -15,7 +15,7 @@ from aiohttp import web
 
 from tokendance.backend.api import Backend, InvalidRequest, Stream
 
-from . import conversations, echo, embeddings as vectors, replies, responses, schemas, segment
+from . import conversations, echo, embeddings as vectors, replies, responses, schemas, scores, segment
 from . import tokenize as tokens
 from .answer import Turn, follow, starting_after
 from .call import Call
@@ -209,17 +209,23 @@ async def completions(req: web.Request) -> web.StreamResponse:
 
 @tracked("embeddings")
 async def embeddings(req: web.Request) -> web.Response:
-    px = req.app[PROXY]
     body = schemas.decode(await req.read(), vectors.EmbeddingRequest)
-    out = await vectors.embed(px, body, req.headers)
-    if isinstance(out, vectors.Binary):
-        resp = web.Response(body=out.body, content_type="application/octet-stream")
-        if out.metadata is not None:
-            resp.headers["metadata"] = out.metadata
-    else:
-        resp = _json(out)
-    resp.headers["X-Request-Id"] = out.id
-    return resp
+    out = await vectors.embed(req.app[PROXY], body, req.headers)
+    return out.response() if isinstance(out, vectors.Binary) else _json(out, out.id)
+
+
+@tracked("score")
+async def score(req: web.Request) -> web.Response:
+    body = schemas.decode(await req.read(), scores.ScoreRequest)
+    out = await scores.score(req.app[PROXY], body, req.headers)
+    return _json(out, out.id)
+
+
+@tracked("rerank")
+async def rerank(req: web.Request) -> web.Response:
+    body = schemas.decode(await req.read(), scores.RerankRequest)
+    out = await scores.rerank(req.app[PROXY], body, req.headers)
+    return _json(out, out.id)
 
 
 async def models(req: web.Request) -> web.Response:
@@ -296,8 +302,12 @@ def _number(req: web.Request) -> int:
     return round_number(req.match_info["round"], "round")
 
 
-def _json(obj: object) -> web.Response:
-    return web.Response(body=msgspec.json.encode(obj), content_type="application/json")
+def _json(obj: object, id: str | None = None) -> web.Response:
+    """`obj` as JSON; `id`: the answer's id, which vLLM repeats as X-Request-Id."""
+    resp = web.Response(body=msgspec.json.encode(obj), content_type="application/json")
+    if id is not None:
+        resp.headers["X-Request-Id"] = id
+    return resp
 
 
 def make_app(proxy: Proxy, control: Control | None = None) -> web.Application:
@@ -313,6 +323,10 @@ def make_app(proxy: Proxy, control: Control | None = None) -> web.Application:
     r.add_post("/v1/responses/{id}/cancel", cancel_response)
     r.add_delete("/v1/responses/{id}", delete_response)
     r.add_post("/v1/embeddings", embeddings)
+    for path in ("/score", "/v1/score"):
+        r.add_post(path, score)
+    for path in ("/rerank", "/v1/rerank", "/v2/rerank"):
+        r.add_post(path, rerank)
     conversations.routes(r, proxy)
     r.add_get("/v1/models", models)
     r.add_get("/v1/models/{model}", model)

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import msgspec
+from aiohttp import web
 from msgspec import Struct
 
 from . import schemas
@@ -81,6 +82,13 @@ class Binary:
     body: bytes
     metadata: str | None  # None for bytes_only
     id: str
+
+    def response(self) -> web.Response:
+        resp = web.Response(body=self.body, content_type="application/octet-stream",
+                            headers={"X-Request-Id": self.id})
+        if self.metadata is not None:
+            resp.headers["metadata"] = self.metadata
+        return resp
 
 
 def check(body: EmbeddingRequest) -> None:

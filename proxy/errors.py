@@ -84,14 +84,19 @@ async def middleware(request: web.Request, handler) -> web.StreamResponse:
         return from_backend(exc).response()
 
 
+GUARDED = ("/v1", "/v2", "/score", "/rerank")
+
+
 def keys(accepted: frozenset[str]):
-    """vLLM's --api-key: a /v1 route answers only a request that carries one of `accepted`
-    (Authorization: Bearer), else a 401; the rest (health, metrics) stays open."""
+    """vLLM's --api-key: a /v1 or /v2 route answers only a request that carries one of
+    `accepted` (Authorization: Bearer), else a 401; so do /score and /rerank, which vLLM
+    leaves open (they compute for the caller); the rest (health, metrics, tokenize) stays
+    open."""
     wanted = Keys(accepted)
 
     @web.middleware
     async def check(request: web.Request, handler) -> web.StreamResponse:
-        if wanted and request.path.startswith("/v1"):
+        if wanted and request.path.startswith(GUARDED):
             if not wanted.accept(request.headers):
                 raise ApiError(401, "an API key this server accepts is required (Authorization: Bearer ...)",
                                code="invalid_api_key")

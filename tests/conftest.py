@@ -76,3 +76,19 @@ def tiny_models(make_model) -> dict[str, Path]:
 @pytest.fixture(scope="session")
 def tiny_llama(tiny_models) -> Path:
     return tiny_models["llama"]
+
+
+@pytest.fixture(scope="session")
+def hf(tiny_llama):
+    """The tiny Llama in HF transformers, float32: the reference for what the engine computes."""
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="session")
+def tok(tiny_llama):
+    """The tiny Llama's HF tokenizer."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(tiny_llama)

@@ -8,7 +8,6 @@ from collections import defaultdict
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
 
 from tokendance.backend.api import Delta, Pooling, SamplingParams
 from tokendance.backend.engine import Engine
@@ -25,11 +24,6 @@ def run(eng: Engine, jobs: list[tuple[list[int], Pooling | None]], mode: str = "
         for rid, d in eng.step():
             got[rid].append(d)
     return [got[f"r{i}"] for i in range(len(jobs))]
-
-
-@pytest.fixture(scope="module")
-def hf(tiny_llama):
-    return AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32).eval()
 
 
 def last_state(hf, prompt: list[int]) -> torch.Tensor:

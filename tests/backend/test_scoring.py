@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
 
 from tokendance.backend import scoring
 from tokendance.backend.api import Delta, SamplingParams
@@ -23,11 +22,6 @@ def run(eng: Engine, prompts: list[list[int]], sampling: SamplingParams, mode: s
         for rid, d in eng.step():
             got[rid].append(d)
     return [got[r] for r in ids]
-
-
-@pytest.fixture(scope="module")
-def hf(tiny_llama):
-    return AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32).eval()
 
 
 @pytest.mark.parametrize("budget,mode,rows", [(512, "full", 1024), (16, "full", 1024), (512, "collective", 1024),

@@ -12,21 +12,10 @@ import httpx
 import openai
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from tokendance.examples.echo import EchoBackend
 
 from .conftest import Threaded
-
-
-@pytest.fixture(scope="module")
-def hf(tiny_llama):
-    return AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32).eval()
-
-
-@pytest.fixture(scope="module")
-def tok(tiny_llama):
-    return AutoTokenizer.from_pretrained(tiny_llama)
 
 
 def expected(hf, ids: list[int], normalize: bool = True) -> torch.Tensor:

@@ -205,10 +205,11 @@ def _names_and_keys(url: str) -> None:
         with pytest.raises(openai.AuthenticationError) as e:
             bad.models.list()
         assert e.value.body["code"] == "invalid_api_key"
-    req = urllib.request.Request(url + "/v1/tokendance/sessions/s/rounds/1", data=b"{}", method="POST")
-    with pytest.raises(urllib.error.HTTPError) as e:
-        urllib.request.urlopen(req)  # the control routes too
-    assert e.value.code == 401
+    for path in ("/v1/tokendance/sessions/s/rounds/1", "/score", "/rerank", "/v2/rerank"):
+        req = urllib.request.Request(url + path, data=b"{}", method="POST")
+        with pytest.raises(urllib.error.HTTPError) as e:
+            urllib.request.urlopen(req)  # the control routes and the scores too
+        assert e.value.code == 401, path
     assert json.load(urllib.request.urlopen(url + "/health"))["model"] == "gpt-4o-mini"  # open
 
 

@@ -218,6 +218,27 @@ async def test_embeddings_go_to_vllm_as_token_ids_and_its_refusal_is_a_400(proxy
     assert "does not support Embeddings" in e.value.body["message"]
 
 
+async def test_a_rerank_scores_the_vllm_servers_embeddings(proxy, vllm):
+    """Each text is one embedding call; the cosines are the proxy's."""
+    tok = proxy.proxy.backend.tokenizer
+    docs = ["b c", "d"]
+    async with httpx.AsyncClient() as http:
+        got = (await http.post(proxy.url + "/rerank", json={"query": "a", "documents": docs})).json()
+    vec = {t: vllm_vector(tok(t)["input_ids"]) for t in ["a", *docs]}
+    want = [_cos(vec["a"], vec[d]) for d in docs]
+    assert [x["relevance_score"] for x in got["results"]] == pytest.approx(sorted(want, reverse=True))
+    assert [x["index"] for x in got["results"]] == sorted(range(2), key=lambda i: -want[i])
+
+
+def vllm_vector(ids: list[int]) -> list[float]:
+    return [float(sum(ids)), float(len(ids)), float(ids[0])]  # as the fake server embeds
+
+
+def _cos(a: list[float], b: list[float]) -> float:
+    dot = sum(x * y for x, y in zip(a, b))
+    return dot / (sum(x * x for x in a) ** 0.5 * sum(y * y for y in b) ** 0.5)
+
+
 async def test_the_proxy_samples_with_the_generation_config_vllm_would(vllm, start):
     """The proxy sends every field, so it applies what the server's --generation-config
     and --override-generation-config would (the model folder's, here overridden)."""
