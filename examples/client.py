@@ -3,7 +3,8 @@ with session / agent / round, plus the round control calls. With `api="responses
 speaks OpenAI's Responses API instead: each agent continues its own stored conversation
 by `previous_response_id` and sends only what its chat added since; with
 `api="conversations"` each agent's conversation is a conversation object
-(`/v1/conversations`) that its responses go on in."""
+(`/v1/conversations`) that its responses go on in. `embed` gives texts' embeddings, for
+agents' memories."""
 
 from __future__ import annotations
 
@@ -97,7 +98,13 @@ class Client:
                  "prompt_tokens_details": u["input_tokens_details"], "tokendance": u.get("tokendance", {})}
         return Reply(agent, text, usage, time.perf_counter() - t0)
 
-    async def _post(self, path: str, body: dict[str, Any], agent: str, round: int) -> dict[str, Any]:
+    async def embed(self, texts: list[str]) -> list[list[float]]:
+        """Each text's embedding (the served model's, /v1/embeddings), in their order."""
+        out = await self._post("/embeddings", {"model": self.model, "input": texts, "encoding_format": "float"})
+        return [d["embedding"] for d in sorted(out["data"], key=lambda d: d["index"])]
+
+    async def _post(self, path: str, body: dict[str, Any], agent: str | None = None,
+                    round: int | None = None) -> dict[str, Any]:
         assert self.http is not None, "use `async with Client(...)`"
         tags = headers(self.session, agent, round, self.mode)
         tags["Authorization"] = f"Bearer {self.api_key}"

@@ -27,6 +27,9 @@ class Round:
 
 async def step(scenario: Scenario, client: Client, r: int) -> Round:
     """Run round `r` of `scenario`: one barrier group of every agent."""
+    recall = getattr(scenario, "recall", None)  # a scenario whose agents look up memories
+    if recall is not None:
+        await recall(client, r)
     prompts = {a: scenario.messages(a, r) for a in scenario.agents}
     await client.rounds.aannounce(r, scenario.agents)
     t0 = time.perf_counter()

@@ -1,7 +1,9 @@
 """What a simulation is to the round loop: agents, each one's prompt, what a round did.
 
 A scenario owns its state (private histories, memories, the shared feed); the loop in
-`rounds.py` only asks for prompts and reports replies. The block of round-t outputs
+`loop.py` only asks for prompts and reports replies. One whose agents look their
+memories up has `async recall(client, round)` too, which the loop awaits before the
+round's prompts (town.py embeds there). The block of round-t outputs
 that every prompt of round t+1 quotes is built by `gather`, one way for all
 scenarios, so the proxy sees the same strings it served (and can share them).
 """

@@ -1,13 +1,30 @@
 """A small town, GenerativeAgents-like: each round every agent perceives the shared
-event feed (a town event plus what everyone did last round) and its own memory, and
-says what it does next. `python -m tokendance.examples.town` runs it."""
+event feed (a town event plus what everyone did last round) and recalls the memories
+that matter most to it, and says what it does next. `python -m tokendance.examples.town`
+runs it.
+
+An agent's memories are what it did and the events it saw. Recall is Generative Agents'
+retrieval without its importance term: each memory scores its recency (decaying by
+round) plus its relevance to the new event (the cosine of their embeddings, from the
+same server's `/v1/embeddings`), each scaled to [0, 1] over the agent's memories, and
+the best `KEEP` are recalled in the order they happened. A server that embeds nothing
+(the echo backend, a vLLM server of a generative model) leaves the town recalling its
+latest memories.
+"""
 
 from __future__ import annotations
 
 import random
 from dataclasses import dataclass, field
 
+import structlog
+
+from tokendance.adapters.rounds import ProxyError
+from tokendance.examples.client import Client
 from tokendance.examples.scenario import Messages, agents, gather
+from tokendance.proxy.scores import cosine
+
+log = structlog.get_logger(__name__)
 
 TRAITS = (
     "the baker", "the school teacher", "a mural painter", "the bicycle mechanic",
@@ -22,6 +39,31 @@ EVENTS = (
     "The river rises after a night of storms.",
 )
 KEEP = 3  # memories an agent recalls
+DECAY = 0.9  # a memory's recency falls by this factor each round
+
+
+@dataclass(slots=True)
+class Memory:
+    text: str
+    round: int
+    vector: list[float] | None = None  # its embedding, once the server gave it
+
+
+def ranked(memories: list[Memory], query: list[float] | None, now: int, keep: int = KEEP) -> list[Memory]:
+    """The `keep` memories with the best recency + relevance to `query`, oldest first;
+    the latest ones without a query."""
+    if query is None or len(memories) <= keep:
+        return memories[-keep:]
+    recency = [DECAY ** (now - m.round) for m in memories]
+    relevance = [cosine(m.vector, query) if m.vector is not None else 0.0 for m in memories]
+    score = [a + b for a, b in zip(_scaled(recency), _scaled(relevance))]
+    best = sorted(range(len(memories)), key=lambda i: -score[i])[:keep]
+    return [memories[i] for i in sorted(best)]
+
+
+def _scaled(xs: list[float]) -> list[float]:
+    lo, hi = min(xs), max(xs)
+    return [(x - lo) / (hi - lo) if hi > lo else 0.5 for x in xs]
 
 
 @dataclass
@@ -30,32 +72,57 @@ class Town:
     seed: int = 0
     name: str = "town"
     agents: list[str] = field(init=False)
-    memory: dict[str, list[str]] = field(init=False)
+    memory: dict[str, list[Memory]] = field(init=False)
+    event: str = "The town wakes up."
     feed: str = "The town wakes up."
+    query: list[float] | None = None  # the event's embedding this round
+    embeds: bool = True  # until the server refuses to embed
     rng: random.Random = field(init=False)
 
     def __post_init__(self) -> None:
         self.rng = random.Random(self.seed)
         self.agents = agents(self.n)
-        self.memory = {a: [f"I am {a}, {TRAITS[i % len(TRAITS)]}."] for i, a in enumerate(self.agents)}
+        self.memory = {a: [] for a in self.agents}
+
+    async def recall(self, client: Client, round: int) -> None:
+        """Embed what is new, the event and last round's memories, each text once, in one call."""
+        if not self.embeds:
+            return
+        new = [m for a in self.agents for m in self.memory[a] if m.vector is None]
+        texts = list(dict.fromkeys([self.event, *(m.text for m in new)]))
+        try:
+            got = dict(zip(texts, await client.embed(texts)))
+        except ProxyError as e:
+            if e.status != 400:
+                raise
+            log.warning("the server embeds nothing: agents recall their latest memories", reason=str(e))
+            self.embeds = False
+            return
+        self.query = got[self.event]
+        for m in new:
+            m.vector = got[m.text]
 
     def messages(self, agent: str, round: int) -> Messages:
-        recall = "\n".join(f"- {m}" for m in self.memory[agent][-KEEP:])
+        trait = TRAITS[self.agents.index(agent) % len(TRAITS)]
+        recalled = ranked(self.memory[agent], self.query, round)
+        recall = "\n".join(f"- {m.text}" for m in recalled) or "- (nothing yet)"
         return [
-            {"role": "system", "content": f"You are {agent}, living in a small town. "
+            {"role": "system", "content": f"You are {agent}, {trait}, living in a small town. "
              "Reply with one sentence: what you do next and why."},
             {"role": "user", "content": f"Your memories:\n{recall}\n\nTown feed:\n{self.feed}\n\n"
              "What do you do now?"},
         ]
 
     def observe(self, round: int, replies: dict[str, str]) -> None:
-        event = self.rng.choice(EVENTS)
         for a in self.agents:
-            self.memory[a].append(f"Round {round}: {replies[a]}")
-        self.feed = f"{event}\n\n" + gather(replies, self.agents, "{name} did")
+            self.memory[a] += [Memory(f"Round {round}, I saw: {self.event}", round),
+                               Memory(f"Round {round}, I did: {replies[a]}", round)]
+        self.event = self.rng.choice(EVENTS)
+        self.feed = f"{self.event}\n\n" + gather(replies, self.agents, "{name} did")
 
     def summary(self) -> str:
-        return f"{len(self.agents)} townsfolk, {sum(map(len, self.memory.values()))} memories"
+        how = "by relevance and recency" if self.embeds else "by recency (the server embeds nothing)"
+        return f"{len(self.agents)} townsfolk, {sum(map(len, self.memory.values()))} memories, recalled {how}"
 
 
 if __name__ == "__main__":

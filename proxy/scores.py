@@ -156,10 +156,10 @@ async def _scores(px: Proxy, body: Scoring, headers: Mapping[str, str], one: lis
     left, right = got.vectors[:len(one)], got.vectors[len(one):]
     if len(left) == 1:
         left = left * len(right)
-    return key, [_cosine(a, b) for a, b in zip(left, right)], sum(got.tokens)
+    return key, [cosine(a, b) for a, b in zip(left, right)], sum(got.tokens)
 
 
-def _cosine(a: list[float], b: list[float]) -> float:
+def cosine(a: list[float], b: list[float]) -> float:
     return sum(map(mul, a, b)) / (max(math.hypot(*a), 1e-8) * max(math.hypot(*b), 1e-8))
 
 

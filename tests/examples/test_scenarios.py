@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 
+from tokendance.adapters.rounds import ProxyError
 from tokendance.examples.debate import Debate
 from tokendance.examples.scenario import agents
 from tokendance.examples.society import KEYWORD, Society
-from tokendance.examples.town import Town
+from tokendance.examples.town import Memory, Town, ranked
 
 
 def _play(s, rounds: int = 2) -> dict[str, list]:
@@ -54,3 +57,57 @@ def test_society_spreads_news() -> None:
     assert 1 <= len(s.heard) < 10
     _play(s, 1)
     assert len(s.heard) == 10 and "10/10" in s.summary()
+
+
+def test_recall_ranks_memories_by_recency_and_relevance() -> None:
+    ms = [Memory("bread", 1, [0.0, 1.0]), Memory("rain", 2, [1.0, 0.0]), Memory("bees", 3, [0.0, 1.0]),
+          Memory("dog", 4, [0.6, 0.8]), Memory("fountain", 5, [-1.0, 0.0])]
+    # scores (recency + relevance, each scaled to [0, 1]): bread 0.50, rain 1.21, bees 0.95, dog 1.51,
+    # fountain 1.00: the newest memory is not recalled, an old relevant one is
+    assert [m.text for m in ranked(ms, [1.0, 0.0], now=6, keep=2)] == ["rain", "dog"]
+    assert [m.text for m in ranked(ms, None, now=6, keep=2)] == ["dog", "fountain"]  # no query: the latest
+    assert ranked(ms[:2], [1.0, 0.0], now=6, keep=3) == ms[:2]
+
+
+class Embedder:
+    """A client whose server embeds a text as (its length, its count of 'r')."""
+
+    def __init__(self, refuse: bool = False):
+        self.calls: list[list[str]] = []
+        self.refuse = refuse
+
+    async def embed(self, texts: list[str]) -> list[list[float]]:
+        self.calls.append(texts)
+        if self.refuse:
+            raise ProxyError(400, "the echo backend has no model to compute embeddings with")
+        return [[float(len(t)), float(t.count("r"))] for t in texts]
+
+
+def test_the_town_embeds_each_new_text_once_and_recalls_by_it() -> None:
+    town, client = Town(n=3, seed=1), Embedder()
+    for r in range(1, 5):
+        asyncio.run(town.recall(client, r))
+        prompts = {a: town.messages(a, r) for a in town.agents}
+        town.observe(r, {a: f"{a} acts in round {r}" for a in town.agents})
+    assert len(client.calls) == 4 and client.calls[0] == ["The town wakes up."]
+    # after round 1: the new event, the round's event once (every agent saw it) and 3 actions
+    assert len(client.calls[1]) == len(set(client.calls[1])) == 5
+    recalled = prompts["Ada"][1]["content"].split("Town feed")[0]
+    want = ranked(town.memory["Ada"][:6], town.query, 4)
+    assert [line[2:] for line in recalled.splitlines()[1:4]] == [m.text for m in want]
+    assert all(m.vector is not None for m in town.memory["Ada"][:6]) and "relevance" in town.summary()
+
+
+def test_a_server_that_embeds_nothing_leaves_recall_to_recency() -> None:
+    town, client = Town(n=2), Embedder(refuse=True)
+    for r in range(1, 4):
+        asyncio.run(town.recall(client, r))
+        town.observe(r, {a: f"{a} acts" for a in town.agents})
+    assert len(client.calls) == 1 and not town.embeds and "recency" in town.summary()
+    assert "- Round 3, I did: Ada acts" in town.messages("Ada", 4)[1]["content"]
+    with pytest.raises(ProxyError):
+        asyncio.run(Town().recall(type("Down", (Embedder,), {"embed": _down})(), 1))
+
+
+async def _down(self, texts: list[str]) -> list[list[float]]:
+    raise ProxyError(503, "the engine is down")
