@@ -246,6 +246,7 @@ class Delta:
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprob] = field(default_factory=list)
     finish_reason: str | None = None  # "stop" | "length" | "abort"
+    stop_reason: str | int | None = None  # vLLM's: the stop string or stop token id that ended it
     usage: Usage | None = None  # set on the last delta
     # on a request's first delta, with SamplingParams.prompt_logprobs: one per prompt token
     prompt_logprobs: list[TokenLogprob] | None = None

@@ -292,12 +292,12 @@ class Engine:
             seq.lookahead -= 1
         n = at + 1  # tokens generated, this one included
         p = seq.sampling
-        reason = None
+        reason, hit = None, None  # hit: the stop string or stop token (vLLM's stop_reason)
         if seq.matcher is not None and (not seq.matcher.accept_token(tok) or seq.matcher.is_terminated()):
             reason = "stop"  # the grammar is complete (only an end-of-sequence token was allowed)
         elif tok in seq.ends:  # min_tokens kept them out of its first tokens
-            reason = "stop"
-        elif seq.detok.add(tok, check=n > p.min_tokens) is not None:
+            reason, hit = "stop", tok if tok in p.stop_token_ids else None
+        elif (hit := seq.detok.add(tok, check=n > p.min_tokens)) is not None:
             reason = "stop"
         elif n >= p.max_tokens or len(seq.prompt) + n >= self.max_model_len:
             reason = "length"
@@ -309,6 +309,7 @@ class Engine:
             seq.lookahead = 0
             seq.computed = min(seq.computed, len(seq))
             delta = self._finish(seq, reason)
+            delta.stop_reason = hit
         else:
             delta = Delta(text=seq.detok.take(final=False))
         delta.token_ids = [tok]

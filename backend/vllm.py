@@ -258,7 +258,8 @@ def _refused(status: int, text: str) -> Exception:
 
 def _delta(c: dict[str, Any], pieces: Pieces) -> Delta:
     """A streamed choice as a Delta; its logprobs' tokens come as "token_id:N"."""
-    d = Delta(c.get("text") or "", list(c.get("token_ids") or []), finish_reason=c.get("finish_reason"))
+    d = Delta(c.get("text") or "", list(c.get("token_ids") or []), finish_reason=c.get("finish_reason"),
+              stop_reason=c.get("stop_reason"))
     lp = c.get("logprobs")
     if lp:
         tops = lp.get("top_logprobs") or [None] * len(lp["tokens"])

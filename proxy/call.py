@@ -44,6 +44,7 @@ class Call:
     logprobs: list[list[TokenLogprob]] = field(default_factory=list)
     tokens: list[int] = field(default_factory=list)
     finish: list[str | None] = field(default_factory=list)
+    stopped: list[str | int | None] = field(default_factory=list)  # vLLM's stop_reason: what stopped each choice
     usage: list[Usage | None] = field(default_factory=list)
     outcome: str = "ok"  # "ok" | "error" | "abort"
     done: bool = False
@@ -68,6 +69,7 @@ class Call:
         self.ids[i] += d.token_ids
         if d.finish_reason is not None:
             self.finish[i] = d.finish_reason
+            self.stopped[i] = d.stop_reason
             self.usage[i] = d.usage
 
     @property

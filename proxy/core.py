@@ -152,7 +152,7 @@ class Proxy:
                                   exc.code)
         k = len(call.prepared)
         call.texts, call.logprobs, call.scored, call.ids = ([[] for _ in range(k)] for _ in range(4))
-        call.tokens, call.finish, call.usage = [0] * k, [None] * k, [None] * k
+        call.tokens, call.finish, call.stopped, call.usage = [0] * k, [None] * k, [None] * k, [None] * k
 
     async def admit(self, call: Call) -> list[Stream]:
         """Hold the call at its round's barrier (if any); its streams once its group started."""

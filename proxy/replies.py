@@ -98,6 +98,7 @@ class ChatChoice(Struct):
     finish_reason: str | None
     logprobs: ChatLogprobs | None = None
     token_ids: list[int] | UnsetType = UNSET  # vLLM's return_token_ids
+    stop_reason: str | int | None = None  # vLLM's: the stop string or stop token id that ended it
 
 
 class ChatCompletion(Struct):
@@ -125,6 +126,7 @@ class ChunkChoice(Struct):
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
     token_ids: list[int] | UnsetType = UNSET  # vLLM's return_token_ids: this chunk's
+    stop_reason: str | int | None | UnsetType = UNSET  # vLLM's, in the choice's last chunk
 
 
 class ChatChunk(Struct):
@@ -147,6 +149,7 @@ class TextChoice(Struct):
     # vLLM's return_token_ids: its prompt's (streamed: in its first chunk) and its output's
     prompt_token_ids: list[int] | None | UnsetType = UNSET
     token_ids: list[int] | UnsetType = UNSET
+    stop_reason: str | int | None | UnsetType = UNSET  # vLLM's: in a whole answer, and a choice's last chunk
 
 
 class Completion(Struct):

@@ -78,7 +78,7 @@ async def _json(px: Proxy, call: Call, streams: list[Stream]) -> web.Response:
                                    [s.OutCall(c.id or "", s.OutFunction(c.name or "", c.arguments))
                                     for c in got.calls] or None, reasoning or None)
             choices.append(s.ChatChoice(i, message, calls.finish(r, call.finish[i]),
-                                        chat_lp(call, call.logprobs[i]), _ids(call, i)[1]))
+                                        chat_lp(call, call.logprobs[i]), _ids(call, i)[1], call.stopped[i]))
         body: Any = s.ChatCompletion(call.id, call.created, call.model, choices, usage,
                                      prompt_logprobs=_prompt_lp(call, call.scored[0]),
                                      prompt_token_ids=_ids(call, 0)[0])
@@ -88,7 +88,7 @@ async def _json(px: Proxy, call: Call, streams: list[Stream]) -> web.Response:
             s.TextChoice(i, e.text(i, call.text(i)) if e else call.text(i), call.finish[i],
                          _text_lp(call, e.logprobs(call.scored[i], call.logprobs[i]) if e else call.logprobs[i], 0),
                          _prompt_lp(call, call.scored[i]),
-                         *_ids(call, i))
+                         *_ids(call, i), call.stopped[i])
             for i in range(len(streams))], usage)
     return web.Response(body=_enc.encode(body), content_type="application/json", headers=call.headers())
 
@@ -118,7 +118,7 @@ async def _sse(req: web.Request, px: Proxy, call: Call, streams: list[Stream]) -
                     call.add(i, d)
                     text, lps = call.echo.piece(i, d, call.scored[i]) if call.echo and not chat else (d.text, d.logprobs)
                     chunk = _chat_chunk(call, i, d, readers[i], thinking[i]) if chat else \
-                        _text_chunk(call, i, text, lps, d.finish_reason, offsets[i])
+                        _text_chunk(call, i, text, lps, d, offsets[i])
                     offsets[i] += len(text)
                     if chunk is not None:
                         chunk.usage = _so_far(call, i)
@@ -200,13 +200,17 @@ def _chat_chunk(call: Call, i: int, d: Delta, r: calls.Reader, th: Thinking | No
               for p in pieces]
     return s.ChatChunk(call.id, call.created, call.model, [s.ChunkChoice(
         i, s.OutDelta(content=content or None, tool_calls=deltas or None, reasoning=reasoning or None), lp,
-        calls.finish(r, d.finish_reason))])
+        calls.finish(r, d.finish_reason), stop_reason=_stop(d))])
 
 
-def _text_chunk(call: Call, i: int, text: str, lps: list[TokenLogprob], finish: str | None,
-                offset: int) -> s.Completion:
+def _text_chunk(call: Call, i: int, text: str, lps: list[TokenLogprob], d: Delta, offset: int) -> s.Completion:
     return s.Completion(call.id, call.created, call.model, [
-        s.TextChoice(i, text, finish, _text_lp(call, lps, offset))])
+        s.TextChoice(i, text, d.finish_reason, _text_lp(call, lps, offset), stop_reason=_stop(d))])
+
+
+def _stop(d: Delta) -> str | int | None | UnsetType:
+    """vLLM's stop_reason in a stream: in a choice's last chunk only."""
+    return UNSET if d.finish_reason is None else d.stop_reason
 
 
 def _event(obj: Any) -> bytes:

@@ -171,3 +171,21 @@ def test_truncation_side_right_keeps_the_prompts_start(client, model):
     with pytest.raises(openai.BadRequestError) as e:
         client.chat.completions.create(**kw, messages=user("Hi."), extra_body={"truncation_side": "middle"})
     assert e.value.body["param"] == "truncation_side"
+
+
+def test_stop_reason_names_the_stop_string_or_token(client, model):
+    kw = dict(model=model, temperature=0, max_tokens=8, prompt="Once upon a time")
+    free = client.completions.create(**kw, extra_body={"return_token_ids": True}).choices[0]
+    assert free.finish_reason == "length" and free.model_extra["stop_reason"] is None
+    first = free.model_extra["token_ids"][1]
+    by_token = client.completions.create(**kw, extra_body={"stop_token_ids": [first]}).choices[0]
+    assert by_token.finish_reason == "stop" and by_token.model_extra["stop_reason"] == first
+    word = free.text[len(free.text) // 2:][:3]
+    assert len(word) == 3
+    by_text = client.completions.create(**kw, stop=[word, "\x00"]).choices[0]
+    assert by_text.finish_reason == "stop" and by_text.model_extra["stop_reason"] == word
+    chat = dict(model=model, temperature=0, max_tokens=8, stop=[word], messages=user("Once upon a time"))
+    whole = client.chat.completions.create(**chat).choices[0]
+    streamed = [c.choices[0] for c in client.chat.completions.create(**chat, stream=True) if c.choices]
+    assert [c.model_extra["stop_reason"] for c in streamed if c.finish_reason] == [whole.model_extra["stop_reason"]]
+    assert all("stop_reason" not in c.model_extra for c in streamed if not c.finish_reason)

@@ -56,8 +56,11 @@ class FakeVLLM:
         n = body["max_tokens"]
         try:
             for i in range(n):
+                last = i == n - 1  # a stop string "stop" ends it at its last token, as vLLM says
+                stop = "stop" in (body.get("stop") or [])
                 choice = {"index": 0, "text": f" w{i}", "token_ids": [100 + i],
-                          "finish_reason": "length" if i == n - 1 else None}
+                          "finish_reason": ("stop" if stop else "length") if last else None,
+                          "stop_reason": "stop" if last and stop else None}
                 if body.get("logprobs") is not None:  # as vLLM names them with return_tokens_as_token_ids
                     assert body["return_tokens_as_token_ids"]
                     choice["logprobs"] = {"tokens": [f"token_id:{100 + i}"], "token_logprobs": [-0.5],
@@ -131,6 +134,9 @@ async def test_a_chat_goes_to_vllm_as_token_ids(proxy, vllm, tiny_llama):
     assert (body["temperature"], body["seed"], body["max_tokens"]) == (0, 4, 3)
     assert (r.usage.prompt_tokens, r.usage.completion_tokens) == (len(ids), 3)
     assert r.usage.prompt_tokens_details.cached_tokens == 3
+    stopped = await _client(proxy).chat.completions.create(model="fake-vllm", messages=user("Hi."), max_tokens=2,
+                                                           stop=["stop"])
+    assert stopped.choices[0].finish_reason == "stop" and stopped.choices[0].model_extra["stop_reason"] == "stop"
 
 
 async def test_vllms_sampling_extras_reach_it(proxy, vllm):
