@@ -5,63 +5,26 @@ parse -> segment -> prepare (before the barrier) -> barrier -> generate -> strea
 from __future__ import annotations
 
 import asyncio
-import functools
-import time
-from collections.abc import Awaitable, Callable
 
 import msgspec
 import structlog
 from aiohttp import web
 
-from tokendance.backend.api import Backend, InvalidRequest, Stream
+from tokendance.backend.api import Backend
 
-from . import conversations, echo, embeddings as vectors, replies, responses, schemas, scores, segment
+from . import chat, conversations, echo, embeddings as vectors, replies, responses, schemas, scores, segment
 from . import tokenize as tokens
 from .answer import Turn, follow, starting_after
-from .call import Call
 from .core import Config, Proxy, digest
 from .errors import ApiError, invalid, keys, middleware
 from .mqtt import Control
 from .peers import Peers
-from .reasoning import held_after
 from .respond import reply
+from .route import PROXY, T0, json_answer, tracked
 from .session import round_number
 
 log = structlog.get_logger("tokendance.proxy")
-PROXY = web.AppKey("proxy", Proxy)
 CONTROL = web.AppKey("control", object)
-T0 = web.RequestKey("t0", float)  # perf_counter once the request body was received
-Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
-
-
-def tracked(endpoint: str) -> Callable[[Handler], Handler]:
-    """Count the request in flight (shutdown drains them) and by status code."""
-    def wrap(handler: Handler) -> Handler:
-        @functools.wraps(handler)
-        async def run(req: web.Request) -> web.StreamResponse:
-            px = req.app[PROXY]
-            px.enter()
-            code = "500"
-            try:
-                await req.read()  # cached for the handler; the clock starts once the body is here
-                req[T0] = time.perf_counter()
-                resp = await handler(req)
-                code = str(resp.status)
-                return resp
-            except (ApiError, web.HTTPException) as exc:
-                code = str(exc.status)
-                raise
-            except InvalidRequest:  # e.g. from render_chat; the middleware answers 400
-                code = "400"
-                raise
-            except asyncio.CancelledError:
-                code = "499"
-                raise
-            finally:
-                px.leave()
-                px.metrics.requests.inc(endpoint=endpoint, code=code)
-        return run
-    return wrap
 
 
 @tracked("chat")
@@ -69,29 +32,8 @@ async def chat_completions(req: web.Request) -> web.StreamResponse:
     px = req.app[PROXY]
     body = schemas.decode(await req.read(), schemas.ChatRequest)
     call = px.call("chat", body, req.headers, req[T0])
-    streams = await _chat(px, call, body)
+    streams = await chat.start(px, call, body)
     return await reply(req, px, call, streams)
-
-
-async def _chat(px: Proxy, call: Call, body: schemas.ChatRequest) -> list[Stream]:
-    """A chat call from its checks to its streams, once its group has started."""
-    _prepare(px, call, body)
-    return await px.admit(call)
-
-
-def _prepare(px: Proxy, call: Call, body: schemas.ChatRequest) -> None:
-    """A chat call checked, segmented and prepared: what comes before its barrier."""
-    messages, sampling, call.tools = schemas.check_chat(body, px.dialect, px.backend.info)
-    template = schemas.template(body.chat_template_kwargs, body.add_generation_prompt, body.continue_final_message)
-    call.meta.resumes = messages[-1]["role"] == "tool"
-    if body.echo and messages[-1]["role"] == "assistant":  # what continue_final_message goes on from
-        call.echo = echo.make([messages[-1]["content"]], body.n, False, 0, None)
-    known = px.place(call)
-    messages, render = px.chat_form(messages, call.tools, template)
-    prompt = segment.chat(render, messages, call.meta.separators, known)
-    if px.config.reasoning is not None and sampling.structure is not None:  # the model thinks first
-        sampling.structure = held_after(sampling.structure, "".join(s.text for s in prompt))
-    px.prepare(call, [prompt], sampling, body.add_special_tokens)
 
 
 @tracked("responses")
@@ -113,8 +55,8 @@ async def create_response(req: web.Request) -> web.StreamResponse:
     turn = Turn(body, responses.messages(body.input), history, owner, conversation=conv)
     if body.store or conv:
         turn.inputs = msgspec.json.encode(responses.listed(body.input))
-    chat = responses.chat(body, turn.history, turn.new, body.tokendance)
-    call = px.call("response", chat, req.headers, req[T0])
+    asked = responses.chat(body, turn.history, turn.new, body.tokendance)
+    call = px.call("response", asked, req.headers, req[T0])
     tags = prev.tags if prev else conv.tags if conv else None
     if tags is not None and call.meta.session is None:  # a conversation stays in its session
         call.meta.session, call.meta.agent, mode = tags
@@ -122,7 +64,7 @@ async def create_response(req: web.Request) -> web.StreamResponse:
     drop = 0  # with truncation auto, the conversation's oldest turns left out until it fits
     while True:
         try:
-            _prepare(px, call, responses.chat(body, turn.history[drop:], turn.new, body.tokendance))
+            chat.prepare(px, call, responses.chat(body, turn.history[drop:], turn.new, body.tokendance))
             break
         except ApiError as exc:
             if body.truncation != "auto" or exc.body.code != "context_length_exceeded" or drop == len(turn.history):
@@ -130,7 +72,7 @@ async def create_response(req: web.Request) -> web.StreamResponse:
             drop = responses.next_turn(turn.history, drop)
     if body.background:  # answered at once; the response is read back (or followed) as it goes
         r = turn.background(px, call)
-        return await follow(req, turn.feed, -1, call.headers()) if turn.feed else _json(r)
+        return await follow(req, turn.feed, -1, call.headers()) if turn.feed else json_answer(r)
     return await reply(req, px, call, await px.admit(call), turn.write)
 
 
@@ -158,7 +100,7 @@ async def input_items(req: web.Request) -> web.Response:
     s = px.stored.get(req.match_info["id"], px.tenant(req.headers))
     if s is None:
         raise _no_response(req)
-    return _json(conversations.page(msgspec.json.decode(s.inputs), req.query))
+    return json_answer(conversations.page(msgspec.json.decode(s.inputs), req.query))
 
 
 async def cancel_response(req: web.Request) -> web.Response:
@@ -182,7 +124,7 @@ async def delete_response(req: web.Request) -> web.Response:
     id = req.match_info["id"]
     if not px.stored.delete(id, px.tenant(req.headers)):
         raise _no_response(req)
-    return _json({"id": id, "object": "response.deleted", "deleted": True})
+    return json_answer({"id": id, "object": "response.deleted", "deleted": True})
 
 
 def _no_response(req: web.Request) -> ApiError:
@@ -211,32 +153,32 @@ async def completions(req: web.Request) -> web.StreamResponse:
 async def embeddings(req: web.Request) -> web.Response:
     body = schemas.decode(await req.read(), vectors.EmbeddingRequest)
     out = await vectors.embed(req.app[PROXY], body, req.headers)
-    return out.response() if isinstance(out, vectors.Binary) else _json(out, out.id)
+    return out.response() if isinstance(out, vectors.Binary) else json_answer(out, out.id)
 
 
 @tracked("score")
 async def score(req: web.Request) -> web.Response:
     body = schemas.decode(await req.read(), scores.ScoreRequest)
     out = await scores.score(req.app[PROXY], body, req.headers)
-    return _json(out, out.id)
+    return json_answer(out, out.id)
 
 
 @tracked("rerank")
 async def rerank(req: web.Request) -> web.Response:
     body = schemas.decode(await req.read(), scores.RerankRequest)
     out = await scores.rerank(req.app[PROXY], body, req.headers)
-    return _json(out, out.id)
+    return json_answer(out, out.id)
 
 
 async def models(req: web.Request) -> web.Response:
     px = req.app[PROXY]
-    return _json(replies.ModelList([_card(px, name) for name in px.names]))
+    return json_answer(replies.ModelList([_card(px, name) for name in px.names]))
 
 
 async def model(req: web.Request) -> web.Response:
     px = req.app[PROXY]
     px.served(req.match_info["model"])
-    return _json(_card(px, req.match_info["model"]))
+    return json_answer(_card(px, req.match_info["model"]))
 
 
 def _card(px: Proxy, name: str) -> replies.ModelCard:
@@ -245,12 +187,12 @@ def _card(px: Proxy, name: str) -> replies.ModelCard:
 
 async def tokenize(req: web.Request) -> web.Response:
     body = schemas.decode(await req.read(), tokens.TokenizeRequest)
-    return _json(tokens.tokenize(req.app[PROXY], body))
+    return json_answer(tokens.tokenize(req.app[PROXY], body))
 
 
 async def detokenize(req: web.Request) -> web.Response:
     body = schemas.decode(await req.read(), tokens.DetokenizeRequest)
-    return _json(tokens.detokenize(req.app[PROXY], body))
+    return json_answer(tokens.detokenize(req.app[PROXY], body))
 
 
 async def health(req: web.Request) -> web.Response:
@@ -260,7 +202,7 @@ async def health(req: web.Request) -> web.Response:
     problem = px.backend.problem()
     if problem is not None:
         raise ApiError(503, problem, code="backend_unavailable")
-    return _json({"status": "ok", "model": px.names[0], "in_flight": px.in_flight})
+    return json_answer({"status": "ok", "model": px.names[0], "in_flight": px.in_flight})
 
 
 async def metrics(req: web.Request) -> web.Response:
@@ -282,12 +224,12 @@ async def open_round(req: web.Request) -> web.Response:
     if body.api_key is not None:
         raise invalid("api_key names an MQTT message's owner; over HTTP, send the key as "
                       "Authorization: Bearer", "api_key")
-    return _json(px.open(req.match_info["session"], _number(req), body, px.owner(req.headers)).view())
+    return json_answer(px.open(req.match_info["session"], _number(req), body, px.owner(req.headers)).view())
 
 
 async def seal_round(req: web.Request) -> web.Response:
     px = req.app[PROXY]
-    return _json(px.seal(req.match_info["session"], _number(req), px.owner(req.headers)).view())
+    return json_answer(px.seal(req.match_info["session"], _number(req), px.owner(req.headers)).view())
 
 
 async def round_stats(req: web.Request) -> web.Response:
@@ -295,19 +237,11 @@ async def round_stats(req: web.Request) -> web.Response:
     rnd = px.sessions.find(req.match_info["session"], _number(req), px.owner(req.headers))
     if rnd is None:
         raise ApiError(404, "no such round", "round", "round_not_found")
-    return _json(rnd.view())
+    return json_answer(rnd.view())
 
 
 def _number(req: web.Request) -> int:
     return round_number(req.match_info["round"], "round")
-
-
-def _json(obj: object, id: str | None = None) -> web.Response:
-    """`obj` as JSON; `id`: the answer's id, which vLLM repeats as X-Request-Id."""
-    resp = web.Response(body=msgspec.json.encode(obj), content_type="application/json")
-    if id is not None:
-        resp.headers["X-Request-Id"] = id
-    return resp
 
 
 def make_app(proxy: Proxy, control: Control | None = None) -> web.Application:
