@@ -13,8 +13,10 @@ ENGINE_KEY_ENV = "TOKENDANCE_ENGINE_API_KEY"  # the engine's keys, and what the 
 
 
 def bearer(headers: Mapping[str, str]) -> str:
-    """The key a request carries ("" if none)."""
-    return headers.get("Authorization", "").removeprefix("Bearer ").strip()
+    """The key a request carries ("" if none): `Authorization: Bearer`, or the
+    `x-api-key` that Anthropic's SDK sends."""
+    given = headers.get("Authorization", "").removeprefix("Bearer ").strip()
+    return given or headers.get("x-api-key", "").strip()
 
 
 def header(key: str | None) -> dict[str, str]:

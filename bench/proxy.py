@@ -140,7 +140,8 @@ def pct(xs: list[float], q: float) -> float:
 async def batch(url: str, n: int, sessions: int, stream: bool, tag: str, api: str = "chat") -> float:
     """n concurrent requests over `sessions` announced rounds (0: no session), as chats, as
     responses (the Responses API, stored), as background responses (followed as they
-    stream) or as responses each in a conversation object of its own; wall seconds."""
+    stream), as responses each in a conversation object of its own, or as Anthropic's
+    messages; wall seconds."""
     conn = aiohttp.TCPConnector(limit=0)
     async with aiohttp.ClientSession(connector=conn) as http:
         per = n // max(sessions, 1)
@@ -164,6 +165,9 @@ async def batch(url: str, n: int, sessions: int, stream: bool, tag: str, api: st
             if api == "chat":
                 path, body = "/v1/chat/completions", {"model": MODEL, "stream": stream, "max_tokens": 16, "messages": [
                     {"role": "system", "content": system}, {"role": "user", "content": ask}]}
+            elif api == "messages":
+                path, body = "/v1/messages", {"model": MODEL, "stream": stream, "max_tokens": 16, "system": system,
+                                              "messages": [{"role": "user", "content": ask}]}
             else:
                 path, body = "/v1/responses", {"model": MODEL, "stream": stream, "max_output_tokens": 16,
                                                "instructions": system, "input": ask}
@@ -190,6 +194,9 @@ SCENARIOS = [  # name, sessions, stream, api
     ("Responses API, 50 rounds x 10 agents", 50, False, "responses"),
     ("Responses API, background, SSE", 0, True, "background"),
     ("Responses API, 50 rounds x 10 agents, conversations", 50, False, "conversation"),
+    ("Messages API, no session, JSON", 0, False, "messages"),
+    ("Messages API, no session, SSE", 0, True, "messages"),
+    ("Messages API, 50 rounds x 10 agents", 50, False, "messages"),
 ]
 
 

@@ -12,7 +12,7 @@ from aiohttp import web
 
 from tokendance.backend.api import Backend
 
-from . import chat, conversations, echo, embeddings as vectors, replies, responses, schemas, scores, segment
+from . import chat, conversations, echo, embeddings as vectors, messages, replies, responses, schemas, scores, segment
 from . import tokenize as tokens
 from .answer import Turn, follow, starting_after
 from .core import Config, Proxy, digest
@@ -262,6 +262,7 @@ def make_app(proxy: Proxy, control: Control | None = None) -> web.Application:
     for path in ("/rerank", "/v1/rerank", "/v2/rerank"):
         r.add_post(path, rerank)
     conversations.routes(r, proxy)
+    messages.routes(r)
     r.add_get("/v1/models", models)
     r.add_get("/v1/models/{model}", model)
     r.add_post("/tokenize", tokenize)

@@ -87,7 +87,7 @@ class Proxy:
         self.served(body.model)
         meta = read_meta(headers, body.tokendance)
         meta.owner = self.owner(headers)
-        prefix = {"chat": "chatcmpl-", "completion": "cmpl-", "response": "resp_"}[kind]
+        prefix = {"chat": "chatcmpl-", "completion": "cmpl-", "response": "resp_", "message": "msg_"}[kind]
         usage = bool(body.stream_options and body.stream_options.include_usage)
         named = headers.get("X-Request-Id") if kind != "response" else None  # a response's id keys its store
         return Call(prefix + answer_id(body.request_id, named), kind, self.names[0], meta, body.n,

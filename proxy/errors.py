@@ -1,4 +1,5 @@
-"""Errors in OpenAI's shape: {"error": {"message", "type", "param", "code"}}.
+"""Errors in OpenAI's shape: {"error": {"message", "type", "param", "code"}}; on the
+Messages API's routes in Anthropic's: {"type": "error", "error": {"type", "message"}}.
 
 Client mistakes are 4xx with a message naming the parameter; nothing a client sends
 may produce a 5xx or a traceback. The middleware turns every exception into that shape.
@@ -19,6 +20,10 @@ log = structlog.get_logger("tokendance.proxy")
 
 TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "invalid_request_error",
          405: "invalid_request_error", 413: "invalid_request_error", 503: "server_error"}
+
+
+ANTHROPIC = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+             404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error", 503: "overloaded_error"}
 
 
 class ErrorBody(msgspec.Struct):
@@ -42,8 +47,10 @@ class ApiError(Exception):
     def encode(self) -> bytes:
         return msgspec.json.encode(ErrorEnvelope(self.body))
 
-    def response(self) -> web.Response:
-        return web.Response(status=self.status, body=self.encode(), content_type="application/json")
+    def response(self, anthropic: bool = False) -> web.Response:
+        body = self.encode() if not anthropic else msgspec.json.encode({"type": "error", "error": {
+            "type": ANTHROPIC.get(self.status, "api_error"), "message": self.body.message}})
+        return web.Response(status=self.status, body=body, content_type="application/json")
 
 
 def invalid(message: str, param: str | None = None, code: str | None = None) -> ApiError:
@@ -65,23 +72,24 @@ def from_backend(exc: BaseException) -> ApiError:
 
 @web.middleware
 async def middleware(request: web.Request, handler) -> web.StreamResponse:
+    anthropic = request.path.startswith("/v1/messages")
     try:
         return await handler(request)
     except ApiError as exc:
-        return exc.response()
+        return exc.response(anthropic)
     except InvalidRequest as exc:
-        return from_backend(exc).response()
+        return from_backend(exc).response(anthropic)
     except web.HTTPException as exc:
         if exc.status < 400:
             raise
         code = {404: "unknown_url", 405: "method_not_allowed", 413: "request_too_large"}.get(exc.status)
-        return ApiError(exc.status, exc.reason, code=code).response()
+        return ApiError(exc.status, exc.reason, code=code).response(anthropic)
     except (asyncio.CancelledError, ConnectionResetError):
         raise
     except Exception as exc:
         if not isinstance(exc, BackendError):
             log.exception("unhandled", path=request.path)
-        return from_backend(exc).response()
+        return from_backend(exc).response(anthropic)
 
 
 GUARDED = ("/v1", "/v2", "/score", "/rerank")

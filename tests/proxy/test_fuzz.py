@@ -74,6 +74,28 @@ R_PLAUSIBLE: dict[str, Any] = {
 } | {k: PLAUSIBLE[k] for k in ("temperature", "top_p", "tokendance", "top_k", "seed", "stop", "parallel_tool_calls")}
 
 
+# Anthropic's Messages API's (proxy/messages.py)
+M_FIELDS = ["system", "tools", "tool_choice", "max_tokens", "temperature", "top_p", "top_k", "stream",
+            "stop_sequences", "metadata", "thinking", "output_config", "messages", "tokendance", "cache_salt"]
+M_PLAUSIBLE: dict[str, Any] = {
+    "system": ["Be brief.", [{"type": "text", "text": "Be brief.", "cache_control": {"type": "ephemeral"}}]],
+    "tools": [[{"name": "f", "input_schema": TOOLS[0]["function"]["parameters"]}], [{"name": "g"}],
+              [{"type": "web_search_20250305", "name": "web_search"}]],
+    "tool_choice": [{"type": "auto"}, {"type": "any"}, {"type": "none"}, {"type": "tool", "name": "f"},
+                    {"type": "auto", "disable_parallel_tool_use": True}],
+    "max_tokens": [1, 6, 0, -3], "stream": [True], "stop_sequences": [["e"], []], "metadata": [{"user_id": "u"}],
+    "thinking": [{"type": "enabled", "budget_tokens": 1024}, {"type": "disabled"}, {"type": "adaptive"}],
+    "output_config": [{"format": {"type": "json_schema", "schema": {"type": "object", "properties": {
+        "k": {"type": "string"}}}}}, {"effort": "low"}],
+    "messages": [[{"role": "user", "content": [{"type": "text", "text": "hi"}]}], [
+        {"role": "user", "content": "call f"},
+        {"role": "assistant", "content": [{"type": "tool_use", "id": "t1", "name": "f", "input": {"a": 1}}]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1", "content": "3"}]}],
+        [{"role": "assistant", "content": "Hello"}], [{"role": "user", "content": [{"type": "image", "source": {}}]}]],
+    "cache_salt": ["s", ""],
+} | {k: PLAUSIBLE[k] for k in ("temperature", "top_p", "tokendance", "top_k")}
+
+
 def wild(r: random.Random, depth: int = 0) -> Any:
     x = r.random()
     if depth < 2 and x < 0.15:
@@ -91,6 +113,8 @@ def body(r: random.Random, model: str) -> tuple[str, dict[str, Any]]:
         return "/v1/conversations", b
     if r.random() < 0.25:
         return response(r, model)
+    if r.random() < 0.2:
+        return message(r, model)
     chat = r.random() < 0.6
     b: dict[str, Any] = {"model": model, "max_tokens": 6}
     if chat:
@@ -117,13 +141,28 @@ def response(r: random.Random, model: str) -> tuple[str, dict[str, Any]]:
     return "/v1/responses", b
 
 
+def message(r: random.Random, model: str) -> tuple[str, dict[str, Any]]:
+    b: dict[str, Any] = {"model": model, "max_tokens": 6, "messages": [{"role": "user", "content": "Name a color."}]}
+    fields = r.sample(M_FIELDS, r.randint(1, 5))
+    for k in fields:
+        b[k] = r.choice(M_PLAUSIBLE[k])
+    if r.random() < 0.5:
+        b[r.choice(fields)] = wild(r)
+    return r.choice(["/v1/messages"] * 4 + ["/v1/messages/count_tokens"]), b
+
+
 async def fire(http: aiohttp.ClientSession, url: str, path: str, b: dict[str, Any]) -> str | None:
     """None if the answer is as it should be, else what was wrong."""
     async with http.post(url + path, data=json.dumps(b), headers={"Content-Type": "application/json"}) as resp:
         text = await resp.text()
-    if resp.status >= 500 or (resp.status == 200 and ('data: {"error"' in text or "response.failed" in text)):
+    if resp.status >= 500 or (resp.status == 200 and ('data: {"error"' in text or "response.failed" in text
+                                                      or "event: error" in text)):
         return f"{resp.status} for {json.dumps(b)[:500]}: {text[-300:]}"
-    if resp.status >= 400:
+    if resp.status >= 400 and path.startswith("/v1/messages"):
+        err = json.loads(text)
+        if err.get("type") != "error" or set(err.get("error", {})) != {"type", "message"}:
+            return f"{resp.status} without Anthropic's error shape for {json.dumps(b)[:300]}: {text[:300]}"
+    elif resp.status >= 400:
         err = json.loads(text).get("error", {})
         if set(err) != {"message", "type", "param", "code"} or not err["message"]:
             return f"{resp.status} without OpenAI's error shape for {json.dumps(b)[:300]}: {text[:300]}"
