@@ -5,6 +5,7 @@ parse -> segment -> prepare (before the barrier) -> barrier -> generate -> strea
 from __future__ import annotations
 
 import asyncio
+import importlib.metadata
 
 import msgspec
 import structlog
@@ -24,6 +25,7 @@ from .route import PROXY, T0, json_answer, tracked
 from .session import round_number
 
 log = structlog.get_logger("tokendance.proxy")
+VERSION = importlib.metadata.version("tokendance")
 CONTROL = web.AppKey("control", object)
 
 
@@ -205,6 +207,15 @@ async def health(req: web.Request) -> web.Response:
     return json_answer({"status": "ok", "model": px.names[0], "in_flight": px.in_flight})
 
 
+async def load(req: web.Request) -> web.Response:
+    """vLLM's server load: the requests in flight (what a load balancer spreads by)."""
+    return json_answer({"server_load": req.app[PROXY].in_flight})
+
+
+async def version(req: web.Request) -> web.Response:
+    return json_answer({"version": VERSION})
+
+
 async def metrics(req: web.Request) -> web.Response:
     px = req.app[PROXY]
     px.metrics.waiting.set(px.barrier.waiting)
@@ -268,6 +279,10 @@ def make_app(proxy: Proxy, control: Control | None = None) -> web.Application:
     r.add_post("/tokenize", tokenize)
     r.add_post("/detokenize", detokenize)
     r.add_get("/health", health)
+    r.add_get("/ping", health)  # SageMaker's health check, as vLLM answers it
+    r.add_post("/ping", health)
+    r.add_get("/load", load)
+    r.add_get("/version", version)
     r.add_get("/metrics", metrics)
     rounds = "/v1/tokendance/sessions/{session}/rounds/{round}"
     r.add_post(rounds, open_round)

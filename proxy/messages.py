@@ -159,6 +159,7 @@ def chat(body: Asked) -> ChatRequest:
         if body.max_tokens < 1:
             raise invalid("max_tokens: must be at least 1", "max_tokens")
         user = (body.metadata or {}).get("user_id")
+        user = None if user is None else str(user)
         out.max_tokens, out.stop, out.stream, out.user = body.max_tokens, body.stop_sequences, body.stream, user
         out.temperature, out.top_p, out.top_k = body.temperature, body.top_p, body.top_k
         out.cache_salt, out.tokendance = body.cache_salt, body.tokendance

@@ -1,6 +1,7 @@
 """Disconnects, engine failures, shutdown; /health and /metrics."""
 
 import asyncio
+import importlib.metadata
 import json
 import time
 
@@ -161,6 +162,27 @@ async def test_health_and_metrics(server):
     assert "tokendance_time_per_output_token_seconds_count 1" in text
     assert "tokendance_requests_in_flight 0" in text
     assert "# TYPE tokendance_engine_groups gauge\ntokendance_engine_groups 1" in text  # the backend's
+
+
+async def test_ping_load_and_version_as_vllm_answers_them(start, make_backend, until):
+    be = make_backend(length=40, delay=0.01)
+    server = await start(be)
+    async with aiohttp.ClientSession() as http:
+        for method in (http.get, http.post):
+            async with method(server.url + "/ping") as r:
+                assert r.status == 200 and (await r.json())["status"] == "ok"
+        async with http.get(server.url + "/version") as r:
+            assert (await r.json())["version"] == importlib.metadata.version("tokendance")
+        running = asyncio.create_task(http.post(server.url + "/v1/chat/completions", json=body(LONG)))
+        await until(lambda: be.active)
+        async with http.get(server.url + "/load") as r:
+            assert await r.json() == {"server_load": 1}
+        (await running).release()
+        async with http.get(server.url + "/load") as r:
+            assert await r.json() == {"server_load": 0}
+        be.down = "the engine is gone"
+        async with http.post(server.url + "/ping") as r:
+            assert r.status == 503
 
 
 async def test_a_request_cut_off_while_generating_does_not_count_so_its_retry_keeps_the_round(
