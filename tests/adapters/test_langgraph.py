@@ -79,6 +79,15 @@ def test_all_gather(proxy_url: str, check_rounds, responses: bool) -> None:
     check_rounds(session, ROUNDS)
 
 
+def test_all_gather_of_claude_agents(proxy_url: str, check_rounds) -> None:
+    """The same graph with ChatAnthropic: Anthropic's Messages API, tagged alike."""
+    pytest.importorskip("langchain_anthropic")
+    out = build(proxy_url, "lg-claude", anthropic=True).invoke({"round": 1, "answers": []})
+    assert sorted((r, a) for r, a, _ in out["answers"]) == [(r, a) for r in (1, 2) for a in AGENTS]
+    assert all(isinstance(t, str) and t for _, _, t in out["answers"])
+    check_rounds("lg-claude", ROUNDS)
+
+
 def test_tags(proxy_url: str) -> None:
     llm = chat_model("lg-2", url=proxy_url, agent="Ada", mode="collective")
     assert llm.model_name == "echo"
