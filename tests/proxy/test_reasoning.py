@@ -159,3 +159,21 @@ def test_a_structured_answer_thinks_first(thinker):
     client.chat.completions.create(model="fake-tiny", messages=user("<think></think> no thinking"),
                                    response_format={"type": "json_object"})
     assert thinker.backend.groups[-1][0].sampling.structure.after == ""
+
+
+def test_anthropics_messages_give_the_thinking_as_a_thinking_block(thinking):
+    import anthropic
+
+    claude = anthropic.Anthropic(base_url=thinking.url, api_key="sk-test", max_retries=0)
+    kw = dict(model="fake-tiny", max_tokens=40, messages=user(f"<think> Oslo's weather is needed. </think> {CALL}"),
+              tools=[{"name": "get_weather", "input_schema": WEATHER["function"]["parameters"]}])
+    got = claude.messages.create(**kw)
+    assert [b.type for b in got.content] == ["thinking", "tool_use"] and got.stop_reason == "tool_use"
+    assert got.content[0].thinking == " Oslo's weather is needed. " and got.content[1].input == {"city": "Oslo"}
+    with claude.messages.stream(**kw) as s:
+        streamed = s.get_final_message()
+    assert [b.model_dump(exclude={"id"}) for b in streamed.content] == [b.model_dump(exclude={"id"})
+                                                                         for b in got.content]  # ids are fresh
+    plain = claude.messages.create(model="fake-tiny", max_tokens=40, messages=user(ANSWER))
+    assert [(b.type, getattr(b, "thinking", None) or b.text) for b in plain.content] == [
+        ("thinking", " The others said four; I agree. "), ("text", " Two and two make four, as everyone agreed.")]
