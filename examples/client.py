@@ -3,8 +3,9 @@ with session / agent / round, plus the round control calls. With `api="responses
 speaks OpenAI's Responses API instead: each agent continues its own stored conversation
 by `previous_response_id` and sends only what its chat added since; with
 `api="conversations"` each agent's conversation is a conversation object
-(`/v1/conversations`) that its responses go on in. `embed` gives texts' embeddings, for
-agents' memories."""
+(`/v1/conversations`) that its responses go on in; with `api="messages"` it speaks
+Anthropic's Messages API (`/v1/messages`). `embed` gives texts' embeddings, for agents'
+memories."""
 
 from __future__ import annotations
 
@@ -37,7 +38,7 @@ class Client:
     seed: int = 0
     api_key: str = "tokendance"
     timeout: float = 600.0
-    api: str = "chat"  # or "responses", "conversations"
+    api: str = "chat"  # or "responses", "conversations", "messages"
     http: aiohttp.ClientSession | None = field(default=None, repr=False)
     # per agent, its last response (or its conversation object) and the conversation it holds
     chains: dict[str, tuple[str, list[dict[str, str]]]] = field(default_factory=dict, repr=False)
@@ -55,6 +56,8 @@ class Client:
             await self.http.close()
 
     async def chat(self, agent: str, round: int, messages: list[dict[str, str]]) -> Reply:
+        if self.api == "messages":
+            return await self._message(agent, round, messages)
         if self.api != "chat":
             return await self._respond(agent, round, messages)
         body = {
@@ -68,6 +71,23 @@ class Client:
         out = await self._post("/chat/completions", body, agent, round)
         text = out["choices"][0]["message"].get("content") or ""
         return Reply(agent, text, out.get("usage") or {}, time.perf_counter() - t0)
+
+    async def _message(self, agent: str, round: int, messages: list[dict[str, str]]) -> Reply:
+        """The chat as an Anthropic message: its system message the system prompt."""
+        system = [m["content"] for m in messages if m["role"] == "system"]
+        body: dict[str, Any] = {"model": self.model, "max_tokens": self.max_tokens, "temperature": self.temperature,
+                                "messages": [m for m in messages if m["role"] != "system"]}
+        if system:
+            body["system"] = "\n".join(system)
+        t0 = time.perf_counter()
+        out = await self._post("/messages", body, agent, round)
+        text = "".join(b["text"] for b in out["content"] if b["type"] == "text")
+        u = out["usage"]  # in chat's words, for the round table
+        prompt = u["input_tokens"] + u["cache_read_input_tokens"]
+        usage = {"prompt_tokens": prompt, "completion_tokens": u["output_tokens"],
+                 "prompt_tokens_details": {"cached_tokens": u["cache_read_input_tokens"]},
+                 "tokendance": u.get("tokendance", {})}
+        return Reply(agent, text, usage, time.perf_counter() - t0)
 
     async def _respond(self, agent: str, round: int, messages: list[dict[str, str]]) -> Reply:
         """The chat as a response: its system message the instructions, and only what
