@@ -38,6 +38,16 @@ async def chat_completions(req: web.Request) -> web.StreamResponse:
     return await reply(req, px, call, streams)
 
 
+@tracked("chat_batch")
+async def chat_batch(req: web.Request) -> web.StreamResponse:
+    """vLLM's batch of chats: one call, a prompt and a choice per conversation."""
+    px = req.app[PROXY]
+    body = schemas.decode(await req.read(), chat.BatchChatRequest)
+    chat.check_batch(body)
+    call = px.call("chat", body, req.headers, req[T0])
+    return await reply(req, px, call, await chat.start(px, call, body, body.messages))
+
+
 @tracked("responses")
 async def create_response(req: web.Request) -> web.StreamResponse:
     """The Responses API: a chat call underneath (proxy/responses.py, proxy/answer.py)."""
@@ -261,6 +271,7 @@ def make_app(proxy: Proxy, control: Control | None = None) -> web.Application:
     app[CONTROL] = control
     r = app.router
     r.add_post("/v1/chat/completions", chat_completions)
+    r.add_post("/v1/chat/completions/batch", chat_batch)
     r.add_post("/v1/completions", completions)
     r.add_post("/v1/responses", create_response)
     r.add_get("/v1/responses/{id}", get_response)

@@ -1,32 +1,74 @@
 """A chat call from its checks to its streams: what chat completions, the Responses API
-and the Messages API share once their requests are a chat."""
+and the Messages API share once their requests are a chat, and vLLM's batch of chats
+(`/v1/chat/completions/batch`: one call whose conversations are its prompts, one choice
+each, prefilled in one group, so a round's agents can come in one request)."""
 
 from __future__ import annotations
 
-from tokendance.backend.api import Stream
+from typing import Any
+
+from msgspec.structs import replace
+
+from tokendance.backend.api import SamplingParams, Stream
 
 from . import echo, schemas, segment
 from .call import Call
 from .core import Proxy
+from .errors import ApiError, invalid, unsupported
 from .reasoning import held_after
+from .schemas import ChatRequest, Message
 
 
-async def start(px: Proxy, call: Call, body: schemas.ChatRequest) -> list[Stream]:
+class BatchChatRequest(ChatRequest, kw_only=True):
+    messages: list[list[Message]]  # the conversations
+
+
+async def start(px: Proxy, call: Call, body: ChatRequest, batch: list[list[Message]] | None = None) -> list[Stream]:
     """A chat call from its checks to its streams, once its group has started."""
-    prepare(px, call, body)
+    prepare(px, call, body, batch)
     return await px.admit(call)
 
 
-def prepare(px: Proxy, call: Call, body: schemas.ChatRequest) -> None:
-    """A chat call checked, segmented and prepared: what comes before its barrier."""
-    messages, sampling, call.tools = schemas.check_chat(body, px.dialect, px.backend.info)
+def prepare(px: Proxy, call: Call, body: ChatRequest, batch: list[list[Message]] | None = None) -> None:
+    """A chat call checked, segmented and prepared: what comes before its barrier. With
+    `batch`, each conversation is a prompt of the call."""
+    convs = [body.messages] if batch is None else batch
+    checked = [_checked(px, call, body if batch is None else replace(body, messages=m), k, batch is not None)
+               for k, m in enumerate(convs)]
     template = schemas.template(body.chat_template_kwargs, body.add_generation_prompt, body.continue_final_message)
-    call.meta.resumes = messages[-1]["role"] == "tool"
-    if body.echo and messages[-1]["role"] == "assistant":  # what continue_final_message goes on from
-        call.echo = echo.make([messages[-1]["content"]], body.n, False, 0, None)
+    call.meta.resumes = checked[0][0][-1]["role"] == "tool"
+    if body.echo and any(m[-1]["role"] == "assistant" for m, _ in checked):  # what continue_final_message goes on from
+        call.echo = echo.make([m[-1]["content"] if m[-1]["role"] == "assistant" else "" for m, _ in checked],
+                              body.n, False, 0, None)
     known = px.place(call)
-    messages, render = px.chat_form(messages, call.tools, template)
-    prompt = segment.chat(render, messages, call.meta.separators, known)
-    if px.config.reasoning is not None and sampling.structure is not None:  # the model thinks first
-        sampling.structure = held_after(sampling.structure, "".join(s.text for s in prompt))
-    px.prepare(call, [prompt], sampling, body.add_special_tokens)
+    for messages, sampling in checked:
+        messages, render = px.chat_form(messages, call.tools, template)
+        prompt = segment.chat(render, messages, call.meta.separators, known)
+        if px.config.reasoning is not None and sampling.structure is not None:  # the model thinks first
+            sampling.structure = held_after(sampling.structure, "".join(s.text for s in prompt))
+        px.prepare(call, [prompt], sampling, body.add_special_tokens)
+
+
+def _checked(px: Proxy, call: Call, body: ChatRequest, k: int, batch: bool) -> tuple[list[dict[str, Any]],
+                                                                                     SamplingParams]:
+    try:
+        messages, sampling, call.tools = schemas.check_chat(body, px.dialect, px.backend.info)
+    except ApiError as exc:  # named in the batch: messages[k][i]...
+        if batch and exc.body.param and exc.body.param.startswith("messages"):
+            exc.body.param = f"messages[{k}]" + exc.body.param.removeprefix("messages")
+        raise
+    return messages, sampling
+
+
+def check_batch(body: BatchChatRequest) -> None:
+    """What vLLM's batch of chats does not take."""
+    if not body.messages or not all(body.messages):
+        raise invalid("messages must hold at least one conversation, each of at least one message", "messages")
+    if body.stream:
+        raise unsupported("stream", "streaming a batch of chats")
+    if body.tools or body.functions:
+        raise unsupported("tools", "tools in a batch of chats")
+    if body.n != 1:
+        raise unsupported("n", "n other than 1 in a batch of chats")
+    if body.prompt_logprobs is not None:
+        raise unsupported("prompt_logprobs", "prompt_logprobs in a batch of chats")

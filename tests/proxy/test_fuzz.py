@@ -128,6 +128,9 @@ def body(r: random.Random, model: str) -> tuple[str, dict[str, Any]]:
         b[r.choice(fields)] = wild(r)
     if r.random() < 0.02:
         b["model"] = wild(r)
+    if chat and r.random() < 0.15:  # vLLM's batch of chats: the conversation and another
+        b["messages"] = [b["messages"], r.choice(CONVOS)]
+        return "/v1/chat/completions/batch", b
     return ("/v1/chat/completions" if chat else "/v1/completions"), b
 
 
