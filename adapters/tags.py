@@ -21,9 +21,12 @@ def body(
     round: int | None = None,
     mode: str | None = None,
     separators: bool | None = None,
+    agents: list[str] | None = None,
 ) -> dict[str, Any]:
-    """The request body's `tokendance` field, for clients that cannot add headers."""
-    tags = {"session": session, "agent": agent, "round": round, "mode": mode, "separators": separators}
+    """The request body's `tokendance` field, for clients that cannot add headers.
+    `agents`: a batch of chats' conversations' agents, in order."""
+    tags = {"session": session, "agent": agent, "round": round, "mode": mode, "separators": separators,
+            "agents": agents}
     return {"tokendance": {k: v for k, v in tags.items() if v is not None}}
 
 
@@ -33,10 +36,12 @@ def headers(
     round: int | None = None,
     mode: str | None = None,
     separators: bool | None = None,
+    agents: list[str] | None = None,
 ) -> dict[str, str]:
-    """The same tags as X-TokenDance-* headers."""
-    tags = body(session, agent, round, mode, separators)["tokendance"]
-    out = {PREFIX + k.capitalize(): str(v).lower() if isinstance(v, bool) else str(v) for k, v in tags.items()}
+    """The same tags as X-TokenDance-* headers (agents comma-separated)."""
+    tags = body(session, agent, round, mode, separators, agents)["tokendance"]
+    out = {PREFIX + k.capitalize(): str(v).lower() if isinstance(v, bool) else ",".join(v) if isinstance(v, list)
+           else str(v) for k, v in tags.items()}
     for k, v in out.items():  # httpx raises deep inside a request for these (or drops the connection)
         if not (v.isascii() and v.isprintable()):
             raise ValueError(f"{k} {v!r}: HTTP headers carry printable ASCII only; "

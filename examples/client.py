@@ -4,8 +4,9 @@ speaks OpenAI's Responses API instead: each agent continues its own stored conve
 by `previous_response_id` and sends only what its chat added since; with
 `api="conversations"` each agent's conversation is a conversation object
 (`/v1/conversations`) that its responses go on in; with `api="messages"` it speaks
-Anthropic's Messages API (`/v1/messages`). `embed` gives texts' embeddings, for agents'
-memories."""
+Anthropic's Messages API (`/v1/messages`); with `api="batch"` a round's chats go in one
+request (`/v1/chat/completions/batch`, `round`). `embed` gives texts' embeddings, for
+agents' memories."""
 
 from __future__ import annotations
 
@@ -38,7 +39,7 @@ class Client:
     seed: int = 0
     api_key: str = "tokendance"
     timeout: float = 600.0
-    api: str = "chat"  # or "responses", "conversations", "messages"
+    api: str = "chat"  # or "responses", "conversations", "messages", "batch"
     http: aiohttp.ClientSession | None = field(default=None, repr=False)
     # per agent, its last response (or its conversation object) and the conversation it holds
     chains: dict[str, tuple[str, list[dict[str, str]]]] = field(default_factory=dict, repr=False)
@@ -71,6 +72,20 @@ class Client:
         out = await self._post("/chat/completions", body, agent, round)
         text = out["choices"][0]["message"].get("content") or ""
         return Reply(agent, text, out.get("usage") or {}, time.perf_counter() - t0)
+
+    async def round(self, round: int, chats: dict[str, list[dict[str, str]]]) -> list[Reply]:
+        """Every agent's chat of `round` in one batch of chats, each conversation named by
+        its agent (`tokendance.agents`): a reply each, the first
+        with the call's usage (the batch reports one), the others with none, so that
+        sums over the replies count it once."""
+        body = {"model": self.model, "messages": list(chats.values()), "max_tokens": self.max_tokens,
+                "temperature": self.temperature, "seed": self.seed, "tokendance": {"agents": list(chats)}}
+        t0 = time.perf_counter()
+        out = await self._post("/chat/completions/batch", body, None, round)
+        took = time.perf_counter() - t0
+        choices = sorted(out["choices"], key=lambda c: c["index"])
+        return [Reply(agent, c["message"].get("content") or "", out.get("usage") or {} if i == 0 else {}, took)
+                for i, (agent, c) in enumerate(zip(chats, choices))]
 
     async def _message(self, agent: str, round: int, messages: list[dict[str, str]]) -> Reply:
         """The chat as an Anthropic message: its system message the system prompt."""

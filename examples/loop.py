@@ -1,5 +1,6 @@
 """The All-Gather round loop: announce, every agent speaks at once, read the stats,
-hand all replies to the scenario, next round."""
+hand all replies to the scenario, next round. With the client's `api="batch"` a round is
+one request instead (vLLM's batch of chats), with nothing to announce."""
 
 from __future__ import annotations
 
@@ -31,9 +32,13 @@ async def step(scenario: Scenario, client: Client, r: int) -> Round:
     if recall is not None:
         await recall(client, r)
     prompts = {a: scenario.messages(a, r) for a in scenario.agents}
-    await client.rounds.aannounce(r, scenario.agents)
     t0 = time.perf_counter()
-    got = await asyncio.gather(*(client.chat(a, r, m) for a, m in prompts.items()))
+    if client.api == "batch":  # the round in one request: one group, no barrier to wait at
+        got = await client.round(r, prompts)
+    else:
+        await client.rounds.aannounce(r, scenario.agents)
+        t0 = time.perf_counter()
+        got = await asyncio.gather(*(client.chat(a, r, m) for a, m in prompts.items()))
     latency = time.perf_counter() - t0
     replies = {rep.agent: rep for rep in got}
     stats = await client.rounds.astats(r)

@@ -50,10 +50,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--max-tokens", type=int, default=48, help="per reply (default 48)")
     p.add_argument("--temperature", type=float, default=0.0, help="default 0: greedy, comparable")
-    p.add_argument("--api", choices=("chat", "responses", "conversations", "messages"), default="chat",
+    p.add_argument("--api", choices=("chat", "responses", "conversations", "messages", "batch"), default="chat",
                    help="chat completions, the Responses API (each agent continues its stored "
-                   "conversation by previous_response_id, or in a conversation object), or "
-                   "Anthropic's Messages API")
+                   "conversation by previous_response_id, or in a conversation object), "
+                   "Anthropic's Messages API, or each round as one batch of chats")
     p.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
     return p
 

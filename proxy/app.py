@@ -150,6 +150,7 @@ async def completions(req: web.Request) -> web.StreamResponse:
     body = schemas.decode(await req.read(), schemas.CompletionRequest)
     call = px.call("completion", body, req.headers, req[T0])
     prompts, sampling = schemas.check_completion(body, px.backend.info)
+    call.check_agents(len(prompts))
     if body.echo:
         call.echo = echo.make(prompts, body.n, body.max_tokens == 0, body.logprobs or 0,
                               getattr(px.backend, "tokenizer", None))

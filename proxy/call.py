@@ -11,6 +11,7 @@ from tokendance.backend.api import Delta, Prepared, TokenLogprob, Usage
 
 from . import tools as t
 from .echo import Echo
+from .errors import invalid
 from .session import Meta, Round
 
 
@@ -81,6 +82,18 @@ class Call:
     def overhead(self) -> float:
         """Time the proxy itself spent on this request."""
         return max(self.ended - self.t0 - self.held - self.gen, 0.0)
+
+    def agent(self, i: int) -> str | None:
+        """Whose prompt the call's i-th request is: a batch's conversation's agent, else the call's."""
+        m = self.meta
+        return m.agents[i // self.n] if m.agents else m.agent
+
+    def check_agents(self, prompts: int) -> None:
+        """A 400 unless `tokendance.agents`, if given, names an agent per prompt."""
+        agents = self.meta.agents
+        if agents is not None and len(agents) != prompts:
+            raise invalid(f"tokendance.agents names {len(agents)} agents for {prompts} prompts: one per "
+                          "conversation of a batch of chats, or per prompt of a completion", "tokendance.agents")
 
     def text(self, i: int) -> str:
         return "".join(self.texts[i])

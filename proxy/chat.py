@@ -33,6 +33,7 @@ def prepare(px: Proxy, call: Call, body: ChatRequest, batch: list[list[Message]]
     """A chat call checked, segmented and prepared: what comes before its barrier. With
     `batch`, each conversation is a prompt of the call."""
     convs = [body.messages] if batch is None else batch
+    call.check_agents(len(convs))
     checked = [_checked(px, call, body if batch is None else replace(body, messages=m), k, batch is not None)
                for k, m in enumerate(convs)]
     template = schemas.template(body.chat_template_kwargs, body.add_generation_prompt, body.continue_final_message)

@@ -140,7 +140,7 @@ class Proxy:
             for j in range(call.n):
                 s = sp if j == 0 or sp.seed is None else replace(sp, seed=sp.seed + j)
                 r = Request(f"{call.key}-{len(call.prepared)}", [] if ids else prompt, s, mode=m.mode,
-                            session=m.session, agent=m.agent, round=call.number,
+                            session=m.session, agent=call.agent(len(call.prepared)), round=call.number,
                             prompt_token_ids=prompt if ids else None, tenant=call.tenant,
                             add_special_tokens=special, truncate=call.truncate,
                             truncation_side=call.truncation_side)
@@ -218,9 +218,9 @@ class Proxy:
             rnd.stats.last = now
             if call.outcome == "ok":
                 for i in range(len(call.prepared)):
-                    self.sessions.remember(rnd, call.meta.agent, call.said(i), call.tenant)
+                    self.sessions.remember(rnd, call.agent(i), call.said(i), call.tenant)
                     if self.peers is not None:
-                        self.peers.said(rnd, call.meta.agent, call.tenant, call.said(i))
+                        self.peers.said(rnd, call.agent(i), call.tenant, call.said(i))
             else:  # never answered (at the barrier or while generating): a retry keeps the round
                 self.sessions.uncommit(call.meta, rnd, call.before)
             if rnd.active == 0 and not rnd.gate.pending:

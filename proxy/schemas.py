@@ -35,6 +35,7 @@ class TokenDance(Struct, kw_only=True):
 
     session: str | None = None
     agent: str | None = None
+    agents: list[str] | None = None  # a batch of chats: each conversation's agent, in order
     round: int | None = None
     mode: str | None = None
     separators: bool | None = None

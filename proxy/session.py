@@ -46,6 +46,7 @@ _TRUE, _FALSE = {"1", "true", "on", "yes"}, {"0", "false", "off", "no"}
 class Meta:
     session: str | None = None
     agent: str | None = None
+    agents: list[str] | None = None  # a batch of chats': its conversations' agents
     round: int | None = None
     mode: str | None = None
     separators: bool = False
@@ -65,6 +66,11 @@ def read_meta(headers: Mapping[str, str], body: TokenDance | None) -> Meta:
     for name in ("session", "agent"):
         if getattr(m, name) is not None:
             check_name(getattr(m, name), f"tokendance.{name}")
+    agents = b.agents if b.agents is not None else headers.get(HEADER + "Agents")
+    if agents is not None:
+        m.agents = [a.strip() for a in agents.split(",")] if isinstance(agents, str) else agents
+        for a in m.agents:
+            check_name(a, "tokendance.agents")
     if m.mode is not None and m.mode not in MODES:
         raise invalid(f"mode must be one of {', '.join(MODES)}", "tokendance.mode")
     r = b.round if b.round is not None else headers.get(HEADER + "Round")

@@ -38,4 +38,6 @@ async def test_explicit_shared_blocks(proxy_url: str, check_rounds) -> None:
 def test_tags() -> None:
     assert headers("s", separators=True) == {"X-TokenDance-Session": "s", "X-TokenDance-Separators": "true"}
     assert body(agent="a", round=2) == {"tokendance": {"agent": "a", "round": 2}}
+    assert headers("s", agents=["a", "b"])["X-TokenDance-Agents"] == "a,b"  # a batch of chats' agents
+    assert body(agents=["a", "b"]) == {"tokendance": {"agents": ["a", "b"]}}
     assert shared("a<|td-sep|>b") == "<|td-sep|>a<|td~-sep|>b<|td-sep|>"

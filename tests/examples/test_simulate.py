@@ -130,11 +130,12 @@ def test_the_rounds_held_kv_counts_the_shared_blocks_once() -> None:
 async def test_the_responses_api_runs_the_same_simulation(tiny_llama) -> None:
     """Through /v1/responses each agent continues its stored conversation, or its
     conversation object, sending only its new message; through /v1/messages it sends
-    Anthropic's messages: same prompts, so the same greedy answers and the same reuse."""
+    Anthropic's messages; a batch of chats sends a round in one request: same prompts, so
+    the same greedy answers and the same reuse."""
     from tokendance.backend.service import EngineBackend
 
     be = EngineBackend.load(str(tiny_llama), dtype="float32", mode="collective")
-    apis = ("chat", "responses", "conversations", "messages")
+    apis = ("chat", "responses", "conversations", "messages", "batch")
     async with proxy(be) as url:
         runs, chains = {}, {}
         for api in apis:
@@ -147,12 +148,12 @@ async def test_the_responses_api_runs_the_same_simulation(tiny_llama) -> None:
         for a, b in zip(runs["chat"], runs[api]):
             assert a.stats["reused_tokens"] == b.stats["reused_tokens"] and a.stats["groups"] == b.stats["groups"] == 1
         assert runs[api][-1].stats["reused_tokens"] > 0
-        if api != "messages":  # each agent's stored conversation holds its whole debate
+        if api not in ("messages", "batch"):  # each agent's stored conversation holds its whole debate
             assert all(len(conversation) == 6 for _, conversation in chains[api].values())
     assert all(kept.startswith("conv_") for kept, _ in chains["conversations"].values())
 
 
-@pytest.mark.parametrize("api", ["responses", "conversations", "messages"])
+@pytest.mark.parametrize("api", ["responses", "conversations", "messages", "batch"])
 def test_simulate_takes_the_responses_and_messages_apis(capsys, api) -> None:
     assert cli.main(["simulate", "town", "--model", "echo", "--agents", "3", "--rounds", "2", "--api", api]) == 0
     rows = _lines(capsys.readouterr().out)

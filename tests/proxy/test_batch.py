@@ -45,16 +45,34 @@ def test_each_conversation_gets_what_it_would_alone(engine_live, engine_client, 
     ({"messages": [CONVS[0], []]}, "messages"),
     ({"messages": [CONVS[0], [{"role": "robot", "content": "x"}]]}, "messages[1][0].role"),
     ({"messages": CONVS[0]}, "messages[0]"),
-], ids=["stream", "tools", "n", "prompt-logprobs", "empty", "empty-conversation", "bad-role", "not-a-batch"])
+    ({"tokendance": {"agents": ["a", "b"]}}, "tokendance.agents"),
+    ({"tokendance": {"agents": ["a", "b", "c/d"]}}, "tokendance.agents"),
+], ids=["stream", "tools", "n", "prompt-logprobs", "empty", "empty-conversation", "bad-role", "not-a-batch",
+        "two-agents-for-three", "bad-agent-name"])
 def test_what_a_batch_does_not_take_is_a_400(engine_live, engine_model, extra, param):
     r = batch(engine_live.url, {"model": engine_model, "max_tokens": 4, "messages": CONVS, **extra})
     assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
 
 
+def test_agents_name_a_batchs_conversations_or_a_completions_prompts(engine_live, engine_model):
+    r = batch(engine_live.url, {"model": engine_model, "max_tokens": 2, "messages": CONVS},
+              headers={"X-TokenDance-Session": "named", "X-TokenDance-Agents": "ada, bo,cy"})
+    assert r.status_code == 200, r.text
+    stats = httpx.get(engine_live.url + "/v1/tokendance/sessions/named/rounds/1").json()
+    assert stats["requests"] == 1 and stats["group_sizes"] == [3]
+    base = {"model": engine_model, "max_tokens": 2, "prompt": ["a", "b"]}
+    two = httpx.post(engine_live.url + "/v1/completions", json={**base, "tokendance": {"agents": ["x", "y"]}})
+    assert two.status_code == 200, two.text
+    one = httpx.post(engine_live.url + "/v1/completions", json={**base, "tokendance": {"agents": ["x"]}})
+    chat = httpx.post(engine_live.url + "/v1/chat/completions", json={
+        "model": engine_model, "max_tokens": 2, "messages": CONVS[0], "tokendance": {"agents": ["x", "y"]}})
+    assert [x.json()["error"]["param"] for x in (one, chat)] == ["tokendance.agents"] * 2
+
+
 def test_a_round_in_one_batch_reuses_the_last_rounds_answers():
     t = Threaded(EchoBackend("collective"))
     try:
-        h = {"X-TokenDance-Session": "batch"}
+        h = {"X-TokenDance-Session": "batch", "X-TokenDance-Agents": "ada,bo,cy"}
         first = batch(t.url, {"model": t.backend.info.name, "max_tokens": 12, "messages": CONVS}, headers=h)
         answers = [c["message"]["content"] for c in first.json()["choices"]]
         quote = "\n\n".join(f"Agent {i} said:\n{a}" for i, a in enumerate(answers))
