@@ -141,11 +141,11 @@ async def batch(url: str, n: int, sessions: int, stream: bool, tag: str, api: st
     """n concurrent requests over `sessions` announced rounds (0: no session), as chats, as
     responses (the Responses API, stored), as background responses (followed as they
     stream), as responses each in a conversation object of its own, or as Anthropic's
-    messages; wall seconds."""
+    messages, or as batches of chats (a request per round); wall seconds."""
     conn = aiohttp.TCPConnector(limit=0)
     async with aiohttp.ClientSession(connector=conn) as http:
         per = n // max(sessions, 1)
-        for s in range(sessions):
+        for s in range(sessions if api != "batch" else 0):  # a batch is its round's group: no barrier
             agents = [f"a{i}" for i in range(per)]
             path = f"/v1/tokendance/sessions/{tag}-{s}/rounds/1"
             async with http.post(url + path, json={"agents": agents}) as r:
@@ -160,11 +160,19 @@ async def batch(url: str, n: int, sessions: int, stream: bool, tag: str, api: st
         async def one(i: int) -> None:
             h = {"X-TokenDance-Session": f"{tag}-{i // per}", "X-TokenDance-Agent": f"a{i % per}"} \
                 if sessions else {}
+            if api == "batch":
+                h.pop("X-TokenDance-Agent", None)
             system, ask = "You are one of many agents in a debate.", \
                 f"Agent {i}: here is what the others said. What do you say?"
             if api == "chat":
                 path, body = "/v1/chat/completions", {"model": MODEL, "stream": stream, "max_tokens": 16, "messages": [
                     {"role": "system", "content": system}, {"role": "user", "content": ask}]}
+            elif api == "batch":  # agent 0 of each round sends the round's chats
+                if i % per:
+                    return
+                path, body = "/v1/chat/completions/batch", {"model": MODEL, "max_tokens": 16, "messages": [
+                    [{"role": "system", "content": system}, {"role": "user", "content": f"Agent {i + k}: ..."}]
+                    for k in range(per)], "tokendance": {"agents": [f"a{k}" for k in range(per)]}}
             elif api == "messages":
                 path, body = "/v1/messages", {"model": MODEL, "stream": stream, "max_tokens": 16, "system": system,
                                               "messages": [{"role": "user", "content": ask}]}
@@ -197,6 +205,7 @@ SCENARIOS = [  # name, sessions, stream, api
     ("Messages API, no session, JSON", 0, False, "messages"),
     ("Messages API, no session, SSE", 0, True, "messages"),
     ("Messages API, 50 rounds x 10 agents", 50, False, "messages"),
+    ("batch of chats, 50 rounds x 10 agents", 50, False, "batch"),  # a request per round: req/s counts chats
 ]
 
 

@@ -45,6 +45,7 @@ async def chat_batch(req: web.Request) -> web.StreamResponse:
     body = schemas.decode(await req.read(), chat.BatchChatRequest)
     chat.check_batch(body)
     call = px.call("chat", body, req.headers, req[T0])
+    call.batch = True
     return await reply(req, px, call, await chat.start(px, call, body, body.messages))
 
 

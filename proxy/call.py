@@ -55,6 +55,7 @@ class Call:
     as_ids: bool = False  # vLLM's return_tokens_as_token_ids: logprobs' tokens as "token_id:N"
     truncate: int | None = None  # vLLM's truncate_prompt_tokens, resolved (Request.truncate)
     truncation_side: str = "left"  # the end `truncate` cuts (Request.truncation_side)
+    batch: bool = False  # a batch of chats: its round's group, started at once
     key: str = field(default_factory=lambda: secrets.token_hex(12))  # its requests' ids begin with it: unique
     ids: list[list[int]] = field(default_factory=list)  # each choice's output token ids
     scored: list[list[TokenLogprob]] = field(default_factory=list)  # each choice's prompt tokens'

@@ -166,6 +166,9 @@ class Proxy:
         rnd.stats.first = rnd.stats.first or call.t0
         if call.meta.resumes and (call.meta.agent is None or call.meta.agent in rnd.gate.done):
             return self._alone(call, "resume")  # a tool result: its turn's group has left
+        if call.batch or call.meta.agents is not None:  # its prompts are its round's group: nobody to wait for
+            rnd.stats.group_sizes.append(len(call.prepared))
+            return self._alone(call, "batch")
         entry = Entry(call.meta.agent, call.prepared, asyncio.get_running_loop().create_future(), tag=call)
         try:
             streams = await self.barrier.wait(rnd.gate, entry)

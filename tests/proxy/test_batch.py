@@ -4,6 +4,8 @@ shared answers reused the next round; a 400 for what a batch does not take."""
 
 from __future__ import annotations
 
+import time
+
 import httpx
 import pytest
 
@@ -70,8 +72,10 @@ def test_agents_name_a_batchs_conversations_or_a_completions_prompts(engine_live
 
 
 def test_a_round_in_one_batch_reuses_the_last_rounds_answers():
-    t = Threaded(EchoBackend("collective"))
+    """A batch is its round's group: it starts at once, whatever the barrier's timeout."""
+    t = Threaded(EchoBackend("collective"), barrier_timeout=30.0)
     try:
+        t0 = time.perf_counter()
         h = {"X-TokenDance-Session": "batch", "X-TokenDance-Agents": "ada,bo,cy"}
         first = batch(t.url, {"model": t.backend.info.name, "max_tokens": 12, "messages": CONVS}, headers=h)
         answers = [c["message"]["content"] for c in first.json()["choices"]]
@@ -79,6 +83,7 @@ def test_a_round_in_one_batch_reuses_the_last_rounds_answers():
         second = batch(t.url, {"model": t.backend.info.name, "max_tokens": 12, "messages": [
             [{"role": "user", "content": f"You are agent {i}. {quote}\n\nWhat now?"}] for i in range(3)]}, headers=h)
         assert first.headers["X-TokenDance-Round"] == "1" and second.headers["X-TokenDance-Round"] == "2"
+        assert time.perf_counter() - t0 < 10  # not held for the barrier's 30 s
         u = second.json()["usage"]
         assert u["tokendance"]["shared_tokens"] > 0 and u["prompt_tokens_details"]["cached_tokens"] > 0
         stats = httpx.get(t.url + "/v1/tokendance/sessions/batch/rounds/2").json()
