@@ -75,8 +75,9 @@ class VLLMBackend:
                 name, max_len, root = card["id"], int(card["max_model_len"]), card.get("root") or card["id"]
         except (aiohttp.ClientError, TimeoutError, ValueError, KeyError, IndexError, TypeError) as e:
             raise BackendError(f"no vLLM server at {url}: {e or type(e).__name__}") from e
-        tok = fast_tokenizer(tokenizer or root, f"the tokenizer at {tokenizer or root} (--tokenizer: a local model folder)")
-        return cls(url, name, max_len, tok, mode, timeout, api_key, defaults(tokenizer or root, *generation))
+        where = tokenizer or root
+        tok = fast_tokenizer(where, f"the tokenizer at {where} (--tokenizer: a local model folder)")
+        return cls(url, name, max_len, tok, mode, timeout, api_key, defaults(where, *generation))
 
     # -- the Backend protocol ------------------------------------------------------------
 
