@@ -170,6 +170,13 @@ async def embeddings(req: web.Request) -> web.Response:
     return out.response() if isinstance(out, vectors.Binary) else json_answer(out, out.id)
 
 
+@tracked("pooling")
+async def pooling(req: web.Request) -> web.Response:
+    body = schemas.decode(await req.read(), vectors.PoolingRequest)
+    out = await vectors.pooling(req.app[PROXY], body, req.headers)
+    return out.response() if isinstance(out, vectors.Binary) else json_answer(out, out.id)
+
+
 @tracked("score")
 async def score(req: web.Request) -> web.Response:
     body = schemas.decode(await req.read(), scores.ScoreRequest)
@@ -281,6 +288,7 @@ def make_app(proxy: Proxy, control: Control | None = None) -> web.Application:
     r.add_post("/v1/responses/{id}/cancel", cancel_response)
     r.add_delete("/v1/responses/{id}", delete_response)
     r.add_post("/v1/embeddings", embeddings)
+    r.add_post("/pooling", pooling)
     for path in ("/score", "/v1/score"):
         r.add_post(path, score)
     for path in ("/rerank", "/v1/rerank", "/v2/rerank"):

@@ -11,7 +11,9 @@ generation prompt unless asked): one chat or a list of chats, in `messages` or i
 `input`, false for chats), `use_activation`, `request_id`, `cache_salt`; and its
 encodings: `encoding_format` float, base64, bytes or bytes_only, `embed_dtype` and
 `endianness`. `dimensions` is a 400, as vLLM answers it for a model without Matryoshka
-training; so is `normalize`, which vLLM no longer takes.
+training; so is `normalize`, which vLLM no longer takes. vLLM's `/pooling` gives the same
+vectors as pooling outputs (its `embed` task; the per-token and classifying tasks need
+heads this model has not).
 """
 
 from __future__ import annotations
@@ -73,6 +75,20 @@ class EmbeddingList(Struct):
     data: list[Embedding]
     usage: EmbeddingUsage
     object: str = "list"
+
+
+class PoolingRequest(EmbeddingRequest, kw_only=True):
+    task: str | None = None  # vLLM's pooling task: "embed", the one this model does
+
+
+class PoolingData(Struct):
+    index: int
+    data: list[float] | str
+    object: str = "pooling"
+
+
+class PoolingList(EmbeddingList):
+    data: list[PoolingData]
 
 
 @dataclass(slots=True)
@@ -161,15 +177,16 @@ def _render(px: Proxy, body: EmbeddingRequest, chat: list[Any]) -> str:
     return render(messages)
 
 
-async def embed(px: Proxy, body: EmbeddingRequest, headers: Mapping[str, str]) -> EmbeddingList | Binary:
+async def embed(px: Proxy, body: EmbeddingRequest, headers: Mapping[str, str],
+                prefix: str = "embd") -> EmbeddingList | Binary:
     """Every input embedded, in their order, encoded as the call asks."""
     check(body)
     prompts, chat = inputs(px, body)
     special = body.add_special_tokens if body.add_special_tokens is not None else not chat
     key, how = shape(px, body, headers, special)
-    got = await pool(px, f"embd-{key}", prompts, how, "messages" if chat else "input")
+    got = await pool(px, f"{prefix}-{key}", prompts, how, "messages" if chat else "input")
     used = sum(got.tokens)
-    id, created, model = f"embd-{key}", int(time.time()), px.names[0]
+    id, created, model = f"{prefix}-{key}", int(time.time()), px.names[0]
     if body.encoding_format in ("bytes", "bytes_only"):
         packed = [packed_vector(v, body.embed_dtype, body.endianness) for v in got.vectors]
         meta = None
@@ -185,6 +202,17 @@ async def embed(px: Proxy, body: EmbeddingRequest, headers: Mapping[str, str]) -
                       else b64encode(packed_vector(v, body.embed_dtype, body.endianness)).decode())
             for i, v in enumerate(got.vectors)]
     return EmbeddingList(id, created, model, data, EmbeddingUsage(used, used))
+
+
+async def pooling(px: Proxy, body: PoolingRequest, headers: Mapping[str, str]) -> PoolingList | Binary:
+    """vLLM's `/pooling` for an embedding model: the embeddings, as pooling outputs."""
+    if body.task not in (None, "embed"):
+        raise invalid(f"task {body.task!r} is not served: this model pools embeddings only (embed)", "task")
+    out = await embed(px, body, headers, "pool")
+    if isinstance(out, Binary):
+        return out
+    return PoolingList(out.id, out.created, out.model, [PoolingData(d.index, d.embedding) for d in out.data],
+                       out.usage)
 
 
 def packed_vector(v: list[float], dtype: str, endianness: str) -> bytes:

@@ -178,3 +178,15 @@ def test_a_backend_without_a_model_refuses_embeddings():
         assert "embeddings" in e.value.body["message"]
     finally:
         t.close()
+
+
+def test_vllms_pooling_gives_the_embeddings(engine_live, engine_model):
+    body = {"model": engine_model, "input": ["Ada", "Bo and Cy"]}
+    vectors = httpx.post(engine_live.url + "/v1/embeddings", json=body).json()
+    pooled = httpx.post(engine_live.url + "/pooling", json={**body, "task": "embed", "request_id": "p1"}).json()
+    assert pooled["id"] == "pool-p1" and pooled["object"] == "list" and pooled["usage"] == vectors["usage"]
+    assert [(d["index"], d["object"]) for d in pooled["data"]] == [(0, "pooling"), (1, "pooling")]
+    assert torch.allclose(torch.tensor([d["data"] for d in pooled["data"]]),
+                          torch.tensor([d["embedding"] for d in vectors["data"]]), atol=1e-6)
+    r = httpx.post(engine_live.url + "/pooling", json={**body, "task": "token_embed"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "task"
