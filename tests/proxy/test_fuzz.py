@@ -96,6 +96,37 @@ M_PLAUSIBLE: dict[str, Any] = {
 } | {k: PLAUSIBLE[k] for k in ("temperature", "top_p", "tokendance", "top_k")}
 
 
+# The pooling routes' (proxy/embeddings.py, proxy/scores.py)
+P_PLAUSIBLE: dict[str, Any] = {
+    "input": ["a b", ["a", "b c"], [5, 6, 7], [[5, 6], [7]], [{"role": "user", "content": "hi"}], []],
+    "encoding_format": ["float", "base64", "bytes", "bytes_only", "int8"],
+    "embed_dtype": ["float16", "bfloat16", "fp8_e4m3", "fp8_e5m2", "int4"], "endianness": ["big", "little", "odd"],
+    "truncate_prompt_tokens": [-1, 2, 0], "truncation_side": ["left", "right", "up"], "use_activation": [False],
+    "normalize": [True], "dimensions": [8], "add_special_tokens": [False], "cache_salt": ["s", ""],
+    "task": ["embed", "classify"], "queries": ["a", ["a", "b"], []], "documents": ["c", ["c", "d", "e"], [{"content": []}]],
+    "query": ["a", ["a"]], "top_n": [0, 1, -1], "max_tokens_per_doc": [0, 1, 10**6], "text_1": ["a"], "text_2": [["b", "c"]],
+}
+POOLING = {"/v1/embeddings": ["input", "encoding_format", "embed_dtype", "endianness", "truncate_prompt_tokens",
+                              "truncation_side", "use_activation", "normalize", "dimensions", "add_special_tokens",
+                              "cache_salt"],
+           "/pooling": ["input", "encoding_format", "task", "truncation_side"],
+           "/score": ["queries", "documents", "text_1", "text_2", "max_tokens_per_doc", "truncate_prompt_tokens"],
+           "/rerank": ["query", "documents", "top_n", "max_tokens_per_doc", "use_activation"]}
+
+
+def pooled(r: random.Random, model: str) -> tuple[str, dict[str, Any]]:
+    path = r.choice(list(POOLING))
+    b: dict[str, Any] = {"model": model, "input": "a"} if path in ("/v1/embeddings", "/pooling") else \
+        {"model": model, "queries": "a", "documents": ["b"]} if path == "/score" else \
+        {"model": model, "query": "a", "documents": ["b"]}
+    fields = r.sample(POOLING[path], r.randint(1, 3))
+    for k in fields:
+        b[k] = r.choice(P_PLAUSIBLE[k])
+    if r.random() < 0.5:
+        b[r.choice(fields)] = wild(r)
+    return path, b
+
+
 def wild(r: random.Random, depth: int = 0) -> Any:
     x = r.random()
     if depth < 2 and x < 0.15:
@@ -115,6 +146,8 @@ def body(r: random.Random, model: str) -> tuple[str, dict[str, Any]]:
         return response(r, model)
     if r.random() < 0.2:
         return message(r, model)
+    if r.random() < 0.15:
+        return pooled(r, model)
     chat = r.random() < 0.6
     b: dict[str, Any] = {"model": model, "max_tokens": 6}
     if chat:
@@ -157,10 +190,12 @@ def message(r: random.Random, model: str) -> tuple[str, dict[str, Any]]:
 async def fire(http: aiohttp.ClientSession, url: str, path: str, b: dict[str, Any]) -> str | None:
     """None if the answer is as it should be, else what was wrong."""
     async with http.post(url + path, data=json.dumps(b), headers={"Content-Type": "application/json"}) as resp:
-        text = await resp.text()
+        text = (await resp.read()).decode(errors="replace")  # embeddings' bytes too
     if resp.status >= 500 or (resp.status == 200 and ('data: {"error"' in text or "response.failed" in text
                                                       or "event: error" in text)):
         return f"{resp.status} for {json.dumps(b)[:500]}: {text[-300:]}"
+    if resp.status == 200 and resp.content_type == "application/octet-stream":
+        return None  # encoding_format bytes
     if resp.status >= 400 and path.startswith("/v1/messages"):
         err = json.loads(text)
         if err.get("type") != "error" or set(err.get("error", {})) != {"type", "message"}:
