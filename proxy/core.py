@@ -168,6 +168,9 @@ class Proxy:
             return self._alone(call, "resume")  # a tool result: its turn's group has left
         if call.batch or call.meta.agents is not None:  # its prompts are its round's group: nobody to wait for
             rnd.stats.group_sizes.append(len(call.prepared))
+            named = set(call.meta.agents or ())
+            rnd.gate.done |= named  # the round's agents (whom the next round expects)
+            rnd.gate.missing -= named
             return self._alone(call, "batch")
         entry = Entry(call.meta.agent, call.prepared, asyncio.get_running_loop().create_future(), tag=call)
         try:
@@ -218,6 +221,9 @@ class Proxy:
         if rnd is not None:
             rnd.active -= 1
             shared = rnd.stats.add(u, call.wait, latency, call.outcome, call.meta.agent)
+            for i, one in enumerate(call.usage if call.meta.agents else ()):  # a batch's agents, each its own
+                if one is not None:
+                    rnd.stats.credit(call.agent(i), one)
             rnd.stats.last = now
             if call.outcome == "ok":
                 for i in range(len(call.prepared)):

@@ -58,10 +58,14 @@ class RoundStats:
         self.shared_blocks.update(usage.shared_blocks)
         self.block_bytes = self.block_bytes or usage.block_bytes
         if agent is not None:
-            mine = self.per_agent.setdefault(agent, [0] * len(AGENT_FIELDS))
-            for i, (_, attr) in enumerate(AGENT_FIELDS):
-                mine[i] += getattr(usage, attr)
+            self.credit(agent, usage)
         return len(self.shared_blocks) - before
+
+    def credit(self, agent: str, usage: Usage) -> None:
+        """Count `usage` in `agent`'s row."""
+        mine = self.per_agent.setdefault(agent, [0] * len(AGENT_FIELDS))
+        for i, (_, attr) in enumerate(AGENT_FIELDS):
+            mine[i] += getattr(usage, attr)
 
     def view(self, session: str, number: int, agents: set[str], expected: frozenset[str] | None,
              sealed: bool, active: int) -> dict[str, Any]:

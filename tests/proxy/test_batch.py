@@ -87,6 +87,9 @@ def test_a_round_in_one_batch_reuses_the_last_rounds_answers():
         u = second.json()["usage"]
         assert u["tokendance"]["shared_tokens"] > 0 and u["prompt_tokens_details"]["cached_tokens"] > 0
         stats = httpx.get(t.url + "/v1/tokendance/sessions/batch/rounds/2").json()
-        assert stats["groups"] == 1 and stats["group_sizes"] == [3]
+        assert stats["groups"] == 1 and stats["group_sizes"] == [3] and stats["agents"] == ["ada", "bo", "cy"]
+        rows = stats["per_agent"]
+        assert sorted(rows) == ["ada", "bo", "cy"] and sum(r["prompt_tokens"] for r in rows.values()) == \
+            second.json()["usage"]["prompt_tokens"]
     finally:
         t.close()
