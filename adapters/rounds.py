@@ -1,12 +1,15 @@
-"""Round control over HTTP: announce who takes part in a round, seal it, read its stats.
+"""Round control over HTTP: announce who takes part in a round, seal it, read its stats,
+or send the whole round at once.
 
     POST /v1/tokendance/sessions/{session}/rounds/{round}        {"agents": [...]}
     POST /v1/tokendance/sessions/{session}/rounds/{round}/seal
     GET  /v1/tokendance/sessions/{session}/rounds/{round}
+    POST /v1/chat/completions/batch                              (`chats`)
 
 Announcing lets the proxy release a round's barrier as soon as every named agent has
-arrived; sealing releases it with whoever is there. Plain stdlib HTTP, so the helper
-works from any framework's thread; the `a*` variants run it off the event loop.
+arrived; sealing releases it with whoever is there; `chats` sends every agent's chat of
+a round in one batch, which needs neither. Plain stdlib HTTP, so the helper works from
+any framework's thread; the `a*` variants run it off the event loop.
 """
 
 from __future__ import annotations
@@ -63,6 +66,22 @@ class Rounds:
     def stats(self, round: int) -> dict[str, Any]:
         """The proxy's stats of `round`: groups, shared and reused tokens, KV held."""
         return self.call("GET", self.path(round))
+
+    def chats(self, round: int, chats: dict[str, list[dict[str, Any]]], model: str | None = None,
+              timeout: float = 600.0, **fields: Any) -> dict[str, str]:
+        """Every agent's chat of `round` in one batch of chats (one group, no barrier);
+        each agent's answer. `fields`: the chats' sampling (max_tokens, temperature, ...)."""
+        if not chats:
+            raise ValueError("chats must name at least one agent")
+        body = {"model": model or served_model(self.url, self.api_key), "messages": list(chats.values()),
+                **fields, "tokendance": {"session": self.session, "round": round, "agents": list(chats)}}
+        out = request("POST", f"{api_base(self.url)}/chat/completions/batch", body, self.api_key, timeout)
+        answers = sorted(out["choices"], key=lambda c: c["index"])
+        return {agent: c["message"].get("content") or "" for agent, c in zip(chats, answers)}
+
+    async def achats(self, round: int, chats: dict[str, list[dict[str, Any]]], model: str | None = None,
+                     timeout: float = 600.0, **fields: Any) -> dict[str, str]:
+        return await asyncio.to_thread(self.chats, round, chats, model, timeout, **fields)
 
     async def aannounce(self, round: int, agents: list[str], timeout_ms: float | None = None) -> dict[str, Any]:
         return await asyncio.to_thread(self.announce, round, agents, timeout_ms)
