@@ -36,7 +36,8 @@ def prepare(px: Proxy, call: Call, body: ChatRequest, batch: list[list[Message]]
     call.check_agents(len(convs))
     checked = [_checked(px, call, body if batch is None else replace(body, messages=m), k, batch is not None)
                for k, m in enumerate(convs)]
-    template = schemas.template(body.chat_template_kwargs, body.add_generation_prompt, body.continue_final_message)
+    template = schemas.template(body.chat_template_kwargs, body.add_generation_prompt, body.continue_final_message,
+                                body.reasoning_effort)
     call.meta.resumes = checked[0][0][-1]["role"] == "tool"
     if body.echo and any(m[-1]["role"] == "assistant" for m, _ in checked):  # what continue_final_message goes on from
         call.echo = echo.make([m[-1]["content"] if m[-1]["role"] == "assistant" else "" for m, _ in checked],

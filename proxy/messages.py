@@ -8,7 +8,8 @@ A request's `system` and `messages` become chat messages: text blocks their text
 the rest of their user message), `thinking` blocks dropped (as chat templates drop past
 reasoning). `tools` and `tool_choice` (`auto`, `any`, `tool`, `none`,
 `disable_parallel_tool_use`) are the chat's tools; `thinking` turns the template's
-`enable_thinking` on or off; `output_config.format` is a JSON schema the answer keeps
+`enable_thinking` on (or off: effort "none"), `output_config.effort` is vLLM's
+`reasoning_effort`; `output_config.format` is a JSON schema the answer keeps
 to; `stop_sequences`, `temperature`, `top_p`, `top_k`, `metadata.user_id` and vLLM's
 `cache_salt`, `chat_template_kwargs` are the chat's. Images, documents and server tools
 are 400s: this model reads text. `cache_control` marks are taken and change nothing:
@@ -29,7 +30,7 @@ from .chat import start
 from .errors import invalid
 from .respond import reply
 from .route import PROXY, T0, json_answer, tracked
-from .schemas import ChatRequest, Message, TokenDance, decode
+from .schemas import EFFORTS, ChatRequest, Message, TokenDance, decode
 from .structured import JsonSchema, ResponseFormat
 from .tokenize import TokenizeRequest, tokenize
 
@@ -146,13 +147,16 @@ CHOICES = {"auto": "auto", "any": "required", "none": "none"}
 
 def chat(body: Asked) -> ChatRequest:
     """The request as the chat it asks for."""
-    kwargs = dict(body.chat_template_kwargs or {})
+    kwargs, effort = dict(body.chat_template_kwargs or {}), None
     if body.thinking is not None:
         if body.thinking.type not in THINKING:
             raise invalid(f"thinking.type must be one of {', '.join(THINKING)}", "thinking.type")
-        kwargs.setdefault("enable_thinking", body.thinking.type != "disabled")
+        if body.thinking.type == "disabled":
+            effort = "none"
+        else:
+            kwargs.setdefault("enable_thinking", True)
     out = ChatRequest(model=body.model, messages=_system(body.system) + _turns(body.messages),
-                      tools=_tools(body.tools), chat_template_kwargs=kwargs or None)
+                      tools=_tools(body.tools), chat_template_kwargs=kwargs or None, reasoning_effort=effort)
     if body.tool_choice is not None:
         out.tool_choice, out.parallel_tool_calls = _choice(body.tool_choice)
     if isinstance(body, MessagesRequest):
@@ -163,6 +167,11 @@ def chat(body: Asked) -> ChatRequest:
         out.max_tokens, out.stop, out.stream, out.user = body.max_tokens, body.stop_sequences, body.stream, user
         out.temperature, out.top_p, out.top_k = body.temperature, body.top_p, body.top_k
         out.cache_salt, out.tokendance = body.cache_salt, body.tokendance
+        wanted = body.output_config and body.output_config.effort
+        if wanted is not None:
+            if wanted not in EFFORTS:
+                raise invalid(f"output_config.effort must be one of {', '.join(EFFORTS)}", "output_config.effort")
+            out.reasoning_effort = wanted
         fmt = body.output_config and body.output_config.format
         if fmt is not None:
             if fmt.type != "json_schema" or fmt.schema is None:

@@ -23,7 +23,7 @@ from msgspec import Struct
 
 from . import tools as t
 from .errors import ApiError, invalid, unsupported
-from .schemas import ChatRequest, Message, TokenDance
+from .schemas import EFFORTS, ChatRequest, Message, TokenDance
 from .structured import JsonSchema, ResponseFormat
 
 ROLES = ("user", "assistant", "system", "developer")
@@ -134,9 +134,8 @@ def check(body: ResponsesRequest) -> None:
         raise unsupported("prompt", "prompt templates")
     if body.truncation not in (None, "disabled", "auto"):
         raise invalid("truncation must be auto or disabled", "truncation")
-    if body.reasoning is not None and body.reasoning.effort not in (None, "none"):
-        raise unsupported("reasoning.effort", "reasoning.effort (a template's switch, such as Qwen3's "
-                          "enable_thinking, goes in chat_template_kwargs)")
+    if body.reasoning is not None and body.reasoning.effort not in (None, *EFFORTS):
+        raise invalid(f"reasoning.effort must be one of {', '.join(EFFORTS)}", "reasoning.effort")
     if body.top_logprobs is not None and not 0 <= body.top_logprobs <= 20:
         raise invalid("top_logprobs must be between 0 and 20", "top_logprobs")
     for i, name in enumerate(body.include or ()):
@@ -245,7 +244,8 @@ def chat(body: ResponsesRequest, history: list[Message], new: list[Message],
         logprobs=lp or None, top_logprobs=body.top_logprobs if lp else None,
         tools=_tools(body.tools), tool_choice=_choice(body.tool_choice),
         parallel_tool_calls=body.parallel_tool_calls, response_format=_format(body.text),
-        chat_template_kwargs=body.chat_template_kwargs, user=body.user, tokendance=meta)
+        chat_template_kwargs=body.chat_template_kwargs, user=body.user, tokendance=meta,
+        reasoning_effort=body.reasoning.effort if body.reasoning else None)
 
 
 def _tools(tools: list[FunctionTool] | None) -> list[t.Tool] | None:

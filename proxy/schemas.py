@@ -59,6 +59,10 @@ class StreamOptions(Struct):
     continuous_usage_stats: bool = False  # vLLM's: with include_usage, the counts so far in every chunk
 
 
+Effort = Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"]  # vLLM's reasoning_effort
+EFFORTS = Effort.__args__
+
+
 class Sampled(Struct, kw_only=True):
     model: str
     stream: bool = False
@@ -113,6 +117,7 @@ class ChatRequest(Sampled, kw_only=True):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     echo: bool = False  # vLLM's: the answer begins with the last message's content, if the assistant's
+    reasoning_effort: Effort | None = None  # the template's reasoning_effort (and enable_thinking)
 
 
 class CompletionRequest(Sampled, kw_only=True):
@@ -274,17 +279,22 @@ _RESERVED = {"conversation", "messages", "tools", "documents", "chat_template", 
 
 
 def template(kwargs: dict[str, Any] | None, add_generation_prompt: bool,
-             continue_final_message: bool) -> Template | None:
-    """How the chat template renders, as vLLM's fields say (None: as it does by default)."""
+             continue_final_message: bool, effort: str | None = None) -> Template | None:
+    """How the chat template renders, as vLLM's fields say (None: as it does by default).
+    `effort` (vLLM's reasoning_effort) reaches the template as `reasoning_effort`, and
+    switches `enable_thinking` (off for "none") unless the kwargs set it."""
     if add_generation_prompt and continue_final_message:
         raise invalid("continue_final_message and add_generation_prompt cannot both be true",
                       "continue_final_message")
     taken = sorted(_RESERVED & set(kwargs or ()))
     if taken:
         raise invalid(f"chat_template_kwargs cannot set {', '.join(taken)}", "chat_template_kwargs")
+    kwargs = dict(kwargs or {})
+    if effort is not None:
+        kwargs = {"reasoning_effort": effort, "enable_thinking": effort != "none"} | kwargs
     if not kwargs and add_generation_prompt:
         return None
-    return Template(dict(kwargs or {}), add_generation_prompt, continue_final_message)
+    return Template(kwargs, add_generation_prompt, continue_final_message)
 
 
 def message(i: int, m: Message) -> dict[str, Any]:

@@ -164,7 +164,8 @@ def test_a_request_becomes_the_chat_it_asks_for():
     assert json.loads(c.messages[2].tool_calls[0].function.arguments) == {"city": "Oslo"}
     assert c.messages[3].tool_call_id == "t1" and c.tool_choice == "required" and c.parallel_tool_calls is False
     assert c.tools[0].function.parameters == WEATHER["input_schema"]
-    assert c.chat_template_kwargs == {"enable_thinking": False} and (c.stop, c.top_k, c.user) == (["END"], 5, "u1")
+    assert c.chat_template_kwargs is None and c.reasoning_effort == "none"  # thinking disabled
+    assert (c.stop, c.top_k, c.user) == (["END"], 5, "u1")
     assert c.response_format.json_schema.schema == {"type": "object"} and c.max_tokens == 9
     counted = msgspec.convert({"model": "m", "messages": [{"role": "user", "content": "x"}]}, Asked)
     assert chat(counted).max_tokens is None  # count_tokens' part of a request: no length

@@ -222,7 +222,7 @@ def test_a_conversation_stays_in_its_session(client):
     ({"conversation": "conv_1", "previous_response_id": "resp_1"}, "conversation"),
     ({"prompt": {"id": "pmpt_1"}}, "prompt"),
     ({"truncation": "middle"}, "truncation"),
-    ({"reasoning": {"effort": "high"}}, "reasoning.effort"),
+    ({"reasoning": {"effort": "extreme"}}, "reasoning.effort"),
     ({"include": ["file_search_call.results"]}, "include[0]"),
     ({"text": {"format": {"type": "json_schema", "name": "x"}}}, "text.format.schema"),
     ({"tool_choice": "required"}, "tool_choice"),
