@@ -25,6 +25,7 @@ import time
 from base64 import b64encode
 from collections.abc import Mapping
 from dataclasses import dataclass
+from itertools import accumulate
 from typing import Any
 
 import msgspec
@@ -129,15 +130,12 @@ def _is_chat(x: Any) -> bool:
 def chats(body: EmbeddingRequest) -> list[list[Any]] | None:
     """The chats to embed, if the call gives chats (in `messages`, or in `input`)."""
     x = body.messages if body.messages is not None else body.input
-    if body.messages is None and not (_is_chat(x) or (x and all(_is_chat(c) for c in x))):
-        return None
-    if _is_chat(x):
-        return [x]
-    if x and all(_is_chat(c) for c in x):
-        if len(x) > MAX_INPUTS:
-            raise invalid(f"messages holds {len(x)} chats; at most {MAX_INPUTS} per request", "messages")
-        return x
-    raise invalid("messages must be a chat (a list of messages with roles) or a list of chats", "messages")
+    found = [x] if _is_chat(x) else x if isinstance(x, list) and x and all(map(_is_chat, x)) else None
+    if found is None and body.messages is not None:
+        raise invalid("messages must be a chat (a list of messages with roles) or a list of chats", "messages")
+    if found is not None and len(found) > MAX_INPUTS:
+        raise invalid(f"messages holds {len(found)} chats; at most {MAX_INPUTS} per request", "messages")
+    return found
 
 
 def inputs(px: Proxy, body: EmbeddingRequest) -> tuple[list[str | list[int]], bool]:
@@ -191,7 +189,7 @@ async def embed(px: Proxy, body: EmbeddingRequest, headers: Mapping[str, str],
         packed = [packed_vector(v, body.embed_dtype, body.endianness) for v in got.vectors]
         meta = None
         if body.encoding_format == "bytes":
-            ends = [sum(len(b) for b in packed[:i + 1]) for i in range(len(packed))]
+            ends = list(accumulate(map(len, packed)))
             items = [{"index": i, "embed_dtype": body.embed_dtype, "endianness": body.endianness,
                       "start": end - len(b), "end": end, "shape": [len(v)]}
                      for i, (b, end, v) in enumerate(zip(packed, ends, got.vectors))]

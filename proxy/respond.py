@@ -79,7 +79,7 @@ async def _json(px: Proxy, call: Call, streams: list[Stream]) -> web.Response:
                                     for c in got.calls] or None, reasoning or None)
             choices.append(s.ChatChoice(i, message, calls.finish(r, call.finish[i]),
                                         chat_lp(call, call.logprobs[i]), _ids(call, i)[1], call.stopped[i]))
-        one = len(streams) == call.n  # one prompt (a batch of chats has several: none of them is the call's)
+        one = not call.batch  # a batch of chats has a prompt per choice: none of them is the call's
         body: Any = s.ChatCompletion(call.id, call.created, call.model, choices, usage,
                                      prompt_logprobs=_prompt_lp(call, call.scored[0]) if one else None,
                                      prompt_token_ids=_ids(call, 0)[0] if one else UNSET)
