@@ -25,6 +25,7 @@ BASES = ("standalone", "producer", "reader")
 REUSE_DEFAULTS: dict[str, Any] = {"recompute_ratio": 0.15, "recompute_floor": 0.0, "bases": "standalone",
                                   "min_shared_tokens": None}
 TOP_LOGPROBS = 20  # alternatives a token's logprob lists at most (OpenAI's limit)
+LABELS = 128  # vLLM's MAX_LOGPROB_TOKEN_IDS: label tokens a request may read at most
 
 
 class InvalidRequest(ValueError):
@@ -91,6 +92,9 @@ class SamplingParams:
     skip_special_tokens: bool = True
     logprobs: bool = False
     top_logprobs: int = 0
+    # vLLM's logprob_token_ids: with logprobs, these tokens' logprobs are listed at every
+    # step in place of the top_logprobs best (an LLM judge's labels, read in one step)
+    logprob_token_ids: list[int] | None = None
     # each prompt token's logprob given those before it, with this many alternatives
     # (backend/scoring.py; the request then runs in `full`): None for none
     prompt_logprobs: int | None = None
@@ -120,6 +124,8 @@ class SamplingParams:
             raise InvalidRequest(f"min_tokens must be between 0 and max_tokens ({self.max_tokens})", "min_tokens")
         if not 0 <= self.top_logprobs <= TOP_LOGPROBS:
             raise InvalidRequest(f"top_logprobs must be between 0 and {TOP_LOGPROBS}", "top_logprobs")
+        if self.logprob_token_ids is not None and not 1 <= len(self.logprob_token_ids) <= LABELS:
+            raise InvalidRequest(f"logprob_token_ids must name between 1 and {LABELS} tokens", "logprob_token_ids")
         if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= TOP_LOGPROBS:
             raise InvalidRequest(f"prompt_logprobs must be between 0 and {TOP_LOGPROBS}", "prompt_logprobs")
         if self.seed is not None and not -2**63 <= self.seed < 2**63:  # torch's; n > 1 adds up to 63
@@ -145,8 +151,9 @@ class SamplingParams:
             raise InvalidRequest("bad_words must be non-empty strings", "bad_words")
 
     def check_vocab(self, vocab_size: int) -> None:
-        """Raise InvalidRequest for a logit_bias or allowed token id outside the vocabulary."""
-        for name, ids in (("logit_bias", self.logit_bias), ("allowed_token_ids", self.allowed_token_ids or [])):
+        """Raise InvalidRequest for a logit_bias, allowed or label token id outside the vocabulary."""
+        for name, ids in (("logit_bias", self.logit_bias), ("allowed_token_ids", self.allowed_token_ids or []),
+                          ("logprob_token_ids", self.logprob_token_ids or [])):
             outside = sorted(t for t in ids if not 0 <= t < vocab_size)
             if outside:
                 raise InvalidRequest(f"{name} names token ids outside the vocabulary [0, {vocab_size}): "

@@ -2,7 +2,8 @@
 ends a request may not take yet (`min_tokens`), a structured output's grammar
 (backend/grammar.py), then greedy, or temperature, min-p, top-k and top-p (vLLM's order:
 top-p over what min-p and top-k left, renormalized) and a draw with per-request seeds;
-and the log-probabilities of chosen (and top) tokens under the model's distribution."""
+and the log-probabilities of chosen (and top, or asked-for) tokens under the model's
+distribution."""
 
 from __future__ import annotations
 
@@ -119,11 +120,30 @@ def sample(logits: torch.Tensor, seqs: list[Sequence], default: torch.Generator 
     if want:
         logp = logits[want].log_softmax(-1)
         picked = logp.gather(-1, chosen[want][:, None])[:, 0].tolist()
-        k = max(params[i].top_logprobs for i in want)
+        k = max((params[i].top_logprobs for i in want if params[i].logprob_token_ids is None), default=0)
         top = logp.topk(k, -1) if k else None
+        labels = _labels(logp, [params[i].logprob_token_ids for i in want])
         for j, i in enumerate(want):
             out[i].logprob = picked[j]
             n = params[i].top_logprobs
-            if top is not None and n:
+            if labels[j] is not None:
+                out[i].top = labels[j]
+            elif top is not None and n:
                 out[i].top = list(zip(top.indices[j, :n].tolist(), top.values[j, :n].tolist()))
+    return out
+
+
+def _labels(logp: torch.Tensor, ids: list[list[int] | None]) -> list[list[tuple[int, float]] | None]:
+    """Per row, its label tokens' logprobs in the order asked (vLLM's logprob_token_ids),
+    gathered for the whole batch at once; None for a row that asked for none."""
+    rows = [j for j, x in enumerate(ids) if x]
+    if not rows:
+        return [None] * len(ids)
+    width = max(len(ids[j]) for j in rows)
+    index = upload_list([t for j in rows for t in ids[j] + [0] * (width - len(ids[j]))], torch.long,
+                        logp.device).view(len(rows), width)
+    got = logp[rows].gather(-1, index).tolist()
+    out: list[list[tuple[int, float]] | None] = [None] * len(ids)
+    for j, vals in zip(rows, got):
+        out[j] = list(zip(ids[j], vals))
     return out

@@ -168,7 +168,7 @@ class VLLMBackend:
                         continue
                     chunk = json.loads(line[6:])
                     for c in chunk.get("choices") or []:
-                        d = _delta(c, self.pieces)
+                        d = _delta(c, self.pieces, req.sampling.logprob_token_ids)
                         if d.finish_reason is None:
                             st.put(d)
                         else:
@@ -225,6 +225,8 @@ class VLLMBackend:
             body["logit_bias"] = {str(k): v for k, v in s.logit_bias.items()}
         if s.logprobs:  # by id: their text is written as our engine writes it (_delta)
             body["logprobs"], body["return_tokens_as_token_ids"] = s.top_logprobs, True
+        if s.logprobs and s.logprob_token_ids:  # vLLM then lists the sampled token and these
+            body["logprobs"], body["logprob_token_ids"] = len(s.logprob_token_ids), s.logprob_token_ids
         if s.allowed_token_ids is not None:
             body["allowed_token_ids"] = s.allowed_token_ids
         if s.bad_words:
@@ -257,8 +259,10 @@ def _refused(status: int, text: str) -> Exception:
     return BackendError(f"the vLLM server answered HTTP {status}: {message}")
 
 
-def _delta(c: dict[str, Any], pieces: Pieces) -> Delta:
-    """A streamed choice as a Delta; its logprobs' tokens come as "token_id:N"."""
+def _delta(c: dict[str, Any], pieces: Pieces, labels: list[int] | None = None) -> Delta:
+    """A streamed choice as a Delta; its logprobs' tokens come as "token_id:N". With
+    `labels` (logprob_token_ids) its alternatives are those, in their order, as the engine
+    lists them (vLLM lists the sampled token among them too)."""
     d = Delta(c.get("text") or "", list(c.get("token_ids") or []), finish_reason=c.get("finish_reason"),
               stop_reason=c.get("stop_reason"))
     lp = c.get("logprobs")
@@ -266,6 +270,9 @@ def _delta(c: dict[str, Any], pieces: Pieces) -> Delta:
         tops = lp.get("top_logprobs") or [None] * len(lp["tokens"])
         for tok, val, top in zip(lp["tokens"], lp["token_logprobs"], tops):
             alts = [(_id(t), v) for t, v in (top or {}).items()]
+            if labels:
+                got = dict(alts)
+                alts = [(t, got[t]) for t in labels if t in got]
             (s, b), *texts = pieces([_id(tok)] + [a for a, _ in alts])
             d.logprobs.append(TokenLogprob(s, val, b, [TopLogprob(ts, v, tb, a) for (ts, tb), (a, v)
                                                        in zip(texts, alts)], _id(tok)))

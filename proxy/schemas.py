@@ -87,6 +87,7 @@ class Sampled(Struct, kw_only=True):
     repetition_penalty: float | None = None  # vLLM's extra parameter
     prompt_logprobs: int | None = None  # vLLM's: each prompt token's logprob and k best alternatives
     allowed_token_ids: list[int] | None = None  # vLLM's: the only tokens it may sample
+    logprob_token_ids: list[int] | None = None  # vLLM's: these tokens' logprobs at each step, not the top
     bad_words: list[str] | None = None  # vLLM's: words it may not write
     return_token_ids: bool = False  # vLLM's: the prompt's and the output's token ids in the answer
     return_tokens_as_token_ids: bool = False  # vLLM's: logprobs name their tokens "token_id:N"
@@ -186,6 +187,10 @@ def sampling(body: Sampled, max_tokens: int | None, logprobs: bool, top: int, le
     if body.priority:
         raise unsupported("priority", "priority other than 0 (first come, first served here)")
     p.prompt_logprobs = prompt_logprobs(body)
+    if body.logprob_token_ids:
+        if not logprobs:
+            raise invalid("logprob_token_ids needs logprobs set", "logprob_token_ids")
+        p.logprob_token_ids = list(dict.fromkeys(body.logprob_token_ids))  # each once, as vLLM lists them
     try:
         p.validate()
     except InvalidRequest as exc:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tokendance.backend.api import SamplingParams
+from tokendance.backend.api import InvalidRequest, SamplingParams
 from tokendance.backend.engine import Engine
 from tokendance.backend.sampler import _filter
 
@@ -92,6 +92,43 @@ def test_logprobs_match_model_distribution(engine):
     assert lp.logprob == pytest.approx(float(top.values[0]), abs=1e-4)
     assert [t.logprob for t in lp.top] == pytest.approx(top.values.tolist(), abs=1e-4)
     assert lp.token == eng.tokenizer.decode([delta.token_ids[0]])
+
+
+def test_label_logprobs_are_the_asked_tokens_in_every_row(engine, hf):
+    """vLLM's logprob_token_ids: each step lists exactly the asked tokens, in their order,
+    with the model's logprobs; a batch mixes them with top_logprobs rows and plain rows."""
+    labels = [7, 300, 2, 999]
+    other = list(range(60, 90))
+    asked = SamplingParams(max_tokens=3, temperature=0, logprobs=True, top_logprobs=5, logprob_token_ids=labels,
+                           ignore_eos=True)
+    topped = SamplingParams(max_tokens=3, temperature=0, logprobs=True, top_logprobs=2, ignore_eos=True)
+    plain = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)
+    for i, (p, s) in enumerate([(PROMPT, asked), (other, topped), (PROMPT[:20], plain), (other, asked)]):
+        engine.add(f"lab{i}", p, s)
+    got: dict[str, list] = {}
+    while engine.has_work():
+        for rid, d in engine.step():
+            got.setdefault(rid, []).append(d)
+    for rid, prompt in (("lab0", PROMPT), ("lab3", other)):
+        ids = [t for d in got[rid] for t in d.token_ids]
+        with torch.no_grad():
+            ref = hf(torch.tensor([prompt + ids])).logits[0, len(prompt) - 1:-1].log_softmax(-1)
+        lps = [lp for d in got[rid] for lp in d.logprobs]
+        assert len(lps) == 3
+        for row, lp in zip(ref, lps):
+            assert [t.id for t in lp.top] == labels
+            assert [t.logprob for t in lp.top] == pytest.approx(row[labels].tolist(), abs=1e-4)
+            assert lp.top[1].token == engine.tokenizer.decode([300])
+    assert all(len(lp.top) == 2 for d in got["lab1"] for lp in d.logprobs)
+    assert all(not d.logprobs for d in got["lab2"])
+
+
+def test_label_logprobs_must_lie_in_the_vocabulary(engine):
+    bad = SamplingParams(max_tokens=1, logprobs=True, logprob_token_ids=[1, engine.mcfg.vocab_size])
+    with pytest.raises(InvalidRequest, match="logprob_token_ids names token ids outside the vocabulary"):
+        engine.add("bad", PROMPT, bad)
+    with pytest.raises(InvalidRequest, match="between 1 and 128"):
+        SamplingParams(logprobs=True, logprob_token_ids=list(range(129))).validate()
 
 
 def test_min_p_drops_tokens_below_its_share_of_the_likeliest():

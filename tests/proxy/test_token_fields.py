@@ -145,6 +145,42 @@ def test_return_tokens_as_token_ids_names_logprobs_by_id(client, model):
     assert all(k.startswith("token_id:") for top in text.logprobs.top_logprobs for k in top)
 
 
+def test_logprob_token_ids_list_those_tokens_at_every_step(client, model):
+    """vLLM's logprob_token_ids: each token's alternatives are exactly the asked ones, in
+    their order and each once, over top_logprobs; whole, streamed and in completions; the
+    sampled token's own logprob is where it was."""
+    ids = [17, 5, 17, 250]
+    kw = dict(model=model, messages=user("Hi."), max_tokens=3, temperature=0, logprobs=True, top_logprobs=4)
+    whole = client.chat.completions.create(**kw, extra_body={"logprob_token_ids": ids})
+    plain = client.chat.completions.create(**kw)
+    lps, top = whole.choices[0].logprobs.content, plain.choices[0].logprobs.content
+    assert [t.token for t in lps] == [t.token for t in top] and len(lps) == 3
+    assert [t.logprob for t in lps] == pytest.approx([t.logprob for t in top], abs=1e-5)
+    named = client.chat.completions.create(**kw, extra_body={"logprob_token_ids": ids, "return_tokens_as_token_ids": True})
+    for t in named.choices[0].logprobs.content:
+        assert [x.token for x in t.top_logprobs] == ["token_id:17", "token_id:5", "token_id:250"]
+        assert all(x.logprob < 0 for x in t.top_logprobs)
+    chunks = client.chat.completions.create(**kw, stream=True, extra_body={"logprob_token_ids": ids})
+    streamed = [t for c in chunks if c.choices and c.choices[0].logprobs for t in c.choices[0].logprobs.content]
+    assert [[(x.token, x.logprob) for x in t.top_logprobs] for t in streamed] == \
+        [[(x.token, x.logprob) for x in t.top_logprobs] for t in lps]
+    text = client.completions.create(model=model, prompt="Hi.", max_tokens=2, temperature=0, logprobs=1,
+                                     extra_body={"logprob_token_ids": [17, 5]}).choices[0]
+    assert all(len(top) == 2 for top in text.logprobs.top_logprobs)
+
+
+@pytest.mark.parametrize("kw, message", [
+    (dict(logprob_token_ids=[5]), "logprob_token_ids needs logprobs set"),
+    (dict(logprob_token_ids=[5, 10**9], logprobs=True), "outside the vocabulary"),
+    (dict(logprob_token_ids=list(range(129)), logprobs=True), "between 1 and 128"),
+])
+def test_logprob_token_ids_that_cannot_be_are_a_400(client, model, kw, message):
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=model, messages=user("Hi."), max_tokens=2,
+                                       extra_body={"logprob_token_ids": kw.pop("logprob_token_ids")}, **kw)
+    assert e.value.body["param"] == "logprob_token_ids" and message in e.value.body["message"]
+
+
 def test_truncate_prompt_tokens_keeps_the_prompts_end(client, model, engine_live):
     kw = dict(model=model, temperature=0, max_tokens=4)
     cut = client.completions.create(**kw, prompt=list(range(5, 25)),

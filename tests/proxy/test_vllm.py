@@ -63,8 +63,13 @@ class FakeVLLM:
                           "stop_reason": "stop" if last and stop else None}
                 if body.get("logprobs") is not None:  # as vLLM names them with return_tokens_as_token_ids
                     assert body["return_tokens_as_token_ids"]
+                    top = {f"token_id:{100 + i}": -0.5, "token_id:7": -1.5}
+                    if body.get("logprob_token_ids"):  # vLLM lists the sampled token, then these
+                        assert body["logprobs"] == len(body["logprob_token_ids"])
+                        top = {f"token_id:{100 + i}": -0.5,
+                               **{f"token_id:{t}": -1 - t / 1000 for t in body["logprob_token_ids"]}}
                     choice["logprobs"] = {"tokens": [f"token_id:{100 + i}"], "token_logprobs": [-0.5],
-                                          "top_logprobs": [{f"token_id:{100 + i}": -0.5, "token_id:7": -1.5}]}
+                                          "top_logprobs": [top]}
                 await resp.write(b"data: " + json.dumps({"choices": [choice]}).encode() + b"\n\n")
                 await asyncio.sleep(0.01)
             usage = {"prompt_tokens": len(body["prompt"]), "completion_tokens": n,
@@ -204,6 +209,10 @@ async def test_streams_and_logprobs_come_back(proxy, tiny_llama):
     assert chunks[-1].usage.completion_tokens == 4
     named = await _client(proxy).chat.completions.create(**kw, extra_body={"return_tokens_as_token_ids": True})
     assert [t.token for t in named.choices[0].logprobs.content] == [f"token_id:{100 + i}" for i in range(4)]
+    # logprob_token_ids: the asked tokens alone, in their order, as the engine lists them
+    labels = await _client(proxy).chat.completions.create(**kw, extra_body={"logprob_token_ids": [9, 3, 9]})
+    for t in labels.choices[0].logprobs.content:
+        assert [(x.token, x.logprob) for x in t.top_logprobs] == [(tok.decode([9]), -1.009), (tok.decode([3]), -1.003)]
 
 
 async def test_what_vllm_refuses_is_a_400(proxy):
