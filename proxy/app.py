@@ -13,7 +13,7 @@ from aiohttp import web
 
 from tokendance.backend.api import Backend
 
-from . import chat, conversations, echo, embeddings as vectors, messages, replies, responses, schemas, scores, segment
+from . import chat, conversations, echo, embeddings as vectors, generative, messages, replies, responses, schemas, scores, segment
 from . import tokenize as tokens
 from .answer import Turn, follow, starting_after
 from .core import Config, Proxy, digest
@@ -191,6 +191,13 @@ async def rerank(req: web.Request) -> web.Response:
     return json_answer(out, out.id)
 
 
+@tracked("generative_scoring")
+async def generative_scoring(req: web.Request) -> web.Response:
+    body = schemas.decode(await req.read(), generative.GenerativeScoring)
+    out = await generative.score(req.app[PROXY], body, req.headers)
+    return json_answer(out, out.id)
+
+
 async def models(req: web.Request) -> web.Response:
     px = req.app[PROXY]
     return json_answer(replies.ModelList([_card(px, name) for name in px.names]))
@@ -293,6 +300,7 @@ def make_app(proxy: Proxy, control: Control | None = None) -> web.Application:
         r.add_post(path, score)
     for path in ("/rerank", "/v1/rerank", "/v2/rerank"):
         r.add_post(path, rerank)
+    r.add_post("/generative_scoring", generative_scoring)
     conversations.routes(r, proxy)
     messages.routes(r)
     r.add_get("/v1/models", models)

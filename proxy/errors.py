@@ -92,14 +92,14 @@ async def middleware(request: web.Request, handler) -> web.StreamResponse:
         return from_backend(exc).response(anthropic)
 
 
-GUARDED = ("/v1", "/v2", "/score", "/rerank", "/pooling")
+GUARDED = ("/v1", "/v2", "/score", "/rerank", "/pooling", "/generative_scoring")
 
 
 def keys(accepted: frozenset[str]):
     """vLLM's --api-key: a /v1 or /v2 route answers only a request that carries one of
-    `accepted` (Authorization: Bearer), else a 401; so do /score, /rerank and /pooling,
-    which vLLM leaves open (they compute for the caller); the rest (health, metrics,
-    tokenize) stays open."""
+    `accepted` (Authorization: Bearer), else a 401; so do /score, /rerank, /pooling and
+    /generative_scoring, which vLLM leaves open (they compute for the caller); the rest
+    (health, metrics, tokenize) stays open."""
     wanted = Keys(accepted)
 
     @web.middleware

@@ -104,20 +104,25 @@ P_PLAUSIBLE: dict[str, Any] = {
     "truncate_prompt_tokens": [-1, 2, 0], "truncation_side": ["left", "right", "up"], "use_activation": [False],
     "normalize": [True], "dimensions": [8], "add_special_tokens": [False], "cache_salt": ["s", ""],
     "task": ["embed", "classify"], "queries": ["a", ["a", "b"], []], "documents": ["c", ["c", "d", "e"], [{"content": []}]],
-    "query": ["a", ["a"]], "top_n": [0, 1, -1], "max_tokens_per_doc": [0, 1, 10**6], "text_1": ["a"], "text_2": [["b", "c"]],
+    "query": ["a", ["a"], [5, 6], ""], "top_n": [0, 1, -1], "max_tokens_per_doc": [0, 1, 10**6], "text_1": ["a"], "text_2": [["b", "c"]],
 }
 POOLING = {"/v1/embeddings": ["input", "encoding_format", "embed_dtype", "endianness", "truncate_prompt_tokens",
                               "truncation_side", "use_activation", "normalize", "dimensions", "add_special_tokens",
                               "cache_salt"],
            "/pooling": ["input", "encoding_format", "task", "truncation_side"],
            "/score": ["queries", "documents", "text_1", "text_2", "max_tokens_per_doc", "truncate_prompt_tokens"],
-           "/rerank": ["query", "documents", "top_n", "max_tokens_per_doc", "use_activation"]}
+           "/rerank": ["query", "documents", "top_n", "max_tokens_per_doc", "use_activation"],
+           "/generative_scoring": ["query", "items", "label_token_ids", "apply_softmax", "item_first",
+                                   "add_special_tokens", "cache_salt"]}
+P_PLAUSIBLE |= {"items": ["b", ["b", "c"], [[5, 6]], [], ["b", [5]], [""]], "apply_softmax": [False],
+                "label_token_ids": [[5, 6], [], [10**9], list(range(200)), [-1]], "item_first": [True]}
 
 
 def pooled(r: random.Random, model: str) -> tuple[str, dict[str, Any]]:
     path = r.choice(list(POOLING))
     b: dict[str, Any] = {"model": model, "input": "a"} if path in ("/v1/embeddings", "/pooling") else \
         {"model": model, "queries": "a", "documents": ["b"]} if path == "/score" else \
+        {"model": model, "query": "a", "items": ["b"], "label_token_ids": [5]} if path == "/generative_scoring" else \
         {"model": model, "query": "a", "documents": ["b"]}
     fields = r.sample(POOLING[path], r.randint(1, 3))
     for k in fields:

@@ -205,7 +205,8 @@ def _names_and_keys(url: str) -> None:
         with pytest.raises(openai.AuthenticationError) as e:
             bad.models.list()
         assert e.value.body["code"] == "invalid_api_key"
-    for path in ("/v1/tokendance/sessions/s/rounds/1", "/score", "/rerank", "/v2/rerank", "/pooling"):
+    for path in ("/v1/tokendance/sessions/s/rounds/1", "/score", "/rerank", "/v2/rerank", "/pooling",
+                 "/generative_scoring"):
         req = urllib.request.Request(url + path, data=b"{}", method="POST")
         with pytest.raises(urllib.error.HTTPError) as e:
             urllib.request.urlopen(req)  # the control routes and the scores too

@@ -156,7 +156,8 @@ def test_logprob_token_ids_list_those_tokens_at_every_step(client, model):
     lps, top = whole.choices[0].logprobs.content, plain.choices[0].logprobs.content
     assert [t.token for t in lps] == [t.token for t in top] and len(lps) == 3
     assert [t.logprob for t in lps] == pytest.approx([t.logprob for t in top], abs=1e-5)
-    named = client.chat.completions.create(**kw, extra_body={"logprob_token_ids": ids, "return_tokens_as_token_ids": True})
+    named = client.chat.completions.create(**kw, extra_body={"logprob_token_ids": ids,
+                                                             "return_tokens_as_token_ids": True})
     for t in named.choices[0].logprobs.content:
         assert [x.token for x in t.top_logprobs] == ["token_id:17", "token_id:5", "token_id:250"]
         assert all(x.logprob < 0 for x in t.top_logprobs)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 from typing import Any
 
 import httpx
@@ -243,6 +244,18 @@ async def test_a_rerank_scores_the_vllm_servers_embeddings(proxy, vllm):
     want = [_cos(vec["a"], vec[d]) for d in docs]
     assert [x["relevance_score"] for x in got["results"]] == pytest.approx(sorted(want, reverse=True))
     assert [x["index"] for x in got["results"]] == sorted(range(2), key=lambda i: -want[i])
+
+
+async def test_a_generative_score_reads_the_vllm_servers_label_logprobs(proxy, vllm):
+    """Each item is one completion of one token with logprob_token_ids; the softmax over
+    the labels is the proxy's."""
+    async with httpx.AsyncClient() as http:
+        got = (await http.post(proxy.url + "/generative_scoring", json={
+            "query": "Good?", "items": [" a", " b"], "label_token_ids": [9, 3]})).json()
+    sent = [b for b in vllm.bodies if b.get("logprob_token_ids")]
+    assert len(sent) == 2 and all(b["max_tokens"] == 1 and b["logprob_token_ids"] == [9, 3] for b in sent)
+    a, b = math.exp(-1.009), math.exp(-1.003)  # as the fake server gives them
+    assert [d["score"] for d in got["data"]] == pytest.approx([a / (a + b)] * 2)
 
 
 def vllm_vector(ids: list[int]) -> list[float]:
