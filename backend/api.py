@@ -75,6 +75,23 @@ class Template:
 
 
 @dataclass(slots=True)
+class Repetition:
+    """vLLM's repetition_detection (backend/repetition.py): end once the output ends in a
+    pattern of min_pattern_size (0: 1) to max_pattern_size tokens, min_count times in a row."""
+
+    max_pattern_size: int = 0
+    min_pattern_size: int = 0
+    min_count: int = 0
+
+    def validate(self) -> None:
+        if not 0 <= self.min_pattern_size <= self.max_pattern_size:
+            raise InvalidRequest("repetition_detection needs 0 <= min_pattern_size <= max_pattern_size "
+                                 "(both 0: off)", "repetition_detection")
+        if self.max_pattern_size > 0 and self.min_count < 2:
+            raise InvalidRequest("repetition_detection's min_count must be at least 2", "repetition_detection")
+
+
+@dataclass(slots=True)
 class SamplingParams:
     max_tokens: int = 256
     temperature: float = 1.0
@@ -108,6 +125,7 @@ class SamplingParams:
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] = field(default_factory=list)
     structure: Structure | None = None  # structured outputs (backend/grammar.py)
+    repetition: Repetition | None = None  # vLLM's repetition_detection (backend/repetition.py)
 
     def validate(self) -> None:
         if self.max_tokens <= 0:
@@ -149,6 +167,8 @@ class SamplingParams:
             raise InvalidRequest("allowed_token_ids must name at least one token", "allowed_token_ids")
         if not all(self.bad_words):
             raise InvalidRequest("bad_words must be non-empty strings", "bad_words")
+        if self.repetition is not None:
+            self.repetition.validate()
 
     def check_vocab(self, vocab_size: int) -> None:
         """Raise InvalidRequest for a logit_bias, allowed or label token id outside the vocabulary."""
@@ -252,7 +272,7 @@ class Delta:
     text: str = ""
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprob] = field(default_factory=list)
-    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "repetition"
     stop_reason: str | int | None = None  # vLLM's: the stop string or stop token id that ended it
     usage: Usage | None = None  # set on the last delta
     # on a request's first delta, with SamplingParams.prompt_logprobs: one per prompt token

@@ -24,6 +24,7 @@ from tokendance.backend.model import KVCache
 from tokendance.backend.pool import BlockPool
 from tokendance.backend.prompt import check, render_chat
 from tokendance.backend.published import Run, runs
+from tokendance.backend.repetition import repeats
 from tokendance.backend.runner import Runner
 from tokendance.backend.sampler import Sampled, sample
 from tokendance.backend.scheduler import Scheduled, Scheduler
@@ -301,6 +302,8 @@ class Engine:
             reason = "stop"
         elif n >= p.max_tokens or len(seq.prompt) + n >= self.max_model_len:
             reason = "length"
+        elif p.repetition is not None and n >= p.min_tokens and repeats(seq.out, n, p.repetition):
+            reason, hit = "repetition", "repetition_detected"
         if not reason and seq.until and seq.out[max(n - len(seq.until), 0):n] == seq.until:
             seq.until = []  # the grammar holds what follows
             seq.matcher = self.grammars.matcher(p.structure)

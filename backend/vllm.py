@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import json
 import secrets
-from dataclasses import replace
+from dataclasses import asdict, replace
 from typing import Any
 
 import aiohttp
@@ -231,6 +231,8 @@ class VLLMBackend:
             body["allowed_token_ids"] = s.allowed_token_ids
         if s.bad_words:
             body["bad_words"] = s.bad_words
+        if s.repetition is not None:
+            body["repetition_detection"] = asdict(s.repetition)
         if s.structure is not None:  # vLLM's structured_outputs, which the kinds mirror
             st = s.structure
             so = body["structured_outputs"] = {st.kind: True if st.kind == "json_object" else

@@ -17,7 +17,7 @@ import msgspec
 import structlog
 from msgspec import Struct
 
-from tokendance.backend.api import InvalidRequest, ModelInfo, SamplingParams, Template
+from tokendance.backend.api import InvalidRequest, ModelInfo, Repetition, SamplingParams, Template
 
 from . import tools as t
 from .errors import invalid, unsupported
@@ -59,6 +59,14 @@ class StreamOptions(Struct):
     continuous_usage_stats: bool = False  # vLLM's: with include_usage, the counts so far in every chunk
 
 
+class RepetitionDetection(Struct, kw_only=True):
+    """vLLM's repetition_detection (backend/repetition.py)."""
+
+    max_pattern_size: int = 0
+    min_pattern_size: int = 0
+    min_count: int = 0
+
+
 Effort = Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"]  # vLLM's reasoning_effort
 EFFORTS = Effort.__args__
 
@@ -88,6 +96,7 @@ class Sampled(Struct, kw_only=True):
     prompt_logprobs: int | None = None  # vLLM's: each prompt token's logprob and k best alternatives
     allowed_token_ids: list[int] | None = None  # vLLM's: the only tokens it may sample
     logprob_token_ids: list[int] | None = None  # vLLM's: these tokens' logprobs at each step, not the top
+    repetition_detection: RepetitionDetection | None = None  # vLLM's: end a loop of tokens early
     bad_words: list[str] | None = None  # vLLM's: words it may not write
     return_token_ids: bool = False  # vLLM's: the prompt's and the output's token ids in the answer
     return_tokens_as_token_ids: bool = False  # vLLM's: logprobs name their tokens "token_id:N"
@@ -184,6 +193,8 @@ def sampling(body: Sampled, max_tokens: int | None, logprobs: bool, top: int, le
         logit_bias=_logit_bias(body.logit_bias or {}), allowed_token_ids=body.allowed_token_ids,
         bad_words=list(body.bad_words or []),
         structure=structure(body.response_format, body.structured_outputs))
+    if (r := body.repetition_detection) is not None:
+        p.repetition = Repetition(r.max_pattern_size, r.min_pattern_size, r.min_count)
     if body.priority:
         raise unsupported("priority", "priority other than 0 (first come, first served here)")
     p.prompt_logprobs = prompt_logprobs(body)

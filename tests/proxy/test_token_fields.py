@@ -182,6 +182,28 @@ def test_logprob_token_ids_that_cannot_be_are_a_400(client, model, kw, message):
     assert e.value.body["param"] == "logprob_token_ids" and message in e.value.body["message"]
 
 
+def test_repetition_detection_ends_a_loop(client, model):
+    """vLLM's repetition_detection: only token 5 may be sampled, so the answer loops from
+    its first token; it ends at the fourth, whole and streamed, past min_tokens."""
+    loop = {"allowed_token_ids": [5], "return_token_ids": True,
+            "repetition_detection": {"max_pattern_size": 3, "min_count": 4}}
+    kw = dict(model=model, messages=user("Hi."), max_tokens=20, temperature=0)
+    c = client.chat.completions.create(**kw, extra_body=loop).choices[0]
+    assert (c.finish_reason, c.model_extra["stop_reason"], c.model_extra["token_ids"]) == \
+        ("repetition", "repetition_detected", [5] * 4)
+    chunks = list(client.chat.completions.create(**kw, stream=True, extra_body={**loop, "min_tokens": 6}))
+    ends = [(x.choices[0].finish_reason, x.choices[0].model_extra.get("stop_reason")) for x in chunks
+            if x.choices and x.choices[0].finish_reason]
+    assert ends == [("repetition", "repetition_detected")]
+    assert sum(len(x.choices[0].model_extra.get("token_ids") or []) for x in chunks if x.choices) == 6
+    text = client.completions.create(model=model, prompt="Hi.", max_tokens=20, temperature=0, extra_body=loop)
+    assert text.choices[0].finish_reason == "repetition" and text.usage.completion_tokens == 4
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(**kw, extra_body={"repetition_detection": {"max_pattern_size": 2,
+                                                                                  "min_count": 1}})
+    assert e.value.body["param"] == "repetition_detection" and "min_count" in e.value.body["message"]
+
+
 def test_truncate_prompt_tokens_keeps_the_prompts_end(client, model, engine_live):
     kw = dict(model=model, temperature=0, max_tokens=4)
     cut = client.completions.create(**kw, prompt=list(range(5, 25)),
