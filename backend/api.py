@@ -92,6 +92,23 @@ class Repetition:
 
 
 @dataclass(slots=True)
+class ThinkBudget:
+    """vLLM's thinking_token_budget (backend/thinking.py): at most `tokens` inside a think
+    block, which the token ids `start` open and `end` close."""
+
+    tokens: int
+    start: list[int]
+    end: list[int]
+
+    def validate(self) -> None:
+        if self.tokens < 0:
+            raise InvalidRequest("thinking_token_budget must be at least 0 (-1: no budget)", "thinking_token_budget")
+        if not self.start or not self.end:
+            raise InvalidRequest("a thinking budget needs the tokens that open and close a think block",
+                                 "thinking_token_budget")
+
+
+@dataclass(slots=True)
 class SamplingParams:
     max_tokens: int = 256
     temperature: float = 1.0
@@ -126,6 +143,7 @@ class SamplingParams:
     bad_words: list[str] = field(default_factory=list)
     structure: Structure | None = None  # structured outputs (backend/grammar.py)
     repetition: Repetition | None = None  # vLLM's repetition_detection (backend/repetition.py)
+    think_budget: ThinkBudget | None = None  # vLLM's thinking_token_budget (backend/thinking.py)
 
     def validate(self) -> None:
         if self.max_tokens <= 0:
@@ -167,8 +185,9 @@ class SamplingParams:
             raise InvalidRequest("allowed_token_ids must name at least one token", "allowed_token_ids")
         if not all(self.bad_words):
             raise InvalidRequest("bad_words must be non-empty strings", "bad_words")
-        if self.repetition is not None:
-            self.repetition.validate()
+        for part in (self.repetition, self.think_budget):
+            if part is not None:
+                part.validate()
 
     def check_vocab(self, vocab_size: int) -> None:
         """Raise InvalidRequest for a logit_bias, allowed or label token id outside the vocabulary."""

@@ -30,6 +30,7 @@ from tokendance.backend.sampler import Sampled, sample
 from tokendance.backend.scheduler import Scheduled, Scheduler
 from tokendance.backend.segments import SegmentCache, check_spans, min_shared
 from tokendance.backend.sequence import Sequence, Status
+from tokendance.backend.thinking import Thought
 from tokendance.kernels import packed
 from tokendance.kernels.jit import HAVE_TRITON
 
@@ -144,7 +145,7 @@ class Engine:
                        publish=publish and self.cfg.bases == "producer",
                        bad=sequences(self.tokenizer, sampling.bad_words),
                        scored=None if sampling.prompt_logprobs is None else scoring.start(prompt, self.pieces),
-                       pooling=pool)
+                       pooling=pool, thought=sampling.think_budget and Thought.of(sampling.think_budget, prompt))
         st = sampling.structure
         if st is not None:
             seq.until = self.tokenizer.encode(st.after, add_special_tokens=False) if st.after else []
@@ -293,6 +294,8 @@ class Engine:
             seq.lookahead -= 1
         n = at + 1  # tokens generated, this one included
         p = seq.sampling
+        if seq.thought is not None:
+            seq.thought.take(seq.out[:n])
         reason, hit = None, None  # hit: the stop string or stop token (vLLM's stop_reason)
         if seq.matcher is not None and (not seq.matcher.accept_token(tok) or seq.matcher.is_terminated()):
             reason = "stop"  # the grammar is complete (only an end-of-sequence token was allowed)

@@ -50,8 +50,9 @@ def eligible(seqs: list[Sequence]) -> bool:
     """Whether a step's tokens may land late: log-probabilities are read on the host
     with their tokens, and a grammar's next mask needs its last token (one that holds
     only after its marker, too: the token that ends the marker decides the next mask),
-    as do bad words' bans (backend/banned.py)."""
-    return all(not s.sampling.logprobs and s.sampling.structure is None and not s.bad for s in seqs)
+    as do bad words' bans (backend/banned.py) and a thinking budget's count."""
+    return all(not s.sampling.logprobs and s.sampling.structure is None and not s.bad and s.thought is None
+               for s in seqs)
 
 
 def launch(logits: torch.Tensor, seqs: list[Sequence], default: torch.Generator | None) -> Inflight:

@@ -1,8 +1,9 @@
 """Next-token choice for a batch: logit bias and penalties (backend/penalties.py), the
 ends a request may not take yet (`min_tokens`), a structured output's grammar
-(backend/grammar.py), then greedy, or temperature, min-p, top-k and top-p (vLLM's order:
-top-p over what min-p and top-k left, renormalized) and a draw with per-request seeds;
-and the log-probabilities of chosen (and top, or asked-for) tokens under the model's
+(backend/grammar.py), a think block's end forced at its budget (backend/thinking.py),
+then greedy, or temperature, min-p, top-k and top-p (vLLM's order: top-p over what min-p
+and top-k left, renormalized) and a draw with per-request seeds; and the
+log-probabilities of chosen (and top, or asked-for) tokens under the model's
 distribution."""
 
 from __future__ import annotations
@@ -67,6 +68,16 @@ def _not_yet(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
     return logits.index_put(at, logits.new_full((), float("-inf")))
 
 
+def _force(logits: torch.Tensor, rows: list[tuple[int, int]]) -> torch.Tensor:
+    """New logits where each (row, token) of `rows` can take only its token (a think
+    block's end at its budget: backend/thinking.py), whatever else barred it."""
+    r = upload_list([i for i, _ in rows], torch.long, logits.device)
+    t = upload_list([t for _, t in rows], torch.long, logits.device)
+    out = logits.index_fill(0, r, float("-inf"))
+    out[r, t] = 0.0
+    return out
+
+
 def choose(logits: torch.Tensor, seqs: list[Sequence], default: torch.Generator | None) -> torch.Tensor:
     """Token ids [S] on the logits' device, without waiting for the device: a decode
     step's tokens can feed the next step before the host reads them. `logits` stay raw."""
@@ -77,6 +88,9 @@ def choose(logits: torch.Tensor, seqs: list[Sequence], default: torch.Generator 
     logits = _not_yet(logits, seqs)
     if any(s.matcher is not None for s in seqs):
         logits = mask(logits, [s.matcher for s in seqs])
+    forced = [(i, t) for i, s in enumerate(seqs) if s.thought is not None and (t := s.thought.next()) is not None]
+    if forced:
+        logits = _force(logits, forced)
     chosen = logits.argmax(-1)
     if not all(p.greedy for p in params):
         temp = upload_list([1.0 if p.greedy else p.temperature for p in params], torch.float32, logits.device)

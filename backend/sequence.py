@@ -16,6 +16,7 @@ from tokendance.backend.pool import flat_slots
 if TYPE_CHECKING:
     from tokendance.backend.idle import Resume
     from tokendance.backend.penalties import Seen
+    from tokendance.backend.thinking import Thought
 
 
 class Status(enum.Enum):
@@ -56,6 +57,7 @@ class Sequence:
     bad: list[list[int]] = field(default_factory=list)  # its bad_words' token sequences (backend/banned.py)
     scored: list[Any] | None = None  # its prompt tokens' logprobs, as prefill computes them (backend/scoring.py)
     pooling: Pooling | None = None  # an embedding request: its prompt pooled, nothing sampled (backend/pooling.py)
+    thought: Thought | None = None  # its thinking, counted against a budget (backend/thinking.py)
 
     @property
     def prefix_cache(self) -> bool:

@@ -233,6 +233,8 @@ class VLLMBackend:
             body["bad_words"] = s.bad_words
         if s.repetition is not None:
             body["repetition_detection"] = asdict(s.repetition)
+        if s.think_budget is not None:  # the server knows a think block by its own reasoning config
+            body["thinking_token_budget"] = s.think_budget.tokens
         if s.structure is not None:  # vLLM's structured_outputs, which the kinds mirror
             st = s.structure
             so = body["structured_outputs"] = {st.kind: True if st.kind == "json_object" else

@@ -1,4 +1,4 @@
-"""`tokendance bench {engine,reuse,memory,mirror-decode,fidelity,restore,resume,remote,fleet,structured,tools,judge,gaps}`."""
+"""`tokendance bench {engine,reuse,memory,mirror-decode,fidelity,restore,resume,remote,fleet,structured,tools,judge,loops,gaps}`."""
 
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ KINDS = {
     "structured": ("tokendance.bench.structured", "structured outputs (a JSON schema) against the same work unconstrained"),
     "tools": ("tokendance.bench.tools", "rounds of agents that call a tool and answer, in each reuse mode"),
     "judge": ("tokendance.bench.judge", "a judge scoring N answers: /generative_scoring against completions"),
+    "loops": ("tokendance.bench.loops", "a debate with repetition detection against without"),
     "gaps": ("tokendance.bench.gaps", "where the device waits on the host in a traced run (bench reuse --trace)"),
 }
 

@@ -53,6 +53,9 @@ class Call:
     prompt_logprobs: int | None = None  # vLLM's field: alternatives to list per prompt token
     return_ids: bool = False  # vLLM's return_token_ids: the prompt's and each choice's token ids
     as_ids: bool = False  # vLLM's return_tokens_as_token_ids: logprobs' tokens as "token_id:N"
+    # vLLM's include_reasoning false, with a reasoning parser: no reasoning in the answer,
+    # nor the logprobs and output token ids that would spell it out
+    hide_reasoning: bool = False
     truncate: int | None = None  # vLLM's truncate_prompt_tokens, resolved (Request.truncate)
     truncation_side: str = "left"  # the end `truncate` cuts (Request.truncation_side)
     batch: bool = False  # a batch of chats: its round's group, started at once

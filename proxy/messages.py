@@ -131,6 +131,8 @@ async def create(req: web.Request) -> web.StreamResponse:
     px = req.app[PROXY]
     body = decode(await req.read(), MessagesRequest)
     asked = chat(body)
+    if body.thinking is not None and body.thinking.type == "enabled" and px.config.reasoning is not None:
+        asked.thinking_token_budget = body.thinking.budget_tokens  # as vLLM takes it; without a parser, taken
     call = px.call("message", asked, req.headers, req[T0])
     return await reply(req, px, call, await start(px, call, asked), blocks.write)
 

@@ -10,7 +10,8 @@ not the thinking).
 - `deepseek_r1`: the template opens the block in the prompt, so an answer reasons from
   its start (a `<think>` it writes itself dropped) up to `</think>`.
 
-An answer cut off before `</think>` is all reasoning. Fed the same text in any pieces, a
+An answer cut off before `</think>` is all reasoning. vLLM's `thinking_token_budget`
+(`budget`) knows a think block by the same tags, as the tokenizer writes them. Fed the same text in any pieces, a
 `Thinking` gives the same reasoning and content; text that could still become a tag is
 held back until it is known.
 
@@ -24,12 +25,29 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from tokendance.backend.api import Structure
+from typing import Any
+
+from tokendance.backend.api import Structure, ThinkBudget
 
 from .calls import tail
+from .errors import invalid
 
 PARSERS = ("qwen3", "deepseek_r1")
 OPEN, CLOSE = "<think>", "</think>"
+
+
+def budget(parser: str | None, tokenizer: Any, tokens: int | None) -> ThinkBudget | None:
+    """vLLM's thinking_token_budget as the engine counts it (backend/thinking.py): None
+    for none (-1 too); a 400 without a reasoning parser to know a think block by."""
+    if tokens is None or tokens == -1:
+        return None
+    if tokens < 0:
+        raise invalid("thinking_token_budget must be at least 0 (-1: no budget)", "thinking_token_budget")
+    if parser is None or tokenizer is None:
+        raise invalid("thinking_token_budget needs a reasoning parser (serve --reasoning-parser) to know "
+                      "the thinking by", "thinking_token_budget")
+    return ThinkBudget(tokens, tokenizer.encode(OPEN, add_special_tokens=False),
+                       tokenizer.encode(CLOSE, add_special_tokens=False))
 
 
 class Thinking:

@@ -76,7 +76,7 @@ async def _json(px: Proxy, call: Call, streams: list[Stream]) -> web.Response:
             content = call.echo.text(i, got.content) if call.echo else got.content
             message = s.OutMessage("assistant", content if content or not got.calls else None,
                                    [s.OutCall(c.id or "", s.OutFunction(c.name or "", c.arguments))
-                                    for c in got.calls] or None, reasoning or None)
+                                    for c in got.calls] or None, None if call.hide_reasoning else reasoning or None)
             choices.append(s.ChatChoice(i, message, calls.finish(r, call.finish[i]),
                                         chat_lp(call, call.logprobs[i]), _ids(call, i)[1], call.stopped[i]))
         one = not call.batch  # a batch of chats has a prompt per choice: none of them is the call's
@@ -123,7 +123,7 @@ async def _sse(req: web.Request, px: Proxy, call: Call, streams: list[Stream]) -
                     offsets[i] += len(text)
                     if chunk is not None:
                         chunk.usage = _so_far(call, i)
-                        if call.return_ids:
+                        if call.return_ids and not call.hide_reasoning:
                             _stream_ids(call, i, chunk.choices[0], sent)
                         await resp.write(_event(chunk))
         except ConnectionResetError:
@@ -157,7 +157,7 @@ def _ids(call: Call, i: int) -> tuple[list[int] | None | UnsetType, list[int] | 
     counts them (unset when not asked; the prompt's None from a backend without a tokenizer)."""
     if not call.return_ids:
         return UNSET, UNSET
-    return call.prepared[i].ids, [] if call.prompt_only else call.ids[i]
+    return call.prepared[i].ids, UNSET if call.hide_reasoning else [] if call.prompt_only else call.ids[i]
 
 
 def failed(px: Proxy, call: Call, exc: Exception) -> ApiError:
@@ -194,6 +194,7 @@ def _chat_chunk(call: Call, i: int, d: Delta, r: calls.Reader, th: Thinking | No
     to say yet."""
     reasoning, content, pieces = split(d, r, th)
     call.shown[i] += content
+    reasoning = "" if call.hide_reasoning else reasoning
     lp = chat_lp(call, d.logprobs)
     if not (content or reasoning or pieces or d.finish_reason or (lp and lp.content)):
         return None
@@ -284,7 +285,7 @@ def _usage(call: Call) -> s.UsageOut:
 
 
 def chat_lp(call: Call, lps: list[TokenLogprob]) -> s.ChatLogprobs | None:
-    if not call.prepared[0].request.sampling.logprobs:
+    if not call.prepared[0].request.sampling.logprobs or call.hide_reasoning:
         return None
     return s.ChatLogprobs([s.ChatLogprob(*_named(call, t), [
         s.TopLogprob(*_named(call, x)) for x in t.top]) for t in lps])

@@ -97,6 +97,7 @@ class Sampled(Struct, kw_only=True):
     allowed_token_ids: list[int] | None = None  # vLLM's: the only tokens it may sample
     logprob_token_ids: list[int] | None = None  # vLLM's: these tokens' logprobs at each step, not the top
     repetition_detection: RepetitionDetection | None = None  # vLLM's: end a loop of tokens early
+    thinking_token_budget: int | None = None  # vLLM's: think at most so many tokens (-1: no budget)
     bad_words: list[str] | None = None  # vLLM's: words it may not write
     return_token_ids: bool = False  # vLLM's: the prompt's and the output's token ids in the answer
     return_tokens_as_token_ids: bool = False  # vLLM's: logprobs name their tokens "token_id:N"
@@ -128,6 +129,7 @@ class ChatRequest(Sampled, kw_only=True):
     continue_final_message: bool = False
     echo: bool = False  # vLLM's: the answer begins with the last message's content, if the assistant's
     reasoning_effort: Effort | None = None  # the template's reasoning_effort (and enable_thinking)
+    include_reasoning: bool = True  # vLLM's: false leaves the parsed reasoning (and what reveals it) out
 
 
 class CompletionRequest(Sampled, kw_only=True):

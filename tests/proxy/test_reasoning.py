@@ -80,6 +80,58 @@ def test_a_chat_answer_gives_its_reasoning_apart_whole_and_streamed(client):
     assert all(not (d.model_extra or {}).get("reasoning") for d in deltas[first_content:])
 
 
+def test_include_reasoning_false_leaves_the_reasoning_out(client):
+    """vLLM's include_reasoning: false: the content alone, whole and streamed, and neither
+    the logprobs nor the output token ids that would spell the reasoning out."""
+    kw = dict(model="fake-tiny", messages=user(ANSWER), logprobs=True,
+              extra_body={"include_reasoning": False, "return_token_ids": True})
+    ch = client.chat.completions.create(**kw).choices[0]
+    assert ch.message.content == " Two and two make four, as everyone agreed."
+    assert "reasoning" not in (ch.message.model_extra or {}) and ch.logprobs is None
+    assert "token_ids" not in ch.model_extra
+    shown = client.chat.completions.create(**{**kw, "extra_body": {"return_token_ids": True}}).choices[0]
+    assert shown.message.model_extra["reasoning"] and shown.logprobs.content and shown.model_extra["token_ids"]
+    chunks = [c.choices[0] for c in client.chat.completions.create(**kw, stream=True) if c.choices]
+    assert "".join(c.delta.content or "" for c in chunks) == ch.message.content
+    assert not any((c.delta.model_extra or {}).get("reasoning") or c.logprobs or (c.model_extra or {}).get("token_ids")
+                   for c in chunks)
+
+
+@pytest.fixture(scope="module")
+def r1(tiny_llama):
+    """The real engine on the tiny model, its answers read as DeepSeek-R1's."""
+    from tokendance.backend.service import EngineBackend
+
+    t = Threaded(EngineBackend.load(str(tiny_llama), dtype="float32", mode="full"), reasoning="deepseek_r1")
+    yield t
+    t.close()
+
+
+@pytest.mark.parametrize("n", [0, 4])
+def test_a_thinking_budget_forces_the_end_of_the_thinking(r1, tok, n):
+    """vLLM's thinking_token_budget: a prompt that opens a think block gets n tokens of it,
+    then `</think>` as the tokenizer writes it, then the rest; -1 is no budget."""
+    start, end = (tok.encode(x, add_special_tokens=False) for x in ("<think>", "</think>"))
+    prompt = tok.encode("Two and two?", add_special_tokens=False) + start
+    kw = dict(model=r1.backend.info.name, prompt=prompt, max_tokens=n + len(end) + 3, temperature=0)
+    ids = r1.client().completions.create(**kw, extra_body={"thinking_token_budget": n, "return_token_ids": True,
+                                                           "ignore_eos": True}).choices[0].model_extra["token_ids"]
+    assert ids[n:n + len(end)] == end and len(ids) == n + len(end) + 3
+    free = r1.client().completions.create(**kw, extra_body={"thinking_token_budget": -1, "return_token_ids": True,
+                                                            "ignore_eos": True}).choices[0].model_extra["token_ids"]
+    assert free[n:n + len(end)] != end
+
+
+def test_a_thinking_budget_needs_a_parser_and_a_count(r1, engine_client, engine_model):
+    kw = dict(messages=user("Hi."), max_tokens=2)
+    with pytest.raises(openai.BadRequestError) as e:
+        engine_client.chat.completions.create(model=engine_model, **kw, extra_body={"thinking_token_budget": 5})
+    assert e.value.body["param"] == "thinking_token_budget" and "reasoning parser" in e.value.body["message"]
+    with pytest.raises(openai.BadRequestError) as e:
+        r1.client().chat.completions.create(model=r1.backend.info.name, **kw, extra_body={"thinking_token_budget": -2})
+    assert e.value.body["param"] == "thinking_token_budget" and "at least 0" in e.value.body["message"]
+
+
 def test_an_answer_without_thinking_is_all_content(client):
     msg = client.chat.completions.create(model="fake-tiny", messages=user("Four, plainly.")).choices[0].message
     assert msg.content == "Four, plainly." and "reasoning" not in (msg.model_extra or {})

@@ -155,6 +155,20 @@ async def test_vllms_sampling_extras_reach_it(proxy, vllm):
     assert {k: body[k] for k in extra} == extra and body["stop"] == ["w2"]
 
 
+async def test_a_thinking_budget_reaches_vllm_from_a_chat_and_a_message(vllm, start):
+    """With a reasoning parser the proxy takes the budget (a message's budget_tokens too)
+    and the vLLM server, with its own reasoning config, enforces it."""
+    server = await start(await VLLMBackend.connect(vllm.url), reasoning="qwen3")
+    await _client(server).chat.completions.create(model="fake-vllm", messages=user("Hi."), max_tokens=2,
+                                                   extra_body={"thinking_token_budget": 7})
+    assert vllm.bodies[-1]["thinking_token_budget"] == 7
+    async with httpx.AsyncClient() as http:
+        r = await http.post(server.url + "/v1/messages", json={
+            "model": "fake-vllm", "max_tokens": 2, "messages": [{"role": "user", "content": "Hi."}],
+            "thinking": {"type": "enabled", "budget_tokens": 1024}})
+    assert r.status_code == 200 and vllm.bodies[-1]["thinking_token_budget"] == 1024
+
+
 @pytest.mark.parametrize("kw,sent", [
     ({"response_format": {"type": "json_object"}}, {"json_object": True}),
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "p", "schema": {"type": "integer"}}}},
