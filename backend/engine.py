@@ -24,12 +24,12 @@ from tokendance.backend.model import KVCache
 from tokendance.backend.pool import BlockPool
 from tokendance.backend.prompt import check, render_chat
 from tokendance.backend.published import Run, runs
-from tokendance.backend.repetition import repeats
 from tokendance.backend.runner import Runner
 from tokendance.backend.sampler import Sampled, sample
 from tokendance.backend.scheduler import Scheduled, Scheduler
 from tokendance.backend.segments import SegmentCache, check_spans, min_shared
 from tokendance.backend.sequence import Sequence, Status
+from tokendance.backend.stops import ended
 from tokendance.backend.thinking import Thought
 from tokendance.kernels import packed
 from tokendance.kernels.jit import HAVE_TRITON
@@ -145,7 +145,9 @@ class Engine:
                        publish=publish and self.cfg.bases == "producer",
                        bad=sequences(self.tokenizer, sampling.bad_words),
                        scored=None if sampling.prompt_logprobs is None else scoring.start(prompt, self.pieces),
-                       pooling=pool, thought=sampling.think_budget and Thought.of(sampling.think_budget, prompt))
+                       pooling=pool)
+        if sampling.think_budget is not None:
+            seq.thought = Thought.of(sampling.think_budget, prompt)
         st = sampling.structure
         if st is not None:
             seq.until = self.tokenizer.encode(st.after, add_special_tokens=False) if st.after else []
@@ -296,17 +298,7 @@ class Engine:
         p = seq.sampling
         if seq.thought is not None:
             seq.thought.take(seq.out[:n])
-        reason, hit = None, None  # hit: the stop string or stop token (vLLM's stop_reason)
-        if seq.matcher is not None and (not seq.matcher.accept_token(tok) or seq.matcher.is_terminated()):
-            reason = "stop"  # the grammar is complete (only an end-of-sequence token was allowed)
-        elif tok in seq.ends:  # min_tokens kept them out of its first tokens
-            reason, hit = "stop", tok if tok in p.stop_token_ids else None
-        elif (hit := seq.detok.add(tok, check=n > p.min_tokens)) is not None:
-            reason = "stop"
-        elif n >= p.max_tokens or len(seq.prompt) + n >= self.max_model_len:
-            reason = "length"
-        elif p.repetition is not None and n >= p.min_tokens and repeats(seq.out, n, p.repetition):
-            reason, hit = "repetition", "repetition_detected"
+        reason, hit = ended(seq, tok, n, self.max_model_len)
         if not reason and seq.until and seq.out[max(n - len(seq.until), 0):n] == seq.until:
             seq.until = []  # the grammar holds what follows
             seq.matcher = self.grammars.matcher(p.structure)

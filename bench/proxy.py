@@ -1,6 +1,6 @@
 """Proxy overhead and barrier release latency, with an instant fake backend.
 
-    python -m tokendance.bench.proxy [--requests 500] [--repeats 5]
+    python -m tokendance.bench.proxy [--requests 500] [--repeats 5] [--only TEXT]
 
 The proxy runs in a child process (so it does not share a core with the client); the
 parent fires all requests at once over loopback. Measured inside the proxy:
@@ -34,10 +34,11 @@ from aiohttp import web
 from tokendance.backend.api import Delta, ModelInfo, Prepared, Request, Usage
 
 MODEL = "instant"
-REPLY = ["tok "] * 7 + ["end"]
 
 
 class InstantStream:
+    """A reply of half the request's max_tokens (8 tokens for the usual 16)."""
+
     def __init__(self, usage: Usage):
         self.usage = usage
 
@@ -45,9 +46,11 @@ class InstantStream:
         return self._run()
 
     async def _run(self):
-        for i, tok in enumerate(REPLY):
-            last = i == len(REPLY) - 1
-            yield Delta(tok, [i], finish_reason="stop" if last else None, usage=self.usage if last else None)
+        n = self.usage.completion_tokens
+        for i in range(n):
+            last = i == n - 1
+            yield Delta("end" if last else "tok ", [i], finish_reason="stop" if last else None,
+                        usage=self.usage if last else None)
 
     def abort(self) -> None:
         pass
@@ -70,7 +73,7 @@ class InstantBackend:
 
     def generate(self, group: list[Prepared]) -> list[InstantStream]:
         self.generated.append((time.perf_counter(), [p.request.id for p in group]))
-        return [InstantStream(Usage(p.prompt_tokens, len(REPLY))) for p in group]
+        return [InstantStream(Usage(p.prompt_tokens, max(p.request.sampling.max_tokens // 2, 1))) for p in group]
 
     def gauges(self) -> list:
         return []
@@ -164,9 +167,12 @@ async def batch(url: str, n: int, sessions: int, stream: bool, tag: str, api: st
                 h.pop("X-TokenDance-Agent", None)
             system, ask = "You are one of many agents in a debate.", \
                 f"Agent {i}: here is what the others said. What do you say?"
-            if api == "chat":
+            if api.startswith("chat"):  # "chat-N-K": N tokens' replies, K to a chunk
+                _, *size = api.split("-")
                 path, body = "/v1/chat/completions", {"model": MODEL, "stream": stream, "max_tokens": 16, "messages": [
                     {"role": "system", "content": system}, {"role": "user", "content": ask}]}
+                if size:
+                    body["max_tokens"], body["stream_interval"] = 2 * int(size[0]), int(size[1])
             elif api == "batch":  # agent 0 of each round sends the round's chats
                 if i % per:
                     return
@@ -195,6 +201,8 @@ async def batch(url: str, n: int, sessions: int, stream: bool, tag: str, api: st
 SCENARIOS = [  # name, sessions, stream, api
     ("no session (bypass), JSON", 0, False, "chat"),
     ("no session (bypass), SSE", 0, True, "chat"),
+    ("no session (bypass), SSE, 64 tokens", 0, True, "chat-64-1"),
+    ("no session (bypass), SSE, 64 tokens, stream_interval 8", 0, True, "chat-64-8"),
     ("1 round x 500 agents", 1, False, "chat"),
     ("50 rounds x 10 agents", 50, False, "chat"),
     ("Responses API, no session, JSON", 0, False, "responses"),
@@ -209,10 +217,10 @@ SCENARIOS = [  # name, sessions, stream, api
 ]
 
 
-async def measure(url: str, n: int, repeats: int) -> list[dict[str, Any]]:
+async def measure(url: str, n: int, repeats: int, only: str | None = None) -> list[dict[str, Any]]:
     rows = []
     async with aiohttp.ClientSession() as http:
-        for name, sessions, stream, api in SCENARIOS:
+        for name, sessions, stream, api in [s for s in SCENARIOS if only is None or only in s[0]]:
             stats: dict[str, list[float]] = {}
             tag = f"{api}-{name[:2]}"
             await batch(url, n, sessions, stream, f"warm{tag}", api)
@@ -243,6 +251,7 @@ def main() -> None:
     p.add_argument("--requests", type=int, default=500)
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--port", type=int, default=0)
+    p.add_argument("--only", default=None, metavar="TEXT", help="only the scenarios whose name holds TEXT")
     p.add_argument("--serve", type=int, default=None, help=argparse.SUPPRESS)
     a = p.parse_args()
     most = max(sessions for _, sessions, *_ in SCENARIOS)
@@ -255,7 +264,7 @@ def main() -> None:
     try:
         url = f"http://127.0.0.1:{port}"
         asyncio.run(wait_up(url))
-        rows = asyncio.run(measure(url, a.requests, a.repeats))
+        rows = asyncio.run(measure(url, a.requests, a.repeats, a.only))
         print(table(rows, a.requests, a.repeats))
     finally:
         os.kill(proc.pid, signal.SIGTERM)

@@ -152,7 +152,7 @@ async def completions(req: web.Request) -> web.StreamResponse:
     body = schemas.decode(await req.read(), schemas.CompletionRequest)
     call = px.call("completion", body, req.headers, req[T0])
     prompts, sampling = schemas.check_completion(body, px.backend.info)
-    sampling.think_budget = reasoning.budget(px.config.reasoning, px.backend.tokenizer, body.thinking_token_budget)
+    sampling.think_budget = reasoning.budget(px.config.reasoning, px.backend, body.thinking_token_budget)
     call.check_agents(len(prompts))
     if body.echo:
         call.echo = echo.make(prompts, body.n, body.max_tokens == 0, body.logprobs or 0,

@@ -26,6 +26,7 @@ class Call:
     stream: bool = False
     include_usage: bool = False
     continuous_usage: bool = False  # stream_options.continuous_usage_stats (vLLM's)
+    interval: int = 1  # vLLM's stream_interval: tokens per streamed chunk, the first and last aside
     prepared: list[Prepared] = field(default_factory=list)
     tools: t.Tools | None = None
     number: int | None = None  # the round, when in a session
@@ -56,6 +57,7 @@ class Call:
     # vLLM's include_reasoning false, with a reasoning parser: no reasoning in the answer,
     # nor the logprobs and output token ids that would spell it out
     hide_reasoning: bool = False
+    show_prompt: bool = False  # vLLM's return_prompt_text: a chat's answer gives its prompt's text
     truncate: int | None = None  # vLLM's truncate_prompt_tokens, resolved (Request.truncate)
     truncation_side: str = "left"  # the end `truncate` cuts (Request.truncation_side)
     batch: bool = False  # a batch of chats: its round's group, started at once

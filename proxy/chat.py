@@ -40,6 +40,7 @@ def prepare(px: Proxy, call: Call, body: ChatRequest, batch: list[list[Message]]
                                 body.reasoning_effort)
     call.meta.resumes = checked[0][0][-1]["role"] == "tool"
     call.hide_reasoning = not body.include_reasoning and px.config.reasoning is not None
+    call.show_prompt = body.return_prompt_text and batch is None  # a batch's prompts are its choices'
     if body.echo and any(m[-1]["role"] == "assistant" for m, _ in checked):  # what continue_final_message goes on from
         call.echo = echo.make([m[-1]["content"] if m[-1]["role"] == "assistant" else "" for m, _ in checked],
                               body.n, False, 0, None)
@@ -49,7 +50,7 @@ def prepare(px: Proxy, call: Call, body: ChatRequest, batch: list[list[Message]]
         prompt = segment.chat(render, messages, call.meta.separators, known)
         if px.config.reasoning is not None and sampling.structure is not None:  # the model thinks first
             sampling.structure = held_after(sampling.structure, "".join(s.text for s in prompt))
-        sampling.think_budget = budget(px.config.reasoning, px.backend.tokenizer, body.thinking_token_budget)
+        sampling.think_budget = budget(px.config.reasoning, px.backend, body.thinking_token_budget)
         px.prepare(call, [prompt], sampling, body.add_special_tokens)
 
 

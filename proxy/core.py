@@ -50,6 +50,7 @@ class Config:
     peers: bool = False  # share rounds with the other proxies on the MQTT broker (proxy/peers.py)
     names: tuple[str, ...] = ()  # vLLM's --served-model-name: the model's names in the API
     api_keys: frozenset[str] = frozenset()  # vLLM's --api-key: required on /v1 routes (empty: none)
+    stream_interval: int = 1  # vLLM's --stream-interval: tokens per streamed chunk (a request may raise it)
 
 
 class Proxy:
@@ -96,7 +97,13 @@ class Proxy:
                     prompt_logprobs=prompt_logprobs(body),
                     return_ids=body.return_token_ids, as_ids=body.return_tokens_as_token_ids,
                     truncate=truncation(body.truncate_prompt_tokens, self.backend.info.max_model_len),
-                    truncation_side=body.truncation_side or "left")
+                    truncation_side=body.truncation_side or "left", interval=self.interval(body.stream_interval))
+
+    def interval(self, asked: int | None) -> int:
+        """vLLM's: a request's stream_interval, clamped up to the server's."""
+        if asked is not None and asked < 1:
+            raise invalid(f"stream_interval must be at least 1, not {asked}", "stream_interval")
+        return max(asked or 1, self.config.stream_interval)
 
     @staticmethod
     def tenant(headers: Mapping[str, str], salt: str | None = None) -> str:

@@ -47,7 +47,7 @@ def _prompts(px: Proxy, body: GenerativeScoring) -> list[list[int]]:
         raise invalid(f"items must hold between 1 and {MAX_INPUTS} items, not {len(body.items)}", "items")
     if len({isinstance(x, str) for x in body.items}) > 1:
         raise invalid("items must be all texts or all token id lists, not both", "items")
-    tok = px.backend.tokenizer
+    tok = getattr(px.backend, "tokenizer", None)
     if tok is None and (isinstance(body.query, str) or isinstance(body.items[0], str)):
         raise invalid(f"the {px.backend.info.name} backend has no tokenizer: give token ids", "query")
     query = tok.encode(body.query, add_special_tokens=body.add_special_tokens) if isinstance(body.query, str) \

@@ -36,13 +36,15 @@ PARSERS = ("qwen3", "deepseek_r1")
 OPEN, CLOSE = "<think>", "</think>"
 
 
-def budget(parser: str | None, tokenizer: Any, tokens: int | None) -> ThinkBudget | None:
+def budget(parser: str | None, backend: Any, tokens: int | None) -> ThinkBudget | None:
     """vLLM's thinking_token_budget as the engine counts it (backend/thinking.py): None
-    for none (-1 too); a 400 without a reasoning parser to know a think block by."""
+    for none (-1 too); a 400 without a reasoning parser (or a tokenizer) to know a think
+    block by."""
     if tokens is None or tokens == -1:
         return None
     if tokens < 0:
         raise invalid("thinking_token_budget must be at least 0 (-1: no budget)", "thinking_token_budget")
+    tokenizer = getattr(backend, "tokenizer", None)
     if parser is None or tokenizer is None:
         raise invalid("thinking_token_budget needs a reasoning parser (serve --reasoning-parser) to know "
                       "the thinking by", "thinking_token_budget")

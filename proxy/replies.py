@@ -111,6 +111,7 @@ class ChatCompletion(Struct):
     system_fingerprint: str | None = None
     prompt_logprobs: PromptLogprobs | None = None  # vLLM's, of the prompt all choices share
     prompt_token_ids: list[int] | None | UnsetType = UNSET  # vLLM's return_token_ids
+    prompt_text: str | UnsetType = UNSET  # vLLM's return_prompt_text: the chat as templated
 
 
 class OutDelta(Struct, omit_defaults=True):
@@ -137,6 +138,7 @@ class ChatChunk(Struct):
     usage: UsageOut | None = None
     object: str = "chat.completion.chunk"
     prompt_token_ids: list[int] | None | UnsetType = UNSET  # vLLM's return_token_ids: the first chunk's
+    prompt_text: str | UnsetType = UNSET  # vLLM's return_prompt_text: the first chunk's
 
 
 class TextChoice(Struct):

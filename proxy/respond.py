@@ -82,7 +82,7 @@ async def _json(px: Proxy, call: Call, streams: list[Stream]) -> web.Response:
         one = not call.batch  # a batch of chats has a prompt per choice: none of them is the call's
         body: Any = s.ChatCompletion(call.id, call.created, call.model, choices, usage,
                                      prompt_logprobs=_prompt_lp(call, call.scored[0]) if one else None,
-                                     prompt_token_ids=_ids(call, 0)[0] if one else UNSET)
+                                     prompt_token_ids=_ids(call, 0)[0] if one else UNSET, prompt_text=_text(call))
     else:
         e = call.echo
         body = s.Completion(call.id, call.created, call.model, [
@@ -103,12 +103,13 @@ async def _sse(req: web.Request, px: Proxy, call: Call, streams: list[Stream]) -
     readers = [calls.reader(call.tools) for _ in streams]
     thinking = [thinking_of(px, call) for _ in streams]
     call.shown = [""] * len(streams) if chat else []
+    held: list[Delta | None] = [None] * len(streams)  # stream_interval: tokens not sent yet, per choice
     try:
         sent: list[int | None] = [None] * len(streams)  # return_token_ids: output ids sent (None: no chunk yet)
         if chat:
             await resp.write(_event(s.ChatChunk(call.id, call.created, call.model, [
                 s.ChunkChoice(i, s.OutDelta("assistant", "")) for i in range(len(streams))], _so_far(call, 0),
-                prompt_token_ids=_ids(call, 0)[0])))
+                prompt_token_ids=_ids(call, 0)[0], prompt_text=_text(call))))
             sent = [0] * len(streams)
             if call.echo:  # vLLM's: the last message's content first
                 await resp.write(_event(s.ChatChunk(call.id, call.created, call.model, [
@@ -117,7 +118,12 @@ async def _sse(req: web.Request, px: Proxy, call: Call, streams: list[Stream]) -
             async with contextlib.aclosing(merged(call, streams)) as deltas:
                 async for i, d in deltas:
                     call.add(i, d)
-                    text, lps = call.echo.piece(i, d, call.scored[i]) if call.echo and not chat else (d.text, d.logprobs)
+                    if call.interval > 1:
+                        d, held[i] = _interval(call, d, held[i], call.tokens[i])
+                        if d is None:
+                            continue
+                    echoed = call.echo is not None and not chat
+                    text, lps = call.echo.piece(i, d, call.scored[i]) if echoed else (d.text, d.logprobs)
                     chunk = _chat_chunk(call, i, d, readers[i], thinking[i]) if chat else \
                         _text_chunk(call, i, text, lps, d, offsets[i])
                     offsets[i] += len(text)
@@ -142,6 +148,18 @@ async def _sse(req: web.Request, px: Proxy, call: Call, streams: list[Stream]) -
     return resp
 
 
+def _interval(call: Call, d: Delta, held: Delta | None, tokens: int) -> tuple[Delta | None, Delta | None]:
+    """vLLM's stream_interval: (the delta to send now, if any; the one held back). A
+    choice's tokens go out `call.interval` at a time; its first and its last at once."""
+    if held is not None:
+        d = Delta(held.text + d.text, held.token_ids + d.token_ids, held.logprobs + d.logprobs, d.finish_reason,
+                  d.stop_reason, d.usage, held.prompt_logprobs if held.prompt_logprobs is not None
+                  else d.prompt_logprobs)
+    if d.finish_reason is None and tokens > len(d.token_ids) and len(d.token_ids) < call.interval:
+        return None, d
+    return d, None
+
+
 def _stream_ids(call: Call, i: int, choice: s.ChunkChoice | s.TextChoice, sent: list[int | None]) -> None:
     """vLLM's return_token_ids in a stream: the output ids that came since choice i's last
     chunk; a completion choice's first chunk has its prompt's too (a chat's first, the
@@ -150,6 +168,11 @@ def _stream_ids(call: Call, i: int, choice: s.ChunkChoice | s.TextChoice, sent: 
     if sent[i] is None:
         choice.prompt_token_ids, sent[i] = prompt, 0
     choice.token_ids, sent[i] = ids[sent[i]:], len(ids)
+
+
+def _text(call: Call) -> str | UnsetType:
+    """vLLM's return_prompt_text: the chat's prompt as its template wrote it."""
+    return "".join(g.text for g in call.prepared[0].request.segments) if call.show_prompt else UNSET
 
 
 def _ids(call: Call, i: int) -> tuple[list[int] | None | UnsetType, list[int] | UnsetType]:

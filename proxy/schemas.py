@@ -98,6 +98,7 @@ class Sampled(Struct, kw_only=True):
     logprob_token_ids: list[int] | None = None  # vLLM's: these tokens' logprobs at each step, not the top
     repetition_detection: RepetitionDetection | None = None  # vLLM's: end a loop of tokens early
     thinking_token_budget: int | None = None  # vLLM's: think at most so many tokens (-1: no budget)
+    stream_interval: int | None = None  # vLLM's: tokens per streamed chunk (at least the server's)
     bad_words: list[str] | None = None  # vLLM's: words it may not write
     return_token_ids: bool = False  # vLLM's: the prompt's and the output's token ids in the answer
     return_tokens_as_token_ids: bool = False  # vLLM's: logprobs name their tokens "token_id:N"
@@ -130,6 +131,7 @@ class ChatRequest(Sampled, kw_only=True):
     echo: bool = False  # vLLM's: the answer begins with the last message's content, if the assistant's
     reasoning_effort: Effort | None = None  # the template's reasoning_effort (and enable_thinking)
     include_reasoning: bool = True  # vLLM's: false leaves the parsed reasoning (and what reveals it) out
+    return_prompt_text: bool = False  # vLLM's: the answer gives the chat as templated, its prompt
 
 
 class CompletionRequest(Sampled, kw_only=True):

@@ -53,6 +53,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     p.add_argument("--drain-timeout", type=float, default=30.0, help="seconds to finish on shutdown")
     p.add_argument("--reasoning-parser", choices=PARSERS, default=None,
                    help="read a chat answer's thinking (<think>...</think>) into its message's reasoning")
+    p.add_argument("--stream-interval", type=int, default=1, metavar="N",
+                   help="tokens per streamed chunk, the first and last aside (a request's stream_interval "
+                        "may raise it)")
     p.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
                    help="the model's name(s) in the API: requests may give any, answers and "
                         "/v1/models the first (default: the model's own)")
@@ -118,9 +121,11 @@ def config(args: argparse.Namespace) -> Config:
         raise ValueError("--served-model-name: give each name once, none empty")
     if args.mqtt_peers and not args.mqtt:
         raise ValueError("--mqtt-peers shares rounds over the MQTT broker: give --mqtt too")
+    if args.stream_interval < 1:
+        raise ValueError(f"--stream-interval must be at least 1, not {args.stream_interval}")
     return Config(barrier_timeout=args.barrier_timeout_ms / 1e3, max_group=args.max_group,
                   drain_timeout=args.drain_timeout, reasoning=args.reasoning_parser, names=names,
-                  api_keys=frozenset(keys), peers=args.mqtt_peers)
+                  api_keys=frozenset(keys), peers=args.mqtt_peers, stream_interval=args.stream_interval)
 
 
 def chat_template(backend: Backend, given: str) -> None:

@@ -71,6 +71,7 @@ def test_flags():
     (["--served-model-name", "a", "a"], "--served-model-name: give each name once"),
     (["--gpu-memory-utilization", "1.5"], "--gpu-memory-utilization must lie in (0, 1]"),
     (["--mqtt-peers"], "--mqtt-peers shares rounds over the MQTT broker: give --mqtt too"),
+    (["--stream-interval", "0"], "--stream-interval must be at least 1"),
     (["--gpu-memory-utilization", "0.5", "--kv-tokens", "4096"], "--kv-tokens and --gpu-memory-utilization"),
 ])
 def test_bad_flags_fail_in_one_line_before_loading_the_model(monkeypatch, capsys, argv, message):

@@ -204,6 +204,20 @@ def test_repetition_detection_ends_a_loop(client, model):
     assert e.value.body["param"] == "repetition_detection" and "min_count" in e.value.body["message"]
 
 
+def test_return_prompt_text_gives_the_chat_as_templated(client, model, tok):
+    """vLLM's return_prompt_text: the prompt's text, which tokenizes to its token ids; in
+    a stream, on the first chunk only."""
+    kw = dict(model=model, messages=user("Name a river."), max_tokens=2, temperature=0)
+    ask = {"return_prompt_text": True, "return_token_ids": True}
+    r = client.chat.completions.create(**kw, extra_body=ask)
+    text = r.model_extra["prompt_text"]
+    assert "Name a river." in text and tok.encode(text, add_special_tokens=False) == r.model_extra["prompt_token_ids"]
+    chunks = list(client.chat.completions.create(**kw, stream=True, extra_body=ask))
+    assert chunks[0].model_extra["prompt_text"] == text
+    assert all("prompt_text" not in c.model_extra for c in chunks[1:])
+    assert "prompt_text" not in client.chat.completions.create(**kw).model_extra
+
+
 def test_truncate_prompt_tokens_keeps_the_prompts_end(client, model, engine_live):
     kw = dict(model=model, temperature=0, max_tokens=4)
     cut = client.completions.create(**kw, prompt=list(range(5, 25)),
