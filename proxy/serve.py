@@ -54,8 +54,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     p.add_argument("--reasoning-parser", choices=PARSERS, default=None,
                    help="read a chat answer's thinking (<think>...</think>) into its message's reasoning")
     p.add_argument("--stream-interval", type=int, default=1, metavar="N",
-                   help="tokens per streamed chunk, the first and last aside (a request's stream_interval "
-                        "may raise it)")
+                   help="tokens per streamed chunk of chat and completion answers, the first and last "
+                        "aside (a request's stream_interval may raise it)")
     p.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
                    help="the model's name(s) in the API: requests may give any, answers and "
                         "/v1/models the first (default: the model's own)")

@@ -25,7 +25,8 @@ FIELDS = ["messages", "prompt", "n", "stop", "max_tokens", "max_completion_token
           "include_stop_str_in_output", "skip_special_tokens", "add_special_tokens", "echo", "best_of",
           "chat_template_kwargs", "add_generation_prompt", "continue_final_message", "prompt_logprobs",
           "allowed_token_ids", "bad_words", "return_token_ids", "truncate_prompt_tokens", "truncation_side",
-          "return_tokens_as_token_ids", "request_id", "priority"]
+          "return_tokens_as_token_ids", "request_id", "priority", "logprob_token_ids", "repetition_detection",
+          "thinking_token_budget", "stream_interval", "include_reasoning", "return_prompt_text"]
 TOOLS = [{"type": "function", "function": {"name": "f", "strict": True, "parameters": {
     "type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}}},
     {"type": "function", "function": {"name": "g"}}]
@@ -47,6 +48,11 @@ PLAUSIBLE: dict[str, Any] = {
     "truncate_prompt_tokens": [-1, 3, 50], "truncation_side": ["left", "right"],
     "chat_template_kwargs": [{"enable_thinking": False}, {"messages": []}, {"bos_token": "<x>"}],
     "add_generation_prompt": [False], "continue_final_message": [True],
+    "logprob_token_ids": [[5, 17], [], [10**9], list(range(130))],
+    "repetition_detection": [{"max_pattern_size": 3, "min_count": 2}, {"max_pattern_size": 2, "min_count": 1},
+                             {"max_pattern_size": 1, "min_pattern_size": 2, "min_count": 3}],
+    "thinking_token_budget": [0, 3, -1, -2], "stream_interval": [2, 5, 0], "include_reasoning": [False],
+    "return_prompt_text": [True],
 }
 CONVOS = [[{"role": "user", "content": "hi there"}],
           [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name a color."}],
