@@ -25,7 +25,7 @@ from .core import Proxy
 from .embeddings import MAX_INPUTS
 from .errors import from_backend, invalid, unsupported
 from .schemas import answer_id
-from .scores import Score, ScoreList, Usage
+from .scores import Cached, Score, ScoreList, Usage
 
 
 class GenerativeScoring(Struct, kw_only=True):
@@ -89,22 +89,28 @@ async def score(px: Proxy, body: GenerativeScoring, headers: Mapping[str, str]) 
     prompt = sum(p.prompt_tokens for p in group)
     px.metrics.tokens.inc(prompt, kind="prompt")
     px.metrics.tokens.inc(len(group), kind="completion")
-    data = [Score(i, _probability(got, labels, body.apply_softmax)) for i, got in enumerate(reads)]
+    data = [Score(i, _probability(got, labels, body.apply_softmax)) for i, (got, _) in enumerate(reads)]
     return ScoreList(f"generative-scoring-{key}", int(time.time()), px.names[0], data,
-                     Usage(prompt, prompt + len(group), len(group)))
+                     Usage(prompt, prompt + len(group), len(group), Cached(sum(c for _, c in reads))))
 
 
-async def _read(stream: Stream) -> dict[int, float]:
-    """The labels' logprobs at the one step the request takes."""
+async def _read(stream: Stream) -> tuple[dict[int, float], int]:
+    """The labels' logprobs at the one step the request takes, and its prompt tokens
+    whose KV was reused."""
+    got, cached = None, 0
     try:
         async for d in stream:
-            if d.logprobs:
-                return {t.id: t.logprob for t in d.logprobs[0].top}
+            if d.logprobs and got is None:
+                got = {t.id: t.logprob for t in d.logprobs[0].top}
+            if d.usage is not None:
+                cached = d.usage.cached_tokens
     except InvalidRequest as exc:
         raise _named(exc) from None
     except BackendError as exc:
         raise from_backend(exc) from exc
-    raise from_backend(BackendError("the backend ended a read without its logprobs"))
+    if got is None:
+        raise from_backend(BackendError("the backend ended a read without its logprobs"))
+    return got, cached
 
 
 def _probability(got: dict[int, float], labels: list[int], softmax: bool) -> float:

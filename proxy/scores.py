@@ -21,7 +21,7 @@ from collections.abc import Mapping
 from operator import mul
 from typing import Any
 
-from msgspec import Struct
+from msgspec import UNSET, Struct, UnsetType
 
 from .core import Proxy
 from .errors import invalid
@@ -53,10 +53,15 @@ class RerankRequest(Scoring, kw_only=True):
     top_n: int = 0
 
 
+class Cached(Struct):
+    cached_tokens: int
+
+
 class Usage(Struct):
     prompt_tokens: int
     total_tokens: int
     completion_tokens: int = 0
+    prompt_tokens_details: Cached | UnsetType = UNSET  # a generative score's: prompt tokens whose KV was reused
 
 
 class Score(Struct):

@@ -8,6 +8,8 @@ import httpx
 import pytest
 import torch
 
+from .conftest import Threaded
+
 LABELS = [300, 17, 911]
 
 
@@ -38,7 +40,7 @@ def test_scores_are_the_first_labels_probability(engine_live, hf, tok, item_firs
     assert [d["index"] for d in out["data"]] == [0, 1, 2] and {d["object"] for d in out["data"]} == {"score"}
     assert [d["score"] for d in out["data"]] == pytest.approx(expected(hf, prompts, softmax), rel=1e-3, abs=1e-6)
     assert out["usage"] == {"prompt_tokens": sum(map(len, prompts)), "completion_tokens": 3,
-                            "total_tokens": sum(map(len, prompts)) + 3}
+                            "total_tokens": sum(map(len, prompts)) + 3, "prompt_tokens_details": {"cached_tokens": 0}}
     assert out["object"] == "list" and out["id"].startswith("generative-scoring-")
     assert got.headers["X-Request-Id"] == out["id"]
 
@@ -70,3 +72,28 @@ def test_another_model_is_a_404(engine_live):
     got = httpx.post(engine_live.url + "/generative_scoring", json={"model": "gpt-x", "query": "a", "items": ["b"],
                                                                    "label_token_ids": [5]})
     assert got.status_code == 404
+
+
+
+@pytest.fixture(scope="module")
+def cached(tiny_llama):
+    """The engine in `collective`, whose plain prompts share exact prefixes as `prefix` does."""
+    from tokendance.backend.service import EngineBackend
+
+    t = Threaded(EngineBackend.load(str(tiny_llama), dtype="float32", mode="collective"))
+    yield t
+    t.close()
+
+
+def test_a_query_asked_again_is_read_from_the_prefix_cache(cached, hf, tok):
+    """Plain prompts, exact: a later call's prompts find the query's full blocks cached
+    (usage.prompt_tokens_details), and score alike."""
+    query = "You judge a debate about rivers. Read the answer below and say whether it is right. " * 2 + "Answer:"
+    items = [" yes it is", " no"]
+    first = post(cached, query=query, items=items, label_token_ids=LABELS).json()
+    again = post(cached, query=query, items=items, label_token_ids=LABELS).json()
+    q = tok.encode(query)
+    assert len(q) >= 32 and again["usage"]["prompt_tokens_details"]["cached_tokens"] >= 2 * 16 * (len(q) // 16)
+    assert [d["score"] for d in again["data"]] == pytest.approx([d["score"] for d in first["data"]], rel=1e-4)
+    prompts = [q + tok.encode(x, add_special_tokens=False) for x in items]
+    assert [d["score"] for d in again["data"]] == pytest.approx(expected(hf, prompts, True), rel=1e-3)
