@@ -10,10 +10,10 @@ not the thinking).
 - `deepseek_r1`: the template opens the block in the prompt, so an answer reasons from
   its start (a `<think>` it writes itself dropped) up to `</think>`.
 
-An answer cut off before `</think>` is all reasoning. vLLM's `thinking_token_budget`
-(`budget`) knows a think block by the same tags, as the tokenizer writes them. Fed the same text in any pieces, a
+An answer cut off before `</think>` is all reasoning. Fed the same text in any pieces, a
 `Thinking` gives the same reasoning and content; text that could still become a tag is
-held back until it is known.
+held back until it is known. vLLM's `thinking_token_budget` (`budget`) knows a think
+block by the same tags, as the tokenizer writes them.
 
 A structured output lets the model think first, as vLLM's does with a reasoning parser:
 its grammar holds the answer from `</think>` on (`held_after`), unless the prompt has
@@ -24,7 +24,6 @@ first token.
 from __future__ import annotations
 
 from dataclasses import replace
-
 from typing import Any
 
 from tokendance.backend.api import Structure, ThinkBudget
