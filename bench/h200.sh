@@ -9,7 +9,7 @@
 #     shape, random bf16 weights
 #   act: the fused SwiGLU activation against torch's two ops (error, time)
 #   prefill: the engine's prefill alone against HF (10 x 2 k)
-#   check: the CUDA checks alone (bench/check_cuda.py), the GPU-only tests and the sampler's on the GPU
+#   check: the CUDA checks alone (bench/check_cuda.py), and the GPU-only tests
 #   scoring: a prefill that scores its prompt (prompt logprobs: completions' echo with
 #     logprobs) against the same prefill without, Qwen2.5-7B shape, random bf16 weights
 #   reuse:  one All-Gather round, N = 10 and 20, every mode, serial pic and collective with
@@ -69,10 +69,8 @@ if want engine || want check; then
   python3 -m tokendance.bench.check_cuda 2>&1 | grep -v -i "warn\|deprecat" | tee "$OUT/check.txt"
   python3 -m tokendance.bench.check_cuda memory 2>&1 | grep -i "utilization\|budget" | tee -a "$OUT/check.txt"
   # The GPU-only tests (skipped on the CPU machine), the kernels' apart: their conftest turns
-  # on Triton's interpreter for the whole process; then the sampler's forced, label and loop
-  # tests, which run on the GPU here (the engine takes the device it finds).
-  for t in tests/kernels/test_prefill.py "tests/backend/test_upload.py tests/backend/test_arena.py" \
-      "tests/backend/test_thinking.py tests/backend/test_repetition.py tests/backend/test_sampling.py -k label"; do
+  # on Triton's interpreter for the whole process.
+  for t in tests/kernels/test_prefill.py "tests/backend/test_upload.py tests/backend/test_arena.py"; do
     python3 -m pytest -q -p no:cacheprovider -rfEs $t 2>&1 | tail -4
   done | tee "$OUT/gpu_tests.txt"
 fi
