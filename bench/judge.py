@@ -7,8 +7,10 @@
 The proxy and the engine run in this process (the default reuse mode). Each of `items`
 answers (`words` words of a fixed vocabulary, seeded) follows a shared query (what a
 judge asks of every answer) and is scored by the probability of " Yes" against " No"
-as the next token. Three ways to get the same scores, in turn each repeat, after one
-warm-up pass: `scoring`, one /generative_scoring call with every answer; `serial`, one
+as the next token. Three ways to get the same scores (checked on one set of answers),
+then timed in turn each repeat, each run on answers not seen before (the query's blocks
+are in the prefix cache after the first call, as a judge's repeated question's are):
+`scoring`, one /generative_scoring call with every answer; `serial`, one
 /v1/completions call per answer (max_tokens 1, logprob_token_ids), each awaited before
 the next, as a judge loop in an agent framework sends them; `concurrent`, the same
 completions all at once. The scores of the three must agree (to 1e-3); medians in ms.
@@ -50,7 +52,10 @@ async def _main(args: argparse.Namespace) -> int:
 
     be = backend(args.model, None, dtype=args.dtype)
     rng = random.Random(0)
-    items = [" " + " ".join(rng.choice(WORDS) for _ in range(args.words)) for _ in range(args.items)]
+
+    def fresh() -> list[str]:
+        return [" " + " ".join(rng.choice(WORDS) for _ in range(args.words)) for _ in range(args.items)]
+
     tok = be.tokenizer
     labels = [tok.encode(" Yes", add_special_tokens=False)[0], tok.encode(" No", add_special_tokens=False)[0]]
     query = tok.encode(QUERY)
@@ -58,7 +63,7 @@ async def _main(args: argparse.Namespace) -> int:
     async with proxy(be) as url, httpx.AsyncClient(timeout=600) as http:
         base = url.removesuffix("/v1")
 
-        async def scoring() -> list[float]:
+        async def scoring(items: list[str]) -> list[float]:
             r = await http.post(base + "/generative_scoring", json={
                 "model": name, "query": QUERY, "items": items, "label_token_ids": labels})
             r.raise_for_status()
@@ -74,23 +79,25 @@ async def _main(args: argparse.Namespace) -> int:
             yes, no = (top[tok.decode([t])] for t in labels)
             return 1 / (1 + math.exp(no - yes))
 
-        async def serial() -> list[float]:
+        async def serial(items: list[str]) -> list[float]:
             return [await one(x) for x in items]
 
-        async def concurrent() -> list[float]:
+        async def concurrent(items: list[str]) -> list[float]:
             return list(await asyncio.gather(*(one(x) for x in items)))
 
         runs = {"scoring": scoring, "serial": serial, "concurrent": concurrent}
-        ref = await scoring()  # warm-up, and the scores the others must give
+        items = fresh()
+        ref = await scoring(items)  # warm-up, and the scores the others must give
         for fn in (serial, concurrent):
-            got = await fn()
+            got = await fn(items)
             if max(abs(a - b) for a, b in zip(got, ref)) > 1e-3:
                 raise SystemExit(f"{fn.__name__} scores differ from scoring's: {got[:3]} vs {ref[:3]}")
         ms: dict[str, list[float]] = {k: [] for k in runs}
         for _ in range(args.repeats):
             for k, fn in runs.items():
+                items = fresh()  # answers not seen before: only the query's blocks are cached
                 t = time.perf_counter()
-                await fn()
+                await fn(items)
                 ms[k].append((time.perf_counter() - t) * 1e3)
     med = {k: statistics.median(v) for k, v in ms.items()}
     prompt = len(query) + sum(len(tok.encode(x, add_special_tokens=False)) for x in items) / len(items)
