@@ -1,4 +1,5 @@
-"""`tokendance bench {engine,reuse,memory,mirror-decode,fidelity,restore,resume,remote,fleet,structured,tools,judge,loops,gaps}`."""
+"""`tokendance bench KIND`: engine, reuse, memory, mirror-decode, fidelity, restore, resume,
+remote, fleet, structured, tools, judge, loops, gaps."""
 
 from __future__ import annotations
 

@@ -110,7 +110,8 @@ P_PLAUSIBLE: dict[str, Any] = {
     "truncate_prompt_tokens": [-1, 2, 0], "truncation_side": ["left", "right", "up"], "use_activation": [False],
     "normalize": [True], "dimensions": [8], "add_special_tokens": [False], "cache_salt": ["s", ""],
     "task": ["embed", "classify"], "queries": ["a", ["a", "b"], []], "documents": ["c", ["c", "d", "e"], [{"content": []}]],
-    "query": ["a", ["a"], [5, 6], ""], "top_n": [0, 1, -1], "max_tokens_per_doc": [0, 1, 10**6], "text_1": ["a"], "text_2": [["b", "c"]],
+    "query": ["a", ["a"], [5, 6], ""], "top_n": [0, 1, -1], "max_tokens_per_doc": [0, 1, 10**6], "text_1": ["a"],
+    "text_2": [["b", "c"]],
 }
 POOLING = {"/v1/embeddings": ["input", "encoding_format", "embed_dtype", "endianness", "truncate_prompt_tokens",
                               "truncation_side", "use_activation", "normalize", "dimensions", "add_special_tokens",
