@@ -5,8 +5,8 @@ by `previous_response_id` and sends only what its chat added since; with
 `api="conversations"` each agent's conversation is a conversation object
 (`/v1/conversations`) that its responses go on in; with `api="messages"` it speaks
 Anthropic's Messages API (`/v1/messages`); with `api="batch"` a round's chats go in one
-request (`/v1/chat/completions/batch`, `round`). `embed` gives texts' embeddings, for
-agents' memories."""
+request (`/v1/chat/completions/batch`, `round`). `embed` gives texts' embeddings, and
+`judge` texts' probability of a yes (vLLM's `/generative_scoring`), for agents' memories."""
 
 from __future__ import annotations
 
@@ -43,6 +43,7 @@ class Client:
     http: aiohttp.ClientSession | None = field(default=None, repr=False)
     # per agent, its last response (or its conversation object) and the conversation it holds
     chains: dict[str, tuple[str, list[dict[str, str]]]] = field(default_factory=dict, repr=False)
+    labels: dict[str, int] = field(default_factory=dict, repr=False)  # a label's token id, once asked
 
     @property
     def rounds(self) -> Rounds:
@@ -138,12 +139,28 @@ class Client:
         out = await self._post("/embeddings", {"model": self.model, "input": texts, "encoding_format": "float"})
         return [d["embedding"] for d in sorted(out["data"], key=lambda d: d["index"])]
 
+    async def judge(self, items: list[str], question: str, yes: str = " Yes", no: str = " No") -> list[float]:
+        """Each item's probability of `yes` against `no` as the next token after it and the
+        question (vLLM's `/generative_scoring`, every item in one call); the labels' token
+        ids from `/tokenize`, asked once."""
+        for label in (yes, no):
+            if label not in self.labels:
+                got = await self._post("/tokenize", {"model": self.model, "prompt": label, "add_special_tokens": False},
+                                       root=True)
+                self.labels[label] = got["tokens"][0]
+        out = await self._post("/generative_scoring", {
+            "model": self.model, "query": question, "items": items, "item_first": True,
+            "label_token_ids": [self.labels[yes], self.labels[no]]}, root=True)
+        return [d["score"] for d in sorted(out["data"], key=lambda d: d["index"])]
+
     async def _post(self, path: str, body: dict[str, Any], agent: str | None = None,
-                    round: int | None = None) -> dict[str, Any]:
+                    round: int | None = None, root: bool = False) -> dict[str, Any]:
+        """`root`: a route outside /v1 (vLLM's /tokenize, /generative_scoring)."""
         assert self.http is not None, "use `async with Client(...)`"
         tags = headers(self.session, agent, round, self.mode)
         tags["Authorization"] = f"Bearer {self.api_key}"
-        async with self.http.post(api_base(self.url) + path, json=body, headers=tags) as r:
+        base = api_base(self.url)
+        async with self.http.post((base.removesuffix("/v1") if root else base) + path, json=body, headers=tags) as r:
             raw = await r.read()
             if r.status != 200:
                 raise ProxyError(r.status, error_message(raw))

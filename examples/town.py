@@ -4,17 +4,20 @@ that matter most to it, and says what it does next. `python -m tokendance.exampl
 runs it.
 
 An agent's memories are what it did and the events it saw. Recall is Generative Agents'
-retrieval without its importance term: each memory scores its recency (decaying by
-round) plus its relevance to the new event (the cosine of their embeddings, from the
-same server's `/v1/embeddings`), each scaled to [0, 1] over the agent's memories, and
-the best `KEEP` are recalled in the order they happened. A server that embeds nothing
-(the echo backend, a vLLM server of a generative model) leaves the town recalling its
-latest memories.
+retrieval: each memory scores its recency (decaying by round), its importance (the
+model's probability that it is worth remembering, judged once per memory by the same
+server's `/generative_scoring`, every new memory of a round in one call) and its
+relevance to the new event (the cosine of their embeddings, from `/v1/embeddings`),
+each scaled to [0, 1] over the agent's memories, and the best `KEEP` are recalled in
+the order they happened. What the server does not serve (the echo backend embeds and
+judges nothing) drops out of the score; with neither, the town recalls its latest
+memories.
 """
 
 from __future__ import annotations
 
 import random
+from collections.abc import Awaitable
 from dataclasses import dataclass, field
 
 import structlog
@@ -40,6 +43,7 @@ EVENTS = (
 )
 KEEP = 3  # memories an agent recalls
 DECAY = 0.9  # a memory's recency falls by this factor each round
+WORTH = "\nIs this worth remembering for a long time? Answer Yes or No.\nAnswer:"  # after the memory
 
 
 @dataclass(slots=True)
@@ -47,16 +51,18 @@ class Memory:
     text: str
     round: int
     vector: list[float] | None = None  # its embedding, once the server gave it
+    importance: float | None = None  # the model's probability it is worth remembering, once judged
 
 
 def ranked(memories: list[Memory], query: list[float] | None, now: int, keep: int = KEEP) -> list[Memory]:
-    """The `keep` memories with the best recency + relevance to `query`, oldest first;
-    the latest ones without a query."""
-    if query is None or len(memories) <= keep:
+    """The `keep` memories with the best recency + importance + relevance to `query`,
+    oldest first; the latest ones when neither of the last two is known."""
+    if len(memories) <= keep or (query is None and all(m.importance is None for m in memories)):
         return memories[-keep:]
     recency = [DECAY ** (now - m.round) for m in memories]
-    relevance = [cosine(m.vector, query) if m.vector is not None else 0.0 for m in memories]
-    score = [a + b for a, b in zip(_scaled(recency), _scaled(relevance))]
+    relevance = [cosine(m.vector, query) if query is not None and m.vector is not None else 0.0 for m in memories]
+    importance = [m.importance or 0.0 for m in memories]
+    score = [sum(x) for x in zip(_scaled(recency), _scaled(relevance), _scaled(importance))]
     best = sorted(range(len(memories)), key=lambda i: -score[i])[:keep]
     return [memories[i] for i in sorted(best)]
 
@@ -77,6 +83,7 @@ class Town:
     feed: str = "The town wakes up."
     query: list[float] | None = None  # the event's embedding this round
     embeds: bool = True  # until the server refuses to embed
+    judges: bool = True  # until it refuses to judge
     rng: random.Random = field(init=False)
 
     def __post_init__(self) -> None:
@@ -85,22 +92,36 @@ class Town:
         self.memory = {a: [] for a in self.agents}
 
     async def recall(self, client: Client, round: int) -> None:
-        """Embed what is new, the event and last round's memories, each text once, in one call."""
-        if not self.embeds:
-            return
+        """Embed what is new, the event and last round's memories, and judge the new
+        memories' importance: each text once, in one call each."""
         new = [m for a in self.agents for m in self.memory[a] if m.vector is None]
-        texts = list(dict.fromkeys([self.event, *(m.text for m in new)]))
+        if self.embeds:
+            texts = list(dict.fromkeys([self.event, *(m.text for m in new)]))
+            got = await self._ask(client.embed(texts), "embeds")
+            if got is not None:
+                vectors = dict(zip(texts, got))
+                self.query = vectors[self.event]
+                for m in new:
+                    m.vector = vectors[m.text]
+        fresh = [m for a in self.agents for m in self.memory[a] if m.importance is None]
+        if self.judges and fresh:
+            texts = list(dict.fromkeys(m.text for m in fresh))
+            got = await self._ask(client.judge(texts, WORTH), "judges")
+            if got is not None:
+                worth = dict(zip(texts, got))
+                for m in fresh:
+                    m.importance = worth[m.text]
+
+    async def _ask(self, call: Awaitable[list], what: str) -> list | None:
+        """The server's answer; None, and `what` off from then on, if it does not serve it."""
         try:
-            got = dict(zip(texts, await client.embed(texts)))
+            return await call
         except ProxyError as e:
-            if e.status != 400:
+            if e.status not in (400, 404, 501):  # refused, not routed, not implemented
                 raise
-            log.warning("the server embeds nothing: agents recall their latest memories", reason=str(e))
-            self.embeds = False
-            return
-        self.query = got[self.event]
-        for m in new:
-            m.vector = got[m.text]
+            log.warning("recall goes without what the server does not serve", missing=what, reason=str(e))
+            setattr(self, what, False)
+            return None
 
     def messages(self, agent: str, round: int) -> Messages:
         trait = TRAITS[self.agents.index(agent) % len(TRAITS)]
@@ -121,8 +142,9 @@ class Town:
         self.feed = f"{self.event}\n\n" + gather(replies, self.agents, "{name} did")
 
     def summary(self) -> str:
-        how = "by relevance and recency" if self.embeds else "by recency (the server embeds nothing)"
-        return f"{len(self.agents)} townsfolk, {sum(map(len, self.memory.values()))} memories, recalled {how}"
+        how = [w for w, on in (("relevance", self.embeds), ("importance", self.judges)) if on] + ["recency"]
+        return (f"{len(self.agents)} townsfolk, {sum(map(len, self.memory.values()))} memories, recalled by "
+                + ", ".join(how[:-1]) + (" and " if len(how) > 1 else "") + how[-1])
 
 
 if __name__ == "__main__":

@@ -10,7 +10,7 @@ from tokendance.adapters.rounds import ProxyError
 from tokendance.examples.debate import Debate
 from tokendance.examples.scenario import agents
 from tokendance.examples.society import KEYWORD, Society
-from tokendance.examples.town import Memory, Town, ranked
+from tokendance.examples.town import WORTH, Memory, Town, ranked
 
 
 def _play(s, rounds: int = 2) -> dict[str, list]:
@@ -67,20 +67,37 @@ def test_recall_ranks_memories_by_recency_and_relevance() -> None:
     assert [m.text for m in ranked(ms, [1.0, 0.0], now=6, keep=2)] == ["rain", "dog"]
     assert [m.text for m in ranked(ms, None, now=6, keep=2)] == ["dog", "fountain"]  # no query: the latest
     assert ranked(ms[:2], [1.0, 0.0], now=6, keep=3) == ms[:2]
+    # importance adds a term (scaled: bread 1.0, rain 0.0, bees 0.9, dog 0.5, fountain 0.1): bread 1.50,
+    # rain 1.21, bees 1.85, dog 2.01, fountain 1.10: bees now outranks rain
+    for m, worth in zip(ms, (1.0, 0.0, 0.9, 0.5, 0.1)):
+        m.importance = worth
+    assert [m.text for m in ranked(ms, [1.0, 0.0], now=6, keep=2)] == ["bees", "dog"]
+    # without embeddings recency and importance still rank: bread 1.00, rain 0.21, bees 1.35, dog 1.21,
+    # fountain 1.10
+    assert [m.text for m in ranked(ms, None, now=6, keep=2)] == ["bees", "dog"]
 
 
 class Embedder:
-    """A client whose server embeds a text as (its length, its count of 'r')."""
+    """A client whose server embeds a text as (its length, its count of 'r'), and judges
+    a memory worth keeping in proportion to its count of 'a'."""
 
-    def __init__(self, refuse: bool = False):
+    def __init__(self, refuse: bool = False, judges: bool = True):
         self.calls: list[list[str]] = []
-        self.refuse = refuse
+        self.judged: list[list[str]] = []
+        self.refuse, self.judges = refuse, judges
 
     async def embed(self, texts: list[str]) -> list[list[float]]:
         self.calls.append(texts)
         if self.refuse:
             raise ProxyError(400, "the echo backend has no model to compute embeddings with")
         return [[float(len(t)), float(t.count("r"))] for t in texts]
+
+    async def judge(self, items: list[str], question: str) -> list[float]:
+        assert question == WORTH
+        self.judged.append(items)
+        if self.refuse or not self.judges:
+            raise ProxyError(404, "Not Found")
+        return [min(t.count("a") / 10, 1.0) for t in items]
 
 
 def test_the_town_embeds_each_new_text_once_and_recalls_by_it() -> None:
@@ -96,6 +113,19 @@ def test_the_town_embeds_each_new_text_once_and_recalls_by_it() -> None:
     want = ranked(town.memory["Ada"][:6], town.query, 4)
     assert [line[2:] for line in recalled.splitlines()[1:4]] == [m.text for m in want]
     assert all(m.vector is not None for m in town.memory["Ada"][:6]) and "relevance" in town.summary()
+    # each memory judged once, in one call a round (round 1 had none yet)
+    assert len(client.judged) == 3 and all(len(j) == len(set(j)) for j in client.judged)
+    assert all(m.importance is not None for m in town.memory["Ada"][:6])
+    assert "relevance, importance and recency" in town.summary()
+
+
+def test_a_server_that_judges_nothing_leaves_recall_to_relevance_and_recency() -> None:
+    town, client = Town(n=2), Embedder(judges=False)
+    for r in range(1, 4):
+        asyncio.run(town.recall(client, r))
+        town.observe(r, {a: f"{a} acts" for a in town.agents})
+    assert len(client.judged) == 1 and not town.judges and town.embeds
+    assert "by relevance and recency" in town.summary()
 
 
 def test_a_server_that_embeds_nothing_leaves_recall_to_recency() -> None:

@@ -103,10 +103,10 @@ def test_reuse_flags_reach_the_in_process_engine(tiny_llama, monkeypatch, capsys
     assert "debate: 3 agents, mode collective" in capsys.readouterr().out
 
 
-def test_the_town_recalls_by_the_engines_embeddings(tiny_llama, capsys) -> None:
+def test_the_town_recalls_by_the_engines_embeddings_and_judgement(tiny_llama, capsys) -> None:
     argv = ["simulate", "town", "--model", str(tiny_llama), "--agents", "3", "--rounds", "3", "--max-tokens", "4"]
     assert cli.main(argv) == 0
-    assert "3 townsfolk, 18 memories, recalled by relevance and recency" in capsys.readouterr().out
+    assert "3 townsfolk, 18 memories, recalled by relevance, importance and recency" in capsys.readouterr().out
 
 
 def test_reuse_flags_need_the_in_process_engine(capsys) -> None:
