@@ -119,20 +119,24 @@ def test_the_town_embeds_each_new_text_once_and_recalls_by_it() -> None:
     assert "relevance, importance and recency" in town.summary()
 
 
-def test_a_server_that_judges_nothing_leaves_recall_to_relevance_and_recency() -> None:
-    town, client = Town(n=2), Embedder(judges=False)
+def _three_rounds(client: Embedder) -> Town:
+    town = Town(n=2)
     for r in range(1, 4):
         asyncio.run(town.recall(client, r))
         town.observe(r, {a: f"{a} acts" for a in town.agents})
+    return town
+
+
+def test_a_server_that_judges_nothing_leaves_recall_to_relevance_and_recency() -> None:
+    client = Embedder(judges=False)
+    town = _three_rounds(client)
     assert len(client.judged) == 1 and not town.judges and town.embeds
     assert "by relevance and recency" in town.summary()
 
 
 def test_a_server_that_embeds_nothing_leaves_recall_to_recency() -> None:
-    town, client = Town(n=2), Embedder(refuse=True)
-    for r in range(1, 4):
-        asyncio.run(town.recall(client, r))
-        town.observe(r, {a: f"{a} acts" for a in town.agents})
+    client = Embedder(refuse=True)
+    town = _three_rounds(client)
     assert len(client.calls) == 1 and not town.embeds and "recency" in town.summary()
     assert "- Round 3, I did: Ada acts" in town.messages("Ada", 4)[1]["content"]
     with pytest.raises(ProxyError):
