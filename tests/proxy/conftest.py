@@ -26,6 +26,9 @@ _spec = importlib.util.spec_from_file_location("proxy_fake_backend",
 fake = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(fake)
 FakeBackend = fake.FakeBackend
+_spec = importlib.util.spec_from_file_location("proxy_fake_vllm", Path(__file__).with_name("fake_vllm.py"))
+fake_vllm = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(fake_vllm)
 
 
 async def _until(cond: Callable[[], Any], timeout: float = 5.0) -> None:
@@ -208,3 +211,19 @@ async def idle_broker(tmp_path: Path) -> AsyncIterator[Broker]:
 async def broker(idle_broker: Broker) -> Broker:
     await idle_broker.start()
     return idle_broker
+
+
+@pytest.fixture
+async def vllm(tiny_llama) -> Any:
+    """A fake vLLM server (fake_vllm.py) serving the tiny model's tokenizer."""
+    fake = await fake_vllm.served(fake_vllm.FakeVLLM(str(tiny_llama)))
+    yield fake
+    await fake.runner.cleanup()
+
+
+@pytest.fixture
+async def proxy(vllm, start) -> Any:
+    """The proxy over `vllm`."""
+    from tokendance.backend.vllm import VLLMBackend
+
+    return await start(await VLLMBackend.connect(vllm.url))

@@ -1,135 +1,24 @@
 """The proxy over a vLLM server (`tokendance serve --vllm URL`), against a fake server that
-speaks vLLM's streamed /v1/completions: token ids go out, deltas and usage come back,
-`full` and `prefix` map to cache salts, its refusals are 400s, and a lost server is a 500."""
+speaks vLLM's streamed /v1/completions (tests/proxy/fake_vllm.py): token ids go out,
+deltas and usage come back, `full` and `prefix` map to cache salts, its refusals are
+400s, and a lost server is a 500. Embeddings and scores through it: test_vllm_scores.py."""
 
 from __future__ import annotations
-
-import asyncio
-import json
-import math
-from typing import Any
 
 import httpx
 import openai
 import pytest
-from aiohttp import web
 from transformers import AutoTokenizer
 
 from tokendance.backend.api import BackendError
 from tokendance.backend.vllm import VLLMBackend
 from tokendance.examples import cli
 
-
-class FakeVLLM:
-    def __init__(self, root: str, key: str | None = None):
-        self.root = root
-        self.key = key  # vLLM's --api-key: its /v1 routes answer 401 without it
-        self.bodies: list[dict[str, Any]] = []
-        self.cancelled = 0
-
-    @web.middleware
-    async def _check(self, req: web.Request, handler) -> web.StreamResponse:
-        if self.key and req.path.startswith("/v1") and req.headers.get("Authorization") != f"Bearer {self.key}":
-            return web.json_response({"error": "Unauthorized"}, status=401)
-        return await handler(req)
-
-    def app(self) -> web.Application:
-        app = web.Application(middlewares=[self._check])
-        app.router.add_get("/v1/models", self.models)
-        app.router.add_post("/v1/completions", self.completions)
-        app.router.add_post("/v1/embeddings", self.embeddings)
-        app.router.add_get("/health", self.health)
-        return app
-
-    async def health(self, req: web.Request) -> web.Response:
-        return web.Response()
-
-    async def models(self, req: web.Request) -> web.Response:
-        return web.json_response({"data": [{"id": "fake-vllm", "max_model_len": 4096, "root": self.root}]})
-
-    async def completions(self, req: web.Request) -> web.StreamResponse:
-        body = await req.json()
-        self.bodies.append(body)
-        if body["max_tokens"] > 100:
-            return web.json_response({"error": {"message": "max_tokens is too large"}}, status=400)
-        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
-        await resp.prepare(req)
-        n = body["max_tokens"]
-        try:
-            for i in range(n):
-                last = i == n - 1  # a stop string "stop" ends it at its last token, as vLLM says
-                stop = "stop" in (body.get("stop") or [])
-                choice = {"index": 0, "text": f" w{i}", "token_ids": [100 + i],
-                          "finish_reason": ("stop" if stop else "length") if last else None,
-                          "stop_reason": "stop" if last and stop else None}
-                if body.get("logprobs") is not None:  # as vLLM names them with return_tokens_as_token_ids
-                    assert body["return_tokens_as_token_ids"]
-                    top = {f"token_id:{100 + i}": -0.5, "token_id:7": -1.5}
-                    if body.get("logprob_token_ids"):  # vLLM lists the sampled token, then these
-                        assert body["logprobs"] == len(body["logprob_token_ids"])
-                        top = {f"token_id:{100 + i}": -0.5,
-                               **{f"token_id:{t}": -1 - t / 1000 for t in body["logprob_token_ids"]}}
-                    choice["logprobs"] = {"tokens": [f"token_id:{100 + i}"], "token_logprobs": [-0.5],
-                                          "top_logprobs": [top]}
-                await resp.write(b"data: " + json.dumps({"choices": [choice]}).encode() + b"\n\n")
-                await asyncio.sleep(0.01)
-            usage = {"prompt_tokens": len(body["prompt"]), "completion_tokens": n,
-                     "prompt_tokens_details": {"cached_tokens": 3}}
-            await resp.write(b"data: " + json.dumps({"choices": [], "usage": usage}).encode() + b"\n\n")
-            await resp.write(b"data: [DONE]\n\n")
-        except (asyncio.CancelledError, ConnectionResetError):
-            self.cancelled += 1
-            raise
-        return resp
-
-
-    async def embeddings(self, req: web.Request) -> web.Response:
-        """A pooling server's answer: the ids' sum, count and first id; a generative one's
-        refusal for an input that starts with id 0; vLLM 0.32's refusal of `normalize`."""
-        body = await req.json()
-        self.bodies.append(body)
-        ids = body["input"]
-        if "normalize" in body:
-            return web.json_response({"error": {"message": "Parameter `normalize` was removed"}}, status=400)
-        if ids[0] == 0:
-            return web.json_response({"error": {"message": "The model does not support Embeddings API"}},
-                                     status=400)
-        return web.json_response({"data": [{"index": 0, "object": "embedding",
-                                            "embedding": [float(sum(ids)), float(len(ids)), float(ids[0])]}],
-                                  "usage": {"prompt_tokens": len(ids), "total_tokens": len(ids)}})
-
-
-async def _served(fake: FakeVLLM, port: int = 0) -> FakeVLLM:
-    runner = web.AppRunner(fake.app(), handler_cancellation=True)
-    await runner.setup()
-    await web.TCPSite(runner, "127.0.0.1", port).start()
-    fake.url = f"http://127.0.0.1:{runner.addresses[0][1]}"
-    fake.runner = runner
-    return fake
-
-
-@pytest.fixture
-async def vllm(tiny_llama) -> Any:
-    fake = await _served(FakeVLLM(str(tiny_llama)))
-    yield fake
-    await fake.runner.cleanup()
-
-
-@pytest.fixture
-async def proxy(vllm, start) -> Any:
-    return await start(await VLLMBackend.connect(vllm.url))
-
-
-def _client(server: Any, key: str = "sk-a") -> openai.AsyncOpenAI:
-    return openai.AsyncOpenAI(base_url=server.url + "/v1", api_key=key, max_retries=0)
-
-
-def user(text: str) -> list[dict]:
-    return [{"role": "user", "content": text}]
+from .fake_vllm import FakeVLLM, client, served, user
 
 
 async def test_a_chat_goes_to_vllm_as_token_ids(proxy, vllm, tiny_llama):
-    r = await _client(proxy).chat.completions.create(model="fake-vllm", messages=user("Hi there."),
+    r = await client(proxy).chat.completions.create(model="fake-vllm", messages=user("Hi there."),
                                                      max_tokens=3, temperature=0, seed=4)
     assert r.choices[0].message.content == " w0 w1 w2" and r.choices[0].finish_reason == "length"
     tok = AutoTokenizer.from_pretrained(tiny_llama)
@@ -140,7 +29,7 @@ async def test_a_chat_goes_to_vllm_as_token_ids(proxy, vllm, tiny_llama):
     assert (body["temperature"], body["seed"], body["max_tokens"]) == (0, 4, 3)
     assert (r.usage.prompt_tokens, r.usage.completion_tokens) == (len(ids), 3)
     assert r.usage.prompt_tokens_details.cached_tokens == 3
-    stopped = await _client(proxy).chat.completions.create(model="fake-vllm", messages=user("Hi."), max_tokens=2,
+    stopped = await client(proxy).chat.completions.create(model="fake-vllm", messages=user("Hi."), max_tokens=2,
                                                            stop=["stop"])
     assert stopped.choices[0].finish_reason == "stop" and stopped.choices[0].model_extra["stop_reason"] == "stop"
 
@@ -149,7 +38,7 @@ async def test_vllms_sampling_extras_reach_it(proxy, vllm):
     extra = {"min_p": 0.05, "min_tokens": 2, "include_stop_str_in_output": True, "skip_special_tokens": False,
              "allowed_token_ids": [3, 4, 5], "bad_words": ["w1 w2"],
              "repetition_detection": {"max_pattern_size": 4, "min_pattern_size": 2, "min_count": 3}}
-    await _client(proxy).chat.completions.create(model="fake-vllm", messages=user("Hi."), max_tokens=3,
+    await client(proxy).chat.completions.create(model="fake-vllm", messages=user("Hi."), max_tokens=3,
                                                  stop=["w2"], extra_body=extra)
     body = vllm.bodies[-1]
     assert {k: body[k] for k in extra} == extra and body["stop"] == ["w2"]
@@ -159,7 +48,7 @@ async def test_a_thinking_budget_reaches_vllm_from_a_chat_and_a_message(vllm, st
     """With a reasoning parser the proxy takes the budget (a message's budget_tokens too)
     and the vLLM server, with its own reasoning config, enforces it."""
     server = await start(await VLLMBackend.connect(vllm.url), reasoning="qwen3")
-    await _client(server).chat.completions.create(model="fake-vllm", messages=user("Hi."), max_tokens=2,
+    await client(server).chat.completions.create(model="fake-vllm", messages=user("Hi."), max_tokens=2,
                                                    extra_body={"thinking_token_budget": 7})
     assert vllm.bodies[-1]["thinking_token_budget"] == 7
     async with httpx.AsyncClient() as http:
@@ -185,21 +74,21 @@ async def test_a_thinking_budget_reaches_vllm_from_a_chat_and_a_message(vllm, st
      {"structural_tag": '{"type":"structural_tag","format":{"type":"const_string","value":"x"}}'}),
 ], ids=["json_object", "json_schema", "choice", "regex", "grammar", "compact json", "named tool", "structural tag"])
 async def test_structured_outputs_go_to_vllm_as_its_structured_outputs(proxy, vllm, kw, sent):
-    await _client(proxy).chat.completions.create(model="fake-vllm", messages=user("Hi."), max_tokens=2, **kw)
+    await client(proxy).chat.completions.create(model="fake-vllm", messages=user("Hi."), max_tokens=2, **kw)
     assert vllm.bodies[-1]["structured_outputs"] == sent
 
 
 async def test_a_spec_that_does_not_compile_never_reaches_vllm(proxy, vllm):
     before = len(vllm.bodies)
     with pytest.raises(openai.BadRequestError) as e:
-        await _client(proxy).chat.completions.create(model="fake-vllm", messages=user("Hi."), max_tokens=2,
+        await client(proxy).chat.completions.create(model="fake-vllm", messages=user("Hi."), max_tokens=2,
                                                      extra_body={"structured_outputs": {"regex": "[0-"}})
     assert e.value.body["param"] == "structured_outputs.regex" and len(vllm.bodies) == before
 
 
 async def test_full_and_prefix_map_to_cache_salts(proxy, vllm):
     async def salt(mode: str, key: str) -> str:
-        await _client(proxy, key).completions.create(model="fake-vllm", prompt="a b", max_tokens=1,
+        await client(proxy, key).completions.create(model="fake-vllm", prompt="a b", max_tokens=1,
                                                      extra_body={"tokendance": {"mode": mode}})
         return vllm.bodies[-1]["cache_salt"]
 
@@ -216,70 +105,25 @@ async def test_streams_and_logprobs_come_back(proxy, tiny_llama):
 
     tok = AutoTokenizer.from_pretrained(tiny_llama)
     kw = dict(model="fake-vllm", messages=user("Go."), max_tokens=4, logprobs=True, top_logprobs=2)
-    chunks = [c async for c in await _client(proxy).chat.completions.create(
+    chunks = [c async for c in await client(proxy).chat.completions.create(
         **kw, stream=True, stream_options={"include_usage": True})]
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     lps = [t for c in chunks if c.choices and c.choices[0].logprobs for t in c.choices[0].logprobs.content]
     assert text == " w0 w1 w2 w3" and [t.token for t in lps] == [tok.decode([100 + i]) for i in range(4)]
     assert [x.token for x in lps[0].top_logprobs] == [tok.decode([100]), tok.decode([7])]
     assert chunks[-1].usage.completion_tokens == 4
-    named = await _client(proxy).chat.completions.create(**kw, extra_body={"return_tokens_as_token_ids": True})
+    named = await client(proxy).chat.completions.create(**kw, extra_body={"return_tokens_as_token_ids": True})
     assert [t.token for t in named.choices[0].logprobs.content] == [f"token_id:{100 + i}" for i in range(4)]
     # logprob_token_ids: the asked tokens alone, in their order, as the engine lists them
-    labels = await _client(proxy).chat.completions.create(**kw, extra_body={"logprob_token_ids": [9, 3, 9]})
+    labels = await client(proxy).chat.completions.create(**kw, extra_body={"logprob_token_ids": [9, 3, 9]})
     for t in labels.choices[0].logprobs.content:
         assert [(x.token, x.logprob) for x in t.top_logprobs] == [(tok.decode([9]), -1.009), (tok.decode([3]), -1.003)]
 
 
 async def test_what_vllm_refuses_is_a_400(proxy):
     with pytest.raises(openai.BadRequestError) as e:
-        await _client(proxy).completions.create(model="fake-vllm", prompt="a b", max_tokens=500)
+        await client(proxy).completions.create(model="fake-vllm", prompt="a b", max_tokens=500)
     assert "max_tokens is too large" in e.value.body["message"]
-
-
-async def test_embeddings_go_to_vllm_as_token_ids_and_its_refusal_is_a_400(proxy, vllm):
-    r = await _client(proxy).embeddings.create(model="fake-vllm", input=[[5, 6, 7], [9]], encoding_format="float",
-                                               extra_body={"use_activation": False})
-    assert [d.embedding for d in r.data] == [[18.0, 3.0, 5.0], [9.0, 1.0, 9.0]]
-    assert r.usage.prompt_tokens == 4
-    assert sorted(b["input"] for b in vllm.bodies[-2:]) == [[5, 6, 7], [9]]
-    assert not any(b["use_activation"] for b in vllm.bodies[-2:])
-    with pytest.raises(openai.BadRequestError) as e:
-        await _client(proxy).embeddings.create(model="fake-vllm", input=[0, 1])
-    assert "does not support Embeddings" in e.value.body["message"]
-
-
-async def test_a_rerank_scores_the_vllm_servers_embeddings(proxy, vllm):
-    """Each text is one embedding call; the cosines are the proxy's."""
-    tok = proxy.proxy.backend.tokenizer
-    docs = ["b c", "d"]
-    async with httpx.AsyncClient() as http:
-        got = (await http.post(proxy.url + "/rerank", json={"query": "a", "documents": docs})).json()
-    vec = {t: vllm_vector(tok(t)["input_ids"]) for t in ["a", *docs]}
-    want = [_cos(vec["a"], vec[d]) for d in docs]
-    assert [x["relevance_score"] for x in got["results"]] == pytest.approx(sorted(want, reverse=True))
-    assert [x["index"] for x in got["results"]] == sorted(range(2), key=lambda i: -want[i])
-
-
-async def test_a_generative_score_reads_the_vllm_servers_label_logprobs(proxy, vllm):
-    """Each item is one completion of one token with logprob_token_ids; the softmax over
-    the labels is the proxy's."""
-    async with httpx.AsyncClient() as http:
-        got = (await http.post(proxy.url + "/generative_scoring", json={
-            "query": "Good?", "items": [" a", " b"], "label_token_ids": [9, 3]})).json()
-    sent = [b for b in vllm.bodies if b.get("logprob_token_ids")]
-    assert len(sent) == 2 and all(b["max_tokens"] == 1 and b["logprob_token_ids"] == [9, 3] for b in sent)
-    a, b = math.exp(-1.009), math.exp(-1.003)  # as the fake server gives them
-    assert [d["score"] for d in got["data"]] == pytest.approx([a / (a + b)] * 2)
-
-
-def vllm_vector(ids: list[int]) -> list[float]:
-    return [float(sum(ids)), float(len(ids)), float(ids[0])]  # as the fake server embeds
-
-
-def _cos(a: list[float], b: list[float]) -> float:
-    dot = sum(x * y for x, y in zip(a, b))
-    return dot / (sum(x * x for x in a) ** 0.5 * sum(y * y for y in b) ** 0.5)
 
 
 async def test_the_proxy_samples_with_the_generation_config_vllm_would(vllm, start):
@@ -288,34 +132,34 @@ async def test_the_proxy_samples_with_the_generation_config_vllm_would(vllm, sta
     be = await VLLMBackend.connect(vllm.url, generation=("vllm", {"temperature": 0.25, "top_k": 7}))
     assert be.info.sampling == {"temperature": 0.25, "top_k": 7}
     proxy = await start(be)
-    await _client(proxy).chat.completions.create(model="fake-vllm", messages=user("Hi."), max_tokens=2)
+    await client(proxy).chat.completions.create(model="fake-vllm", messages=user("Hi."), max_tokens=2)
     assert (vllm.bodies[-1]["temperature"], vllm.bodies[-1]["top_k"]) == (0.25, 7)
 
 
 async def test_echo_through_vllm_without_logprobs_only_and_no_prompt_logprobs(proxy, vllm):
-    r = await _client(proxy).completions.create(model="fake-vllm", prompt="a b", max_tokens=2, echo=True)
+    r = await client(proxy).completions.create(model="fake-vllm", prompt="a b", max_tokens=2, echo=True)
     assert r.choices[0].text == "a b w0 w1"
     with pytest.raises(openai.BadRequestError) as e:
-        await _client(proxy).completions.create(model="fake-vllm", prompt="a b", max_tokens=2, echo=True, logprobs=1)
+        await client(proxy).completions.create(model="fake-vllm", prompt="a b", max_tokens=2, echo=True, logprobs=1)
     assert e.value.body["param"] == "prompt_logprobs" and "TokenDance engine" in e.value.body["message"]
     with pytest.raises(openai.BadRequestError) as e:
-        await _client(proxy).completions.create(model="fake-vllm", prompt="a b", max_tokens=2,
+        await client(proxy).completions.create(model="fake-vllm", prompt="a b", max_tokens=2,
                                                 extra_body={"prompt_logprobs": 1})
     assert e.value.body["param"] == "prompt_logprobs"
 
 
 async def test_a_chat_without_a_length_asks_vllm_for_the_rest_of_the_context(proxy, vllm):
     with pytest.raises(openai.BadRequestError):  # the fake refuses more than 100
-        await _client(proxy).chat.completions.create(model="fake-vllm", messages=user("Go."))
+        await client(proxy).chat.completions.create(model="fake-vllm", messages=user("Go."))
     body = vllm.bodies[-1]
     assert body["max_tokens"] == 4096 - len(body["prompt"])
     with pytest.raises(openai.BadRequestError):
-        await _client(proxy).completions.create(model="fake-vllm", prompt="a b", max_tokens=9000)
+        await client(proxy).completions.create(model="fake-vllm", prompt="a b", max_tokens=9000)
     assert vllm.bodies[-1]["max_tokens"] == 4096 - len(vllm.bodies[-1]["prompt"])  # never past the context
 
 
 async def test_a_client_that_leaves_closes_its_vllm_call(proxy, vllm, until):
-    stream = await _client(proxy).chat.completions.create(model="fake-vllm", messages=user("Go."),
+    stream = await client(proxy).chat.completions.create(model="fake-vllm", messages=user("Go."),
                                                           max_tokens=90, stream=True)
     async for chunk in stream:
         if chunk.choices and chunk.choices[0].delta.content:
@@ -327,7 +171,7 @@ async def test_a_client_that_leaves_closes_its_vllm_call(proxy, vllm, until):
 async def test_a_lost_server_is_a_500_and_health_says_so(proxy, vllm):
     await vllm.runner.cleanup()
     with pytest.raises(openai.InternalServerError) as e:
-        await _client(proxy).completions.create(model="fake-vllm", prompt="a b", max_tokens=2)
+        await client(proxy).completions.create(model="fake-vllm", prompt="a b", max_tokens=2)
     assert "lost the vLLM server" in e.value.body["message"]
     async with httpx.AsyncClient(base_url=proxy.url) as http:
         r = await http.get("/health")
@@ -341,13 +185,13 @@ async def test_a_lost_server_is_found_again_once_its_health_answers(proxy, vllm,
     port = int(vllm.url.rsplit(":", 1)[1])
     await vllm.runner.cleanup()
     with pytest.raises(openai.InternalServerError):
-        await _client(proxy).completions.create(model="fake-vllm", prompt="a b", max_tokens=2)
+        await client(proxy).completions.create(model="fake-vllm", prompt="a b", max_tokens=2)
     backend = proxy.proxy.backend
     assert backend.problem() is not None
-    await _served(vllm, port)  # back, and nobody calls it: its /health says so
+    await served(vllm, port)  # back, and nobody calls it: its /health says so
     try:
         await until(lambda: backend.problem() is None, timeout=10)
-        r = await _client(proxy).completions.create(model="fake-vllm", prompt="a b", max_tokens=2)
+        r = await client(proxy).completions.create(model="fake-vllm", prompt="a b", max_tokens=2)
         assert r.choices[0].text == " w0 w1"
     finally:
         await vllm.runner.cleanup()
@@ -356,11 +200,11 @@ async def test_a_lost_server_is_found_again_once_its_health_answers(proxy, vllm,
 async def test_several_servers_each_take_whole_sessions(tiny_llama, start):
     from tokendance.backend.fleet import Fleet
 
-    fakes = [await _served(FakeVLLM(str(tiny_llama))) for _ in range(2)]
+    fakes = [await served(FakeVLLM(str(tiny_llama))) for _ in range(2)]
     try:
         fleet = await Fleet.connect([f.url for f in fakes], lambda u: VLLMBackend.connect(u))
         server = await start(fleet)
-        c = _client(server)
+        c = client(server)
         for rnd in (1, 2):
             for session in ("red", "blue"):
                 await c.chat.completions.create(model="fake-vllm", messages=user(f"{session} {rnd}"), max_tokens=2,
@@ -376,13 +220,13 @@ async def test_several_servers_each_take_whole_sessions(tiny_llama, start):
 
 
 async def test_a_server_with_an_api_key_gets_it(tiny_llama, start):
-    fake = await _served(FakeVLLM(str(tiny_llama), key="vk"))
+    fake = await served(FakeVLLM(str(tiny_llama), key="vk"))
     try:
         for key, match in ((None, "requires an API key: give it with --engine-api-key"), ("no", "refused the API key")):
             with pytest.raises(BackendError, match=match):
                 await VLLMBackend.connect(fake.url, api_key=key)
         server = await start(await VLLMBackend.connect(fake.url, api_key="vk"))
-        got = await _client(server).chat.completions.create(model="fake-vllm", messages=user("hi"), max_tokens=3)
+        got = await client(server).chat.completions.create(model="fake-vllm", messages=user("hi"), max_tokens=3)
         assert got.choices[0].message.content == " w0 w1 w2" and len(fake.bodies) == 1
     finally:
         await fake.runner.cleanup()
