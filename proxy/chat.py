@@ -45,12 +45,13 @@ def prepare(px: Proxy, call: Call, body: ChatRequest, batch: list[list[Message]]
         call.echo = echo.make([m[-1]["content"] if m[-1]["role"] == "assistant" else "" for m, _ in checked],
                               body.n, False, 0, None)
     known = px.place(call)
+    think = budget(px.config.reasoning, px.backend, body.thinking_token_budget)  # once for every prompt
     for messages, sampling in checked:
         messages, render = px.chat_form(messages, call.tools, template)
         prompt = segment.chat(render, messages, call.meta.separators, known)
         if px.config.reasoning is not None and sampling.structure is not None:  # the model thinks first
             sampling.structure = held_after(sampling.structure, "".join(s.text for s in prompt))
-        sampling.think_budget = budget(px.config.reasoning, px.backend, body.thinking_token_budget)
+        sampling.think_budget = think
         px.prepare(call, [prompt], sampling, body.add_special_tokens)
 
 
