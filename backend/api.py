@@ -13,7 +13,8 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-MODES = ("full", "prefix", "pic", "collective")
+MODES = ("full", "prefix", "pic", "collective", "kvcomm")
+REUSING = ("pic", "collective", "kvcomm")  # the modes that reuse shared segments
 # pic / collective: a shared segment's base KV, prefilled standalone once per round; the
 # KV its producer computed as its output (producer chaining: no prefill; on SmolLM2 it
 # kept fewer debates identical to exact prefill); or the KV of it in a reader's context

@@ -17,6 +17,8 @@ A batch may also carry bases: shared segments computed in this same forward (seq
 without a Mirror, nothing reused, every layer in full). They come before the Mirrors that
 read them, and at the check layer their K/V are stored before any Mirror's deviation
 reads them; in every other layer each token's K/V are stored before attention reads any.
+A prompt without a Mirror may also mark tokens reused (backend/kvcomm.py): their K/V
+from the check layer on are in its own slots already, and stay as they are.
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ from tokendance.kernels.deviation import caps, kv_deviation, select_top_padded
 @dataclass(slots=True)
 class BlendInput:
     seq: Sequence  # a Mirror with its private blocks reserved for the prompt, or a base
-    reused: list[bool]  # per prompt token: its K/V is in the Master (a base: none)
+    reused: list[bool]  # per prompt token: its K/V is in the Master (a base: none; kvcomm: in place)
     start: int = 0  # tokens before it are in place already (an idle agent's restored prefix)
 
 
@@ -142,7 +144,7 @@ def blend(model: Decoder, cache: KVCache, items: list[BlendInput], check_layer: 
         base = upload(torch.where(base >= 0, base, cache.trash), device)
         kc = cache.k[li].view(-1, *k.shape[1:])
         vc = cache.v[li].view(-1, *v.shape[1:])
-        bases = [i for i, it in enumerate(items) if it.seq.mirror is None]
+        bases = [i for i, it in enumerate(items) if it.seq.mirror is None and not any(it.reused)]
         if bases:  # the Master computed in this forward: in place before anyone compares
             own = upload(torch.cat([torch.arange(offsets[i], offsets[i + 1]) for i in bases]), device)
             cache.store(li, k[own], v[own], meta.slots[own])

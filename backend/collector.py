@@ -16,19 +16,19 @@ tokens, except one request's blend when its prompt alone is longer.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TypeVar
 
 import torch
 
 from tokendance.backend.api import REUSE_DEFAULTS, InvalidRequest, SamplingParams
+from tokendance.backend.batches import batches
 from tokendance.backend.blend import BlendInput, blend, early
 from tokendance.backend.blocks import BlockManager
 from tokendance.backend.detok import Detok
 from tokendance.backend.diff import encode
 from tokendance.backend.idle import IdleAgents, resumed_mirror
 from tokendance.backend.keys import Key, segment_key
+from tokendance.backend.kvcomm import AnchorReuse
 from tokendance.backend.masters import bring_back, parked_spans, restorable
 from tokendance.backend.mirror import EARLY, Mirror, Span
 from tokendance.backend.model import Decoder, KVCache
@@ -48,9 +48,9 @@ class ReuseConfig:
     cache_fraction: float = 0.25  # of the pool, for segment bases
     max_tokens: int = 0  # prompt tokens per forward (bases, blend); 0: no limit
     readers: bool = False  # bases from readers' exact prefill (`--bases reader`)
+    anchor_bytes: int = 256 << 20  # kvcomm: its anchors' memory (backend/anchors.py)
 
 
-T = TypeVar("T")
 
 # Reader bases: requests of a group prefilled in full, whose KV of the shared segments in
 # their prompts becomes those segments' bases. Two, since a reader's own last output sits
@@ -62,26 +62,6 @@ READERS = 2
 # Mirrors: each holds its hidden states until its blend (at 16 k tokens of a 7B model,
 # ~115 MB), so a large round does not hold them all at once.
 AHEAD = 4
-
-
-def batches(items: list[T], size: Callable[[T], int], budget: int,
-            remainder_first: bool = False) -> list[list[T]]:
-    """Consecutive runs of `items` whose sizes sum to at most `budget` (0: no limit); an
-    item larger than the budget makes a run of its own. Runs are filled from the front,
-    or with `remainder_first` from the back (as few runs either way): the remainder
-    then makes the first run."""
-    if remainder_first:
-        return [run[::-1] for run in batches(items[::-1], size, budget)[::-1]]
-    out: list[list[T]] = []
-    total = 0
-    for it in items:
-        n = size(it)
-        if not out or (budget and total + n > budget):
-            out.append([])
-            total = 0
-        out[-1].append(it)
-        total += n
-    return out
 
 
 def _span(e: Entry, lo: int, n: int) -> Span:
@@ -101,10 +81,11 @@ class Collector:
         self.model, self.cache, self.blocks, self.runner = model, cache, blocks, runner
         self.segments, self.idle = segments, idle
         self.cfg = cfg
+        self.kvcomm = AnchorReuse(self, cfg.anchor_bytes)
 
     # -- bases ----------------------------------------------------------------------
 
-    def _reserve(self, seq: Sequence, n: int) -> bool:
+    def reserve(self, seq: Sequence, n: int) -> bool:
         """Blocks for seq's first n tokens, evicting unpinned bases if the pool is short."""
         if self.blocks.reserve(seq, n):
             return True
@@ -115,14 +96,14 @@ class Collector:
         """Copy seq's K/V of positions lo .. lo + len(ids) into fresh blocks entered in the
         segment cache under key: a base made of KV computed in seq's context."""
         holder = Sequence(f"{source}-{key.hex()}", ids, SamplingParams(), Detok(None))
-        if not self._reserve(holder, len(ids)):
+        if not self.reserve(holder, len(ids)):
             return None
         b = self.cache.block_size
         rows = torch.arange(len(ids))
         self.cache.copy(seq.slots(rows + lo, EARLY, b, self.cache.trash), holder.slots(rows, EARLY, b, -1))
         return self.segments.put(key, len(ids), holder.blocks, source)
 
-    def _bases(self, missing: dict[Key, list[int]], pinned: list[Entry],
+    def enter_bases(self, missing: dict[Key, list[int]], pinned: list[Entry],
                entered: list[Entry]) -> list[Sequence]:
         """Reserve blocks for every missing segment and enter them in the segment cache,
         pinned (no later reservation may evict a base before it is computed), to be filled
@@ -131,7 +112,7 @@ class Collector:
         out = []
         for key, ids in missing.items():
             seq = Sequence(f"segment-{key}", ids, SamplingParams(), Detok(None))
-            if not self._reserve(seq, len(ids)):
+            if not self.reserve(seq, len(ids)):
                 continue
             e = self.segments.put(key, len(ids), seq.blocks, "standalone")
             if e is not None:
@@ -141,7 +122,7 @@ class Collector:
                 out.append(seq)
         return out
 
-    def _standalone(self, seqs: list[Sequence]) -> list[torch.Tensor]:
+    def standalone(self, seqs: list[Sequence]) -> list[torch.Tensor]:
         """Prefill seqs in full, alone, in forwards of at most max_tokens tokens (a prompt
         may be split across two, as a chunked prefill); each forward's next-token logits
         (of the prompts it ends), in order."""
@@ -173,11 +154,11 @@ class Collector:
             if len(leads) == READERS:
                 break
             if (seq.resume is None and any(k in missing for _, _, k in spans)
-                    and self._reserve(seq, len(seq.prompt))):
+                    and self.reserve(seq, len(seq.prompt))):
                 leads.append((seq, spans))
         if not leads:
             return [], None
-        logits = torch.cat(self._standalone([seq for seq, _ in leads]))
+        logits = torch.cat(self.standalone([seq for seq, _ in leads]))
         best: dict[Key, tuple[Sequence, int]] = {}
         for seq, spans in leads:
             for lo, _, key in spans:
@@ -233,14 +214,16 @@ class Collector:
 
     # -- the group ------------------------------------------------------------------
 
-    def prefill(self, group: list[Sequence], batched: bool) -> tuple[list[Sequence], torch.Tensor | None]:
-        """Prefill what fits of `group`; returns those sequences (KV in place, stats set)
-        and their next-token logits. Sequences left out stay for a later step. If it fails,
-        the bases it entered in the segment cache leave it: they may never have been
-        computed, and nobody may read an empty base."""
+    def prefill(self, group: list[Sequence], mode: str) -> tuple[list[Sequence], torch.Tensor | None]:
+        """Prefill what fits of `group` in `mode` (pic, collective or kvcomm); returns those
+        sequences (KV in place, stats set) and their next-token logits. Sequences left out
+        stay for a later step. If it fails, the bases it entered in the segment cache leave
+        it: they may never have been computed, and nobody may read an empty base."""
+        if mode == "kvcomm":
+            return self.kvcomm.prefill(group)
         entered: list[Entry] = []
         try:
-            return self._prefill(group, batched, entered)
+            return self._prefill(group, mode == "collective", entered)
         except BaseException:
             for e in entered:
                 self.segments.discard(e)
@@ -251,7 +234,7 @@ class Collector:
         pinned: list[Entry] = []
         try:
             # Masters of restored prefixes come back from the host, not prefilled again.
-            masters = bring_back(group, self.segments, self.idle, self._reserve, self.cache.block_size,
+            masters = bring_back(group, self.segments, self.idle, self.reserve, self.cache.block_size,
                                  self.cache.kv.device, pinned, entered)
             keys: list[list[tuple[int, int, Key]]] = []  # per seq: (start, end, key)
             missing: dict[Key, list[int]] = {}
@@ -272,12 +255,12 @@ class Collector:
                 lead_keys = [sp for seq, sp in zip(group, keys) if seq in leads]
                 keys = [sp for seq, sp in zip(group, keys) if seq not in leads]
                 group = [seq for seq in group if seq not in leads]
-            bases = self._bases(missing, pinned, entered)
+            bases = self.enter_bases(missing, pinned, entered)
             # collective computes the bases in its first blend forward, beside the
             # Mirrors that read them, when each fits a forward; pic before, alone.
             fold = batched and all(len(b.prompt) <= (self.cfg.max_tokens or len(b.prompt)) for b in bases)
             if not fold:
-                self._standalone(bases)
+                self.standalone(bases)
             pre = []  # fresh prompts: the GPU starts now, on the first forwards' early layers
             if fold and all(s.resume is None for s in group):
                 runs = batches(bases + group, lambda s: len(s.prompt), self.cfg.max_tokens,
@@ -312,7 +295,7 @@ class Collector:
                 seq.resume = None
         if not ready:
             if fold:
-                self._standalone(bases)
+                self.standalone(bases)
             self._encode(leads, lead_keys)
             return leads, first
         lead = [BlendInput(b, [False] * len(b.prompt)) for b in bases] if fold else []

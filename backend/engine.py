@@ -9,11 +9,12 @@ import structlog
 import torch
 
 from tokendance.backend import heap, loader, pooling, scoring
-from tokendance.backend.api import BASES, Delta, InvalidRequest, Pooling, SamplingParams, Usage, check_mode
+from tokendance.backend.api import BASES, REUSING, Delta, InvalidRequest, Pooling, SamplingParams, Usage, check_mode
 from tokendance.backend.banned import sequences
 from tokendance.backend.blocks import BlockManager
 from tokendance.backend.budget import pool_tokens
-from tokendance.backend.collector import Collector, ReuseConfig, batches
+from tokendance.backend.batches import batches
+from tokendance.backend.collector import Collector, ReuseConfig
 from tokendance.backend.config import DTYPES, EngineConfig, ModelConfig
 from tokendance.backend.detok import Detok, Pieces
 from tokendance.backend.device import host_threads, pick_device
@@ -87,7 +88,7 @@ class Engine:
                                      int(self.cache.num_blocks * cfg.segment_cache_fraction))
         self.scheduler.reclaim = self.segments.evict  # bases go before any request is preempted
         reuse = ReuseConfig(cfg.check_layer, cfg.recompute_ratio, cfg.recompute_floor, max_tokens=budget,
-                            readers=cfg.bases == "reader")
+                            readers=cfg.bases == "reader", anchor_bytes=cfg.anchor_bytes)
         self.idle = IdleAgents(self.cache, cfg.offload_bytes)
         self.collector = Collector(self.model, self.cache, self.blocks, self.runner, self.segments,
                                    self.idle, reuse)
@@ -122,8 +123,7 @@ class Engine:
             shared: list[tuple[int, int]] | None = None, tenant: str = "", publish: bool = False,
             agent: str | None = None, pool: Pooling | None = None) -> None:
         """Queue a request. `shared`: [lo, hi) token spans of shared segments, reused in
-        pic / collective mode; `publish`: keep its output's KV as the next round's base
-        (with producer bases only);
+        the REUSING modes; `publish`: keep its output's KV as the next round's base (producer bases);
         `agent`: who sent it (a session's agent): in pic / collective mode its KV is
         parked when it finishes, and the agent's next request restores the prefix they
         share (`full` stays the no-reuse baseline; `prefix` has its block cache);
@@ -131,7 +131,7 @@ class Engine:
         self.check(prompt, sampling, pool is not None)
         check_mode(mode)
         mode = "full" if sampling.prompt_logprobs is not None else mode  # scored prompts are computed whole
-        mode = "prefix" if pool is not None and mode in ("pic", "collective") else mode
+        mode = "prefix" if pool is not None and mode in REUSING else mode
         if rid in self.seqs:
             raise InvalidRequest(f"duplicate request id {rid}", "id")
         spans = [(lo, hi) for lo, hi in check_spans(shared or [], len(prompt)) if hi - lo >= self.min_shared]
@@ -143,7 +143,7 @@ class Engine:
         seq = Sequence(rid, list(prompt), sampling, Detok.of(self.tokenizer, sampling),
                        generator=gen, ends=ends, mode=mode, shared=spans, tenant=tenant,
                        publish=publish and self.cfg.bases == "producer",
-                       bad=sequences(self.tokenizer, sampling.bad_words),
+                       sender=agent or "", bad=sequences(self.tokenizer, sampling.bad_words),
                        scored=None if sampling.prompt_logprobs is None else scoring.start(prompt, self.pieces),
                        pooling=pool)
         if sampling.think_budget is not None:
@@ -162,7 +162,7 @@ class Engine:
                 self.idle.tier.drop(r.name)  # found in the pool, as `prefix` finds it: no restore
                 r = None
             seq.resume = r
-        if mode in ("pic", "collective") and (seq.shared or seq.resume is not None):
+        if mode in REUSING and (seq.shared or seq.resume is not None):
             self.blend_waiting.append(seq)
         else:
             self.scheduler.add(seq)
@@ -245,7 +245,7 @@ class Engine:
         return out
 
     def _blend(self) -> list[tuple[str, Delta]]:
-        """Prefill waiting pic / collective requests by reuse, then let them decode."""
+        """Prefill waiting requests by reuse, then let them decode."""
         # One sub-batch per step: the oldest waiting requests whose prompts fit the token
         # budget (the first one alone if it is longer), so running sequences decode between
         # sub-batches as they do between chunks of a plain prefill. Its forwards are its
@@ -261,11 +261,11 @@ class Engine:
             take = batches(take, lambda s: len(s.prompt) - (s.resume.length if s.resume else 0),
                            self.scheduler.max_tokens)[0]
         out = []
-        for mode in ("collective", "pic"):
+        for mode in ("collective", "pic", "kvcomm"):
             group = [s for s in take if s.mode == mode]
             if not group:
                 continue
-            ready, logits = self.collector.prefill(group, batched=mode == "collective")
+            ready, logits = self.collector.prefill(group, mode)
             if not ready and not self.scheduler.running:
                 # Not even one fits the pool beside the segment cache: prefill it plainly
                 # (its parked prefix, if any, leaves the host tier now, not when it ends).
@@ -362,9 +362,11 @@ class Engine:
         for s, pub, _ in tails:
             self._close(s, pub)
 
-    def reset_caches(self) -> None:
+    def reset_caches(self, anchors: bool = True) -> None:
         """Forget every reusable KV (segment bases, prefix blocks, idle agents, keys held for
-        decode): a cold start."""
+        decode; kvcomm's anchors too unless `anchors` is False): a cold start."""
+        if anchors:
+            self.collector.kvcomm.anchors.clear()
         for name in list(self.idle.parked):
             self.idle.drop(name)
         self.segments.clear()
@@ -375,13 +377,14 @@ class Engine:
 
     def generate(self, prompts: list[list[int]], sampling: SamplingParams | list[SamplingParams],
                  mode: str = "full", shared: list[list[tuple[int, int]]] | None = None,
-                 publish: bool = False) -> list[tuple[list[int], str, str]]:
-        """Run prompts to completion: (token ids, text, finish reason) each."""
+                 publish: bool = False, agents: list[str] | None = None) -> list[tuple[list[int], str, str]]:
+        """Run prompts to completion: (token ids, text, finish reason) each; `agents`: who sends each."""
         params = sampling if isinstance(sampling, list) else [sampling] * len(prompts)
         ids = [f"gen-{i}" for i in range(len(prompts))]
         results: dict[str, tuple[list[int], list[str], str]] = {r: ([], [], "") for r in ids}
         for i, (rid, prompt, p) in enumerate(zip(ids, prompts, params)):
-            self.add(rid, prompt, p, mode, shared[i] if shared else None, publish=publish)
+            self.add(rid, prompt, p, mode, shared[i] if shared else None, publish=publish,
+                     agent=agents[i] if agents else None)
         while self.has_work():
             for rid, d in self.step():
                 toks, text, _ = results[rid]

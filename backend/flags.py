@@ -21,6 +21,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     add_reuse_args(p)
     p.add_argument("--offload-gib", type=float, default=1.0,
                    help="host memory for idle agents' KV between their rounds (0: off)")
+    p.add_argument("--anchor-gib", type=float, default=0.25,
+                   help="kvcomm: memory for its anchors (a measured segment's base and offset K/V), "
+                        "on the engine's device beside the KV pool")
     p.add_argument("--kv-tokens", type=at_least(0), default=0,
                    help="the KV pool's size in tokens (0: 16 k on the CPU, 85 %% of the GPU's memory "
                         "left free by the weights)")
@@ -108,14 +111,16 @@ def changed(args: argparse.Namespace) -> list[str]:
 
 def engine_options(args: argparse.Namespace) -> dict[str, Any]:
     """EngineConfig's fields from `add_engine_args`' flags (ValueError for a bad one)."""
-    if not 0 <= args.offload_gib < math.inf:
-        raise ValueError("--offload-gib must be a finite number, not negative")
+    for flag in ("offload_gib", "anchor_gib"):
+        if not 0 <= getattr(args, flag) < math.inf:
+            raise ValueError(f"--{flag.replace('_', '-')} must be a finite number, not negative")
     if not 0 <= args.gpu_memory_utilization <= 1:
         raise ValueError("--gpu-memory-utilization must lie in (0, 1]")
     if args.gpu_memory_utilization and args.kv_tokens:
         raise ValueError("--kv-tokens and --gpu-memory-utilization both size the KV pool: give one")
     generation.check(args.generation_config, args.override_generation_config)
     return {"model": args.model, "dtype": args.dtype, "offload_bytes": int(args.offload_gib * 2**30),
+            "anchor_bytes": int(args.anchor_gib * 2**30),
             "kv_tokens": args.kv_tokens, "gpu_memory_utilization": args.gpu_memory_utilization,
             "max_model_len": args.max_model_len, "max_seqs": args.max_num_seqs,
             "max_batched_tokens": args.max_num_batched_tokens, "generation_config": args.generation_config,

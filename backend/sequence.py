@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from tokendance.backend.api import Pooling, SamplingParams
+from tokendance.backend.api import REUSING, Pooling, SamplingParams
 from tokendance.backend.detok import Detok
 from tokendance.backend.mirror import Mirror
 from tokendance.backend.pool import flat_slots
@@ -40,9 +40,10 @@ class Sequence:
     status: Status = Status.WAITING
     finish_reason: str | None = None
     preemptions: int = 0
-    mode: str = "full"  # full | prefix | pic | collective
+    mode: str = "full"  # one of api.MODES
     shared: list[tuple[int, int]] = field(default_factory=list)  # [lo, hi) of shared segments
     tenant: str = ""
+    sender: str = ""  # who sent it (its session's agent): kvcomm's placeholders are per agent
     publish: bool = False  # keep the KV of the output as a base for the next round
     recomputed: int = 0  # reused prompt tokens recomputed selectively
     reader: bool = False  # prefilled in full to give the round's bases (`--bases reader`)
@@ -61,9 +62,9 @@ class Sequence:
 
     @property
     def prefix_cache(self) -> bool:
-        """Exact prefix caching: a `prefix` request, or a pic / collective one computed
-        plainly (no shared segment, nothing restored), whose KV is as exact."""
-        return self.mode == "prefix" or (self.mode in ("pic", "collective") and not self.shared
+        """Exact prefix caching: a `prefix` request, or a reusing one computed plainly (no
+        shared segment, nothing restored), whose KV is as exact."""
+        return self.mode == "prefix" or (self.mode in REUSING and not self.shared
                                          and self.resume is None and self.mirror is None)
 
     @property

@@ -17,7 +17,7 @@ from collections import Counter
 
 import torch
 
-from tokendance.backend.api import BASES, MODES, REUSE_DEFAULTS, Request, SamplingParams, Segment
+from tokendance.backend.api import BASES, MODES, REUSE_DEFAULTS, REUSING, Request, SamplingParams, Segment
 from tokendance.backend.config import EngineConfig
 from tokendance.backend.engine import Engine
 from tokendance.backend.keys import segment_key
@@ -62,15 +62,21 @@ def requests(be: EngineBackend, mode: str, question: str, answers: list[str] | N
     return out
 
 
+def agents(prepared) -> list[str]:
+    """Debater i of a round is agent d<i> (kvcomm's anchors are per agent)."""
+    return [f"d{i}" for i in range(len(prepared))]
+
+
 def run(eng: Engine, prepared, mode: str, producer: bool = False) -> list[str]:
     """One round's answers. Without `producer` every reusable KV is forgotten first, so
     each shared segment's base is prefilled standalone; with it (`--bases producer`), each
-    answer's KV is kept as its base for the next round (producer chaining)."""
+    answer's KV is kept as its base for the next round (producer chaining). kvcomm's
+    anchors stay: they are what it learns from one round for the next."""
     if not producer:
-        eng.reset_caches()
+        eng.reset_caches(anchors=False)
     toks = [p.state for p in prepared]
     res = eng.generate([t.ids for t in toks], prepared[0].request.sampling, mode=mode,
-                       shared=[t.shared for t in toks], publish=producer)
+                       shared=[t.shared for t in toks], publish=producer, agents=agents(prepared))
     return [text for _, text, _ in res]
 
 
@@ -92,19 +98,19 @@ def teacher_forced(eng: Engine, prepared, mode: str, cont: list[list[int]], prod
     continuations whether this mode's argmax picks it (the first from the prefill's
     logits, each later one fed the ones before), (shared tokens, of them held privately:
     patches, or what a reader does not share) over the prompts, the prefill's next-token
-    log-probabilities [N, vocab], and which prompts read reused KV (Mirrors; not
-    readers, which reader bases prefill in full). With `producer`, the segment cache
-    keeps its producers' bases."""
+    log-probabilities [N, vocab], and which prompts read reused KV (Mirrors, not
+    readers, which reader bases prefill in full; kvcomm's predicted prompts). With
+    `producer`, the segment cache keeps its producers' bases."""
     if not producer:
-        eng.reset_caches()
+        eng.reset_caches(anchors=False)
     seqs = []
-    for i, p in enumerate(prepared):
+    for i, (p, who) in enumerate(zip(prepared, agents(prepared))):
         tok = p.state
         eng.add(f"tf-{mode}-{i}", tok.ids, SamplingParams(max_tokens=1, temperature=0), mode=mode,
-                shared=tok.shared)
+                shared=tok.shared, agent=who)
         seqs.append(eng.seqs[f"tf-{mode}-{i}"])
-    if mode in ("pic", "collective"):
-        ready, first = eng.collector.prefill(seqs, batched=mode == "collective")
+    if mode in REUSING:
+        ready, first = eng.collector.prefill(seqs, mode)
         assert ready == seqs
     else:
         for s in seqs:
@@ -113,7 +119,7 @@ def teacher_forced(eng: Engine, prepared, mode: str, cont: list[list[int]], prod
     kvs = [layer_kv(eng, s) for s in seqs]
     # Held privately for the shared segments: all a request holds but its other tokens.
     counts = (sum(s.shared_tokens for s in seqs), sum(s.held - (len(s.prompt) - s.shared_tokens) for s in seqs))
-    mirrors = [s.mirror is not None and not s.reader for s in seqs]
+    mirrors = [(s.mirror is not None and not s.reader) or (s.mode == "kvcomm" and s.cached > 0) for s in seqs]
     hits = []
     for s, c, f in zip(seqs, cont, first.argmax(-1).tolist()):
         s.out = list(c[:-1])
@@ -137,8 +143,14 @@ def open_loop(eng: Engine, be: EngineBackend, modes: list[str], n0: int, questio
     agree = {m: [] for m in modes}
     kl = {m: [] for m in modes}  # per agent: KL(full || mode) of the first token's distribution
     counts = {m: [0, 0] for m in modes[1:]}  # shared tokens, held privately
+    read = {m: 0 for m in modes[1:]}  # prompts that read reused KV
+    eng.reset_caches()
+    if "kvcomm" in modes:  # its anchors: another question's round 2, prefilled exactly
+        q = QUESTIONS[questions % len(QUESTIONS)]
+        first = run(eng, requests(be, "full", q, None, n0, greedy), "full", producer)
+        run(eng, requests(be, "kvcomm", q, first, n0, greedy), "kvcomm", producer)
     for q in QUESTIONS[:questions]:
-        eng.reset_caches()
+        eng.reset_caches(anchors=False)
         first = run(eng, requests(be, "full", q, None, n0, greedy), "full", producer)
         prepared = {m: requests(be, m, q, first, n0, greedy) for m in modes}
         full_out = eng.generate([p.state.ids for p in prepared["full"]], SamplingParams(max_tokens=24, temperature=0, ignore_eos=True))
@@ -152,6 +164,7 @@ def open_loop(eng: Engine, be: EngineBackend, modes: list[str], n0: int, questio
             kl[m] += [d for d, r in zip((ref.exp() * (ref - lp)).sum(-1).tolist(), reads) if r]
             counts[m][0] += shared
             counts[m][1] += held
+            read[m] += sum(reads)
             for kv, ex, p, r in zip(kvs, exact, prepared[m], reads):
                 if not r:
                     continue
@@ -162,10 +175,12 @@ def open_loop(eng: Engine, be: EngineBackend, modes: list[str], n0: int, questio
                 devs[m].append((diff / ex[:, 1, mask].flatten(2).norm(dim=-1).clamp_min(1e-9)).mean(-1))
     layers = eng.mcfg.num_layers
     picks = sorted(l for l in {1, 2, 5, 10, layers // 2, layers - 1} if l < layers)
+    out.append(f"\nPrompts that read reused KV, of {n0 * questions}: "
+               + ", ".join(f"{m} {read[m]}" for m in modes[1:]) + " (kvcomm's others had no anchor for a segment)")
     out.append("\nPer-layer mean relative V deviation of reused tokens from exact (round-2 prompts; here")
     out.append("and below, over the prompts that read reused KV: with reader bases, not the readers):")
     out.append("| mode | " + " | ".join(f"layer {l}" for l in picks) + " |\n|---|" + "---|" * len(picks))
-    for m in modes[1:]:
+    for m in (m for m in modes[1:] if devs[m]):
         d = torch.stack(devs[m]).mean(0)
         out.append(f"| {m} | " + " | ".join(f"{d[l]:.3f}" for l in picks) + " |")
     out.append("\nTeacher-forced greedy agreement with full (24 tokens per agent; the first token")
@@ -174,7 +189,7 @@ def open_loop(eng: Engine, be: EngineBackend, modes: list[str], n0: int, questio
     out.append("Mirror compression = shared / held privately):")
     out.append("| mode | agreement | first token | KL mean | KL max | shared tokens | held privately | compression |\n"
                "|---|---|---|---|---|---|---|---|")
-    for m in modes:
+    for m in (m for m in modes if agree[m]):
         shared, rec = counts.get(m, (0, 0))
         comp = f"{shared / rec:.2f}x" if rec else "-"
         every = statistics.mean(x for h in agree[m] for x in h)
@@ -255,6 +270,7 @@ def main(args: argparse.Namespace) -> int:
     print("| N | mode | debates with no divergence | agents never diverged | "
           "mean first divergent round (diverged agents) |\n|---|---|---|---|---|")
     bases: Counter = Counter()
+    kvcomm = eng.collector.kvcomm
     for n in args.agents:
         firsts: dict[str, list[int | None]] = {m: [] for m in modes[1:]}
         clean = {m: 0 for m in modes[1:]}
@@ -269,4 +285,7 @@ def main(args: argparse.Namespace) -> int:
             mean = f"{statistics.mean(div):.2f}" if div else "-"
             print(f"| {n} | {m} | {clean[m]}/{args.loops} | {len(firsts[m]) - len(div)}/{len(firsts[m])} | {mean} |")
     print("Shared segments by base: " + ", ".join(f"{n} {src}" for src, n in sorted(bases.items())) + ".")
+    if "kvcomm" in modes:
+        print(f"kvcomm: {kvcomm.predicted} requests read predicted offsets, {kvcomm.measured} with reused "
+              "segments were prefilled exactly (no anchor covered one; their offsets became anchors).")
     return 0

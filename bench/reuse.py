@@ -38,15 +38,17 @@ class Played:
     seconds: float
     computed: float  # tokens computed: token-layers / layers
     usage: list[Usage]  # per agent
+    predicted: int  # kvcomm: requests that read predicted offsets (the rest prefilled exactly)
 
 
 def play(eng: Engine, rnd: Round, mode: str, sampling: SamplingParams = ONE, tag: str = "r",
          agents: bool = False, serial: bool = False) -> Played:
     """One round to its end on the engine as it is (callers reset caches for a cold one);
-    with `agents`, request i names agent a<i> (its KV is parked, backend/idle.py); with
-    `serial`, each request is added only once the one before it has finished."""
+    with `agents`, request i names agent a<i> (pic / collective park its KV,
+    backend/idle.py; kvcomm's anchors are its own); with `serial`, each request is added
+    only once the one before it has finished."""
     sync(eng.device)
-    work0 = eng.runner.work
+    work0, predicted0 = eng.runner.work, eng.collector.kvcomm.predicted
     ids = [f"{tag}{i}" for i in range(rnd.agents)]
     answers: dict[str, list[int]] = {rid: [] for rid in ids}
     usage: dict[str, Usage] = {}
@@ -67,18 +69,22 @@ def play(eng: Engine, rnd: Round, mode: str, sampling: SamplingParams = ONE, tag
     sync(eng.device)
     dt = time.perf_counter() - t0
     return Played([answers[r] for r in ids], dt, (eng.runner.work - work0) / len(eng.model.layers),
-                  [usage[r] for r in ids])
+                  [usage[r] for r in ids], eng.collector.kvcomm.predicted - predicted0)
 
 
 def cold(eng: Engine, rnd: Round, mode: str, sampling: SamplingParams = ONE, serial: bool = False,
-         readers: bool = False) -> Played:
+         readers: bool = False, rehearsal: Round | None = None) -> Played:
     """The round from cold caches (prefill, and decode past one token); with `readers`,
-    its shared segments' bases come from readers (`--bases reader`), else as configured."""
+    its shared segments' bases come from readers (`--bases reader`), else as configured.
+    kvcomm keeps the anchors an exact kvcomm round of `rehearsal` measured (untimed)."""
     eng.reset_caches()
+    if mode == "kvcomm" and rehearsal is not None:
+        play(eng, rehearsal, mode, tag="x", agents=True)
+        eng.reset_caches(anchors=False)
     own = eng.collector.cfg.readers
     eng.collector.cfg.readers = readers or own
     try:
-        return play(eng, rnd, mode, sampling, serial=serial)
+        return play(eng, rnd, mode, sampling, serial=serial, agents=mode == "kvcomm")
     finally:
         eng.collector.cfg.readers = own
 
@@ -109,18 +115,21 @@ def bench(eng: Engine, agents: list[int], history: int, output: int, repeats: in
             | {f"reader {mode}": (mode, False, True) for mode in readers})
     for n in agents:
         rnd = make_round(n, history, output, vocab, seed=seed + n)
+        # kvcomm's anchors: an earlier round whose outputs are as long as any of this one's
+        # (an anchor predicts a segment no longer than itself).
+        earlier = make_round(n, history, int(output * 1.25) + 1, vocab, seed=seed + n + 1, jitter=0.0)
         # Warm-up: every mode once, with a few decode steps (Triton compiles a kernel
         # variant the first time a batch shape needs it).
         for mode, one, rd in runs.values():
             cold(eng, rnd, mode, SamplingParams(max_tokens=min(decode, 4), temperature=0,
-                                                ignore_eos=True), one, rd)
+                                                ignore_eos=True), one, rd, earlier)
         # The modes take turns, repeat by repeat: a slow spell of the machine then falls
         # on every mode alike instead of on one mode's repeats.
         times: dict[str, list[float]] = {name: [] for name in runs}
         last: dict[str, Played] = {}
         for _ in range(repeats):
             for name, (mode, one, rd) in runs.items():
-                last[name] = cold(eng, rnd, mode, sampling, one, rd)
+                last[name] = cold(eng, rnd, mode, sampling, one, rd, earlier)
                 times[name].append(last[name].seconds)
         res = {name: (statistics.median(times[name]), last[name].computed,
                       *footprint(eng, rnd, mode, last[name].usage)) for name, (mode, *_) in runs.items()}
@@ -131,7 +140,8 @@ def bench(eng: Engine, agents: list[int], history: int, output: int, repeats: in
             rows.append(dict(agents=n, mode=name, max_tokens=decode, ms=1000 * t, computed=w, limit=limit,
                              footprint=foot, compression=comp, ratio=eng.collector.cfg.ratio,
                              prompt_tokens=rnd.prompt_tokens, shared=rnd.shared_tokens,
-                             vs_pic=vs("pic", t), vs_serial_pic=vs("serial pic", t), vs_full=vs("full", t)))
+                             vs_pic=vs("pic", t), vs_serial_pic=vs("serial pic", t), vs_full=vs("full", t),
+                             predicted=last[name].predicted if runs[name][0] == "kvcomm" else None))
     return rows
 
 
@@ -143,7 +153,8 @@ def table(rows: list[dict]) -> str:
     out = [head, "|" + "---|" * 11]
     for r in rows:
         f = lambda v: "" if v is None else f"{v:.2f}x"  # noqa: E731
-        out.append(f"| {r['agents']} | {r['mode']} | {r['ms']:.0f} | {r['computed']:.0f} | {r['limit']:.0f} | "
+        mode = r["mode"] if r.get("predicted") is None else f"{r['mode']} ({r['predicted']}/{r['agents']} predicted)"
+        out.append(f"| {r['agents']} | {mode} | {r['ms']:.0f} | {r['computed']:.0f} | {r['limit']:.0f} | "
                    f"{r['computed'] / r['limit']:.2f} | {f(r['vs_pic'])} | {f(r['vs_serial_pic'])} | "
                    f"{f(r['vs_full'])} | {f(r['footprint'])} | {f(r['compression'])} |")
     return "\n".join(out)

@@ -51,10 +51,10 @@ async def test_a_request_that_ended_in_a_failing_step_gets_the_error(tiny_llama,
     core = AsyncEngine(eng)
     prefill = eng.collector.prefill
 
-    def pic_fails(group, batched):
-        if not batched:
+    def pic_fails(group, mode):
+        if mode == "pic":
             raise RuntimeError("injected")
-        return prefill(group, batched)
+        return prefill(group, mode)
 
     monkeypatch.setattr(eng.collector, "prefill", pic_fails)
     prompts, spans = round_prompts(2, seed=3, hist=20, out=15)

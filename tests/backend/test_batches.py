@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from tokendance.backend.collector import batches
+from tokendance.backend.batches import batches
 
 
 def _check(items: list[int], runs: list[list[int]], budget: int) -> None:

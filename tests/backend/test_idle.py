@@ -240,7 +240,7 @@ def test_a_resume_that_falls_back_to_plain_prefill_frees_its_parked_kv(tiny_llam
     prompts, spans = next_round(prompts, spans, outs, seed=10)
     eng.add("x", prompts[0], GREEDY, mode="collective", shared=spans[0], agent="a0")
     assert eng.seqs["x"].resume is not None and "\0a0" in eng.idle.tier
-    monkeypatch.setattr(eng.collector, "prefill", lambda group, batched: ([], None))
+    monkeypatch.setattr(eng.collector, "prefill", lambda group, mode: ([], None))
     toks = [t for _, d in eng.step() for t in d.token_ids]  # the fallback, prefilled plainly
     assert "\0a0" not in eng.idle.tier and eng.seqs["x"].resume is None
     while eng.has_work():

@@ -53,7 +53,7 @@ def _resumed_logits(evict: bool, tiny_llama) -> tuple[torch.Tensor, Engine]:
     eng.add("f3", p + outs["f"] + _ids(g, 6), GREEDY, mode="collective", shared=sp, agent="f")
     seq = eng.seqs["f3"]
     assert seq.resume is not None
-    ready, logits = eng.collector.prefill([seq], batched=True)
+    ready, logits = eng.collector.prefill([seq], "collective")
     assert ready == [seq]
     return logits, eng
 
@@ -82,7 +82,7 @@ def test_an_agent_whose_base_was_replaced_is_prefilled_whole(tiny_llama):
     for agent in ("c", None):  # c resumes (or not); the same prompt without a parked prefix
         eng.add(f"x-{agent}", prompt, GREEDY, mode="collective", shared=sp, agent=agent)
         seq = eng.seqs[f"x-{agent}"]
-        ready, logits = eng.collector.prefill([seq], batched=True)
+        ready, logits = eng.collector.prefill([seq], "collective")
         assert ready == [seq]
         got.append((seq.cached, logits))
         eng.abort(seq.id)

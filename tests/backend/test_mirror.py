@@ -115,7 +115,7 @@ def test_decode_through_mirror_tables_equals_a_dense_copy(engine):
     for i, (p, sp) in enumerate(zip(prompts, spans)):
         engine.add(f"x{i}", p, GREEDY, mode="collective", shared=sp)
         seqs.append(engine.seqs[f"x{i}"])
-    engine.collector.prefill(seqs, batched=True)
+    engine.collector.prefill(seqs, "collective")
     # A dense twin of each Mirror: the K/V every layer reads, copied into its own blocks.
     b, check = engine.cache.block_size, engine.collector.cfg.check_layer
     twins = []

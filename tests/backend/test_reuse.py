@@ -49,7 +49,7 @@ def prefill(eng: Engine, mode: str, prompts, spans, ratio: float | None = None):
     for i, (p, sp) in enumerate(zip(prompts, spans)):
         eng.add(f"{mode}-{i}", p, GREEDY, mode=mode, shared=sp)
         seqs.append(eng.seqs[f"{mode}-{i}"])
-    ready, logits = eng.collector.prefill(seqs, batched=mode == "collective")
+    ready, logits = eng.collector.prefill(seqs, mode)
     assert ready == seqs
     return seqs, logits
 
@@ -331,7 +331,7 @@ def test_idle_engine_takes_the_whole_round_in_one_step(tiny_llama, monkeypatch):
             eng.step()  # prefilled: it decodes from now on
         calls = []
         real = eng.collector.prefill
-        monkeypatch.setattr(eng.collector, "prefill", lambda g, batched: calls.append(len(g)) or real(g, batched))
+        monkeypatch.setattr(eng.collector, "prefill", lambda g, mode: calls.append(len(g)) or real(g, mode))
         for i, (p, sp) in enumerate(zip(prompts, spans)):
             eng.add(f"r{i}", p, GREEDY, mode="collective", shared=sp)
         n, decoded = 0, 0

@@ -94,7 +94,7 @@ def test_an_agent_whose_second_master_finds_no_room_is_prefilled(tiny_llama, mon
     eng.segments.clear()  # the Masters now live only on the host
     p2 = p + out + [11, 12, 13]
     holders = []
-    reserve = eng.collector._reserve
+    reserve = eng.collector.reserve
 
     def second_master_fails(seq, n):
         if seq.id.startswith("master-"):
@@ -103,7 +103,7 @@ def test_an_agent_whose_second_master_finds_no_room_is_prefilled(tiny_llama, mon
                 return False
         return reserve(seq, n)
 
-    monkeypatch.setattr(eng.collector, "_reserve", second_master_fails)
+    monkeypatch.setattr(eng.collector, "reserve", second_master_fails)
     got = run(eng, [p2], [sp], "collective", agents=True)
     assert len(holders) == 2
     assert got == run(engine(tiny_llama), [p2], [sp], "full")

@@ -25,6 +25,19 @@ def test_footprint_and_compression(tiny_llama, ratio: float):
     assert "Mirror compression" in reuse.table(list(rows.values()))
 
 
+def test_kvcomm_rounds_read_anchors_of_an_earlier_round(make_model):
+    """Every agent's segments find an anchor (the earlier round's outputs are longer):
+    each request reads predicted offsets, computes fewer tokens than full (past the
+    check layer only its own) and, its corrected K/V its own, holds a dense cache."""
+    eng = Engine(model=str(make_model("llama", num_hidden_layers=8)), dtype="float32", kv_tokens=16384)
+    rows = {r["mode"]: r for r in reuse.bench(eng, [3], 24, 40, 1, ["full", "kvcomm"])}
+    kv = rows["kvcomm"]
+    assert kv["predicted"] == 3 and rows["full"]["predicted"] is None
+    assert kv["computed"] < rows["full"]["computed"]
+    assert kv["footprint"] == pytest.approx(1.0) and kv["compression"] is None
+    assert "| 3 | kvcomm (3/3 predicted) |" in reuse.table(list(rows.values()))
+
+
 def test_floor_and_profile_flags(tiny_llama, bench):
     out = bench(reuse, "--model", str(tiny_llama), "--dtype", "float32", "--agents", "3", "--history", "24",
                 "--output", "30", "--repeats", "1", "--modes", "full,collective", "--floor", "1e9",
@@ -42,8 +55,8 @@ def test_modes_take_turns(tiny_llama, monkeypatch):
     eng = Engine(model=str(tiny_llama), dtype="float32", kv_tokens=8192)
     order = []
     real = reuse.cold
-    monkeypatch.setattr(reuse, "cold", lambda e, rnd, mode, sp=reuse.ONE, one=False, rd=False:
-                        order.append((mode, one, rd)) or real(e, rnd, mode, sp, one, rd))
+    monkeypatch.setattr(reuse, "cold", lambda e, rnd, mode, sp=reuse.ONE, one=False, rd=False, earlier=None:
+                        order.append((mode, one, rd)) or real(e, rnd, mode, sp, one, rd, earlier))
     reuse.bench(eng, [2], 24, 8, 3, ["full", "pic", "collective"], serial=["pic"], readers=["collective"])
     turn = [("full", False, False), ("pic", False, False), ("collective", False, False),
             ("pic", True, False), ("collective", False, True)]

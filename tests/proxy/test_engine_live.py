@@ -27,6 +27,15 @@ def user(text: str) -> list[dict]:
     return [{"role": "user", "content": text}]
 
 
+async def marked(c: openai.AsyncOpenAI, model: str, text: str, session: str, agent: str, r: int,
+                 mode: str) -> openai.types.chat.ChatCompletion:
+    """A three-token greedy turn of a session's agent, its shared block marked by separators."""
+    return await c.chat.completions.create(
+        model=model, messages=user(text), max_tokens=3, temperature=0,
+        extra_body={"tokendance": {"session": session, "agent": agent, "round": r, "separators": True,
+                                   "mode": mode}})
+
+
 def test_sync_stream_equals_whole_answer(client, model):
     kw = dict(model=model, messages=user("Tell me a story."), max_tokens=6, temperature=0)
     whole = client.chat.completions.create(**kw)
@@ -79,11 +88,8 @@ async def test_async_round_is_one_group_and_reuses_shared_blocks(engine_live, mo
     agents = ["a", "b", "c", "d"]
     block = " ".join(f"fact{i}" for i in range(40))
 
-    async def turn(a: str, r: int) -> openai.types.chat.ChatCompletion:
-        return await c.chat.completions.create(
-            model=model, messages=user(f"I am {a}.{SEP}{block}{SEP}Answer briefly."), max_tokens=3,
-            temperature=0, extra_body={"tokendance": {"session": "eng", "agent": a, "round": r,
-                                                      "separators": True, "mode": "collective"}})
+    def turn(a: str, r: int):
+        return marked(c, model, f"I am {a}.{SEP}{block}{SEP}Answer briefly.", "eng", a, r, "collective")
 
     async with httpx.AsyncClient() as http:
         opened = await http.post(engine_live.url + "/v1/tokendance/sessions/eng/rounds/1",
@@ -340,3 +346,32 @@ def test_vllms_sampling_extras_arrive(client, model, direct):
     chunks = client.completions.create(model=model, prompt=PENALIZED, max_tokens=24, temperature=0, stop=[stop],
                                        extra_body=body, stream=True)
     assert r.choices[0].text == want == "".join(c.choices[0].text for c in chunks)
+
+
+async def test_kvcomm_rounds_measure_anchors_then_read_them(engine_live, model):
+    """kvcomm through the proxy: an agent's first round is prefilled exactly (nothing
+    reused), and measures its anchors; its next round reads another block at the same
+    place as base + offset (reused, not recomputed), each agent's cache its own."""
+    c = openai.AsyncOpenAI(base_url=engine_live.url + "/v1", api_key="sk-test", max_retries=0)
+    agents = ["a", "b", "c"]
+    blocks = [" ".join(f"fact{i}" for i in range(40)), " ".join(f"rule{i}" for i in range(20))]
+
+    def turn(a: str, r: int):
+        return marked(c, model, f"I am {a}.{SEP}{blocks[r - 1]}{SEP}Answer briefly.", "kvc", a, r, "kvcomm")
+
+    async with httpx.AsyncClient() as http:
+        opened = await http.post(engine_live.url + "/v1/tokendance/sessions/kvc/rounds/1", json={"agents": agents})
+        assert opened.status_code == 200
+        for r in (1, 2):
+            rs = await asyncio.gather(*[turn(a, r) for a in agents])
+            stats = (await http.get(engine_live.url + f"/v1/tokendance/sessions/kvc/rounds/{r}")).json()
+            assert stats["shared_tokens"] > 0 and stats["recomputed_tokens"] == 0
+            for x in rs:
+                ext = x.usage.model_extra["tokendance"]
+                assert ext["kv_held_bytes"] == ext["kv_dense_bytes"]  # corrected K/V is each agent's own
+                cached = x.usage.prompt_tokens_details.cached_tokens or 0
+                assert (cached > 0) == (r == 2), (r, cached)
+        seen = metrics(await http.get(engine_live.url + "/metrics"))
+    assert seen["tokendance_engine_kvcomm_measured_total"] == seen["tokendance_engine_kvcomm_predicted_total"] == 3
+    assert seen["tokendance_engine_kvcomm_anchor_bytes"] > 0
+    await c.close()

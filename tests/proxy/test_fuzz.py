@@ -12,6 +12,8 @@ from typing import Any
 import aiohttp
 import pytest
 
+from tokendance.backend.api import MODES
+
 WILD = [None, True, False, 0, 1, -1, 3, 0.5, -0.5, 1.5, 2**31, 2**63, 2**64, 1e308, -1e308, 1e-320, "", "x",
         "auto", "none", "required", "json_object", "function", "user", "tool", "collective", [], {}, [1, 2],
         ["a"], {"a": 1}, "\u0000", "a" * 3000]
@@ -40,7 +42,7 @@ PLAUSIBLE: dict[str, Any] = {
         "name": "x", "schema": {"type": "object", "properties": {"k": {"type": "string"}}}}}],
     "structured_outputs": [{"regex": "[a-c]{2,5}"}, {"choice": ["yes", "no"]}, {"grammar": 'root ::= "x" | "yy"'}],
     "tokendance": [{"session": s, "agent": a, "round": r, "mode": m} for s in ("s1", "s2") for a in "ab"
-                   for r in (1, 2) for m in ("full", "prefix", "pic", "collective")],
+                   for r in (1, 2) for m in MODES],
     "tools": [TOOLS], "tool_choice": ["auto", "none", "required", {"type": "function", "function": {"name": "f"}}],
     "parallel_tool_calls": [False], "logprobs": [True, 2], "top_logprobs": [0, 3], "prompt_logprobs": [0, 2],
     "allowed_token_ids": [[5, 6], [17]], "bad_words": [["a"], ["the end", "x"]], "return_token_ids": [True],

@@ -1,0 +1,127 @@
+"""The `kvcomm` mode: shared segments read at their base KV plus an offset predicted
+from anchors (backend/anchors.py), nothing of them recomputed past the check layer.
+
+A group's requests each get a dense cache (no Mirror: every request's corrected K/V
+is its own). A request whose every reused segment finds its prediction gets base +
+offset written at those tokens, from the check layer on, and its own tokens computed
+over them: the layers before the check layer run for every token (exact, as in
+`pic`), the later ones for its own tokens only (backend/blend.py with nothing
+selected). A request with a segment no anchor predicts is prefilled exactly, in the
+same batch, and each of its segments' offsets becomes an anchor. The segments' bases
+are prefilled standalone once per round, as `pic` does.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from tokendance.backend.anchors import Anchors, Place
+from tokendance.backend.batches import batches
+from tokendance.backend.blend import BlendInput, blend
+from tokendance.backend.keys import Key, segment_key
+from tokendance.backend.mirror import EARLY
+from tokendance.backend.pool import flat_slots
+from tokendance.backend.segments import Entry
+from tokendance.backend.sequence import Sequence
+
+if TYPE_CHECKING:
+    from tokendance.backend.collector import Collector
+
+# Anchors a placeholder keeps: a simulation's round gives each one at most one exact
+# measurement, and a context several rounds old has moved on (KVCOMM keeps up to 20).
+PER_PLACE = 4
+
+Found = tuple[int, int, int, Entry]  # (ordinal in the prompt, lo, hi, base entry)
+
+
+class AnchorReuse:
+    def __init__(self, col: "Collector", budget: int):
+        self.col = col
+        self.anchors = Anchors(PER_PLACE, budget)
+        self.predicted = 0  # requests whose segments read base + predicted offset
+        self.measured = 0  # requests with reused segments prefilled exactly: they gave anchors
+
+    def prefill(self, group: list[Sequence]) -> tuple[list[Sequence], torch.Tensor | None]:
+        """Collector.prefill in `kvcomm` mode."""
+        entered: list[Entry] = []
+        try:
+            return self._prefill(group, entered)
+        except BaseException:
+            for e in entered:
+                self.col.segments.discard(e)
+            raise
+
+    def _flat(self) -> torch.Tensor:
+        return self.col.cache.kv.flatten(2, 3)  # [layers, 2, slots, heads, dim]
+
+    def _read(self, slots: torch.Tensor) -> torch.Tensor:
+        """A copy of the K/V at slots from the check layer on."""
+        return self._flat()[self.col.cfg.check_layer:, :, slots.to(self.col.cache.kv.device)]
+
+    def _base(self, e: Entry) -> torch.Tensor:
+        return self._read(flat_slots(e.blocks, torch.arange(e.ntokens), self.col.cache.block_size))
+
+    def _rows(self, seq: Sequence, lo: int, hi: int) -> torch.Tensor:
+        return seq.slots(torch.arange(lo, hi), EARLY, self.col.cache.block_size, self.col.cache.trash)
+
+    def _prefill(self, group: list[Sequence], entered: list[Entry]) -> tuple[list[Sequence], torch.Tensor | None]:
+        col = self.col
+        c = col.cfg.check_layer
+        pinned: list[Entry] = []
+        ready: list[Sequence] = []
+        items: list[BlendInput] = []
+        exact: list[tuple[Sequence, list[Found], list[torch.Tensor]]] = []
+        try:
+            keys: list[list[tuple[int, int, Key]]] = []
+            missing: dict[Key, list[int]] = {}
+            for seq in group:
+                spans = [(lo, hi, segment_key(seq.tenant, seq.prompt[lo:hi])) for lo, hi in seq.shared]
+                missing.update((k, seq.prompt[lo:hi]) for lo, hi, k in spans if col.segments.get(k) is None)
+                keys.append(spans)
+            col.standalone(col.enter_bases(missing, pinned, entered))
+            entries: dict[Key, Entry] = {}
+            for k in {k for spans in keys for _, _, k in spans}:
+                if (e := col.segments.get(k)) is not None:
+                    col.segments.pin(e)
+                    pinned.append(e)
+                    entries[k] = e
+            for seq, spans in zip(group, keys):
+                if not col.reserve(seq, len(seq.prompt)):
+                    break  # it waits for a later step, as do those after it
+                found = [(j, lo, hi, entries[k]) for j, (lo, hi, k) in enumerate(spans) if k in entries]
+                bases = [self._base(e) for *_, e in found]
+                offsets = [self.anchors.offset(self._place(seq, j), b) for (j, *_), b in zip(found, bases)]
+                reused = [False] * len(seq.prompt)
+                if found and all(o is not None for o in offsets):
+                    flat = self._flat()
+                    for (_, lo, hi, _), b, o in zip(found, bases, offsets):
+                        flat[c:, :, self._rows(seq, lo, hi).to(flat.device)] = b + o
+                        reused[lo:hi] = [True] * (hi - lo)
+                    reused[-1] = False  # the last prompt token is always computed: it samples
+                elif found:
+                    exact.append((seq, found, bases))
+                ready.append(seq)
+                items.append(BlendInput(seq, reused))
+        finally:
+            for e in pinned:
+                col.segments.unpin(e)
+        if not ready:
+            return [], None
+        subs = batches(items, lambda it: len(it.seq.prompt), col.cfg.max_tokens, remainder_first=True)
+        parts = [blend(col.model, col.cache, sub, c, 0.0) for sub in subs]
+        col.runner.work += sum(p.work for p in parts)
+        self.measured += len(exact)
+        self.predicted += sum(any(it.reused) for it in items)
+        for seq, found, bases in exact:  # their K/V are exact now: measure each offset
+            for (j, lo, hi, _), b in zip(found, bases):
+                self.anchors.add(self._place(seq, j), b, self._read(self._rows(seq, lo, hi)) - b)
+        for seq, it in zip(ready, items):
+            seq.cached, seq.recomputed = sum(it.reused), 0
+            seq.computed = len(seq.prompt)
+        return ready, torch.cat([p.logits for p in parts])
+
+    @staticmethod
+    def _place(seq: Sequence, j: int) -> Place:
+        return seq.tenant, seq.sender, j

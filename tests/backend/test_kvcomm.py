@@ -1,0 +1,139 @@
+"""kvcomm mode: exact rounds measure anchors; later rounds read base + predicted offset."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tokendance.backend.anchors import Anchors
+from tokendance.backend.engine import Engine
+from tokendance.backend.keys import segment_key
+from tokendance.backend.scheduler import Scheduled
+
+from .test_reuse import GREEDY, kv_of, round_prompts
+
+
+@pytest.fixture(scope="module")
+def deep(make_model):
+    return make_model("llama", num_hidden_layers=4)  # layers past the check layer too
+
+
+@pytest.fixture()
+def engine(deep):
+    return Engine(model=str(deep), dtype="float32", kv_tokens=8192)
+
+
+def prefill(eng: Engine, mode: str, prompts, spans, tag: str = "", agents=None):
+    seqs = []
+    for i, (p, sp) in enumerate(zip(prompts, spans)):
+        rid = f"{mode}{tag}-{i}"
+        eng.add(rid, p, GREEDY, mode=mode, shared=sp, agent=agents[i] if agents else None)
+        seqs.append(eng.seqs[rid])
+    if mode == "kvcomm":
+        ready, logits = eng.collector.prefill(seqs, mode)
+    else:
+        for s in seqs:
+            assert eng.blocks.reserve(s, len(s.prompt))
+        logits, _ = eng.runner.run([Scheduled(s, 0, len(s.prompt)) for s in seqs])
+        ready = seqs
+    assert ready == seqs
+    return seqs, logits
+
+
+def drop(eng: Engine, seqs) -> None:
+    for s in seqs:
+        eng.abort(s.id)
+        eng.blocks.free(s)
+
+
+def test_without_anchors_a_round_is_exact_and_measures_them(engine):
+    prompts, spans = round_prompts(3, seed=4)
+    full, full_logits = prefill(engine, "full", prompts, spans)
+    exact = [kv_of(engine, s) for s in full]
+    drop(engine, full)
+    seqs, logits = prefill(engine, "kvcomm", prompts, spans, agents=["a", "b", "c"])
+    for s, ex in zip(seqs, exact):
+        assert s.cached == 0 and s.recomputed == 0
+        torch.testing.assert_close(kv_of(engine, s), ex, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(logits, full_logits, rtol=1e-4, atol=1e-4)
+    assert len(engine.collector.kvcomm.anchors) == sum(len(sp) for sp in spans)
+
+
+def test_an_anchor_of_the_same_context_gives_the_exact_kv(engine):
+    """The same prompts again: each segment's one anchor has its own base, so its whole
+    offset applies, and base + offset is the exact K/V the last round measured."""
+    prompts, spans = round_prompts(3, seed=5)
+    agents = ["a", "b", "c"]
+    first, first_logits = prefill(engine, "kvcomm", prompts, spans, agents=agents)
+    exact = [kv_of(engine, s) for s in first]
+    drop(engine, first)
+    again, logits = prefill(engine, "kvcomm", prompts, spans, tag="again", agents=agents)
+    c = engine.collector.cfg.check_layer
+    for s, ex, sp in zip(again, exact, spans):
+        assert s.cached == sum(hi - lo for lo, hi in sp) > 0
+        kv = kv_of(engine, s)
+        torch.testing.assert_close(kv, ex, rtol=1e-4, atol=1e-5)
+        # without the offset the shared tokens' later layers would read the bare base
+        lo, hi = sp[0]
+        assert (kv[c:, :, lo:hi] - ex[c:, :, lo:hi]).abs().max() < 1e-4
+    torch.testing.assert_close(logits, first_logits, rtol=1e-4, atol=1e-4)
+
+
+def test_a_new_round_reads_base_plus_offset_not_the_bare_base(engine):
+    prompts, spans = round_prompts(3, seed=6)
+    agents = ["a", "b", "c"]
+    drop(engine, prefill(engine, "kvcomm", prompts, spans, agents=agents)[0])
+    nxt, nspans = round_prompts(3, seed=7)  # other outputs, the same lengths
+    seqs, _ = prefill(engine, "kvcomm", nxt, nspans, tag="next", agents=agents)
+    c = engine.collector.cfg.check_layer
+    for s, sp in zip(seqs, nspans):
+        assert s.cached > 0
+        kv = kv_of(engine, s)
+        lo, hi = sp[0]
+        base = engine.collector.kvcomm._base(engine.segments.get(segment_key("", s.prompt[lo:hi])))
+        offset = engine.collector.kvcomm.anchors.offset(("", s.sender, 0), base)
+        assert offset.abs().max() > 1e-3
+        torch.testing.assert_close(kv[c:, :, lo:hi], base + offset)
+    drop(engine, seqs)
+    # agent "d" has no anchors: prefilled exactly
+    alone, _ = prefill(engine, "kvcomm", nxt[:1], nspans[:1], tag="d", agents=["d"])
+    assert alone[0].cached == 0
+
+
+def test_greedy_generation_through_the_engine(engine):
+    prompts, spans = round_prompts(3, seed=8)
+    full = engine.generate(prompts, GREEDY, mode="full")
+    first = engine.generate(prompts, GREEDY, mode="kvcomm", shared=spans)
+    assert [t for t, _, _ in first] == [t for t, _, _ in full]
+    again = engine.generate(prompts, GREEDY, mode="kvcomm", shared=spans)  # anchors of the same contexts
+    assert [t for t, _, _ in again] == [t for t, _, _ in full]
+    engine.reset_caches()
+    assert len(engine.collector.kvcomm.anchors) == 0
+
+
+def kv(n: int, fill: float) -> torch.Tensor:
+    return torch.full((2, 2, n, 1, 4), fill)
+
+
+def test_anchor_weights_follow_the_nearest_base():
+    pool = Anchors(per=4, budget=1 << 20)
+    place = ("", "a", 0)
+    assert pool.offset(place, kv(3, 0.0)) is None
+    pool.add(place, kv(5, 0.0), kv(5, 1.0))
+    assert pool.offset(place, kv(6, 0.0)) is None  # no anchor covers six tokens
+    torch.testing.assert_close(pool.offset(place, kv(3, 0.3)), kv(3, 1.0))  # one anchor: its offset
+    pool.add(place, kv(5, 10.0), kv(5, -1.0))
+    near = pool.offset(place, kv(4, 0.1))
+    assert near.shape == (2, 2, 4, 1, 4) and (near > 0.99).all()
+    assert pool.offset(place, kv(4, 5.0)) is None  # halfway between: no anchor is near
+
+
+def test_anchor_pool_bounds():
+    pool = Anchors(per=2, budget=3 * 2 * kv(5, 0).numel() * 4)
+    for i in range(3):
+        pool.add(("", "a", 0), kv(5, float(i)), kv(5, 0.0))
+    assert len(pool) == 2
+    pool.add(("", "b", 0), kv(5, 0.0), kv(5, 0.0))
+    pool.add(("", "b", 1), kv(5, 0.0), kv(5, 0.0))  # past the budget: a's placeholder goes first
+    assert len(pool) == 3 and ("", "a", 0) in pool.places and len(pool.places[("", "a", 0)]) == 1
+    assert pool.nbytes <= pool.budget
