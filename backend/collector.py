@@ -48,7 +48,7 @@ class ReuseConfig:
     cache_fraction: float = 0.25  # of the pool, for segment bases
     max_tokens: int = 0  # prompt tokens per forward (bases, blend); 0: no limit
     readers: bool = False  # bases from readers' exact prefill (`--bases reader`)
-    anchor_bytes: int = 256 << 20  # kvcomm: its anchors' memory (backend/anchors.py)
+    anchor_bytes: int = 1 << 30  # kvcomm: its anchors' memory (backend/anchors.py)
 
 
 

@@ -43,7 +43,7 @@ class EngineConfig:
     # tokens; None: 64 on CUDA (32-token segments made a round slower there), 0 on CPU
     min_shared_tokens: int | None = REUSE_DEFAULTS["min_shared_tokens"]
     segment_cache_fraction: float = 0.25  # of the pool, for shared segments' base KV
-    anchor_bytes: int = 256 << 20  # kvcomm: its anchors' memory, on the pool's device (backend/anchors.py)
+    anchor_bytes: int = 1 << 30  # kvcomm: its anchors' memory, on the pool's device (backend/anchors.py)
     offload_bytes: int = 1 << 30  # host memory for idle agents' KV (backend/idle.py); 0: off
     overlap: bool | None = None  # decode steps overlap host and GPU (backend/lookahead.py); None: on CUDA
     # the default sampling (backend/generation.py): "auto" (the model folder's

@@ -21,7 +21,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     add_reuse_args(p)
     p.add_argument("--offload-gib", type=float, default=1.0,
                    help="host memory for idle agents' KV between their rounds (0: off)")
-    p.add_argument("--anchor-gib", type=float, default=0.25,
+    p.add_argument("--anchor-gib", type=float, default=1.0,
                    help="kvcomm: memory for its anchors (a measured segment's base and offset K/V), "
                         "on the engine's device beside the KV pool")
     p.add_argument("--kv-tokens", type=at_least(0), default=0,

@@ -227,7 +227,8 @@ def greedy_vs_hf(dtype: str, shape: str = "qwen2.5-7b") -> bool:
 def mirrors() -> bool:
     """fp32: collective with every reused token recomputed = full; pic = collective; with
     reader bases too, and the two readers (prefilled in full, then Mirrors of the bases
-    they gave: backend/diff.py) answer as full does."""
+    they gave: backend/diff.py) answer as full does; kvcomm answers as full does in its
+    exact round and again over anchors of the same contexts (base + offset = exact)."""
     from tokendance.bench.allgather import make_round
 
     rnd = make_round(4, 120, 60, 49152, seed=3)
@@ -244,9 +245,14 @@ def mirrors() -> bool:
     b = out["pic", 0.15, "standalone"] == out["collective", 0.15, "standalone"]
     c = out["pic", 0.15, "reader"] == out["collective", 0.15, "reader"]
     d = out["collective", 0.15, "reader"][:2] == full[:2]
+    eng = seeded(kv_tokens=16384)
+    who = [f"a{i}" for i in range(rnd.agents)]
+    kv = [[t for t, _, _ in eng.generate(rnd.prompts, greedy, mode="kvcomm", shared=rnd.shared, agents=who)]
+          for _ in range(2)]
+    e = kv == [full, full] and eng.collector.kvcomm.predicted == rnd.agents
     print(f"Mirrors on CUDA (fp32): ratio 1 = full {a}; pic = collective {b}; with reader bases "
-          f"pic = collective {c}, readers = full {d}")
-    return a and b and c and d
+          f"pic = collective {c}, readers = full {d}; kvcomm = full, exact and over anchors {e}")
+    return a and b and c and d and e
 
 
 def diff_vs_reference() -> tuple[bool, float, float]:

@@ -1,5 +1,5 @@
-"""`tokendance bench KIND`: engine, reuse, memory, mirror-decode, fidelity, restore, resume,
-remote, fleet, structured, tools, judge, loops, gaps."""
+"""`tokendance bench KIND`: engine, reuse, memory, mirror-decode, fidelity, offsets, restore,
+resume, remote, fleet, structured, tools, judge, loops, gaps."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ KINDS = {
     "memory": ("tokendance.bench.memory", "resident memory while serving"),
     "mirror-decode": ("tokendance.bench.mirror_decode", "decode steps over N Mirrors against dense caches"),
     "fidelity": ("tokendance.bench.fidelity", "pic / collective against full: KV deviation, agreement, divergence"),
+    "offsets": ("tokendance.bench.offsets", "kvcomm's predicted K/V against exact, by prediction rule"),
     "restore": ("tokendance.bench.restore", "restoring idle agents from the host tier: fused against dense"),
     "resume": ("tokendance.bench.resume", "a second round with its agents resumed from the host tier, against without"),
     "remote": ("tokendance.bench.remote", "the proxy over a remote engine against the engine in-process"),

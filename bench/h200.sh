@@ -27,6 +27,8 @@
 #   collective: collective decode attention against paged decode (bench/collective.py)
 #   capacity: round latency with 128 decoded tokens per agent, prefix vs collective (and
 #     collective at r = 4.5 %)
+#   kvcomm: the reuse round with kvcomm (anchors from an earlier round) beside full, prefix, pic
+#     and collective, then capacity (128 decoded tokens per agent) against prefix and collective
 #   bounds: the reuse round and capacity with nothing recomputed (r = 0): what the
 #     workload allows any recompute policy (footprint, vs serial pic, capacity)
 #   mirror-decode: decode steps over N = 10 and 20 Mirrors against dense caches
@@ -141,6 +143,14 @@ if want capacity; then
   td bench reuse --model qwen2.5-7b --dtype bfloat16 --agents 8,10,12,14,16,20 --history 512 \
     --output 150 --repeats 1 --decode 128 --modes collective --ratio 0.045 \
     --json "$OUT/capacity_policy.json" 2>&1 | grep -v -i "warn\|deprecat" | tee "$OUT/capacity_policy.txt"
+fi
+if want kvcomm; then
+  td bench reuse --model qwen2.5-7b --dtype bfloat16 --agents 10,20 --history 512 --output 150 \
+    --repeats 3 --modes full,prefix,pic,collective,kvcomm --serial pic 2>&1 | grep -v -i "warn\|deprecat" \
+    | tee "$OUT/kvcomm_reuse.txt"
+  td bench reuse --model qwen2.5-7b --dtype bfloat16 --agents 12,16,20,24 --history 512 --output 150 \
+    --repeats 1 --decode 128 --modes prefix,collective,kvcomm 2>&1 | grep -v -i "warn\|deprecat" \
+    | tee "$OUT/kvcomm_capacity.txt"
 fi
 if want bounds; then
   # What the goals' workload allows at all: the round with nothing recomputed (r = 0),

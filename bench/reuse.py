@@ -115,9 +115,7 @@ def bench(eng: Engine, agents: list[int], history: int, output: int, repeats: in
             | {f"reader {mode}": (mode, False, True) for mode in readers})
     for n in agents:
         rnd = make_round(n, history, output, vocab, seed=seed + n)
-        # kvcomm's anchors: an earlier round whose outputs are as long as any of this one's
-        # (an anchor predicts a segment no longer than itself).
-        earlier = make_round(n, history, int(output * 1.25) + 1, vocab, seed=seed + n + 1, jitter=0.0)
+        earlier = make_round(n, history, output, vocab, seed=seed + n + 1)  # kvcomm's anchors
         # Warm-up: every mode once, with a few decode steps (Triton compiles a kernel
         # variant the first time a batch shape needs it).
         for mode, one, rd in runs.values():
@@ -198,6 +196,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    help="reuse modes also timed with reader bases (a row 'reader collective' for "
                         "collective; docs/fidelity.md)")
     p.add_argument("--kv-tokens", type=natural, default=0)
+    p.add_argument("--anchor-gib", type=nonnegative, default=16.0,
+                   help="kvcomm's anchors: every agent's every segment keeps one (N x N of them)")
     p.add_argument("--json", default=None, help="write rows here")
     p.add_argument("--dump-prompts", default=None, help="write each round's prompts (for vLLM)")
     p.add_argument("--decode", type=positive, default=1, help="max_tokens per agent (1: prefill to the first token)")
@@ -219,7 +219,8 @@ def main(args: argparse.Namespace) -> int:
     agents = args.agents
     need = max(agents) * (args.history * 2 + max(agents) * args.output * 2 + args.decode) + 4096
     eng, vocab = round_engine(args.model, args.dtype, args.kv_tokens or need, args.random_weights,
-                              recompute_ratio=args.ratio, recompute_floor=args.floor)
+                              recompute_ratio=args.ratio, recompute_floor=args.floor,
+                              anchor_bytes=int(args.anchor_gib * 2**30))
     modes = args.modes
     if args.dump_prompts:
         rounds = {n: make_round(n, args.history, args.output, vocab, seed=n).prompts for n in agents}

@@ -103,9 +103,10 @@ def test_a_new_round_reads_base_plus_offset_not_the_bare_base(engine):
 def test_greedy_generation_through_the_engine(engine):
     prompts, spans = round_prompts(3, seed=8)
     full = engine.generate(prompts, GREEDY, mode="full")
-    first = engine.generate(prompts, GREEDY, mode="kvcomm", shared=spans)
+    who = ["a", "b", "c"]
+    first = engine.generate(prompts, GREEDY, mode="kvcomm", shared=spans, agents=who)
     assert [t for t, _, _ in first] == [t for t, _, _ in full]
-    again = engine.generate(prompts, GREEDY, mode="kvcomm", shared=spans)  # anchors of the same contexts
+    again = engine.generate(prompts, GREEDY, mode="kvcomm", shared=spans, agents=who)  # the same contexts
     assert [t for t, _, _ in again] == [t for t, _, _ in full]
     engine.reset_caches()
     assert len(engine.collector.kvcomm.anchors) == 0
@@ -115,25 +116,31 @@ def kv(n: int, fill: float) -> torch.Tensor:
     return torch.full((2, 2, n, 1, 4), fill)
 
 
-def test_anchor_weights_follow_the_nearest_base():
+def test_each_token_takes_the_offset_of_the_nearest_measured_token():
     pool = Anchors(per=4, budget=1 << 20)
     place = ("", "a", 0)
     assert pool.offset(place, kv(3, 0.0)) is None
-    pool.add(place, kv(5, 0.0), kv(5, 1.0))
-    assert pool.offset(place, kv(6, 0.0)) is None  # no anchor covers six tokens
-    torch.testing.assert_close(pool.offset(place, kv(3, 0.3)), kv(3, 1.0))  # one anchor: its offset
-    pool.add(place, kv(5, 10.0), kv(5, -1.0))
-    near = pool.offset(place, kv(4, 0.1))
-    assert near.shape == (2, 2, 4, 1, 4) and (near > 0.99).all()
-    assert pool.offset(place, kv(4, 5.0)) is None  # halfway between: no anchor is near
+    base = torch.arange(5.0).view(1, 1, 5, 1, 1).expand(2, 2, 5, 1, 4).clone()
+    offset = -10 * base
+    offset[:, 1] -= 1  # V's offsets differ from K's
+    pool.add(place, base, offset)
+    # Six tokens (longer than the anchor): each near one measured token, K and V apart.
+    new = torch.tensor([4.1, 0.2, 2.0, 9.0, 1.4, 3.6]).view(1, 1, 6, 1, 1).expand(2, 2, 6, 1, 4).clone()
+    new[:, 1, 0] = 0.3  # V of the first token lies near measured token 0
+    got = pool.offset(place, new)
+    assert got.shape == new.shape
+    torch.testing.assert_close(got[:, 0, :, 0, 0], (-10 * torch.tensor([4.0, 0, 2, 4, 1, 4])).expand(2, 6))
+    torch.testing.assert_close(got[:, 1, :, 0, 0], (-10 * torch.tensor([0.0, 0, 2, 4, 1, 4]) - 1).expand(2, 6))
+    assert pool.offset(("", "b", 0), new) is None  # another agent's placeholder
 
 
 def test_anchor_pool_bounds():
     pool = Anchors(per=2, budget=3 * 2 * kv(5, 0).numel() * 4)
     for i in range(3):
-        pool.add(("", "a", 0), kv(5, float(i)), kv(5, 0.0))
+        pool.add(("", "a", 0), kv(5, float(i)), kv(5, float(i)))
     assert len(pool) == 2
+    assert pool.offset(("", "a", 0), kv(1, 0.0))[0, 0, 0, 0, 0] == 1.0  # the oldest went
     pool.add(("", "b", 0), kv(5, 0.0), kv(5, 0.0))
     pool.add(("", "b", 1), kv(5, 0.0), kv(5, 0.0))  # past the budget: a's placeholder goes first
-    assert len(pool) == 3 and ("", "a", 0) in pool.places and len(pool.places[("", "a", 0)]) == 1
+    assert len(pool) == 3 and len(pool.places[("", "a", 0)]) == 1
     assert pool.nbytes <= pool.budget

@@ -78,3 +78,12 @@ def test_open_loop_with_reader_bases(tiny_llama, bench):
     # Each prompt holds the other three answers (and its own): the readers' are half the
     # shared tokens, and as Mirrors of the bases they gave they do not hold all of them.
     assert 0 < held < shared and row[5].strip() == f"{shared / held:.2f}x"
+
+
+def test_kvcomm_debates_measure_then_predict(tiny_llama, bench):
+    # Round 1 has no shared segment, round 2 is prefilled exactly (its offsets become
+    # anchors), round 3 reads them: two agents each.
+    out = bench(fidelity, "--model", str(tiny_llama), "--agents", "2", "--rounds", "3", "--max-tokens", "4",
+                "--questions", "0", "--modes", "kvcomm")
+    assert re.search(r"^\| 2 \| kvcomm \| \d/1 \| \d/2 \|", out, re.M)
+    assert "kvcomm: 2 requests read predicted offsets, 2 with reused segments were prefilled exactly" in out

@@ -26,8 +26,8 @@ def test_footprint_and_compression(tiny_llama, ratio: float):
 
 
 def test_kvcomm_rounds_read_anchors_of_an_earlier_round(make_model):
-    """Every agent's segments find an anchor (the earlier round's outputs are longer):
-    each request reads predicted offsets, computes fewer tokens than full (past the
+    """Every agent's segments find anchors (an earlier round's): each request reads
+    predicted offsets, computes fewer tokens than full (past the
     check layer only its own) and, its corrected K/V its own, holds a dense cache."""
     eng = Engine(model=str(make_model("llama", num_hidden_layers=8)), dtype="float32", kv_tokens=16384)
     rows = {r["mode"]: r for r in reuse.bench(eng, [3], 24, 40, 1, ["full", "kvcomm"])}

@@ -146,9 +146,9 @@ def test_engine_flags_reach_the_engine_config(monkeypatch):
     assert seen["gpu_memory_utilization"] == 0.0
     serve.load_backend(parse("--gpu-memory-utilization", "0.5"))
     assert seen["gpu_memory_utilization"] == 0.5
-    assert seen["anchor_bytes"] == 2**28
-    serve.load_backend(parse("--anchor-gib", "1"))
     assert seen["anchor_bytes"] == 2**30
+    serve.load_backend(parse("--anchor-gib", "0.5"))
+    assert seen["anchor_bytes"] == 2**29
 
 
 def test_pool_and_batch_flags_size_the_engine(tiny_llama):
@@ -160,7 +160,7 @@ def test_pool_and_batch_flags_size_the_engine(tiny_llama):
                                                    "--max-num-seqs", "8", "--max-num-batched-tokens", "512")))
     e = be.engine
     assert (e.cache.num_blocks * e.cfg.block_size, e.max_model_len) == (4096, 1000)
-    assert e.collector.kvcomm.anchors.budget == 2**28
+    assert e.collector.kvcomm.anchors.budget == 2**30
     assert (e.scheduler.max_seqs, e.scheduler.max_tokens) == (8, 512)
 
 

@@ -1,0 +1,114 @@
+"""`tokendance bench offsets`: how close kvcomm's predicted K/V come to exact.
+
+A debate (bench/fidelity.py's prompts, `full`'s answers): each agent's round-2 prompt is
+prefilled exactly, and each of its shared segments gives an anchor (exact K/V - base,
+backend/anchors.py) at its placeholder. The same agent's round-3 segments are then
+predicted from them, by each rule, and compared with the exact K/V of the round-3
+prompt: the mean relative L2 distance of V (and K) per layer, over every segment.
+
+Rules: the bare base (nothing predicted: `pic` with nothing recomputed); KVCOMM's (the
+placeholder's anchor, token t for token t, as far as the anchor reaches); the nearest
+token of the placeholder's anchors (kvcomm's rule, backend/anchors.py); the nearest
+token of the agent's every placeholder.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable
+
+import torch
+
+from tokendance.backend.anchors import Anchors
+from tokendance.backend.api import SamplingParams
+from tokendance.backend.config import EngineConfig
+from tokendance.backend.engine import Engine
+from tokendance.backend.scheduler import Scheduled
+from tokendance.backend.service import EngineBackend
+from tokendance.bench.fidelity import QUESTIONS, layer_kv, requests, run
+from tokendance.bench.options import positive
+
+Rule = Callable[[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]], int], torch.Tensor]
+
+
+def exact(eng: Engine, ids: list[int]) -> torch.Tensor:
+    """[layers from the check layer, 2, T, H, D]: the K/V of ids prefilled alone, exactly."""
+    eng.add("offsets", ids, SamplingParams(max_tokens=1), mode="full")
+    seq = eng.seqs["offsets"]
+    assert eng.blocks.reserve(seq, len(ids))
+    eng.runner.run([Scheduled(seq, 0, len(ids))])
+    kv = layer_kv(eng, seq)[eng.collector.cfg.check_layer:]
+    eng.abort("offsets")
+    eng.blocks.free(seq)
+    return kv
+
+
+def kvcomm_index(base: torch.Tensor, anchors: list[tuple[torch.Tensor, torch.Tensor]], j: int) -> torch.Tensor:
+    _, off = anchors[j]
+    m = min(base.shape[2], off.shape[2])
+    out = torch.zeros_like(base)
+    out[:, :, :m] = off[:, :, :m]
+    return out
+
+
+def nearest(base: torch.Tensor, anchors: list[tuple[torch.Tensor, torch.Tensor]], j: int | None) -> torch.Tensor:
+    pool = Anchors(per=len(anchors), budget=1 << 40)
+    for i, (b, off) in enumerate(anchors):
+        pool.add(("", "", 0 if j is None else i), b, off)
+    return pool.offset(("", "", 0 if j is None else j), base)
+
+
+RULES: dict[str, Rule] = {
+    "base alone": lambda base, anchors, j: torch.zeros_like(base),
+    "KVCOMM's (token t of the placeholder's anchor)": kvcomm_index,
+    "nearest token of the placeholder's anchors (kvcomm)": nearest,
+    "nearest token of every placeholder's": lambda base, anchors, j: nearest(base, anchors, None),
+}
+
+
+def measure(eng: Engine, be: EngineBackend, agents: int, questions: int, tokens: int) -> dict[str, torch.Tensor]:
+    """Per rule: [2 (V, K), layers from the check layer] mean relative distances."""
+    greedy = SamplingParams(max_tokens=tokens, temperature=0)
+    devs: dict[str, list[torch.Tensor]] = {r: [] for r in RULES}
+    for q in QUESTIONS[:questions]:
+        eng.reset_caches()
+        first = run(eng, requests(be, "full", q, None, agents, greedy), "full")
+        second = requests(be, "full", q, first, agents, greedy)
+        third = requests(be, "full", q, run(eng, second, "full"), agents, greedy)
+        for p2, p3 in zip(second, third):
+            whole = exact(eng, p2.state.ids)
+            anchors = []
+            for lo, hi in p2.state.shared:
+                b = exact(eng, p2.state.ids[lo:hi])
+                anchors.append((b, whole[:, :, lo:hi] - b))
+            whole = exact(eng, p3.state.ids)
+            for j, (lo, hi) in enumerate(p3.state.shared[:len(anchors)]):
+                base, want = exact(eng, p3.state.ids[lo:hi]), whole[:, :, lo:hi]
+                for name, rule in RULES.items():
+                    got = base + rule(base, anchors, j)
+                    dist = [(got[:, kv] - want[:, kv]).flatten(2).norm(dim=-1)
+                            / want[:, kv].flatten(2).norm(dim=-1).clamp_min(1e-9) for kv in (1, 0)]
+                    devs[name].append(torch.stack([d.mean(-1) for d in dist]))
+    return {name: torch.stack(d).mean(0) for name, d in devs.items() if d}
+
+
+def add_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=None)
+    p.add_argument("--agents", type=positive, default=4)
+    p.add_argument("--questions", type=positive, default=2)
+    p.add_argument("--max-tokens", type=positive, default=48)
+
+
+def main(args: argparse.Namespace) -> int:
+    eng = Engine(EngineConfig(model=args.model, dtype="float32", kv_tokens=65536))
+    res = measure(eng, EngineBackend(eng), args.agents, args.questions, args.max_tokens)
+    c = eng.collector.cfg.check_layer
+    layers = eng.mcfg.num_layers
+    picks = sorted(x for x in {c, c + 1, 5, 10, layers // 2, layers - 1} if c <= x < layers)
+    print(f"model {eng.name}, float32; {args.agents} agents, {args.questions} question(s), round-3 segments "
+          "predicted from round-2 anchors; mean relative distance from the exact K/V")
+    for w, what in enumerate("VK"):
+        print(f"\n{what}:\n| rule | " + " | ".join(f"layer {x}" for x in picks) + " |\n|---|" + "---|" * len(picks))
+        for name, d in res.items():
+            print(f"| {name} | " + " | ".join(f"{d[w, x - c]:.3f}" for x in picks) + " |")
+    return 0
