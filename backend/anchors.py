@@ -43,6 +43,11 @@ def _rows(kv: torch.Tensor) -> torch.Tensor:
     return kv.permute(1, 2, 0, 3, 4).flatten(2).float()
 
 
+def _padded(rows: list[torch.Tensor], width: int) -> torch.Tensor:
+    """[2, n_i, F] each -> [G, 2, width, F], zero-padded."""
+    return torch.stack([torch.nn.functional.pad(r, (0, 0, 0, width - r.shape[1])) for r in rows])
+
+
 class Anchors:
     """Per placeholder its `per` latest anchors (a context several rounds old has moved
     on); placeholders least recently used go first past `budget` bytes."""
@@ -59,18 +64,29 @@ class Anchors:
         self.places.clear()
         self.nbytes = 0
 
-    def offset(self, place: Place, base: torch.Tensor) -> torch.Tensor | None:
-        """The predicted offset of a segment whose base is `base` at `place`, or None
-        where no anchor was measured (prefill it exactly)."""
-        held = self.places.get(place)
-        if not held:
+    def offsets(self, places: list[Place], bases: torch.Tensor, sizes: list[int]) -> torch.Tensor | None:
+        """The predicted offsets of a request's segments, their bases side by side in
+        `bases` (sizes[i] tokens of segment i, at places[i]), in one batched search; None
+        where a place has no anchor (prefill the request exactly)."""
+        pools = [self.places.get(p) for p in places]
+        if not all(pools):
             return None
-        self.places.move_to_end(place)
-        bases = _rows(torch.cat([a.base for a in held], 2))  # [2, S, F]
-        near = torch.cdist(_rows(base), bases).argmin(-1)  # [2, n]: per token, K and V apart
-        offsets = torch.cat([a.offset for a in held], 2).permute(1, 2, 0, 3, 4)  # [2, S, L, H, D]
-        picked = torch.stack([offsets[0, near[0]], offsets[1, near[1]]])  # [2, n, L, H, D]
-        return picked.permute(2, 0, 1, 3, 4).to(base.dtype)
+        for p in places:
+            self.places.move_to_end(p)
+        pool_b = [torch.cat([a.base for a in held], 2) for held in pools]
+        pool_o = [torch.cat([a.offset for a in held], 2) for held in pools]
+        lens = torch.tensor([b.shape[2] for b in pool_b], device=bases.device)
+        width = int(lens.max())
+        q = _padded([_rows(b) for b in bases.split(sizes, 2)], max(sizes))  # [G, 2, n, F]
+        p = _padded([_rows(b) for b in pool_b], width)  # [G, 2, s, F]
+        d = torch.cdist(q, p)  # [G, 2, n, s]: per token, K and V apart
+        d.masked_fill_(torch.arange(width, device=d.device) >= lens[:, None, None, None], float("inf"))
+        near = d.argmin(-1)  # [G, 2, n]
+        o = _padded([x.permute(1, 2, 0, 3, 4).flatten(2) for x in pool_o], width)  # [G, 2, s, L*H*D]
+        picked = o.gather(2, near[..., None].expand(-1, -1, -1, o.shape[-1]))  # [G, 2, n, L*H*D]
+        L, _, _, H, D = bases.shape
+        return torch.cat([picked[g, :, :n].reshape(2, n, L, H, D) for g, n in enumerate(sizes)], 1
+                         ).permute(2, 0, 1, 3, 4)
 
     def add(self, place: Place, base: torch.Tensor, offset: torch.Tensor) -> None:
         """An anchor measured at place (tensors the pool's; kept, not copied)."""

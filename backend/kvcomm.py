@@ -60,11 +60,15 @@ class AnchorReuse:
         """A copy of the K/V at slots from the check layer on."""
         return self._flat()[self.col.cfg.check_layer:, :, slots.to(self.col.cache.kv.device)]
 
-    def _base(self, e: Entry) -> torch.Tensor:
-        return self._read(flat_slots(e.blocks, torch.arange(e.ntokens), self.col.cache.block_size))
+    def _bases(self, found: list[Found]) -> torch.Tensor:
+        """The found segments' base K/V side by side, in one gather."""
+        b = self.col.cache.block_size
+        return self._read(torch.cat([flat_slots(e.blocks, torch.arange(e.ntokens), b) for *_, e in found]))
 
-    def _rows(self, seq: Sequence, lo: int, hi: int) -> torch.Tensor:
-        return seq.slots(torch.arange(lo, hi), EARLY, self.col.cache.block_size, self.col.cache.trash)
+    def _rows(self, seq: Sequence, found: list[Found]) -> torch.Tensor:
+        """The found segments' slots in seq's own blocks, side by side."""
+        rows = torch.cat([torch.arange(lo, hi) for _, lo, hi, _ in found])
+        return seq.slots(rows, EARLY, self.col.cache.block_size, self.col.cache.trash)
 
     def _prefill(self, group: list[Sequence], entered: list[Entry]) -> tuple[list[Sequence], torch.Tensor | None]:
         col = self.col
@@ -72,7 +76,7 @@ class AnchorReuse:
         pinned: list[Entry] = []
         ready: list[Sequence] = []
         items: list[BlendInput] = []
-        exact: list[tuple[Sequence, list[Found], list[torch.Tensor]]] = []
+        exact: list[tuple[Sequence, list[Found], torch.Tensor]] = []
         try:
             keys: list[list[tuple[int, int, Key]]] = []
             missing: dict[Key, list[int]] = {}
@@ -91,17 +95,19 @@ class AnchorReuse:
                 if not col.reserve(seq, len(seq.prompt)):
                     break  # it waits for a later step, as do those after it
                 found = [(j, lo, hi, entries[k]) for j, (lo, hi, k) in enumerate(spans) if k in entries]
-                bases = [self._base(e) for *_, e in found]
-                offsets = [self.anchors.offset(self._place(seq, j), b) for (j, *_), b in zip(found, bases)]
                 reused = [False] * len(seq.prompt)
-                if found and all(o is not None for o in offsets):
-                    flat = self._flat()
-                    for (_, lo, hi, _), b, o in zip(found, bases, offsets):
-                        flat[c:, :, self._rows(seq, lo, hi).to(flat.device)] = b + o
-                        reused[lo:hi] = [True] * (hi - lo)
-                    reused[-1] = False  # the last prompt token is always computed: it samples
-                elif found:
-                    exact.append((seq, found, bases))
+                if found:
+                    bases = self._bases(found)
+                    offsets = self.anchors.offsets([self._place(seq, j) for j, *_ in found], bases,
+                                                   [hi - lo for _, lo, hi, _ in found])
+                    if offsets is None:
+                        exact.append((seq, found, bases))
+                    else:
+                        flat = self._flat()
+                        flat[c:, :, self._rows(seq, found).to(flat.device)] = bases + offsets
+                        for _, lo, hi, _ in found:
+                            reused[lo:hi] = [True] * (hi - lo)
+                        reused[-1] = False  # the last prompt token is always computed: it samples
                 ready.append(seq)
                 items.append(BlendInput(seq, reused))
         finally:
@@ -115,8 +121,10 @@ class AnchorReuse:
         self.measured += len(exact)
         self.predicted += sum(any(it.reused) for it in items)
         for seq, found, bases in exact:  # their K/V are exact now: measure each offset
-            for (j, lo, hi, _), b in zip(found, bases):
-                self.anchors.add(self._place(seq, j), b, self._read(self._rows(seq, lo, hi)) - b)
+            offsets = self._read(self._rows(seq, found)) - bases
+            sizes = [hi - lo for _, lo, hi, _ in found]
+            for (j, *_), b, o in zip(found, bases.split(sizes, 2), offsets.split(sizes, 2)):
+                self.anchors.add(self._place(seq, j), b.clone(), o.clone())  # not views of the whole
         for seq, it in zip(ready, items):
             seq.cached, seq.recomputed = sum(it.reused), 0
             seq.computed = len(seq.prompt)

@@ -55,7 +55,7 @@ def nearest(base: torch.Tensor, anchors: list[tuple[torch.Tensor, torch.Tensor]]
     pool = Anchors(per=len(anchors), budget=1 << 40)
     for i, (b, off) in enumerate(anchors):
         pool.add(("", "", 0 if j is None else i), b, off)
-    return pool.offset(("", "", 0 if j is None else j), base)
+    return pool.offsets([("", "", 0 if j is None else j)], base, [base.shape[2]])
 
 
 RULES: dict[str, Rule] = {

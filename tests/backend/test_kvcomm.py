@@ -90,8 +90,9 @@ def test_a_new_round_reads_base_plus_offset_not_the_bare_base(engine):
         assert s.cached > 0
         kv = kv_of(engine, s)
         lo, hi = sp[0]
-        base = engine.collector.kvcomm._base(engine.segments.get(segment_key("", s.prompt[lo:hi])))
-        offset = engine.collector.kvcomm.anchors.offset(("", s.sender, 0), base)
+        e = engine.segments.get(segment_key("", s.prompt[lo:hi]))
+        base = engine.collector.kvcomm._bases([(0, lo, hi, e)])
+        offset = engine.collector.kvcomm.anchors.offsets([("", s.sender, 0)], base, [hi - lo])
         assert offset.abs().max() > 1e-3
         torch.testing.assert_close(kv[c:, :, lo:hi], base + offset)
     drop(engine, seqs)
@@ -116,22 +117,29 @@ def kv(n: int, fill: float) -> torch.Tensor:
     return torch.full((2, 2, n, 1, 4), fill)
 
 
+def ramp(values) -> torch.Tensor:
+    """[2, 2, n, 1, 4]: token t's K and V all values[t]."""
+    return torch.tensor(values, dtype=torch.float32).view(1, 1, -1, 1, 1).expand(2, 2, -1, 1, 4).clone()
+
+
 def test_each_token_takes_the_offset_of_the_nearest_measured_token():
     pool = Anchors(per=4, budget=1 << 20)
-    place = ("", "a", 0)
-    assert pool.offset(place, kv(3, 0.0)) is None
-    base = torch.arange(5.0).view(1, 1, 5, 1, 1).expand(2, 2, 5, 1, 4).clone()
+    a, b = ("", "a", 0), ("", "a", 1)
+    assert pool.offsets([a], kv(3, 0.0), [3]) is None
+    base = ramp(range(5))
     offset = -10 * base
     offset[:, 1] -= 1  # V's offsets differ from K's
-    pool.add(place, base, offset)
-    # Six tokens (longer than the anchor): each near one measured token, K and V apart.
-    new = torch.tensor([4.1, 0.2, 2.0, 9.0, 1.4, 3.6]).view(1, 1, 6, 1, 1).expand(2, 2, 6, 1, 4).clone()
+    pool.add(a, base, offset)
+    pool.add(b, ramp([100.0, 200.0]), ramp([7.0, 8.0]))  # a shorter pool: padding must not match
+    # Segment a: six tokens (longer than its anchor), each near one measured token, K and V
+    # apart; then segment b's two tokens, in the same search.
+    new = torch.cat([ramp([4.1, 0.2, 2.0, 9.0, 1.4, 3.6]), ramp([0.0, 190.0])], 2)
     new[:, 1, 0] = 0.3  # V of the first token lies near measured token 0
-    got = pool.offset(place, new)
+    got = pool.offsets([a, b], new, [6, 2])
     assert got.shape == new.shape
-    torch.testing.assert_close(got[:, 0, :, 0, 0], (-10 * torch.tensor([4.0, 0, 2, 4, 1, 4])).expand(2, 6))
-    torch.testing.assert_close(got[:, 1, :, 0, 0], (-10 * torch.tensor([0.0, 0, 2, 4, 1, 4]) - 1).expand(2, 6))
-    assert pool.offset(("", "b", 0), new) is None  # another agent's placeholder
+    torch.testing.assert_close(got[:, 0, :, 0, 0], torch.tensor([-40.0, 0, -20, -40, -10, -40, 7, 8]).expand(2, 8))
+    torch.testing.assert_close(got[:, 1, :, 0, 0], torch.tensor([-1.0, -1, -21, -41, -11, -41, 7, 8]).expand(2, 8))
+    assert pool.offsets([a, ("", "b", 0)], new, [6, 2]) is None  # another agent's placeholder: none
 
 
 def test_anchor_pool_bounds():
@@ -139,7 +147,7 @@ def test_anchor_pool_bounds():
     for i in range(3):
         pool.add(("", "a", 0), kv(5, float(i)), kv(5, float(i)))
     assert len(pool) == 2
-    assert pool.offset(("", "a", 0), kv(1, 0.0))[0, 0, 0, 0, 0] == 1.0  # the oldest went
+    assert pool.offsets([("", "a", 0)], kv(1, 0.0), [1])[0, 0, 0, 0, 0] == 1.0  # the oldest went
     pool.add(("", "b", 0), kv(5, 0.0), kv(5, 0.0))
     pool.add(("", "b", 1), kv(5, 0.0), kv(5, 0.0))  # past the budget: a's placeholder goes first
     assert len(pool) == 3 and len(pool.places[("", "a", 0)]) == 1
