@@ -176,7 +176,7 @@ def open_loop(eng: Engine, be: EngineBackend, modes: list[str], n0: int, questio
     layers = eng.mcfg.num_layers
     picks = sorted(l for l in {1, 2, 5, 10, layers // 2, layers - 1} if l < layers)
     out.append(f"\nPrompts that read reused KV, of {n0 * questions}: "
-               + ", ".join(f"{m} {read[m]}" for m in modes[1:]) + " (kvcomm's others had no anchor for a segment)")
+               + ", ".join(f"{m} {read[m]}" for m in modes[1:]) + " (kvcomm's others: a segment's place had no anchor)")
     out.append("\nPer-layer mean relative V deviation of reused tokens from exact (round-2 prompts; here")
     out.append("and below, over the prompts that read reused KV: with reader bases, not the readers):")
     out.append("| mode | " + " | ".join(f"layer {l}" for l in picks) + " |\n|---|" + "---|" * len(picks))
@@ -287,5 +287,5 @@ def main(args: argparse.Namespace) -> int:
     print("Shared segments by base: " + ", ".join(f"{n} {src}" for src, n in sorted(bases.items())) + ".")
     if "kvcomm" in modes:
         print(f"kvcomm: {kvcomm.predicted} requests read predicted offsets, {kvcomm.measured} with reused "
-              "segments were prefilled exactly (no anchor covered one; their offsets became anchors).")
+              "segments were prefilled exactly (a segment's place had no anchor yet; their offsets became anchors).")
     return 0
