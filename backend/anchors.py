@@ -89,7 +89,7 @@ class Anchors:
                          ).permute(2, 0, 1, 3, 4)
 
     def add(self, place: Place, base: torch.Tensor, offset: torch.Tensor) -> None:
-        """An anchor measured at place (tensors the pool's; kept, not copied)."""
+        """An anchor measured at place (its tensors kept as given: the caller's own)."""
         a = Anchor(base, offset)
         if a.nbytes > self.budget:
             return

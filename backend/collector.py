@@ -9,7 +9,8 @@ them in place at its own offsets (keys are stored before RoPE, so placement need
 re-rotation and no copy) and owns private blocks only for its own tokens and patches;
 (3) runs selective recomputation: `collective` as one batched computation per
 sub-batch of the group, `pic` request by request. Both give the same result per
-request; only the schedule differs. No forward takes more than `max_tokens` prompt
+request; only the schedule differs. (`kvcomm` predicts what it reuses instead:
+backend/kvcomm.py.) No forward takes more than `max_tokens` prompt
 tokens, except one request's blend when its prompt alone is longer.
 """
 
@@ -49,7 +50,6 @@ class ReuseConfig:
     max_tokens: int = 0  # prompt tokens per forward (bases, blend); 0: no limit
     readers: bool = False  # bases from readers' exact prefill (`--bases reader`)
     anchor_bytes: int = 1 << 30  # kvcomm: its anchors' memory (backend/anchors.py)
-
 
 
 # Reader bases: requests of a group prefilled in full, whose KV of the shared segments in
@@ -104,7 +104,7 @@ class Collector:
         return self.segments.put(key, len(ids), holder.blocks, source)
 
     def enter_bases(self, missing: dict[Key, list[int]], pinned: list[Entry],
-               entered: list[Entry]) -> list[Sequence]:
+                    entered: list[Entry]) -> list[Sequence]:
         """Reserve blocks for every missing segment and enter them in the segment cache,
         pinned (no later reservation may evict a base before it is computed), to be filled
         by the caller's forwards; `entered` gets the entries. A segment without room is
