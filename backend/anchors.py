@@ -25,17 +25,17 @@ from dataclasses import dataclass
 
 import torch
 
-Place = tuple[str, str, int]  # (tenant, agent, ordinal of the shared segment in the prompt)
+Place = tuple  # (tenant, agent, where): backend/kvcomm.py names the places
 
 
 @dataclass(slots=True, eq=False)
 class Anchor:
-    base: torch.Tensor  # the segment's base K/V
-    offset: torch.Tensor  # its exact K/V in that context, minus the base
+    offset: torch.Tensor  # the segment's K/V in that context, minus its base
+    base: torch.Tensor | None = None  # its base K/V, where tokens are matched against it
 
     @property
     def nbytes(self) -> int:
-        return 2 * self.base.numel() * self.base.element_size()
+        return sum(t.numel() * t.element_size() for t in (self.offset, self.base) if t is not None)
 
 
 def _rows(kv: torch.Tensor) -> torch.Tensor:
@@ -64,6 +64,14 @@ class Anchors:
         self.places.clear()
         self.nbytes = 0
 
+    def get(self, place: Place) -> Anchor | None:
+        """The latest anchor of place."""
+        held = self.places.get(place)
+        if not held:
+            return None
+        self.places.move_to_end(place)
+        return held[-1]
+
     def offsets(self, places: list[Place], bases: torch.Tensor, sizes: list[int]) -> torch.Tensor | None:
         """The predicted offsets of a request's segments, their bases side by side in
         `bases` (sizes[i] tokens of segment i, at places[i]), in one batched search; None
@@ -88,17 +96,19 @@ class Anchors:
         return torch.cat([picked[g, :, :n].reshape(2, n, L, H, D) for g, n in enumerate(sizes)], 1
                          ).permute(2, 0, 1, 3, 4)
 
-    def add(self, place: Place, base: torch.Tensor, offset: torch.Tensor) -> None:
-        """An anchor measured at place (its tensors kept as given: the caller's own)."""
-        a = Anchor(base, offset)
+    def add(self, place: Place, offset: torch.Tensor, base: torch.Tensor | None = None,
+            per: int | None = None) -> None:
+        """An anchor measured at place (its tensors kept as given: the caller's own); the
+        place keeps `per` (default: the pool's) latest."""
+        a = Anchor(offset, base)
         if a.nbytes > self.budget:
             return
         held = self.places.setdefault(place, [])
         self.places.move_to_end(place)
-        if len(held) >= self.per:
-            self._drop(place)
         held.append(a)
         self.nbytes += a.nbytes
+        while len(held) > (per or self.per):
+            self.nbytes -= held.pop(0).nbytes
         while self.nbytes > self.budget:
             self._drop(next(iter(self.places)))
 

@@ -2,13 +2,20 @@
 from anchors (backend/anchors.py), nothing of them recomputed past the check layer.
 
 A group's requests each get a dense cache (no Mirror: every request's corrected K/V
-is its own). A request whose every reused segment finds its prediction gets base +
-offset written at those tokens, from the check layer on, and its own tokens computed
-over them: the layers before the check layer run for every token (exact, as in
-`pic`), the later ones for its own tokens only (backend/blend.py with nothing
-selected). A request with a segment no anchor predicts is prefilled exactly, in the
-same batch, and each of its segments' offsets becomes an anchor. The segments' bases
-are prefilled standalone once per round, as `pic` does.
+is its own). A request whose every reused segment finds an offset gets base + offset
+written at those tokens, from the check layer on, and its own tokens computed over
+them: the layers before the check layer run for every token (exact, as in `pic`), the
+later ones for its own tokens only (backend/blend.py with nothing selected). A request
+with a segment that finds none is prefilled exactly, in the same batch, and each of its
+segments' offsets becomes an anchor. The segments' bases are prefilled standalone once
+per round, as `pic` does.
+
+An agent's places: its j-th shared segment counted from the prompt's end (where each
+round's newest segments sit, whether the prompt shows the last round only or grows by
+the history), whose anchors are measured in exact prefills; and, per text, where it sat
+counted from the start, which keeps the offset the text read there (measured or
+predicted): when the agent's next prompt grows from this one, the same text at the
+same place reads it again, exactly as the prompt before it is unchanged.
 """
 
 from __future__ import annotations
@@ -77,6 +84,7 @@ class AnchorReuse:
         ready: list[Sequence] = []
         items: list[BlendInput] = []
         exact: list[tuple[Sequence, list[Found], torch.Tensor]] = []
+        served: list[tuple[Sequence, list[Found], torch.Tensor]] = []
         try:
             keys: list[list[tuple[int, int, Key]]] = []
             missing: dict[Key, list[int]] = {}
@@ -98,8 +106,7 @@ class AnchorReuse:
                 reused = [False] * len(seq.prompt)
                 if found:
                     bases = self._bases(found)
-                    offsets = self.anchors.offsets([self._place(seq, j) for j, *_ in found], bases,
-                                                   [hi - lo for _, lo, hi, _ in found])
+                    offsets = self._predict(seq, len(spans), found, bases)
                     if offsets is None:
                         exact.append((seq, found, bases))
                     else:
@@ -108,6 +115,7 @@ class AnchorReuse:
                         for _, lo, hi, _ in found:
                             reused[lo:hi] = [True] * (hi - lo)
                         reused[-1] = False  # the last prompt token is always computed: it samples
+                        served.append((seq, found, offsets))
                 ready.append(seq)
                 items.append(BlendInput(seq, reused))
         finally:
@@ -124,12 +132,36 @@ class AnchorReuse:
             offsets = self._read(self._rows(seq, found)) - bases
             sizes = [hi - lo for _, lo, hi, _ in found]
             for (j, *_), b, o in zip(found, bases.split(sizes, 2), offsets.split(sizes, 2)):
-                self.anchors.add(self._place(seq, j), b.clone(), o.clone())  # not views of the whole
+                self.anchors.add(self._place(seq, j - len(seq.shared)), o.clone(), b.clone())  # not views
+            served.append((seq, found, offsets))
+        for seq, found, offsets in served:  # what each text read where it sat, for its next time there
+            sizes = [hi - lo for _, lo, hi, _ in found]
+            for (j, _, _, e), o in zip(found, offsets.split(sizes, 2)):
+                self.anchors.add(self._place(seq, (j, e.key)), o.clone(), per=1)
         for seq, it in zip(ready, items):
             seq.cached, seq.recomputed = sum(it.reused), 0
             seq.computed = len(seq.prompt)
         return ready, torch.cat([p.logits for p in parts])
 
+    def _predict(self, seq: Sequence, spans: int, found: list[Found], bases: torch.Tensor) -> torch.Tensor | None:
+        """The offsets of seq's found segments (of its `spans`), side by side, or None if
+        one has none: what the text read at its place before, or a prediction from the
+        anchors of its place counted from the end."""
+        sizes = [hi - lo for _, lo, hi, _ in found]
+        parts = bases.split(sizes, 2)
+        known = [self.anchors.get(self._place(seq, (j, e.key))) for j, _, _, e in found]
+        todo = [i for i, a in enumerate(known) if a is None]
+        guessed = iter(())
+        if todo:
+            new = self.anchors.offsets([self._place(seq, found[i][0] - spans) for i in todo],
+                                       torch.cat([parts[i] for i in todo], 2), [sizes[i] for i in todo])
+            if new is None:
+                return None
+            guessed = iter(new.split([sizes[i] for i in todo], 2))
+        return torch.cat([a.offset if a is not None else next(guessed) for a in known], 2)
+
     @staticmethod
-    def _place(seq: Sequence, j: int) -> Place:
-        return seq.tenant, seq.sender, j
+    def _place(seq: Sequence, where: object) -> Place:
+        """A place of seq's agent: a shared segment's ordinal from the prompt's end (< 0),
+        or (its ordinal from the start, its text's key)."""
+        return seq.tenant, seq.sender, where

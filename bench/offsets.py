@@ -54,7 +54,7 @@ def kvcomm_index(base: torch.Tensor, anchors: list[tuple[torch.Tensor, torch.Ten
 def nearest(base: torch.Tensor, anchors: list[tuple[torch.Tensor, torch.Tensor]], j: int | None) -> torch.Tensor:
     pool = Anchors(per=len(anchors), budget=1 << 40)
     for i, (b, off) in enumerate(anchors):
-        pool.add(("", "", 0 if j is None else i), b, off)
+        pool.add(("", "", 0 if j is None else i), off, b)
     return pool.offsets([("", "", 0 if j is None else j)], base, [base.shape[2]])
 
 

@@ -56,7 +56,8 @@ def test_without_anchors_a_round_is_exact_and_measures_them(engine):
         assert s.cached == 0 and s.recomputed == 0
         torch.testing.assert_close(kv_of(engine, s), ex, rtol=1e-4, atol=1e-5)
     torch.testing.assert_close(logits, full_logits, rtol=1e-4, atol=1e-4)
-    assert len(engine.collector.kvcomm.anchors) == sum(len(sp) for sp in spans)
+    # each segment: an anchor of its place from the end, and its text's offset where it sat
+    assert len(engine.collector.kvcomm.anchors) == 2 * sum(len(sp) for sp in spans)
 
 
 def test_an_anchor_of_the_same_context_gives_the_exact_kv(engine):
@@ -92,13 +93,45 @@ def test_a_new_round_reads_base_plus_offset_not_the_bare_base(engine):
         lo, hi = sp[0]
         e = engine.segments.get(segment_key("", s.prompt[lo:hi]))
         base = engine.collector.kvcomm._bases([(0, lo, hi, e)])
-        offset = engine.collector.kvcomm.anchors.offsets([("", s.sender, 0)], base, [hi - lo])
+        offset = engine.collector.kvcomm.anchors.offsets([("", s.sender, -len(sp))], base, [hi - lo])
         assert offset.abs().max() > 1e-3
         torch.testing.assert_close(kv[c:, :, lo:hi], base + offset)
     drop(engine, seqs)
     # agent "d" has no anchors: prefilled exactly
     alone, _ = prefill(engine, "kvcomm", nxt[:1], nspans[:1], tag="d", agents=["d"])
     assert alone[0].cached == 0
+
+
+def test_a_prompt_grown_by_its_history_reads_its_old_segments_exactly(engine):
+    """Round 3's prompt is round 2's, the agent's answer and the others' new outputs: the
+    old segments read what they read in round 2 (exact: nothing before them changed),
+    the new ones their base + the offset predicted at their places from the end."""
+    prompts, spans = round_prompts(3, seed=9)
+    agents = ["a", "b", "c"]
+    drop(engine, prefill(engine, "kvcomm", prompts, spans, agents=agents)[0])
+    new, nspans = round_prompts(3, seed=10, hist=5)
+    grown = [p + [21, 22, 23] + q[5:] for p, q in zip(prompts, new)]
+    gspans = [sp + [(lo - 5 + len(p) + 3, hi - 5 + len(p) + 3) for lo, hi in nsp]
+              for p, sp, nsp in zip(prompts, spans, nspans)]
+    full, _ = prefill(engine, "full", grown, gspans)
+    exact = [kv_of(engine, s) for s in full]
+    drop(engine, full)
+    seqs, _ = prefill(engine, "kvcomm", grown, gspans, tag="grown", agents=agents)
+    c = engine.collector.cfg.check_layer
+    kvc = engine.collector.kvcomm
+    for s, ex, sp, old in zip(seqs, exact, gspans, spans):
+        assert s.cached == sum(hi - lo for lo, hi in sp)
+        kv = kv_of(engine, s)
+        for j, (lo, hi) in enumerate(sp):
+            got = kv[c:, :, lo:hi]
+            if j < len(old):
+                torch.testing.assert_close(got, ex[c:, :, lo:hi], rtol=1e-4, atol=1e-5)
+            else:
+                base = kvc._bases([(j, lo, hi, engine.segments.get(segment_key("", s.prompt[lo:hi])))])
+                offset = kvc.anchors.offsets([("", s.sender, j - len(sp))], base, [hi - lo])
+                assert offset.abs().max() > 1e-3
+                torch.testing.assert_close(got, base + offset)
+                assert (got - ex[c:, :, lo:hi]).abs().max() > 1e-3  # predicted, not exact
 
 
 def test_greedy_generation_through_the_engine(engine):
@@ -129,8 +162,8 @@ def test_each_token_takes_the_offset_of_the_nearest_measured_token():
     base = ramp(range(5))
     offset = -10 * base
     offset[:, 1] -= 1  # V's offsets differ from K's
-    pool.add(a, base, offset)
-    pool.add(b, ramp([100.0, 200.0]), ramp([7.0, 8.0]))  # a shorter pool: padding must not match
+    pool.add(a, offset, base)
+    pool.add(b, ramp([7.0, 8.0]), ramp([100.0, 200.0]))  # a shorter pool: padding must not match
     # Segment a: six tokens (longer than its anchor), each near one measured token, K and V
     # apart; then segment b's two tokens, in the same search.
     new = torch.cat([ramp([4.1, 0.2, 2.0, 9.0, 1.4, 3.6]), ramp([0.0, 190.0])], 2)
@@ -152,3 +185,6 @@ def test_anchor_pool_bounds():
     pool.add(("", "b", 1), kv(5, 0.0), kv(5, 0.0))  # past the budget: a's placeholder goes first
     assert len(pool) == 3 and len(pool.places[("", "a", 0)]) == 1
     assert pool.nbytes <= pool.budget
+    pool.add(("", "b", 1), kv(5, 2.0), per=1)  # a place of one: its anchor replaced, the place kept
+    assert pool.get(("", "b", 1)).offset[0, 0, 0, 0, 0] == 2.0 and len(pool) == 3
+    assert pool.nbytes == sum(a.nbytes for held in pool.places.values() for a in held)
