@@ -4,9 +4,9 @@ Multi-agent Systems"; github.com/FastMAS/KVCOMM).
 
 A segment's K/V in a request's context = its base K/V (prefilled alone; keys before
 RoPE, so any offset) + an offset its context adds. A placeholder is where a segment
-sits: the same agent's j-th shared segment, round after round. Each time a request is
-prefilled exactly, every segment's offset there (exact K/V - base) becomes an anchor of
-its placeholder. KVCOMM's finding is that tokens whose K/V lie close have offsets that
+sits, round after round (backend/kvcomm.py names them: an agent's j-th shared segment
+from the prompt's end). Each time a request is prefilled exactly, every segment's offset
+there (exact K/V - base) becomes an anchor of its placeholder. KVCOMM's finding is that tokens whose K/V lie close have offsets that
 lie close. It weights whole anchors position by position (an anchor's token t for the
 segment's token t); here each token of a new segment takes the offset of the token
 among its placeholder's anchors whose base lies nearest (L2 over every layer from the
