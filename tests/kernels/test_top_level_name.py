@@ -28,7 +28,9 @@ def test_the_installed_package_keeps_its_name(tmp_path):
     assert out.stdout.strip() == "installed"
 
 
-def test_without_one_the_name_is_missing_not_ours():
-    out = run("import sys; sys.path[:] = [''] + [p for p in sys.path if 'site-packages' not in p]; import kernels")
-    assert out.returncode == 1
-    assert "ModuleNotFoundError: No module named 'kernels' (besides TokenDance's kernels/ folder)" in out.stderr
+def test_without_one_the_folder_stays_an_empty_module():
+    # transformers then finds no version and no usable `kernels` (its state before 5.25)
+    out = run("import sys; sys.path[:] = [''] + [p for p in sys.path if 'site-packages' not in p]; "
+              "import kernels; print(kernels.__file__, hasattr(kernels, 'CUDAProperties'))")
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == [str(ROOT / "kernels" / "__init__.py"), "False"]
