@@ -7,6 +7,7 @@ import sys
 import time
 
 from tokendance.backend.api import SamplingParams
+from tokendance.backend.prompt import render_chat
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -50,7 +51,7 @@ def main(args: argparse.Namespace) -> int:
         prompt = eng.tokenizer.encode(text)
     else:
         msgs = ([{"role": "system", "content": args.system}] if args.system else []) + [{"role": "user", "content": text}]
-        prompt = eng.encode(eng.chat_prompt(msgs))
+        prompt = eng.encode(render_chat(eng.tokenizer, msgs))
     eng.add("cli", prompt, sampling)
     start, first, n = time.perf_counter(), None, 0
     while eng.has_work():

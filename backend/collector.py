@@ -122,6 +122,14 @@ class Collector:
                 out.append(seq)
         return out
 
+    def pin(self, keys: list[Key], pinned: list[Entry]) -> dict[Key, Entry]:
+        """The segment cache's entries of keys, pinned (and listed in `pinned`)."""
+        entries = {k: e for k in keys if (e := self.segments.get(k))}
+        for e in entries.values():
+            self.segments.pin(e)
+            pinned.append(e)
+        return entries
+
     def standalone(self, seqs: list[Sequence]) -> list[torch.Tensor]:
         """Prefill seqs in full, alone, in forwards of at most max_tokens tokens (a prompt
         may be split across two, as a chunked prefill); each forward's next-token logits
@@ -268,10 +276,7 @@ class Collector:
                 pre = [early(self.model, run, self.cfg.check_layer) for run in runs[:AHEAD]]
             wanted = [k for spans in keys for _, _, k in spans]
             wanted += [sp.key for seq in group if seq.resume is not None for sp in parked_spans(seq.resume)]
-            entries = {k: e for k in wanted if (e := self.segments.get(k))}
-            for e in entries.values():
-                self.segments.pin(e)
-                pinned.append(e)
+            entries = self.pin(wanted, pinned)
             ready, items = [], []
             for seq, spans in zip(group, keys):
                 reused = self._mirror(seq, spans, entries)

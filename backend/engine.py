@@ -23,7 +23,7 @@ from tokendance.backend.idle import IdleAgents
 from tokendance.backend.lookahead import Inflight, eligible, launch
 from tokendance.backend.model import KVCache
 from tokendance.backend.pool import BlockPool
-from tokendance.backend.prompt import check, render_chat
+from tokendance.backend.prompt import check
 from tokendance.backend.published import Run, runs
 from tokendance.backend.runner import Runner
 from tokendance.backend.sampler import Sampled, sample
@@ -393,9 +393,6 @@ class Engine:
                 if d.finish_reason:
                     results[rid] = (toks, text, d.finish_reason)
         return [(t, "".join(x), r) for t, x, r in (results[i] for i in ids)]
-
-    def chat_prompt(self, messages: list[dict]) -> str:
-        return render_chat(self.tokenizer, messages)
 
     def encode(self, text: str) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=False)

@@ -93,12 +93,7 @@ class AnchorReuse:
                 missing.update((k, seq.prompt[lo:hi]) for lo, hi, k in spans if col.segments.get(k) is None)
                 keys.append(spans)
             col.standalone(col.enter_bases(missing, pinned, entered))
-            entries: dict[Key, Entry] = {}
-            for k in {k for spans in keys for _, _, k in spans}:
-                if (e := col.segments.get(k)) is not None:
-                    col.segments.pin(e)
-                    pinned.append(e)
-                    entries[k] = e
+            entries = col.pin([k for spans in keys for _, _, k in spans], pinned)
             for seq, spans in zip(group, keys):
                 if not col.reserve(seq, len(seq.prompt)):
                     break  # it waits for a later step, as do those after it
@@ -106,7 +101,7 @@ class AnchorReuse:
                 reused = [False] * len(seq.prompt)
                 if found:
                     bases = self._bases(found)
-                    offsets = self._predict(seq, len(spans), found, bases)
+                    offsets = self._predict(seq, found, bases)
                     if offsets is None:
                         exact.append((seq, found, bases))
                     else:
@@ -127,7 +122,7 @@ class AnchorReuse:
         parts = [blend(col.model, col.cache, sub, c, 0.0) for sub in subs]
         col.runner.work += sum(p.work for p in parts)
         self.measured += len(exact)
-        self.predicted += sum(any(it.reused) for it in items)
+        self.predicted += len(served)
         for seq, found, bases in exact:  # their K/V are exact now: measure each offset
             offsets = self._read(self._rows(seq, found)) - bases
             sizes = [hi - lo for _, lo, hi, _ in found]
@@ -143,17 +138,17 @@ class AnchorReuse:
             seq.computed = len(seq.prompt)
         return ready, torch.cat([p.logits for p in parts])
 
-    def _predict(self, seq: Sequence, spans: int, found: list[Found], bases: torch.Tensor) -> torch.Tensor | None:
-        """The offsets of seq's found segments (of its `spans`), side by side, or None if
-        one has none: what the text read at its place before, or a prediction from the
-        anchors of its place counted from the end."""
+    def _predict(self, seq: Sequence, found: list[Found], bases: torch.Tensor) -> torch.Tensor | None:
+        """The offsets of seq's found segments, side by side, or None if one has none:
+        what the text read at its place before, or a prediction from the anchors of its
+        place counted from the end."""
         sizes = [hi - lo for _, lo, hi, _ in found]
         parts = bases.split(sizes, 2)
         known = [self.anchors.get(self._place(seq, (j, e.key))) for j, _, _, e in found]
         todo = [i for i, a in enumerate(known) if a is None]
         guessed = iter(())
         if todo:
-            new = self.anchors.offsets([self._place(seq, found[i][0] - spans) for i in todo],
+            new = self.anchors.offsets([self._place(seq, found[i][0] - len(seq.shared)) for i in todo],
                                        torch.cat([parts[i] for i in todo], 2), [sizes[i] for i in todo])
             if new is None:
                 return None

@@ -19,6 +19,7 @@ import argparse
 import statistics
 import time
 
+from tokendance.backend.prompt import render_chat
 from tokendance.bench.options import positive
 
 
@@ -42,7 +43,7 @@ def simulate(engine, args: argparse.Namespace, sampling) -> tuple[float, list[li
     rounds = []
     t = time.perf_counter()
     for r in range(args.rounds):
-        prompts = [engine.encode(engine.chat_prompt(d.messages(a, r))) for a in d.agents]
+        prompts = [engine.encode(render_chat(engine.tokenizer, d.messages(a, r))) for a in d.agents]
         got = engine.generate(prompts, sampling)
         rounds.append([(ids, reason) for ids, _, reason in got])
         d.observe(r, {a: text.strip() for a, (_, text, _) in zip(d.agents, got)})

@@ -28,6 +28,7 @@ import statistics
 import time
 from dataclasses import replace
 
+from tokendance.backend.prompt import render_chat
 from tokendance.bench.options import counts, positive
 
 ACTION = {
@@ -78,7 +79,7 @@ def main(args: argparse.Namespace) -> int:
     print("| agents | tokens | constrained ms | free ms | constrained / free | ms per token, constrained / free |")
     print("|---|---|---|---|---|---|")
     for b in args.batch:
-        prompts = [engine.encode(engine.chat_prompt([{"role": "user", "content": (
+        prompts = [engine.encode(render_chat(engine.tokenizer, [{"role": "user", "content": (
             f"You are {NAMES[i % len(NAMES)]} in a market town. Reply with your next action as JSON with "
             "agent, action (move, trade, talk or rest), target and say.")}])) for i in range(b)]
         held = SamplingParams(max_tokens=args.max_tokens, temperature=0, structure=schema)

@@ -12,6 +12,7 @@ from tokendance.backend.engine import Engine
 from tokendance.backend.keys import segment_key
 from tokendance.backend.mirror import EARLY, LATE
 from tokendance.backend.pool import flat_slots
+from tokendance.backend.prompt import render_chat
 from tokendance.backend.scheduler import Scheduled
 from tests.backend.test_reuse import GREEDY, prefill, prefill_full, round_prompts
 
@@ -38,7 +39,7 @@ def test_producer_output_becomes_base(smollm2, max_tokens, reason):
     # A real model: its outputs tokenize back to the tokens it generated. Ended by
     # length, the last token was never fed: the engine computes its K/V before publishing.
     engine = Engine(model=str(smollm2), dtype="float32", kv_tokens=2048, bases="producer")
-    prompt = engine.encode(engine.chat_prompt([{"role": "user", "content": "Name two colours."}]))
+    prompt = engine.encode(render_chat(engine.tokenizer, [{"role": "user", "content": "Name two colours."}]))
     sampling = SamplingParams(max_tokens=max_tokens, temperature=0)
     engine.add("p", prompt, sampling, publish=True)
     seq = engine.seqs["p"]
@@ -65,7 +66,7 @@ def test_an_answer_with_whitespace_around_it_is_published_as_the_proxy_finds_it(
     # answer's tokens are a run of the generated ones: their K/V is the base readers
     # look up.
     engine = Engine(model=str(smollm2), dtype="float32", kv_tokens=2048, bases="producer")
-    prompt = engine.encode(engine.chat_prompt([{"role": "user", "content": "Name two colours."}]))
+    prompt = engine.encode(render_chat(engine.tokenizer, [{"role": "user", "content": "Name two colours."}]))
     engine.add("p", prompt, SamplingParams(max_tokens=40, temperature=0, stop=[stop]), publish=True)
     seq = engine.seqs["p"]
     while engine.has_work():
@@ -83,7 +84,7 @@ def test_standalone_bases_publish_nothing(smollm2):
     # request publishes with producer bases: test_producer_output_becomes_base).
     eng = Engine(model=str(smollm2), dtype="float32", kv_tokens=2048)
     assert eng.cfg.bases == "standalone"
-    prompt = eng.encode(eng.chat_prompt([{"role": "user", "content": "Name two colours."}]))
+    prompt = eng.encode(render_chat(eng.tokenizer, [{"role": "user", "content": "Name two colours."}]))
     eng.generate([prompt], SamplingParams(max_tokens=7, temperature=0), publish=True)
     assert not eng.segments.entries and eng.pool.num_free == eng.cache.num_blocks
 

@@ -8,6 +8,7 @@ from transformers import AutoModelForCausalLM, GenerationConfig
 
 from tokendance.backend.api import SamplingParams
 from tokendance.backend.engine import Engine
+from tokendance.backend.prompt import render_chat
 
 
 def hf_greedy(folder, prompts: list[list[int]], n: int) -> list[list[int]]:
@@ -68,7 +69,7 @@ def test_smollm2_matches_hf(smollm2):
         "Name three prime numbers.",
         "Summarise the following notes. " + " ".join(f"Note {i}: the meeting moved to room {i % 7}." for i in range(90)),
     ]
-    prompts = [eng.encode(eng.chat_prompt([{"role": "user", "content": c}])) for c in chats]
+    prompts = [eng.encode(render_chat(eng.tokenizer, [{"role": "user", "content": c}])) for c in chats]
     assert max(map(len, prompts)) >= 1000
     ours = eng.generate(prompts, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))
     for (toks, _, _), want in zip(ours, hf_greedy(smollm2, prompts, 12)):

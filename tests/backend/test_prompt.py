@@ -13,7 +13,7 @@ from transformers import AutoTokenizer, LlamaTokenizer
 from tokendance.backend.api import Request, SamplingParams, Segment
 from tokendance.backend.engine import Engine
 from tokendance.backend.keys import segment_key
-from tokendance.backend.prompt import request_ids, tokenize
+from tokendance.backend.prompt import render_chat, request_ids, tokenize
 from tokendance.backend.service import EngineBackend
 
 CORPUS = ["I think the sky is blue because of Rayleigh scattering. Bob said: Blue, clearly. "
@@ -89,7 +89,7 @@ def test_a_reader_quoting_an_answer_after_a_name_finds_the_producers_kv(smollm2)
     # run without its first token, published for exactly this. After a line break the
     # reader holds the whole run.
     engine = Engine(model=str(smollm2), dtype="float32", kv_tokens=2048, bases="producer")
-    prompt = engine.encode(engine.chat_prompt([{"role": "user", "content": "Name two colours."}]))
+    prompt = engine.encode(render_chat(engine.tokenizer, [{"role": "user", "content": "Name two colours."}]))
     engine.add("p", prompt, SamplingParams(max_tokens=12, temperature=0), publish=True)
     seq = engine.seqs["p"]
     while engine.has_work():

@@ -10,6 +10,7 @@ import pytest
 
 from tokendance.backend.api import SamplingParams
 from tokendance.backend.engine import Engine
+from tokendance.backend.prompt import render_chat
 from tokendance.proxy.segment import SEP
 
 
@@ -284,7 +285,7 @@ def test_completions_take_the_parameters(client, model, direct, kw):
 
 @pytest.mark.parametrize("kw", CASES, ids=lambda kw: "+".join(kw))
 def test_chat_takes_the_parameters(client, model, direct, kw):
-    prompt = direct.encode(direct.chat_prompt(STORY))
+    prompt = direct.encode(render_chat(direct.tokenizer, STORY))
     want = expected(direct, prompt, **kw)
     assert want != expected(direct, prompt)
     r = client.chat.completions.create(model=model, messages=STORY, max_tokens=24, temperature=0,
@@ -321,7 +322,7 @@ def test_a_shared_segment_leaves_the_prompts_tokens_as_the_text_has_them(client,
         model=model, messages=user(content), max_tokens=12, temperature=0,
         extra_body={"ignore_eos": True, "tokendance": {"separators": True, "mode": "full"}})
     assert r.usage.model_extra["tokendance"]["shared_tokens"] > 0
-    text = direct.chat_prompt(user(content.replace(SEP, "")))
+    text = render_chat(direct.tokenizer, user(content.replace(SEP, "")))
     head, tail = text.split(block)
     apart = direct.encode(head) + direct.encode(block) + direct.encode(tail)
     assert len(apart) != len(direct.encode(text))  # the case this test is about
