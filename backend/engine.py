@@ -124,7 +124,7 @@ class Engine:
             agent: str | None = None, pool: Pooling | None = None) -> None:
         """Queue a request. `shared`: [lo, hi) token spans of shared segments, reused in
         the REUSING modes; `publish`: keep its output's KV as the next round's base (producer bases);
-        `agent`: who sent it (a session's agent): in pic / collective mode its KV is
+        `agent`: who sent it (a session's agent): in the REUSING modes its KV is
         parked when it finishes, and the agent's next request restores the prefix they
         share (`full` stays the no-reuse baseline; `prefix` has its block cache);
         `pool`: an embedding request (backend/pooling.py), exact, so never by reuse."""
@@ -154,9 +154,9 @@ class Engine:
             if not seq.until:
                 seq.matcher = self.grammars.matcher(st)
         self.seqs[rid] = seq
-        if agent is not None and self.cfg.offload_bytes and mode in ("pic", "collective"):
+        if agent is not None and self.cfg.offload_bytes and mode in REUSING:
             seq.agent = f"{tenant}\0{agent}"
-            r = self.idle.take(seq.agent, seq.prompt, seq.shared)  # restored with its group
+            r = self.idle.take(seq.agent, seq.prompt, seq.shared, mode == "kvcomm")  # restored with its group
             # A plain request may find as much of its prefix still in the pool, exact.
             if r is not None and r.length <= self.blocks.cached(seq) + self.cache.block_size:
                 self.idle.tier.drop(r.name)  # found in the pool, as `prefix` finds it: no restore

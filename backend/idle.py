@@ -1,15 +1,16 @@
 """Idle agents: an agent's KV parked in host memory between its rounds, restored fused.
 
-When a pic / collective request that names its agent (session/agent) finishes, its KV
-is parked in the host tier (backend/offload.py) instead of being thrown away: a Mirror as its private
-slots plus each Master segment once (shared by every agent that read it), a plain
-sequence as its slots. When the agent's next request arrives and its prompt starts with
+When a reusing request that names its agent (session/agent) finishes, its KV is parked
+in the host tier (backend/offload.py) instead of being thrown away: a Mirror as its
+private slots plus each Master segment once (shared by every agent that read it), a
+plain sequence (kvcomm's are) as its slots. When the agent's next request arrives and its prompt starts with
 the parked tokens (an agent's next prompt is its last one, its answer, and the round's
 new outputs), that prefix is restored instead of prefilled: the private slots into the
 new request's own blocks, each Master segment back into the segment cache unless it is
 still there, all of a group in one host-to-device copy and one scatter launch. A
 restored Mirror stays a Mirror: its old patches stay patches, its reused tokens read
-the Master again; only the rest of the prompt is prefilled (backend/blend.py).
+the Master again; only the rest of the prompt is prefilled (backend/blend.py). A
+request with a dense cache (kvcomm) restores only a plain parked prefix.
 """
 
 from __future__ import annotations
@@ -98,12 +99,17 @@ class IdleAgents:
         self.parked.pop(name, None)
         self.tier.drop(name)
 
-    def take(self, name: str, prompt: list[int], shared: list[tuple[int, int]]) -> Resume | None:
+    def take(self, name: str, prompt: list[int], shared: list[tuple[int, int]],
+             dense: bool = False) -> Resume | None:
         """The agent's parked prefix of `prompt`, if one is worth restoring: the longest
         common prefix, short of the last prompt token (it samples) and of any segment
-        it would cut. A mismatch forgets what was parked: the agent moved on."""
+        it would cut. A mismatch forgets what was parked: the agent moved on. `dense`:
+        the request holds its every token (no Mirror), so a parked Mirror is no use."""
         p = self.parked.pop(name, None)
         if p is None or name not in self.tier:  # never parked, or evicted for budget
+            return None
+        if dense and p.mirror is not None:
+            self.tier.drop(name)
             return None
         n = 0
         for a, c in zip(p.tokens, prompt[:-1]):
@@ -126,7 +132,8 @@ class IdleAgents:
         its token's own slot there, the trash slot for tokens past the prefix."""
         j = _tokens(r.parked)
         inside = (j >= 0) & (j < r.length)
-        k = torch.where(inside, seq.mirror.own_of[j.clamp(0, r.length - 1)], -1)
+        j = j.clamp(0, r.length - 1)
+        k = torch.where(inside, j if seq.mirror is None else seq.mirror.own_of[j], -1)
         out = torch.where(k >= 0, flat_slots(seq.blocks, k.clamp_min(0), self.cache.block_size),
                           self.cache.trash)
         return upload(out, self.cache.kv.device)

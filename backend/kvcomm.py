@@ -16,6 +16,10 @@ the history), whose anchors are measured in exact prefills; and, per text, where
 counted from the start, which keeps the offset the text read there (measured or
 predicted): when the agent's next prompt grows from this one, the same text at the
 same place reads it again, exactly as the prompt before it is unchanged.
+
+An agent's finished request is parked on the host like pic's (backend/idle.py, a plain
+sequence): its next request restores the prefix they share, segments and its own
+tokens alike, and computes and predicts only what follows.
 """
 
 from __future__ import annotations
@@ -86,18 +90,20 @@ class AnchorReuse:
         exact: list[tuple[Sequence, list[Found], torch.Tensor]] = []
         served: list[tuple[Sequence, list[Found], torch.Tensor]] = []
         try:
-            keys: list[list[tuple[int, int, Key]]] = []
+            keys: list[list[tuple[int, int, int, Key]]] = []  # per seq: (ordinal, lo, hi, key)
             missing: dict[Key, list[int]] = {}
             for seq in group:
-                spans = [(lo, hi, segment_key(seq.tenant, seq.prompt[lo:hi])) for lo, hi in seq.shared]
-                missing.update((k, seq.prompt[lo:hi]) for lo, hi, k in spans if col.segments.get(k) is None)
+                start = seq.resume.length if seq.resume is not None else 0
+                spans = [(j, lo, hi, segment_key(seq.tenant, seq.prompt[lo:hi]))
+                         for j, (lo, hi) in enumerate(seq.shared) if lo >= start]  # not restored
+                missing.update((k, seq.prompt[lo:hi]) for _, lo, hi, k in spans if col.segments.get(k) is None)
                 keys.append(spans)
             col.standalone(col.enter_bases(missing, pinned, entered))
-            entries = col.pin([k for spans in keys for _, _, k in spans], pinned)
+            entries = col.pin([sp[-1] for spans in keys for sp in spans], pinned)
             for seq, spans in zip(group, keys):
                 if not col.reserve(seq, len(seq.prompt)):
                     break  # it waits for a later step, as do those after it
-                found = [(j, lo, hi, entries[k]) for j, (lo, hi, k) in enumerate(spans) if k in entries]
+                found = [(j, lo, hi, entries[k]) for j, lo, hi, k in spans if k in entries]
                 reused = [False] * len(seq.prompt)
                 if found:
                     bases = self._bases(found)
@@ -112,10 +118,17 @@ class AnchorReuse:
                         reused[-1] = False  # the last prompt token is always computed: it samples
                         served.append((seq, found, offsets))
                 ready.append(seq)
-                items.append(BlendInput(seq, reused))
+                items.append(BlendInput(seq, reused, seq.resume.length if seq.resume is not None else 0))
+            resumed = [(seq.resume, seq) for seq in ready if seq.resume is not None]
+            if resumed:  # one fused restore for the group: plain prefixes, no Masters
+                col.idle.restore(resumed, {})
         finally:
             for e in pinned:
                 col.segments.unpin(e)
+            for seq in group:
+                if seq.resume is not None and seq not in ready:
+                    col.idle.tier.drop(seq.resume.name)  # a later step prefills it whole
+                    seq.resume = None
         if not ready:
             return [], None
         subs = batches(items, lambda it: len(it.seq.prompt), col.cfg.max_tokens, remainder_first=True)
@@ -134,8 +147,9 @@ class AnchorReuse:
             for (j, _, _, e), o in zip(found, offsets.split(sizes, 2)):
                 self.anchors.add(self._place(seq, (j, e.key)), o.clone(), per=1)
         for seq, it in zip(ready, items):
-            seq.cached, seq.recomputed = sum(it.reused), 0
+            seq.cached, seq.recomputed = it.start + sum(it.reused[it.start:]), 0  # restored or predicted
             seq.computed = len(seq.prompt)
+            seq.resume = None
         return ready, torch.cat([p.logits for p in parts])
 
     def _predict(self, seq: Sequence, found: list[Found], bases: torch.Tensor) -> torch.Tensor | None:

@@ -146,6 +146,50 @@ def test_greedy_generation_through_the_engine(engine):
     assert len(engine.collector.kvcomm.anchors) == 0
 
 
+def test_an_agent_resumes_its_parked_prefix(engine):
+    """A finished kvcomm request is parked; its agent's next prompt (the last one, the
+    answer, new outputs) restores that prefix, exact, and predicts only the new
+    segments: the same K/V as computing the prefix again over the same offsets."""
+    prompts, spans = round_prompts(3, seed=11)
+    agents = ["a", "b", "c"]
+    outs = [t for t, _, _ in engine.generate(prompts, GREEDY, mode="kvcomm", shared=spans, agents=agents)]
+    assert sorted(engine.idle.parked) == [f"\0{a}" for a in agents]
+    new, nspans = round_prompts(3, seed=12, hist=5)
+    grown = [p + o + q[5:] for p, o, q in zip(prompts, outs, new)]
+    gspans = [sp + [(lo - 5 + len(p) + len(o), hi - 5 + len(p) + len(o)) for lo, hi in nsp]
+              for p, o, sp, nsp in zip(prompts, outs, spans, nspans)]
+    full, _ = prefill(engine, "full", grown, gspans)
+    exact = [kv_of(engine, s) for s in full]
+    drop(engine, full)
+    before = engine.idle.restored
+    seqs, _ = prefill(engine, "kvcomm", grown, gspans, tag="resumed", agents=agents)
+    starts = [len(p) + len(o) - 1 for p, o in zip(prompts, outs)]  # the last answer token was never fed
+    assert engine.idle.restored - before == sum(starts)
+    resumed = [kv_of(engine, s) for s in seqs]
+    for s, kv, ex, a, sp, old in zip(seqs, resumed, exact, starts, gspans, spans):
+        assert s.cached == a + sum(hi - lo for lo, hi in sp[len(old):])
+        torch.testing.assert_close(kv[:, :, :a], ex[:, :, :a], rtol=1e-4, atol=1e-5)  # round 1 was exact
+        lo, hi = sp[-1]
+        assert (kv[:, :, lo:hi] - ex[:, :, lo:hi]).abs().max() > 1e-3  # predicted
+    drop(engine, seqs)
+    assert not engine.idle.parked  # taken by the requests above; aborted ones do not park
+    again, _ = prefill(engine, "kvcomm", grown, gspans, tag="again", agents=agents)
+    for s, kv in zip(again, resumed):
+        assert s.cached == sum(hi - lo for lo, hi in s.shared)  # nothing restored: segments only
+        torch.testing.assert_close(kv_of(engine, s), kv, rtol=1e-4, atol=1e-5)
+
+
+def test_a_parked_mirror_is_not_restored_into_a_dense_cache(engine):
+    prompts, spans = round_prompts(2, seed=13)
+    outs = [t for t, _, _ in engine.generate(prompts, GREEDY, mode="collective", shared=spans, agents=["a", "b"])]
+    assert engine.idle.parked["\0a"].mirror is not None
+    grown = [p + o + [5, 6] for p, o in zip(prompts, outs)]
+    before = engine.idle.restored
+    seqs, _ = prefill(engine, "kvcomm", grown, spans, agents=["a", "b"])
+    assert engine.idle.restored == before and not engine.idle.parked and not engine.idle.tier.bytes
+    assert [s.cached for s in seqs] == [0, 0]  # no anchors for a and b yet: prefilled whole, exactly
+
+
 def kv(n: int, fill: float) -> torch.Tensor:
     return torch.full((2, 2, n, 1, 4), fill)
 
