@@ -9,12 +9,15 @@ prompt: the mean relative L2 distance of V (and K) per layer, over every segment
 Rules: the bare base (nothing predicted: `pic` with nothing recomputed); KVCOMM's (the
 placeholder's anchor, token t for token t, as far as the anchor reaches); the nearest
 token of the placeholder's anchors (kvcomm's rule, backend/anchors.py); the nearest
-token of the agent's every placeholder.
+token of the agent's every placeholder; and kvcomm's rule kept only on the share of
+tokens with the largest offsets (`--patches`), the base elsewhere: what a Mirror would
+hold if kvcomm's offsets were its patches and every other token read the Master.
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 from collections.abc import Callable
 
 import torch
@@ -26,7 +29,7 @@ from tokendance.backend.engine import Engine
 from tokendance.backend.scheduler import Scheduled
 from tokendance.backend.service import EngineBackend
 from tokendance.bench.fidelity import QUESTIONS, layer_kv, requests, run
-from tokendance.bench.options import positive
+from tokendance.bench.options import positive, shares
 
 Rule = Callable[[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]], int], torch.Tensor]
 
@@ -58,6 +61,16 @@ def nearest(base: torch.Tensor, anchors: list[tuple[torch.Tensor, torch.Tensor]]
     return pool.offsets([("", "", 0 if j is None else j)], base, [base.shape[2]])
 
 
+def largest(offset: torch.Tensor, share: float) -> torch.Tensor:
+    """offset ([layers, 2, T, H, D]) on the ceil(share * T) tokens whose offsets are
+    largest (L2 over every layer, K and V), zero on the others."""
+    t = offset.shape[2]
+    norm = offset.float().pow(2).sum(dim=(0, 1, 3, 4))
+    keep = torch.zeros(t, dtype=torch.bool)
+    keep[norm.topk(min(t, math.ceil(share * t))).indices] = True
+    return offset * keep.view(1, 1, -1, 1, 1)
+
+
 RULES: dict[str, Rule] = {
     "base alone": lambda base, anchors, j: torch.zeros_like(base),
     "KVCOMM's (token t of the placeholder's anchor)": kvcomm_index,
@@ -66,10 +79,21 @@ RULES: dict[str, Rule] = {
 }
 
 
-def measure(eng: Engine, be: EngineBackend, agents: int, questions: int, tokens: int) -> dict[str, torch.Tensor]:
+def rules(patches: list[float]) -> dict[str, Rule]:
+    """RULES, then kvcomm's rule as patches on each share of the tokens."""
+    out = dict(RULES)
+    for p in patches:
+        out[f"kvcomm's, on the {p:.0%} of tokens with the largest offsets"] = (
+            lambda base, anchors, j, p=p: largest(nearest(base, anchors, j), p))
+    return out
+
+
+def measure(eng: Engine, be: EngineBackend, agents: int, questions: int, tokens: int,
+            patches: list[float]) -> dict[str, torch.Tensor]:
     """Per rule: [2 (V, K), layers from the check layer] mean relative distances."""
     greedy = SamplingParams(max_tokens=tokens, temperature=0)
-    devs: dict[str, list[torch.Tensor]] = {r: [] for r in RULES}
+    table = rules(patches)
+    devs: dict[str, list[torch.Tensor]] = {r: [] for r in table}
     for q in QUESTIONS[:questions]:
         eng.reset_caches()
         first = run(eng, requests(be, "full", q, None, agents, greedy), "full")
@@ -84,7 +108,7 @@ def measure(eng: Engine, be: EngineBackend, agents: int, questions: int, tokens:
             whole = exact(eng, p3.state.ids)
             for j, (lo, hi) in enumerate(p3.state.shared[:len(anchors)]):
                 base, want = exact(eng, p3.state.ids[lo:hi]), whole[:, :, lo:hi]
-                for name, rule in RULES.items():
+                for name, rule in table.items():
                     got = base + rule(base, anchors, j)
                     dist = [(got[:, kv] - want[:, kv]).flatten(2).norm(dim=-1)
                             / want[:, kv].flatten(2).norm(dim=-1).clamp_min(1e-9) for kv in (1, 0)]
@@ -97,11 +121,13 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--agents", type=positive, default=4)
     p.add_argument("--questions", type=positive, default=2)
     p.add_argument("--max-tokens", type=positive, default=48)
+    p.add_argument("--patches", type=shares, default="0.15,0.5",
+                   help="shares of tokens that keep kvcomm's offset as patches, comma list")
 
 
 def main(args: argparse.Namespace) -> int:
     eng = Engine(EngineConfig(model=args.model, dtype="float32", kv_tokens=65536))
-    res = measure(eng, EngineBackend(eng), args.agents, args.questions, args.max_tokens)
+    res = measure(eng, EngineBackend(eng), args.agents, args.questions, args.max_tokens, args.patches)
     c = eng.collector.cfg.check_layer
     layers = eng.mcfg.num_layers
     picks = sorted(x for x in {c, c + 1, 5, 10, layers // 2, layers - 1} if c <= x < layers)
