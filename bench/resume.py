@@ -8,15 +8,19 @@ restores each agent's parked prefix (backend/idle.py: Masters once, private slot
 fused restore) and prefills only the rest. Without: the same rounds with no agent named,
 so round 2 reuses the shared blocks but prefills every agent's history and answer.
 Prefix: both rounds in `prefix` mode, what vLLM does: round 2 finds each agent's round-1
-prompt and answer in the block cache and prefills the new outputs at their offsets. Each
-starts from cold caches and runs round 1 first; round 2's prefill (to its first tokens)
-is timed, median of repeats, the variants taking turns.
+prompt and answer in the block cache and prefills the new outputs at their offsets.
+kvcomm (`--variants` adds it): both rounds `kvcomm`, agents named: round 1 is prefilled
+exactly and measures each agent's places, round 2 restores each agent's parked prefix
+and reads the new outputs at their base plus the offsets predicted there. Each starts
+from cold caches and runs round 1 first; round 2's prefill (to its first tokens) is
+timed, median of repeats, the variants taking turns; the first variant is compared with
+each other.
 
 With --dump-prompts FILE, each N's round 1 (prompts with their answers, what a prefix
 cache holds after it) and round 2 prompts go to FILE, for the same second round served by
 vLLM-CPU (bench/vllm_cpu.py; `ROUND=2 bench/vllm_baseline.sh`).
 
-    tokendance bench resume --agents 4,8 --history 256 --output 100
+    tokendance bench resume --agents 4,8 --history 256 --output 100 --variants resumed,kvcomm
 """
 
 from __future__ import annotations
@@ -28,13 +32,14 @@ from pathlib import Path
 
 from tokendance.backend.api import REUSE_DEFAULTS, SamplingParams
 from tokendance.bench.allgather import make_round, next_round
-from tokendance.bench.options import counts, natural, positive, share
+from tokendance.bench.options import counts, names, natural, nonnegative, positive, share
 from tokendance.bench.reuse import play
 from tokendance.bench.shapes import round_engine
 
 
 # variant: (mode of both rounds, whether requests name their agents)
-VARIANTS = {"resumed": ("collective", True), "without": ("collective", False), "prefix": ("prefix", False)}
+VARIANTS = {"resumed": ("collective", True), "without": ("collective", False), "prefix": ("prefix", False),
+            "kvcomm": ("kvcomm", True)}
 
 
 def greedy(tokens: int) -> SamplingParams:
@@ -51,28 +56,37 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--repeats", type=positive, default=3)
     p.add_argument("--ratio", type=share, default=REUSE_DEFAULTS["recompute_ratio"],
                    help="share of reused tokens recomputed")
+    p.add_argument("--variants", type=names(tuple(VARIANTS), least=1), default="resumed,without,prefix",
+                   help="comma list; the first is compared with each other")
+    p.add_argument("--anchor-gib", type=nonnegative, default=16.0,
+                   help="kvcomm's anchors: every agent's every segment keeps one (N x N of them)")
     p.add_argument("--json", default=None, help="write rows here (a row per N and variant)")
     p.add_argument("--dump-prompts", default=None,
                    help="write each N's round 1 with its answers and round 2 (for vLLM)")
 
 
 def main(args: argparse.Namespace) -> int:
-    agents = args.agents
+    agents, variants = args.agents, list(dict.fromkeys(args.variants))
+    if args.dump_prompts and "prefix" not in variants:
+        raise ValueError("--dump-prompts writes the prefix variant's rounds: add prefix to --variants")
     n = max(agents)
     eng, vocab = round_engine(args.model, args.dtype, n * 2 * (args.history + 2 * n * args.output
                                                               + args.answer) + 8192,
-                              recompute_ratio=args.ratio)
+                              recompute_ratio=args.ratio, anchor_bytes=int(args.anchor_gib * 2**30))
     print(f"model {eng.name} on {eng.device}, {eng.dtype}; histories ~{args.history}, outputs "
           f"~{args.output}, answers {args.answer}, ratio {args.ratio}; round 2 prefill, median of "
           f"{args.repeats}")
-    print("| N | round-2 prompt tokens | resumed ms | without ms | prefix ms | resumed vs without "
-          "| resumed vs prefix | computed resumed / without / prefix | restored tokens |\n" + "|---" * 9 + "|")
+    lead, others = variants[0], variants[1:]
+    cols = ([f"{v} ms" for v in variants] + [f"{lead} vs {v}" for v in others]
+            + [f"computed {' / '.join(variants)}", f"restored tokens ({lead})"])
+    print("| N | round-2 prompt tokens | " + " | ".join(cols) + " |\n" + "|---" * (len(cols) + 2) + "|")
     rows, dumped = [], {}
     for k in agents:
         r1 = make_round(k, args.history, args.output, vocab, seed=k)
-        res: dict[str, list[tuple[float, float, int]]] = {v: [] for v in VARIANTS}
+        res: dict[str, list[tuple[float, float, int]]] = {v: [] for v in variants}
         for rep in range(args.repeats + 1):  # the first pass warms up
-            for v, (mode, named) in VARIANTS.items():
+            for v in variants:
+                mode, named = VARIANTS[v]
                 eng.reset_caches()
                 first = play(eng, r1, mode, greedy(args.answer), f"{rep}{v}a", named)
                 r2 = next_round(r1, first.answers, args.output, vocab, seed=100 + k)
@@ -85,9 +99,9 @@ def main(args: argparse.Namespace) -> int:
                                      prompts=r2.prompts)
         t = {v: statistics.median(x[0] for x in runs) for v, runs in res.items()}
         work = {v: runs[-1][1] for v, runs in res.items()}
-        print(f"| {k} | {r2.prompt_tokens} | " + " | ".join(f"{1e3 * t[v]:.0f}" for v in VARIANTS)
-              + f" | {t['without'] / t['resumed']:.2f}x | {t['prefix'] / t['resumed']:.2f}x | "
-              + " / ".join(f"{work[v]:.0f}" for v in VARIANTS) + f" | {res['resumed'][-1][2]} |", flush=True)
+        print(f"| {k} | {r2.prompt_tokens} | " + " | ".join(f"{1e3 * t[v]:.0f}" for v in variants)
+              + "".join(f" | {t[v] / t[lead]:.2f}x" for v in others) + " | "
+              + " / ".join(f"{work[v]:.0f}" for v in variants) + f" | {res[lead][-1][2]} |", flush=True)
         rows += [dict(agents=k, mode=v, round=2, max_tokens=1, ms=1e3 * t[v], prompt_tokens=r2.prompt_tokens,
                       computed=work[v], restored=runs[-1][2], all_ms=[round(1e3 * x[0], 1) for x in runs])
                  for v, runs in res.items()]

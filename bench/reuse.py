@@ -44,7 +44,7 @@ class Played:
 def play(eng: Engine, rnd: Round, mode: str, sampling: SamplingParams = ONE, tag: str = "r",
          agents: bool = False, serial: bool = False) -> Played:
     """One round to its end on the engine as it is (callers reset caches for a cold one);
-    with `agents`, request i names agent a<i> (pic / collective park its KV,
+    with `agents`, request i names agent a<i> (a reusing mode parks its KV,
     backend/idle.py; kvcomm's anchors are its own); with `serial`, each request is added
     only once the one before it has finished."""
     sync(eng.device)

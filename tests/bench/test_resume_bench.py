@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from tokendance.bench import resume
 from tokendance.bench.allgather import make_round, next_round
 
@@ -51,3 +53,22 @@ def test_bench_resume_writes_rows_and_rounds(tiny_llama, bench, tmp_path):
         for before, prompt in zip(r["before"], r["prompts"]):  # round 1 and its answer lead round 2
             assert prompt[: len(before)] == before and len(prompt) > len(before)
         assert sum(map(len, r["prompts"])) == next(x["prompt_tokens"] for x in got if x["agents"] == int(n))
+
+
+def test_bench_resume_kvcomm_restores_and_predicts(tiny_llama, bench):
+    out = bench(resume, "--model", str(tiny_llama), "--dtype", "float32", "--agents", "3",
+                "--history", "40", "--output", "20", "--answer", "6", "--repeats", "1",
+                "--variants", "kvcomm,without")
+    head = [line for line in out.splitlines() if line.startswith("| N |")][0]
+    assert "kvcomm ms | without ms | kvcomm vs without | computed kvcomm / without" in head
+    row = [line for line in out.splitlines() if line.startswith("| 3 |")][0]
+    cells = [c.strip() for c in row.strip("|").split("|")]
+    kvcomm, without = (float(x) for x in cells[5].split("/"))
+    # kvcomm computes past the check layer only what follows each restored prefix
+    assert kvcomm < without / 2 and int(cells[6]) > 0
+
+
+def test_bench_resume_refuses_a_dump_without_prefix(tiny_llama, bench, tmp_path):
+    with pytest.raises(ValueError, match="add prefix to --variants"):
+        bench(resume, "--model", str(tiny_llama), "--agents", "2", "--variants", "resumed",
+              "--dump-prompts", str(tmp_path / "x.json"))
