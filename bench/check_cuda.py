@@ -228,8 +228,9 @@ def mirrors() -> bool:
     """fp32: collective with every reused token recomputed = full; pic = collective; with
     reader bases too, and the two readers (prefilled in full, then Mirrors of the bases
     they gave: backend/diff.py) answer as full does; kvcomm answers as full does in its
-    exact round and again over anchors of the same contexts (base + offset = exact)."""
-    from tokendance.bench.allgather import make_round
+    exact round and again over anchors of the same contexts (base + offset = exact); its
+    next round answers the same restored from the host tier as predicted whole."""
+    from tokendance.bench.allgather import make_round, next_round
 
     rnd = make_round(4, 120, 60, 49152, seed=3)
     greedy = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
@@ -247,12 +248,22 @@ def mirrors() -> bool:
     d = out["collective", 0.15, "reader"][:2] == full[:2]
     eng = seeded(kv_tokens=16384)
     who = [f"a{i}" for i in range(rnd.agents)]
-    kv = [[t for t, _, _ in eng.generate(rnd.prompts, greedy, mode="kvcomm", shared=rnd.shared, agents=who)]
-          for _ in range(2)]
-    e = kv == [full, full] and eng.collector.kvcomm.predicted == rnd.agents
+
+    def kvcomm(r) -> list[list[int]]:
+        return [t for t, _, _ in eng.generate(r.prompts, greedy, mode="kvcomm", shared=r.shared, agents=who)]
+
+    first = kvcomm(rnd)  # exact: measures the places, parks each agent
+    nxt = next_round(rnd, first, 60, 49152, seed=4)
+    resumed = kvcomm(nxt)  # restores each agent's round 1, predicts the new outputs
+    f = eng.idle.restored > 0 and eng.collector.kvcomm.predicted == rnd.agents
+    eng.reset_caches(anchors=False)  # nothing parked: the same round predicted whole
+    f = f and kvcomm(nxt) == resumed
+    eng.reset_caches(anchors=False)
+    e = first == full and kvcomm(rnd) == full and eng.collector.kvcomm.predicted == 3 * rnd.agents
     print(f"Mirrors on CUDA (fp32): ratio 1 = full {a}; pic = collective {b}; with reader bases "
-          f"pic = collective {c}, readers = full {d}; kvcomm = full, exact and over anchors {e}")
-    return a and b and c and d and e
+          f"pic = collective {c}, readers = full {d}; kvcomm = full, exact and over anchors {e}; "
+          f"kvcomm resumed = predicted whole {f}")
+    return a and b and c and d and e and f
 
 
 def diff_vs_reference() -> tuple[bool, float, float]:

@@ -35,7 +35,7 @@
 #   restore: idle agents back from the host tier, fused (Master once + diffs) vs dense
 #     (no model: a KVCache of the Qwen2.5-7B K/V shape filled with random bf16)
 #   resume: a second round, agents resumed from the host tier vs prefilled, and vs both
-#     rounds in `prefix` mode (what vLLM does)
+#     rounds in `prefix` mode (what vLLM does), and in `kvcomm` mode (resumed and predicted)
 #   sweep: the paged decode kernel's launch configurations (bench/kernels.py --decode)
 #   steps: a decode step at batch 32 x 4k split into GPU forward and host time
 #   fleet: simulations side by side through a proxy over an engine per GPU against one engine
@@ -183,7 +183,7 @@ if want steps; then
 fi
 if want resume; then
   td bench resume --model qwen2.5-7b --dtype bfloat16 --agents 10,20 --history 512 --output 150 \
-    --answer 128 --repeats 3 2>&1 | grep -v -i "warn\|deprecat" | tee "$OUT/resume.txt"
+    --answer 128 --repeats 3 --variants resumed,without,prefix,kvcomm 2>&1 | grep -v -i "warn\|deprecat" | tee "$OUT/resume.txt"
 fi
 if want remote; then
   python3 -m tokendance.bench.shapes qwen2.5-0.5b /tmp/qwen2.5-0.5b-random >/dev/null &&

@@ -140,8 +140,10 @@ def test_greedy_generation_through_the_engine(engine):
     who = ["a", "b", "c"]
     first = engine.generate(prompts, GREEDY, mode="kvcomm", shared=spans, agents=who)
     assert [t for t, _, _ in first] == [t for t, _, _ in full]
+    engine.reset_caches(anchors=False)  # nothing parked: predicted, not restored
     again = engine.generate(prompts, GREEDY, mode="kvcomm", shared=spans, agents=who)  # the same contexts
     assert [t for t, _, _ in again] == [t for t, _, _ in full]
+    assert engine.collector.kvcomm.predicted == 3
     engine.reset_caches()
     assert len(engine.collector.kvcomm.anchors) == 0
 
