@@ -184,6 +184,10 @@ fi
 if want resume; then
   td bench resume --model qwen2.5-7b --dtype bfloat16 --agents 10,20 --history 512 --output 150 \
     --answer 128 --repeats 3 --variants resumed,without,prefix,kvcomm 2>&1 | grep -v -i "warn\|deprecat" | tee "$OUT/resume.txt"
+  # kvcomm parks dense caches, whole prefixes: again with a host tier that holds every agent
+  td bench resume --model qwen2.5-7b --dtype bfloat16 --agents 10,20 --history 512 --output 150 \
+    --answer 128 --repeats 3 --variants kvcomm,resumed --offload-gib 8 2>&1 | grep -v -i "warn\|deprecat" \
+    | tee -a "$OUT/resume.txt"
 fi
 if want remote; then
   python3 -m tokendance.bench.shapes qwen2.5-0.5b /tmp/qwen2.5-0.5b-random >/dev/null &&

@@ -60,6 +60,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    help="comma list; the first is compared with each other")
     p.add_argument("--anchor-gib", type=nonnegative, default=16.0,
                    help="kvcomm's anchors: every agent's every segment keeps one (N x N of them)")
+    p.add_argument("--offload-gib", type=nonnegative, default=1.0,
+                   help="host memory for parked agents (the engine's default: 1 GiB)")
     p.add_argument("--json", default=None, help="write rows here (a row per N and variant)")
     p.add_argument("--dump-prompts", default=None,
                    help="write each N's round 1 with its answers and round 2 (for vLLM)")
@@ -72,13 +74,14 @@ def main(args: argparse.Namespace) -> int:
     n = max(agents)
     eng, vocab = round_engine(args.model, args.dtype, n * 2 * (args.history + 2 * n * args.output
                                                               + args.answer) + 8192,
-                              recompute_ratio=args.ratio, anchor_bytes=int(args.anchor_gib * 2**30))
+                              recompute_ratio=args.ratio, anchor_bytes=int(args.anchor_gib * 2**30),
+                              offload_bytes=int(args.offload_gib * 2**30))
     print(f"model {eng.name} on {eng.device}, {eng.dtype}; histories ~{args.history}, outputs "
-          f"~{args.output}, answers {args.answer}, ratio {args.ratio}; round 2 prefill, median of "
-          f"{args.repeats}")
+          f"~{args.output}, answers {args.answer}, ratio {args.ratio}, host tier {args.offload_gib:g} GiB; "
+          f"round 2 prefill, median of {args.repeats}")
     lead, others = variants[0], variants[1:]
     cols = ([f"{v} ms" for v in variants] + [f"{lead} vs {v}" for v in others]
-            + [f"computed {' / '.join(variants)}", f"restored tokens ({lead})"])
+            + [f"computed {' / '.join(variants)}", f"restored {' / '.join(variants)}"])
     print("| N | round-2 prompt tokens | " + " | ".join(cols) + " |\n" + "|---" * (len(cols) + 2) + "|")
     rows, dumped = [], {}
     for k in agents:
@@ -101,7 +104,8 @@ def main(args: argparse.Namespace) -> int:
         work = {v: runs[-1][1] for v, runs in res.items()}
         print(f"| {k} | {r2.prompt_tokens} | " + " | ".join(f"{1e3 * t[v]:.0f}" for v in variants)
               + "".join(f" | {t[v] / t[lead]:.2f}x" for v in others) + " | "
-              + " / ".join(f"{work[v]:.0f}" for v in variants) + f" | {res[lead][-1][2]} |", flush=True)
+              + " / ".join(f"{work[v]:.0f}" for v in variants) + " | "
+              + " / ".join(str(res[v][-1][2]) for v in variants) + " |", flush=True)
         rows += [dict(agents=k, mode=v, round=2, max_tokens=1, ms=1e3 * t[v], prompt_tokens=r2.prompt_tokens,
                       computed=work[v], restored=runs[-1][2], all_ms=[round(1e3 * x[0], 1) for x in runs])
                  for v, runs in res.items()]

@@ -32,7 +32,9 @@ def test_bench_resume_table(tiny_llama, bench):
     row = [line for line in out.splitlines() if line.startswith("| 2 |")][0]
     cells = [c.strip() for c in row.strip("|").split("|")]
     resumed, without, prefix = (float(x) for x in cells[7].split("/"))
-    assert max(resumed, prefix) < without and int(cells[8]) > 0  # both reuse the history
+    assert max(resumed, prefix) < without  # both reuse the history
+    restored = [int(x) for x in cells[8].split("/")]
+    assert restored[0] > 0 == restored[1] == restored[2]
 
 
 def test_bench_resume_writes_rows_and_rounds(tiny_llama, bench, tmp_path):
@@ -60,15 +62,23 @@ def test_bench_resume_kvcomm_restores_and_predicts(tiny_llama, bench):
                 "--history", "40", "--output", "20", "--answer", "6", "--repeats", "1",
                 "--variants", "kvcomm,without")
     head = [line for line in out.splitlines() if line.startswith("| N |")][0]
-    assert "kvcomm ms | without ms | kvcomm vs without | computed kvcomm / without" in head
+    assert "kvcomm ms | without ms | kvcomm vs without | computed kvcomm / without | restored kvcomm / without" in head
     row = [line for line in out.splitlines() if line.startswith("| 3 |")][0]
     cells = [c.strip() for c in row.strip("|").split("|")]
     kvcomm, without = (float(x) for x in cells[5].split("/"))
     # kvcomm computes past the check layer only what follows each restored prefix
-    assert kvcomm < without / 2 and int(cells[6]) > 0
+    assert kvcomm < without / 2 and int(cells[6].split("/")[0]) > 0
 
 
 def test_bench_resume_refuses_a_dump_without_prefix(tiny_llama, bench, tmp_path):
     with pytest.raises(ValueError, match="add prefix to --variants"):
         bench(resume, "--model", str(tiny_llama), "--agents", "2", "--variants", "resumed",
               "--dump-prompts", str(tmp_path / "x.json"))
+
+
+def test_bench_resume_without_a_host_tier_restores_nothing(tiny_llama, bench):
+    out = bench(resume, "--model", str(tiny_llama), "--dtype", "float32", "--agents", "2", "--history", "30",
+                "--output", "12", "--answer", "5", "--repeats", "1", "--variants", "resumed,kvcomm",
+                "--offload-gib", "0")
+    row = [line for line in out.splitlines() if line.startswith("| 2 |")][0]
+    assert row.rstrip(" |").endswith("| 0 / 0") and "host tier 0 GiB" in out
