@@ -3,14 +3,15 @@
 When a reusing request that names its agent (session/agent) finishes, its KV is parked
 in the host tier (backend/offload.py) instead of being thrown away: a Mirror as its
 private slots plus each Master segment once (shared by every agent that read it), a
-plain sequence (kvcomm's are) as its slots. When the agent's next request arrives and its prompt starts with
-the parked tokens (an agent's next prompt is its last one, its answer, and the round's
-new outputs), that prefix is restored instead of prefilled: the private slots into the
-new request's own blocks, each Master segment back into the segment cache unless it is
-still there, all of a group in one host-to-device copy and one scatter launch. A
-restored Mirror stays a Mirror: its old patches stay patches, its reused tokens read
-the Master again; only the rest of the prompt is prefilled (backend/blend.py). A
-request with a dense cache (kvcomm) restores only a plain parked prefix.
+plain sequence (kvcomm's are) as its slots. When the agent's next request arrives and
+its prompt starts with the parked tokens (an agent's next prompt is its last one, its
+answer, and the round's new outputs), that prefix is restored instead of prefilled: the
+private slots into the new request's own blocks, each Master segment back into the
+segment cache unless it is still there, all of a group in one host-to-device copy and
+one scatter launch. A restored Mirror stays a Mirror: its old patches stay patches, its
+reused tokens read the Master again; only the rest of the prompt is prefilled
+(backend/blend.py). A request with a dense cache (kvcomm) restores only a plain parked
+prefix.
 """
 
 from __future__ import annotations

@@ -19,7 +19,8 @@ same place reads it again, exactly as the prompt before it is unchanged.
 
 An agent's finished request is parked on the host like pic's (backend/idle.py, a plain
 sequence): its next request restores the prefix they share, segments and its own
-tokens alike, and computes and predicts only what follows.
+tokens alike, and computes and predicts only what follows (one that measures does so
+over the prefix it restored).
 """
 
 from __future__ import annotations
@@ -96,7 +97,8 @@ class AnchorReuse:
                 start = seq.resume.length if seq.resume is not None else 0
                 spans = [(j, lo, hi, segment_key(seq.tenant, seq.prompt[lo:hi]))
                          for j, (lo, hi) in enumerate(seq.shared) if lo >= start]  # not restored
-                missing.update((k, seq.prompt[lo:hi]) for _, lo, hi, k in spans if col.segments.get(k) is None)
+                missing.update((k, seq.prompt[lo:hi]) for _, lo, hi, k in spans
+                               if col.segments.get(k) is None)
                 keys.append(spans)
             col.standalone(col.enter_bases(missing, pinned, entered))
             entries = col.pin([sp[-1] for spans in keys for sp in spans], pinned)
@@ -131,7 +133,8 @@ class AnchorReuse:
                     seq.resume = None
         if not ready:
             return [], None
-        subs = batches(items, lambda it: len(it.seq.prompt), col.cfg.max_tokens, remainder_first=True)
+        subs = batches(items, lambda it: len(it.seq.prompt) - it.start, col.cfg.max_tokens,
+                       remainder_first=True)
         parts = [blend(col.model, col.cache, sub, c, 0.0) for sub in subs]
         col.runner.work += sum(p.work for p in parts)
         self.measured += len(exact)

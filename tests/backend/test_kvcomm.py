@@ -183,7 +183,8 @@ def test_an_agent_resumes_its_parked_prefix(engine):
 
 def test_a_parked_mirror_is_not_restored_into_a_dense_cache(engine):
     prompts, spans = round_prompts(2, seed=13)
-    outs = [t for t, _, _ in engine.generate(prompts, GREEDY, mode="collective", shared=spans, agents=["a", "b"])]
+    done = engine.generate(prompts, GREEDY, mode="collective", shared=spans, agents=["a", "b"])
+    outs = [t for t, _, _ in done]
     assert engine.idle.parked["\0a"].mirror is not None
     grown = [p + o + [5, 6] for p, o in zip(prompts, outs)]
     before = engine.idle.restored

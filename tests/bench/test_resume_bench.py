@@ -62,7 +62,8 @@ def test_bench_resume_kvcomm_restores_and_predicts(tiny_llama, bench):
                 "--history", "40", "--output", "20", "--answer", "6", "--repeats", "1",
                 "--variants", "kvcomm,without")
     head = [line for line in out.splitlines() if line.startswith("| N |")][0]
-    assert "kvcomm ms | without ms | kvcomm vs without | computed kvcomm / without | restored kvcomm / without" in head
+    assert ("kvcomm ms | without ms | kvcomm vs without | computed kvcomm / without "
+            "| restored kvcomm / without") in head
     row = [line for line in out.splitlines() if line.startswith("| 3 |")][0]
     cells = [c.strip() for c in row.strip("|").split("|")]
     kvcomm, without = (float(x) for x in cells[5].split("/"))
