@@ -44,7 +44,8 @@ class EngineConfig:
     min_shared_tokens: int | None = REUSE_DEFAULTS["min_shared_tokens"]
     segment_cache_fraction: float = 0.25  # of the pool, for shared segments' base KV
     anchor_bytes: int = 1 << 30  # kvcomm: its anchors' memory, on the pool's device (backend/anchors.py)
-    offload_bytes: int = 1 << 30  # host memory for idle agents' KV (backend/idle.py); 0: off
+    offload_bytes: int | None = None  # host memory for idle agents' KV (backend/idle.py); 0: off,
+    # None: device.host_tier_bytes (8 GiB beside a GPU, 1 GiB on a CPU)
     overlap: bool | None = None  # decode steps overlap host and GPU (backend/lookahead.py); None: on CUDA
     # the default sampling (backend/generation.py): "auto" (the model folder's
     # generation_config.json), "vllm" (none) or a folder; values set over it

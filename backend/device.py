@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping
 
 import torch
@@ -37,6 +38,17 @@ def host_threads(device: torch.device, env: Mapping[str, str]) -> int | None:
     if device.type != "cuda" or "OMP_NUM_THREADS" in env:
         return None
     return 1
+
+
+def host_tier_bytes(device: torch.device) -> int:
+    """The host tier's default size (idle agents' KV between their rounds, backend/idle.py).
+    Beside a GPU, 8 GiB, or an eighth of the host's memory if that is less: on the H200,
+    a 7B-shaped model's 20 agents did not all fit in 1 GiB, and their resumed round took
+    749 ms against 576 with room for all (docs/benchmarks.md, resuming idle agents). On a
+    CPU, whose KV pool is host memory already, 1 GiB."""
+    if device.type != "cuda":
+        return 1 << 30
+    return min(8 << 30, os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // 8)
 
 
 def sync(device: torch.device) -> None:

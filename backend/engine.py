@@ -17,7 +17,7 @@ from tokendance.backend.batches import batches
 from tokendance.backend.collector import Collector, ReuseConfig
 from tokendance.backend.config import DTYPES, EngineConfig, ModelConfig
 from tokendance.backend.detok import Detok, Pieces
-from tokendance.backend.device import host_threads, pick_device
+from tokendance.backend.device import host_threads, host_tier_bytes, pick_device
 from tokendance.backend.grammar import Grammars
 from tokendance.backend.idle import IdleAgents
 from tokendance.backend.lookahead import Inflight, eligible, launch
@@ -89,7 +89,8 @@ class Engine:
         self.scheduler.reclaim = self.segments.evict  # bases go before any request is preempted
         reuse = ReuseConfig(cfg.check_layer, cfg.recompute_ratio, cfg.recompute_floor, max_tokens=budget,
                             readers=cfg.bases == "reader", anchor_bytes=cfg.anchor_bytes)
-        self.idle = IdleAgents(self.cache, cfg.offload_bytes)
+        offload = host_tier_bytes(self.device) if cfg.offload_bytes is None else cfg.offload_bytes
+        self.idle = IdleAgents(self.cache, offload)
         self.collector = Collector(self.model, self.cache, self.blocks, self.runner, self.segments,
                                    self.idle, reuse)
         self.blend_waiting: list[Sequence] = []
@@ -154,7 +155,7 @@ class Engine:
             if not seq.until:
                 seq.matcher = self.grammars.matcher(st)
         self.seqs[rid] = seq
-        if agent is not None and self.cfg.offload_bytes and mode in REUSING:
+        if agent is not None and self.idle.tier.budget and mode in REUSING:
             seq.agent = f"{tenant}\0{agent}"
             r = self.idle.take(seq.agent, seq.prompt, seq.shared, mode == "kvcomm")  # restored with its group
             # A plain request may find as much of its prefix still in the pool, exact.

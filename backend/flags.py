@@ -19,8 +19,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="HF folder or GGUF file (default: embedded SmolLM2)")
     p.add_argument("--dtype", default="auto", help="auto, float32, bfloat16, float16")
     add_reuse_args(p)
-    p.add_argument("--offload-gib", type=float, default=1.0,
-                   help="host memory for idle agents' KV between their rounds (0: off)")
+    p.add_argument("--offload-gib", type=float, default=None,
+                   help="host memory for idle agents' KV between their rounds (0: off; default 8 GiB "
+                        "beside a GPU, or an eighth of the host's memory if less, 1 GiB on a CPU)")
     p.add_argument("--anchor-gib", type=float, default=1.0,
                    help="kvcomm: memory for its anchors (a measured segment's base and offset K/V), "
                         "on the engine's device beside the KV pool")
@@ -112,14 +113,14 @@ def changed(args: argparse.Namespace) -> list[str]:
 def engine_options(args: argparse.Namespace) -> dict[str, Any]:
     """EngineConfig's fields from `add_engine_args`' flags (ValueError for a bad one)."""
     for flag in ("offload_gib", "anchor_gib"):
-        if not 0 <= getattr(args, flag) < math.inf:
+        if getattr(args, flag) is not None and not 0 <= getattr(args, flag) < math.inf:
             raise ValueError(f"--{flag.replace('_', '-')} must be a finite number, not negative")
     if not 0 <= args.gpu_memory_utilization <= 1:
         raise ValueError("--gpu-memory-utilization must lie in (0, 1]")
     if args.gpu_memory_utilization and args.kv_tokens:
         raise ValueError("--kv-tokens and --gpu-memory-utilization both size the KV pool: give one")
     generation.check(args.generation_config, args.override_generation_config)
-    return {"model": args.model, "dtype": args.dtype, "offload_bytes": int(args.offload_gib * 2**30),
+    return {"model": args.model, "dtype": args.dtype, "offload_bytes": None if args.offload_gib is None else int(args.offload_gib * 2**30),
             "anchor_bytes": int(args.anchor_gib * 2**30),
             "kv_tokens": args.kv_tokens, "gpu_memory_utilization": args.gpu_memory_utilization,
             "max_model_len": args.max_model_len, "max_seqs": args.max_num_seqs,

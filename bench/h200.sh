@@ -184,9 +184,9 @@ fi
 if want resume; then
   td bench resume --model qwen2.5-7b --dtype bfloat16 --agents 10,20 --history 512 --output 150 \
     --answer 128 --repeats 3 --variants resumed,without,prefix,kvcomm 2>&1 | grep -v -i "warn\|deprecat" | tee "$OUT/resume.txt"
-  # kvcomm parks dense caches, whole prefixes: again with a host tier that holds every agent
+  # and in the 1 GiB host tier that was the default until session 37
   td bench resume --model qwen2.5-7b --dtype bfloat16 --agents 10,20 --history 512 --output 150 \
-    --answer 128 --repeats 3 --variants kvcomm,resumed --offload-gib 8 2>&1 | grep -v -i "warn\|deprecat" \
+    --answer 128 --repeats 3 --variants resumed,kvcomm --offload-gib 1 2>&1 | grep -v -i "warn\|deprecat" \
     | tee -a "$OUT/resume.txt"
 fi
 if want remote; then

@@ -60,8 +60,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    help="comma list; the first is compared with each other")
     p.add_argument("--anchor-gib", type=nonnegative, default=16.0,
                    help="kvcomm's anchors: every agent's every segment keeps one (N x N of them)")
-    p.add_argument("--offload-gib", type=nonnegative, default=1.0,
-                   help="host memory for parked agents (the engine's default: 1 GiB)")
+    p.add_argument("--offload-gib", type=nonnegative, default=None,
+                   help="host memory for parked agents (default: the engine's, 8 GiB beside a GPU)")
     p.add_argument("--json", default=None, help="write rows here (a row per N and variant)")
     p.add_argument("--dump-prompts", default=None,
                    help="write each N's round 1 with its answers and round 2 (for vLLM)")
@@ -75,9 +75,9 @@ def main(args: argparse.Namespace) -> int:
     eng, vocab = round_engine(args.model, args.dtype, n * 2 * (args.history + 2 * n * args.output
                                                               + args.answer) + 8192,
                               recompute_ratio=args.ratio, anchor_bytes=int(args.anchor_gib * 2**30),
-                              offload_bytes=int(args.offload_gib * 2**30))
+                              offload_bytes=None if args.offload_gib is None else int(args.offload_gib * 2**30))
     print(f"model {eng.name} on {eng.device}, {eng.dtype}; histories ~{args.history}, outputs "
-          f"~{args.output}, answers {args.answer}, ratio {args.ratio}, host tier {args.offload_gib:g} GiB; "
+          f"~{args.output}, answers {args.answer}, ratio {args.ratio}, host tier {eng.idle.tier.budget / 2**30:g} GiB; "
           f"round 2 prefill, median of {args.repeats}")
     lead, others = variants[0], variants[1:]
     cols = ([f"{v} ms" for v in variants] + [f"{lead} vs {v}" for v in others]

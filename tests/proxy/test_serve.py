@@ -39,7 +39,7 @@ def parse(*argv: str) -> argparse.Namespace:
 def test_flags():
     a = parse()
     assert (a.host, a.port, a.model, a.mqtt, a.mode, a.barrier_timeout_ms, a.offload_gib) == \
-        ("127.0.0.1", 8000, None, None, None, 250.0, 1.0)
+        ("127.0.0.1", 8000, None, None, None, 250.0, None)
     a = parse("--port", "9001", "--mqtt", "mqtt://127.0.0.1:1883", "--barrier-timeout-ms", "40",
               "--mode", "prefix", "--dtype", "float32", "--model", "/m")
     c = serve.config(a)
