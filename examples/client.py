@@ -26,6 +26,7 @@ class Reply:
     text: str
     usage: dict[str, Any]
     latency: float  # seconds, request sent to reply read
+    finish: str = ""  # its finish_reason (chat and batch)
 
 
 @dataclass
@@ -40,6 +41,7 @@ class Client:
     api_key: str = "tokendance"
     timeout: float = 600.0
     api: str = "chat"  # or "responses", "conversations", "messages", "batch"
+    repetition: dict[str, int] | None = None  # vLLM's repetition_detection (chat and batch)
     http: aiohttp.ClientSession | None = field(default=None, repr=False)
     # per agent, its last response (or its conversation object) and the conversation it holds
     chains: dict[str, tuple[str, list[dict[str, str]]]] = field(default_factory=dict, repr=False)
@@ -69,10 +71,13 @@ class Client:
             "temperature": self.temperature,
             "seed": self.seed,
         }
+        if self.repetition is not None:
+            body["repetition_detection"] = self.repetition
         t0 = time.perf_counter()
         out = await self._post("/chat/completions", body, agent, round)
-        text = out["choices"][0]["message"].get("content") or ""
-        return Reply(agent, text, out.get("usage") or {}, time.perf_counter() - t0)
+        choice = out["choices"][0]
+        return Reply(agent, choice["message"].get("content") or "", out.get("usage") or {},
+                     time.perf_counter() - t0, choice.get("finish_reason") or "")
 
     async def round(self, round: int, chats: dict[str, list[dict[str, str]]]) -> list[Reply]:
         """Every agent's chat of `round` in one batch of chats, each conversation named by
@@ -81,12 +86,14 @@ class Client:
         sums over the replies count it once."""
         body = {"model": self.model, "messages": list(chats.values()), "max_tokens": self.max_tokens,
                 "temperature": self.temperature, "seed": self.seed, "tokendance": {"agents": list(chats)}}
+        if self.repetition is not None:
+            body["repetition_detection"] = self.repetition
         t0 = time.perf_counter()
         out = await self._post("/chat/completions/batch", body, None, round)
         took = time.perf_counter() - t0
         choices = sorted(out["choices"], key=lambda c: c["index"])
-        return [Reply(agent, c["message"].get("content") or "", out.get("usage") or {} if i == 0 else {}, took)
-                for i, (agent, c) in enumerate(zip(chats, choices))]
+        return [Reply(agent, c["message"].get("content") or "", out.get("usage") or {} if i == 0 else {}, took,
+                      c.get("finish_reason") or "") for i, (agent, c) in enumerate(zip(chats, choices))]
 
     async def _message(self, agent: str, round: int, messages: list[dict[str, str]]) -> Reply:
         """The chat as an Anthropic message: its system message the system prompt."""

@@ -54,13 +54,30 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
                    help="chat completions, the Responses API (each agent continues its stored "
                    "conversation by previous_response_id, or in a conversation object), "
                    "Anthropic's Messages API, or each round as one batch of chats")
+    p.add_argument("--repetition-detection", type=loops, default=None, metavar="SIZE[,COUNT]",
+                   help="end a reply once it ends in a pattern of 1 to SIZE tokens repeated COUNT "
+                   "times (default 3), as vLLM's repetition_detection does (chat and batch APIs)")
     p.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
     return p
+
+
+def loops(text: str) -> dict[str, int]:
+    """'32' or '32,3' -> vLLM's repetition_detection."""
+    parts = text.split(",")
+    try:
+        size, count = int(parts[0]), (int(parts[1]) if len(parts) > 1 else 3)
+    except ValueError:
+        size = count = 0
+    if len(parts) > 2 or size < 1 or count < 2:
+        raise argparse.ArgumentTypeError(f"expected SIZE[,COUNT], SIZE at least 1 and COUNT at least 2, got {text!r}")
+    return {"max_pattern_size": size, "min_pattern_size": 1, "min_count": count}
 
 
 def main(args: argparse.Namespace) -> int:
     if args.agents < 1 or args.rounds < 1 or args.max_tokens < 1:
         raise ValueError("--agents, --rounds and --max-tokens must be at least 1")
+    if args.repetition_detection is not None and args.api not in ("chat", "batch"):
+        raise ValueError("--repetition-detection is a chat completions parameter: use --api chat or batch")
     logs.to_stderr(args.log_level)
     from tokendance.adapters.rounds import ProxyError
 
@@ -97,7 +114,11 @@ async def report(args: argparse.Namespace, url: str, mode: str | None) -> str:
             rounds = await once(args, url, scenario, m, lambda r: bar.update(1))
             runs.append(rounds)
             title = f"{args.scenario}: {args.agents} agents, mode {m or 'server default'}, seed {args.seed}"
-            out += [render(rounds, title), scenario.summary(), ""]
+            out += [render(rounds, title), scenario.summary()]
+            if args.repetition_detection is not None:
+                ended = [rep.finish for r in rounds for rep in r.replies.values()]
+                out.append(f"replies ended by repetition detection: {ended.count('repetition')} of {len(ended)}")
+            out.append("")
     finally:
         bar.close()
     if args.compare:
@@ -116,7 +137,7 @@ async def once(args: argparse.Namespace, url: str, scenario: Scenario, mode: str
         raise ConnectionError(f"no proxy answers at {url} ({getattr(e, 'reason', e)})") from e
     session = f"{scenario.name}-{mode or 'default'}-{args.seed}-{secrets.token_hex(3)}"
     async with Client(url, session, mode, model, args.max_tokens, args.temperature, args.seed,
-                      api=args.api) as c:
+                      api=args.api, repetition=args.repetition_detection) as c:
         return await run(scenario, c, args.rounds, on_round)
 
 

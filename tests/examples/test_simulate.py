@@ -158,3 +158,36 @@ def test_simulate_takes_the_responses_and_messages_apis(capsys, api) -> None:
     assert cli.main(["simulate", "town", "--model", "echo", "--agents", "3", "--rounds", "2", "--api", api]) == 0
     rows = _lines(capsys.readouterr().out)
     assert [r[0] for r in rows] == ["1", "2"] and float(rows[-1][5]) > 0
+
+
+@pytest.mark.parametrize("api", ["chat", "batch"])
+def test_repetition_detection_ends_looping_replies(tiny_llama, capsys, api) -> None:
+    """The tiny random model loops: replies end at a pattern of 1-4 tokens seen twice,
+    and the next round's prompts, which quote them, are shorter."""
+    def run(*extra: str) -> str:
+        argv = ["simulate", "debate", "--model", str(tiny_llama), "--agents", "2", "--rounds", "3",
+                "--max-tokens", "32", "--api", api, *extra]
+        assert cli.main(argv) == 0
+        return capsys.readouterr().out
+
+    plain, cut = run(), run("--repetition-detection", "4,2")
+    assert "repetition detection" not in plain
+    ended = int(cut.split("replies ended by repetition detection: ")[1].split(" of 6")[0])
+    assert ended > 0
+    assert int(_lines(cut)[2][3]) < int(_lines(plain)[2][3])  # round 3's prompt tokens
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--repetition-detection", "4,1"], "COUNT at least 2"),
+    (["--repetition-detection", "0"], "SIZE at least 1"),
+    (["--repetition-detection", "4,3,2"], "expected SIZE[,COUNT]"),
+    (["--repetition-detection", "x"], "expected SIZE[,COUNT]"),
+    (["--repetition-detection", "8", "--api", "responses"], "use --api chat or batch"),
+])
+def test_repetition_detection_mistakes_are_one_line(capsys, argv, message) -> None:
+    try:
+        code = cli.main(["simulate", "debate", "--model", "echo", "--rounds", "1", *argv])
+    except SystemExit as e:  # argparse's: its usage line, then the error
+        code = e.code
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert code in (1, 2) and message in err
