@@ -120,7 +120,8 @@ def engine_options(args: argparse.Namespace) -> dict[str, Any]:
     if args.gpu_memory_utilization and args.kv_tokens:
         raise ValueError("--kv-tokens and --gpu-memory-utilization both size the KV pool: give one")
     generation.check(args.generation_config, args.override_generation_config)
-    return {"model": args.model, "dtype": args.dtype, "offload_bytes": None if args.offload_gib is None else int(args.offload_gib * 2**30),
+    offload = None if args.offload_gib is None else int(args.offload_gib * 2**30)  # None: the device's default
+    return {"model": args.model, "dtype": args.dtype, "offload_bytes": offload,
             "anchor_bytes": int(args.anchor_gib * 2**30),
             "kv_tokens": args.kv_tokens, "gpu_memory_utilization": args.gpu_memory_utilization,
             "max_model_len": args.max_model_len, "max_seqs": args.max_num_seqs,
