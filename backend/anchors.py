@@ -15,7 +15,8 @@ anchors, 4 agents, 2 questions) that left the V of layer 29 0.33 from exact agai
 KVCOMM's 0.48 and the bare base's 0.76 (docs/fidelity.md).
 
 Tensors are [layers from the check layer on, 2 (K, V), tokens, KV heads, head dim]:
-layers before the check layer are computed for every token anyway.
+layers before the check layer are computed for every token anyway. An anchor added at a
+rank is held low-rank (backend/lowrank.py, KVCMAS's anchors) and read back whole.
 """
 
 from __future__ import annotations
@@ -25,17 +26,27 @@ from dataclasses import dataclass
 
 import torch
 
-Place = tuple  # (tenant, agent, where): backend/kvcomm.py names the places
+from tokendance.backend.lowrank import LowRank, dense, factor, nbytes
+
+Place = tuple  # (mode, tenant, agent, where): backend/kvcomm.py names the places
 
 
 @dataclass(slots=True, eq=False)
 class Anchor:
-    offset: torch.Tensor  # the segment's K/V in that context, minus its base
-    base: torch.Tensor | None = None  # its base K/V, where tokens are matched against it
+    held_offset: torch.Tensor | LowRank  # the segment's K/V in that context, minus its base
+    held_base: torch.Tensor | LowRank | None = None  # its base K/V, where tokens are matched against it
+
+    @property
+    def offset(self) -> torch.Tensor:
+        return dense(self.held_offset)
+
+    @property
+    def base(self) -> torch.Tensor | None:
+        return None if self.held_base is None else dense(self.held_base)
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.offset, self.base) if t is not None)
+        return nbytes(self.held_offset) + nbytes(self.held_base)
 
 
 def _rows(kv: torch.Tensor) -> torch.Tensor:
@@ -97,10 +108,10 @@ class Anchors:
                          ).permute(2, 0, 1, 3, 4)
 
     def add(self, place: Place, offset: torch.Tensor, base: torch.Tensor | None = None,
-            per: int | None = None) -> None:
-        """An anchor measured at place (its tensors kept as given: the caller's own); the
-        place keeps `per` (default: the pool's) latest."""
-        a = Anchor(offset, base)
+            per: int | None = None, rank: int = 0) -> None:
+        """An anchor measured at place (its tensors kept as given, the caller's own, or at
+        `rank` if > 0); the place keeps `per` (default: the pool's) latest."""
+        a = Anchor(factor(offset, rank), None if base is None else factor(base, rank))
         if a.nbytes > self.budget:
             return
         held = self.places.setdefault(place, [])

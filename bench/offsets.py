@@ -11,7 +11,9 @@ placeholder's anchor, token t for token t, as far as the anchor reaches); the ne
 token of the placeholder's anchors (kvcomm's rule, backend/anchors.py); the nearest
 token of the agent's every placeholder; and kvcomm's rule kept only on the share of
 tokens with the largest offsets (`--patches`), the base elsewhere: what a Mirror would
-hold if kvcomm's offsets were its patches and every other token read the Master.
+hold if kvcomm's offsets were its patches and every other token read the Master; and
+kvcomm's rule over anchors held at each rank of `--ranks` (KVCMAS's low-rank anchors,
+backend/lowrank.py), with the bytes its anchors hold against full ones.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ from tokendance.backend.engine import Engine
 from tokendance.backend.scheduler import Scheduled
 from tokendance.backend.service import EngineBackend
 from tokendance.bench.fidelity import QUESTIONS, layer_kv, requests, run
-from tokendance.bench.options import positive, shares
+from tokendance.bench.options import counts, positive, shares
 
 Rule = Callable[[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]], int], torch.Tensor]
 
@@ -54,11 +56,17 @@ def kvcomm_index(base: torch.Tensor, anchors: list[tuple[torch.Tensor, torch.Ten
     return out
 
 
-def nearest(base: torch.Tensor, anchors: list[tuple[torch.Tensor, torch.Tensor]], j: int | None) -> torch.Tensor:
-    pool = Anchors(per=len(anchors), budget=1 << 40)
+def pool(anchors: list[tuple[torch.Tensor, torch.Tensor]], every: bool = False, rank: int = 0) -> Anchors:
+    """The agent's anchors, each at its own place (or all at one, `every`), at `rank`."""
+    out = Anchors(per=len(anchors), budget=1 << 40)
     for i, (b, off) in enumerate(anchors):
-        pool.add(("", "", 0 if j is None else i), off, b)
-    return pool.offsets([("", "", 0 if j is None else j)], base, [base.shape[2]])
+        out.add(("", "", 0 if every else i), off, b, rank=rank)
+    return out
+
+
+def nearest(base: torch.Tensor, anchors: list[tuple[torch.Tensor, torch.Tensor]], j: int | None,
+            rank: int = 0) -> torch.Tensor:
+    return pool(anchors, j is None, rank).offsets([("", "", 0 if j is None else j)], base, [base.shape[2]])
 
 
 def largest(offset: torch.Tensor, share: float) -> torch.Tensor:
@@ -79,21 +87,26 @@ RULES: dict[str, Rule] = {
 }
 
 
-def rules(patches: list[float]) -> dict[str, Rule]:
-    """RULES, then kvcomm's rule as patches on each share of the tokens."""
+def rules(patches: list[float], ranks: list[int] = ()) -> dict[str, Rule]:
+    """RULES, then kvcomm's rule as patches on each share of the tokens, then over
+    anchors at each rank."""
     out = dict(RULES)
     for p in patches:
         out[f"kvcomm's, on the {p:.0%} of tokens with the largest offsets"] = (
             lambda base, anchors, j, p=p: largest(nearest(base, anchors, j), p))
+    for r in ranks:
+        out[f"kvcomm's, anchors at rank {r}"] = lambda base, anchors, j, r=r: nearest(base, anchors, j, r)
     return out
 
 
 def measure(eng: Engine, be: EngineBackend, agents: int, questions: int, tokens: int,
-            patches: list[float]) -> dict[str, torch.Tensor]:
-    """Per rule: [2 (V, K), layers from the check layer] mean relative distances."""
+            patches: list[float], ranks: list[int] = ()) -> tuple[dict[str, torch.Tensor], dict[int, int]]:
+    """Per rule: [2 (V, K), layers from the check layer] mean relative distances; per
+    rank (0: full), the bytes the round-2 anchors hold."""
     greedy = SamplingParams(max_tokens=tokens, temperature=0)
-    table = rules(patches)
+    table = rules(patches, ranks)
     devs: dict[str, list[torch.Tensor]] = {r: [] for r in table}
+    held = dict.fromkeys([0, *ranks], 0)
     for q in QUESTIONS[:questions]:
         eng.reset_caches()
         first = run(eng, requests(be, "full", q, None, agents, greedy), "full")
@@ -105,6 +118,8 @@ def measure(eng: Engine, be: EngineBackend, agents: int, questions: int, tokens:
             for lo, hi in p2.state.shared:
                 b = exact(eng, p2.state.ids[lo:hi])
                 anchors.append((b, whole[:, :, lo:hi] - b))
+            for r in held:
+                held[r] += pool(anchors, rank=r).nbytes
             whole = exact(eng, p3.state.ids)
             for j, (lo, hi) in enumerate(p3.state.shared[:len(anchors)]):
                 base, want = exact(eng, p3.state.ids[lo:hi]), whole[:, :, lo:hi]
@@ -113,7 +128,7 @@ def measure(eng: Engine, be: EngineBackend, agents: int, questions: int, tokens:
                     dist = [(got[:, kv] - want[:, kv]).flatten(2).norm(dim=-1)
                             / want[:, kv].flatten(2).norm(dim=-1).clamp_min(1e-9) for kv in (1, 0)]
                     devs[name].append(torch.stack([d.mean(-1) for d in dist]))
-    return {name: torch.stack(d).mean(0) for name, d in devs.items() if d}
+    return {name: torch.stack(d).mean(0) for name, d in devs.items() if d}, held
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
@@ -123,11 +138,14 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-tokens", type=positive, default=48)
     p.add_argument("--patches", type=shares, default="0.15,0.5",
                    help="shares of tokens that keep kvcomm's offset as patches, comma list")
+    p.add_argument("--ranks", type=counts, default="8,16,32",
+                   help="ranks its anchors are held at (KVCMAS's low-rank anchors), comma list")
 
 
 def main(args: argparse.Namespace) -> int:
     eng = Engine(EngineConfig(model=args.model, dtype="float32", kv_tokens=65536))
-    res = measure(eng, EngineBackend(eng), args.agents, args.questions, args.max_tokens, args.patches)
+    res, held = measure(eng, EngineBackend(eng), args.agents, args.questions, args.max_tokens, args.patches,
+                        args.ranks)
     c = eng.collector.cfg.check_layer
     layers = eng.mcfg.num_layers
     picks = sorted(x for x in {c, c + 1, 5, 10, layers // 2, layers - 1} if c <= x < layers)
@@ -137,4 +155,6 @@ def main(args: argparse.Namespace) -> int:
         print(f"\n{what}:\n| rule | " + " | ".join(f"layer {x}" for x in picks) + " |\n|---|" + "---|" * len(picks))
         for name, d in res.items():
             print(f"| {name} | " + " | ".join(f"{d[w, x - c]:.3f}" for x in picks) + " |")
+    print("\nround-2 anchors held: full " + f"{held[0]:,} bytes" + "".join(
+        f"; rank {r} {n:,} ({held[0] / max(n, 1):.2f}x less)" for r, n in held.items() if r))
     return 0

@@ -12,13 +12,16 @@ from tokendance.bench import offsets
 def test_every_rule_gets_a_row_of_distances(make_model, bench):
     model = make_model("llama", num_hidden_layers=4)
     out = bench(offsets, "--model", str(model), "--agents", "2", "--questions", "1", "--max-tokens", "4",
-                "--patches", "0.25")
+                "--patches", "0.25", "--ranks", "2")
     for kv in ("V", "K"):
         table = out.split(f"\n{kv}:\n")[1]
-        for rule in offsets.rules([0.25]):
+        for rule in offsets.rules([0.25], [2]):
             row = re.search(rf"^\| {re.escape(rule)} \| (.*) \|$", table, re.M)
             values = [float(x) for x in row[1].split(" | ")]
             assert len(values) == 3 and all(0 <= x < 10 for x in values)  # layers 1, 2 and 3
+    held = re.search(r"full ([\d,]+) bytes; rank 2 ([\d,]+)", out)
+    full, low = (int(x.replace(",", "")) for x in held.groups())
+    assert 0 < low < full  # rank 2 of 4 tokens x 64 features: smaller
 
 
 def test_patches_keep_the_largest_offsets_only():
