@@ -13,8 +13,12 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-MODES = ("full", "prefix", "pic", "collective", "kvcomm")
-REUSING = ("pic", "collective", "kvcomm")  # the modes that reuse shared segments
+MODES = ("full", "prefix", "pic", "collective", "kvcomm", "kvcmas")
+REUSING = ("pic", "collective", "kvcomm", "kvcmas")  # the modes that reuse shared segments
+# The modes that read a segment as base + an offset predicted from anchors, each request
+# with a dense cache (backend/kvcomm.py): KVCOMM's, and KVCMAS's (low-rank anchors over
+# its producer's KV as the base).
+ANCHORED = ("kvcomm", "kvcmas")
 # pic / collective: a shared segment's base KV, prefilled standalone once per round; the
 # KV its producer computed as its output (producer chaining: no prefill; on SmolLM2 it
 # kept fewer debates identical to exact prefill); or the KV of it in a reader's context

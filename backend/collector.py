@@ -29,7 +29,8 @@ from tokendance.backend.detok import Detok
 from tokendance.backend.diff import encode
 from tokendance.backend.idle import IdleAgents, resumed_mirror
 from tokendance.backend.keys import Key, segment_key
-from tokendance.backend.kvcomm import AnchorReuse
+from tokendance.backend.anchors import Anchors
+from tokendance.backend.kvcomm import PER_PLACE, AnchorReuse
 from tokendance.backend.masters import bring_back, parked_spans, restorable
 from tokendance.backend.mirror import EARLY, Mirror, Span
 from tokendance.backend.model import Decoder, KVCache
@@ -49,7 +50,8 @@ class ReuseConfig:
     cache_fraction: float = 0.25  # of the pool, for segment bases
     max_tokens: int = 0  # prompt tokens per forward (bases, blend); 0: no limit
     readers: bool = False  # bases from readers' exact prefill (`--bases reader`)
-    anchor_bytes: int = 1 << 30  # kvcomm: its anchors' memory (backend/anchors.py)
+    anchor_bytes: int = 1 << 30  # kvcomm / kvcmas: their anchors' memory (backend/anchors.py)
+    anchor_rank: int = 32  # kvcmas: the rank its anchors are held at (backend/lowrank.py)
 
 
 # Reader bases: requests of a group prefilled in full, whose KV of the shared segments in
@@ -81,7 +83,10 @@ class Collector:
         self.model, self.cache, self.blocks, self.runner = model, cache, blocks, runner
         self.segments, self.idle = segments, idle
         self.cfg = cfg
-        self.kvcomm = AnchorReuse(self, cfg.anchor_bytes)
+        if not cfg.anchor_rank >= 1:
+            raise InvalidRequest(f"anchor rank must be at least 1, got {cfg.anchor_rank}", "anchor_rank")
+        self.anchors = Anchors(PER_PLACE, cfg.anchor_bytes)  # both modes', apart by place
+        self.anchored = {"kvcomm": AnchorReuse(self, "kvcomm", 0), "kvcmas": AnchorReuse(self, "kvcmas", cfg.anchor_rank)}
 
     # -- bases ----------------------------------------------------------------------
 
@@ -223,12 +228,12 @@ class Collector:
     # -- the group ------------------------------------------------------------------
 
     def prefill(self, group: list[Sequence], mode: str) -> tuple[list[Sequence], torch.Tensor | None]:
-        """Prefill what fits of `group` in `mode` (pic, collective or kvcomm); returns those
+        """Prefill what fits of `group` in `mode` (pic, collective, kvcomm or kvcmas); returns those
         sequences (KV in place, stats set) and their next-token logits. Sequences left out
         stay for a later step. If it fails, the bases it entered in the segment cache leave
         it: they may never have been computed, and nobody may read an empty base."""
-        if mode == "kvcomm":
-            return self.kvcomm.prefill(group)
+        if mode in self.anchored:
+            return self.anchored[mode].prefill(group)
         entered: list[Entry] = []
         try:
             return self._prefill(group, mode == "collective", entered)

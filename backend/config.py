@@ -43,7 +43,8 @@ class EngineConfig:
     # tokens; None: 64 on CUDA (32-token segments made a round slower there), 0 on CPU
     min_shared_tokens: int | None = REUSE_DEFAULTS["min_shared_tokens"]
     segment_cache_fraction: float = 0.25  # of the pool, for shared segments' base KV
-    anchor_bytes: int = 1 << 30  # kvcomm: its anchors' memory, on the pool's device (backend/anchors.py)
+    anchor_bytes: int = 1 << 30  # kvcomm / kvcmas: their anchors' memory, on the pool's device (backend/anchors.py)
+    anchor_rank: int = 32  # kvcmas: the rank its anchors are held at (KVCMAS's default; backend/lowrank.py)
     offload_bytes: int | None = None  # host memory for idle agents' KV (backend/idle.py); 0: off,
     # None: device.host_tier_bytes (8 GiB beside a GPU, 1 GiB on a CPU)
     overlap: bool | None = None  # decode steps overlap host and GPU (backend/lookahead.py); None: on CUDA

@@ -9,7 +9,8 @@ import structlog
 import torch
 
 from tokendance.backend import heap, loader, pooling, scoring
-from tokendance.backend.api import BASES, REUSING, Delta, InvalidRequest, Pooling, SamplingParams, Usage, check_mode
+from tokendance.backend.api import (ANCHORED, BASES, REUSING, Delta, InvalidRequest, Pooling, SamplingParams,
+                                   Usage, check_mode)
 from tokendance.backend.banned import sequences
 from tokendance.backend.blocks import BlockManager
 from tokendance.backend.budget import pool_tokens
@@ -88,7 +89,8 @@ class Engine:
                                      int(self.cache.num_blocks * cfg.segment_cache_fraction))
         self.scheduler.reclaim = self.segments.evict  # bases go before any request is preempted
         reuse = ReuseConfig(cfg.check_layer, cfg.recompute_ratio, cfg.recompute_floor, max_tokens=budget,
-                            readers=cfg.bases == "reader", anchor_bytes=cfg.anchor_bytes)
+                            readers=cfg.bases == "reader", anchor_bytes=cfg.anchor_bytes,
+                            anchor_rank=cfg.anchor_rank)
         offload = host_tier_bytes(self.device) if cfg.offload_bytes is None else cfg.offload_bytes
         self.idle = IdleAgents(self.cache, offload)
         self.collector = Collector(self.model, self.cache, self.blocks, self.runner, self.segments,
@@ -124,7 +126,8 @@ class Engine:
             shared: list[tuple[int, int]] | None = None, tenant: str = "", publish: bool = False,
             agent: str | None = None, pool: Pooling | None = None) -> None:
         """Queue a request. `shared`: [lo, hi) token spans of shared segments, reused in
-        the REUSING modes; `publish`: keep its output's KV as the next round's base (producer bases);
+        the REUSING modes; `publish`: keep its output's KV as the next round's base (producer
+        bases; kvcmas's always);
         `agent`: who sent it (a session's agent): in the REUSING modes its KV is
         parked when it finishes, and the agent's next request restores the prefix they
         share (`full` stays the no-reuse baseline; `prefix` has its block cache);
@@ -143,7 +146,7 @@ class Engine:
                       if 0 <= t < self.mcfg.vocab_size)  # another id is never sampled
         seq = Sequence(rid, list(prompt), sampling, Detok.of(self.tokenizer, sampling),
                        generator=gen, ends=ends, mode=mode, shared=spans, tenant=tenant,
-                       publish=publish and self.cfg.bases == "producer",
+                       publish=publish and (self.cfg.bases == "producer" or mode == "kvcmas"),
                        sender=agent or "", bad=sequences(self.tokenizer, sampling.bad_words),
                        scored=None if sampling.prompt_logprobs is None else scoring.start(prompt, self.pieces),
                        pooling=pool)
@@ -157,7 +160,7 @@ class Engine:
         self.seqs[rid] = seq
         if agent is not None and self.idle.tier.budget and mode in REUSING:
             seq.agent = f"{tenant}\0{agent}"
-            r = self.idle.take(seq.agent, seq.prompt, seq.shared, mode == "kvcomm")  # restored with its group
+            r = self.idle.take(seq.agent, seq.prompt, seq.shared, mode in ANCHORED)  # restored with its group
             # A plain request may find as much of its prefix still in the pool, exact.
             if r is not None and r.length <= self.blocks.cached(seq) + self.cache.block_size:
                 self.idle.tier.drop(r.name)  # found in the pool, as `prefix` finds it: no restore
@@ -262,7 +265,7 @@ class Engine:
             take = batches(take, lambda s: len(s.prompt) - (s.resume.length if s.resume else 0),
                            self.scheduler.max_tokens)[0]
         out = []
-        for mode in ("collective", "pic", "kvcomm"):
+        for mode in ("collective", "pic", *ANCHORED):
             group = [s for s in take if s.mode == mode]
             if not group:
                 continue
@@ -365,9 +368,9 @@ class Engine:
 
     def reset_caches(self, anchors: bool = True) -> None:
         """Forget every reusable KV (segment bases, prefix blocks, idle agents, keys held for
-        decode; kvcomm's anchors too unless `anchors` is False): a cold start."""
+        decode; kvcomm's and kvcmas's anchors too unless `anchors` is False): a cold start."""
         if anchors:
-            self.collector.kvcomm.anchors.clear()
+            self.collector.anchors.clear()
         for name in list(self.idle.parked):
             self.idle.drop(name)
         self.segments.clear()

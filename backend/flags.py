@@ -23,8 +23,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="host memory for idle agents' KV between their rounds (0: off; default 8 GiB "
                         "beside a GPU, or an eighth of the host's memory if less, 1 GiB on a CPU)")
     p.add_argument("--anchor-gib", type=float, default=1.0,
-                   help="kvcomm: memory for its anchors (a measured segment's base and offset K/V), "
-                        "on the engine's device beside the KV pool")
+                   help="kvcomm and kvcmas: memory for their anchors (a measured segment's base and "
+                        "offset K/V), on the engine's device beside the KV pool")
+    p.add_argument("--anchor-rank", type=int, default=32,
+                   help="kvcmas: the rank its anchors are held at, per layer (KVCMAS's low-rank anchors)")
     p.add_argument("--kv-tokens", type=at_least(0), default=0,
                    help="the KV pool's size in tokens (0: 16 k on the CPU, 85 %% of the GPU's memory "
                         "left free by the weights)")
@@ -115,6 +117,8 @@ def engine_options(args: argparse.Namespace) -> dict[str, Any]:
     for flag in ("offload_gib", "anchor_gib"):
         if getattr(args, flag) is not None and not 0 <= getattr(args, flag) < math.inf:
             raise ValueError(f"--{flag.replace('_', '-')} must be a finite number, not negative")
+    if args.anchor_rank < 1:
+        raise ValueError("--anchor-rank must be at least 1")
     if not 0 <= args.gpu_memory_utilization <= 1:
         raise ValueError("--gpu-memory-utilization must lie in (0, 1]")
     if args.gpu_memory_utilization and args.kv_tokens:
@@ -122,7 +126,7 @@ def engine_options(args: argparse.Namespace) -> dict[str, Any]:
     generation.check(args.generation_config, args.override_generation_config)
     offload = None if args.offload_gib is None else int(args.offload_gib * 2**30)  # None: the device's default
     return {"model": args.model, "dtype": args.dtype, "offload_bytes": offload,
-            "anchor_bytes": int(args.anchor_gib * 2**30),
+            "anchor_bytes": int(args.anchor_gib * 2**30), "anchor_rank": args.anchor_rank,
             "kv_tokens": args.kv_tokens, "gpu_memory_utilization": args.gpu_memory_utilization,
             "max_model_len": args.max_model_len, "max_seqs": args.max_num_seqs,
             "max_batched_tokens": args.max_num_batched_tokens, "generation_config": args.generation_config,

@@ -1,5 +1,5 @@
-"""The `kvcomm` mode: shared segments read at their base KV plus an offset predicted
-from anchors (backend/anchors.py), nothing of them recomputed past the check layer.
+"""The `kvcomm` and `kvcmas` modes: shared segments read at their base KV plus an offset
+predicted from anchors (backend/anchors.py), nothing of them recomputed past the check layer.
 
 A group's requests each get a dense cache (no Mirror: every request's corrected K/V
 is its own). A request whose every reused segment finds an offset gets base + offset
@@ -21,6 +21,12 @@ An agent's finished request is parked on the host like pic's (backend/idle.py, a
 sequence): its next request restores the prefix they share, segments and its own
 tokens alike, and computes and predicts only what follows (one that measures does so
 over the prefix it restored).
+
+`kvcmas` is KVCMAS's correction ("Efficient KV cache Correction for Shared Context in
+Multi-Agent Systems"): the same places and rule, its anchors held at a low rank
+(backend/lowrank.py), and chained: a segment's base is the KV its producer computed for
+it (its requests publish their outputs, as `--bases producer` does for every mode), so
+an offset corrects only what the reader's context changes. Its places are its own.
 """
 
 from __future__ import annotations
@@ -49,14 +55,14 @@ Found = tuple[int, int, int, Entry]  # (ordinal in the prompt, lo, hi, base entr
 
 
 class AnchorReuse:
-    def __init__(self, col: "Collector", budget: int):
-        self.col = col
-        self.anchors = Anchors(PER_PLACE, budget)
+    def __init__(self, col: "Collector", mode: str, rank: int):
+        self.col, self.mode, self.rank = col, mode, rank
+        self.anchors: Anchors = col.anchors
         self.predicted = 0  # requests whose segments read base + predicted offset
         self.measured = 0  # requests with reused segments prefilled exactly: they gave anchors
 
     def prefill(self, group: list[Sequence]) -> tuple[list[Sequence], torch.Tensor | None]:
-        """Collector.prefill in `kvcomm` mode."""
+        """Collector.prefill in its mode."""
         entered: list[Entry] = []
         try:
             return self._prefill(group, entered)
@@ -143,12 +149,13 @@ class AnchorReuse:
             offsets = self._read(self._rows(seq, found)) - bases
             sizes = [hi - lo for _, lo, hi, _ in found]
             for (j, *_), b, o in zip(found, bases.split(sizes, 2), offsets.split(sizes, 2)):
-                self.anchors.add(self._place(seq, j - len(seq.shared)), o.clone(), b.clone())  # not views
+                self.anchors.add(self._place(seq, j - len(seq.shared)), o.clone(), b.clone(),  # not views
+                                 rank=self.rank)
             served.append((seq, found, offsets))
         for seq, found, offsets in served:  # what each text read where it sat, for its next time there
             sizes = [hi - lo for _, lo, hi, _ in found]
             for (j, _, _, e), o in zip(found, offsets.split(sizes, 2)):
-                self.anchors.add(self._place(seq, (j, e.key)), o.clone(), per=1)
+                self.anchors.add(self._place(seq, (j, e.key)), o.clone(), per=1, rank=self.rank)
         for seq, it in zip(ready, items):
             seq.cached, seq.recomputed = it.start + sum(it.reused[it.start:]), 0  # restored or predicted
             seq.computed = len(seq.prompt)
@@ -172,8 +179,7 @@ class AnchorReuse:
             guessed = iter(new.split([sizes[i] for i in todo], 2))
         return torch.cat([a.offset if a is not None else next(guessed) for a in known], 2)
 
-    @staticmethod
-    def _place(seq: Sequence, where: object) -> Place:
-        """A place of seq's agent: a shared segment's ordinal from the prompt's end (< 0),
-        or (its ordinal from the start, its text's key)."""
-        return seq.tenant, seq.sender, where
+    def _place(self, seq: Sequence, where: object) -> Place:
+        """A place of seq's agent in this mode: a shared segment's ordinal from the
+        prompt's end (< 0), or (its ordinal from the start, its text's key)."""
+        return self.mode, seq.tenant, seq.sender, where

@@ -90,11 +90,12 @@ class EngineBackend:
             Gauge("parked_agents", "idle agents whose KV waits in the host tier", len(e.idle.tier)),
             Gauge("restored_tokens_total", "prompt tokens restored from the host tier instead of prefilled",
                   e.idle.restored, "counter"),
-            Gauge("kvcomm_predicted_total", "kvcomm requests whose shared segments read base + an "
-                  "offset predicted from anchors", e.collector.kvcomm.predicted, "counter"),
-            Gauge("kvcomm_measured_total", "kvcomm requests prefilled exactly, each segment's offset "
-                  "kept as an anchor", e.collector.kvcomm.measured, "counter"),
-            Gauge("kvcomm_anchor_bytes", "memory holding kvcomm's anchors", e.collector.kvcomm.anchors.nbytes),
+            *(g for mode, a in e.collector.anchored.items() for g in (
+                Gauge(f"{mode}_predicted_total", f"{mode} requests whose shared segments read base + an "
+                      "offset predicted from anchors", a.predicted, "counter"),
+                Gauge(f"{mode}_measured_total", f"{mode} requests prefilled exactly, each segment's offset "
+                      "kept as an anchor", a.measured, "counter"))),
+            Gauge("anchor_bytes", "memory holding kvcomm's and kvcmas's anchors", e.collector.anchors.nbytes),
             Gauge("eager_decode_steps_total", "decode steps on CUDA no graph could replay (a batch "
                   "over the graphs' rows, or Mirrors reading 1,024 or more Master segments)",
                   e.runner.eager_decodes, "counter"),

@@ -229,7 +229,8 @@ def mirrors() -> bool:
     reader bases too, and the two readers (prefilled in full, then Mirrors of the bases
     they gave: backend/diff.py) answer as full does; kvcomm answers as full does in its
     exact round and again over anchors of the same contexts (base + offset = exact); its
-    next round answers the same restored from the host tier as predicted whole."""
+    next round answers the same restored from the host tier as predicted whole; kvcmas
+    answers as full does in its exact round and predicts its next (low-rank anchors)."""
     from tokendance.bench.allgather import make_round, next_round
 
     rnd = make_round(4, 120, 60, 49152, seed=3)
@@ -249,21 +250,25 @@ def mirrors() -> bool:
     eng = seeded(kv_tokens=16384)
     who = [f"a{i}" for i in range(rnd.agents)]
 
-    def kvcomm(r) -> list[list[int]]:
-        return [t for t, _, _ in eng.generate(r.prompts, greedy, mode="kvcomm", shared=r.shared, agents=who)]
+    def kvcomm(r, mode: str = "kvcomm") -> list[list[int]]:
+        return [t for t, _, _ in eng.generate(r.prompts, greedy, mode=mode, shared=r.shared, agents=who)]
 
     first = kvcomm(rnd)  # exact: measures the places, parks each agent
     nxt = next_round(rnd, first, 60, 49152, seed=4)
     resumed = kvcomm(nxt)  # restores each agent's round 1, predicts the new outputs
-    f = eng.idle.restored > 0 and eng.collector.kvcomm.predicted == rnd.agents
+    f = eng.idle.restored > 0 and eng.collector.anchored["kvcomm"].predicted == rnd.agents
     eng.reset_caches(anchors=False)  # nothing parked: the same round predicted whole
     f = f and kvcomm(nxt) == resumed
     eng.reset_caches(anchors=False)
-    e = first == full and kvcomm(rnd) == full and eng.collector.kvcomm.predicted == 3 * rnd.agents
+    e = first == full and kvcomm(rnd) == full and eng.collector.anchored["kvcomm"].predicted == 3 * rnd.agents
+    eng.reset_caches()
+    g = kvcomm(rnd, "kvcmas") == full
+    kvcomm(nxt, "kvcmas")
+    g = g and eng.collector.anchored["kvcmas"].predicted == rnd.agents
     print(f"Mirrors on CUDA (fp32): ratio 1 = full {a}; pic = collective {b}; with reader bases "
           f"pic = collective {c}, readers = full {d}; kvcomm = full, exact and over anchors {e}; "
-          f"kvcomm resumed = predicted whole {f}")
-    return a and b and c and d and e and f
+          f"kvcomm resumed = predicted whole {f}; kvcmas = full exact, then predicted {g}")
+    return a and b and c and d and e and f and g
 
 
 def diff_vs_reference() -> tuple[bool, float, float]:

@@ -17,7 +17,7 @@ from collections import Counter
 
 import torch
 
-from tokendance.backend.api import BASES, MODES, REUSE_DEFAULTS, REUSING, Request, SamplingParams, Segment
+from tokendance.backend.api import ANCHORED, BASES, MODES, REUSE_DEFAULTS, REUSING, Request, SamplingParams, Segment
 from tokendance.backend.config import EngineConfig
 from tokendance.backend.engine import Engine
 from tokendance.backend.keys import segment_key
@@ -70,8 +70,10 @@ def agents(prepared) -> list[str]:
 def run(eng: Engine, prepared, mode: str, producer: bool = False) -> list[str]:
     """One round's answers. Without `producer` every reusable KV is forgotten first, so
     each shared segment's base is prefilled standalone; with it (`--bases producer`), each
-    answer's KV is kept as its base for the next round (producer chaining). kvcomm's
-    anchors stay: they are what it learns from one round for the next."""
+    answer's KV is kept as its base for the next round (producer chaining; kvcmas's
+    always). kvcomm's and kvcmas's anchors stay: they are what it learns from one round
+    for the next."""
+    producer = producer or mode == "kvcmas"
     if not producer:
         eng.reset_caches(anchors=False)
     toks = [p.state for p in prepared]
@@ -119,7 +121,7 @@ def teacher_forced(eng: Engine, prepared, mode: str, cont: list[list[int]], prod
     kvs = [layer_kv(eng, s) for s in seqs]
     # Held privately for the shared segments: all a request holds but its other tokens.
     counts = (sum(s.shared_tokens for s in seqs), sum(s.held - (len(s.prompt) - s.shared_tokens) for s in seqs))
-    mirrors = [(s.mirror is not None and not s.reader) or (s.mode == "kvcomm" and s.cached > 0) for s in seqs]
+    mirrors = [(s.mirror is not None and not s.reader) or (s.mode in ANCHORED and s.cached > 0) for s in seqs]
     hits = []
     for s, c, f in zip(seqs, cont, first.argmax(-1).tolist()):
         s.out = list(c[:-1])
@@ -145,10 +147,10 @@ def open_loop(eng: Engine, be: EngineBackend, modes: list[str], n0: int, questio
     counts = {m: [0, 0] for m in modes[1:]}  # shared tokens, held privately
     read = {m: 0 for m in modes[1:]}  # prompts that read reused KV
     eng.reset_caches()
-    if "kvcomm" in modes:  # its anchors: another question's round 2, prefilled exactly
+    for m in (m for m in ANCHORED if m in modes):  # its anchors: another question's round 2, prefilled exactly
         q = QUESTIONS[questions % len(QUESTIONS)]
         first = run(eng, requests(be, "full", q, None, n0, greedy), "full", producer)
-        run(eng, requests(be, "kvcomm", q, first, n0, greedy), "kvcomm", producer)
+        run(eng, requests(be, m, q, first, n0, greedy), m, producer)
     for q in QUESTIONS[:questions]:
         eng.reset_caches(anchors=False)
         first = run(eng, requests(be, "full", q, None, n0, greedy), "full", producer)
@@ -270,7 +272,6 @@ def main(args: argparse.Namespace) -> int:
     print("| N | mode | debates with no divergence | agents never diverged | "
           "mean first divergent round (diverged agents) |\n|---|---|---|---|---|")
     bases: Counter = Counter()
-    kvcomm = eng.collector.kvcomm
     for n in args.agents:
         firsts: dict[str, list[int | None]] = {m: [] for m in modes[1:]}
         clean = {m: 0 for m in modes[1:]}
@@ -285,7 +286,8 @@ def main(args: argparse.Namespace) -> int:
             mean = f"{statistics.mean(div):.2f}" if div else "-"
             print(f"| {n} | {m} | {clean[m]}/{args.loops} | {len(firsts[m]) - len(div)}/{len(firsts[m])} | {mean} |")
     print("Shared segments by base: " + ", ".join(f"{n} {src}" for src, n in sorted(bases.items())) + ".")
-    if "kvcomm" in modes:
-        print(f"kvcomm: {kvcomm.predicted} requests read predicted offsets, {kvcomm.measured} with reused "
-              "segments were prefilled exactly (a segment's place had no anchor yet; their offsets became anchors).")
+    for m in (m for m in ANCHORED if m in modes):
+        a = eng.collector.anchored[m]
+        print(f"{m}: {a.predicted} requests read predicted offsets, {a.measured} with reused segments were "
+              "prefilled exactly (a segment's place had no anchor yet; their offsets became anchors).")
     return 0

@@ -29,6 +29,8 @@
 #     collective at r = 4.5 %)
 #   kvcomm: the reuse round with kvcomm (anchors from an earlier round) beside full, prefix, pic
 #     and collective, then capacity (128 decoded tokens per agent) against prefix and collective
+#   kvcmas: the reuse round and the resumed round with kvcmas (low-rank anchors) beside kvcomm
+#     and collective
 #   bounds: the reuse round and capacity with nothing recomputed (r = 0): what the
 #     workload allows any recompute policy (footprint, vs serial pic, capacity)
 #   mirror-decode: decode steps over N = 10 and 20 Mirrors against dense caches
@@ -151,6 +153,13 @@ if want kvcomm; then
   td bench reuse --model qwen2.5-7b --dtype bfloat16 --agents 12,16,20,24 --history 512 --output 150 \
     --repeats 1 --decode 128 --modes prefix,collective,kvcomm 2>&1 | grep -v -i "warn\|deprecat" \
     | tee "$OUT/kvcomm_capacity.txt"
+fi
+if want kvcmas; then
+  td bench reuse --model qwen2.5-7b --dtype bfloat16 --agents 10,20 --history 512 --output 150 \
+    --repeats 3 --modes full,collective,kvcomm,kvcmas 2>&1 | grep -v -i "warn\|deprecat" | tee "$OUT/kvcmas_reuse.txt"
+  td bench resume --model qwen2.5-7b --dtype bfloat16 --agents 10,20 --history 512 --output 150 \
+    --answer 128 --repeats 3 --variants kvcmas,kvcomm,resumed 2>&1 | grep -v -i "warn\|deprecat" \
+    | tee "$OUT/kvcmas_resume.txt"
 fi
 if want bounds; then
   # What the goals' workload allows at all: the round with nothing recomputed (r = 0),

@@ -11,7 +11,9 @@ Prefix: both rounds in `prefix` mode, what vLLM does: round 2 finds each agent's
 prompt and answer in the block cache and prefills the new outputs at their offsets.
 kvcomm (`--variants` adds it): both rounds `kvcomm`, agents named: round 1 is prefilled
 exactly and measures each agent's places, round 2 restores each agent's parked prefix
-and reads the new outputs at their base plus the offsets predicted there. Each starts
+and reads the new outputs at their base plus the offsets predicted there; kvcmas the
+same over low-rank anchors (its round-1 answers published, though round 2's new outputs
+are not any agent's: their bases are prefilled standalone). Each starts
 from cold caches and runs round 1 first; round 2's prefill (to its first tokens) is
 timed, median of repeats, the variants taking turns; the first variant is compared with
 each other.
@@ -39,7 +41,7 @@ from tokendance.bench.shapes import round_engine
 
 # variant: (mode of both rounds, whether requests name their agents)
 VARIANTS = {"resumed": ("collective", True), "without": ("collective", False), "prefix": ("prefix", False),
-            "kvcomm": ("kvcomm", True)}
+            "kvcomm": ("kvcomm", True), "kvcmas": ("kvcmas", True)}
 
 
 def greedy(tokens: int) -> SamplingParams:

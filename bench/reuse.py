@@ -21,7 +21,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from tokendance.backend.api import MODES, REUSE_DEFAULTS, SamplingParams, Usage
+from tokendance.backend.api import ANCHORED, MODES, REUSE_DEFAULTS, SamplingParams, Usage
 from tokendance.backend.device import sync
 from tokendance.backend.engine import Engine
 from tokendance.bench.allgather import Round, make_round
@@ -38,17 +38,20 @@ class Played:
     seconds: float
     computed: float  # tokens computed: token-layers / layers
     usage: list[Usage]  # per agent
-    predicted: int  # kvcomm: requests that read predicted offsets (the rest prefilled exactly)
+    predicted: int  # kvcomm / kvcmas: requests that read predicted offsets (the rest prefilled exactly)
+    anchor_bytes: int  # kvcomm / kvcmas: what the anchors hold at the round's end
 
 
 def play(eng: Engine, rnd: Round, mode: str, sampling: SamplingParams = ONE, tag: str = "r",
          agents: bool = False, serial: bool = False) -> Played:
     """One round to its end on the engine as it is (callers reset caches for a cold one);
-    with `agents`, request i names agent a<i> (a reusing mode parks its KV,
-    backend/idle.py; kvcomm's anchors are its own); with `serial`, each request is added
-    only once the one before it has finished."""
+    with `agents`, request i names agent a<i>, as a session's request does (a reusing
+    mode parks its KV, backend/idle.py; kvcomm's anchors are its own; kvcmas publishes
+    its output); with `serial`, each request is added only once the one before it has
+    finished."""
     sync(eng.device)
-    work0, predicted0 = eng.runner.work, eng.collector.kvcomm.predicted
+    anchored = eng.collector.anchored.get(mode)
+    work0, predicted0 = eng.runner.work, anchored.predicted if anchored else 0
     ids = [f"{tag}{i}" for i in range(rnd.agents)]
     answers: dict[str, list[int]] = {rid: [] for rid in ids}
     usage: dict[str, Usage] = {}
@@ -62,29 +65,30 @@ def play(eng: Engine, rnd: Round, mode: str, sampling: SamplingParams = ONE, tag
 
     t0 = time.perf_counter()
     for i, (rid, p, sp) in enumerate(zip(ids, rnd.prompts, rnd.shared)):
-        eng.add(rid, p, sampling, mode=mode, shared=sp, agent=f"a{i}" if agents else None)
+        eng.add(rid, p, sampling, mode=mode, shared=sp, publish=agents, agent=f"a{i}" if agents else None)
         if serial:
             drain()
     drain()
     sync(eng.device)
     dt = time.perf_counter() - t0
     return Played([answers[r] for r in ids], dt, (eng.runner.work - work0) / len(eng.model.layers),
-                  [usage[r] for r in ids], eng.collector.kvcomm.predicted - predicted0)
+                  [usage[r] for r in ids], anchored.predicted - predicted0 if anchored else 0,
+                  eng.collector.anchors.nbytes)
 
 
 def cold(eng: Engine, rnd: Round, mode: str, sampling: SamplingParams = ONE, serial: bool = False,
          readers: bool = False, rehearsal: Round | None = None) -> Played:
     """The round from cold caches (prefill, and decode past one token); with `readers`,
     its shared segments' bases come from readers (`--bases reader`), else as configured.
-    kvcomm keeps the anchors an exact kvcomm round of `rehearsal` measured (untimed)."""
+    kvcomm (kvcmas) keeps the anchors an exact round of `rehearsal` measured (untimed)."""
     eng.reset_caches()
-    if mode == "kvcomm" and rehearsal is not None:
+    if mode in ANCHORED and rehearsal is not None:
         play(eng, rehearsal, mode, tag="x", agents=True)
         eng.reset_caches(anchors=False)
     own = eng.collector.cfg.readers
     eng.collector.cfg.readers = readers or own
     try:
-        return play(eng, rnd, mode, sampling, serial=serial, agents=mode == "kvcomm")
+        return play(eng, rnd, mode, sampling, serial=serial, agents=mode in ANCHORED)
     finally:
         eng.collector.cfg.readers = own
 
@@ -115,7 +119,7 @@ def bench(eng: Engine, agents: list[int], history: int, output: int, repeats: in
             | {f"reader {mode}": (mode, False, True) for mode in readers})
     for n in agents:
         rnd = make_round(n, history, output, vocab, seed=seed + n)
-        earlier = make_round(n, history, output, vocab, seed=seed + n + 1)  # kvcomm's anchors
+        earlier = make_round(n, history, output, vocab, seed=seed + n + 1)  # kvcomm's / kvcmas's anchors
         # Warm-up: every mode once, with a few decode steps (Triton compiles a kernel
         # variant the first time a batch shape needs it).
         for mode, one, rd in runs.values():
@@ -139,7 +143,8 @@ def bench(eng: Engine, agents: list[int], history: int, output: int, repeats: in
                              footprint=foot, compression=comp, ratio=eng.collector.cfg.ratio,
                              prompt_tokens=rnd.prompt_tokens, shared=rnd.shared_tokens,
                              vs_pic=vs("pic", t), vs_serial_pic=vs("serial pic", t), vs_full=vs("full", t),
-                             predicted=last[name].predicted if runs[name][0] == "kvcomm" else None))
+                             predicted=last[name].predicted if runs[name][0] in ANCHORED else None,
+                             anchor_bytes=last[name].anchor_bytes if runs[name][0] in ANCHORED else None))
     return rows
 
 
@@ -151,7 +156,9 @@ def table(rows: list[dict]) -> str:
     out = [head, "|" + "---|" * 11]
     for r in rows:
         f = lambda v: "" if v is None else f"{v:.2f}x"  # noqa: E731
-        mode = r["mode"] if r.get("predicted") is None else f"{r['mode']} ({r['predicted']}/{r['agents']} predicted)"
+        mode = r["mode"]
+        if r.get("predicted") is not None:
+            mode += f" ({r['predicted']}/{r['agents']} predicted, anchors {r['anchor_bytes'] / 2**20:,.0f} MiB)"
         out.append(f"| {r['agents']} | {mode} | {r['ms']:.0f} | {r['computed']:.0f} | {r['limit']:.0f} | "
                    f"{r['computed'] / r['limit']:.2f} | {f(r['vs_pic'])} | {f(r['vs_serial_pic'])} | "
                    f"{f(r['vs_full'])} | {f(r['footprint'])} | {f(r['compression'])} |")
@@ -197,7 +204,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
                         "collective; docs/fidelity.md)")
     p.add_argument("--kv-tokens", type=natural, default=0)
     p.add_argument("--anchor-gib", type=nonnegative, default=16.0,
-                   help="kvcomm's anchors: every agent's every segment keeps one (N x N of them)")
+                   help="kvcomm's and kvcmas's anchors: every agent's every segment keeps one (N x N of them)")
     p.add_argument("--json", default=None, help="write rows here")
     p.add_argument("--dump-prompts", default=None, help="write each round's prompts (for vLLM)")
     p.add_argument("--decode", type=positive, default=1, help="max_tokens per agent (1: prefill to the first token)")

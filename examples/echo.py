@@ -15,7 +15,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from tokendance.backend.api import (
-    REUSING, Delta, InvalidRequest, ModelInfo, Prepared, Request, Stream, Template, Usage, check_mode,
+    ANCHORED, REUSING, Delta, InvalidRequest, ModelInfo, Prepared, Request, Stream, Template, Usage, check_mode,
 )
 
 WORDS = (
@@ -94,7 +94,7 @@ class EchoBackend:
         usage = Usage(
             prompt_tokens=p.prompt_tokens, completion_tokens=len(words), cached_tokens=reused,
             shared_tokens=shared, kv_dense_bytes=p.prompt_tokens * BYTES_PER_TOKEN,
-            kv_held_bytes=(p.prompt_tokens - (reused if p.state != "kvcomm" else 0)) * BYTES_PER_TOKEN,
+            kv_held_bytes=(p.prompt_tokens - (reused if p.state not in ANCHORED else 0)) * BYTES_PER_TOKEN,
         )
         finish = "length" if len(words) == req.sampling.max_tokens else "stop"
         return EchoStream(words, finish, usage)

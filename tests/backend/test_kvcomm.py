@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from tokendance.backend.anchors import Anchors
+from tokendance.backend.api import ANCHORED
 from tokendance.backend.engine import Engine
 from tokendance.backend.keys import segment_key
 from tokendance.backend.scheduler import Scheduled
@@ -29,7 +30,7 @@ def prefill(eng: Engine, mode: str, prompts, spans, tag: str = "", agents=None):
         rid = f"{mode}{tag}-{i}"
         eng.add(rid, p, GREEDY, mode=mode, shared=sp, agent=agents[i] if agents else None)
         seqs.append(eng.seqs[rid])
-    if mode == "kvcomm":
+    if mode in ANCHORED:
         ready, logits = eng.collector.prefill(seqs, mode)
     else:
         for s in seqs:
@@ -57,7 +58,7 @@ def test_without_anchors_a_round_is_exact_and_measures_them(engine):
         torch.testing.assert_close(kv_of(engine, s), ex, rtol=1e-4, atol=1e-5)
     torch.testing.assert_close(logits, full_logits, rtol=1e-4, atol=1e-4)
     # each segment: an anchor of its place from the end, and its text's offset where it sat
-    assert len(engine.collector.kvcomm.anchors) == 2 * sum(len(sp) for sp in spans)
+    assert len(engine.collector.anchors) == 2 * sum(len(sp) for sp in spans)
 
 
 def test_an_anchor_of_the_same_context_gives_the_exact_kv(engine):
@@ -92,8 +93,8 @@ def test_a_new_round_reads_base_plus_offset_not_the_bare_base(engine):
         kv = kv_of(engine, s)
         lo, hi = sp[0]
         e = engine.segments.get(segment_key("", s.prompt[lo:hi]))
-        base = engine.collector.kvcomm._bases([(0, lo, hi, e)])
-        offset = engine.collector.kvcomm.anchors.offsets([("", s.sender, -len(sp))], base, [hi - lo])
+        base = engine.collector.anchored["kvcomm"]._bases([(0, lo, hi, e)])
+        offset = engine.collector.anchors.offsets([("kvcomm", "", s.sender, -len(sp))], base, [hi - lo])
         assert offset.abs().max() > 1e-3
         torch.testing.assert_close(kv[c:, :, lo:hi], base + offset)
     drop(engine, seqs)
@@ -118,7 +119,7 @@ def test_a_prompt_grown_by_its_history_reads_its_old_segments_exactly(engine):
     drop(engine, full)
     seqs, _ = prefill(engine, "kvcomm", grown, gspans, tag="grown", agents=agents)
     c = engine.collector.cfg.check_layer
-    kvc = engine.collector.kvcomm
+    kvc = engine.collector.anchored["kvcomm"]
     for s, ex, sp, old in zip(seqs, exact, gspans, spans):
         assert s.cached == sum(hi - lo for lo, hi in sp)
         kv = kv_of(engine, s)
@@ -128,7 +129,7 @@ def test_a_prompt_grown_by_its_history_reads_its_old_segments_exactly(engine):
                 torch.testing.assert_close(got, ex[c:, :, lo:hi], rtol=1e-4, atol=1e-5)
             else:
                 base = kvc._bases([(j, lo, hi, engine.segments.get(segment_key("", s.prompt[lo:hi])))])
-                offset = kvc.anchors.offsets([("", s.sender, j - len(sp))], base, [hi - lo])
+                offset = kvc.anchors.offsets([("kvcomm", "", s.sender, j - len(sp))], base, [hi - lo])
                 assert offset.abs().max() > 1e-3
                 torch.testing.assert_close(got, base + offset)
                 assert (got - ex[c:, :, lo:hi]).abs().max() > 1e-3  # predicted, not exact
@@ -143,9 +144,9 @@ def test_greedy_generation_through_the_engine(engine):
     engine.reset_caches(anchors=False)  # nothing parked: predicted, not restored
     again = engine.generate(prompts, GREEDY, mode="kvcomm", shared=spans, agents=who)  # the same contexts
     assert [t for t, _, _ in again] == [t for t, _, _ in full]
-    assert engine.collector.kvcomm.predicted == 3
+    assert engine.collector.anchored["kvcomm"].predicted == 3
     engine.reset_caches()
-    assert len(engine.collector.kvcomm.anchors) == 0
+    assert len(engine.collector.anchors) == 0
 
 
 def test_an_agent_resumes_its_parked_prefix(engine):

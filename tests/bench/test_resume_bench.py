@@ -57,18 +57,19 @@ def test_bench_resume_writes_rows_and_rounds(tiny_llama, bench, tmp_path):
         assert sum(map(len, r["prompts"])) == next(x["prompt_tokens"] for x in got if x["agents"] == int(n))
 
 
-def test_bench_resume_kvcomm_restores_and_predicts(tiny_llama, bench):
+@pytest.mark.parametrize("mode", ["kvcomm", "kvcmas"])
+def test_bench_resume_anchored_restores_and_predicts(tiny_llama, bench, mode):
     out = bench(resume, "--model", str(tiny_llama), "--dtype", "float32", "--agents", "3",
                 "--history", "40", "--output", "20", "--answer", "6", "--repeats", "1",
-                "--variants", "kvcomm,without")
+                "--variants", f"{mode},without")
     head = [line for line in out.splitlines() if line.startswith("| N |")][0]
-    assert ("kvcomm ms | without ms | kvcomm vs without | computed kvcomm / without "
-            "| restored kvcomm / without") in head
+    assert (f"{mode} ms | without ms | {mode} vs without | computed {mode} / without "
+            f"| restored {mode} / without") in head
     row = [line for line in out.splitlines() if line.startswith("| 3 |")][0]
     cells = [c.strip() for c in row.strip("|").split("|")]
-    kvcomm, without = (float(x) for x in cells[5].split("/"))
-    # kvcomm computes past the check layer only what follows each restored prefix
-    assert kvcomm < without / 2 and int(cells[6].split("/")[0]) > 0
+    anchored, without = (float(x) for x in cells[5].split("/"))
+    # it computes past the check layer only what follows each restored prefix
+    assert anchored < without / 2 and int(cells[6].split("/")[0]) > 0
 
 
 def test_bench_resume_refuses_a_dump_without_prefix(tiny_llama, bench, tmp_path):

@@ -25,17 +25,23 @@ def test_footprint_and_compression(tiny_llama, ratio: float):
     assert "Mirror compression" in reuse.table(list(rows.values()))
 
 
-def test_kvcomm_rounds_read_anchors_of_an_earlier_round(make_model):
-    """Every agent's segments find anchors (an earlier round's): each request reads
-    predicted offsets, computes fewer tokens than full (past the
-    check layer only its own) and, its corrected K/V its own, holds a dense cache."""
-    eng = Engine(model=str(make_model("llama", num_hidden_layers=8)), dtype="float32", kv_tokens=16384)
-    rows = {r["mode"]: r for r in reuse.bench(eng, [3], 24, 40, 1, ["full", "kvcomm"])}
-    kv = rows["kvcomm"]
-    assert kv["predicted"] == 3 and rows["full"]["predicted"] is None
-    assert kv["computed"] < rows["full"]["computed"]
-    assert kv["footprint"] == pytest.approx(1.0) and kv["compression"] is None
-    assert "| 3 | kvcomm (3/3 predicted) |" in reuse.table(list(rows.values()))
+def test_anchored_rounds_read_anchors_of_an_earlier_round(make_model):
+    """Every agent's segments find anchors (an earlier round's): each kvcomm (kvcmas)
+    request reads predicted offsets, computes fewer tokens than full (past the check
+    layer only its own) and, its corrected K/V its own, holds a dense cache; kvcmas's
+    anchors, at rank 4, hold fewer bytes."""
+    eng = Engine(model=str(make_model("llama", num_hidden_layers=8)), dtype="float32", kv_tokens=16384,
+                 anchor_rank=4)
+    rows = {r["mode"]: r for r in reuse.bench(eng, [3], 24, 40, 1, ["full", "kvcomm", "kvcmas"])}
+    assert rows["full"]["predicted"] is None and rows["full"]["anchor_bytes"] is None
+    for mode in ("kvcomm", "kvcmas"):
+        kv = rows[mode]
+        assert kv["predicted"] == 3
+        assert kv["computed"] < rows["full"]["computed"]
+        assert kv["footprint"] == pytest.approx(1.0) and kv["compression"] is None
+        mib = kv["anchor_bytes"] / 2**20
+        assert f"| 3 | {mode} (3/3 predicted, anchors {mib:,.0f} MiB) |" in reuse.table(list(rows.values()))
+    assert 0 < rows["kvcmas"]["anchor_bytes"] < rows["kvcomm"]["anchor_bytes"] / 2
 
 
 def test_floor_and_profile_flags(tiny_llama, bench):

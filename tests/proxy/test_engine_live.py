@@ -349,23 +349,25 @@ def test_vllms_sampling_extras_arrive(client, model, direct):
     assert r.choices[0].text == want == "".join(c.choices[0].text for c in chunks)
 
 
-async def test_kvcomm_rounds_measure_anchors_then_read_them(engine_live, model):
-    """kvcomm through the proxy: an agent's first round is prefilled exactly (nothing
-    reused), and measures its anchors; its next round reads another block at the same
-    place as base + offset (reused, not recomputed), each agent's cache its own."""
+@pytest.mark.parametrize("mode", ["kvcomm", "kvcmas"])
+async def test_anchored_rounds_measure_anchors_then_read_them(engine_live, model, mode):
+    """kvcomm (kvcmas) through the proxy: an agent's first round is prefilled exactly
+    (nothing reused), and measures its anchors; its next round reads another block at
+    the same place as base + offset (reused, not recomputed), each agent's cache its own."""
     c = openai.AsyncOpenAI(base_url=engine_live.url + "/v1", api_key="sk-test", max_retries=0)
     agents = ["a", "b", "c"]
     blocks = [" ".join(f"fact{i}" for i in range(40)), " ".join(f"rule{i}" for i in range(20))]
 
     def turn(a: str, r: int):
-        return marked(c, model, f"I am {a}.{SEP}{blocks[r - 1]}{SEP}Answer briefly.", "kvc", a, r, "kvcomm")
+        return marked(c, model, f"I am {a}.{SEP}{blocks[r - 1]}{SEP}Answer briefly.", mode, a, r, mode)
 
     async with httpx.AsyncClient() as http:
-        opened = await http.post(engine_live.url + "/v1/tokendance/sessions/kvc/rounds/1", json={"agents": agents})
+        before = metrics(await http.get(engine_live.url + "/metrics"))
+        opened = await http.post(engine_live.url + f"/v1/tokendance/sessions/{mode}/rounds/1", json={"agents": agents})
         assert opened.status_code == 200
         for r in (1, 2):
             rs = await asyncio.gather(*[turn(a, r) for a in agents])
-            stats = (await http.get(engine_live.url + f"/v1/tokendance/sessions/kvc/rounds/{r}")).json()
+            stats = (await http.get(engine_live.url + f"/v1/tokendance/sessions/{mode}/rounds/{r}")).json()
             assert stats["shared_tokens"] > 0 and stats["recomputed_tokens"] == 0
             for x in rs:
                 ext = x.usage.model_extra["tokendance"]
@@ -373,6 +375,9 @@ async def test_kvcomm_rounds_measure_anchors_then_read_them(engine_live, model):
                 cached = x.usage.prompt_tokens_details.cached_tokens or 0
                 assert (cached > 0) == (r == 2), (r, cached)
         seen = metrics(await http.get(engine_live.url + "/metrics"))
-    assert seen["tokendance_engine_kvcomm_measured_total"] == seen["tokendance_engine_kvcomm_predicted_total"] == 3
-    assert seen["tokendance_engine_kvcomm_anchor_bytes"] > 0
+    grew = {k: seen[k] - before.get(k, 0) for k in seen}
+    assert grew[f"tokendance_engine_{mode}_measured_total"] == grew[f"tokendance_engine_{mode}_predicted_total"] == 3
+    other = "kvcmas" if mode == "kvcomm" else "kvcomm"
+    assert grew[f"tokendance_engine_{other}_measured_total"] == grew[f"tokendance_engine_{other}_predicted_total"] == 0
+    assert seen["tokendance_engine_anchor_bytes"] > 0
     await c.close()

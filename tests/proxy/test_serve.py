@@ -64,6 +64,7 @@ def test_flags():
     (["--offload-gib", "inf"], "--offload-gib"),
     (["--offload-gib", "nan"], "--offload-gib"),
     (["--anchor-gib", "-1"], "--anchor-gib must be a finite number, not negative"),
+    (["--anchor-rank", "0"], "--anchor-rank must be at least 1"),
     (["--drain-timeout", "nan"], "--drain-timeout"),
     (["--port", "65536"], "--port must lie in 0..65535"),
     (["--port", "-5"], "--port"),
@@ -149,6 +150,9 @@ def test_engine_flags_reach_the_engine_config(monkeypatch):
     assert seen["anchor_bytes"] == 2**30
     serve.load_backend(parse("--anchor-gib", "0.5"))
     assert seen["anchor_bytes"] == 2**29
+    assert seen["anchor_rank"] == 32
+    serve.load_backend(parse("--anchor-rank", "16"))
+    assert seen["anchor_rank"] == 16
 
 
 def test_pool_and_batch_flags_size_the_engine(tiny_llama):
@@ -160,7 +164,7 @@ def test_pool_and_batch_flags_size_the_engine(tiny_llama):
                                                    "--max-num-seqs", "8", "--max-num-batched-tokens", "512")))
     e = be.engine
     assert (e.cache.num_blocks * e.cfg.block_size, e.max_model_len) == (4096, 1000)
-    assert e.collector.kvcomm.anchors.budget == 2**30
+    assert e.collector.anchors.budget == 2**30 and e.collector.anchored["kvcmas"].rank == 32
     assert (e.scheduler.max_seqs, e.scheduler.max_tokens) == (8, 512)
 
 
