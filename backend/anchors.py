@@ -15,8 +15,8 @@ anchors, 4 agents, 2 questions) that left the V of layer 29 0.33 from exact agai
 KVCOMM's 0.48 and the bare base's 0.76 (docs/fidelity.md).
 
 Tensors are [layers from the check layer on, 2 (K, V), tokens, KV heads, head dim]:
-layers before the check layer are computed for every token anyway. An anchor added at a
-rank is held low-rank (backend/lowrank.py, KVCMAS's anchors) and read back whole.
+layers before the check layer are computed for every token anyway. An anchor may be
+held low-rank (backend/lowrank.py, KVCMAS's anchors); it is read back whole.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
-from tokendance.backend.lowrank import LowRank, dense, factor, nbytes
+from tokendance.backend.lowrank import LowRank, dense, nbytes
 
 Place = tuple  # (mode, tenant, agent, where): backend/kvcomm.py names the places
 
@@ -61,18 +61,21 @@ def _padded(rows: list[torch.Tensor], width: int) -> torch.Tensor:
 
 class Anchors:
     """Per placeholder its `per` latest anchors (a context several rounds old has moved
-    on); placeholders least recently used go first past `budget` bytes."""
+    on); placeholders least recently used go first past `budget` bytes. A tensor two
+    anchors hold (a measured offset is also what its text read there) counts once."""
 
     def __init__(self, per: int, budget: int):
         self.per, self.budget = per, budget
         self.places: OrderedDict[Place, list[Anchor]] = OrderedDict()
         self.nbytes = 0
+        self.refs: dict[int, int] = {}  # id of a held tensor -> anchors holding it
 
     def __len__(self) -> int:
         return sum(len(a) for a in self.places.values())
 
     def clear(self) -> None:
         self.places.clear()
+        self.refs.clear()
         self.nbytes = 0
 
     def get(self, place: Place) -> Anchor | None:
@@ -107,25 +110,38 @@ class Anchors:
         return torch.cat([picked[g, :, :n].reshape(2, n, L, H, D) for g, n in enumerate(sizes)], 1
                          ).permute(2, 0, 1, 3, 4)
 
-    def add(self, place: Place, offset: torch.Tensor, base: torch.Tensor | None = None,
-            per: int | None = None, rank: int = 0) -> None:
-        """An anchor measured at place (its tensors kept as given, the caller's own, or at
-        `rank` if > 0); the place keeps `per` (default: the pool's) latest."""
-        a = Anchor(factor(offset, rank), None if base is None else factor(base, rank))
+    def add(self, place: Place, offset: torch.Tensor | LowRank, base: torch.Tensor | LowRank | None = None,
+            per: int | None = None) -> None:
+        """An anchor measured at place (its tensors kept as given: the caller's own); the
+        place keeps `per` (default: the pool's) latest."""
+        a = Anchor(offset, base)
         if a.nbytes > self.budget:
             return
         held = self.places.setdefault(place, [])
         self.places.move_to_end(place)
         held.append(a)
-        self.nbytes += a.nbytes
+        self._count(a, 1)
         while len(held) > (per or self.per):
-            self.nbytes -= held.pop(0).nbytes
+            self._count(held.pop(0), -1)
         while self.nbytes > self.budget:
             self._drop(next(iter(self.places)))
+
+    def _count(self, a: Anchor, step: int) -> None:
+        """a's tensors held (+1) or let go (-1): their bytes count while any anchor holds them."""
+        for t in (a.held_offset, a.held_base):
+            if t is None:
+                continue
+            n = self.refs.get(id(t), 0) + step
+            if n == 0:
+                del self.refs[id(t)]
+            else:
+                self.refs[id(t)] = n
+            if n == (1 if step > 0 else 0):
+                self.nbytes += step * nbytes(t)
 
     def _drop(self, place: Place) -> None:
         """The oldest anchor of place."""
         held = self.places[place]
-        self.nbytes -= held.pop(0).nbytes
+        self._count(held.pop(0), -1)
         if not held:
             del self.places[place]

@@ -39,6 +39,7 @@ from tokendance.backend.anchors import Anchors, Place
 from tokendance.backend.batches import batches
 from tokendance.backend.blend import BlendInput, blend
 from tokendance.backend.keys import Key, segment_key
+from tokendance.backend.lowrank import LowRank, factor_all
 from tokendance.backend.mirror import EARLY
 from tokendance.backend.pool import flat_slots
 from tokendance.backend.segments import Entry
@@ -95,7 +96,7 @@ class AnchorReuse:
         ready: list[Sequence] = []
         items: list[BlendInput] = []
         exact: list[tuple[Sequence, list[Found], torch.Tensor]] = []
-        served: list[tuple[Sequence, list[Found], torch.Tensor]] = []
+        served: list[tuple[Sequence, list[Found], tuple[torch.Tensor, ...]]] = []  # offsets per segment
         try:
             keys: list[list[tuple[int, int, int, Key]]] = []  # per seq: (ordinal, lo, hi, key)
             missing: dict[Key, list[int]] = {}
@@ -124,7 +125,7 @@ class AnchorReuse:
                         for _, lo, hi, _ in found:
                             reused[lo:hi] = [True] * (hi - lo)
                         reused[-1] = False  # the last prompt token is always computed: it samples
-                        served.append((seq, found, offsets))
+                        served.append((seq, found, offsets.split([hi - lo for _, lo, hi, _ in found], 2)))
                 ready.append(seq)
                 items.append(BlendInput(seq, reused, seq.resume.length if seq.resume is not None else 0))
             resumed = [(seq.resume, seq) for seq in ready if seq.resume is not None]
@@ -145,22 +146,33 @@ class AnchorReuse:
         col.runner.work += sum(p.work for p in parts)
         self.measured += len(exact)
         self.predicted += len(served)
+        new: list[tuple[Place, torch.Tensor, torch.Tensor | None, int | None]] = []
         for seq, found, bases in exact:  # their K/V are exact now: measure each offset
             offsets = self._read(self._rows(seq, found)) - bases
             sizes = [hi - lo for _, lo, hi, _ in found]
-            for (j, *_), b, o in zip(found, bases.split(sizes, 2), offsets.split(sizes, 2)):
-                self.anchors.add(self._place(seq, j - len(seq.shared)), o.clone(), b.clone(),  # not views
-                                 rank=self.rank)
-            served.append((seq, found, offsets))
-        for seq, found, offsets in served:  # what each text read where it sat, for its next time there
-            sizes = [hi - lo for _, lo, hi, _ in found]
-            for (j, _, _, e), o in zip(found, offsets.split(sizes, 2)):
-                self.anchors.add(self._place(seq, (j, e.key)), o.clone(), per=1, rank=self.rank)
+            per_segment = offsets.split(sizes, 2)
+            for (j, *_), b, o in zip(found, bases.split(sizes, 2), per_segment):
+                new.append((self._place(seq, j - len(seq.shared)), o, b, None))
+            served.append((seq, found, per_segment))
+        for seq, found, per_segment in served:  # what each text read where it sat, for its next time there
+            for (j, _, _, e), o in zip(found, per_segment):
+                new.append((self._place(seq, (j, e.key)), o, None, 1))
+        self._keep(new)
         for seq, it in zip(ready, items):
             seq.cached, seq.recomputed = it.start + sum(it.reused[it.start:]), 0  # restored or predicted
             seq.computed = len(seq.prompt)
             seq.resume = None
         return ready, torch.cat([p.logits for p in parts])
+
+    def _keep(self, new: list[tuple[Place, torch.Tensor, torch.Tensor | None, int | None]]) -> None:
+        """The step's new anchors (place, offset, base, per), their tensors held at the
+        mode's rank, all factored in one batched call (backend/lowrank.py), and copied
+        out of the views they are; a measured offset, kept at two places, is held once."""
+        tensors = list({id(t): t for _, o, b, _ in new for t in (o, b) if t is not None}.values())
+        held = {id(t): h if isinstance(h, LowRank) else h.clone()
+                for t, h in zip(tensors, factor_all(tensors, self.rank))}
+        for place, o, b, per in new:
+            self.anchors.add(place, held[id(o)], None if b is None else held[id(b)], per)
 
     def _predict(self, seq: Sequence, found: list[Found], bases: torch.Tensor) -> torch.Tensor | None:
         """The offsets of seq's found segments, side by side, or None if one has none:

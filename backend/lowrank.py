@@ -8,8 +8,8 @@ r * (tokens + heads*dim) numbers per layer instead of tokens * heads*dim (at the
 Qwen2.5-7B shape, 150 tokens x 512 features, 3.6x less at r = 32). Attention still reads
 full K/V; only the anchors a prediction is made from are stored low-rank.
 
-The factors come from subspace iteration (matmuls and a QR, batched over layers on any
-device), not a full SVD: its u's columns are orthonormal and u @ v is the projection
+The factors come from subspace iteration (matmuls and Cholesky QR, batched over
+layers and anchors on any device), not a full SVD: its u's columns are orthonormal and u @ v is the projection
 of the tensor on them, within 10 % of the truncated SVD's error when the
 spectrum decays (tests/backend/test_lowrank.py).
 """
@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import torch
 
 ITERS = 3  # power iterations: each sharpens the subspace towards the top singular vectors
+CHUNK = 256 << 20  # float32 bytes of one batched factoring
 
 
 @dataclass(slots=True, eq=False)
@@ -44,20 +45,66 @@ class LowRank:
 
 
 def factor(x: torch.Tensor, rank: int) -> torch.Tensor | LowRank:
-    """x ([L, 2, n, H, D]) at rank `rank` per layer and K / V, in x's dtype; x itself
-    where the factors would not be smaller."""
-    L, two, n, H, D = x.shape
-    f = H * D
-    if rank <= 0 or rank * (n + f) >= n * f:
-        return x
-    m = x.reshape(L, two, n, f).float()
-    # Start from the tokens with the largest rows: directions the tensor certainly has.
+    """x ([L, 2, n, H, D]) at `rank` per layer and K / V, in x's dtype; x itself where
+    the factors would not be smaller."""
+    return factor_all([x], rank)[0]
+
+
+def factor_all(xs: list[torch.Tensor], rank: int, chunk: int = CHUNK) -> list[torch.Tensor | LowRank]:
+    """Each of xs as `factor` gives it, in batched calls: a step's anchors (hundreds at
+    N = 20) are factored in a few launches, not a few per anchor. A batch pads its
+    tensors with zero tokens to its longest (a zero row adds nothing to the subspace and
+    gets a zero row of u); `chunk` bounds a batch's float32 bytes."""
+    out: list[torch.Tensor | LowRank] = list(xs)
+    todo = [i for i, x in enumerate(xs) if _saves(x, rank)]
+    while todo:
+        L, two, _, H, D = xs[todo[0]].shape
+        take, width = [], 0
+        for i in todo:
+            w = max(width, xs[i].shape[2])
+            if take and (len(take) + 1) * L * two * w * H * D * 4 > chunk:
+                break
+            take.append(i)
+            width = w
+        todo = todo[len(take):]
+        m = torch.stack([torch.nn.functional.pad(xs[i].reshape(L, two, -1, H * D).float(),
+                                                 (0, 0, 0, width - xs[i].shape[2])) for i in take])
+        q = _basis(m, rank)
+        v = q.mT @ m
+        for g, i in enumerate(take):
+            dt = xs[i].dtype
+            out[i] = LowRank(q[g, :, :, :xs[i].shape[2]].to(dt), v[g].to(dt), H)
+    return out
+
+
+def _saves(x: torch.Tensor, rank: int) -> bool:
+    n, f = x.shape[2], x.shape[3] * x.shape[4]
+    return 0 < rank and rank * (n + f) < n * f
+
+
+def _basis(m: torch.Tensor, rank: int) -> torch.Tensor:
+    """[..., n, F] -> [..., n, rank]: orthonormal columns spanning m's leading left
+    singular vectors, by subspace iteration started from m's largest rows."""
     top = m.norm(dim=-1).topk(rank, dim=-1).indices
-    start = m.gather(2, top[..., None].expand(-1, -1, -1, f))  # [L, 2, r, F]
-    q = torch.linalg.qr(m @ start.mT).Q  # [L, 2, n, r]
+    q = _orthonormal(m @ m.gather(-2, top[..., None].expand(*top.shape, m.shape[-1])).mT)
     for _ in range(ITERS):
-        q = torch.linalg.qr(m @ (m.mT @ q)).Q
-    return LowRank(q.to(x.dtype), (q.mT @ m).to(x.dtype), H)
+        q = _orthonormal(m @ (m.mT @ q))
+    return q
+
+
+def _orthonormal(y: torch.Tensor) -> torch.Tensor:
+    """y's columns made orthonormal by Cholesky QR, twice (the second pass restores what
+    the first lost to rounding): r x r Cholesky factors and triangular solves, batched on
+    any device, where a Householder QR of each tall matrix is a launch of its own on
+    CUDA. A column y lacks (an all-zero anchor, fewer tokens than the rank) comes out
+    zero, held off by a small ridge."""
+    eye = torch.eye(y.shape[-1], device=y.device, dtype=y.dtype)
+    for _ in range(2):
+        g = y.mT @ y
+        ridge = 1e-6 * g.diagonal(dim1=-2, dim2=-1).mean(-1)[..., None, None] + 1e-30
+        low, _ = torch.linalg.cholesky_ex(g + ridge * eye)
+        y = torch.linalg.solve_triangular(low, y.mT, upper=False).mT
+    return y
 
 
 def dense(t: torch.Tensor | LowRank) -> torch.Tensor:

@@ -28,6 +28,7 @@ from tokendance.backend.anchors import Anchors
 from tokendance.backend.api import SamplingParams
 from tokendance.backend.config import EngineConfig
 from tokendance.backend.engine import Engine
+from tokendance.backend.lowrank import factor
 from tokendance.backend.scheduler import Scheduled
 from tokendance.backend.service import EngineBackend
 from tokendance.bench.fidelity import QUESTIONS, layer_kv, requests, run
@@ -60,7 +61,7 @@ def pool(anchors: list[tuple[torch.Tensor, torch.Tensor]], every: bool = False, 
     """The agent's anchors, each at its own place (or all at one, `every`), at `rank`."""
     out = Anchors(per=len(anchors), budget=1 << 40)
     for i, (b, off) in enumerate(anchors):
-        out.add(("", "", 0 if every else i), off, b, rank=rank)
+        out.add(("", "", 0 if every else i), factor(off, rank), factor(b, rank))
     return out
 
 

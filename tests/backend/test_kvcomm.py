@@ -236,3 +236,18 @@ def test_anchor_pool_bounds():
     pool.add(("", "b", 1), kv(5, 2.0), per=1)  # a place of one: its anchor replaced, the place kept
     assert pool.get(("", "b", 1)).offset[0, 0, 0, 0, 0] == 2.0 and len(pool) == 3
     assert pool.nbytes == sum(a.nbytes for held in pool.places.values() for a in held)
+
+
+def test_a_tensor_two_anchors_hold_counts_once():
+    pool = Anchors(per=1, budget=1 << 20)
+    off, base = kv(5, 1.0), kv(5, 2.0)
+    one = off.numel() * 4
+    pool.add(("", "a", -1), off, base)
+    pool.add(("", "a", (0, b"k")), off, per=1)  # what the text read there: the same offset
+    assert pool.nbytes == 2 * one and len(pool) == 2
+    pool.add(("", "a", -1), kv(5, 3.0), kv(5, 3.0))  # a place of one: the first anchor goes
+    assert pool.nbytes == 3 * one  # off is still held by the text's anchor; base went
+    pool.add(("", "a", (0, b"k")), kv(5, 4.0), per=1)
+    assert pool.nbytes == 3 * one and pool.refs and all(n == 1 for n in pool.refs.values())
+    pool.clear()
+    assert pool.nbytes == 0 and not pool.refs

@@ -5,12 +5,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tokendance.backend.lowrank import LowRank, dense, factor, nbytes
+from tokendance.backend.lowrank import LowRank, dense, factor, factor_all, nbytes
 
 
 def decaying(L: int, n: int, H: int, D: int, seed: int, rank: int = 64) -> torch.Tensor:
     """[L, 2, n, H, D] whose singular values per layer and K / V fall off as 0.85^i."""
     g = torch.Generator().manual_seed(seed)
+    rank = min(rank, n, H * D)
     u = torch.linalg.qr(torch.randn(L, 2, n, rank, generator=g)).Q
     v = torch.linalg.qr(torch.randn(L, 2, H * D, rank, generator=g)).Q.mT
     s = 0.85 ** torch.arange(rank, dtype=torch.float32)
@@ -60,3 +61,16 @@ def test_zero_rows_do_not_break_it():
     torch.testing.assert_close(dense(factor(x, 16)), x, rtol=1e-4, atol=1e-5)  # rank <= 10
     z = torch.zeros(1, 2, 64, 2, 32)
     assert torch.equal(dense(factor(z, 16)), z)
+
+
+def test_factored_together_as_alone():
+    """A step's anchors in one batch, padded to the longest, some in a chunk of their
+    own, one too short to factor: each comes out as it does alone."""
+    xs = [decaying(2, n, 2, 32, seed=n, rank=12) for n in (50, 80, 64, 6)]
+    alone = [factor(x, 8) for x in xs]
+    for chunk in (1 << 30, 2 * 2 * 80 * 64 * 4 * 2):  # all in one batch; 50 and 80 in one, 64 alone
+        together = factor_all(xs, 8, chunk)
+        assert together[3] is xs[3] and alone[3] is xs[3]
+        for a, t in zip(alone[:3], together[:3]):
+            assert t.u.shape == a.u.shape and t.v.shape == a.v.shape
+            torch.testing.assert_close(dense(t), dense(a), rtol=1e-4, atol=1e-5)
