@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
+from tokendance.backend.anchors import Anchors
 from tokendance.backend.api import REUSE_DEFAULTS, InvalidRequest, SamplingParams
 from tokendance.backend.batches import batches
 from tokendance.backend.blend import BlendInput, blend, early
@@ -29,7 +30,6 @@ from tokendance.backend.detok import Detok
 from tokendance.backend.diff import encode
 from tokendance.backend.idle import IdleAgents, resumed_mirror
 from tokendance.backend.keys import Key, segment_key
-from tokendance.backend.anchors import Anchors
 from tokendance.backend.kvcomm import PER_PLACE, AnchorReuse
 from tokendance.backend.masters import bring_back, parked_spans, restorable
 from tokendance.backend.mirror import EARLY, Mirror, Span
@@ -86,7 +86,8 @@ class Collector:
         if not cfg.anchor_rank >= 1:
             raise InvalidRequest(f"anchor rank must be at least 1, got {cfg.anchor_rank}", "anchor_rank")
         self.anchors = Anchors(PER_PLACE, cfg.anchor_bytes)  # both modes', apart by place
-        self.anchored = {"kvcomm": AnchorReuse(self, "kvcomm", 0), "kvcmas": AnchorReuse(self, "kvcmas", cfg.anchor_rank)}
+        self.anchored = {"kvcomm": AnchorReuse(self, "kvcomm", 0),
+                         "kvcmas": AnchorReuse(self, "kvcmas", cfg.anchor_rank)}
 
     # -- bases ----------------------------------------------------------------------
 
