@@ -8,9 +8,9 @@ r * (tokens + heads*dim) numbers per layer instead of tokens * heads*dim (at the
 Qwen2.5-7B shape, 150 tokens x 512 features, 3.6x less at r = 32). Attention still reads
 full K/V; only the anchors a prediction is made from are stored low-rank.
 
-The factors come from subspace iteration (matmuls and Cholesky QR, batched over
-layers and anchors on any device), not a full SVD: its u's columns are orthonormal and u @ v is the projection
-of the tensor on them, within 10 % of the truncated SVD's error when the
+The factors come from subspace iteration (matmuls and Cholesky QR, batched over layers
+and anchors on any device), not a full SVD: u's columns are orthonormal, u @ v is the
+projection of the tensor on them, within 10 % of the truncated SVD's error when the
 spectrum decays (tests/backend/test_lowrank.py).
 """
 
