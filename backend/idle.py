@@ -34,6 +34,7 @@ class Parked:
     tokens: list[int]  # the tokens whose KV is parked (the finished request's computed ones)
     mirror: Mirror | None  # its layout (block ids in it are stale), None for a plain one
     slots: int  # private slots parked, in slot order
+    exact: int = 0  # tokens from the start whose K/V an exact prefill would give (kvcomm measures there)
 
 
 @dataclass(slots=True)
@@ -43,6 +44,11 @@ class Resume:
     name: str
     parked: Parked
     length: int
+
+    @property
+    def exact(self) -> int:
+        """Restored tokens from the start whose K/V are an exact prefill's."""
+        return min(self.parked.exact, self.length)
 
 
 def _tokens(parked: Parked) -> torch.Tensor:
@@ -92,7 +98,7 @@ class IdleAgents:
         for version in put:
             self.tier.release_master(version)
         if held:
-            self.parked[name] = Parked(tokens, seq.mirror, n)
+            self.parked[name] = Parked(tokens, seq.mirror, n, min(seq.exact, len(tokens)))
         for gone in [k for k in self.parked if k not in self.tier]:  # evicted for budget
             del self.parked[gone]
 

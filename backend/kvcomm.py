@@ -20,7 +20,10 @@ same place reads it again, exactly as the prompt before it is unchanged.
 An agent's finished request is parked on the host like pic's (backend/idle.py, a plain
 sequence): its next request restores the prefix they share, segments and its own
 tokens alike, and computes and predicts only what follows (one that measures does so
-over the prefix it restored).
+over the prefix it restored). Where an exact prefill computed the restored prefix
+(`Sequence.exact`: up to the first predicted segment), the segments it covers are
+measured at their new places from the end: the one right after an agent's own answer
+is restored each time it could be measured.
 
 `kvcmas` is KVCMAS's correction ("Efficient KV cache Correction for Shared Context in
 Multi-Agent Systems"): the same places and rule, its anchors held at a low rank
@@ -48,6 +51,7 @@ from tokendance.backend.sequence import Sequence
 if TYPE_CHECKING:
     from tokendance.backend.collector import Collector
 
+EVERY = 1 << 62  # Sequence.exact of a request computed exactly, output included
 # Anchors a placeholder keeps: a simulation's round gives each one at most one exact
 # measurement, and a context several rounds old has moved on (KVCOMM keeps up to 20).
 PER_PLACE = 4
@@ -99,21 +103,26 @@ class AnchorReuse:
         served: list[tuple[Sequence, list[Found], tuple[torch.Tensor, ...]]] = []  # offsets per segment
         try:
             keys: list[list[tuple[int, int, int, Key]]] = []  # per seq: (ordinal, lo, hi, key)
+            covered: list[list[tuple[int, int, int, Key]]] = []  # restored as an exact prefill gave them
             missing: dict[Key, list[int]] = {}
             for seq in group:
                 start = seq.resume.length if seq.resume is not None else 0
                 spans = [(j, lo, hi, segment_key(seq.tenant, seq.prompt[lo:hi]))
-                         for j, (lo, hi) in enumerate(seq.shared) if lo >= start]  # not restored
-                missing.update((k, seq.prompt[lo:hi]) for _, lo, hi, k in spans
+                         for j, (lo, hi) in enumerate(seq.shared)]
+                keys.append([sp for sp in spans if sp[1] >= start])  # not restored
+                covered.append([sp for sp in spans if seq.resume is not None and sp[2] <= seq.resume.exact])
+                missing.update((k, seq.prompt[lo:hi]) for _, lo, hi, k in keys[-1]
                                if col.segments.get(k) is None)
-                keys.append(spans)
             col.standalone(col.enter_bases(missing, pinned, entered))
-            entries = col.pin([sp[-1] for spans in keys for sp in spans], pinned)
+            entries = col.pin([sp[-1] for spans in keys + covered for sp in spans], pinned)
             for seq, spans in zip(group, keys):
                 if not col.reserve(seq, len(seq.prompt)):
                     break  # it waits for a later step, as do those after it
                 found = [(j, lo, hi, entries[k]) for j, lo, hi, k in spans if k in entries]
                 reused = [False] * len(seq.prompt)
+                seq.exact = EVERY  # until a prediction, or a restored prefix that was not exact
+                if seq.resume is not None and seq.resume.exact < seq.resume.length:
+                    seq.exact = seq.resume.exact
                 if found:
                     bases = self._bases(found)
                     offsets = self._predict(seq, found, bases)
@@ -125,12 +134,14 @@ class AnchorReuse:
                         for _, lo, hi, _ in found:
                             reused[lo:hi] = [True] * (hi - lo)
                         reused[-1] = False  # the last prompt token is always computed: it samples
+                        seq.exact = min(seq.exact, found[0][1])
                         served.append((seq, found, offsets.split([hi - lo for _, lo, hi, _ in found], 2)))
                 ready.append(seq)
                 items.append(BlendInput(seq, reused, seq.resume.length if seq.resume is not None else 0))
             resumed = [(seq.resume, seq) for seq in ready if seq.resume is not None]
             if resumed:  # one fused restore for the group: plain prefixes, no Masters
                 col.idle.restore(resumed, {})
+            restored = self._restored(ready, covered, entries)
         finally:
             for e in pinned:
                 col.segments.unpin(e)
@@ -146,7 +157,7 @@ class AnchorReuse:
         col.runner.work += sum(p.work for p in parts)
         self.measured += len(exact)
         self.predicted += len(served)
-        new: list[tuple[Place, torch.Tensor, torch.Tensor | None, int | None]] = []
+        new: list[tuple[Place, torch.Tensor, torch.Tensor | None, int | None]] = restored
         for seq, found, bases in exact:  # their K/V are exact now: measure each offset
             offsets = self._read(self._rows(seq, found)) - bases
             sizes = [hi - lo for _, lo, hi, _ in found]
@@ -163,6 +174,23 @@ class AnchorReuse:
             seq.computed = len(seq.prompt)
             seq.resume = None
         return ready, torch.cat([p.logits for p in parts])
+
+    def _restored(self, ready: list[Sequence], covered: list[list[tuple[int, int, int, Key]]],
+                  entries: dict[Key, Entry]) -> list[tuple[Place, torch.Tensor, torch.Tensor, None]]:
+        """Anchors at the places a restored prefix covers, where an exact prefill computed
+        it (read once restored): the segment right after an agent's own answer is
+        restored whenever it is measured, and would otherwise never get one."""
+        out = []
+        for seq, cov in zip(ready, covered):
+            found = [(j, lo, hi, entries[k]) for j, lo, hi, k in cov if k in entries]
+            if not found:
+                continue
+            bases = self._bases(found)
+            offsets = self._read(self._rows(seq, found)) - bases
+            sizes = [hi - lo for _, lo, hi, _ in found]
+            out += [(self._place(seq, j - len(seq.shared)), o, b, None)
+                    for (j, *_), b, o in zip(found, bases.split(sizes, 2), offsets.split(sizes, 2))]
+        return out
 
     def _keep(self, new: list[tuple[Place, torch.Tensor, torch.Tensor | None, int | None]]) -> None:
         """The step's new anchors (place, offset, base, per), their tensors held at the

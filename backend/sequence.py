@@ -51,6 +51,7 @@ class Sequence:
     mirror: Mirror | None = None  # pic / collective: shared segments read from the Master
     agent: str | None = None  # whose next request may resume from this one's KV
     resume: Resume | None = None  # this request's prefix, parked by its agent's last one
+    exact: int = 0  # kvcomm / kvcmas: its K/V are an exact prefill's up to here (no prediction before)
     lookahead: int = 0  # trailing tokens of `out` sampled but not read yet (backend/lookahead.py)
     seen: Seen | None = None  # a penalized request's token counts on the device (backend/penalties.py)
     matcher: Any = None  # a structured output's grammar state (backend/grammar.py)

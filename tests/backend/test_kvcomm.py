@@ -251,3 +251,30 @@ def test_a_tensor_two_anchors_hold_counts_once():
     assert pool.nbytes == 3 * one and pool.refs and all(n == 1 for n in pool.refs.values())
     pool.clear()
     assert pool.nbytes == 0 and not pool.refs
+
+
+def test_a_restored_exact_prefix_measures_the_places_it_covers(engine):
+    """Round 1 exact: each agent parks a prefix an exact prefill gave. Its round-2 prompt
+    restores it, old segments and all: they get anchors at their new places from the
+    end (never measured otherwise), their exact K/V minus base. Round 2 predicts its new
+    segments, so it is exact only up to the first of them (what it would park)."""
+    prompts, spans = round_prompts(3, seed=14)
+    agents = ["a", "b", "c"]
+    outs = [t for t, _, _ in engine.generate(prompts, GREEDY, mode="kvcomm", shared=spans, agents=agents)]
+    assert all(engine.idle.parked[f"\0{a}"].exact == len(p) + len(o) - 1 for a, p, o in zip(agents, prompts, outs))
+    new, nspans = round_prompts(3, seed=15, hist=5)
+    grown = [p + o + q[5:] for p, o, q in zip(prompts, outs, new)]
+    gspans = [sp + [(lo - 5 + len(p) + len(o), hi - 5 + len(p) + len(o)) for lo, hi in nsp]
+              for p, o, sp, nsp in zip(prompts, outs, spans, nspans)]
+    places = lambda s, j: ("kvcomm", "", s.sender, j - len(s.shared))  # noqa: E731
+    seqs, _ = prefill(engine, "kvcomm", grown, gspans, tag="r2", agents=agents)
+    c = engine.collector.cfg.check_layer
+    kvc = engine.collector.anchored["kvcomm"]
+    for s, old in zip(seqs, spans):
+        kv = kv_of(engine, s)
+        for j, (lo, hi) in enumerate(old):  # restored, covered by the exact prefix
+            a = engine.collector.anchors.get(places(s, j))
+            base = kvc._bases([(j, lo, hi, engine.segments.get(segment_key("", s.prompt[lo:hi])))])
+            torch.testing.assert_close(a.offset, kv[c:, :, lo:hi] - base)
+            torch.testing.assert_close(a.base, base)
+        assert s.exact == s.shared[len(old)][0]  # exact up to the first predicted segment
