@@ -46,12 +46,11 @@ from tokendance.backend.lowrank import LowRank, factor_all
 from tokendance.backend.mirror import EARLY
 from tokendance.backend.pool import flat_slots
 from tokendance.backend.segments import Entry
-from tokendance.backend.sequence import Sequence
+from tokendance.backend.sequence import EXACT, Sequence
 
 if TYPE_CHECKING:
     from tokendance.backend.collector import Collector
 
-EVERY = 1 << 62  # Sequence.exact of a request computed exactly, output included
 # Anchors a placeholder keeps: a simulation's round gives each one at most one exact
 # measurement, and a context several rounds old has moved on (KVCOMM keeps up to 20).
 PER_PLACE = 4
@@ -120,7 +119,7 @@ class AnchorReuse:
                     break  # it waits for a later step, as do those after it
                 found = [(j, lo, hi, entries[k]) for j, lo, hi, k in spans if k in entries]
                 reused = [False] * len(seq.prompt)
-                seq.exact = EVERY  # until a prediction, or a restored prefix that was not exact
+                seq.exact = EXACT  # until a prediction, or a restored prefix that was not exact
                 if seq.resume is not None and seq.resume.exact < seq.resume.length:
                     seq.exact = seq.resume.exact
                 if found:

@@ -25,6 +25,9 @@ class Status(enum.Enum):
     FINISHED = 2
 
 
+EXACT = 1 << 62  # Sequence.exact of a request computed exactly, output included
+
+
 @dataclass(slots=True, eq=False)
 class Sequence:
     id: str
@@ -51,7 +54,9 @@ class Sequence:
     mirror: Mirror | None = None  # pic / collective: shared segments read from the Master
     agent: str | None = None  # whose next request may resume from this one's KV
     resume: Resume | None = None  # this request's prefix, parked by its agent's last one
-    exact: int = 0  # kvcomm / kvcmas: its K/V are an exact prefill's up to here (no prediction before)
+    # its K/V are an exact prefill's up to here (kvcomm / kvcmas lower it to the first
+    # segment they predict, or to what was exact of the prefix they restored)
+    exact: int = EXACT
     lookahead: int = 0  # trailing tokens of `out` sampled but not read yet (backend/lookahead.py)
     seen: Seen | None = None  # a penalized request's token counts on the device (backend/penalties.py)
     matcher: Any = None  # a structured output's grammar state (backend/grammar.py)

@@ -278,3 +278,12 @@ def test_a_restored_exact_prefix_measures_the_places_it_covers(engine):
             torch.testing.assert_close(a.offset, kv[c:, :, lo:hi] - base)
             torch.testing.assert_close(a.base, base)
         assert s.exact == s.shared[len(old)][0]  # exact up to the first predicted segment
+
+
+def test_a_request_computed_plainly_parks_an_exact_prefix(engine):
+    """A first round with nothing shared is prefilled as any request is: exact, so what
+    its agent parks is exact whole (its next round measures the places it covers)."""
+    prompts, _ = round_prompts(2, seed=16)
+    outs = [t for t, _, _ in engine.generate(prompts, GREEDY, mode="kvcomm", agents=["a", "b"])]
+    for a, p, o in zip(["a", "b"], prompts, outs):
+        assert engine.idle.parked[f"\0{a}"].exact == len(p) + len(o) - 1
