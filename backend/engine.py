@@ -166,6 +166,8 @@ class Engine:
                 self.idle.tier.drop(r.name)  # found in the pool, as `prefix` finds it: no restore
                 r = None
             seq.resume = r
+            if r is not None:
+                seq.exact = r.exact  # no more exact than the prefix it restores
         if mode in REUSING and (seq.shared or seq.resume is not None):
             self.blend_waiting.append(seq)
         else:
