@@ -287,3 +287,20 @@ def test_a_request_computed_plainly_parks_an_exact_prefix(engine):
     outs = [t for t, _, _ in engine.generate(prompts, GREEDY, mode="kvcomm", agents=["a", "b"])]
     for a, p, o in zip(["a", "b"], prompts, outs):
         assert engine.idle.parked[f"\0{a}"].exact == len(p) + len(o) - 1
+
+
+def test_a_request_is_no_more_exact_than_the_prefix_it_restores(engine):
+    prompts, spans = round_prompts(2, seed=17)
+    agents = ["a", "b"]
+    outs = [t for t, _, _ in engine.generate(prompts, GREEDY, mode="kvcomm", shared=spans, agents=agents)]
+    new, nspans = round_prompts(2, seed=18, hist=5)
+    grown = [p + o + q[5:] for p, o, q in zip(prompts, outs, new)]
+    gspans = [sp + [(lo - 5 + len(p) + len(o), hi - 5 + len(p) + len(o)) for lo, hi in nsp]
+              for p, o, sp, nsp in zip(prompts, outs, spans, nspans)]
+    outs2 = [t for t, _, _ in engine.generate(grown, GREEDY, mode="kvcomm", shared=gspans, agents=agents)]
+    first_predicted = gspans[0][len(spans[0])][0]
+    assert engine.idle.parked["\0a"].exact == first_predicted
+    engine.add("c", grown[0] + outs2[0] + [5, 6], GREEDY, mode="collective", agent="a")  # a plain restore
+    seq = engine.seqs["c"]
+    assert seq.resume is not None and seq.resume.length > first_predicted
+    assert seq.exact == first_predicted
