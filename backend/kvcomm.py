@@ -158,12 +158,9 @@ class AnchorReuse:
         self.predicted += len(served)
         new: list[tuple[Place, torch.Tensor, torch.Tensor | None, int | None]] = restored
         for seq, found, bases in exact:  # their K/V are exact now: measure each offset
-            offsets = self._read(self._rows(seq, found)) - bases
-            sizes = [hi - lo for _, lo, hi, _ in found]
-            per_segment = offsets.split(sizes, 2)
-            for (j, *_), b, o in zip(found, bases.split(sizes, 2), per_segment):
-                new.append((self._place(seq, j - len(seq.shared)), o, b, None))
-            served.append((seq, found, per_segment))
+            measured = self._measure(seq, found, bases)
+            new += measured
+            served.append((seq, found, tuple(o for _, o, _, _ in measured)))
         for seq, found, per_segment in served:  # what each text read where it sat, for its next time there
             for (j, _, _, e), o in zip(found, per_segment):
                 new.append((self._place(seq, (j, e.key)), o, None, 1))
@@ -182,14 +179,18 @@ class AnchorReuse:
         out = []
         for seq, cov in zip(ready, covered):
             found = [(j, lo, hi, entries[k]) for j, lo, hi, k in cov if k in entries]
-            if not found:
-                continue
-            bases = self._bases(found)
-            offsets = self._read(self._rows(seq, found)) - bases
-            sizes = [hi - lo for _, lo, hi, _ in found]
-            out += [(self._place(seq, j - len(seq.shared)), o, b, None)
-                    for (j, *_), b, o in zip(found, bases.split(sizes, 2), offsets.split(sizes, 2))]
+            if found:
+                out += self._measure(seq, found, self._bases(found))
         return out
+
+    def _measure(self, seq: Sequence, found: list[Found], bases: torch.Tensor
+                 ) -> list[tuple[Place, torch.Tensor, torch.Tensor, None]]:
+        """An anchor per found segment at its place from the end: seq's K/V there, exact,
+        minus its base."""
+        offsets = self._read(self._rows(seq, found)) - bases
+        sizes = [hi - lo for _, lo, hi, _ in found]
+        return [(self._place(seq, j - len(seq.shared)), o, b, None)
+                for (j, *_), b, o in zip(found, bases.split(sizes, 2), offsets.split(sizes, 2))]
 
     def _keep(self, new: list[tuple[Place, torch.Tensor, torch.Tensor | None, int | None]]) -> None:
         """The step's new anchors (place, offset, base, per), their tensors held at the
