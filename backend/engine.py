@@ -9,12 +9,11 @@ import structlog
 import torch
 
 from tokendance.backend import heap, loader, pooling, scoring
-from tokendance.backend.api import (ANCHORED, BASES, REUSING, Delta, InvalidRequest, Pooling, SamplingParams,
+from tokendance.backend.api import (BASES, REUSING, Delta, InvalidRequest, Pooling, SamplingParams,
                                    Usage, check_mode)
 from tokendance.backend.banned import sequences
 from tokendance.backend.blocks import BlockManager
 from tokendance.backend.budget import pool_tokens
-from tokendance.backend.batches import batches
 from tokendance.backend.collector import Collector, ReuseConfig
 from tokendance.backend.config import DTYPES, EngineConfig, ModelConfig
 from tokendance.backend.detok import Detok, Pieces
@@ -33,6 +32,7 @@ from tokendance.backend.segments import SegmentCache, check_spans, min_shared
 from tokendance.backend.sequence import Sequence, Status
 from tokendance.backend.stops import ended
 from tokendance.backend.thinking import Thought
+from tokendance.backend.waiting import Waiting
 from tokendance.kernels import packed
 from tokendance.kernels.jit import HAVE_TRITON
 
@@ -95,7 +95,7 @@ class Engine:
         self.idle = IdleAgents(self.cache, offload)
         self.collector = Collector(self.model, self.cache, self.blocks, self.runner, self.segments,
                                    self.idle, reuse)
-        self.blend_waiting: list[Sequence] = []
+        self.waiting = Waiting(self.collector, self.scheduler, self.idle, self.blocks)
         # the model's, the pool's, a sliding window's (within it full attention is exact), the flag's
         limits = (self.mcfg.max_position, self.cache.num_blocks * cfg.block_size, self.mcfg.sliding_window,
                   cfg.max_model_len)
@@ -158,35 +158,19 @@ class Engine:
             if not seq.until:
                 seq.matcher = self.grammars.matcher(st)
         self.seqs[rid] = seq
-        if agent is not None and self.idle.tier.budget and mode in REUSING:
-            seq.agent = f"{tenant}\0{agent}"
-            r = self.idle.take(seq.agent, seq.prompt, seq.shared, mode in ANCHORED)  # restored with its group
-            # A plain request may find as much of its prefix still in the pool, exact.
-            if r is not None and r.length <= self.blocks.cached(seq) + self.cache.block_size:
-                self.idle.tier.drop(r.name)  # found in the pool, as `prefix` finds it: no restore
-                r = None
-            seq.resume = r
-            if r is not None:
-                seq.exact = r.exact  # no more exact than the prefix it restores
-        if mode in REUSING and (seq.shared or seq.resume is not None):
-            self.blend_waiting.append(seq)
-        else:
-            self.scheduler.add(seq)
+        self.waiting.add(seq, agent)
 
     def abort(self, rid: str) -> bool:
         seq = self.seqs.pop(rid, None)
         if seq is None:
             return False
-        if seq in self.blend_waiting:
-            self.blend_waiting.remove(seq)
-        if seq.resume is not None:
-            self.idle.tier.drop(seq.resume.name)
+        self.waiting.drop(seq)
         self.scheduler.remove(seq)
         seq.status = Status.FINISHED
         return True
 
     def has_work(self) -> bool:
-        return bool(self.blend_waiting) or self.scheduler.has_work() or self.inflight is not None
+        return bool(self.waiting.seqs) or self.scheduler.has_work() or self.inflight is not None
 
     # -- the loop ------------------------------------------------------------------
 
@@ -200,9 +184,9 @@ class Engine:
 
     def _step(self) -> list[tuple[str, Delta]]:
         out = []
-        if self.inflight is not None and (self.blend_waiting or self.scheduler.waiting):
+        if self.inflight is not None and (self.waiting.seqs or self.scheduler.waiting):
             out += self._land()
-        out += self._blend() if self.blend_waiting else []
+        out += self._blend() if self.waiting.seqs else []
         if self.tails:  # requests that ended above give their blocks back before scheduling
             self._close_tails()
         work, starved = self.scheduler.schedule()
@@ -251,45 +235,8 @@ class Engine:
         return out
 
     def _blend(self) -> list[tuple[str, Delta]]:
-        """Prefill waiting requests by reuse, then let them decode."""
-        # One sub-batch per step: the oldest waiting requests whose prompts fit the token
-        # budget (the first one alone if it is longer), so running sequences decode between
-        # sub-batches as they do between chunks of a plain prefill. Its forwards are its
-        # own, beside the scheduler's with its own budget: sharing one would stall decodes
-        # or plain prefills while a large round drains. With nothing running or waiting
-        # there, the step takes every waiting request and the collector runs their
-        # sub-batches back to back: a step boundary would only make the GPU wait for the
-        # host (a sync for the first tokens, then the next sub-batch's Mirrors and tables).
-        # A request leaves blend_waiting only once prefilled (or handed to the
-        # scheduler), so none runs twice or is lost.
-        take = self.blend_waiting[:]
-        if self.scheduler.has_work():
-            take = batches(take, lambda s: len(s.prompt) - (s.resume.length if s.resume else 0),
-                           self.scheduler.max_tokens)[0]
-        out = []
-        for mode in ("collective", "pic", *ANCHORED):
-            group = [s for s in take if s.mode == mode]
-            if not group:
-                continue
-            ready, logits = self.collector.prefill(group, mode)
-            if not ready and not self.scheduler.running:
-                # Not even one fits the pool beside the segment cache: prefill it plainly
-                # (its parked prefix, if any, leaves the host tier now, not when it ends).
-                # Its spans stay: usage reports them, as it does for a full request's.
-                first = group[0]
-                self.blend_waiting.remove(first)
-                if first.resume is not None:
-                    self.idle.tier.drop(first.resume.name)
-                    first.resume = None
-                self.scheduler.add(first)
-                continue
-            for seq in ready:
-                self.blend_waiting.remove(seq)
-                seq.status = Status.RUNNING
-                self.scheduler.running.append(seq)
-            for seq, pick in zip(ready, sample(logits, ready, self.generator) if ready else []):
-                out.append((seq.id, self._advance(seq, pick)))
-        return out
+        """Prefill waiting requests by reuse (backend/waiting.py), then let them decode."""
+        return [(seq.id, self._advance(seq, pick)) for seq, pick in self.waiting.step(self.generator)]
 
     def _advance(self, seq: Sequence, pick: Sampled, at: int | None = None) -> Delta:
         """Take a sampled token: appended, or landing at out[at] in place of PENDING."""

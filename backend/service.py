@@ -84,7 +84,7 @@ class EngineBackend:
                   dense * e.kv_bytes_per_token),
             Gauge("sequences_running", "requests decoding or prefilling", len(e.scheduler.running)),
             Gauge("sequences_waiting", "requests waiting for the KV pool or their reuse prefill",
-                  len(e.scheduler.waiting) + len(e.blend_waiting)),
+                  len(e.scheduler.waiting) + len(e.waiting.seqs)),
             Gauge("host_tier_bytes", "host memory holding idle agents' KV (each Master once)",
                   e.idle.bytes),
             Gauge("parked_agents", "idle agents whose KV waits in the host tier", len(e.idle.tier)),

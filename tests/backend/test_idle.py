@@ -223,7 +223,7 @@ def test_agents_parked_while_a_round_restores_evict_no_taken_agent(tiny_llama):
     done, overlapped, restored = 0, False, eng.idle.restored
     while done < 4:
         done += sum(d.finish_reason is not None for rid, d in eng.step() if rid != "other")
-        overlapped |= done > 0 and bool(eng.blend_waiting)
+        overlapped |= done > 0 and bool(eng.waiting.seqs)
     eng.abort("other")
     assert overlapped, "no agent parked while another waited to restore"
     assert eng.idle.restored - restored >= sum(len(p) for p in prompts) // 2  # all four resumed

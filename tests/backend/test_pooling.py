@@ -72,7 +72,7 @@ def test_an_embedding_never_reuses_by_pic_and_repeats_from_the_prefix_cache(tiny
     eng = Engine(model=str(tiny_llama), dtype="float32", kv_tokens=4096)
     (p,) = prompts(eng, (70,), seed=7)
     eng.add("a", p, SamplingParams(max_tokens=1), "collective", shared=[(10, 60)], pool=Pooling())
-    assert eng.seqs["a"].mode == "prefix" and not eng.blend_waiting
+    assert eng.seqs["a"].mode == "prefix" and not eng.waiting.seqs
     first = None
     while eng.has_work():
         for _, d in eng.step():

@@ -335,7 +335,7 @@ def test_idle_engine_takes_the_whole_round_in_one_step(tiny_llama, monkeypatch):
         for i, (p, sp) in enumerate(zip(prompts, spans)):
             eng.add(f"r{i}", p, GREEDY, mode="collective", shared=sp)
         n, decoded = 0, 0
-        while eng.blend_waiting:
+        while eng.waiting.seqs:
             decoded += sum(rid == "other" for rid, _ in eng.step())
             n += 1
         steps[busy] = (n, calls, decoded)
