@@ -1,9 +1,11 @@
-"""`tokendance bench reuse`: one All-Gather round prefilled in every reuse mode.
+"""`tokendance bench reuse`: one All-Gather round prefilled in every reuse mode (with
+`--fanout`, partial broadcasts too: each agent reads K of the N outputs; bench/allgather.py).
 
 For each mode, in one run on one engine: the round's prefill time (every agent's
 prompt up to its first token, or with --decode N up to its N-th; median of repeats,
 the modes taking turns, caches cleared before each round), the tokens computed
-(token-layers / layers), the compute limit N·P + S + r·N·S, and what the round's KV
+(token-layers / layers), the compute limit N·P + S + r·N·S (r·K·S with a fan-out K),
+and what the round's KV
 holds in the live pool:
 - round footprint: the N agents' dense caches / everything held for the round (each
   request's private KV at its end, plus the Master: the shared segments' bases);
@@ -106,8 +108,10 @@ def footprint(eng: Engine, rnd: Round, mode: str, usage: list[Usage]) -> tuple[f
 
 
 def bench(eng: Engine, agents: list[int], history: int, output: int, repeats: int, modes: list[str],
-          seed: int = 0, decode: int = 1, serial: list[str] = (), readers: list[str] = ()) -> list[dict]:
-    """Rows of the table, one per mode and N; each mode in `serial` also gets a row of its
+          seed: int = 0, decode: int = 1, serial: list[str] = (), readers: list[str] = (),
+          fanouts: list[int] = (0,)) -> list[dict]:
+    """Rows of the table, one per mode, N and fan-out (0: All-Gather; bench/allgather.py,
+    each at most N); each mode in `serial` also gets a row of its
     own served one request at a time ("serial pic": what per-request reuse costs when
     every agent's request is handled alone, the paper's baseline for collective reuse),
     and each in `readers` one with reader bases ("reader collective")."""
@@ -117,9 +121,9 @@ def bench(eng: Engine, agents: list[int], history: int, output: int, repeats: in
     runs = ({mode: (mode, False, False) for mode in modes}
             | {f"serial {mode}": (mode, True, False) for mode in serial}
             | {f"reader {mode}": (mode, False, True) for mode in readers})
-    for n in agents:
-        rnd = make_round(n, history, output, vocab, seed=seed + n)
-        earlier = make_round(n, history, output, vocab, seed=seed + n + 1)  # kvcomm's / kvcmas's anchors
+    for n, k in [(n, k) for n in agents for k in fanouts]:
+        rnd = make_round(n, history, output, vocab, seed=seed + n, fanout=k)
+        earlier = make_round(n, history, output, vocab, seed=seed + n + 1, fanout=k)  # kvcomm's / kvcmas's anchors
         # Warm-up: every mode once, with a few decode steps (Triton compiles a kernel
         # variant the first time a batch shape needs it).
         for mode, one, rd in runs.values():
@@ -139,7 +143,7 @@ def bench(eng: Engine, agents: list[int], history: int, output: int, repeats: in
         vs = lambda name, t: res[name][0] / t if name in res else None  # noqa: E731
         for name in runs:
             t, w, foot, comp = res[name]
-            rows.append(dict(agents=n, mode=name, max_tokens=decode, ms=1000 * t, computed=w, limit=limit,
+            rows.append(dict(agents=n, fanout=k or n, mode=name, max_tokens=decode, ms=1000 * t, computed=w, limit=limit,
                              footprint=foot, compression=comp, ratio=eng.collector.cfg.ratio,
                              prompt_tokens=rnd.prompt_tokens, shared=rnd.shared_tokens,
                              vs_pic=vs("pic", t), vs_serial_pic=vs("serial pic", t), vs_full=vs("full", t),
@@ -153,30 +157,34 @@ def table(rows: list[dict]) -> str:
     what = "round prefill ms" if d == 1 else f"round ms ({d} tokens)"
     head = (f"| N | mode | {what} | tokens computed | limit | computed/limit | speedup vs pic "
             f"| vs serial pic | vs full | round footprint | Mirror compression |")
-    out = [head, "|" + "---|" * 11]
+    partial = any(r.get("fanout", r["agents"]) != r["agents"] for r in rows)
+    if partial:  # the outputs each agent reads
+        head = head.replace("| N |", "| N | K |", 1)
+    out = [head, "|" + "---|" * (11 + partial)]
     for r in rows:
         f = lambda v: "" if v is None else f"{v:.2f}x"  # noqa: E731
         mode = r["mode"]
         if r.get("predicted") is not None:
             mode += f" ({r['predicted']}/{r['agents']} predicted, anchors {r['anchor_bytes'] / 2**20:,.0f} MiB)"
-        out.append(f"| {r['agents']} | {mode} | {r['ms']:.0f} | {r['computed']:.0f} | {r['limit']:.0f} | "
+        k = f" {r['fanout']} |" if partial else ""
+        out.append(f"| {r['agents']} |{k} {mode} | {r['ms']:.0f} | {r['computed']:.0f} | {r['limit']:.0f} | "
                    f"{r['computed'] / r['limit']:.2f} | {f(r['vs_pic'])} | {f(r['vs_serial_pic'])} | "
                    f"{f(r['vs_full'])} | {f(r['footprint'])} | {f(r['compression'])} |")
     return "\n".join(out)
 
 
 def profiles(eng: Engine, rows: list[dict], n: int, history: int, output: int, modes: list[str],
-             decode: int, top: int, trace: str | None = None) -> str:
-    """Per mode, one more cold round of n agents under the profiler: how much of the
+             decode: int, top: int, trace: str | None = None, fanout: int = 0) -> str:
+    """Per mode, one more cold round of n agents (reading `fanout` outputs each) under the profiler: how much of the
     timed round (its median in rows) keeps the device busy, and the top ops. With
     `trace` (a folder), one more per mode with Python stacks: its chrome trace there."""
-    rnd = make_round(n, history, output, min(eng.mcfg.vocab_size, len(eng.tokenizer)), seed=n)
+    rnd = make_round(n, history, output, min(eng.mcfg.vocab_size, len(eng.tokenizer)), seed=n, fanout=fanout)
     sampling = SamplingParams(max_tokens=decode, temperature=0, ignore_eos=True)
     out = [f"\nProfiled: N = {n}, one cold round per mode", "| mode | round ms | device busy ms | busy share |",
            "|---|---|---|---|"]
     tables = []
     for mode in modes:
-        ms = next(r["ms"] for r in rows if r["agents"] == n and r["mode"] == mode)
+        ms = next(r["ms"] for r in rows if r["agents"] == n and r["fanout"] == (fanout or n) and r["mode"] == mode)
         eng.reset_caches()
         busy, ops = profiled(eng, lambda: play(eng, rnd, mode, sampling), top)
         out.append(f"| {mode} | {ms:.0f} | {busy:.0f} | {busy / ms:.2f} |")
@@ -194,6 +202,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--agents", type=counts, default="2,4,8,16", help="N, comma list")
     p.add_argument("--history", type=natural, default=512)
     p.add_argument("--output", type=natural, default=150)
+    p.add_argument("--fanout", type=counts, default=None, metavar="K[,K...]",
+                   help="outputs each agent reads, comma list, each at most every N (default: all "
+                        "of them, All-Gather; 1: a ring of chains)")
     p.add_argument("--repeats", type=positive, default=3)
     p.add_argument("--modes", type=names(MODES, least=1), default=",".join(MODES))
     p.add_argument("--serial", type=names(MODES), default="",
@@ -224,23 +235,29 @@ def main(args: argparse.Namespace) -> int:
     if args.trace and not args.profile:
         raise ValueError("--trace needs --profile TOP (it traces the profiled rounds)")
     agents = args.agents
+    fanouts = args.fanout or [0]
+    if max(fanouts) > min(agents):
+        raise ValueError(f"--fanout {max(fanouts)} exceeds --agents {min(agents)}: an agent reads at most every output")
+    if args.dump_prompts and len(fanouts) > 1:
+        raise ValueError("--dump-prompts writes one round per N: give one --fanout")
     need = max(agents) * (args.history * 2 + max(agents) * args.output * 2 + args.decode) + 4096
     eng, vocab = round_engine(args.model, args.dtype, args.kv_tokens or need, args.random_weights,
                               recompute_ratio=args.ratio, recompute_floor=args.floor,
                               anchor_bytes=int(args.anchor_gib * 2**30))
     modes = args.modes
     if args.dump_prompts:
-        rounds = {n: make_round(n, args.history, args.output, vocab, seed=n).prompts for n in agents}
+        rounds = {n: make_round(n, args.history, args.output, vocab, seed=n, fanout=fanouts[0]).prompts
+                  for n in agents}
         Path(args.dump_prompts).write_text(json.dumps(rounds))
     rows = bench(eng, agents, args.history, args.output, args.repeats, modes, decode=args.decode,
-                 serial=args.serial, readers=args.readers)
+                 serial=args.serial, readers=args.readers, fanouts=fanouts)
     print(f"model {eng.name} ({eng.mcfg.num_layers} layers) on {eng.device}, {eng.dtype}; "
           f"histories ~{args.history}, outputs ~{args.output}, max_tokens {args.decode}, "
           f"ratio {eng.collector.cfg.ratio}, floor {eng.collector.cfg.floor}")
     print(table(rows))
     if args.profile:
         print(profiles(eng, rows, agents[0], args.history, args.output, modes, args.decode, args.profile,
-                       args.trace))
+                       args.trace, fanouts[0]))
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))
     return 0

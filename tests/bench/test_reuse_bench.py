@@ -123,6 +123,34 @@ def test_reader_rows(tiny_llama, bench):
     assert any(line.startswith("| 3 | reader collective |") for line in out.splitlines())
 
 
+def test_fanout_rows(tiny_llama, bench):
+    """A row per N, fan-out and mode, the K column only when some round is partial; full
+    computes every prompt token, fewer as each agent quotes fewer outputs, and each row's
+    limit is its round's."""
+    out = bench(reuse, "--model", str(tiny_llama), "--dtype", "float32", "--agents", "3", "--history", "24",
+                "--output", "20", "--repeats", "1", "--modes", "full,collective", "--fanout", "1,3")
+    lines = out.splitlines()
+    assert next(line for line in lines if line.startswith("| N |")).startswith("| N | K | mode |")
+    cells = {(r[2].strip(), r[3].strip()): r for r in (line.split("|") for line in lines if line.startswith("| 3 |"))}
+    assert set(cells) == {(k, m) for k in ("1", "3") for m in ("full", "collective")}
+    eng = Engine(model=str(tiny_llama), dtype="float32", kv_tokens=2048)
+    vocab = min(eng.mcfg.vocab_size, len(eng.tokenizer))  # what the bench draws tokens from
+    for k in (1, 3):
+        rnd = reuse.make_round(3, 24, 20, vocab, seed=3, fanout=k)
+        full = cells[(str(k), "full")]
+        assert float(full[5]) == rnd.prompt_tokens
+        assert float(full[6]) == round(rnd.limit(0.15))
+    assert float(cells[("1", "full")][5]) < float(cells[("3", "full")][5])
+
+
+def test_fanout_beyond_the_agents_is_refused(tiny_llama, capsys):
+    from tokendance.examples.cli import main
+
+    assert main(["bench", "reuse", "--model", str(tiny_llama), "--agents", "2,4", "--fanout", "3"]) == 1
+    err = capsys.readouterr().err.strip()
+    assert err == "tokendance bench: --fanout 3 exceeds --agents 2: an agent reads at most every output"
+
+
 @pytest.mark.parametrize("flag,why", [(["--modes", "pic,nope"], "unknown 'nope'"),
                                       (["--serial", "bogus"], "unknown 'bogus'"),
                                       (["--modes", ""], "at least 1 needed")])
