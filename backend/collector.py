@@ -3,8 +3,8 @@
 For a group of requests it (1) finds each shared segment's base KV in the segment cache
 and computes the missing ones once for the whole group: in `collective`, in the same
 batched forward as the requests that read them (backend/blend.py), in `pic` standalone
-before them; with reader bases, from two of the group's requests prefilled in full
-first; (2) makes each request a Mirror of those bases, the round's Master: it reads
+before them; with reader bases, from the group's requests prefilled in full first
+(two, or more where prompts quote only some segments); (2) makes each request a Mirror of those bases, the round's Master: it reads
 them in place at its own offsets (keys are stored before RoPE, so placement needs no
 re-rotation and no copy) and owns private blocks only for its own tokens and patches;
 (3) runs selective recomputation: `collective` as one batched computation per
@@ -55,9 +55,11 @@ class ReuseConfig:
 
 
 # Reader bases: requests of a group prefilled in full, whose KV of the shared segments in
-# their prompts becomes those segments' bases. Two, since a reader's own last output sits
-# in its history, where it reads as its own turn, while every other reader sees it among
-# the others' outputs (the latest occurrence is kept).
+# their prompts becomes those segments' bases. At least two, since a reader's own last
+# output sits in its history, where it reads as its own turn, while every other reader
+# sees it among the others' outputs (the latest occurrence is kept). Beyond two, where
+# prompts quote only some of the outputs, a request reads in full when that is less work
+# than reading the Master (Collector._readers).
 READERS = 2
 
 # Forwards whose layers before the check layer a cold round queues before building its
@@ -159,17 +161,26 @@ class Collector:
 
     def _readers(self, group: list[Sequence], keys: list[list[tuple[int, int, Key]]],
                  missing: dict[Key, list[int]], pinned: list[Entry]) -> tuple[list[Sequence], torch.Tensor | None]:
-        """Reader bases: prefill up to READERS fresh requests that hold missing segments
-        in full (they get the exact answer) and take each segment they hold from its
-        latest occurrence there, in their context, into a segment entry (pinned). Those
-        segments leave `missing`; the rest are prefilled standalone as usual."""
+        """Reader bases: prefill fresh requests that hold missing segments in full (they
+        get the exact answer) and take each segment they hold from its latest occurrence
+        there, in their context, into a segment entry (pinned). The first READERS that
+        hold any; after them, one whose missing segments no reader holds yet outnumber in
+        tokens what it would recompute less as a reader than as a Mirror ((1 - r) of its
+        shared tokens): those bases would cost more prefilled standalone. Those segments
+        leave `missing`; the rest are prefilled standalone as usual."""
         leads: list[tuple[Sequence, list[tuple[int, int, Key]]]] = []
+        held: set[Key] = set()
         for seq, spans in zip(group, keys):
-            if len(leads) == READERS:
-                break
-            if (seq.resume is None and any(k in missing for _, _, k in spans)
-                    and self.reserve(seq, len(seq.prompt))):
+            mine = {k for _, _, k in spans if k in missing}
+            if seq.resume is not None or not mine:
+                continue
+            if len(leads) >= READERS:
+                fresh = sum(len(missing[k]) for k in mine - held)
+                if fresh <= (1 - self.cfg.ratio) * sum(hi - lo for lo, hi, _ in spans):
+                    continue
+            if self.reserve(seq, len(seq.prompt)):
                 leads.append((seq, spans))
+                held |= mine
         if not leads:
             return [], None
         logits = torch.cat(self.standalone([seq for seq, _ in leads]))

@@ -191,6 +191,50 @@ def test_segments_no_reader_holds_are_prefilled_standalone(tiny_llama):
     assert sources == ["reader"] * 4 + ["standalone"]
 
 
+def ring_prompts(n: int, k: int, seed: int) -> tuple[list[list[int]], list[list[tuple[int, int]]]]:
+    """A partial broadcast: agent i's private history, then outputs i+1 .. i+k (cyclic)."""
+    g = torch.Generator().manual_seed(seed)
+    outputs = [torch.randint(3, 49152, (30,), generator=g).tolist() for _ in range(n)]
+    prompts, spans = [], []
+    for i in range(n):
+        ids = torch.randint(3, 49152, (40 + 3 * i,), generator=g).tolist()
+        sp = []
+        for d in range(1, k + 1):
+            sp.append((len(ids), len(ids) + 30))
+            ids += outputs[(i + d) % n] + [11]
+        prompts.append(ids + [12, 13])
+        spans.append(sp)
+    return prompts, spans
+
+
+@pytest.mark.parametrize("n,k,readers", [(4, 1, [1, 1, 1, 1]), (5, 2, [1, 1, 0, 1, 0])])
+def test_a_request_reads_in_full_where_no_reader_holds_its_segments(tiny_llama, n, k, readers):
+    # Past the first two readers, a request is prefilled in full when the segments no
+    # reader holds yet outweigh (1 - r) of its shared tokens: in a ring of chains (each
+    # output quoted once) every request, so the round is exact and computes what `full`
+    # does; where each quotes two, those that hold two new segments. No base is
+    # prefilled standalone.
+    prompts, spans = ring_prompts(n, k, seed=24)
+    eng = Engine(model=str(tiny_llama), dtype="float32", kv_tokens=8192, bases="reader")
+    for i, (p, sp) in enumerate(zip(prompts, spans)):
+        eng.add(f"r{i}", p, GREEDY, mode="collective", shared=sp)
+    seqs = [eng.seqs[f"r{i}"] for i in range(n)]
+    ready, got = eng.collector.prefill(seqs, "collective")
+    assert sorted(s.id for s in ready) == sorted(s.id for s in seqs)  # readers first
+    logits = got[[ready.index(s) for s in seqs]]
+    assert [int(s.reader) for s in seqs] == readers
+    assert {e.source for e in eng.segments.entries.values()} == {"reader"} and len(eng.segments.entries) == n
+    ref = Engine(model=str(tiny_llama), dtype="float32", kv_tokens=8192)
+    full = prefill_full(ref, prompts)
+    want, _ = ref.runner.run([Scheduled(s, len(s.prompt) - 1, 1) for s in full])
+    for i, s in enumerate(seqs):
+        if readers[i]:
+            assert s.cached == s.recomputed == 0
+            torch.testing.assert_close(logits[i], want[i], rtol=1e-4, atol=1e-5)
+        else:
+            assert s.cached > 0
+
+
 def test_reader_bases_collective_equals_pic(tiny_llama):
     prompts, spans = round_prompts(4, seed=22)
     got = {}
