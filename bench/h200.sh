@@ -31,6 +31,8 @@
 #     and collective, then capacity (128 decoded tokens per agent) against prefix and collective
 #   kvcmas: the reuse round and the resumed round with kvcmas (low-rank anchors) beside kvcomm
 #     and collective
+#   fanout: the reuse round beyond All-Gather: each agent reads K of the N outputs (N = 10: K = 10,
+#     5, 2, 1; N = 20: K = 20, 10, 5, 2, 1), full, collective (also serial pic and reader bases) and kvcomm
 #   bounds: the reuse round and capacity with nothing recomputed (r = 0): what the
 #     workload allows any recompute policy (footprint, vs serial pic, capacity)
 #   mirror-decode: decode steps over N = 10 and 20 Mirrors against dense caches
@@ -160,6 +162,14 @@ if want kvcmas; then
   td bench resume --model qwen2.5-7b --dtype bfloat16 --agents 10,20 --history 512 --output 150 \
     --answer 128 --repeats 3 --variants kvcmas,kvcomm,resumed 2>&1 | grep -v -i "warn\|deprecat" \
     | tee "$OUT/kvcmas_resume.txt"
+fi
+if want fanout; then
+  for nk in "10 10,5,2,1" "20 20,10,5,2,1"; do
+    read -r n k <<< "$nk"
+    td bench reuse --model qwen2.5-7b --dtype bfloat16 --agents "$n" --fanout "$k" --history 512 --output 150 \
+      --repeats 3 --modes full,collective,kvcomm --serial pic --readers collective 2>&1 \
+      | grep -v -i "warn\|deprecat" | tee -a "$OUT/fanout.txt"
+  done
 fi
 if want bounds; then
   # What the goals' workload allows at all: the round with nothing recomputed (r = 0),
