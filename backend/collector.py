@@ -162,8 +162,9 @@ class Collector:
     def _readers(self, group: list[Sequence], keys: list[list[tuple[int, int, Key]]],
                  missing: dict[Key, list[int]], pinned: list[Entry]) -> tuple[list[Sequence], torch.Tensor | None]:
         """Reader bases: prefill fresh requests that hold missing segments in full (they
-        get the exact answer) and take each segment they hold from its latest occurrence
-        there, in their context, into a segment entry (pinned). The first READERS that
+        get the exact answer) and take each segment they hold that another request of the
+        group quotes from its latest occurrence there, in their context, into a segment
+        entry (pinned); one only readers quote needs no base. The first READERS that
         hold any; after them, one whose missing segments no reader holds yet outnumber in
         tokens what it would recompute less as a reader than as a Mirror ((1 - r) of its
         shared tokens): those bases would cost more prefilled standalone. Those segments
@@ -189,7 +190,12 @@ class Collector:
             for lo, _, key in spans:
                 if key in missing and (key not in best or lo > best[key][1]):
                     best[key] = (seq, lo)
+        others = {k for seq, spans in zip(group, keys) if all(seq is not s for s, _ in leads)
+                  for _, _, k in spans}
         for key, (seq, lo) in best.items():
+            if key not in others:  # its readers computed it in place: no Mirror reads a base
+                del missing[key]
+                continue
             e = self._keep(seq, lo, missing[key], key, "reader")
             if e is not None:  # else prefilled standalone, or read as private text
                 self.segments.pin(e)

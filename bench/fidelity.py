@@ -230,7 +230,7 @@ def closed_loop(eng: Engine, be: EngineBackend, n: int, question: str, modes: li
                 tally(eng, prepared, bases, "standalone")
             answers = run(eng, prepared, m, producer)
             if m != "full" and not producer:
-                tally(eng, prepared, bases, "private text")
+                tally(eng, prepared, bases, "computed in place")  # as private text, or by readers alone
             hist[m].append(answers)
     return {m: [next((r + 1 for r in range(rounds) if hist[m][r][i] != hist["full"][r][i]), None)
                 for i in range(n)] for m in modes[1:]}

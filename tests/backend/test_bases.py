@@ -213,7 +213,7 @@ def test_a_request_reads_in_full_where_no_reader_holds_its_segments(tiny_llama, 
     # reader holds yet outweigh (1 - r) of its shared tokens: in a ring of chains (each
     # output quoted once) every request, so the round is exact and computes what `full`
     # does; where each quotes two, those that hold two new segments. No base is
-    # prefilled standalone.
+    # prefilled standalone, and only the segments a Mirror reads are kept as bases.
     prompts, spans = ring_prompts(n, k, seed=24)
     eng = Engine(model=str(tiny_llama), dtype="float32", kv_tokens=8192, bases="reader")
     for i, (p, sp) in enumerate(zip(prompts, spans)):
@@ -223,7 +223,9 @@ def test_a_request_reads_in_full_where_no_reader_holds_its_segments(tiny_llama, 
     assert sorted(s.id for s in ready) == sorted(s.id for s in seqs)  # readers first
     logits = got[[ready.index(s) for s in seqs]]
     assert [int(s.reader) for s in seqs] == readers
-    assert {e.source for e in eng.segments.entries.values()} == {"reader"} and len(eng.segments.entries) == n
+    read = {segment_key("", prompts[i][lo:hi]) for i in range(n) if not readers[i] for lo, hi in spans[i]}
+    assert set(eng.segments.entries) == read and len(read) == (0 if k == 1 else 4)
+    assert {e.source for e in eng.segments.entries.values()} <= {"reader"}
     ref = Engine(model=str(tiny_llama), dtype="float32", kv_tokens=8192)
     full = prefill_full(ref, prompts)
     want, _ = ref.runner.run([Scheduled(s, len(s.prompt) - 1, 1) for s in full])

@@ -66,7 +66,7 @@ def test_a_resumed_agent_reads_the_base_it_was_computed_with(tiny_llama):
 
 def test_an_agent_whose_base_was_replaced_is_prefilled_whole(tiny_llama):
     """Agent c (a Mirror; a and b were round 1's readers) read the round-1 base; after an
-    eviction, round 2's readers put other K/V under the key. c's next request must not
+    eviction, round 2's readers (d and e, for f) put other K/V under the key. c's next request must not
     read those under private slots computed against the first: it is prefilled whole,
     as a request without a parked prefix would be."""
     eng = Engine(model=str(tiny_llama), dtype="float32", kv_tokens=8192, bases="reader")
@@ -75,7 +75,7 @@ def test_an_agent_whose_base_was_replaced_is_prefilled_whole(tiny_llama):
     first = {a: _with(g, seg, 30 + 3 * i) for i, a in enumerate("abc")}
     outs = _round(eng, first)
     eng.segments.clear()
-    _round(eng, {a: _with(g, seg, 20 + 5 * i) for i, a in enumerate("de")})
+    _round(eng, {a: _with(g, seg, 20 + 5 * i) for i, a in enumerate("def")})  # f reads d's and e's base
     p, sp = first["c"]
     prompt = p + outs["c"] + _ids(g, 6)
     got = []

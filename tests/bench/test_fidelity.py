@@ -50,13 +50,21 @@ def test_closed_loop_only(tiny_llama, bench):
 def test_closed_loop_bases(smollm2, bench, bases):
     # The real model: its answers tokenize back to what it generated, so producers
     # publish them (ended by length or not) and the next round's segments find them.
-    # Readers: both agents of a round are prefilled in full and hold every segment.
-    out = bench(fidelity, "--model", str(smollm2), "--agents", "2", "--rounds", "2", "--max-tokens", "6",
+    # Readers: two agents of a round are prefilled in full and hold every segment, which
+    # the third reads as a Mirror.
+    out = bench(fidelity, "--model", str(smollm2), "--agents", "3", "--rounds", "2", "--max-tokens", "6",
                 "--questions", "0", "--modes", "collective", "--bases", bases)
     found = re.search(r"Shared segments by base: (.*)\.$", out, re.M)
     counts = {src: int(n) for n, src in (part.split(" ", 1) for part in found[1].split(", "))}
-    # Round 2: each of 2 agents sees both round-1 answers (its own and the other's).
-    assert counts == {bases: 4}
+    # Round 2: each of 3 agents sees every round-1 answer (its own and the others').
+    assert counts == {bases: 9}
+
+
+def test_segments_only_readers_quote_have_no_base(smollm2, bench):
+    # Two agents, both readers: no Mirror reads a base, so none is kept.
+    out = bench(fidelity, "--model", str(smollm2), "--agents", "2", "--rounds", "2", "--max-tokens", "6",
+                "--questions", "0", "--modes", "collective", "--bases", "reader")
+    assert "Shared segments by base: 4 computed in place." in out
 
 
 @pytest.mark.parametrize("modes", ["full", "pic,bogus", ""])
