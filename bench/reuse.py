@@ -8,7 +8,8 @@ the modes taking turns, caches cleared before each round), the tokens computed
 and what the round's KV
 holds in the live pool:
 - round footprint: the N agents' dense caches / everything held for the round (each
-  request's private KV at its end, plus the Master: the shared segments' bases);
+  request's private KV at its end, plus the Master: the shared segments' bases the
+  segment cache holds at its end, none where only readers quote a segment);
 - Mirror compression: the dense KV of the shared segments / what the requests hold
   privately for them (a Mirror its patches; a reader, with reader bases, what its K/V
   do not share with the Master: backend/diff.py).
@@ -42,6 +43,7 @@ class Played:
     usage: list[Usage]  # per agent
     predicted: int  # kvcomm / kvcmas: requests that read predicted offsets (the rest prefilled exactly)
     anchor_bytes: int  # kvcomm / kvcmas: what the anchors hold at the round's end
+    bases: int  # tokens the segment cache holds at the round's end (the Master)
 
 
 def play(eng: Engine, rnd: Round, mode: str, sampling: SamplingParams = ONE, tag: str = "r",
@@ -75,7 +77,7 @@ def play(eng: Engine, rnd: Round, mode: str, sampling: SamplingParams = ONE, tag
     dt = time.perf_counter() - t0
     return Played([answers[r] for r in ids], dt, (eng.runner.work - work0) / len(eng.model.layers),
                   [usage[r] for r in ids], anchored.predicted - predicted0 if anchored else 0,
-                  eng.collector.anchors.nbytes)
+                  eng.collector.anchors.nbytes, sum(e.ntokens for e in eng.segments.entries.values()))
 
 
 def cold(eng: Engine, rnd: Round, mode: str, sampling: SamplingParams = ONE, serial: bool = False,
@@ -95,10 +97,12 @@ def cold(eng: Engine, rnd: Round, mode: str, sampling: SamplingParams = ONE, ser
         eng.collector.cfg.readers = own
 
 
-def footprint(eng: Engine, rnd: Round, mode: str, usage: list[Usage]) -> tuple[float, float | None]:
-    """(round footprint, Mirror compression) of a finished round; see the module doc."""
+def footprint(eng: Engine, played: Played, mode: str) -> tuple[float, float | None]:
+    """(round footprint, Mirror compression) of a finished round from cold caches; see the
+    module doc."""
+    usage = played.usage
     dense = sum(u.kv_dense_bytes for u in usage)
-    master = rnd.shared_tokens * eng.kv_bytes_per_token if mode in ("pic", "collective") else 0
+    master = played.bases * eng.kv_bytes_per_token if mode in ("pic", "collective") else 0
     held = sum(u.kv_held_bytes for u in usage) + master
     shared = sum(u.shared_tokens for u in usage)
     # What each holds privately, less its tokens outside the shared segments.
@@ -138,7 +142,7 @@ def bench(eng: Engine, agents: list[int], history: int, output: int, repeats: in
                 last[name] = cold(eng, rnd, mode, sampling, one, rd, earlier)
                 times[name].append(last[name].seconds)
         res = {name: (statistics.median(times[name]), last[name].computed,
-                      *footprint(eng, rnd, mode, last[name].usage)) for name, (mode, *_) in runs.items()}
+                      *footprint(eng, last[name], mode)) for name, (mode, *_) in runs.items()}
         limit = rnd.limit(eng.collector.cfg.ratio)
         vs = lambda name, t: res[name][0] / t if name in res else None  # noqa: E731
         for name in runs:

@@ -86,7 +86,25 @@ def test_reader_round(tiny_llama):
     shared = sum(u.shared_tokens for u in played.usage)
     patches = sum(u.recomputed_tokens for u in played.usage[2:])
     whole = sum(u.shared_tokens for u in played.usage[:2]) + patches
-    assert shared / whole < reuse.footprint(eng, rnd, "collective", played.usage)[1] < shared / patches
+    assert shared / whole < reuse.footprint(eng, played, "collective")[1] < shared / patches
+
+
+def test_the_master_is_what_the_round_keeps(tiny_llama):
+    """The round footprint counts the bases the segment cache holds at the round's end:
+    every output once in All-Gather; none in a ring of chains with reader bases (every
+    agent reads its one output in full, no Mirror reads a base), which then holds what
+    `full` holds."""
+    eng = Engine(model=str(tiny_llama), dtype="float32", kv_tokens=8192)
+    vocab = min(eng.mcfg.vocab_size, len(eng.tokenizer))
+    rnd = reuse.make_round(4, 24, 16, vocab, seed=2)
+    assert reuse.cold(eng, rnd, "collective").bases == rnd.shared_tokens
+    ring = reuse.make_round(4, 24, 16, vocab, seed=2, fanout=1)
+    played = reuse.cold(eng, ring, "collective", readers=True)
+    assert played.bases == 0 and all(u.recomputed_tokens == u.cached_tokens == 0 for u in played.usage)
+    assert reuse.footprint(eng, played, "collective")[0] == pytest.approx(1.0)
+    standalone = reuse.cold(eng, ring, "collective")
+    assert standalone.bases == ring.shared_tokens
+    assert reuse.footprint(eng, standalone, "collective")[0] < 1.0  # a base beside each reader's patches
 
 
 def test_serial_pic(tiny_llama, monkeypatch):
