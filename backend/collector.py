@@ -4,14 +4,14 @@ For a group of requests it (1) finds each shared segment's base KV in the segmen
 and computes the missing ones once for the whole group: in `collective`, in the same
 batched forward as the requests that read them (backend/blend.py), in `pic` standalone
 before them; with reader bases, from the group's requests prefilled in full first
-(two, or more where prompts quote only some segments); (2) makes each request a Mirror of those bases, the round's Master: it reads
-them in place at its own offsets (keys are stored before RoPE, so placement needs no
-re-rotation and no copy) and owns private blocks only for its own tokens and patches;
-(3) runs selective recomputation: `collective` as one batched computation per
-sub-batch of the group, `pic` request by request. Both give the same result per
-request; only the schedule differs. (`kvcomm` predicts what it reuses instead:
-backend/kvcomm.py.) No forward takes more than `max_tokens` prompt
-tokens, except one request's blend when its prompt alone is longer.
+(two, or more where prompts quote only some segments); (2) makes each request a Mirror
+of those bases, the round's Master: it reads them in place at its own offsets (keys are
+stored before RoPE, so placement needs no re-rotation and no copy) and owns private
+blocks only for its own tokens and patches; (3) runs selective recomputation:
+`collective` as one batched computation per sub-batch of the group, `pic` request by
+request. Both give the same result per request; only the schedule differs. (`kvcomm`
+predicts what it reuses instead: backend/kvcomm.py.) No forward takes more than
+`max_tokens` prompt tokens, except one request's blend when its prompt alone is longer.
 """
 
 from __future__ import annotations

@@ -147,7 +147,8 @@ def bench(eng: Engine, agents: list[int], history: int, output: int, repeats: in
         vs = lambda name, t: res[name][0] / t if name in res else None  # noqa: E731
         for name in runs:
             t, w, foot, comp = res[name]
-            rows.append(dict(agents=n, fanout=k or n, mode=name, max_tokens=decode, ms=1000 * t, computed=w, limit=limit,
+            rows.append(dict(agents=n, fanout=k or n, mode=name, max_tokens=decode, ms=1000 * t, computed=w,
+                             limit=limit,
                              footprint=foot, compression=comp, ratio=eng.collector.cfg.ratio,
                              prompt_tokens=rnd.prompt_tokens, shared=rnd.shared_tokens,
                              vs_pic=vs("pic", t), vs_serial_pic=vs("serial pic", t), vs_full=vs("full", t),
