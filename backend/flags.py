@@ -75,7 +75,8 @@ def add_reuse_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--bases", choices=BASES, default=REUSE_DEFAULTS["bases"],
                    help="pic / collective: a shared segment's base KV prefilled standalone once per "
                         "round; its producer's own KV of it (no prefill; lower fidelity on SmolLM2); "
-                        "or its KV in a reader's context (two requests of a round prefilled in full; "
+                        "or its KV in a reader's context (two requests of a round prefilled in full, "
+                        "more where prompts quote only some outputs, as in a chain of agents; "
                         "closer to exact prefill; with --recompute-ratio 0.3 half of SmolLM2's "
                         "debates stay identical to it at 4 and 8 agents; docs/fidelity.md)")
     p.add_argument("--min-shared-tokens", type=at_least(0), default=REUSE_DEFAULTS["min_shared_tokens"],
