@@ -159,31 +159,58 @@ class Collector:
             logits.append(self.runner.run(work)[0])
         return logits
 
-    def _readers(self, group: list[Sequence], keys: list[list[tuple[int, int, Key]]],
-                 missing: dict[Key, list[int]], pinned: list[Entry]) -> tuple[list[Sequence], torch.Tensor | None]:
-        """Reader bases: prefill fresh requests that hold missing segments in full (they
-        get the exact answer) and take each segment they hold that another request of the
-        group quotes from its latest occurrence there, in their context, into a segment
-        entry (pinned); one only readers quote needs no base. The first READERS that
-        hold any; after them, one whose missing segments no reader holds yet outnumber in
-        tokens what it would recompute less as a reader than as a Mirror ((1 - r) of its
-        shared tokens): those bases would cost more prefilled standalone. Those segments
-        leave `missing`; the rest are prefilled standalone as usual."""
-        leads: list[tuple[Sequence, list[tuple[int, int, Key]]]] = []
+    def _keys(self, group: list[Sequence]) -> tuple[list[list[tuple[int, int, Key]]], dict[Key, list[int]]]:
+        """Per request its shared segments past its restored prefix, (start, end, key);
+        the segments among them the cache lacks, key -> tokens."""
+        keys: list[list[tuple[int, int, Key]]] = []
+        missing: dict[Key, list[int]] = {}
+        for seq in group:
+            start = seq.resume.length if seq.resume is not None else 0
+            spans = []
+            for lo, hi in seq.shared:
+                if lo < start:
+                    continue  # inside its restored prefix
+                key = segment_key(seq.tenant, seq.prompt[lo:hi])
+                spans.append((lo, hi, key))
+                if self.segments.get(key) is None:
+                    missing[key] = seq.prompt[lo:hi]
+            keys.append(spans)
+        return keys, missing
+
+    def _choose_readers(self, group: list[Sequence]) -> list[Sequence]:
+        """Reader bases: the requests to prefill in full (they get the exact answer; one
+        with a parked prefix gives it up and is prefilled whole), their blocks reserved.
+        The first READERS that hold segments the cache lacks; after them, one whose
+        missing segments no reader holds yet outnumber in tokens what it would compute
+        more as a reader than as a Mirror ((1 - r) of its shared tokens, and its parked
+        prefix): those bases would cost more prefilled standalone."""
+        keys, missing = self._keys(group)
+        leads: list[Sequence] = []
         held: set[Key] = set()
         for seq, spans in zip(group, keys):
             mine = {k for _, _, k in spans if k in missing}
-            if seq.resume is not None or not mine:
+            if not mine:
                 continue
             if len(leads) >= READERS:
                 fresh = sum(len(missing[k]) for k in mine - held)
-                if fresh <= (1 - self.cfg.ratio) * sum(hi - lo for lo, hi, _ in spans):
+                more = (1 - self.cfg.ratio) * sum(hi - lo for lo, hi, _ in spans)
+                if fresh <= more + (seq.resume.length if seq.resume is not None else 0):
                     continue
             if self.reserve(seq, len(seq.prompt)):
-                leads.append((seq, spans))
+                if seq.resume is not None:  # prefilled whole: nothing to restore
+                    self.idle.tier.drop(seq.resume.name)
+                    seq.resume = None
+                leads.append(seq)
                 held |= mine
-        if not leads:
-            return [], None
+        return leads
+
+    def _readers(self, leads: list[Sequence], group: list[Sequence], keys: list[list[tuple[int, int, Key]]],
+                 missing: dict[Key, list[int]], pinned: list[Entry]) -> torch.Tensor:
+        """Prefill the readers `leads` (of `group`) in full and take each segment they hold
+        that another request of the group quotes from its latest occurrence there, in
+        their context, into a segment entry (pinned); one only readers quote needs no base.
+        Those segments leave `missing`; the rest are prefilled standalone as usual."""
+        leads = [(seq, spans) for seq, spans in zip(group, keys) if seq in leads]
         logits = torch.cat(self.standalone([seq for seq, _ in leads]))
         best: dict[Key, tuple[Sequence, int]] = {}
         for seq, spans in leads:
@@ -205,7 +232,7 @@ class Collector:
             seq.recomputed = seq.cached = 0
             seq.reader = True
             seq.computed = len(seq.prompt)
-        return [seq for seq, _ in leads], logits
+        return logits
 
     def _encode(self, leads: list[Sequence], keys: list[list[tuple[int, int, Key]]]) -> None:
         """Readers become Mirrors of the bases their K/V equal (backend/diff.py). Last, once
@@ -264,25 +291,15 @@ class Collector:
                  entered: list[Entry]) -> tuple[list[Sequence], torch.Tensor | None]:
         pinned: list[Entry] = []
         try:
+            # Readers first: one that gives up its parked prefix brings no Master back.
+            leads = self._choose_readers(group) if self.cfg.readers else []
             # Masters of restored prefixes come back from the host, not prefilled again.
             masters = bring_back(group, self.segments, self.idle, self.reserve, self.cache.block_size,
                                  self.cache.kv.device, pinned, entered)
-            keys: list[list[tuple[int, int, Key]]] = []  # per seq: (start, end, key)
-            missing: dict[Key, list[int]] = {}
-            for seq in group:
-                start = seq.resume.length if seq.resume is not None else 0
-                spans = []
-                for lo, hi in seq.shared:
-                    if lo < start:
-                        continue  # inside its restored prefix
-                    key = segment_key(seq.tenant, seq.prompt[lo:hi])
-                    spans.append((lo, hi, key))
-                    if self.segments.get(key) is None:
-                        missing[key] = seq.prompt[lo:hi]
-                keys.append(spans)
-            leads, first, lead_keys = [], None, []
-            if self.cfg.readers and missing:
-                leads, first = self._readers(group, keys, missing, pinned)
+            keys, missing = self._keys(group)  # per seq: (start, end, key)
+            first, lead_keys = None, []
+            if leads:
+                first = self._readers(leads, group, keys, missing, pinned)
                 lead_keys = [sp for seq, sp in zip(group, keys) if seq in leads]
                 keys = [sp for seq, sp in zip(group, keys) if seq not in leads]
                 group = [seq for seq in group if seq not in leads]

@@ -8,6 +8,7 @@ import torch
 
 from tokendance.backend.api import SamplingParams
 from tokendance.backend.engine import Engine
+from tokendance.backend.keys import segment_key
 from tests.backend.test_reuse import round_prompts
 
 GREEDY = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
@@ -79,20 +80,41 @@ def test_resumed_agents_equal_full_at_ratio_1(tiny_llama, mode):
 def test_readers_park_as_mirrors_and_resume_exactly(tiny_llama):
     """Reader bases: the two readers, Mirrors of the bases they gave (backend/diff.py),
     park only what they hold privately, and their next requests restore it exactly
-    (every reused token recomputed, so every answer equals full's)."""
+    (every reused token recomputed, so every answer equals full's). The next round quotes
+    nothing new, so no request reads in full: every agent resumes."""
     eng, ref = engine(tiny_llama, recompute_ratio=1.0, bases="reader"), engine(tiny_llama)
     prompts, spans = round_prompts(4, seed=21)
     outs, _ = run(eng, prompts, spans, "collective", "r1-")
     assert outs == run(ref, prompts, spans, "full", "f1-", agents=False)[0]
     readers = [eng.idle.parked[f"\0a{i}"] for i in range(2)]  # no tenant
     assert all(p.mirror is not None and p.slots < len(p.tokens) for p in readers)
-    prompts, spans = next_round(prompts, spans, outs, seed=2)
+    prompts, spans = next_round(prompts, spans, outs, seed=2, n_new=0)
     eng.segments.clear()  # the Masters now live only on the host
     restored = eng.idle.restored
     outs, usage = run(eng, prompts, spans, "collective", "r2-")
     assert outs == run(ref, prompts, spans, "full", "f2-", agents=False)[0]
     assert eng.idle.restored - restored >= sum(len(p) for p in prompts) // 2
     assert all(u.cached_tokens > len(p) // 2 for u, p in zip(usage, prompts))
+    assert free_blocks_after_reset(eng)
+
+
+def test_parked_agents_read_in_full_for_reader_bases(tiny_llama):
+    """A round of parked agents that quotes new outputs: its first two requests give up
+    their parked prefixes and are prefilled whole (the readers, exact), the others
+    restore theirs and read the readers' bases (every reused token recomputed, so every
+    answer equals full's)."""
+    eng, ref = engine(tiny_llama, recompute_ratio=1.0, bases="reader"), engine(tiny_llama)
+    prompts, spans = round_prompts(4, seed=25)
+    outs, _ = run(eng, prompts, spans, "collective", "r1-")
+    prompts, spans = next_round(prompts, spans, outs, seed=3)
+    restored = eng.idle.restored
+    outs, usage = run(eng, prompts, spans, "collective", "r2-")
+    assert outs == run(ref, prompts, spans, "full", "f2-", agents=False)[0]
+    assert [u.cached_tokens for u in usage[:2]] == [0, 0]
+    assert all(u.cached_tokens > len(p) // 2 for u, p in zip(usage[2:], prompts[2:]))
+    assert eng.idle.restored - restored >= sum(len(p) for p in prompts[2:]) // 2
+    new = {segment_key("", p[lo:hi]) for p, sp in zip(prompts, spans) for lo, hi in sp[-2:]}
+    assert {eng.segments.get(k).source for k in new} == {"reader"}
     assert free_blocks_after_reset(eng)
 
 
