@@ -210,15 +210,16 @@ class Collector:
         that another request of the group quotes from its latest occurrence there, in
         their context, into a segment entry (pinned); one only readers quote needs no base.
         Those segments leave `missing`; the rest are prefilled standalone as usual."""
-        leads = [(seq, spans) for seq, spans in zip(group, keys) if seq in leads]
-        logits = torch.cat(self.standalone([seq for seq, _ in leads]))
+        logits = torch.cat(self.standalone(leads))  # in group order, as `leads` is
         best: dict[Key, tuple[Sequence, int]] = {}
-        for seq, spans in leads:
+        others: set[Key] = set()  # the segments some Mirror of the group reads
+        for seq, spans in zip(group, keys):
+            if seq not in leads:
+                others.update(k for _, _, k in spans)
+                continue
             for lo, _, key in spans:
                 if key in missing and (key not in best or lo > best[key][1]):
                     best[key] = (seq, lo)
-        others = {k for seq, spans in zip(group, keys) if all(seq is not s for s, _ in leads)
-                  for _, _, k in spans}
         for key, (seq, lo) in best.items():
             if key not in others:  # its readers computed it in place: no Mirror reads a base
                 del missing[key]
@@ -228,7 +229,7 @@ class Collector:
                 self.segments.pin(e)
                 pinned.append(e)
                 del missing[key]
-        for seq, _ in leads:
+        for seq in leads:
             seq.recomputed = seq.cached = 0
             seq.reader = True
             seq.computed = len(seq.prompt)
