@@ -12,6 +12,16 @@ def quoted(rnd, i: int) -> list[tuple[int, ...]]:
     return sorted(tuple(rnd.prompts[i][lo:hi]) for lo, hi in rnd.shared[i])
 
 
+def blocks(rnd) -> dict[int, tuple[int, ...]]:
+    """Output j -> its tokens, as every prompt that quotes it has them (all alike)."""
+    out: dict[int, tuple[int, ...]] = {}
+    for p, spans, reads in zip(rnd.prompts, rnd.shared, rnd.reads):
+        for (lo, hi), j in zip(spans, reads):
+            assert out.setdefault(j, tuple(p[lo:hi])) == tuple(p[lo:hi])
+            assert hi - lo == rnd.outputs[j]
+    return out
+
+
 def test_all_gather_quotes_every_output_in_every_prompt():
     rnd = make_round(5, 30, 12, 1000, seed=3)
     blocks = quoted(rnd, 0)
@@ -23,16 +33,6 @@ def test_all_gather_quotes_every_output_in_every_prompt():
     # A fan-out of every agent is All-Gather itself, the same round.
     same = make_round(5, 30, 12, 1000, seed=3, fanout=5)
     assert same.prompts == rnd.prompts and same.shared == rnd.shared and same.fanout == 0
-
-
-def blocks(rnd) -> dict[int, tuple[int, ...]]:
-    """Output j -> its tokens, as every prompt that quotes it has them (all alike)."""
-    out: dict[int, tuple[int, ...]] = {}
-    for p, spans, reads in zip(rnd.prompts, rnd.shared, rnd.reads):
-        for (lo, hi), j in zip(spans, reads):
-            assert out.setdefault(j, tuple(p[lo:hi])) == tuple(p[lo:hi])
-            assert hi - lo == rnd.outputs[j]
-    return out
 
 
 @pytest.mark.parametrize("k", [1, 2, 4])
