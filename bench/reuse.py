@@ -5,8 +5,7 @@ For each mode, in one run on one engine: the round's prefill time (every agent's
 prompt up to its first token, or with --decode N up to its N-th; median of repeats,
 the modes taking turns, caches cleared before each round), the tokens computed
 (token-layers / layers), the compute limit N·P + S + r·N·S (r·K·S with a fan-out K),
-and what the round's KV
-holds in the live pool:
+and what the round's KV holds in the live pool:
 - round footprint: the N agents' dense caches / everything held for the round (each
   request's private KV at its end, plus the Master: the shared segments' bases the
   segment cache holds at its end, none where only readers quote a segment);
@@ -180,9 +179,10 @@ def table(rows: list[dict]) -> str:
 
 def profiles(eng: Engine, rows: list[dict], n: int, history: int, output: int, modes: list[str],
              decode: int, top: int, trace: str | None = None, fanout: int = 0) -> str:
-    """Per mode, one more cold round of n agents (reading `fanout` outputs each) under the profiler: how much of the
-    timed round (its median in rows) keeps the device busy, and the top ops. With
-    `trace` (a folder), one more per mode with Python stacks: its chrome trace there."""
+    """Per mode, one more cold round of n agents (each reading `fanout` outputs) under the
+    profiler: how much of the timed round (its median in rows) keeps the device busy, and
+    the top ops. With `trace` (a folder), one more per mode with Python stacks: its chrome
+    trace there."""
     rnd = make_round(n, history, output, min(eng.mcfg.vocab_size, len(eng.tokenizer)), seed=n, fanout=fanout)
     sampling = SamplingParams(max_tokens=decode, temperature=0, ignore_eos=True)
     out = [f"\nProfiled: N = {n}, one cold round per mode", "| mode | round ms | device busy ms | busy share |",
@@ -242,7 +242,8 @@ def main(args: argparse.Namespace) -> int:
     agents = args.agents
     fanouts = args.fanout or [0]
     if max(fanouts) > min(agents):
-        raise ValueError(f"--fanout {max(fanouts)} exceeds --agents {min(agents)}: an agent reads at most every output")
+        raise ValueError(f"--fanout {max(fanouts)} exceeds --agents {min(agents)}: "
+                         "an agent reads at most every output")
     if args.dump_prompts and len(fanouts) > 1:
         raise ValueError("--dump-prompts writes one round per N: give one --fanout")
     need = max(agents) * (args.history * 2 + max(agents) * args.output * 2 + args.decode) + 4096

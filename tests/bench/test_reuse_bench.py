@@ -149,7 +149,8 @@ def test_fanout_rows(tiny_llama, bench):
                 "--output", "20", "--repeats", "1", "--modes", "full,collective", "--fanout", "1,3")
     lines = out.splitlines()
     assert next(line for line in lines if line.startswith("| N |")).startswith("| N | K | mode |")
-    cells = {(r[2].strip(), r[3].strip()): r for r in (line.split("|") for line in lines if line.startswith("| 3 |"))}
+    rows = [line.split("|") for line in lines if line.startswith("| 3 |")]
+    cells = {(r[2].strip(), r[3].strip()): r for r in rows}  # (K, mode) -> cells
     assert set(cells) == {(k, m) for k in ("1", "3") for m in ("full", "collective")}
     eng = Engine(model=str(tiny_llama), dtype="float32", kv_tokens=2048)
     vocab = min(eng.mcfg.vocab_size, len(eng.tokenizer))  # what the bench draws tokens from
