@@ -197,9 +197,7 @@ class Collector:
                 if fresh <= more + (seq.resume.length if seq.resume is not None else 0):
                     continue
             if self.reserve(seq, len(seq.prompt)):
-                if seq.resume is not None:  # prefilled whole: nothing to restore
-                    self.idle.tier.drop(seq.resume.name)
-                    seq.resume = None
+                self.idle.forgo(seq)  # prefilled whole: nothing to restore
                 leads.append(seq)
                 held |= mine
         return leads
@@ -246,10 +244,9 @@ class Collector:
                 entries: dict[Key, Entry]) -> list[bool]:
         """Make seq a Mirror of the bases it finds (one reference to each Master block);
         returns which prompt tokens it reuses (from its restored prefix's end on)."""
+        if seq.resume is not None and not restorable(seq.resume, entries):
+            self.idle.forgo(seq)  # a Master did not come back: prefill it whole
         r = seq.resume
-        if r is not None and not restorable(r, entries):
-            self.idle.tier.drop(r.name)  # a Master did not come back: prefill it whole
-            r = seq.resume = None
         start = r.length if r is not None else 0
         reused = [False] * len(seq.prompt)
         parts = []
@@ -336,9 +333,8 @@ class Collector:
             for e in pinned:
                 self.segments.unpin(e)
         for seq in group:
-            if seq.resume is not None and seq not in ready:
-                self.idle.tier.drop(seq.resume.name)  # a later step prefills it whole
-                seq.resume = None
+            if seq not in ready:
+                self.idle.forgo(seq)  # a later step prefills it whole
         if not ready:
             if fold:
                 self.standalone(bases)

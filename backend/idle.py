@@ -106,6 +106,13 @@ class IdleAgents:
         self.parked.pop(name, None)
         self.tier.drop(name)
 
+    def forgo(self, seq: Sequence) -> None:
+        """seq gives up the parked prefix it was to restore (it is prefilled whole, or
+        aborted): the host tier lets it go."""
+        if seq.resume is not None:
+            self.tier.drop(seq.resume.name)
+            seq.resume = None
+
     def take(self, name: str, prompt: list[int], shared: list[tuple[int, int]],
              dense: bool = False) -> Resume | None:
         """The agent's parked prefix of `prompt`, if one is worth restoring: the longest

@@ -145,9 +145,8 @@ class AnchorReuse:
             for e in pinned:
                 col.segments.unpin(e)
             for seq in group:
-                if seq.resume is not None and seq not in ready:
-                    col.idle.tier.drop(seq.resume.name)  # a later step prefills it whole
-                    seq.resume = None
+                if seq not in ready:
+                    col.idle.forgo(seq)  # a later step prefills it whole
         if not ready:
             return [], None
         subs = batches(items, lambda it: len(it.seq.prompt) - it.start, col.cfg.max_tokens,

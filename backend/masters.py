@@ -77,6 +77,5 @@ def bring_back(group: list[Sequence], segments: SegmentCache, idle: IdleAgents,
         # filled (and dropping it may free them on the host), so they leave the cache.
         for e in held:
             segments.discard(e)
-        idle.tier.drop(r.name)
-        seq.resume = None
+        idle.forgo(seq)
     return out

@@ -47,8 +47,7 @@ class Waiting:
         """An aborted request leaves the queue and gives its parked prefix back."""
         if seq in self.seqs:
             self.seqs.remove(seq)
-        if seq.resume is not None:
-            self.idle.tier.drop(seq.resume.name)
+        self.idle.forgo(seq)
 
     def step(self, generator: torch.Generator) -> list[tuple[Sequence, Sampled]]:
         """Prefill waiting requests by reuse and sample their first tokens; they join the
@@ -79,9 +78,7 @@ class Waiting:
                 # Its spans stay: usage reports them, as it does for a full request's.
                 first = group[0]
                 self.seqs.remove(first)
-                if first.resume is not None:
-                    self.idle.tier.drop(first.resume.name)
-                    first.resume = None
+                self.idle.forgo(first)
                 self.scheduler.add(first)
                 continue
             for seq in ready:
