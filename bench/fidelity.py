@@ -6,7 +6,8 @@ On a debate (every agent sees every other agent's last answer), against `full`:
    prompt and count how often the argmax still picks full's next token;
 3. closed loop: N agents, R rounds, each mode feeding on its own answers; the round
    where each agent's answer first differs from full's.
-Prompts go through the proxy's segmentation and the engine backend, as served.
+Prompts (the bench's debates or `simulate debate`'s: bench/debates.py) go through the
+proxy's segmentation and the engine backend, as served.
 """
 
 from __future__ import annotations
@@ -14,10 +15,12 @@ from __future__ import annotations
 import argparse
 import statistics
 from collections import Counter
+from collections.abc import Callable
+from functools import partial
 
 import torch
 
-from tokendance.backend.api import ANCHORED, BASES, MODES, REUSE_DEFAULTS, REUSING, Request, SamplingParams, Segment
+from tokendance.backend.api import ANCHORED, BASES, MODES, REUSE_DEFAULTS, REUSING, SamplingParams
 from tokendance.backend.config import EngineConfig
 from tokendance.backend.engine import Engine
 from tokendance.backend.keys import segment_key
@@ -25,42 +28,9 @@ from tokendance.backend.mirror import EARLY, LATE
 from tokendance.backend.runner import step_meta
 from tokendance.backend.scheduler import Scheduled
 from tokendance.backend.service import EngineBackend
+from tokendance.bench.debates import PROMPTS, Board, debate, questions
 from tokendance.bench.options import counts, names, natural, nonnegative, positive, share
-from tokendance.proxy.known import Known
-from tokendance.proxy.segment import detect
-
-QUESTIONS = [
-    "Should cities ban cars from their centres?",
-    "Is it better to learn by reading or by doing?",
-    "Will robots replace teachers?",
-    "Should homework be abolished?",
-    "Is space exploration worth its cost?",
-    "Are cats better pets than dogs?",
-    "Should voting be mandatory?",
-    "Is remote work better than office work?",
-]
-
-
-def messages(i: int, question: str, own: str | None, others: list[str]) -> list[dict]:
-    msgs = [{"role": "system", "content": f"You are debater {i + 1}. Answer in at most two sentences."},
-            {"role": "user", "content": question}]
-    if own is not None:
-        msgs.append({"role": "assistant", "content": own})
-        board = "\n".join(f"Debater {j + 1}: {a}" for j, a in enumerate(others))
-        msgs.append({"role": "user", "content": f"The other debaters said:\n{board}\nGive your revised answer."})
-    return msgs
-
-
-def requests(be: EngineBackend, mode: str, question: str, answers: list[str] | None, n: int,
-             sampling: SamplingParams) -> list:
-    out = []
-    for i in range(n):
-        others = [a for j, a in enumerate(answers) if j != i] if answers else []
-        text = be.render_chat(messages(i, question, answers[i] if answers else None, others))
-        segs = detect([Segment(text)], Known.of({a: ("s", str(j), 1) for j, a in enumerate(answers or [])}))
-        out.append(be.prepare(Request(f"{mode}-{i}", segs, sampling, mode=mode)))
-    return out
-
+from tokendance.examples.scenario import Scenario
 
 def agents(prepared) -> list[str]:
     """Debater i of a round is agent d<i> (kvcomm's anchors are per agent)."""
@@ -135,9 +105,9 @@ def teacher_forced(eng: Engine, prepared, mode: str, cont: list[list[int]], prod
     return kvs, hits, counts, first.float().log_softmax(-1), mirrors
 
 
-def open_loop(eng: Engine, be: EngineBackend, modes: list[str], n0: int, questions: int,
-              greedy: SamplingParams, producer: bool = False) -> str:
-    """Sections 1 and 2 on round-2 prompts of `questions` debates of n0 agents (with
+def open_loop(eng: Engine, be: EngineBackend, modes: list[str], n0: int, count: int,
+              greedy: SamplingParams, producer: bool = False, prompts: str = "bench") -> str:
+    """Sections 1 and 2 on round-2 prompts of `count` debates of n0 agents (with
     `producer`, their bases are full's round-1 answers' own KV)."""
     out: list[str] = []
     # 1 + 2: one round-2 prompt set per question, built from full's round-1 answers.
@@ -148,13 +118,15 @@ def open_loop(eng: Engine, be: EngineBackend, modes: list[str], n0: int, questio
     read = {m: 0 for m in modes[1:]}  # prompts that read reused KV
     eng.reset_caches()
     for m in (m for m in ANCHORED if m in modes):  # its anchors: another question's round 2, prefilled exactly
-        q = QUESTIONS[questions % len(QUESTIONS)]
-        first = run(eng, requests(be, "full", q, None, n0, greedy), "full", producer)
-        run(eng, requests(be, m, q, first, n0, greedy), m, producer)
-    for q in QUESTIONS[:questions]:
+        b = Board(debate(prompts, n0, count))
+        b.observe(run(eng, b.requests(be, "full", greedy), "full", producer))
+        run(eng, b.requests(be, m, greedy), m, producer)
+    count = min(count, len(questions(prompts)))
+    for k in range(count):
         eng.reset_caches(anchors=False)
-        first = run(eng, requests(be, "full", q, None, n0, greedy), "full", producer)
-        prepared = {m: requests(be, m, q, first, n0, greedy) for m in modes}
+        b = Board(debate(prompts, n0, k))
+        b.observe(run(eng, b.requests(be, "full", greedy), "full", producer))
+        prepared = {m: b.requests(be, m, greedy) for m in modes}
         full_out = eng.generate([p.state.ids for p in prepared["full"]], SamplingParams(max_tokens=24, temperature=0, ignore_eos=True))
         cont = [toks for toks, _, _ in full_out]
         exact, a, _, ref, _ = teacher_forced(eng, prepared["full"], "full", cont, producer)
@@ -177,7 +149,7 @@ def open_loop(eng: Engine, be: EngineBackend, modes: list[str], n0: int, questio
                 devs[m].append((diff / ex[:, 1, mask].flatten(2).norm(dim=-1).clamp_min(1e-9)).mean(-1))
     layers = eng.mcfg.num_layers
     picks = sorted(l for l in {1, 2, 5, 10, layers // 2, layers - 1} if l < layers)
-    out.append(f"\nPrompts that read reused KV, of {n0 * questions}: "
+    out.append(f"\nPrompts that read reused KV, of {n0 * count}: "
                + ", ".join(f"{m} {read[m]}" for m in modes[1:]) + " (kvcomm's others: a segment's place had no anchor)")
     out.append("\nPer-layer mean relative V deviation of reused tokens from exact (round-2 prompts; here")
     out.append("and below, over the prompts that read reused KV: with reader bases, not the readers):")
@@ -212,26 +184,29 @@ def tally(eng: Engine, prepared, bases: Counter, absent: str) -> None:
             bases[e.source if e is not None else absent] += 1
 
 
-def closed_loop(eng: Engine, be: EngineBackend, n: int, question: str, modes: list[str], rounds: int,
+def closed_loop(eng: Engine, be: EngineBackend, make: Callable[[], Scenario], modes: list[str], rounds: int,
                 sampling: SamplingParams, producer: bool = False, bases: Counter | None = None
                 ) -> dict[str, list[int | None]]:
-    """Each mode debates on its own answers; per mode other than full and per agent, the
-    first round (from 1) whose answer differs from full's, None if none does. `bases`
-    counts the shared segments of the reusing modes by the source of their base KV."""
+    """Each mode debates (a fresh `make()`) on its own answers; per mode other than full
+    and per agent, the first round (from 1) whose answer differs from full's, None if
+    none does. `bases` counts the shared segments of the reusing modes by the source of
+    their base KV."""
     bases = Counter() if bases is None else bases
     hist: dict[str, list[list[str]]] = {}
     for m in modes:
-        answers = None
+        board = Board(make())
         hist[m] = []
         eng.reset_caches()
         for _ in range(rounds):
-            prepared = requests(be, m, question, answers, n, sampling)
+            prepared = board.requests(be, m, sampling)
             if m != "full" and producer:
                 tally(eng, prepared, bases, "standalone")
             answers = run(eng, prepared, m, producer)
             if m != "full" and not producer:
                 tally(eng, prepared, bases, "computed in place")  # as private text, or by readers alone
+            board.observe(answers)
             hist[m].append(answers)
+    n = len(hist["full"][0])
     return {m: [next((r + 1 for r in range(rounds) if hist[m][r][i] != hist["full"][r][i]), None)
                 for i in range(n)] for m in modes[1:]}
 
@@ -241,7 +216,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--agents", type=counts, default="4,8", help="N, comma list")
     p.add_argument("--rounds", type=positive, default=4)
     p.add_argument("--max-tokens", type=positive, default=48)
-    p.add_argument("--questions", type=natural, default=2)
+    p.add_argument("--questions", type=natural, default=2, help="open-loop debates (one per question)")
+    p.add_argument("--prompts", choices=PROMPTS, default="bench",
+                   help="the bench's opinion debates, or `tokendance simulate debate`'s (bench/debates.py)")
     p.add_argument("--ratio", type=share, default=REUSE_DEFAULTS["recompute_ratio"])
     p.add_argument("--modes", type=names(tuple(m for m in MODES if m != "full"), least=1),
                    default="pic,collective", help="reuse modes compared with full")
@@ -263,9 +240,9 @@ def main(args: argparse.Namespace) -> int:
     modes = ["full", *args.modes]
     producer = args.bases == "producer"
     print(f"model {eng.name}, float32, recompute ratio {args.ratio}, floor {args.floor}, "
-          f"check layer {eng.collector.cfg.check_layer}")
+          f"check layer {eng.collector.cfg.check_layer}, {args.prompts} prompts")
     if args.questions:
-        print(open_loop(eng, be, modes, args.agents[0], args.questions, greedy, producer))
+        print(open_loop(eng, be, modes, args.agents[0], args.questions, greedy, producer, args.prompts))
     # 3: closed loop.
     print(f"\nClosed-loop debate, {args.rounds} rounds, greedy, {args.max_tokens} tokens per answer, "
           f"{args.loops} question(s) per N, {args.bases} bases:")
@@ -276,9 +253,8 @@ def main(args: argparse.Namespace) -> int:
         firsts: dict[str, list[int | None]] = {m: [] for m in modes[1:]}
         clean = {m: 0 for m in modes[1:]}
         for k in range(args.loops):
-            q = QUESTIONS[(n + k) % len(QUESTIONS)]
-            for m, f in closed_loop(eng, be, n, q, modes, args.rounds, greedy,
-                                    producer, bases).items():
+            make = partial(debate, args.prompts, n, n + k)
+            for m, f in closed_loop(eng, be, make, modes, args.rounds, greedy, producer, bases).items():
                 firsts[m] += f
                 clean[m] += all(r is None for r in f)
         for m in modes[1:]:

@@ -31,7 +31,8 @@ from tokendance.backend.engine import Engine
 from tokendance.backend.lowrank import factor
 from tokendance.backend.scheduler import Scheduled
 from tokendance.backend.service import EngineBackend
-from tokendance.bench.fidelity import QUESTIONS, layer_kv, requests, run
+from tokendance.bench.debates import QUESTIONS, Board, debate
+from tokendance.bench.fidelity import layer_kv, run
 from tokendance.bench.options import counts, positive, shares
 
 Rule = Callable[[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]], int], torch.Tensor]
@@ -108,11 +109,13 @@ def measure(eng: Engine, be: EngineBackend, agents: int, questions: int, tokens:
     table = rules(patches, ranks)
     devs: dict[str, list[torch.Tensor]] = {r: [] for r in table}
     held = dict.fromkeys([0, *ranks], 0)
-    for q in QUESTIONS[:questions]:
+    for k in range(min(questions, len(QUESTIONS))):
         eng.reset_caches()
-        first = run(eng, requests(be, "full", q, None, agents, greedy), "full")
-        second = requests(be, "full", q, first, agents, greedy)
-        third = requests(be, "full", q, run(eng, second, "full"), agents, greedy)
+        b = Board(debate("bench", agents, k))
+        b.observe(run(eng, b.requests(be, "full", greedy), "full"))
+        second = b.requests(be, "full", greedy)
+        b.observe(run(eng, second, "full"))
+        third = b.requests(be, "full", greedy)
         for p2, p3 in zip(second, third):
             whole = exact(eng, p2.state.ids)
             anchors = []

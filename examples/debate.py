@@ -25,15 +25,15 @@ class Debate:
     n: int = 3
     seed: int = 0
     name: str = "debate"
+    question: str = ""  # default: one of QUESTIONS, drawn by seed
     agents: list[str] = field(init=False)
-    question: str = field(init=False)
     chats: dict[str, Messages] = field(init=False)
     last: dict[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         rng = random.Random(self.seed)
         self.agents = agents(self.n)
-        self.question = rng.choice(QUESTIONS)
+        self.question = self.question or rng.choice(QUESTIONS)
         self.chats = {
             a: [
                 {"role": "system", "content": f"You are {a}, a {STYLES[i % len(STYLES)]} debater. "

@@ -99,3 +99,13 @@ def test_anchored_debates_measure_then_predict(tiny_llama, bench):
     for mode in ("kvcomm", "kvcmas"):
         assert re.search(rf"^\| 2 \| {mode} \| \d/1 \| \d/2 \|", out, re.M)
         assert f"{mode}: 2 requests read predicted offsets, 2 with reused segments were prefilled exactly" in out
+
+
+def test_simulate_prompts(tiny_llama, bench):
+    out = bench(fidelity, "--model", str(tiny_llama), "--agents", "3", "--rounds", "3", "--max-tokens", "4",
+                "--questions", "1", "--loops", "2", "--modes", "collective", "--prompts", "simulate")
+    assert "simulate prompts" in out
+    assert re.search(r"^\| 3 \| collective \| \d/2 \| \d/6 \|", out, re.M)
+    # Round 2 quotes each agent's round-1 answer and the others'; round 3 both rounds'.
+    found = re.search(r"Shared segments by base: (.*)\.$", out, re.M)
+    assert sum(int(part.split(" ", 1)[0]) for part in found[1].split(", ")) == 2 * 3 * (3 + 6)
