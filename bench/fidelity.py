@@ -32,6 +32,7 @@ from tokendance.bench.debates import PROMPTS, Board, debate, questions
 from tokendance.bench.options import counts, names, natural, nonnegative, positive, share
 from tokendance.examples.scenario import Scenario
 
+
 def agents(prepared) -> list[str]:
     """Debater i of a round is agent d<i> (kvcomm's anchors are per agent)."""
     return [f"d{i}" for i in range(len(prepared))]
