@@ -19,7 +19,7 @@ from tokendance.examples.scenario import Messages, Scenario
 from tokendance.proxy.known import Known, Outputs
 from tokendance.proxy.segment import detect
 
-QUESTIONS = [
+QUESTIONS = (
     "Should cities ban cars from their centres?",
     "Is it better to learn by reading or by doing?",
     "Will robots replace teachers?",
@@ -28,7 +28,7 @@ QUESTIONS = [
     "Are cats better pets than dogs?",
     "Should voting be mandatory?",
     "Is remote work better than office work?",
-]
+)
 PROMPTS = ("bench", "simulate")
 
 
@@ -61,7 +61,7 @@ class Opinion:
 
 
 def questions(prompts: str) -> tuple[str, ...]:
-    return tuple(QUESTIONS) if prompts == "bench" else simulated.QUESTIONS
+    return QUESTIONS if prompts == "bench" else simulated.QUESTIONS
 
 
 def debate(prompts: str, n: int, k: int) -> Scenario:
