@@ -12,23 +12,36 @@ only those of them whose deviation exceeds it (recompute what deviates, at most 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 
 from tokendance.kernels.jit import HAVE_TRITON, tl, triton
 
 
-def kv_deviation_reference(k_new: torch.Tensor, v_new: torch.Tensor,
-                           k_old: torch.Tensor, v_old: torch.Tensor) -> torch.Tensor:
-    """Inputs [T, H, D]; returns [T] float32."""
+def kv_deviation_parts_reference(k_new: torch.Tensor, v_new: torch.Tensor,
+                                 k_old: torch.Tensor, v_old: torch.Tensor) -> torch.Tensor:
+    """Inputs [T, H, D]; returns [T, 4] float32: the squared distance of K, K's squared
+    norm, the same of V (sums over heads: a tensor-parallel rank's add up to the whole's)."""
     kn, vn = k_new.float().flatten(1), v_new.float().flatten(1)
     dk = (kn - k_old.float().flatten(1)).pow(2).sum(-1)
     dv = (vn - v_old.float().flatten(1)).pow(2).sum(-1)
-    return dk / kn.pow(2).sum(-1).clamp_min(1e-12) + dv / vn.pow(2).sum(-1).clamp_min(1e-12)
+    return torch.stack([dk, kn.pow(2).sum(-1), dv, vn.pow(2).sum(-1)], 1)
+
+
+def combine(parts: torch.Tensor) -> torch.Tensor:
+    """[T, 4] parts -> [T] deviation."""
+    return parts[:, 0] / parts[:, 1].clamp_min(1e-12) + parts[:, 2] / parts[:, 3].clamp_min(1e-12)
+
+
+def kv_deviation_reference(k_new: torch.Tensor, v_new: torch.Tensor,
+                           k_old: torch.Tensor, v_old: torch.Tensor) -> torch.Tensor:
+    """Inputs [T, H, D]; returns [T] float32."""
+    return combine(kv_deviation_parts_reference(k_new, v_new, k_old, v_old))
 
 
 @triton.jit
-def _deviation_kernel(kn, vn, ko, vo, out, width, BLOCK: tl.constexpr):
+def _deviation_kernel(kn, vn, ko, vo, out, width, BLOCK: tl.constexpr, PARTS: tl.constexpr):
     row = tl.program_id(0)
     base = row.to(tl.int64) * width
     dk = tl.zeros([BLOCK], dtype=tl.float32)
@@ -46,27 +59,41 @@ def _deviation_kernel(kn, vn, ko, vo, out, width, BLOCK: tl.constexpr):
         nk += a * a
         dv += (c - d) * (c - d)
         nv += c * c
-    acc = tl.sum(dk, 0) / tl.maximum(tl.sum(nk, 0), 1e-12) + tl.sum(dv, 0) / tl.maximum(tl.sum(nv, 0), 1e-12)
-    tl.store(out + row, acc)
+    if PARTS:
+        tl.store(out + row * 4, tl.sum(dk, 0))
+        tl.store(out + row * 4 + 1, tl.sum(nk, 0))
+        tl.store(out + row * 4 + 2, tl.sum(dv, 0))
+        tl.store(out + row * 4 + 3, tl.sum(nv, 0))
+    else:
+        acc = tl.sum(dk, 0) / tl.maximum(tl.sum(nk, 0), 1e-12) + tl.sum(dv, 0) / tl.maximum(tl.sum(nv, 0), 1e-12)
+        tl.store(out + row, acc)
 
 
-def kv_deviation_triton(k_new: torch.Tensor, v_new: torch.Tensor,
-                        k_old: torch.Tensor, v_old: torch.Tensor) -> torch.Tensor:
-    """The Triton launcher: CUDA tensors, or CPU tensors under TRITON_INTERPRET=1."""
+def kv_deviation_triton(k_new: torch.Tensor, v_new: torch.Tensor, k_old: torch.Tensor,
+                        v_old: torch.Tensor, parts: bool = False) -> torch.Tensor:
+    """The Triton launcher: CUDA tensors, or CPU tensors under TRITON_INTERPRET=1. [T], or
+    with `parts` the [T, 4] sums the deviation is made of."""
     t = k_new.shape[0]
     width = k_new[0].numel()
-    out = torch.empty(t, dtype=torch.float32, device=k_new.device)
+    out = torch.empty((t, 4) if parts else (t,), dtype=torch.float32, device=k_new.device)
     args = [x.contiguous() for x in (k_new, v_new, k_old, v_old)]
-    _deviation_kernel[(t,)](*args, out, width, BLOCK=min(1024, triton.next_power_of_2(width)))
+    _deviation_kernel[(t,)](*args, out, width, BLOCK=min(1024, triton.next_power_of_2(width)), PARTS=parts)
     return out
 
 
-def kv_deviation(k_new: torch.Tensor, v_new: torch.Tensor,
-                 k_old: torch.Tensor, v_old: torch.Tensor) -> torch.Tensor:
-    """Dispatch: the Triton kernel on CUDA, the reference elsewhere."""
-    if k_new.is_cuda and HAVE_TRITON and k_new.shape[0]:
-        return kv_deviation_triton(k_new, v_new, k_old, v_old)
-    return kv_deviation_reference(k_new, v_new, k_old, v_old)
+def kv_deviation(k_new: torch.Tensor, v_new: torch.Tensor, k_old: torch.Tensor, v_old: torch.Tensor,
+                 reduce: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
+    """Dispatch: the Triton kernel on CUDA, the reference elsewhere. `reduce`: sums a
+    tensor over the tensor-parallel ranks, each of which holds some of the heads (the
+    deviation is then the whole model's, the same on every rank)."""
+    fast = k_new.is_cuda and HAVE_TRITON and k_new.shape[0]
+    if reduce is None:
+        if fast:
+            return kv_deviation_triton(k_new, v_new, k_old, v_old)
+        return kv_deviation_reference(k_new, v_new, k_old, v_old)
+    parts = (kv_deviation_triton(k_new, v_new, k_old, v_old, parts=True) if fast
+             else kv_deviation_parts_reference(k_new, v_new, k_old, v_old))
+    return combine(reduce(parts))
 
 
 def select_top_reference(dev: torch.Tensor, groups: list[torch.Tensor], ratio: float,

@@ -19,6 +19,29 @@ def test_triton_matches_reference(t, h, d, dtype):
     assert ((out - ref).norm() / ref.norm()).item() < 1e-3
 
 
+@pytest.mark.parametrize("t,h,d", [(1, 3, 64), (37, 4, 128)])
+def test_triton_parts_match_reference(t, h, d):
+    g = torch.Generator().manual_seed(t + h)
+    kn, vn, ko, vo = (torch.randn(t, h, d, generator=g) for _ in range(4))
+    ref = dv.kv_deviation_parts_reference(kn, vn, ko, vo)
+    out = dv.kv_deviation_triton(kn, vn, ko, vo, parts=True)
+    assert out.shape == (t, 4)
+    torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
+
+
+def test_parts_of_split_heads_add_up():
+    """Tensor parallelism: two ranks' parts of half the heads each, summed, give the
+    whole model's deviation."""
+    g = torch.Generator().manual_seed(3)
+    kn, vn, ko, vo = (torch.randn(9, 4, 16, generator=g) for _ in range(4))
+    halves = [dv.kv_deviation_parts_reference(*(x[:, sl] for x in (kn, vn, ko, vo)))
+              for sl in (slice(0, 2), slice(2, 4))]
+    whole = dv.kv_deviation_reference(kn, vn, ko, vo)
+    got = dv.kv_deviation(kn[:, :2], vn[:, :2], ko[:, :2], vo[:, :2], reduce=lambda p: p + halves[1])
+    torch.testing.assert_close(got, whole)
+    torch.testing.assert_close(dv.combine(halves[0] + halves[1]), whole)
+
+
 def test_reference_definition():
     kn, vn = torch.randn(5, 2, 8), torch.randn(5, 2, 8)
     ko, vo = kn.clone(), vn.clone()
