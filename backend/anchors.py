@@ -27,6 +27,7 @@ from dataclasses import dataclass
 import torch
 
 from tokendance.backend.lowrank import LowRank, dense, nbytes
+from tokendance.backend.parallel import Shard
 
 Place = tuple  # (mode, tenant, agent, where): backend/kvcomm.py names the places
 
@@ -62,10 +63,11 @@ def _padded(rows: list[torch.Tensor], width: int) -> torch.Tensor:
 class Anchors:
     """Per placeholder its `per` latest anchors (a context several rounds old has moved
     on); placeholders least recently used go first past `budget` bytes. A tensor two
-    anchors hold (a measured offset is also what its text read there) counts once."""
+    anchors hold (a measured offset is also what its text read there) counts once. With
+    tensor parallelism (`tp`) the nearest anchor is the nearest over every rank's heads."""
 
-    def __init__(self, per: int, budget: int):
-        self.per, self.budget = per, budget
+    def __init__(self, per: int, budget: int, tp: Shard | None = None):
+        self.per, self.budget, self.tp = per, budget, tp
         self.places: OrderedDict[Place, list[Anchor]] = OrderedDict()
         self.nbytes = 0
         self.refs: dict[int, int] = {}  # id of a held tensor -> anchors holding it
@@ -102,6 +104,8 @@ class Anchors:
         q = _padded([_rows(b) for b in bases.split(sizes, 2)], max(sizes))  # [G, 2, n, F]
         p = _padded([_rows(b) for b in pool_b], width)  # [G, 2, s, F]
         d = torch.cdist(q, p)  # [G, 2, n, s]: per token, K and V apart
+        if self.tp is not None:  # squared distances add up over the ranks' heads
+            d = self.tp.sum(d.square_())
         d.masked_fill_(torch.arange(width, device=d.device) >= lens[:, None, None, None], float("inf"))
         near = d.argmin(-1)  # [G, 2, n]
         o = _padded([x.permute(1, 2, 0, 3, 4).flatten(2) for x in pool_o], width)  # [G, 2, s, L*H*D]

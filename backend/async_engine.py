@@ -85,6 +85,7 @@ class AsyncEngine:
         if self.thread.is_alive():
             self.inbox.put(_STOP)
             await asyncio.get_running_loop().run_in_executor(None, self.thread.join)
+        self.engine.close()  # its tensor-parallel followers, once no step runs
 
     # -- worker thread ---------------------------------------------------------------
 

@@ -148,7 +148,7 @@ def blend(model: Decoder, cache: KVCache, items: list[BlendInput], check_layer: 
         if bases:  # the Master computed in this forward: in place before anyone compares
             own = upload(torch.cat([torch.arange(offsets[i], offsets[i + 1]) for i in bases]), device)
             cache.store(li, k[own], v[own], meta.slots[own])
-        dev = kv_deviation(k, v, kc[base], vc[base])
+        dev = kv_deviation(k, v, kc[base], vc[base], None if model.tp is None else model.tp.sum)
         groups = [torch.nonzero(r[it.start:]).flatten() + off for r, it, off in zip(reused, items, offsets)]
         sizes = [len(g) for g in groups]
         picks = select_top_padded(dev, list(upload(torch.cat(groups), device).split(sizes)), ratio, floor)

@@ -87,7 +87,7 @@ class Collector:
         self.cfg = cfg
         if not cfg.anchor_rank >= 1:
             raise InvalidRequest(f"anchor rank must be at least 1, got {cfg.anchor_rank}", "anchor_rank")
-        self.anchors = Anchors(PER_PLACE, cfg.anchor_bytes)  # both modes', apart by place
+        self.anchors = Anchors(PER_PLACE, cfg.anchor_bytes, model.tp)  # both modes', apart by place
         self.anchored = {"kvcomm": AnchorReuse(self, "kvcomm", 0),
                          "kvcmas": AnchorReuse(self, "kvcmas", cfg.anchor_rank)}
 
@@ -238,7 +238,7 @@ class Collector:
         the group's forwards are queued: the diff is read back, and the host waits."""
         for seq, spans in zip(leads, keys):
             parts = [_span(e, lo, hi - lo) for lo, hi, key in spans if (e := self.segments.get(key)) is not None]
-            encode(seq, parts, self.cache, self.blocks, self.cfg.check_layer)
+            encode(seq, parts, self.cache, self.blocks, self.cfg.check_layer, self.model.tp)
 
     def _mirror(self, seq: Sequence, spans: list[tuple[int, int, Key]],
                 entries: dict[Key, Entry]) -> list[bool]:

@@ -21,7 +21,8 @@ COUNTS = (*REQUIRED, "num_key_value_heads", "head_dim", "max_position_embeddings
 class EngineConfig:
     model: str | None = None  # HF folder, .gguf, or None for the embedded default
     dtype: str = "auto"  # auto: bfloat16 on CUDA, float32 on CPU
-    device: str = "auto"
+    device: str = "auto"  # with tensor parallelism, the first of its devices
+    tensor_parallel_size: int = 1  # processes (on CUDA, GPUs) that split each layer (backend/parallel.py)
     block_size: int = 16
     kv_tokens: int = 0  # pool size in tokens; 0: 16k on CPU, on CUDA as gpu_memory_utilization says
     # vLLM's: the share of the GPU's memory this engine holds, weights, a step's peak and the

@@ -17,15 +17,17 @@ import torch
 from tokendance.backend.blocks import BlockManager
 from tokendance.backend.mirror import Mirror, Span
 from tokendance.backend.model import KVCache
+from tokendance.backend.parallel import Shard
 from tokendance.backend.pool import flat_slots
 from tokendance.backend.sequence import Sequence
 from tokendance.kernels.diff import kv_diff
 
 
 def encode(seq: Sequence, spans: list[Span], cache: KVCache, blocks: BlockManager,
-           check_layer: int) -> int:
+           check_layer: int, tp: Shard | None = None) -> int:
     """Make dense seq (its prompt computed) a Mirror of `spans` where its K/V equal
-    theirs; returns the private slots this frees (0: seq stays dense). With a check
+    theirs; returns the private slots this frees (0: seq stays dense). With tensor
+    parallelism a token is equal where it is on every rank. With a check
     layer past 1 every reused token keeps a private slot (mirror.py), so nothing is freed
     and nothing is done; nor for a sequence with generated tokens (a preempted one
     prefilled again), which stays dense."""
@@ -37,7 +39,10 @@ def encode(seq: Sequence, spans: list[Span], cache: KVCache, blocks: BlockManage
     b = cache.block_size
     tok = torch.cat([torch.arange(sp.lo, sp.lo + sp.n) for sp in spans])
     base = torch.cat([flat_slots(sp.blocks, torch.arange(sp.n), b) for sp in spans])
-    early, late = (d.cpu() for d in kv_diff(cache.kv, flat_slots(seq.blocks, tok, b), base, check_layer))
+    early, late = kv_diff(cache.kv, flat_slots(seq.blocks, tok, b), base, check_layer)
+    if tp is not None:
+        early, late = tp.max(early), tp.max(late)
+    early, late = early.cpu(), late.cpu()
     reused = torch.zeros(n, dtype=torch.bool)
     reused[tok] = early == 0
     reused[-1] = False  # the last prompt token keeps its own slot, as in every Mirror

@@ -8,7 +8,7 @@ from pathlib import Path
 import structlog
 import torch
 
-from tokendance.backend import heap, loader, pooling, scoring
+from tokendance.backend import heap, loader, parallel, pooling, scoring
 from tokendance.backend.api import (BASES, REUSING, Delta, InvalidRequest, Pooling, SamplingParams,
                                    Usage, check_mode)
 from tokendance.backend.banned import sequences
@@ -43,6 +43,26 @@ class Engine:
         cfg = cfg or EngineConfig(**overrides)
         self.cfg = cfg
         self.device = pick_device(cfg.device)
+        if cfg.bases not in BASES:
+            raise InvalidRequest(f"unknown bases {cfg.bases!r}; choose one of {', '.join(BASES)}", "bases")
+        dtype = cfg.dtype if cfg.dtype != "auto" else ("bfloat16" if self.device.type == "cuda" else "float32")
+        if dtype not in DTYPES:
+            raise InvalidRequest(f"unsupported dtype {dtype!r}; choose one of {', '.join(DTYPES)}", "dtype")
+        self.dtype = DTYPES[dtype]
+        self.folder: Path = loader.resolve(cfg.model)
+        self.tp = parallel.shard_for(cfg, self.device, ModelConfig.load(self.folder))
+        # the leader's calls go to the followers (backend/parallel.py)
+        self.relay = parallel.Relay(self.tp) if self.tp is not None and self.tp.rank == 0 else None
+        try:
+            self._build(cfg, dtype)
+        except BaseException:
+            if self.relay is not None:
+                self.relay.close(clean=False)
+            raise
+
+    def _build(self, cfg: EngineConfig, dtype: str) -> None:
+        if self.tp is not None:
+            self.device = self.tp.device
         threads = host_threads(self.device, os.environ)
         if threads is not None and threads != torch.get_num_threads():
             log.info("torch CPU threads", before=torch.get_num_threads(), now=threads,
@@ -50,18 +70,13 @@ class Engine:
             torch.set_num_threads(threads)
         if self.device.type == "cpu":  # before the weights: they join the kept heap too
             heap.keep()
-        if cfg.bases not in BASES:
-            raise InvalidRequest(f"unknown bases {cfg.bases!r}; choose one of {', '.join(BASES)}", "bases")
-        dtype = cfg.dtype if cfg.dtype != "auto" else ("bfloat16" if self.device.type == "cuda" else "float32")
-        if dtype not in DTYPES:
-            raise InvalidRequest(f"unsupported dtype {dtype!r}; choose one of {', '.join(DTYPES)}", "dtype")
-        self.dtype = DTYPES[dtype]
         free0 = torch.cuda.mem_get_info(self.device)[0] if self.device.type == "cuda" else 0  # before the weights
-        self.folder: Path = loader.resolve(cfg.model)
         if cfg.random_weights:
-            self.model = loader.build(ModelConfig.load(self.folder), self.dtype, self.device)
+            if self.tp is not None:  # what every rank holds whole must match
+                torch.manual_seed(cfg.seed)
+            self.model = loader.build(ModelConfig.load(self.folder), self.dtype, self.device, self.tp)
         else:
-            self.model = loader.load(self.folder, self.dtype, self.device)
+            self.model = loader.load(self.folder, self.dtype, self.device, self.tp)
         packed.pack(self.model)
         self.mcfg = self.model.cfg
         from transformers import AutoTokenizer
@@ -76,6 +91,9 @@ class Engine:
         budget = cfg.max_batched_tokens or (16384 if self.device.type == "cuda" else 2048)
         per_token = self.mcfg.kv_bytes_per_token(torch.tensor([], dtype=self.dtype).element_size())
         tokens = pool_tokens(cfg, self.model, self.device, per_token, budget, free0)
+        ranks = self.ranks
+        if self.tp is not None:  # one schedule: every rank's pool the same size
+            tokens = self.tp.least(tokens)
         self.cache = KVCache(self.mcfg, max(2, tokens // cfg.block_size), cfg.block_size, self.dtype, self.device)
         self.pool = BlockPool(self.cache.num_blocks)
         self.blocks = BlockManager(self.pool, cfg.block_size)
@@ -89,9 +107,10 @@ class Engine:
                                      int(self.cache.num_blocks * cfg.segment_cache_fraction))
         self.scheduler.reclaim = self.segments.evict  # bases go before any request is preempted
         reuse = ReuseConfig(cfg.check_layer, cfg.recompute_ratio, cfg.recompute_floor, max_tokens=budget,
-                            readers=cfg.bases == "reader", anchor_bytes=cfg.anchor_bytes,
+                            readers=cfg.bases == "reader", anchor_bytes=cfg.anchor_bytes // ranks,
                             anchor_rank=cfg.anchor_rank)
-        offload = host_tier_bytes(self.device) if cfg.offload_bytes is None else cfg.offload_bytes
+        # a rank holds 1/ranks of each token's K/V: the same agents in 1/ranks of the bytes
+        offload = (host_tier_bytes(self.device) if cfg.offload_bytes is None else cfg.offload_bytes) // ranks
         self.idle = IdleAgents(self.cache, offload)
         self.collector = Collector(self.model, self.cache, self.blocks, self.runner, self.segments,
                                    self.idle, reuse)
@@ -114,7 +133,13 @@ class Engine:
 
     @property
     def kv_bytes_per_token(self) -> int:
-        return self.mcfg.kv_bytes_per_token(self.cache.k[0].element_size())
+        """The whole model's: with tensor parallelism, every rank's KV heads."""
+        return self.mcfg.kv_bytes_per_token(self.cache.k[0].element_size()) * self.ranks
+
+    @property
+    def ranks(self) -> int:
+        """Processes this engine runs in (tensor parallelism)."""
+        return 1 if self.tp is None else self.tp.size
 
     # -- requests ------------------------------------------------------------------
 
@@ -132,6 +157,7 @@ class Engine:
         parked when it finishes, and the agent's next request restores the prefix they
         share (`full` stays the no-reuse baseline; `prefix` has its block cache);
         `pool`: an embedding request (backend/pooling.py), exact, so never by reuse."""
+        call = (rid, prompt, sampling, mode, shared, tenant, publish, agent, pool)
         self.check(prompt, sampling, pool is not None)
         check_mode(mode)
         mode = "full" if sampling.prompt_logprobs is not None else mode  # scored prompts are computed whole
@@ -159,8 +185,12 @@ class Engine:
                 seq.matcher = self.grammars.matcher(st)
         self.seqs[rid] = seq
         self.waiting.add(seq, agent)
+        if self.relay is not None:
+            self.relay.call("add", *call)
 
     def abort(self, rid: str) -> bool:
+        if self.relay is not None:
+            self.relay.call("abort", rid)
         seq = self.seqs.pop(rid, None)
         if seq is None:
             return False
@@ -175,7 +205,11 @@ class Engine:
     # -- the loop ------------------------------------------------------------------
 
     def step(self) -> list[tuple[str, Delta]]:
+        if self.relay is not None:
+            self.relay.step()
         out = self._step()
+        if self.tp is not None:
+            self.tp.note(out)
         if self.tails:
             self._close_tails()
         if not self.has_work():
@@ -318,6 +352,8 @@ class Engine:
     def reset_caches(self, anchors: bool = True) -> None:
         """Forget every reusable KV (segment bases, prefix blocks, idle agents, keys held for
         decode; kvcomm's and kvcmas's anchors too unless `anchors` is False): a cold start."""
+        if self.relay is not None:
+            self.relay.call("reset_caches", anchors)
         if anchors:
             self.collector.anchors.clear()
         for name in list(self.idle.parked):
@@ -325,6 +361,12 @@ class Engine:
         self.segments.clear()
         self.pool.forget()
         self.runner.release()
+
+    def close(self) -> None:
+        """Stop the tensor-parallel followers (nothing to do without them); the engine
+        takes no calls after."""
+        if self.relay is not None:
+            self.relay.close()
 
     # -- convenience ---------------------------------------------------------------
 

@@ -21,6 +21,7 @@ from safetensors import safe_open
 from tokendance.backend.api import InvalidRequest
 from tokendance.backend.config import ModelConfig
 from tokendance.backend.model import Decoder
+from tokendance.backend.parallel import Shard, shard_config, shard_weight
 
 log = structlog.get_logger(__name__)
 
@@ -81,13 +82,15 @@ def convert_gguf(gguf: Path, out: Path) -> Path:
     return out
 
 
-def build(cfg: ModelConfig, dtype: torch.dtype, device: torch.device | str) -> Decoder:
-    """A model with uninitialised (random) weights, created directly on `device`."""
+def build(cfg: ModelConfig, dtype: torch.dtype, device: torch.device | str, tp: Shard | None = None
+          ) -> Decoder:
+    """A model with uninitialised (random) weights, created directly on `device`; with a
+    tensor-parallel shard, this rank's part of it."""
     prev = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
         with torch.device(device):
-            return Decoder(cfg).eval()
+            return Decoder(cfg if tp is None else shard_config(cfg, tp.size), tp).eval()
     finally:
         torch.set_default_dtype(prev)
 
@@ -105,12 +108,13 @@ def _target(name: str, cfg: ModelConfig) -> tuple[str, int | None]:
 
 
 @torch.no_grad()
-def load(folder: Path, dtype: torch.dtype, device: torch.device | str) -> Decoder:
+def load(folder: Path, dtype: torch.dtype, device: torch.device | str, tp: Shard | None = None) -> Decoder:
+    """The folder's model on `device` (with a tensor-parallel shard: this rank's part)."""
     cfg = ModelConfig.load(folder)
     files = sorted(folder.glob("*.safetensors"))
     if not files:
         raise InvalidRequest(f"no .safetensors weights in {folder}", "model")
-    model = build(cfg, dtype, device)
+    model = build(cfg, dtype, device, tp)
     params = dict(model.named_parameters())
     seen: set[str] = set()
     for file in files:
@@ -118,12 +122,12 @@ def load(folder: Path, dtype: torch.dtype, device: torch.device | str) -> Decode
             for name in f.keys():
                 if cfg.tie_embeddings and name == "lm_head.weight":
                     continue
-                target, off = _target(name, cfg)
+                target, off = _target(name, model.cfg)
                 if target not in params:
                     if "rotary_emb" in name:
                         continue
                     raise InvalidRequest(f"unexpected weight {name} in {file.name}", "model")
-                src = f.get_tensor(name)
+                src = shard_weight(name, f.get_tensor(name), tp)
                 dst = params[target] if off is None else params[target][off: off + src.shape[0]]
                 dst.copy_(src.to(dtype))
                 seen.add(f"{target}@{off}")

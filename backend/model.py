@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from tokendance.backend.config import ModelConfig
+from tokendance.backend.parallel import Shard
 from tokendance.backend.rope_scaling import rope_params
 from tokendance.kernels.act import silu_mul
 from tokendance.kernels.master import MasterRead
@@ -100,9 +101,10 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer: int, rope: "Rope"):
+    def __init__(self, cfg: ModelConfig, layer: int, rope: "Rope", tp: Shard | None = None):
         super().__init__()
         self.layer = layer
+        self.tp = tp
         self.nq, self.nkv, self.d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.qkv_proj = nn.Linear(cfg.hidden_size, (self.nq + 2 * self.nkv) * self.d, bias=cfg.qkv_bias)
         self.o_proj = nn.Linear(self.nq * self.d, cfg.hidden_size, bias=False)
@@ -143,7 +145,13 @@ class Attention(nn.Module):
             meta.block_tables, meta.kv_lens, self.rope.inv_freq, self.rope.scale, self.scale,
             meta.max_q, meta.slot_pos, meta.master, self.rope.trig, meta.plan,
         )
-        return self.o_proj(o.flatten(1))
+        return self.out(o)
+
+    def out(self, o: torch.Tensor) -> torch.Tensor:
+        """The heads' outputs [T, H, D] projected back to [T, hidden] (summed over the
+        tensor-parallel ranks' heads)."""
+        x = self.o_proj(o.flatten(1))
+        return x if self.tp is None else self.tp.sum(x)
 
     def forward(self, x: torch.Tensor, meta: AttnMeta, cache: KVCache) -> torch.Tensor:
         q, k, v = self.qkv(x)
@@ -153,24 +161,26 @@ class Attention(nn.Module):
         rot = self.rope
         q = rope_rotate(q, meta.positions, rot.inv_freq, rot.scale)
         k = rope_rotate(k, meta.positions, rot.inv_freq, rot.scale)
-        return self.o_proj(causal_attention(q, k, v, meta.fresh_cu, self.scale, meta.cu_q).flatten(1))
+        return self.out(causal_attention(q, k, v, meta.fresh_cu, self.scale, meta.cu_q))
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, tp: Shard | None = None):
         super().__init__()
         self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.tp = tp
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(silu_mul(self.gate_up_proj(x)))
+        x = self.down_proj(silu_mul(self.gate_up_proj(x)))
+        return x if self.tp is None else self.tp.sum(x)
 
 
 class Layer(nn.Module):
-    def __init__(self, cfg: ModelConfig, idx: int, rope: "Rope"):
+    def __init__(self, cfg: ModelConfig, idx: int, rope: "Rope", tp: Shard | None = None):
         super().__init__()
-        self.self_attn = Attention(cfg, idx, rope)
-        self.mlp = MLP(cfg)
+        self.self_attn = Attention(cfg, idx, rope, tp)
+        self.mlp = MLP(cfg, tp)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
@@ -200,15 +210,17 @@ class Rope(nn.Module):
 
 
 class Decoder(nn.Module):
-    """HF-compatible parameter names under `model.` and `lm_head`."""
+    """HF-compatible parameter names under `model.` and `lm_head`. With a tensor-parallel
+    shard, cfg is this rank's part (backend/parallel.py)."""
 
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, tp: Shard | None = None):
         super().__init__()
         self.cfg = cfg
+        self.tp = tp
         self.rope = Rope(cfg)
         self.model = nn.Module()
         self.model.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.model.layers = nn.ModuleList(Layer(cfg, i, self.rope) for i in range(cfg.num_layers))
+        self.model.layers = nn.ModuleList(Layer(cfg, i, self.rope, tp) for i in range(cfg.num_layers))
         self.model.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:

@@ -95,7 +95,7 @@ class EngineBackend:
                       "offset predicted from anchors", a.predicted, "counter"),
                 Gauge(f"{mode}_measured_total", f"{mode} requests prefilled exactly, each segment's offset "
                       "kept as an anchor", a.measured, "counter"))),
-            Gauge("anchor_bytes", "memory holding kvcomm's and kvcmas's anchors", e.collector.anchors.nbytes),
+            Gauge("anchor_bytes", "memory holding kvcomm's and kvcmas's anchors", e.collector.anchors.nbytes * e.ranks),
             Gauge("eager_decode_steps_total", "decode steps on CUDA no graph could replay (a batch "
                   "over the graphs' rows, or Mirrors reading 1,024 or more Master segments)",
                   e.runner.eager_decodes, "counter"),

@@ -1,0 +1,78 @@
+"""Tensor parallelism on the CPU (gloo): two processes serve what one does."""
+
+from __future__ import annotations
+
+import pytest
+
+from tokendance.backend.api import InvalidRequest
+from tokendance.backend.engine import Engine
+from tests.backend.test_idle import GREEDY, next_round, run
+from tests.backend.test_reuse import round_prompts
+
+MODES = ("full", "prefix", "pic", "collective", "kvcomm", "kvcmas")
+
+
+def engine(model, **kw) -> Engine:
+    return Engine(model=str(model), dtype="float32", device="cpu", kv_tokens=8192, **kw)
+
+
+def debate(eng: Engine) -> dict:
+    """Two rounds of three agents in every mode, each from cold caches: greedy tokens and
+    usage."""
+    out = {}
+    for mode in MODES:
+        eng.reset_caches()
+        prompts, spans = round_prompts(3, seed=5)
+        toks1, use1 = run(eng, prompts, spans, mode, f"{mode}-1-")
+        p2, s2 = next_round(prompts, spans, toks1, seed=6)
+        toks2, use2 = run(eng, p2, s2, mode, f"{mode}-2-")
+        out[mode] = (toks1, toks2, [(u.prompt_tokens, u.cached_tokens, u.recomputed_tokens,
+                                     u.shared_tokens, u.kv_dense_bytes, u.kv_held_bytes)
+                                    for u in use1 + use2])
+    return out
+
+
+@pytest.mark.parametrize("bases", ["standalone", "reader"])
+def test_two_ranks_serve_as_one(tiny_llama, bases):
+    one = engine(tiny_llama, bases=bases)
+    want = debate(one)
+    two = engine(tiny_llama, bases=bases, tensor_parallel_size=2)
+    try:
+        assert two.cache.k[0].shape[-2] == one.cache.k[0].shape[-2] // 2  # half the KV heads each
+        assert two.kv_bytes_per_token == one.kv_bytes_per_token
+        got = debate(two)
+    finally:
+        two.close()
+    assert two.tp.agreed  # the follower produced the leader's tokens
+    for mode in MODES:
+        assert got[mode] == want[mode], mode
+
+
+def test_a_size_the_heads_do_not_divide_by(tiny_llama, make_model):
+    with pytest.raises(InvalidRequest, match="does not divide the model's 4 attention heads"):
+        engine(tiny_llama, tensor_parallel_size=3)
+    six = make_model("llama", hidden_size=96, num_attention_heads=6, num_key_value_heads=3)
+    with pytest.raises(InvalidRequest, match="does not divide the model's 3 KV heads"):
+        engine(six, tensor_parallel_size=2)
+
+
+def test_an_engine_that_fails_to_build_stops_its_followers(tiny_llama):
+    with pytest.raises(ValueError, match="needs a GPU"):
+        Engine(model=str(tiny_llama), device="cpu", tensor_parallel_size=2, gpu_memory_utilization=0.5)
+    two = engine(tiny_llama, tensor_parallel_size=2)  # the process can start another
+    two.close()
+    assert two.tp.agreed
+
+
+def test_a_follower_gone_fails_the_next_step(tiny_llama):
+    two = engine(tiny_llama, tensor_parallel_size=2)
+    try:
+        prompts, spans = round_prompts(2, seed=1)
+        run(two, prompts, spans, "collective", "a")
+        two.tp.procs[0].kill()
+        two.tp.procs[0].join()
+        two.add("b", prompts[0], GREEDY)
+        with pytest.raises(RuntimeError, match="tensor-parallel rank tokendance-tp1 exited"):
+            two.step()
+    finally:
+        two.close()
