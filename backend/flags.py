@@ -18,6 +18,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     """The model, its dtype, the reuse policy and the host tier."""
     p.add_argument("--model", default=None, help="HF folder or GGUF file (default: embedded SmolLM2)")
     p.add_argument("--dtype", default="auto", help="auto, float32, bfloat16, float16")
+    p.add_argument("--tensor-parallel-size", "-tp", type=at_least(1), default=1,
+                   help="split each layer over this many GPUs (processes on the CPU), from the "
+                        "engine's device on; the model's heads and MLP width must divide by it")
     add_reuse_args(p)
     p.add_argument("--offload-gib", type=float, default=None,
                    help="host memory for idle agents' KV between their rounds (0: off; default 8 GiB "
@@ -126,7 +129,8 @@ def engine_options(args: argparse.Namespace) -> dict[str, Any]:
         raise ValueError("--kv-tokens and --gpu-memory-utilization both size the KV pool: give one")
     generation.check(args.generation_config, args.override_generation_config)
     offload = None if args.offload_gib is None else int(args.offload_gib * 2**30)  # None: the device's default
-    return {"model": args.model, "dtype": args.dtype, "offload_bytes": offload,
+    return {"model": args.model, "dtype": args.dtype, "tensor_parallel_size": args.tensor_parallel_size,
+            "offload_bytes": offload,
             "anchor_bytes": int(args.anchor_gib * 2**30), "anchor_rank": args.anchor_rank,
             "kv_tokens": args.kv_tokens, "gpu_memory_utilization": args.gpu_memory_utilization,
             "max_model_len": args.max_model_len, "max_seqs": args.max_num_seqs,

@@ -16,7 +16,7 @@ import pytest
 from tokendance.examples import cli
 from tokendance.proxy import serve
 
-from .conftest import FakeBackend, Threaded
+from .conftest import FakeBackend, Threaded, free_port
 
 FAKE = Path(__file__).with_name("fake_backend.py")
 SCRIPT = """
@@ -92,24 +92,25 @@ def test_importing_serve_does_not_load_torch():
     assert out.stdout.strip() == "False"
 
 
-def test_sigterm_drains_the_request_in_flight(tmp_path):
-    import socket
+def healthy(proc: subprocess.Popen, url: str, seconds: float) -> None:
+    """Wait until the server process answers /health (its output if it dies first)."""
+    end = time.monotonic() + seconds
+    while True:
+        try:
+            urllib.request.urlopen(url + "/health", timeout=1).read()
+            return
+        except OSError:
+            assert proc.poll() is None and time.monotonic() < end, proc.stdout.read()
+            time.sleep(0.05)
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+
+def test_sigterm_drains_the_request_in_flight(tmp_path):
+    port = free_port()
     proc = subprocess.Popen([sys.executable, "-c", SCRIPT, str(FAKE), str(port)],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         url = f"http://127.0.0.1:{port}"
-        end = time.monotonic() + 30
-        while True:
-            try:
-                urllib.request.urlopen(url + "/health", timeout=1).read()
-                break
-            except OSError:
-                assert proc.poll() is None and time.monotonic() < end, proc.stdout.read()
-                time.sleep(0.05)
+        healthy(proc, url, 30)
         words = " ".join(f"w{i}" for i in range(30))
         body = json.dumps({"model": "fake-tiny", "messages": [{"role": "user", "content": words}]})
         req = urllib.request.Request(url + "/v1/chat/completions", body.encode(),
@@ -153,6 +154,9 @@ def test_engine_flags_reach_the_engine_config(monkeypatch):
     assert seen["anchor_rank"] == 32
     serve.load_backend(parse("--anchor-rank", "16"))
     assert seen["anchor_rank"] == 16
+    assert seen["tensor_parallel_size"] == 1
+    serve.load_backend(parse("-tp", "2"))
+    assert seen["tensor_parallel_size"] == 2
 
 
 def test_pool_and_batch_flags_size_the_engine(tiny_llama):
@@ -169,7 +173,8 @@ def test_pool_and_batch_flags_size_the_engine(tiny_llama):
 
 
 @pytest.mark.parametrize("flag,value", [("--min-shared-tokens", v) for v in ("-1", "x", "1.5")] + [
-    ("--kv-tokens", "-5"), ("--max-model-len", "1e3"), ("--max-num-seqs", "0"), ("--max-num-batched-tokens", "-1")])
+    ("--kv-tokens", "-5"), ("--max-model-len", "1e3"), ("--max-num-seqs", "0"), ("--max-num-batched-tokens", "-1"),
+    ("--tensor-parallel-size", "0")])
 def test_bad_integer_flags_are_one_line(monkeypatch, capsys, flag, value):
     monkeypatch.setattr(serve, "load_backend", lambda args: pytest.fail("the model must not load"))
     with pytest.raises(SystemExit) as e:
@@ -184,6 +189,47 @@ def test_bad_reuse_flag_is_one_line(tiny_llama, capsys):
     code = main(["serve", "--model", str(tiny_llama), "--port", "0", "--recompute-floor", "-1"])
     err = capsys.readouterr().err.strip()
     assert code == 1 and err == "tokendance serve: recompute floor must be >= 0, got -1.0"
+
+
+def test_a_tensor_parallel_size_the_model_cannot_split_by_is_one_line(tiny_llama, capsys):
+    from tokendance.examples.cli import main
+
+    code = main(["serve", "--model", str(tiny_llama), "--port", "0", "-tp", "3"])
+    err = capsys.readouterr().err.strip()
+    assert code == 1 and err == ("tokendance serve: --tensor-parallel-size 3 does not divide the model's "
+                                 "4 attention heads")
+
+
+def test_a_tensor_parallel_server_answers_as_one_process_and_stops_its_follower(tiny_llama):
+    """`serve -tp 2` on the CPU: the answer of one process, and SIGTERM ends both."""
+    from tokendance.backend.api import SamplingParams
+    from tokendance.backend.engine import Engine
+
+    want = Engine(model=str(tiny_llama), dtype="float32").generate(
+        [[1, 2, 3, 4]], SamplingParams(max_tokens=6, temperature=0))[0][0]
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "tokendance.examples.cli", "serve", "--model", str(tiny_llama),
+                             "--dtype", "float32", "-tp", "2", "--port", str(port), "--log-level", "warning"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        healthy(proc, url, 120)
+        children = subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True, text=True).stdout.split()
+        assert children  # the follower (and multiprocessing's resource tracker)
+        body = json.dumps({"model": tiny_llama.name, "prompt": [1, 2, 3, 4], "max_tokens": 6, "temperature": 0,
+                           "return_token_ids": True})
+        req = urllib.request.Request(url + "/v1/completions", body.encode(), {"Content-Type": "application/json"})
+        got = json.load(urllib.request.urlopen(req, timeout=30))
+        assert got["choices"][0]["token_ids"] == want
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(30) == 0
+        end = time.monotonic() + 10
+        while any(Path(f"/proc/{c}").exists() for c in children):
+            assert time.monotonic() < end, "a follower outlived the server"
+            time.sleep(0.1)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
 
 
 def test_served_model_names_and_api_keys(monkeypatch):
