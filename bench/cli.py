@@ -1,5 +1,5 @@
 """`tokendance bench KIND`: engine, reuse, memory, mirror-decode, fidelity, offsets, restore,
-resume, remote, fleet, structured, tools, judge, loops, gaps."""
+resume, remote, fleet, structured, tools, judge, loops, gaps, parallel."""
 
 from __future__ import annotations
 
@@ -22,6 +22,7 @@ KINDS = {
     "judge": ("tokendance.bench.judge", "a judge scoring N answers: /generative_scoring against completions"),
     "loops": ("tokendance.bench.loops", "a debate with repetition detection against without"),
     "gaps": ("tokendance.bench.gaps", "where the device waits on the host in a traced run (bench reuse --trace)"),
+    "parallel": ("tokendance.bench.parallel", "the engine split over 1, 2, ... devices (tensor parallelism)"),
 }
 
 

@@ -44,6 +44,8 @@
 #   steps: a decode step at batch 32 x 4k split into GPU forward and host time
 #   fleet: simulations side by side through a proxy over an engine per GPU against one engine
 #     (bench/fleet.py); on a machine of one GPU, two engines sharing it
+#   parallel: tensor parallelism over the machine's GPUs (nvidia-h200-x2 and up; bench/parallel.py):
+#     a Qwen2.5-0.5B shape end to end first, then the Qwen2.5-14B shape at each size
 #   remote: the proxy over `tokendance engine` against the engine in-process (bench/remote.py),
 #     a Qwen2.5-0.5B shape with random weights saved as a folder (the servers load folders)
 #   structured: structured outputs against the same work unconstrained (bench/structured.py),
@@ -221,6 +223,14 @@ if want fleet; then
   if [ "$gpus" -ge 2 ]; then pin=(--pin gpu --engines "$gpus"); else pin=(--engines 2 --kv-tokens 400000); fi
   td bench fleet --model /tmp/qwen2.5-0.5b-random --dtype bfloat16 "${pin[@]}" --sessions 8 --agents 10 \
     --rounds 3 --history 400 --output 64 --repeats 3 2>&1 | grep -v -i "warn\|deprecat" | tee "$OUT/fleet.txt"
+fi
+if want parallel; then
+  gpus=$(nvidia-smi -L | wc -l)
+  sizes=1; for n in 2 4 8; do [ "$gpus" -ge $n ] && sizes="$sizes,$n"; done
+  td bench parallel --model qwen2.5-0.5b --sizes "$sizes" --prefill 4x512 --decode 8x512 --steps 8 \
+    --agents 4 --repeats 1 2>&1 | grep -v -i "warn\|deprecat" | tee "$OUT/parallel-small.txt"
+  td bench parallel --model qwen2.5-14b --sizes "$sizes" --repeats 3 2>&1 | grep -v -i "warn\|deprecat" \
+    | tee "$OUT/parallel.txt"
 fi
 if want structured || want tools; then
   # the tokenizer's vocabulary: a mask over 100 k ids no token has costs what no real model's does
