@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tokendance.backend.api import InvalidRequest
+from tokendance.backend.api import InvalidRequest, Pooling, SamplingParams
 from tokendance.backend.engine import Engine
 from tests.backend.test_idle import GREEDY, next_round, run
 from tests.backend.test_reuse import round_prompts
@@ -46,6 +46,38 @@ def test_two_ranks_serve_as_one(tiny_llama, bases):
     assert two.tp.agreed  # the follower produced the leader's tokens
     for mode in MODES:
         assert got[mode] == want[mode], mode
+
+
+def served(eng: Engine) -> list:
+    """Sampled answers (seeded per request, and from the engine's generator), prompt
+    logprobs and an embedding."""
+    out = []
+    reqs = [("s", SamplingParams(max_tokens=8, temperature=0.9, top_p=0.9, seed=7), None),
+            ("g", SamplingParams(max_tokens=8, temperature=1.2, top_k=50), None),
+            ("p", SamplingParams(max_tokens=2, temperature=0, prompt_logprobs=1), None),
+            ("e", SamplingParams(max_tokens=1), Pooling())]
+    for rid, sp, pool in reqs:
+        eng.add(rid, list(range(300, 340)), sp, pool=pool)
+    while eng.has_work():
+        for rid, d in eng.step():
+            lp = [x.logprob or 0.0 for x in d.prompt_logprobs or []]
+            out.append((rid, d.token_ids, [x.id for x in d.prompt_logprobs or []], lp + (d.embedding or [])))
+    return out
+
+
+def test_sampling_prompt_logprobs_and_embeddings_as_one_process(tiny_llama):
+    want = served(engine(tiny_llama))
+    assert {r for r, toks, ids, _ in want if toks or ids} >= {"s", "g", "p"}
+    assert any(r == "e" and len(x) == 64 for r, _, _, x in want)  # the embedding: the hidden size
+    two = engine(tiny_llama, tensor_parallel_size=2)
+    try:
+        got = served(two)
+    finally:
+        two.close()
+    assert two.tp.agreed
+    assert [x[:3] for x in got] == [x[:3] for x in want]
+    for a, b in zip(got, want):
+        assert a[3] == pytest.approx(b[3], abs=1e-4)
 
 
 def test_a_size_the_heads_do_not_divide_by(tiny_llama, make_model):
