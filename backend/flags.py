@@ -18,9 +18,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     """The model, its dtype, the reuse policy and the host tier."""
     p.add_argument("--model", default=None, help="HF folder or GGUF file (default: embedded SmolLM2)")
     p.add_argument("--dtype", default="auto", help="auto, float32, bfloat16, float16")
-    p.add_argument("--tensor-parallel-size", "-tp", type=at_least(1), default=1,
-                   help="split each layer over this many GPUs (processes on the CPU), from the "
-                        "engine's device on; the model's heads and MLP width must divide by it")
+    add_parallel_args(p)
     add_reuse_args(p)
     p.add_argument("--offload-gib", type=float, default=None,
                    help="host memory for idle agents' KV between their rounds (0: off; default 8 GiB "
@@ -42,6 +40,13 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-batched-tokens", type=at_least(0), default=0,
                    help="tokens a step computes at most (0: 2,048 on the CPU, 16,384 on the GPU)")
     add_generation_args(p)
+
+
+def add_parallel_args(p: argparse.ArgumentParser) -> None:
+    """vLLM's tensor parallelism flag (backend/parallel.py)."""
+    p.add_argument("--tensor-parallel-size", "-tp", type=at_least(1), default=1,
+                   help="split each layer over this many GPUs (processes on the CPU), from the "
+                        "engine's device on; the model's heads and MLP width must divide by it")
 
 
 GENERATION_FLAGS = ("--generation-config", "--override-generation-config")

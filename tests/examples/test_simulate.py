@@ -88,13 +88,19 @@ def test_module_entry_runs() -> None:
     assert "society: 3 agents" in out.stdout and "know about the bridge" in out.stdout
 
 
-def test_reuse_flags_reach_the_in_process_engine(tiny_llama, monkeypatch, capsys) -> None:
+@pytest.fixture()
+def made(monkeypatch) -> list:
+    """The engine backends simulate loads, as it loads them."""
     from tokendance.backend.service import EngineBackend
 
-    made = []
+    out = []
     load = EngineBackend.load.__func__
     monkeypatch.setattr(EngineBackend, "load",
-                        classmethod(lambda cls, *a, **kw: made.append(load(cls, *a, **kw)) or made[-1]))
+                        classmethod(lambda cls, *a, **kw: out.append(load(cls, *a, **kw)) or out[-1]))
+    return out
+
+
+def test_reuse_flags_reach_the_in_process_engine(tiny_llama, made, capsys) -> None:
     argv = ["simulate", "debate", "--model", str(tiny_llama), "--agents", "3", "--rounds", "2",
             "--max-tokens", "4", "--bases", "reader", "--recompute-ratio", "0.3"]
     assert cli.main(argv) == 0
@@ -103,16 +109,27 @@ def test_reuse_flags_reach_the_in_process_engine(tiny_llama, monkeypatch, capsys
     assert "debate: 3 agents, mode collective" in capsys.readouterr().out
 
 
+def test_a_tensor_parallel_engine_runs_the_debate_and_stops_with_it(tiny_llama, made, capsys) -> None:
+    argv = ["simulate", "debate", "--model", str(tiny_llama), "--agents", "2", "--rounds", "2",
+            "--max-tokens", "4", "-tp", "2"]
+    assert cli.main(argv) == 0
+    assert "debate: 2 agents, mode collective" in capsys.readouterr().out
+    tp = made[0].engine.tp
+    assert tp.size == 2 and tp.agreed  # closed with the proxy, its follower's tokens the same
+    assert not any(p.is_alive() for p in tp.procs)
+
+
 def test_the_town_recalls_by_the_engines_embeddings_and_judgement(tiny_llama, capsys) -> None:
     argv = ["simulate", "town", "--model", str(tiny_llama), "--agents", "3", "--rounds", "3", "--max-tokens", "4"]
     assert cli.main(argv) == 0
     assert "3 townsfolk, 18 memories, recalled by relevance, importance and recency" in capsys.readouterr().out
 
 
-def test_reuse_flags_need_the_in_process_engine(capsys) -> None:
-    assert cli.main(["simulate", "debate", "--url", "http://127.0.0.1:9", "--bases", "reader"]) == 1
+@pytest.mark.parametrize("flag", [["--bases", "reader"], ["-tp", "2"]])
+def test_engine_flags_need_the_in_process_engine(capsys, flag) -> None:
+    assert cli.main(["simulate", "debate", "--url", "http://127.0.0.1:9", *flag]) == 1
     err = capsys.readouterr().err.strip()
-    assert "--bases set the in-process engine" in err and "\n" not in err
+    assert "--tensor-parallel-size set the in-process engine" in err and "\n" not in err
 
 
 def test_the_rounds_held_kv_counts_the_shared_blocks_once() -> None:
