@@ -85,6 +85,13 @@ class Shard:
         dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.calls)
         return int(t.item())
 
+    def gone(self) -> str | None:
+        """The leader's view: which follower has exited, if one has."""
+        for p in self.procs:
+            if not p.is_alive():
+                return f"tensor-parallel rank {p.name} exited (code {p.exitcode})"
+        return None
+
     def note(self, out: list[tuple[str, Delta]]) -> None:
         for rid, d in out:
             self.digest.update(f"{rid}:{d.token_ids}:{d.finish_reason};".encode())
@@ -225,9 +232,9 @@ class Relay:
         return sh.agreed
 
     def _send(self, calls: list[bytes]) -> None:
-        for p in self.shard.procs:
-            if not p.is_alive():
-                raise RuntimeError(f"tensor-parallel rank {p.name} exited (code {p.exitcode})")
+        gone = self.shard.gone()
+        if gone:
+            raise RuntimeError(gone)
         dist.broadcast_object_list([calls], src=0, group=self.shard.calls)
         self.pending = []
 

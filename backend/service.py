@@ -104,7 +104,8 @@ class EngineBackend:
     def problem(self) -> str | None:
         if self.core.loop is not None and not self.core.thread.is_alive():
             return "the engine has stopped"
-        return None
+        tp = self.engine.tp
+        return tp.gone() if tp is not None else None
 
     async def close(self) -> None:
         await self.core.close()

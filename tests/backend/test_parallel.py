@@ -6,6 +6,7 @@ import pytest
 
 from tokendance.backend.api import InvalidRequest, Pooling, SamplingParams
 from tokendance.backend.engine import Engine
+from tokendance.backend.service import EngineBackend
 from tests.backend.test_idle import GREEDY, next_round, run
 from tests.backend.test_reuse import round_prompts
 
@@ -101,8 +102,11 @@ def test_a_follower_gone_fails_the_next_step(tiny_llama):
     try:
         prompts, spans = round_prompts(2, seed=1)
         run(two, prompts, spans, "collective", "a")
+        assert two.tp.gone() is None
         two.tp.procs[0].kill()
         two.tp.procs[0].join()
+        assert two.tp.gone() == "tensor-parallel rank tokendance-tp1 exited (code -9)"
+        assert EngineBackend(two).problem() == two.tp.gone()  # /health answers 503 with it
         two.add("b", prompts[0], GREEDY)
         with pytest.raises(RuntimeError, match="tensor-parallel rank tokendance-tp1 exited"):
             two.step()
