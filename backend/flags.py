@@ -19,6 +19,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="HF folder or GGUF file (default: embedded SmolLM2)")
     p.add_argument("--dtype", default="auto", help="auto, float32, bfloat16, float16")
     add_parallel_args(p)
+    p.add_argument("--seed", type=int, default=0,
+                   help="the engine's random seed: requests sampled without their own seed draw from it")
+    p.add_argument("--enforce-eager", action="store_true",
+                   help="on CUDA, run every decode step eagerly (no CUDA graphs)")
     add_reuse_args(p)
     p.add_argument("--offload-gib", type=float, default=None,
                    help="host memory for idle agents' KV between their rounds (0: off; default 8 GiB "
@@ -135,7 +139,7 @@ def engine_options(args: argparse.Namespace) -> dict[str, Any]:
     generation.check(args.generation_config, args.override_generation_config)
     offload = None if args.offload_gib is None else int(args.offload_gib * 2**30)  # None: the device's default
     return {"model": args.model, "dtype": args.dtype, "tensor_parallel_size": args.tensor_parallel_size,
-            "offload_bytes": offload,
+            "seed": args.seed, **({"cuda_graphs": 0} if args.enforce_eager else {}), "offload_bytes": offload,
             "anchor_bytes": int(args.anchor_gib * 2**30), "anchor_rank": args.anchor_rank,
             "kv_tokens": args.kv_tokens, "gpu_memory_utilization": args.gpu_memory_utilization,
             "max_model_len": args.max_model_len, "max_seqs": args.max_num_seqs,

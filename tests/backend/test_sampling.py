@@ -32,6 +32,14 @@ def test_seed_reproducible_and_independent_of_batch(engine):
     assert a != b
 
 
+def test_the_engines_seed_draws_unseeded_requests(tiny_llama):
+    """vLLM's --seed: two engines of one seed sample alike where a request names none."""
+    s = SamplingParams(max_tokens=16, temperature=1.0, ignore_eos=True)
+    runs = [run(Engine(model=str(tiny_llama), dtype="float32", kv_tokens=1024, seed=seed), s)[0]
+            for seed in (3, 3, 4)]
+    assert runs[0] == runs[1] != runs[2]
+
+
 def test_top_k_one_is_greedy(engine):
     greedy = run(engine, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))[0]
     assert run(engine, SamplingParams(max_tokens=12, temperature=1.5, top_k=1, seed=1, ignore_eos=True))[0] == greedy

@@ -157,6 +157,9 @@ def test_engine_flags_reach_the_engine_config(monkeypatch):
     assert seen["tensor_parallel_size"] == 1
     serve.load_backend(parse("-tp", "2"))
     assert seen["tensor_parallel_size"] == 2
+    assert seen["seed"] == 0 and "cuda_graphs" not in seen  # the engine's default: graphs on CUDA
+    serve.load_backend(parse("--seed", "7", "--enforce-eager"))
+    assert seen["seed"] == 7 and seen["cuda_graphs"] == 0
 
 
 def test_pool_and_batch_flags_size_the_engine(tiny_llama):
