@@ -30,6 +30,7 @@ import os
 import pickle
 import signal
 import socket
+import time
 from dataclasses import dataclass, field
 from datetime import timedelta
 from multiprocessing.process import BaseProcess
@@ -53,6 +54,9 @@ log = structlog.get_logger(__name__)
 JOIN_TIMEOUT = timedelta(minutes=2)
 IDLE = timedelta(days=365)  # followers wait this long for the leader's next call
 _joined: Shard | None = None  # this process's shard, set while a TP engine lives here
+# For checks on a machine of one GPU (bench/check_cuda.py): every rank on the engine's
+# device, gloo between them (which CUDA graphs cannot capture: run them with cuda_graphs=0).
+ONE_DEVICE = "TOKENDANCE_TP_ONE_DEVICE"
 
 
 @dataclass(eq=False)
@@ -139,7 +143,7 @@ def shard_for(cfg: EngineConfig, device: torch.device, model: ModelConfig) -> Sh
     if _joined is not None:
         raise InvalidRequest("one tensor-parallel engine per process: close the other first",
                              "tensor_parallel_size")
-    if device.type == "cuda" and (device.index or 0) + size > torch.cuda.device_count():
+    if device.type == "cuda" and (_device(device, size - 1).index or 0) >= torch.cuda.device_count():
         raise InvalidRequest(f"--tensor-parallel-size {size} from {device} needs more GPUs than "
                              f"the {torch.cuda.device_count()} here", "tensor_parallel_size")
     port = _free_port()
@@ -149,7 +153,7 @@ def shard_for(cfg: EngineConfig, device: torch.device, model: ModelConfig) -> Sh
     for p in procs:
         p.start()
     try:
-        shard = _join(0, size, port, device)
+        shard = _join(0, size, port, device, procs)
     except Exception:
         for p in procs:
             p.kill()
@@ -160,7 +164,9 @@ def shard_for(cfg: EngineConfig, device: torch.device, model: ModelConfig) -> Sh
 
 
 def _device(device: torch.device, rank: int) -> torch.device:
-    return torch.device("cuda", (device.index or 0) + rank) if device.type == "cuda" else device
+    if device.type != "cuda" or os.environ.get(ONE_DEVICE):
+        return device
+    return torch.device("cuda", (device.index or 0) + rank)
 
 
 def _free_port() -> int:
@@ -169,19 +175,33 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _join(rank: int, size: int, port: int, device: torch.device) -> Shard:
+def _join(rank: int, size: int, port: int, device: torch.device, procs: list[BaseProcess] = ()) -> Shard:
+    """Join the group: the leader (with its followers' `procs`) hosts the rendezvous and
+    waits for each follower to report, failing as soon as one exits instead."""
     global _joined
     dev = _device(device, rank)
     if dev.type == "cuda":
         torch.cuda.set_device(dev)
     elif "OMP_NUM_THREADS" not in os.environ:  # the CPU's cores, split between the ranks
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // size))
-    backend = "nccl" if dev.type == "cuda" else "gloo"
-    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=size,
-                            timeout=JOIN_TIMEOUT)
+    store = dist.TCPStore("127.0.0.1", port, size, is_master=rank == 0, timeout=JOIN_TIMEOUT,
+                          wait_for_workers=False)
+    if rank:
+        store.set(f"up{rank}", "1")
+    end = time.monotonic() + JOIN_TIMEOUT.total_seconds()
+    while procs and not store.check([f"up{p}" for p in range(1, size)]):
+        for p in procs:
+            if not p.is_alive():
+                raise RuntimeError(f"tensor-parallel rank {p.name} exited (code {p.exitcode}) before it "
+                                   "joined; its output says why")
+        if time.monotonic() > end:
+            raise RuntimeError(f"tensor-parallel ranks did not join within {JOIN_TIMEOUT}")
+        time.sleep(0.05)
+    backend = "nccl" if dev.type == "cuda" and not os.environ.get(ONE_DEVICE) else "gloo"
+    dist.init_process_group(backend, store=store, rank=rank, world_size=size, timeout=JOIN_TIMEOUT)
     calls = dist.new_group(backend="gloo", timeout=IDLE)
     _joined = Shard(rank, size, dev, dist.group.WORLD, calls)
-    if dev.type == "cuda":  # NCCL's communicator made now: a decode graph's capture cannot
+    if backend == "nccl":  # its communicator made now: a decode graph's capture cannot
         _joined.sum(torch.zeros(1, device=dev))
     return _joined
 

@@ -44,8 +44,9 @@
 #   steps: a decode step at batch 32 x 4k split into GPU forward and host time
 #   fleet: simulations side by side through a proxy over an engine per GPU against one engine
 #     (bench/fleet.py); on a machine of one GPU, two engines sharing it
-#   parallel: tensor parallelism over the machine's GPUs (nvidia-h200-x2 and up; bench/parallel.py):
-#     a Qwen2.5-0.5B shape end to end first, then the Qwen2.5-14B shape at each size
+#   parallel: tensor parallelism: two ranks on one GPU against one process (bench/check_parallel.py,
+#     also in check), then, on a machine of two GPUs or more (nvidia-h200-x2 and up;
+#     bench/parallel.py), a Qwen2.5-0.5B shape end to end, then the Qwen2.5-14B shape at each size
 #   remote: the proxy over `tokendance engine` against the engine in-process (bench/remote.py),
 #     a Qwen2.5-0.5B shape with random weights saved as a folder (the servers load folders)
 #   structured: structured outputs against the same work unconstrained (bench/structured.py),
@@ -224,7 +225,11 @@ if want fleet; then
   td bench fleet --model /tmp/qwen2.5-0.5b-random --dtype bfloat16 "${pin[@]}" --sessions 8 --agents 10 \
     --rounds 3 --history 400 --output 64 --repeats 3 2>&1 | grep -v -i "warn\|deprecat" | tee "$OUT/fleet.txt"
 fi
-if want parallel; then
+if want parallel || want check; then  # two ranks on one GPU give one process's tokens
+  python3 -m tokendance.bench.check_parallel 2>&1 | grep -v -i "warn\|deprecat\|\[info\|\[debug" \
+    | tee "$OUT/check_parallel.txt"
+fi
+if want parallel && [ "$(nvidia-smi -L | wc -l)" -ge 2 ]; then
   gpus=$(nvidia-smi -L | wc -l)
   sizes=1; for n in 2 4 8; do [ "$gpus" -ge $n ] && sizes="$sizes,$n"; done
   td bench parallel --model qwen2.5-0.5b --sizes "$sizes" --prefill 4x512 --decode 8x512 --steps 8 \

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+import time
+
 import pytest
 
 from tokendance.backend.api import InvalidRequest, Pooling, SamplingParams
@@ -95,6 +99,19 @@ def test_an_engine_that_fails_to_build_stops_its_followers(tiny_llama):
     two = engine(tiny_llama, tensor_parallel_size=2)  # the process can start another
     two.close()
     assert two.tp.agreed
+
+
+def test_a_follower_that_cannot_start_fails_the_engine_at_once(tiny_llama):
+    """A script read from stdin: the spawned follower cannot import its main module, so it
+    exits before joining; the leader says so instead of waiting out the rendezvous."""
+    script = ("from tokendance.backend.engine import Engine\n"
+              f"Engine(model={str(tiny_llama)!r}, device='cpu', tensor_parallel_size=2)\n")
+    t0 = time.monotonic()
+    out = subprocess.run([sys.executable, "-"], input=script, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 1
+    assert out.stderr.strip().splitlines()[-1] == ("RuntimeError: tensor-parallel rank tokendance-tp1 exited "
+                                                   "(code 1) before it joined; its output says why")
+    assert time.monotonic() - t0 < 60  # not the rendezvous's two minutes
 
 
 def test_a_follower_gone_fails_the_next_step(tiny_llama):
