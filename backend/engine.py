@@ -157,7 +157,9 @@ class Engine:
         parked when it finishes, and the agent's next request restores the prefix they
         share (`full` stays the no-reuse baseline; `prefix` has its block cache);
         `pool`: an embedding request (backend/pooling.py), exact, so never by reuse."""
-        call = (rid, prompt, sampling, mode, shared, tenant, publish, agent, pool)
+        # for the followers, packed before anything changes (queued once the request is in)
+        call = None if self.relay is None else self.relay.pack("add", rid, prompt, sampling, mode, shared,
+                                                               tenant, publish, agent, pool)
         self.check(prompt, sampling, pool is not None)
         check_mode(mode)
         mode = "full" if sampling.prompt_logprobs is not None else mode  # scored prompts are computed whole
@@ -185,8 +187,8 @@ class Engine:
                 seq.matcher = self.grammars.matcher(st)
         self.seqs[rid] = seq
         self.waiting.add(seq, agent)
-        if self.relay is not None:
-            self.relay.call("add", *call)
+        if call is not None:
+            self.relay.queue(call)
 
     def abort(self, rid: str) -> bool:
         if self.relay is not None:

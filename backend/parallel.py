@@ -216,9 +216,17 @@ class Relay:
         atexit.register(self.close)
 
     def call(self, name: str, *args: Any) -> None:
-        """Queue a call for the next step (pickled now: the engine may change its
-        arguments, a request's sampling say, before then)."""
-        self.pending.append(pickle.dumps((name, args)))
+        """Queue a call for the next step."""
+        self.queue(self.pack(name, *args))
+
+    @staticmethod
+    def pack(name: str, *args: Any) -> bytes:
+        """A call as it travels, pickled now: the engine may change its arguments (a
+        request's sampling, say) before the next step."""
+        return pickle.dumps((name, args))
+
+    def queue(self, call: bytes) -> None:
+        self.pending.append(call)
 
     def step(self) -> None:
         self.call("step")
@@ -263,9 +271,11 @@ def _follow(cfg: EngineConfig, rank: int, size: int, port: int) -> None:
     """A follower process: build the Engine's shard, then make the leader's calls."""
     with contextlib.suppress(AttributeError):  # Linux: go when the leader goes (PR_SET_PDEATHSIG)
         ctypes.CDLL(None).prctl(1, signal.SIGTERM)
+    from tokendance.backend import logs
     from tokendance.backend.device import pick_device
     from tokendance.backend.engine import Engine
 
+    logs.to_stderr("warning")  # the leader tells how the engine stands; followers only what fails
     shard = _join(rank, size, port, pick_device(cfg.device))
     follow(Engine(cfg), shard)
 
