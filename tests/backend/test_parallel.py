@@ -53,6 +53,41 @@ def test_two_ranks_serve_as_one(tiny_llama, bases):
         assert got[mode] == want[mode], mode
 
 
+def chained(eng: Engine) -> dict:
+    """Producer bases: each agent's answer, published, is the base the others read it from
+    in round 2 (pic and collective). Also how many bases round 1 left."""
+    out = {}
+    agents = ["a0", "a1", "a2"]
+    for mode in ("pic", "collective"):
+        eng.reset_caches()
+        hist = [list(range(100 + 50 * i, 140 + 60 * i)) for i in range(3)]
+        answers = [t for t, _, _ in eng.generate(hist, GREEDY, mode, publish=True, agents=agents)]
+        bases = len(eng.segments.entries)
+        prompts, spans = [], []
+        for i in range(3):
+            ids, sp = hist[i] + answers[i] + [11], []
+            for j in range(3):
+                if j != i:
+                    sp.append((len(ids), len(ids) + len(answers[j])))
+                    ids += answers[j] + [11]
+            prompts.append(ids + [12, 13])
+            spans.append(sp)
+        again = [t for t, _, _ in eng.generate(prompts, GREEDY, mode, spans, publish=True, agents=agents)]
+        out[mode] = (answers, again, bases)
+    return out
+
+
+def test_producer_bases_as_one_process(tiny_llama):
+    want = chained(engine(tiny_llama, bases="producer"))
+    assert all(bases > 0 for _, _, bases in want.values())  # answers published as bases
+    two = engine(tiny_llama, bases="producer", tensor_parallel_size=2)
+    try:
+        got = chained(two)
+    finally:
+        two.close()
+    assert two.tp.agreed and got == want
+
+
 def served(eng: Engine) -> list:
     """Sampled answers (seeded per request, and from the engine's generator), prompt
     logprobs and an embedding."""
