@@ -192,10 +192,10 @@ def _join(rank: int, size: int, port: int, device: torch.device, procs: list[Bas
     while procs and not store.check([f"up{p}" for p in range(1, size)]):
         for p in procs:
             if not p.is_alive():
-                raise RuntimeError(f"tensor-parallel rank {p.name} exited (code {p.exitcode}) before it "
-                                   "joined; its output says why")
+                raise ChildProcessError(f"tensor-parallel rank {p.name} exited (code {p.exitcode}) before "
+                                        "it joined; its output says why")
         if time.monotonic() > end:
-            raise RuntimeError(f"tensor-parallel ranks did not join within {JOIN_TIMEOUT}")
+            raise TimeoutError(f"tensor-parallel ranks did not join within {JOIN_TIMEOUT}")
         time.sleep(0.05)
     backend = "nccl" if dev.type == "cuda" and not os.environ.get(ONE_DEVICE) else "gloo"
     dist.init_process_group(backend, store=store, rank=rank, world_size=size, timeout=JOIN_TIMEOUT)
@@ -247,7 +247,7 @@ class Relay:
                 sh.agreed = len(set(digests)) == 1
                 if not sh.agreed:
                     log.error("tensor-parallel ranks produced different tokens", digests=digests)
-        except RuntimeError as e:  # a follower already gone
+        except (RuntimeError, ChildProcessError) as e:  # a follower already gone
             log.error("tensor-parallel close", error=str(e))
         for p in sh.procs:
             p.join(timeout=30 if clean else 0)
@@ -262,7 +262,7 @@ class Relay:
     def _send(self, calls: list[bytes]) -> None:
         gone = self.shard.gone()
         if gone:
-            raise RuntimeError(gone)
+            raise ChildProcessError(gone)
         dist.broadcast_object_list([calls], src=0, group=self.shard.calls)
         self.pending = []
 

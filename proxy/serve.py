@@ -14,7 +14,7 @@ from pathlib import Path
 from tokendance.backend import heap, logs
 from tokendance.backend.api import MODES, Backend
 from tokendance.backend.auth import ENGINE_KEY_ENV, check_keys
-from tokendance.backend.flags import GENERATION_FLAGS, add_engine_args, changed, engine_options
+from tokendance.backend.flags import GENERATION_FLAGS, add_engine_args, at_least, changed, engine_options
 
 from .app import Server
 from .core import Config
@@ -43,6 +43,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     p.add_argument("--engine-api-key", default=None, metavar="KEY",
                    help=f"the key the --engine or --vllm servers require (default: ${ENGINE_KEY_ENV}, else none)")
     add_engine_args(p)
+    p.add_argument("--data-parallel-size", "-dp", type=at_least(1), default=1,
+                   help="engines to start, each in a process of its own on GPUs of its own "
+                        "(--tensor-parallel-size each, from the first on; on the CPU, a share of its "
+                        "cores each), each session pinned to one")
     p.add_argument("--mqtt", default=None, metavar="URL", help="control plane broker, mqtt://host:port")
     p.add_argument("--mqtt-peers", action="store_true",
                    help="share rounds with the other proxies on the broker: the agents that came to "
@@ -77,10 +81,7 @@ def load_backend(args: argparse.Namespace) -> Backend:
     key = engine_key(args)  # a bad key fails before the model loads
     try:
         if args.engine is not None:
-            from tokendance.backend.remote import RemoteBackend
-
-            return asyncio.run(_connect(args.engine, lambda u: RemoteBackend.connect(
-                u, args.mode or DEFAULT_MODE, api_key=key)))
+            return remote(args.engine, args.mode, key)
         if args.vllm is not None:
             from tokendance.backend.vllm import VLLMBackend
 
@@ -92,6 +93,13 @@ def load_backend(args: argparse.Namespace) -> Backend:
     from tokendance.backend.service import EngineBackend
 
     return EngineBackend.load(mode=args.mode or DEFAULT_MODE, **engine_options(args))
+
+
+def remote(urls: list[str], mode: str | None, key: str | None) -> Backend:
+    """Our engines at `urls` (BackendError if one cannot answer)."""
+    from tokendance.backend.remote import RemoteBackend
+
+    return asyncio.run(_connect(urls, lambda u: RemoteBackend.connect(u, mode or DEFAULT_MODE, api_key=key)))
 
 
 async def _connect(urls: list[str], connect: Callable[[str], Awaitable[Backend]]) -> Backend:
@@ -173,6 +181,8 @@ def main(args: argparse.Namespace) -> int:
         raise ValueError("--barrier-timeout-ms must be a number, not negative")
     if args.engine is not None and args.vllm is not None:
         raise ValueError("--engine and --vllm name two backends: give one")
+    if args.data_parallel_size > 1 and (args.engine is not None or args.vllm is not None):
+        raise ValueError("--data-parallel-size starts engines here: not with --engine or --vllm")
     for flag, given in (("--engine", args.engine), ("--vllm", args.vllm)):
         urls = [u.rstrip("/") for u in given or ()]
         twice = next((u for u in urls if urls.count(u) > 1), None)
@@ -198,10 +208,19 @@ def main(args: argparse.Namespace) -> int:
     if args.mqtt:
         address(args.mqtt)  # a bad URL fails before the model loads
     cfg = config(args)  # a bad flag fails before the model loads
-    backend = load_backend(args)
-    if args.chat_template is not None:
-        chat_template(backend, args.chat_template)
-    server = Server(backend, cfg, args.mqtt)
-    with heap.frozen():
-        asyncio.run(serve(server, args.host, args.port))
+    replicas = None
+    if args.data_parallel_size > 1:
+        from tokendance.backend import replicas as data_parallel
+
+        replicas = data_parallel.start(engine_options(args), args.data_parallel_size)
+    try:
+        backend = load_backend(args) if replicas is None else remote(replicas.urls, args.mode, replicas.key)
+        if args.chat_template is not None:
+            chat_template(backend, args.chat_template)
+        server = Server(backend, cfg, args.mqtt)
+        with heap.frozen():
+            asyncio.run(serve(server, args.host, args.port))
+    finally:
+        if replicas is not None:
+            replicas.stop()
     return 0

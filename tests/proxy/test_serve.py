@@ -177,7 +177,7 @@ def test_pool_and_batch_flags_size_the_engine(tiny_llama):
 
 @pytest.mark.parametrize("flag,value", [("--min-shared-tokens", v) for v in ("-1", "x", "1.5")] + [
     ("--kv-tokens", "-5"), ("--max-model-len", "1e3"), ("--max-num-seqs", "0"), ("--max-num-batched-tokens", "-1"),
-    ("--tensor-parallel-size", "0")])
+    ("--tensor-parallel-size", "0"), ("--data-parallel-size", "0")])
 def test_bad_integer_flags_are_one_line(monkeypatch, capsys, flag, value):
     monkeypatch.setattr(serve, "load_backend", lambda args: pytest.fail("the model must not load"))
     with pytest.raises(SystemExit) as e:
@@ -203,8 +203,10 @@ def test_a_tensor_parallel_size_the_model_cannot_split_by_is_one_line(tiny_llama
                                  "4 attention heads")
 
 
-def test_a_tensor_parallel_server_answers_as_one_process_and_stops_its_follower(tiny_llama):
-    """`serve -tp 2` on the CPU: the answer of one process, and SIGTERM ends both."""
+@pytest.mark.parametrize("flag", ["-tp", "-dp"])
+def test_a_server_over_two_processes_answers_as_one_and_stops_them(tiny_llama, flag):
+    """`serve -tp 2` (one engine split over two processes) and `serve -dp 2` (two engines,
+    a session on each) on the CPU: one process's answers, and SIGTERM ends every process."""
     from tokendance.backend.api import SamplingParams
     from tokendance.backend.engine import Engine
 
@@ -212,27 +214,48 @@ def test_a_tensor_parallel_server_answers_as_one_process_and_stops_its_follower(
         [[1, 2, 3, 4]], SamplingParams(max_tokens=6, temperature=0))[0][0]
     port = free_port()
     proc = subprocess.Popen([sys.executable, "-m", "tokendance.examples.cli", "serve", "--model", str(tiny_llama),
-                             "--dtype", "float32", "-tp", "2", "--port", str(port), "--log-level", "warning"],
+                             "--dtype", "float32", flag, "2", "--port", str(port), "--log-level", "warning"],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         url = f"http://127.0.0.1:{port}"
         healthy(proc, url, 120)
         children = subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True, text=True).stdout.split()
-        assert children  # the follower (and multiprocessing's resource tracker)
+        assert children  # the follower or the engines (and multiprocessing's resource tracker)
         body = json.dumps({"model": tiny_llama.name, "prompt": [1, 2, 3, 4], "max_tokens": 6, "temperature": 0,
-                           "return_token_ids": True})
-        req = urllib.request.Request(url + "/v1/completions", body.encode(), {"Content-Type": "application/json"})
-        got = json.load(urllib.request.urlopen(req, timeout=30))
-        assert got["choices"][0]["token_ids"] == want
+                           "return_token_ids": True}).encode()
+        for session in ("s1", "s2"):
+            req = urllib.request.Request(url + "/v1/completions", body, {"Content-Type": "application/json",
+                                                                         "X-TokenDance-Session": session})
+            assert json.load(urllib.request.urlopen(req, timeout=30))["choices"][0]["token_ids"] == want
+        metrics = urllib.request.urlopen(url + "/metrics", timeout=10).read().decode()
+        pinned = [line.rsplit(" ", 1)[1] for line in metrics.splitlines()
+                  if line.startswith("tokendance_engine_fleet_sessions{")]
+        assert pinned == ([] if flag == "-tp" else ["1", "1"])  # two engines: a session on each
         proc.send_signal(signal.SIGTERM)
-        assert proc.wait(30) == 0
+        assert proc.wait(60) == 0
         end = time.monotonic() + 10
         while any(Path(f"/proc/{c}").exists() for c in children):
-            assert time.monotonic() < end, "a follower outlived the server"
+            assert time.monotonic() < end, "a process outlived the server"
             time.sleep(0.1)
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+def test_data_parallel_engines_start_here(monkeypatch, capsys):
+    monkeypatch.setattr(serve, "load_backend", lambda args: pytest.fail("nothing may start"))
+    assert cli.main(["serve", "-dp", "2", "--engine", "http://127.0.0.1:9"]) == 1
+    assert capsys.readouterr().err.strip() == ("tokendance serve: --data-parallel-size starts engines here: "
+                                               "not with --engine or --vllm")
+
+
+def test_a_data_parallel_engine_that_cannot_start_is_one_line(tiny_llama, capsys):
+    from tokendance.examples.cli import main
+
+    code = main(["serve", "--model", str(tiny_llama), "--port", "0", "-dp", "2", "-tp", "3"])
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert code == 1 and err == ("tokendance serve: data-parallel engine 0: --tensor-parallel-size 3 does not "
+                                 "divide the model's 4 attention heads")
 
 
 def test_served_model_names_and_api_keys(monkeypatch):
