@@ -120,6 +120,32 @@ def test_sampling_prompt_logprobs_and_embeddings_as_one_process(tiny_llama):
         assert a[3] == pytest.approx(b[3], abs=1e-4)
 
 
+def test_an_abort_mid_answer_reaches_the_follower(tiny_llama):
+    """A request aborted after some steps (a client gone) leaves the others' answers as one
+    process gives them, and the ranks agree."""
+
+    def answers(eng: Engine) -> dict[str, list[int]]:
+        out: dict[str, list[int]] = {"a": [], "b": [], "c": []}
+        for rid, start in (("a", 100), ("b", 200), ("c", 300)):
+            eng.add(rid, list(range(start, start + 30)), SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))
+        for n in range(100):
+            if n == 3:
+                eng.abort("b")
+            if not eng.has_work():
+                break
+            for rid, d in eng.step():
+                out[rid] += d.token_ids
+        return out
+
+    want = answers(engine(tiny_llama))
+    two = engine(tiny_llama, tensor_parallel_size=2)
+    try:
+        got = answers(two)
+    finally:
+        two.close()
+    assert two.tp.agreed and got == want and len(got["a"]) == 12 > len(got["b"])
+
+
 def test_a_size_the_heads_do_not_divide_by(tiny_llama, make_model):
     with pytest.raises(InvalidRequest, match="does not divide the model's 4 attention heads"):
         engine(tiny_llama, tensor_parallel_size=3)
