@@ -88,6 +88,24 @@ def test_producer_bases_as_one_process(tiny_llama):
     assert two.tp.agreed and got == want
 
 
+def test_kvcmas_factors_each_ranks_heads_and_the_ranks_agree(tiny_llama):
+    """At rank 2 kvcmas's anchors are low-rank factors of each rank's own heads (a single
+    process factors all heads at once, so the two may differ); the ranks still agree."""
+    from tokendance.backend.lowrank import LowRank
+
+    two = engine(tiny_llama, tensor_parallel_size=2, anchor_rank=2)
+    try:
+        prompts, spans = round_prompts(3, seed=5)
+        toks, _ = run(two, prompts, spans, "kvcmas", "k1-")
+        p2, s2 = next_round(prompts, spans, toks, seed=6)
+        run(two, p2, s2, "kvcmas", "k2-")
+        held = [a.held_offset for anchors in two.collector.anchors.places.values() for a in anchors]
+    finally:
+        two.close()
+    assert held and all(isinstance(x, LowRank) and x.heads == 1 for x in held)  # one KV head per rank
+    assert two.tp.agreed
+
+
 def served(eng: Engine) -> list:
     """Sampled answers (seeded per request, and from the engine's generator), prompt
     logprobs and an embedding."""
