@@ -128,7 +128,9 @@ def load(folder: Path, dtype: torch.dtype, device: torch.device | str, tp: Shard
                         continue
                     raise InvalidRequest(f"unexpected weight {name} in {file.name}", "model")
                 src = shard_weight(name, f.get_tensor(name), tp)
-                dst = params[target] if off is None else params[target][off: off + src.shape[0]]
+                # rows from `off` in a fused parameter; a tensor-parallel rank's vocabulary
+                # share may hold fewer rows than its parameter (the padded last one)
+                dst = params[target][off or 0: (off or 0) + src.shape[0]]
                 dst.copy_(src.to(dtype))
                 seen.add(f"{target}@{off}")
     # per layer: q, k, v, o, gate, up, down, two norms; then embed, norm, lm_head

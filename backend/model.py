@@ -219,10 +219,11 @@ class Decoder(nn.Module):
         self.tp = tp
         self.rope = Rope(cfg)
         self.model = nn.Module()
-        self.model.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        vocab = cfg.vocab_size if tp is None else tp.rows(cfg.vocab_size)  # this rank's rows
+        self.model.embed_tokens = nn.Embedding(vocab, cfg.hidden_size)
         self.model.layers = nn.ModuleList(Layer(cfg, i, self.rope, tp) for i in range(cfg.num_layers))
         self.model.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = nn.Linear(cfg.hidden_size, vocab, bias=False)
         if cfg.tie_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
@@ -231,7 +232,13 @@ class Decoder(nn.Module):
         return self.model.layers
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
-        return self.model.embed_tokens(ids)
+        table = self.model.embed_tokens
+        if self.tp is None:
+            return table(ids)
+        local = ids - self.tp.rank * table.num_embeddings
+        mine = (local >= 0) & (local < table.num_embeddings)
+        x = table(torch.where(mine, local, 0)) * mine[:, None].to(table.weight.dtype)
+        return self.tp.sum(x)  # each token's row from the rank that holds it
 
     def logits(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
         """Next-token logits of the hidden states x + residual (a last layer's pair)."""
@@ -239,7 +246,10 @@ class Decoder(nn.Module):
 
     def head(self, h: torch.Tensor) -> torch.Tensor:
         """Next-token logits, in float32, of final (normed) hidden states."""
-        return self.lm_head(h).float()
+        logits = self.lm_head(h)
+        if self.tp is not None:  # every rank's vocabulary rows, the padding dropped
+            logits = self.tp.gather(logits)[:, :self.cfg.vocab_size]
+        return logits.float()
 
     def states(self, ids: torch.Tensor, meta: AttnMeta, cache: KVCache,
                last: torch.Tensor | None = None) -> torch.Tensor:

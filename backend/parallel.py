@@ -3,8 +3,9 @@ and MLP width, all running the same engine in lockstep.
 
 The split is Megatron's: qkv_proj and gate_up_proj by output rows (a rank's query and KV
 heads, its share of the MLP), o_proj and down_proj by input columns, their partial
-outputs summed across ranks (one all-reduce after attention, one after the MLP);
-embeddings, norms and lm_head whole on every rank. A rank's KV pool holds its own KV
+outputs summed across ranks (one all-reduce after attention, one after the MLP); the
+embeddings and lm_head by vocabulary rows (a token's embedding summed from the rank that
+holds it, the logits gathered whole on every rank); norms whole. A rank's KV pool holds its own KV
 heads only, so the pool, the segment cache, the Mirrors and the host tier all shrink by n
 per token while their block tables stay the same on every rank.
 
@@ -54,6 +55,8 @@ log = structlog.get_logger(__name__)
 JOIN_TIMEOUT = timedelta(minutes=2)
 IDLE = timedelta(days=365)  # followers wait this long for the leader's next call
 _joined: Shard | None = None  # this process's shard, set while a TP engine lives here
+# torch 2.13 renamed it (the GPU machine's 2.11 has the old name only)
+_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 # For checks on a machine of one GPU (bench/check_cuda.py): every rank on the engine's
 # device, gloo between them (which CUDA graphs cannot capture: run them with cuda_graphs=0).
 ONE_DEVICE = "TOKENDANCE_TP_ONE_DEVICE"
@@ -82,6 +85,16 @@ class Shard:
         """x's elementwise maximum over the ranks, in place."""
         dist.all_reduce(x, op=dist.ReduceOp.MAX, group=self.group)
         return x
+
+    def gather(self, x: torch.Tensor) -> torch.Tensor:
+        """[T, n] on each rank -> [T, size * n]: every rank's columns side by side, in rank order."""
+        out = torch.empty((self.size * x.shape[0], x.shape[1]), dtype=x.dtype, device=x.device)
+        _gather(out, x.contiguous(), group=self.group)
+        return out.view(self.size, *x.shape).movedim(0, 1).flatten(1)
+
+    def rows(self, n: int) -> int:
+        """This rank's share of n rows, the last share padded (the vocabulary)."""
+        return -(-n // self.size)
 
     def least(self, n: int) -> int:
         """The smallest of every rank's n (sizes each rank measured on its own device)."""
@@ -114,13 +127,18 @@ def shard_config(cfg: ModelConfig, size: int) -> ModelConfig:
 
 ROWS = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")  # split by output rows
 COLUMNS = ("o_proj", "down_proj")  # by input columns
+VOCAB = ("embed_tokens", "lm_head")  # by vocabulary rows, the last rank's padded
 
 
 def shard_weight(name: str, w: torch.Tensor, shard: Shard | None) -> torch.Tensor:
     """A checkpoint tensor's part on this rank (heads stay whole: the model's head counts
-    divide by the group's size)."""
+    divide by the group's size; the vocabulary's last share may hold fewer rows than the
+    others)."""
     if shard is None or shard.size == 1:
         return w
+    if any(name.startswith(p) or f".{p}." in name for p in VOCAB):
+        rows = shard.rows(w.shape[0])
+        return w[shard.rank * rows:(shard.rank + 1) * rows]
     if any(f".{p}." in name for p in ROWS):
         return w.chunk(shard.size, 0)[shard.rank]
     if any(f".{p}." in name for p in COLUMNS) and name.endswith(".weight"):

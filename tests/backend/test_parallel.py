@@ -164,6 +164,23 @@ def test_an_abort_mid_answer_reaches_the_follower(tiny_llama):
     assert two.tp.agreed and got == want and len(got["a"]) == 12 > len(got["b"])
 
 
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+def test_a_vocabulary_the_size_does_not_divide(make_model, arch):
+    """49,155 ids over two ranks: 24,578 rows each, the second's last one padding, never
+    looked up and its logit dropped; Qwen2's q/k/v biases split and its tied embeddings,
+    Qwen3's per-head q/k norms whole on each rank."""
+    odd = make_model(arch, vocab_size=49155)
+    prompts = [list(range(49140, 49155)) + [5, 6], list(range(100, 140))]  # the last ids too
+    want = engine(odd).generate(prompts, GREEDY)
+    two = engine(odd, tensor_parallel_size=2)
+    try:
+        assert two.model.model.embed_tokens.num_embeddings == 24578
+        got = two.generate(prompts, GREEDY)
+    finally:
+        two.close()
+    assert two.tp.agreed and got == want
+
+
 def test_a_size_the_heads_do_not_divide_by(tiny_llama, make_model):
     with pytest.raises(InvalidRequest, match="does not divide the model's 4 attention heads"):
         engine(tiny_llama, tensor_parallel_size=3)
