@@ -16,7 +16,7 @@ followers, which make it too, and every rank schedules, blends and samples alike
 the engine decides from K/V values (the check layer's deviations, diff encode's
 equality, kvcomm's nearest anchors) each rank's partial values are reduced first, so
 every rank decides the same. Logits are the same on every rank (an all-reduce hands each
-rank the same sum) and so are sampled tokens; followers hash what they produce, and the
+rank the same sums, an all-gather the same columns) and so are sampled tokens; followers hash what they produce, and the
 leader compares the hashes with its own when the engine closes.
 """
 
