@@ -1,13 +1,13 @@
 """Tensor parallelism: one process per device, each holding 1/n of every layer's heads
-and MLP width, all running the same engine in lockstep.
+and MLP width and of the vocabulary, all running the same engine in lockstep.
 
 The split is Megatron's: qkv_proj and gate_up_proj by output rows (a rank's query and KV
 heads, its share of the MLP), o_proj and down_proj by input columns, their partial
 outputs summed across ranks (one all-reduce after attention, one after the MLP); the
 embeddings and lm_head by vocabulary rows (a token's embedding summed from the rank that
-holds it, the logits gathered whole on every rank); norms whole. A rank's KV pool holds its own KV
-heads only, so the pool, the segment cache, the Mirrors and the host tier all shrink by n
-per token while their block tables stay the same on every rank.
+holds it, the logits gathered whole on every rank); norms whole. A rank's KV pool holds
+its own KV heads only, so the pool, the segment cache, the Mirrors and the host tier all
+shrink by n per token while their block tables stay the same on every rank.
 
 The engine's schedule is a function of the calls made to it (add, abort, step,
 reset_caches) and nothing else: no clock, no memory reading once it is built. So rank 0,
@@ -16,8 +16,9 @@ followers, which make it too, and every rank schedules, blends and samples alike
 the engine decides from K/V values (the check layer's deviations, diff encode's
 equality, kvcomm's nearest anchors) each rank's partial values are reduced first, so
 every rank decides the same. Logits are the same on every rank (an all-reduce hands each
-rank the same sums, an all-gather the same columns) and so are sampled tokens; followers hash what they produce, and the
-leader compares the hashes with its own when the engine closes.
+rank the same sums, an all-gather the same columns) and so are sampled tokens; followers
+hash what they produce, and the leader compares the hashes with its own when the engine
+closes.
 """
 
 from __future__ import annotations
