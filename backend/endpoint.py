@@ -205,11 +205,12 @@ def main(args: argparse.Namespace) -> int:
 
 
 async def serve(endpoint: Endpoint, host: str, port: int, drain_timeout: float = 30.0,
-                stop: asyncio.Event | None = None, started: asyncio.Future | None = None) -> None:
-    """Serve until SIGINT/SIGTERM (or `stop`); `started` gets the bound port."""
+                stop: asyncio.Event | None = None, started: asyncio.Future | None = None,
+                signals: tuple[signal.Signals, ...] = (signal.SIGINT, signal.SIGTERM)) -> None:
+    """Serve until one of `signals` (or `stop`); `started` gets the bound port."""
     stop = stop or asyncio.Event()
     loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
+    for sig in signals:
         loop.add_signal_handler(sig, stop.set)
     runner = web.AppRunner(endpoint.app(), handler_cancellation=True, access_log=None,
                            shutdown_timeout=drain_timeout)
@@ -222,7 +223,7 @@ async def serve(endpoint: Endpoint, host: str, port: int, drain_timeout: float =
             started.set_result(bound)
         await stop.wait()
     finally:
-        for sig in (signal.SIGINT, signal.SIGTERM):
+        for sig in signals:
             loop.remove_signal_handler(sig)
         await runner.cleanup()
         await endpoint.backend.close()

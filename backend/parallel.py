@@ -290,6 +290,7 @@ def _follow(cfg: EngineConfig, rank: int, size: int, port: int) -> None:
     """A follower process: build the Engine's shard, then make the leader's calls."""
     with contextlib.suppress(AttributeError):  # Linux: go when the leader goes (PR_SET_PDEATHSIG)
         ctypes.CDLL(None).prctl(1, signal.SIGTERM)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a terminal's ^C: the leader closes, then we go
     from tokendance.backend import logs
     from tokendance.backend.device import pick_device
     from tokendance.backend.engine import Engine

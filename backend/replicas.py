@@ -102,6 +102,7 @@ def _engine(options: dict[str, Any], key: str, index: int, ready: Any, threads: 
     """An engine process: load, serve on loopback, report the port (or why not)."""
     with contextlib.suppress(AttributeError):  # Linux: go when the proxy goes (PR_SET_PDEATHSIG)
         ctypes.CDLL(None).prctl(1, signal.SIGTERM)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a terminal's ^C: the proxy drains, then stops us
     from tokendance.backend import logs
     from tokendance.backend.auth import Keys
     from tokendance.backend.endpoint import Endpoint, engine_info, serve
@@ -120,6 +121,6 @@ def _engine(options: dict[str, Any], key: str, index: int, ready: Any, threads: 
     async def run() -> None:
         started = asyncio.get_running_loop().create_future()
         started.add_done_callback(lambda f: ready.put((index, f.result(), "")))
-        await serve(endpoint, "127.0.0.1", 0, started=started)
+        await serve(endpoint, "127.0.0.1", 0, started=started, signals=(signal.SIGTERM,))
 
     asyncio.run(run())

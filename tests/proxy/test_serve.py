@@ -2,6 +2,7 @@
 
 import argparse
 import json
+import os
 import re
 import signal
 import subprocess
@@ -207,7 +208,8 @@ def test_a_tensor_parallel_size_the_model_cannot_split_by_is_one_line(tiny_llama
 @pytest.mark.parametrize("flag", ["-tp", "-dp"])
 def test_a_server_over_two_processes_answers_as_one_and_stops_them(tiny_llama, flag):
     """`serve -tp 2` (one engine split over two processes) and `serve -dp 2` (two engines,
-    a session on each) on the CPU: one process's answers, and SIGTERM ends every process."""
+    a session on each) on the CPU: one process's answers; a terminal's ^C (SIGINT to the
+    whole process group) ends every process, quietly."""
     from tokendance.backend.api import SamplingParams
     from tokendance.backend.engine import Engine
 
@@ -216,7 +218,7 @@ def test_a_server_over_two_processes_answers_as_one_and_stops_them(tiny_llama, f
     port = free_port()
     proc = subprocess.Popen([sys.executable, "-m", "tokendance.examples.cli", "serve", "--model", str(tiny_llama),
                              "--dtype", "float32", flag, "2", "--port", str(port), "--log-level", "warning"],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
     try:
         url = f"http://127.0.0.1:{port}"
         healthy(proc, url, 120)
@@ -232,8 +234,10 @@ def test_a_server_over_two_processes_answers_as_one_and_stops_them(tiny_llama, f
         pinned = [line.rsplit(" ", 1)[1] for line in metrics.splitlines()
                   if line.startswith("tokendance_engine_fleet_sessions{")]
         assert pinned == ([] if flag == "-tp" else ["1", "1"])  # two engines: a session on each
-        proc.send_signal(signal.SIGTERM)
+        os.killpg(proc.pid, signal.SIGINT)
         assert proc.wait(60) == 0
+        out = proc.stdout.read()
+        assert "Traceback" not in out and "error" not in out, out
         end = time.monotonic() + 10
         while any(Path(f"/proc/{c}").exists() for c in children):
             assert time.monotonic() < end, "a process outlived the server"
