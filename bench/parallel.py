@@ -39,8 +39,7 @@ def measure(args: argparse.Namespace, size: int) -> dict:
         ours_decode(eng, ps, args.steps)
         step = statistics.median(ours_decode(eng, ps, args.steps) for _ in range(args.repeats))
         rows = reuse_rounds(eng, args.agents, args.history, args.output, args.repeats, ["full", "collective"])
-        out = dict(size=size, name=eng.name, device=str(eng.device), dtype=str(eng.dtype),
-                   prefill=pb * pn / prefill, decode=db / step, step_ms=1e3 * step,
+        out = dict(size=size, name=eng.name, dtype=str(eng.dtype), prefill=pb * pn / prefill, decode=db / step,
                    rounds={(r["agents"], r["mode"]): r["ms"] for r in rows})
     finally:
         eng.close()
