@@ -286,16 +286,25 @@ class Relay:
         self.pending = []
 
 
+def subordinate() -> None:
+    """Set up a process an engine's parent started (a follower, a data-parallel engine): it
+    goes when its parent goes (Linux's PR_SET_PDEATHSIG), leaves a terminal's ^C to the
+    parent, which stops it in order, and logs only what fails (the parent tells how the
+    engine stands)."""
+    with contextlib.suppress(AttributeError):
+        ctypes.CDLL(None).prctl(1, signal.SIGTERM)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    from tokendance.backend import logs
+
+    logs.to_stderr("warning")
+
+
 def _follow(cfg: EngineConfig, rank: int, size: int, port: int) -> None:
     """A follower process: build the Engine's shard, then make the leader's calls."""
-    with contextlib.suppress(AttributeError):  # Linux: go when the leader goes (PR_SET_PDEATHSIG)
-        ctypes.CDLL(None).prctl(1, signal.SIGTERM)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a terminal's ^C: the leader closes, then we go
-    from tokendance.backend import logs
+    subordinate()
     from tokendance.backend.device import pick_device
     from tokendance.backend.engine import Engine
 
-    logs.to_stderr("warning")  # the leader tells how the engine stands; followers only what fails
     shard = _join(rank, size, port, pick_device(cfg.device))
     follow(Engine(cfg), shard)
 

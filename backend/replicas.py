@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import ctypes
 import os
 import queue
 import secrets
@@ -27,6 +26,7 @@ import torch.multiprocessing as mp
 
 from tokendance.backend.api import InvalidRequest
 from tokendance.backend.device import pick_device
+from tokendance.backend.parallel import subordinate
 
 
 @dataclass
@@ -100,15 +100,11 @@ def _next(ready: Any, procs: list[BaseProcess]) -> tuple[int, int, str]:
 
 def _engine(options: dict[str, Any], key: str, index: int, ready: Any, threads: int) -> None:
     """An engine process: load, serve on loopback, report the port (or why not)."""
-    with contextlib.suppress(AttributeError):  # Linux: go when the proxy goes (PR_SET_PDEATHSIG)
-        ctypes.CDLL(None).prctl(1, signal.SIGTERM)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a terminal's ^C: the proxy drains, then stops us
-    from tokendance.backend import logs
+    subordinate()  # a terminal's ^C: the proxy drains, then stops us
     from tokendance.backend.auth import Keys
     from tokendance.backend.endpoint import Endpoint, engine_info, serve
     from tokendance.backend.service import EngineBackend
 
-    logs.to_stderr("warning")
     if options.get("device", "cpu").startswith("cpu") and "OMP_NUM_THREADS" not in os.environ:
         torch.set_num_threads(threads)
     try:

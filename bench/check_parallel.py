@@ -7,18 +7,15 @@ python -m tokendance.bench.check_parallel"""
 from __future__ import annotations
 
 import os
-import shutil
 import sys
 from pathlib import Path
-
-import torch
 
 from tokendance.backend import parallel
 from tokendance.backend.api import SamplingParams
 from tokendance.backend.config import EngineConfig
 from tokendance.backend.engine import Engine
 from tokendance.bench.allgather import make_round, next_round
-from tokendance.bench.shapes import shape_folder
+from tokendance.bench.shapes import save_random, shape_folder
 
 MODES = ("full", "prefix", "collective", "kvcomm")
 GREEDY = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
@@ -27,19 +24,8 @@ GREEDY = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
 def folder(layers: int = 4) -> Path:
     """A Qwen2.5-0.5B shape (14 heads, 2 KV heads: both split in two) of `layers` layers,
     random weights saved, so every rank loads the same ones."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    src = shape_folder("qwen2.5-0.5b")
-    out = src.parent / f"qwen2.5-0.5b-{layers}l-saved"
-    if not (out / "config.json").exists():
-        cfg = AutoConfig.from_pretrained(src)
-        cfg.num_hidden_layers = layers
-        torch.manual_seed(0)
-        AutoModelForCausalLM.from_config(cfg).save_pretrained(out)
-        for f in src.iterdir():
-            if f.name != "config.json":
-                shutil.copy(f, out / f.name)
-    return out
+    out = shape_folder("qwen2.5-0.5b").parent / f"qwen2.5-0.5b-{layers}l-saved"
+    return out if (out / "config.json").exists() else save_random("qwen2.5-0.5b", out, layers=layers)
 
 
 def rounds(eng: Engine) -> dict[str, list[list[int]]]:

@@ -46,17 +46,20 @@ def shape_folder(name: str) -> Path:
     return out
 
 
-def save_random(name: str, dest: Path, vocab: bool = False) -> Path:
+def save_random(name: str, dest: Path, vocab: bool = False, layers: int | None = None) -> Path:
     """A folder of shape `name` with random bf16 weights saved in it, loadable by any
     `tokendance` process (for benchmarks that start servers, which load real folders).
     `vocab`: the vocabulary (and end-of-sequence token) is the tokenizer's, not the
     checkpoint's (a structured output's mask then covers real tokens only, as it does
-    for the real model; the embedded tokenizer has 49,152 of the shape's 152,064 ids)."""
+    for the real model; the embedded tokenizer has 49,152 of the shape's 152,064 ids).
+    `layers`: fewer than the shape's."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     src = shape_folder(name)
-    cfg = AutoConfig.from_pretrained(src)
+    # made with its layers (transformers derives per-layer fields from them as it makes one)
+    fields = dict(SHAPES[name], **({} if layers is None else {"num_hidden_layers": layers}))
+    cfg = AutoConfig.for_model(fields.pop("model_type"), **fields)
     if vocab:
         tok = AutoTokenizer.from_pretrained(src)
         cfg.vocab_size, cfg.eos_token_id = len(tok), tok.eos_token_id
