@@ -51,6 +51,8 @@ class Engine:
         self.dtype = DTYPES[dtype]
         self.folder: Path = loader.resolve(cfg.model)
         self.tp = parallel.shard_for(cfg, self.device, ModelConfig.load(self.folder))
+        if self.tp is not None:
+            self.device = self.tp.device
         # the leader's calls go to the followers (backend/parallel.py)
         self.relay = parallel.Relay(self.tp) if self.tp is not None and self.tp.rank == 0 else None
         try:
@@ -61,8 +63,6 @@ class Engine:
             raise
 
     def _build(self, cfg: EngineConfig, dtype: str) -> None:
-        if self.tp is not None:
-            self.device = self.tp.device
         threads = host_threads(self.device, os.environ)
         if threads is not None and threads != torch.get_num_threads():
             log.info("torch CPU threads", before=torch.get_num_threads(), now=threads,

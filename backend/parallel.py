@@ -225,6 +225,9 @@ def _join(rank: int, size: int, port: int, device: torch.device, procs: list[Bas
     return _joined
 
 
+STEP = pickle.dumps(("step", ()))  # every step's call, packed once
+
+
 class Relay:
     """The leader's end: the calls made to its Engine, sent to the followers before each
     step (a step runs collectives every rank must join)."""
@@ -248,7 +251,7 @@ class Relay:
         self.pending.append(call)
 
     def step(self) -> None:
-        self.call("step")
+        self.queue(STEP)
         self._send(self.pending)
 
     def close(self, clean: bool = True) -> bool | None:
