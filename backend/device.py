@@ -40,15 +40,16 @@ def host_threads(device: torch.device, env: Mapping[str, str]) -> int | None:
     return 1
 
 
-def host_tier_bytes(device: torch.device) -> int:
-    """The host tier's default size (idle agents' KV between their rounds, backend/idle.py).
-    Beside a GPU, 8 GiB, or an eighth of the host's memory if that is less: on the H200,
-    a 7B-shaped model's 20 agents did not all fit in 1 GiB, and their resumed round took
-    749 ms against 576 with room for all (docs/benchmarks.md, resuming idle agents). On a
-    CPU, whose KV pool is host memory already, 1 GiB."""
+def host_tier_bytes(device: torch.device, engines: int = 1) -> int:
+    """The host tier's default size (idle agents' KV between their rounds, backend/idle.py)
+    for one of `engines` engines on this host. Beside a GPU, 8 GiB, or an eighth of the
+    host's memory shared between the engines if that is less: on the H200, a 7B-shaped
+    model's 20 agents did not all fit in 1 GiB, and their resumed round took 749 ms
+    against 576 with room for all (docs/benchmarks.md, resuming idle agents). On a CPU,
+    whose KV pool is host memory already, 1 GiB."""
     if device.type != "cuda":
         return 1 << 30
-    return min(8 << 30, os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // 8)
+    return min(8 << 30, os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // 8 // engines)
 
 
 def sync(device: torch.device) -> None:

@@ -26,7 +26,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     add_reuse_args(p)
     p.add_argument("--offload-gib", type=float, default=None,
                    help="host memory for idle agents' KV between their rounds (0: off; default 8 GiB "
-                        "beside a GPU, or an eighth of the host's memory if less, 1 GiB on a CPU)")
+                        "beside a GPU, or an eighth of the host's memory if less, shared by -dp's engines; 1 GiB "
+                        "on a CPU)")
     p.add_argument("--anchor-gib", type=float, default=1.0,
                    help="kvcomm and kvcmas: memory for their anchors (a measured segment's base and "
                         "offset K/V), on the engine's device beside the KV pool")

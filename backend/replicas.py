@@ -5,7 +5,8 @@ pinned to one engine, where its rounds' Masters and its parked agents live).
 Engine i takes the tensor_parallel_size devices from the engine's device + i * that on
 (two engines of -tp 2 on four GPUs: 0-1 and 2-3); on the CPU each takes its share of the
 cores. They serve the engine API (backend/endpoint.py) on loopback, at ports of their
-choosing, to a key made here, and exit with the process that started them.
+choosing, to a key made here, and exit with the process that started them. Unless
+--offload-gib says, they share the host tier's default between them.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ import torch
 import torch.multiprocessing as mp
 
 from tokendance.backend.api import InvalidRequest
-from tokendance.backend.device import pick_device
+from tokendance.backend.device import host_tier_bytes, pick_device
 from tokendance.backend.parallel import subordinate
 
 
@@ -61,6 +62,16 @@ def devices(options: dict[str, Any], size: int) -> list[str]:
     return [f"cuda:{first + i * tp}" for i in range(size)]
 
 
+def each(options: dict[str, Any], size: int) -> list[dict[str, Any]]:
+    """Each engine's EngineConfig options: its device, and its share of the host tier's
+    default (the host's memory is one, however many engines use it)."""
+    out = [dict(options, device=d) for d in devices(options, size)]
+    if options.get("offload_bytes") is None:
+        share = host_tier_bytes(pick_device(out[0]["device"]), engines=size)
+        out = [dict(o, offload_bytes=share) for o in out]
+    return out
+
+
 def start(options: dict[str, Any], size: int) -> Replicas:
     """Start `size` engines of EngineConfig `options`; return once each serves
     (ChildProcessError, the others stopped, if one cannot)."""
@@ -68,8 +79,8 @@ def start(options: dict[str, Any], size: int) -> Replicas:
     ctx = mp.get_context("spawn")
     ready: Any = ctx.Queue()
     threads = max(1, (os.cpu_count() or 1) // size)
-    procs = [ctx.Process(target=_engine, args=(dict(options, device=d), key, i, ready, threads),
-                         name=f"tokendance-dp{i}") for i, d in enumerate(devices(options, size))]
+    procs = [ctx.Process(target=_engine, args=(o, key, i, ready, threads), name=f"tokendance-dp{i}")
+             for i, o in enumerate(each(options, size))]
     for p in procs:
         p.start()
     out = Replicas(procs, [""] * size, key)

@@ -32,6 +32,7 @@ def test_host_tier_default(monkeypatch):
     assert host_tier_bytes(torch.device("cuda")) == 8 << 30
     pages["SC_PHYS_PAGES"] = (16 << 30) // 4096  # a small host: an eighth of it
     assert host_tier_bytes(torch.device("cuda", 1)) == 2 << 30
+    assert host_tier_bytes(torch.device("cuda", 1), engines=4) == 512 << 20  # the eighth, shared
 
 
 def test_the_engine_takes_the_default_unless_given(tiny_llama):
