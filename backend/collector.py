@@ -167,10 +167,9 @@ class Collector:
         for seq in group:
             start = seq.resume.length if seq.resume is not None else 0
             spans = []
-            for lo, hi in seq.shared:
+            for (lo, hi), key in zip(seq.shared, seq.segment_keys()):
                 if lo < start:
                     continue  # inside its restored prefix
-                key = segment_key(seq.tenant, seq.prompt[lo:hi])
                 spans.append((lo, hi, key))
                 if self.segments.get(key) is None:
                     missing[key] = seq.prompt[lo:hi]

@@ -41,7 +41,7 @@ import torch
 from tokendance.backend.anchors import Anchors, Place
 from tokendance.backend.batches import batches
 from tokendance.backend.blend import BlendInput, blend
-from tokendance.backend.keys import Key, segment_key
+from tokendance.backend.keys import Key
 from tokendance.backend.lowrank import LowRank, factor_all
 from tokendance.backend.mirror import EARLY
 from tokendance.backend.pool import flat_slots
@@ -106,8 +106,7 @@ class AnchorReuse:
             missing: dict[Key, list[int]] = {}
             for seq in group:
                 start = seq.resume.length if seq.resume is not None else 0
-                spans = [(j, lo, hi, segment_key(seq.tenant, seq.prompt[lo:hi]))
-                         for j, (lo, hi) in enumerate(seq.shared)]
+                spans = [(j, lo, hi, k) for j, ((lo, hi), k) in enumerate(zip(seq.shared, seq.segment_keys()))]
                 keys.append([sp for sp in spans if sp[1] >= start])  # not restored
                 covered.append([sp for sp in spans if seq.resume is not None and sp[2] <= seq.resume.exact])
                 missing.update((k, seq.prompt[lo:hi]) for _, lo, hi, k in keys[-1]

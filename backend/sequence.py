@@ -10,6 +10,7 @@ import torch
 
 from tokendance.backend.api import REUSING, Pooling, SamplingParams
 from tokendance.backend.detok import Detok
+from tokendance.backend.keys import Key, segment_key
 from tokendance.backend.mirror import Mirror
 from tokendance.backend.pool import flat_slots
 
@@ -46,6 +47,7 @@ class Sequence:
     mode: str = "full"  # one of api.MODES
     shared: list[tuple[int, int]] = field(default_factory=list)  # [lo, hi) of shared segments
     tenant: str = ""
+    keys: list[Key] | None = None  # the shared segments' keys, once made (segment_keys)
     sender: str = ""  # who sent it (its session's agent): kvcomm's placeholders are per agent
     publish: bool = False  # keep the KV of the output as a base for the next round
     recomputed: int = 0  # reused prompt tokens recomputed selectively
@@ -72,6 +74,12 @@ class Sequence:
         shared segment, nothing restored), whose KV is as exact."""
         return self.mode == "prefix" or (self.mode in REUSING and not self.shared
                                          and self.resume is None and self.mirror is None)
+
+    def segment_keys(self) -> list[Key]:
+        """Each shared segment's key (backend/keys.py), hashed once for the request."""
+        if self.keys is None:
+            self.keys = [segment_key(self.tenant, self.prompt[lo:hi]) for lo, hi in self.shared]
+        return self.keys
 
     @property
     def tokens(self) -> list[int]:

@@ -5,7 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tokendance.backend import sequence
 from tokendance.backend.api import SamplingParams
+from tokendance.backend.detok import Detok
 from tokendance.backend.engine import Engine
 from tokendance.backend.keys import chain, namespace, segment_key
 from tests.backend.test_reuse import round_prompts
@@ -63,3 +65,12 @@ def test_segment_bases_stay_within_a_tenant(engine):
         run(engine, f"b{i}", p, "t2", mode="collective", shared=s)
     assert len(engine.segments.entries) == 2 * len(keys)
     assert not keys & {segment_key("t2", prompts[0][lo:hi]) for lo, hi in spans[0]}
+
+
+def test_a_requests_segment_keys_are_its_segments_hashed_once(monkeypatch):
+    seq = sequence.Sequence("r", list(range(40)), SamplingParams(), Detok(None), shared=[(3, 10), (20, 38)],
+                            tenant="t")
+    want = [segment_key("t", list(range(3, 10))), segment_key("t", list(range(20, 38)))]
+    assert seq.segment_keys() == want and want[0] != segment_key("", list(range(3, 10)))
+    monkeypatch.setattr(sequence, "segment_key", lambda *a: pytest.fail("hashed again"))
+    assert seq.segment_keys() == want
