@@ -165,7 +165,7 @@ def shard_for(cfg: EngineConfig, device: torch.device, model: ModelConfig) -> Sh
     if device.type == "cuda" and (_device(device, size - 1).index or 0) >= torch.cuda.device_count():
         raise InvalidRequest(f"--tensor-parallel-size {size} from {device} needs more GPUs than "
                              f"the {torch.cuda.device_count()} here", "tensor_parallel_size")
-    port = _free_port()
+    port = free_port()
     ctx = mp.get_context("spawn")
     procs = [ctx.Process(target=_follow, args=(cfg, rank, size, port), daemon=True,
                          name=f"tokendance-tp{rank}") for rank in range(1, size)]
@@ -188,7 +188,8 @@ def _device(device: torch.device, rank: int) -> torch.device:
     return torch.device("cuda", (device.index or 0) + rank)
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A loopback port free now (a rendezvous's, a server's)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]

@@ -32,6 +32,7 @@ import aiohttp
 from aiohttp import web
 
 from tokendance.backend.api import Delta, ModelInfo, Prepared, Request, Usage
+from tokendance.backend.parallel import free_port
 
 MODEL = "instant"
 
@@ -281,14 +282,6 @@ async def wait_up(url: str) -> None:
             except aiohttp.ClientError:
                 await asyncio.sleep(0.1)
     raise TimeoutError("the proxy did not start")
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 if __name__ == "__main__":

@@ -32,7 +32,7 @@ from collections.abc import Awaitable, Callable, Iterator
 
 import httpx
 
-from tokendance.bench.proxy import free_port
+from tokendance.backend.parallel import free_port
 from tokendance.proxy.segment import SEP
 
 AGENTS = 8

@@ -18,6 +18,7 @@ from typing import Any
 import openai
 import pytest
 
+from tokendance.backend.parallel import free_port
 from tokendance.proxy.app import Server
 from tokendance.proxy.core import Config
 
@@ -136,12 +137,6 @@ def engine_client(engine_live) -> Any:
 @pytest.fixture(scope="module")
 def engine_model(engine_live) -> str:
     return engine_live.backend.info.name
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def wait_port(port: int, up: bool = True, timeout: float = 10.0) -> None:

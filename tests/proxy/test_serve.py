@@ -15,10 +15,11 @@ from pathlib import Path
 
 import pytest
 
+from tokendance.backend.parallel import free_port
 from tokendance.examples import cli
 from tokendance.proxy import serve
 
-from .conftest import FakeBackend, Threaded, free_port
+from .conftest import FakeBackend, Threaded
 
 FAKE = Path(__file__).with_name("fake_backend.py")
 SCRIPT = """
