@@ -16,6 +16,8 @@ from tokendance.backend.api import BASES, REUSE_DEFAULTS
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
     """The model, its dtype, the reuse policy and the host tier."""
+    p.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
+                   help="the model, as vLLM's `serve MODEL` takes it (or --model)")
     p.add_argument("--model", default=None, help="HF folder or GGUF file (default: embedded SmolLM2)")
     p.add_argument("--dtype", default="auto", help="auto, float32, bfloat16, float16")
     add_parallel_args(p)
@@ -123,7 +125,15 @@ def changed(args: argparse.Namespace) -> list[str]:
     """The engine flags given other than their defaults, as written on the command line."""
     p = argparse.ArgumentParser()
     add_engine_args(p)
-    return [f"--{k.replace('_', '-')}" for k, v in vars(p.parse_args([])).items() if getattr(args, k) != v]
+    return ["MODEL" if k == "model_tag" else f"--{k.replace('_', '-')}"
+            for k, v in vars(p.parse_args([])).items() if getattr(args, k) != v]
+
+
+def model(args: argparse.Namespace) -> str | None:
+    """The model given as MODEL or --model (ValueError if both name different ones)."""
+    if args.model_tag is not None and args.model is not None and args.model_tag != args.model:
+        raise ValueError(f"MODEL {args.model_tag} and --model {args.model} name two models: give one")
+    return args.model_tag or args.model
 
 
 def engine_options(args: argparse.Namespace) -> dict[str, Any]:
@@ -139,7 +149,7 @@ def engine_options(args: argparse.Namespace) -> dict[str, Any]:
         raise ValueError("--kv-tokens and --gpu-memory-utilization both size the KV pool: give one")
     generation.check(args.generation_config, args.override_generation_config)
     offload = None if args.offload_gib is None else int(args.offload_gib * 2**30)  # None: the device's default
-    return {"model": args.model, "dtype": args.dtype, "tensor_parallel_size": args.tensor_parallel_size,
+    return {"model": model(args), "dtype": args.dtype, "tensor_parallel_size": args.tensor_parallel_size,
             "seed": args.seed, **({"cuda_graphs": 0} if args.enforce_eager else {}), "offload_bytes": offload,
             "anchor_bytes": int(args.anchor_gib * 2**30), "anchor_rank": args.anchor_rank,
             "kv_tokens": args.kv_tokens, "gpu_memory_utilization": args.gpu_memory_utilization,

@@ -295,11 +295,21 @@ def test_serve_with_an_engine_refuses_engine_flags(capsys):
     (["--port", "70000"], "tokendance engine: --port must lie in 0..65535, got 70000"),
     (["--offload-gib", "-1"], "tokendance engine: --offload-gib must be a finite number, not negative"),
     (["--drain-timeout", "nan"], "tokendance engine: --drain-timeout must be a number, not negative"),
+    (["/m/a", "--model", "/m/b"], "tokendance engine: MODEL /m/a and --model /m/b name two models: give one"),
 ])
 def test_engine_flags_fail_in_one_line_before_loading_the_model(monkeypatch, capsys, argv, message):
     monkeypatch.setattr(EngineBackend, "load", classmethod(lambda cls, **kw: pytest.fail("loaded")))
     assert cli.main(["engine", *argv]) == 1
     assert capsys.readouterr().err.strip() == message
+
+
+def test_the_engine_loads_the_model_given_as_vllm_serve_takes_it(monkeypatch, capsys):
+    def load(cls, **kw):
+        raise ValueError(f"would load {kw['model']}")
+
+    monkeypatch.setattr(EngineBackend, "load", classmethod(load))
+    assert cli.main(["engine", "/m/a"]) == 1
+    assert capsys.readouterr().err.strip() == "tokendance engine: would load /m/a"
 
 
 def test_the_engine_key_goes_to_remote_engines_only(monkeypatch):

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from tokendance.backend.flags import engine_options
 from tokendance.backend.parallel import free_port
 from tokendance.examples import cli
 from tokendance.proxy import serve
@@ -78,6 +79,8 @@ def test_flags():
     (["--mqtt-peers"], "--mqtt-peers shares rounds over the MQTT broker: give --mqtt too"),
     (["--stream-interval", "0"], "--stream-interval must be at least 1"),
     (["--gpu-memory-utilization", "0.5", "--kv-tokens", "4096"], "--kv-tokens and --gpu-memory-utilization"),
+    (["/m/a", "--model", "/m/b"], "MODEL /m/a and --model /m/b name two models: give one"),
+    (["/m/a", "--engine", "http://127.0.0.1:1"], "MODEL set the engine: with --engine, give them to"),
 ])
 def test_bad_flags_fail_in_one_line_before_loading_the_model(monkeypatch, capsys, argv, message):
     def never(args):
@@ -87,6 +90,19 @@ def test_bad_flags_fail_in_one_line_before_loading_the_model(monkeypatch, capsys
     assert cli.main(["serve", *argv]) == 1
     err = capsys.readouterr().err.strip()
     assert message in err and "\n" not in err
+
+
+@pytest.mark.parametrize("argv", [["/m/a"], ["--model", "/m/a"], ["/m/a", "--model", "/m/a"]])
+def test_the_model_is_given_as_vllm_serve_takes_it_or_by_flag(monkeypatch, capsys, argv):
+    seen = []
+
+    def load(args):
+        seen.append(engine_options(args)["model"])
+        raise ValueError("loaded no further")
+
+    monkeypatch.setattr(serve, "load_backend", load)
+    assert cli.main(["serve", *argv]) == 1
+    assert seen == ["/m/a"] and "loaded no further" in capsys.readouterr().err
 
 
 def test_importing_serve_does_not_load_torch():
