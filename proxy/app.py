@@ -13,7 +13,7 @@ from aiohttp import web
 
 from tokendance.backend.api import Backend
 
-from . import chat, conversations, echo, embeddings as vectors, generative, messages, reasoning, replies
+from . import chat, conversations, cors, echo, embeddings as vectors, generative, messages, reasoning, replies
 from . import responses, schemas, scores, segment
 from . import tokenize as tokens
 from .answer import Turn, follow, starting_after
@@ -284,7 +284,10 @@ def _number(req: web.Request) -> int:
 
 
 def make_app(proxy: Proxy, control: Control | None = None) -> web.Application:
-    app = web.Application(middlewares=[middleware, keys(proxy.config.api_keys)], client_max_size=64 * 2**20)
+    policy = proxy.config.cors
+    app = web.Application(middlewares=[middleware, cors.preflights(policy), keys(proxy.config.api_keys)],
+                          client_max_size=64 * 2**20)
+    cors.answer(app, policy)
     app[PROXY] = proxy
     app[CONTROL] = control
     r = app.router

@@ -22,6 +22,7 @@ from tokendance.backend.auth import bearer
 from . import tools as t
 from .barrier import Barrier, Entry, Gate
 from .call import Call
+from .cors import Cors
 from .errors import ApiError, from_backend, invalid
 from .schemas import RoundOpen, Sampled, answer_id, prompt_logprobs, truncation
 from .known import Known
@@ -51,6 +52,7 @@ class Config:
     names: tuple[str, ...] = ()  # vLLM's --served-model-name: the model's names in the API
     api_keys: frozenset[str] = frozenset()  # vLLM's --api-key: required on /v1 routes (empty: none)
     stream_interval: int = 1  # vLLM's --stream-interval: tokens per streamed chunk (a request may raise it)
+    cors: Cors = Cors()  # vLLM's --allowed-origins, --allowed-methods, ... (proxy/cors.py)
 
 
 class Proxy:

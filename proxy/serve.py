@@ -18,6 +18,7 @@ from tokendance.backend.flags import GENERATION_FLAGS, add_engine_args, at_least
 
 from .app import Server
 from .core import Config
+from .cors import Cors, parse
 from .mqtt import address
 from .reasoning import PARSERS
 
@@ -66,6 +67,12 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     p.add_argument("--api-key", action="append", default=None, metavar="KEY",
                    help=f"answer /v1 routes only with this key (Authorization: Bearer); repeat it for "
                         f"several (default: ${KEY_ENV}, else none)")
+    p.add_argument("--allowed-origins", default='["*"]', metavar="JSON",
+                   help="CORS: the origins whose pages in a browser may call the API, a JSON list ('[]': none)")
+    p.add_argument("--allowed-methods", default='["*"]', metavar="JSON", help="CORS: the methods they may use")
+    p.add_argument("--allowed-headers", default='["*"]', metavar="JSON", help="CORS: the headers they may send")
+    p.add_argument("--allow-credentials", action="store_true",
+                   help="CORS: they may send cookies and authorization (the origin is echoed, never *)")
     p.add_argument("--chat-template", default=None, metavar="PATH",
                    help="a Jinja chat template file (or the template itself) to render chats with, "
                         "instead of the tokenizer's")
@@ -131,9 +138,12 @@ def config(args: argparse.Namespace) -> Config:
         raise ValueError("--mqtt-peers shares rounds over the MQTT broker: give --mqtt too")
     if args.stream_interval < 1:
         raise ValueError(f"--stream-interval must be at least 1, not {args.stream_interval}")
+    policy = Cors(*(parse(f"--allowed-{what}", getattr(args, f"allowed_{what}"))
+                    for what in ("origins", "methods", "headers")), credentials=args.allow_credentials)
     return Config(barrier_timeout=args.barrier_timeout_ms / 1e3, max_group=args.max_group,
                   drain_timeout=args.drain_timeout, reasoning=args.reasoning_parser, names=names,
-                  api_keys=frozenset(keys), peers=args.mqtt_peers, stream_interval=args.stream_interval)
+                  api_keys=frozenset(keys), peers=args.mqtt_peers, stream_interval=args.stream_interval,
+                  cors=policy)
 
 
 def chat_template(backend: Backend, given: str) -> None:
