@@ -49,16 +49,16 @@ class Cors:
     def preflight(self, origin: str, method: str, requested: str) -> dict[str, str]:
         """The preflight's own headers (ApiError 400 naming what is not allowed)."""
         asked = [h.strip().lower() for h in requested.split(",") if h.strip()]
+        named = {*SIMPLE, *(h.lower() for h in self.headers)} - {"*"}
         refused = [what for what, ok in (
             ("origin", self.allows(origin)),
             ("method", "*" in self.methods or method.upper() in {m.upper() for m in self.methods}),
-            ("headers", "*" in self.headers or set(asked) <= {*SIMPLE, *(h.lower() for h in self.headers)}),
+            ("headers", "*" in self.headers or set(asked) <= named),
         ) if not ok]
         if refused:
             raise ApiError(400, f"Disallowed CORS {', '.join(refused)}: {origin} asked {method} with "
                                 f"headers [{requested}]", param="Origin")
-        named = ", ".join(sorted({*SIMPLE, *self.headers} - {"*"}))
-        allowed = requested if "*" in self.headers and requested else named
+        allowed = requested if "*" in self.headers and requested else ", ".join(sorted(named))
         return {"Access-Control-Allow-Methods": ", ".join(METHODS if "*" in self.methods else self.methods),
                 "Access-Control-Allow-Headers": allowed, "Access-Control-Max-Age": str(MAX_AGE)}
 
