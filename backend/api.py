@@ -24,6 +24,7 @@ ANCHORED = ("kvcomm", "kvcmas")
 # kept fewer debates identical to exact prefill); or the KV of it in a reader's context
 # (two requests of the group prefilled in full; docs/fidelity.md).
 BASES = ("standalone", "producer", "reader")
+POLICIES = ("fcfs", "priority")  # vLLM's --scheduling-policy (backend/scheduler.py)
 # The reuse policy's defaults (EngineConfig, `serve` and `simulate`, the benchmarks): at
 # most 15 % of each request's reused tokens recomputed, no deviation floor, standalone bases,
 # shared segments reused from the length the device gains by (None: the engine's default).
@@ -149,6 +150,15 @@ class SamplingParams:
     structure: Structure | None = None  # structured outputs (backend/grammar.py)
     repetition: Repetition | None = None  # vLLM's repetition_detection (backend/repetition.py)
     think_budget: ThinkBudget | None = None  # vLLM's thinking_token_budget (backend/thinking.py)
+    # vLLM's priority, under --scheduling-policy priority: lower values are served first
+    priority: int = 0
+
+    def check_priority(self, ranked: bool) -> None:
+        """InvalidRequest for a priority other than 0 where the backend is not `ranked`
+        (scheduling by priority), as vLLM refuses one."""
+        if self.priority and not ranked:
+            raise InvalidRequest(f"priority {self.priority}: this engine serves first come, first served "
+                                 "(start it with --scheduling-policy priority)", "priority", "unsupported")
 
     def validate(self) -> None:
         if self.max_tokens <= 0:
@@ -171,6 +181,8 @@ class SamplingParams:
             raise InvalidRequest(f"prompt_logprobs must be between 0 and {TOP_LOGPROBS}", "prompt_logprobs")
         if self.seed is not None and not -2**63 <= self.seed < 2**63:  # torch's; n > 1 adds up to 63
             raise InvalidRequest("seed must be a 64-bit signed integer", "seed")
+        if not -2**63 <= self.priority < 2**63:
+            raise InvalidRequest("priority must be a 64-bit signed integer", "priority")
         if len(self.stop) > 16:
             raise InvalidRequest("at most 16 stop sequences", "stop")
         if not all(self.stop):  # "" would stop before the first token
@@ -322,6 +334,7 @@ class ModelInfo:
     # what a request that leaves them out samples with, by SamplingParams' names: the
     # model's generation config (backend/generation.py)
     sampling: dict[str, float] = field(default_factory=dict)
+    priority: bool = False  # requests may carry a priority (vLLM's --scheduling-policy priority)
 
 
 @dataclass(slots=True)

@@ -29,6 +29,7 @@ class EngineConfig:
     # pool together (backend/budget.py); 0: the pool takes 85 % of what the weights leave free
     gpu_memory_utilization: float = 0.0
     max_seqs: int = 256
+    scheduling_policy: str = "fcfs"  # vLLM's: or "priority", by each request's priority (backend/scheduler.py)
     max_batched_tokens: int = 0  # per step; 0: 2048 on CPU, 16384 on CUDA
     max_model_len: int = 0  # 0: the model's limit (capped by the pool)
     seed: int = 0

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import os
 from pathlib import Path
 
@@ -9,7 +10,7 @@ import structlog
 import torch
 
 from tokendance.backend import heap, loader, parallel, pooling, scoring
-from tokendance.backend.api import (BASES, REUSING, Delta, InvalidRequest, Pooling, SamplingParams,
+from tokendance.backend.api import (BASES, POLICIES, REUSING, Delta, InvalidRequest, Pooling, SamplingParams,
                                    Usage, check_mode)
 from tokendance.backend.banned import sequences
 from tokendance.backend.blocks import BlockManager
@@ -45,6 +46,9 @@ class Engine:
         self.device = pick_device(cfg.device)
         if cfg.bases not in BASES:
             raise InvalidRequest(f"unknown bases {cfg.bases!r}; choose one of {', '.join(BASES)}", "bases")
+        if cfg.scheduling_policy not in POLICIES:
+            raise InvalidRequest(f"unknown scheduling policy {cfg.scheduling_policy!r}; choose one of "
+                                 f"{', '.join(POLICIES)}", "scheduling_policy")
         dtype = cfg.dtype if cfg.dtype != "auto" else ("bfloat16" if self.device.type == "cuda" else "float32")
         if dtype not in DTYPES:
             raise InvalidRequest(f"unsupported dtype {dtype!r}; choose one of {', '.join(DTYPES)}", "dtype")
@@ -97,7 +101,7 @@ class Engine:
         self.cache = KVCache(self.mcfg, max(2, tokens // cfg.block_size), cfg.block_size, self.dtype, self.device)
         self.pool = BlockPool(self.cache.num_blocks)
         self.blocks = BlockManager(self.pool, cfg.block_size)
-        self.scheduler = Scheduler(self.blocks, cfg.max_seqs, budget)
+        self.scheduler = Scheduler(self.blocks, cfg.max_seqs, budget, cfg.scheduling_policy)
         self.runner = Runner(self.model, self.cache)
         self.runner.late_from = cfg.check_layer
         if self.device.type == "cuda" and cfg.cuda_graphs and HAVE_TRITON:  # graphs replay Triton kernels
@@ -120,6 +124,7 @@ class Engine:
                   cfg.max_model_len)
         self.max_model_len = min(x for x in limits if x)
         self.seqs: dict[str, Sequence] = {}
+        self._arrivals = itertools.count()
         self.overlap = cfg.overlap if cfg.overlap is not None else self.device.type == "cuda"
         self.min_shared = min_shared(cfg.min_shared_tokens, self.device)
         self.inflight: Inflight | None = None  # the last decode step's tokens, not read yet
@@ -145,7 +150,8 @@ class Engine:
 
     def check(self, prompt: list[int], sampling: SamplingParams, pooled: bool = False) -> None:
         """Raise InvalidRequest unless the engine can serve this prompt (`pooled`: embed it)."""
-        check(prompt, sampling, self.max_model_len, self.mcfg.vocab_size, self.grammars, pooled)
+        check(prompt, sampling, self.max_model_len, self.mcfg.vocab_size, self.grammars, pooled,
+              self.scheduler.ranked)
 
     def add(self, rid: str, prompt: list[int], sampling: SamplingParams, mode: str = "full",
             shared: list[tuple[int, int]] | None = None, tenant: str = "", publish: bool = False,
@@ -177,7 +183,7 @@ class Engine:
                        publish=publish and (self.cfg.bases == "producer" or mode == "kvcmas"),
                        sender=agent or "", bad=sequences(self.tokenizer, sampling.bad_words),
                        scored=None if sampling.prompt_logprobs is None else scoring.start(prompt, self.pieces),
-                       pooling=pool)
+                       pooling=pool, arrival=next(self._arrivals))
         if sampling.think_budget is not None:
             seq.thought = Thought.of(sampling.think_budget, prompt)
         st = sampling.structure

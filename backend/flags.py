@@ -11,7 +11,7 @@ from collections.abc import Callable
 from typing import Any
 
 from tokendance.backend import generation
-from tokendance.backend.api import BASES, REUSE_DEFAULTS
+from tokendance.backend.api import BASES, POLICIES, REUSE_DEFAULTS
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -44,6 +44,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-model-len", type=at_least(0), default=0,
                    help="the longest prompt and answer together (0: the model's limit, or the pool's)")
     p.add_argument("--max-num-seqs", type=at_least(1), default=256, help="requests running at once")
+    p.add_argument("--scheduling-policy", choices=POLICIES, default="fcfs",
+                   help="fcfs: first come, first served; priority: by each request's priority (lower "
+                        "first, then arrival), a waiting request preempting running ones of lower priority")
     p.add_argument("--max-num-batched-tokens", type=at_least(0), default=0,
                    help="tokens a step computes at most (0: 2,048 on the CPU, 16,384 on the GPU)")
     add_generation_args(p)
@@ -154,5 +157,6 @@ def engine_options(args: argparse.Namespace) -> dict[str, Any]:
             "anchor_bytes": int(args.anchor_gib * 2**30), "anchor_rank": args.anchor_rank,
             "kv_tokens": args.kv_tokens, "gpu_memory_utilization": args.gpu_memory_utilization,
             "max_model_len": args.max_model_len, "max_seqs": args.max_num_seqs,
+            "scheduling_policy": args.scheduling_policy,
             "max_batched_tokens": args.max_num_batched_tokens, "generation_config": args.generation_config,
             "override_generation_config": args.override_generation_config or {}, **reuse_options(args)}

@@ -64,11 +64,12 @@ def render_chat(tokenizer: Any, messages: list[dict[str, Any]], tools: list[dict
 
 
 def check(ids: list[int], sampling: SamplingParams, max_model_len: int, vocab_size: int,
-          grammars: Grammars, pooled: bool = False) -> None:
+          grammars: Grammars, pooled: bool = False, priority: bool = False) -> None:
     """Raise InvalidRequest unless an engine of these limits can serve this prompt (and
     its structured output's spec compiles). `pooled`: an embedding request, which needs
-    no room for a generated token."""
+    no room for a generated token; `priority`: the engine schedules by priority."""
     sampling.validate()
+    sampling.check_priority(priority)
     sampling.check_vocab(vocab_size)
     if sampling.structure is not None:
         grammars.compile(sampling.structure)

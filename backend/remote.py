@@ -39,7 +39,7 @@ class RemoteBackend:
                  timeout: float = 10.0, api_key: str | None = None):
         check_mode(mode)
         self.url = url.rstrip("/")
-        self.info = ModelInfo(info.name, info.max_model_len, info.kv_bytes_per_token, info.sampling)
+        self.info = ModelInfo(info.name, info.max_model_len, info.kv_bytes_per_token, info.sampling, info.priority)
         self.vocab_size = info.vocab_size
         self.tokenizer = tokenizer
         self.grammars = Grammars(tokenizer, info.vocab_size)  # checks structured outputs' specs
@@ -82,7 +82,7 @@ class RemoteBackend:
         check_mode(request.mode)
         ids, spans = request_ids(self.tokenizer, request)
         check(ids, request.sampling, self.info.max_model_len, self.vocab_size, self.grammars,
-              request.pooling is not None)
+              request.pooling is not None, self.info.priority)
         # What the engine gets: the tokens, tokenized here once with its own tokenizer.
         return Prepared(request, len(ids), replace(request, segments=[], prompt_token_ids=ids, shared_spans=spans),
                         ids)

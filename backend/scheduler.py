@@ -6,16 +6,26 @@ token budget. When the pool runs dry, the newest running sequence is preempted: 
 blocks are freed and it is recomputed later, so a full pool slows things down and
 never fails a request. Before that, cached blocks nobody runs on are reclaimed
 (`reclaim`: the segment cache's unpinned bases).
+
+Under vLLM's --scheduling-policy priority both queues are kept in `rank` order (a
+request's priority, lower first, then its arrival): the first served are the most
+urgent, the preempted the least; and a waiting request that finds no room preempts
+running ones of a strictly lower priority (a larger value) until it fits.
 """
 
 from __future__ import annotations
 
+from bisect import insort
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, MutableSequence
 from dataclasses import dataclass
 
 from tokendance.backend.blocks import BlockManager
 from tokendance.backend.sequence import Sequence, Status
+
+def rank(seq: Sequence) -> tuple[int, int]:
+    """Under the priority policy, who goes first: the lower priority value, then the earlier arrival."""
+    return seq.sampling.priority, seq.arrival
 
 
 @dataclass(slots=True)
@@ -36,8 +46,9 @@ class Scheduled:
 
 
 class Scheduler:
-    def __init__(self, blocks: BlockManager, max_seqs: int, max_tokens: int):
+    def __init__(self, blocks: BlockManager, max_seqs: int, max_tokens: int, policy: str = "fcfs"):
         self.blocks = blocks
+        self.ranked = policy == "priority"
         # frees cached blocks (unpinned segment bases) until n are free; the engine sets it
         self.reclaim: Callable[[int], int] | None = None
         self.max_seqs = max_seqs
@@ -46,7 +57,20 @@ class Scheduler:
         self.running: list[Sequence] = []
 
     def add(self, seq: Sequence) -> None:
-        self.waiting.append(seq)
+        self._enter(self.waiting, seq)
+
+    def admit(self, seq: Sequence) -> None:
+        """Into the running sequences (prefilled by reuse, or admitted by schedule)."""
+        seq.status = Status.RUNNING
+        self._enter(self.running, seq)
+
+    def _enter(self, queue: MutableSequence[Sequence], seq: Sequence, first: bool = False) -> None:
+        if self.ranked:
+            insort(queue, seq, key=rank)
+        elif first:
+            queue.insert(0, seq)
+        else:
+            queue.append(seq)
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
@@ -76,7 +100,7 @@ class Scheduler:
         seq.computed = 0
         seq.status = Status.WAITING
         seq.preemptions += 1
-        self.waiting.appendleft(seq)
+        self._enter(self.waiting, seq, first=True)
 
     def schedule(self) -> tuple[list[Scheduled], list[Sequence]]:
         """The next step's work, and sequences that can never fit (finish them)."""
@@ -106,21 +130,39 @@ class Scheduler:
                 starved.append(seq)
             else:
                 self.preempt(seq)
-        while self.waiting and budget > 0 and len(self.running) < self.max_seqs:
+        while self.waiting and budget > 0:
             seq = self.waiting[0]
+            if len(self.running) >= self.max_seqs:
+                if not self._yield_to(seq, out):
+                    break
+                budget = self.max_tokens - sum(w.count for w in out)
+                continue
             self.blocks.match_prefix(seq)
             n = min(seq.pending, budget)
             if not self._reserve(seq, seq.computed + n):
                 self.blocks.free(seq)
                 seq.computed = 0
+                if self._yield_to(seq, out):
+                    budget = self.max_tokens - sum(w.count for w in out)
+                    continue
                 if not self.running and not out:
                     self.waiting.popleft()
                     starved.append(seq)
                     continue
                 break
             self.waiting.popleft()
-            seq.status = Status.RUNNING
-            self.running.append(seq)
+            self.admit(seq)
             out.append(Scheduled(seq, seq.computed, n))
             budget -= n
         return out, starved
+
+    def _yield_to(self, seq: Sequence, out: list[Scheduled]) -> bool:
+        """Under the priority policy, preempt the least urgent running sequence if its
+        priority is strictly lower than waiting `seq`'s (its work this step dropped from
+        `out`); whether one was."""
+        if not self.ranked or not self.running or self.running[-1].sampling.priority <= seq.sampling.priority:
+            return False
+        victim = self.running[-1]
+        out[:] = [w for w in out if w.seq is not victim]
+        self.preempt(victim)
+        return True

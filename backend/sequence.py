@@ -47,6 +47,7 @@ class Sequence:
     mode: str = "full"  # one of api.MODES
     shared: list[tuple[int, int]] = field(default_factory=list)  # [lo, hi) of shared segments
     tenant: str = ""
+    arrival: int = 0  # the engine's count of requests before it (scheduler.rank)
     keys: list[Key] | None = None  # the shared segments' keys, once made (segment_keys)
     sender: str = ""  # who sent it (its session's agent): kvcomm's placeholders are per agent
     publish: bool = False  # keep the KV of the output as a base for the next round

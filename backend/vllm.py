@@ -43,7 +43,7 @@ class VLLMBackend:
         self.url = url.rstrip("/")
         # vLLM does not say its KV bytes per token. The proxy sends every sampling field, so
         # it applies the model's defaults itself, as the server would (`sampling`).
-        self.info = ModelInfo(model, max_model_len, 0, sampling or {})
+        self.info = ModelInfo(model, max_model_len, 0, sampling or {}, priority=True)
         self.tokenizer = tokenizer
         self.grammars = Grammars(tokenizer, len(tokenizer))  # checks structured outputs' specs
         self.pieces = Pieces(tokenizer)  # a logprob's token text, as the engine writes it
@@ -92,7 +92,7 @@ class VLLMBackend:
                                  "engine: this proxy streams from its vLLM server", "prompt_logprobs")
         ids, spans = request_ids(self.tokenizer, request)
         check(ids, request.sampling, self.info.max_model_len, len(self.tokenizer), self.grammars,
-              request.pooling is not None)
+              request.pooling is not None, priority=True)  # the vLLM server refuses one it cannot take
         return Prepared(request, len(ids), replace(request, mode=mode, segments=[], prompt_token_ids=ids,
                                                    shared_spans=spans), ids)
 
@@ -221,6 +221,8 @@ class VLLMBackend:
             body["top_k"] = s.top_k
         if s.seed is not None:
             body["seed"] = s.seed
+        if s.priority:
+            body["priority"] = s.priority
         if s.logit_bias:
             body["logit_bias"] = {str(k): v for k, v in s.logit_bias.items()}
         if s.logprobs:  # by id: their text is written as our engine writes it (_delta)

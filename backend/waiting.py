@@ -3,6 +3,8 @@ the collector's sub-batches, beside the scheduler's own prefills and decodes."""
 
 from __future__ import annotations
 
+from bisect import insort
+
 import torch
 
 from tokendance.backend.api import ANCHORED, REUSING
@@ -11,8 +13,8 @@ from tokendance.backend.blocks import BlockManager
 from tokendance.backend.collector import Collector
 from tokendance.backend.idle import IdleAgents
 from tokendance.backend.sampler import Sampled, sample
-from tokendance.backend.scheduler import Scheduler
-from tokendance.backend.sequence import Sequence, Status
+from tokendance.backend.scheduler import Scheduler, rank
+from tokendance.backend.sequence import Sequence
 
 
 class Waiting:
@@ -39,7 +41,10 @@ class Waiting:
             if r is not None:
                 seq.exact = r.exact  # no more exact than the prefix it restores
         if seq.mode in REUSING and (seq.shared or seq.resume is not None):
-            self.seqs.append(seq)
+            if self.scheduler.ranked:  # the most urgent first (scheduler.rank)
+                insort(self.seqs, seq, key=rank)
+            else:
+                self.seqs.append(seq)
         else:
             self.scheduler.add(seq)
 
@@ -83,7 +88,6 @@ class Waiting:
                 continue
             for seq in ready:
                 self.seqs.remove(seq)
-                seq.status = Status.RUNNING
-                self.scheduler.running.append(seq)
+                self.scheduler.admit(seq)
             out += zip(ready, sample(logits, ready, generator)) if ready else []
         return out

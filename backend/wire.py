@@ -31,6 +31,7 @@ class Info(Struct, kw_only=True):
     vocab_size: int
     tokenizer: dict[str, str]  # file name -> text: what the proxy tokenizes and renders chats with
     sampling: dict[str, int | float] = {}  # the model's default sampling (backend/generation.py)
+    priority: bool = False  # it schedules by requests' priority (--scheduling-policy priority)
 
 
 class Failure(Struct):

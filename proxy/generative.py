@@ -23,7 +23,7 @@ from tokendance.backend.api import LABELS, BackendError, InvalidRequest, Request
 
 from .core import Proxy
 from .embeddings import MAX_INPUTS
-from .errors import from_backend, invalid, unsupported
+from .errors import from_backend, invalid
 from .schemas import answer_id
 from .scores import Cached, Score, ScoreList, Usage
 
@@ -65,14 +65,13 @@ def _prompts(px: Proxy, body: GenerativeScoring) -> list[list[int]]:
 async def score(px: Proxy, body: GenerativeScoring, headers: Mapping[str, str]) -> ScoreList:
     if body.model is not None:
         px.served(body.model)
-    if body.priority:
-        raise unsupported("priority", "priority other than 0 (first come, first served here)")
     labels = list(dict.fromkeys(body.label_token_ids))
     if not 1 <= len(labels) <= LABELS:
         raise invalid(f"label_token_ids must name between 1 and {LABELS} tokens", "label_token_ids")
     key = answer_id(body.request_id, headers.get("X-Request-Id"))
     tenant = px.tenant(headers, body.cache_salt)
-    sampling = SamplingParams(max_tokens=1, temperature=0.0, logprobs=True, logprob_token_ids=labels)
+    sampling = SamplingParams(max_tokens=1, temperature=0.0, logprobs=True, logprob_token_ids=labels,
+                              priority=body.priority)
     group = []
     for i, ids in enumerate(_prompts(px, body)):
         try:

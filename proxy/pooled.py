@@ -46,14 +46,13 @@ class Shape:
     truncate: int | None = None  # truncate_prompt_tokens, resolved
     side: str = "right"  # truncation_side: a pooling model keeps the first tokens (vLLM's default)
     normalize: bool = True  # use_activation
+    priority: int = 0  # vLLM's, under the engine's --scheduling-policy priority
 
 
 def shape(px: Proxy, body: Fields, headers: Mapping[str, str], special: bool) -> tuple[str, Shape]:
     """The call's id (after its prefix) and its prompts' shape; a 400 for what cannot be."""
     if body.model is not None:
         px.served(body.model)
-    if body.priority:
-        raise unsupported("priority", "priority other than 0 (first come, first served here)")
     if body.padding == "max_length":
         raise unsupported("padding", "padding to max_length (for encoders trained on fixed lengths)")
     if body.mm_processor_kwargs:
@@ -62,7 +61,7 @@ def shape(px: Proxy, body: Fields, headers: Mapping[str, str], special: bool) ->
     truncate = truncation(body.truncate_prompt_tokens, px.backend.info.max_model_len)
     normalize = body.use_activation if body.use_activation is not None else True
     return key, Shape(px.tenant(headers, body.cache_salt), special, truncate, body.truncation_side or "right",
-                      normalize)
+                      normalize, body.priority)
 
 
 @dataclass(slots=True)
@@ -76,9 +75,9 @@ async def pool(px: Proxy, key: str, prompts: list[str | list[int]], shape: Shape
     group = []
     for i, p in enumerate(prompts):
         text = isinstance(p, str)
-        r = Request(f"{key}-{i}", [Segment(p)] if text else [], SamplingParams(max_tokens=1),
-                    prompt_token_ids=None if text else p, tenant=shape.tenant, add_special_tokens=shape.special,
-                    truncate=shape.truncate, truncation_side=shape.side, pooling=Pooling(shape.normalize))
+        sampling = SamplingParams(max_tokens=1, priority=shape.priority)
+        r = Request(f"{key}-{i}", [Segment(p)] if text else [], sampling, prompt_token_ids=None if text else p,
+                    tenant=shape.tenant, add_special_tokens=shape.special, truncate=shape.truncate, truncation_side=shape.side, pooling=Pooling(shape.normalize))
         try:
             group.append(px.backend.prepare(r))
         except InvalidRequest as exc:

@@ -105,7 +105,7 @@ class Sampled(Struct, kw_only=True):
     truncate_prompt_tokens: int | None = None  # vLLM's: only the prompt's last k tokens (-1: the context's)
     truncation_side: Literal["left", "right"] | None = None  # vLLM's: "right" keeps the first k instead
     request_id: str | None = None  # vLLM's: the answer's id, after its prefix
-    priority: int = 0  # vLLM's: only 0, as a vLLM server without priority scheduling takes it
+    priority: int = 0  # vLLM's: lower first, under the engine's --scheduling-policy priority
     logit_bias: dict[str, float] | None = None
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputs | None = None  # vLLM's extra parameter
@@ -199,8 +199,7 @@ def sampling(body: Sampled, max_tokens: int | None, logprobs: bool, top: int, le
         structure=structure(body.response_format, body.structured_outputs))
     if (r := body.repetition_detection) is not None:
         p.repetition = Repetition(r.max_pattern_size, r.min_pattern_size, r.min_count)
-    if body.priority:
-        raise unsupported("priority", "priority other than 0 (first come, first served here)")
+    p.priority = body.priority
     p.prompt_logprobs = prompt_logprobs(body)
     if body.logprob_token_ids:
         if not logprobs:

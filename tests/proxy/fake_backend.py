@@ -61,6 +61,7 @@ class FakeBackend:
             raise InvalidRequest(f"the prompt has {n} tokens; the context holds "
                                  f"{self.info.max_model_len}", "messages", "context_length_exceeded")
         request.sampling.validate()
+        request.sampling.check_priority(self.info.priority)
         return Prepared(request, n, state=text)
 
     def generate(self, group: list[Prepared]) -> list[FakeStream]:

@@ -144,6 +144,9 @@ async def test_refusals_come_from_the_proxy_before_the_engine_sees_them(proxy, r
         await c.chat.completions.create(model=name, messages=user("hi"), max_tokens=2,
                                         extra_body={"structured_outputs": {"regex": "(a"}})
     assert e.value.body["param"] == "structured_outputs.regex"
+    with pytest.raises(openai.BadRequestError) as e:  # the engine serves first come, first served
+        await c.chat.completions.create(model=name, messages=user("hi"), max_tokens=2, extra_body={"priority": 1})
+    assert (e.value.body["param"], e.value.body["code"]) == ("priority", "unsupported")
     assert remote.backend.engine.seqs == {} and not remote.backend.core.streams
 
 
@@ -358,6 +361,24 @@ async def test_a_remote_engine_tells_the_proxy_its_default_sampling(tiny_llama):
         be = await RemoteBackend.connect(r.url)
         assert be.info.sampling == {"temperature": 0.4, "top_k": 3} and isinstance(be.info.sampling["top_k"], int)
         await be.close()
+    finally:
+        await r.runner.cleanup()
+        await r.backend.close()
+
+
+async def test_a_remote_engine_that_schedules_by_priority_takes_one(tiny_llama, start):
+    r = await _serve(tiny_llama, offload_bytes=0, scheduling_policy="priority")
+    try:
+        be = await RemoteBackend.connect(r.url)
+        assert be.info.priority
+        server = await start(be)
+        engine, seen = r.backend.engine, []
+        add = engine.add
+        engine.add = lambda rid, prompt, sampling, *a, **kw: (seen.append(sampling.priority),
+                                                              add(rid, prompt, sampling, *a, **kw))
+        answer = await _client(server).chat.completions.create(
+            model=be.info.name, messages=user("hi"), max_tokens=2, extra_body={"priority": -4})
+        assert answer.choices[0].finish_reason == "length" and seen == [-4]
     finally:
         await r.runner.cleanup()
         await r.backend.close()

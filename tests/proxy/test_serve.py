@@ -187,17 +187,19 @@ def test_pool_and_batch_flags_size_the_engine(tiny_llama):
 
     be = EngineBackend.load(**engine_options(parse("--model", str(tiny_llama), "--dtype", "float32",
                                                    "--kv-tokens", "4096", "--max-model-len", "1000",
-                                                   "--max-num-seqs", "8", "--max-num-batched-tokens", "512")))
+                                                   "--max-num-seqs", "8", "--max-num-batched-tokens", "512",
+                                                   "--scheduling-policy", "priority")))
     e = be.engine
     assert (e.cache.num_blocks * e.cfg.block_size, e.max_model_len) == (4096, 1000)
     assert e.collector.anchors.budget == 2**30 and e.collector.anchored["kvcmas"].rank == 32
-    assert (e.scheduler.max_seqs, e.scheduler.max_tokens) == (8, 512)
+    assert (e.scheduler.max_seqs, e.scheduler.max_tokens, e.scheduler.ranked) == (8, 512, True)
+    assert be.info.priority and engine_options(parse())["scheduling_policy"] == "fcfs"
 
 
 @pytest.mark.parametrize("flag,value", [("--min-shared-tokens", v) for v in ("-1", "x", "1.5")] + [
     ("--kv-tokens", "-5"), ("--max-model-len", "1e3"), ("--max-num-seqs", "0"), ("--max-num-batched-tokens", "-1"),
-    ("--tensor-parallel-size", "0"), ("--data-parallel-size", "0")])
-def test_bad_integer_flags_are_one_line(monkeypatch, capsys, flag, value):
+    ("--tensor-parallel-size", "0"), ("--data-parallel-size", "0"), ("--scheduling-policy", "lifo")])
+def test_bad_typed_flags_are_one_line(monkeypatch, capsys, flag, value):
     monkeypatch.setattr(serve, "load_backend", lambda args: pytest.fail("the model must not load"))
     with pytest.raises(SystemExit) as e:
         cli.main(["serve", flag, value])

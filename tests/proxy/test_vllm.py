@@ -37,7 +37,8 @@ async def test_a_chat_goes_to_vllm_as_token_ids(proxy, vllm, tiny_llama):
 async def test_vllms_sampling_extras_reach_it(proxy, vllm):
     extra = {"min_p": 0.05, "min_tokens": 2, "include_stop_str_in_output": True, "skip_special_tokens": False,
              "allowed_token_ids": [3, 4, 5], "bad_words": ["w1 w2"],
-             "repetition_detection": {"max_pattern_size": 4, "min_pattern_size": 2, "min_count": 3}}
+             "repetition_detection": {"max_pattern_size": 4, "min_pattern_size": 2, "min_count": 3},
+             "priority": -2}  # vLLM refuses it unless started with --scheduling-policy priority
     await client(proxy).chat.completions.create(model="fake-vllm", messages=user("Hi."), max_tokens=3,
                                                  stop=["w2"], extra_body=extra)
     body = vllm.bodies[-1]
