@@ -1,5 +1,5 @@
 """`tokendance bench KIND`: engine, reuse, memory, mirror-decode, fidelity, offsets, restore,
-resume, remote, fleet, structured, tools, judge, loops, gaps, parallel."""
+resume, remote, fleet, structured, tools, judge, loops, gaps, parallel, priority."""
 
 from __future__ import annotations
 
@@ -23,6 +23,7 @@ KINDS = {
     "loops": ("tokendance.bench.loops", "a debate with repetition detection against without"),
     "gaps": ("tokendance.bench.gaps", "where the device waits on the host in a traced run (bench reuse --trace)"),
     "parallel": ("tokendance.bench.parallel", "the engine split over 1, 2, ... devices (tensor parallelism)"),
+    "priority": ("tokendance.bench.priority", "an urgent request in a busy engine, fcfs against priority scheduling"),
 }
 
 
