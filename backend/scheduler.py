@@ -55,6 +55,7 @@ class Scheduler:
         self.max_tokens = max_tokens
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
+        self.preemptions = 0  # ever (vLLM's num_preemptions)
 
     def add(self, seq: Sequence) -> None:
         self._enter(self.waiting, seq)
@@ -100,6 +101,7 @@ class Scheduler:
         seq.computed = 0
         seq.status = Status.WAITING
         seq.preemptions += 1
+        self.preemptions += 1
         self._enter(self.waiting, seq, first=True)
 
     def schedule(self) -> tuple[list[Scheduled], list[Sequence]]:

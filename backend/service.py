@@ -89,6 +89,8 @@ class EngineBackend:
             Gauge("host_tier_bytes", "host memory holding idle agents' KV (each Master once)",
                   e.idle.bytes),
             Gauge("parked_agents", "idle agents whose KV waits in the host tier", len(e.idle.tier)),
+            Gauge("preemptions_total", "running requests preempted (their KV freed, computed again later)",
+                  e.scheduler.preemptions, "counter"),
             Gauge("restored_tokens_total", "prompt tokens restored from the host tier instead of prefilled",
                   e.idle.restored, "counter"),
             *(g for mode, a in e.collector.anchored.items() for g in (

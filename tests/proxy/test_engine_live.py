@@ -216,6 +216,7 @@ async def test_an_agents_next_turn_resumes_its_parked_kv(engine_live, model):
     assert f"tokendance_engine_restored_tokens_total {engine.idle.restored:g}" in text
     assert "# TYPE tokendance_engine_restored_tokens_total counter" in text
     assert "tokendance_engine_eager_decode_steps_total 0" in text  # the CPU has no graphs
+    assert f"tokendance_engine_preemptions_total {engine.scheduler.preemptions:g}" in text
 
 
 def test_prefix_cache_is_per_api_key(engine_live, model):
