@@ -225,3 +225,27 @@ def test_a_follower_gone_fails_the_next_step(tiny_llama):
             two.step()
     finally:
         two.close()
+
+
+def test_priority_scheduling_preempts_alike_on_every_rank(tiny_llama):
+    """An urgent request preempting a running one under --scheduling-policy priority: the
+    follower replays the arrivals and priorities, so its schedule, and its tokens, are the
+    leader's."""
+    from tests.backend.test_priority import at, run as steps
+    from tests.backend.test_scheduling import prompts
+
+    def urgent_first(eng: Engine) -> tuple[list[str], dict[str, list[int]], int]:
+        out: dict[str, list[int]] = {}
+        low, high = prompts(2, seed=21)
+        eng.add("low", low, at(3, 30))
+        steps(eng, out, steps=3)
+        eng.add("high", high, at(-1))
+        return steps(eng, out), out, eng.scheduler.preemptions
+
+    want = urgent_first(engine(tiny_llama, max_seqs=1, scheduling_policy="priority"))
+    two = engine(tiny_llama, max_seqs=1, scheduling_policy="priority", tensor_parallel_size=2)
+    try:
+        got = urgent_first(two)
+    finally:
+        two.close()
+    assert two.tp.agreed and got == want and want[0] == ["high", "low"] and want[2] == 1
