@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from tokendance.backend.blocks import BlockManager
 from tokendance.backend.sequence import Sequence, Status
 
+
 def rank(seq: Sequence) -> tuple[int, int]:
     """Under the priority policy, who goes first: the lower priority value, then the earlier arrival."""
     return seq.sampling.priority, seq.arrival
@@ -58,14 +59,16 @@ class Scheduler:
         self.preemptions = 0  # ever (vLLM's num_preemptions)
 
     def add(self, seq: Sequence) -> None:
-        self._enter(self.waiting, seq)
+        self.enter(self.waiting, seq)
 
     def admit(self, seq: Sequence) -> None:
         """Into the running sequences (prefilled by reuse, or admitted by schedule)."""
         seq.status = Status.RUNNING
-        self._enter(self.running, seq)
+        self.enter(self.running, seq)
 
-    def _enter(self, queue: MutableSequence[Sequence], seq: Sequence, first: bool = False) -> None:
+    def enter(self, queue: MutableSequence[Sequence], seq: Sequence, first: bool = False) -> None:
+        """Put seq in a queue: in rank order under the priority policy, else at its end
+        (or, `first`, at its head)."""
         if self.ranked:
             insort(queue, seq, key=rank)
         elif first:
@@ -102,7 +105,7 @@ class Scheduler:
         seq.status = Status.WAITING
         seq.preemptions += 1
         self.preemptions += 1
-        self._enter(self.waiting, seq, first=True)
+        self.enter(self.waiting, seq, first=True)
 
     def schedule(self) -> tuple[list[Scheduled], list[Sequence]]:
         """The next step's work, and sequences that can never fit (finish them)."""

@@ -3,8 +3,6 @@ the collector's sub-batches, beside the scheduler's own prefills and decodes."""
 
 from __future__ import annotations
 
-from bisect import insort
-
 import torch
 
 from tokendance.backend.api import ANCHORED, REUSING
@@ -13,7 +11,7 @@ from tokendance.backend.blocks import BlockManager
 from tokendance.backend.collector import Collector
 from tokendance.backend.idle import IdleAgents
 from tokendance.backend.sampler import Sampled, sample
-from tokendance.backend.scheduler import Scheduler, rank
+from tokendance.backend.scheduler import Scheduler
 from tokendance.backend.sequence import Sequence
 
 
@@ -41,10 +39,7 @@ class Waiting:
             if r is not None:
                 seq.exact = r.exact  # no more exact than the prefix it restores
         if seq.mode in REUSING and (seq.shared or seq.resume is not None):
-            if self.scheduler.ranked:  # the most urgent first (scheduler.rank)
-                insort(self.seqs, seq, key=rank)
-            else:
-                self.seqs.append(seq)
+            self.scheduler.enter(self.seqs, seq)  # under the priority policy, the most urgent first
         else:
             self.scheduler.add(seq)
 
