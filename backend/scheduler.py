@@ -10,7 +10,8 @@ never fails a request. Before that, cached blocks nobody runs on are reclaimed
 Under vLLM's --scheduling-policy priority both queues are kept in `rank` order (a
 request's priority, lower first, then its arrival): the first served are the most
 urgent, the preempted the least; and a waiting request that finds no room preempts
-running ones of a strictly lower priority (a larger value) until it fits.
+running ones of a strictly lower priority (a larger value) until it fits (a reuse
+group's most urgent request too, backend/waiting.py).
 """
 
 from __future__ import annotations
@@ -138,7 +139,7 @@ class Scheduler:
         while self.waiting and budget > 0:
             seq = self.waiting[0]
             if len(self.running) >= self.max_seqs:
-                if not self._yield_to(seq, out):
+                if not self.yield_to(seq, out):
                     break
                 budget = self.max_tokens - sum(w.count for w in out)
                 continue
@@ -147,7 +148,7 @@ class Scheduler:
             if not self._reserve(seq, seq.computed + n):
                 self.blocks.free(seq)
                 seq.computed = 0
-                if self._yield_to(seq, out):
+                if self.yield_to(seq, out):
                     budget = self.max_tokens - sum(w.count for w in out)
                     continue
                 if not self.running and not out:
@@ -161,13 +162,14 @@ class Scheduler:
             budget -= n
         return out, starved
 
-    def _yield_to(self, seq: Sequence, out: list[Scheduled]) -> bool:
+    def yield_to(self, seq: Sequence, out: list[Scheduled] | None = None) -> bool:
         """Under the priority policy, preempt the least urgent running sequence if its
-        priority is strictly lower than waiting `seq`'s (its work this step dropped from
-        `out`); whether one was."""
+        priority is strictly lower than waiting `seq`'s (its work this step, if any,
+        dropped from `out`); whether one was."""
         if not self.ranked or not self.running or self.running[-1].sampling.priority <= seq.sampling.priority:
             return False
         victim = self.running[-1]
-        out[:] = [w for w in out if w.seq is not victim]
+        if out is not None:
+            out[:] = [w for w in out if w.seq is not victim]
         self.preempt(victim)
         return True

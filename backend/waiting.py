@@ -72,6 +72,8 @@ class Waiting:
             if not group:
                 continue
             ready, logits = self.collector.prefill(group, mode)
+            while not ready and self.scheduler.yield_to(group[0]):  # a less urgent request makes room
+                ready, logits = self.collector.prefill(group, mode)
             if not ready and not self.scheduler.running:
                 # Not even one fits the pool beside the segment cache: prefill it plainly
                 # (its parked prefix, if any, leaves the host tier now, not when it ends).

@@ -73,6 +73,20 @@ def test_a_full_pool_makes_room_for_the_more_urgent(tiny_llama):
     assert eng.pool.num_free == eng.cache.num_blocks
 
 
+def test_a_reuse_groups_most_urgent_request_makes_room_too(tiny_llama):
+    eng = Engine(model=str(tiny_llama), dtype="float32", kv_tokens=16 * 12, scheduling_policy="priority")
+    eng.add("low", (prompts(1, seed=16)[0] * 3)[:140], at(9, 30))
+    run(eng, {}, steps=3)
+    low = eng.seqs["low"]
+    shared = list(range(200, 240))
+    eng.add("high", [5, 6, 7] + shared + list(range(300, 340)), at(0), mode="collective", shared=[(3, 43)])
+    high = eng.seqs["high"]
+    run(eng, {}, steps=1)  # low makes room; high is prefilled by reuse, its shared segment read from the base
+    assert low.preemptions == 1 and high.out and high.cached > 0
+    assert run(eng, {}, until="high") == ["high"]
+    assert run(eng, {}) == ["low"] and eng.pool.num_free == eng.cache.num_blocks - eng.segments.held
+
+
 def test_reuse_groups_wait_in_priority_order(tiny_llama):
     eng = Engine(model=str(tiny_llama), dtype="float32", kv_tokens=4096, scheduling_policy="priority")
     shared = list(range(100, 140))
