@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import re
 
 import pytest
@@ -22,4 +23,4 @@ def test_remote_bench_times_every_case_on_both_sides(bench, tiny_llama):
 
 def test_no_repeats_is_refused():
     with pytest.raises(ValueError, match="--repeats must be at least 1"):
-        remote.main(remote.argparse.Namespace(model=None, dtype="float32", repeats=0))
+        remote.main(argparse.Namespace(model=None, dtype="float32", repeats=0))
