@@ -122,6 +122,7 @@ class ResponsesRequest(Struct, kw_only=True):
     repetition_penalty: float | None = None
     cache_salt: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    priority: int = 0  # under the engine's --scheduling-policy priority
     tokendance: TokenDance | None = None
 
 
@@ -240,7 +241,7 @@ def chat(body: ResponsesRequest, history: list[Message], new: list[Message],
         model=body.model, messages=system + history + new, stream=body.stream,
         max_completion_tokens=body.max_output_tokens, temperature=body.temperature, top_p=body.top_p,
         top_k=body.top_k, min_p=body.min_p, seed=body.seed, stop=body.stop,
-        repetition_penalty=body.repetition_penalty, cache_salt=body.cache_salt,
+        repetition_penalty=body.repetition_penalty, cache_salt=body.cache_salt, priority=body.priority,
         logprobs=lp or None, top_logprobs=body.top_logprobs if lp else None,
         tools=_tools(body.tools), tool_choice=_choice(body.tool_choice),
         parallel_tool_calls=body.parallel_tool_calls, response_format=_format(body.text),

@@ -41,6 +41,18 @@ def test_text_with_instructions(client, echo):
     assert u.input_tokens_details.cached_tokens == 0 and u.output_tokens_details.reasoning_tokens == 0
 
 
+def test_a_priority_reaches_an_engine_that_schedules_by_it(client, echo):
+    with pytest.raises(openai.BadRequestError) as e:  # the fake serves first come, first served
+        client.responses.create(model=MODEL, input="one two", extra_body={"priority": 2})
+    assert (e.value.body["param"], e.value.body["code"]) == ("priority", "unsupported")
+    echo.backend.info.priority = True
+    try:
+        r = client.responses.create(model=MODEL, input="one two", extra_body={"priority": 2})
+    finally:
+        echo.backend.info.priority = False
+    assert r.output_text == "one two" and sampling(echo).priority == 2
+
+
 def test_a_stream_builds_the_same_response(client):
     kw = dict(model=MODEL, input=[{"role": "user", "content": [{"type": "input_text", "text": "alpha beta gamma"}]}])
     whole = client.responses.create(**kw)
