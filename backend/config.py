@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from tokendance.backend.api import REUSE_DEFAULTS, InvalidRequest
+from tokendance.backend.api import BASES, POLICIES, REUSE_DEFAULTS, InvalidRequest
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # config.json fields without a default, and the other counts (positive integers all)
@@ -54,6 +54,19 @@ class EngineConfig:
     # generation_config.json), "vllm" (none) or a folder; values set over it
     generation_config: str = "auto"
     override_generation_config: dict[str, float] = field(default_factory=dict)
+
+    def dtype_on(self, device: torch.device) -> torch.dtype:
+        """The weights' and the KV's dtype on `device` (InvalidRequest for a choice outside
+        its set: the dtype, the bases, the scheduling policy)."""
+        if self.bases not in BASES:
+            raise InvalidRequest(f"unknown bases {self.bases!r}; choose one of {', '.join(BASES)}", "bases")
+        if self.scheduling_policy not in POLICIES:
+            raise InvalidRequest(f"unknown scheduling policy {self.scheduling_policy!r}; choose one of "
+                                 f"{', '.join(POLICIES)}", "scheduling_policy")
+        name = self.dtype if self.dtype != "auto" else ("bfloat16" if device.type == "cuda" else "float32")
+        if name not in DTYPES:
+            raise InvalidRequest(f"unsupported dtype {name!r}; choose one of {', '.join(DTYPES)}", "dtype")
+        return DTYPES[name]
 
 
 ARCHITECTURES = {

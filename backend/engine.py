@@ -10,13 +10,12 @@ import structlog
 import torch
 
 from tokendance.backend import heap, loader, parallel, pooling, scoring
-from tokendance.backend.api import (BASES, POLICIES, REUSING, Delta, InvalidRequest, Pooling, SamplingParams,
-                                   Usage, check_mode)
+from tokendance.backend.api import REUSING, Delta, InvalidRequest, Pooling, SamplingParams, Usage, check_mode
 from tokendance.backend.banned import sequences
 from tokendance.backend.blocks import BlockManager
 from tokendance.backend.budget import pool_tokens
 from tokendance.backend.collector import Collector, ReuseConfig
-from tokendance.backend.config import DTYPES, EngineConfig, ModelConfig
+from tokendance.backend.config import EngineConfig, ModelConfig
 from tokendance.backend.detok import Detok, Pieces
 from tokendance.backend.device import host_threads, host_tier_bytes, pick_device
 from tokendance.backend.grammar import Grammars
@@ -39,34 +38,28 @@ from tokendance.kernels.jit import HAVE_TRITON
 
 log = structlog.get_logger(__name__)
 
+
 class Engine:
     def __init__(self, cfg: EngineConfig | None = None, **overrides):
         cfg = cfg or EngineConfig(**overrides)
         self.cfg = cfg
         self.device = pick_device(cfg.device)
-        if cfg.bases not in BASES:
-            raise InvalidRequest(f"unknown bases {cfg.bases!r}; choose one of {', '.join(BASES)}", "bases")
-        if cfg.scheduling_policy not in POLICIES:
-            raise InvalidRequest(f"unknown scheduling policy {cfg.scheduling_policy!r}; choose one of "
-                                 f"{', '.join(POLICIES)}", "scheduling_policy")
-        dtype = cfg.dtype if cfg.dtype != "auto" else ("bfloat16" if self.device.type == "cuda" else "float32")
-        if dtype not in DTYPES:
-            raise InvalidRequest(f"unsupported dtype {dtype!r}; choose one of {', '.join(DTYPES)}", "dtype")
-        self.dtype = DTYPES[dtype]
+        self.dtype = cfg.dtype_on(self.device)
         self.folder: Path = loader.resolve(cfg.model)
-        self.tp = parallel.shard_for(cfg, self.device, ModelConfig.load(self.folder))
+        model = ModelConfig.load(self.folder)
+        self.tp = parallel.shard_for(cfg, self.device, model)
         if self.tp is not None:
             self.device = self.tp.device
         # the leader's calls go to the followers (backend/parallel.py)
         self.relay = parallel.Relay(self.tp) if self.tp is not None and self.tp.rank == 0 else None
         try:
-            self._build(cfg, dtype)
+            self._build(cfg, model)
         except BaseException:
             if self.relay is not None:
                 self.relay.close(clean=False)
             raise
 
-    def _build(self, cfg: EngineConfig, dtype: str) -> None:
+    def _build(self, cfg: EngineConfig, model: ModelConfig) -> None:
         threads = host_threads(self.device, os.environ)
         if threads is not None and threads != torch.get_num_threads():
             log.info("torch CPU threads", before=torch.get_num_threads(), now=threads,
@@ -78,7 +71,7 @@ class Engine:
         if cfg.random_weights:
             if self.tp is not None:  # what every rank holds whole must match
                 torch.manual_seed(cfg.seed)
-            self.model = loader.build(ModelConfig.load(self.folder), self.dtype, self.device, self.tp)
+            self.model = loader.build(model, self.dtype, self.device, self.tp)
         else:
             self.model = loader.load(self.folder, self.dtype, self.device, self.tp)
         packed.pack(self.model)
@@ -132,8 +125,8 @@ class Engine:
         self.generator = torch.Generator(device=self.device).manual_seed(cfg.seed)
         if self.device.type == "cpu":
             heap.trim()  # what loading left free; serving's peak is kept from here on
-        log.info("engine ready", model=str(self.folder), device=str(self.device), dtype=dtype,
-                 kv_blocks=self.cache.num_blocks, max_model_len=self.max_model_len,
+        log.info("engine ready", model=str(self.folder), device=str(self.device),
+                 dtype=str(self.dtype).removeprefix("torch."), kv_blocks=self.cache.num_blocks, max_model_len=self.max_model_len,
                  host_tier_mib=self.idle.tier.arena.data.nbytes >> 20)
 
     @property
