@@ -12,7 +12,7 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 from tokendance.backend import heap, logs
-from tokendance.backend.api import MODES, Backend
+from tokendance.backend.api import MODES, Backend, BackendError
 from tokendance.backend.auth import ENGINE_KEY_ENV, check_keys
 from tokendance.backend.flags import GENERATION_FLAGS, add_engine_args, at_least, changed, engine_options
 
@@ -83,39 +83,36 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
 
 def load_backend(args: argparse.Namespace) -> Backend:
     # Imported here: torch and the model load only when a server is really started.
-    from tokendance.backend.api import BackendError
-
     key = engine_key(args)  # a bad key fails before the model loads
-    try:
-        if args.engine is not None:
-            return remote(args.engine, args.mode, key)
-        if args.vllm is not None:
-            from tokendance.backend.vllm import VLLMBackend
+    if args.engine is not None:
+        return remote(args.engine, args.mode, key)
+    if args.vllm is not None:
+        from tokendance.backend.vllm import VLLMBackend
 
-            generation = (args.generation_config, args.override_generation_config)
-            return asyncio.run(_connect(args.vllm, lambda u: VLLMBackend.connect(
-                u, args.tokenizer, args.mode or "prefix", api_key=key, generation=generation)))
-    except BackendError as e:  # a line for the user, not a traceback
-        raise ValueError(str(e)) from e
+        generation = (args.generation_config, args.override_generation_config)
+        return asyncio.run(_connect(args.vllm, lambda u: VLLMBackend.connect(
+            u, args.tokenizer, args.mode or "prefix", api_key=key, generation=generation)))
     from tokendance.backend.service import EngineBackend
 
     return EngineBackend.load(mode=args.mode or DEFAULT_MODE, **engine_options(args))
 
 
 def remote(urls: list[str], mode: str | None, key: str | None) -> Backend:
-    """Our engines at `urls` (BackendError if one cannot answer)."""
+    """Our engines at `urls` (ValueError if one cannot answer)."""
     from tokendance.backend.remote import RemoteBackend
 
     return asyncio.run(_connect(urls, lambda u: RemoteBackend.connect(u, mode or DEFAULT_MODE, api_key=key)))
 
 
 async def _connect(urls: list[str], connect: Callable[[str], Awaitable[Backend]]) -> Backend:
-    """One backend, or a fleet of them (each session pinned to one)."""
-    if len(urls) == 1:
-        return await connect(urls[0])
+    """One backend, or a fleet of them (each session pinned to one); ValueError, a line
+    for the user, if one cannot answer."""
     from tokendance.backend.fleet import Fleet
 
-    return await Fleet.connect(urls, connect)
+    try:
+        return await (connect(urls[0]) if len(urls) == 1 else Fleet.connect(urls, connect))
+    except BackendError as e:
+        raise ValueError(str(e)) from e
 
 
 def engine_key(args: argparse.Namespace) -> str | None:
