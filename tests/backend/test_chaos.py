@@ -1,0 +1,148 @@
+"""Random interleavings of what a server does to its engine: requests of every mode and
+priority arriving mid-step, agents whose next request extends their last one and quotes
+the others' outputs, aborts at any moment, in a pool too small for all of them. Whatever
+the order, each request that is not aborted ends once, with exact prefill's tokens
+wherever it and the prefix it restores were computed exactly (reuse recomputes
+everything here: ratio 1; kvcomm and kvcmas predict), and every block comes back."""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+
+import pytest
+
+from tokendance.backend.api import SamplingParams
+from tokendance.backend.engine import Engine
+
+EXACT = ("full", "prefix", "pic", "collective")  # at recompute ratio 1, exact prefill
+MODES = (*EXACT, "kvcomm", "kvcmas")  # anchored ones predict offsets: checked for ending, not tokens
+AGENT_MODES = {"a": "collective", "b": "pic", "c": "kvcomm"}
+
+
+@dataclass
+class Req:
+    prompt: list[int]
+    mode: str
+    max_tokens: int
+    agent: str | None
+    got: list[int] = field(default_factory=list)
+    ends: list[str] = field(default_factory=list)
+    aborted: bool = False
+    resumed: bool = False  # restores a prefix its agent's last request parked
+    after: Req | None = None  # the agent's request whose prompt and answer this one's extends
+
+    @property
+    def exact(self) -> bool:
+        """Its tokens are exact prefill's: it and what it restores computed exactly
+        (a restored prefix is as exact as the request that parked it)."""
+        if self.mode in ("full", "prefix"):  # they restore nothing, and cache exact blocks only
+            return True
+        return self.mode in EXACT and (self.after is None or self.after.exact)
+
+
+def fresh(rng: random.Random, n: int) -> list[int]:
+    return [rng.randrange(3, 49152) for _ in range(n)]
+
+
+def prompt_for(rng: random.Random, last: Req | None, done: list[Req]) -> tuple[list[int], list[tuple[int, int]], bool]:
+    """An agent's next prompt: its last prompt and answer (when it has one), then up to
+    three finished answers of others as shared spans, then a few tokens of its own; and
+    whether it extends the last."""
+    go_on = bool(last is not None and last.got and len(last.prompt) < 120)
+    ids = (last.prompt + last.got + [11]) if go_on else fresh(rng, rng.randrange(8, 40))
+    spans = []
+    for other in rng.sample(done, min(len(done), rng.randrange(0, 4))):
+        if len(other.got) >= 2 and len(ids) < 180:
+            spans.append((len(ids), len(ids) + len(other.got)))
+            ids += other.got + [11]
+    return ids + fresh(rng, rng.randrange(1, 6)), spans, go_on
+
+
+def play(eng: Engine, rng: random.Random, requests: int) -> dict[str, Req]:
+    ranked = eng.cfg.scheduling_policy == "priority"
+    reqs: dict[str, Req] = {}
+    last: dict[str, Req] = {}
+    live: set[str] = set()
+    n = 0
+    while n < requests or eng.has_work():
+        roll = rng.random()
+        if n < requests and roll < 0.6:
+            agent = rng.choice(["a", "b", "c", "d", None])
+            if agent in last and not (last[agent].ends or last[agent].aborted):
+                agent = None  # an agent waits for its answer before it speaks again
+            done = [r for r in reqs.values() if r.ends]
+            before = last.get(agent) if agent else None
+            prompt, spans, go_on = prompt_for(rng, before, done)
+            # an agent keeps its mode, mostly (d and one request in five choose afresh)
+            mode = AGENT_MODES.get(agent) if agent and rng.random() < 0.8 else None
+            r = Req(prompt, mode or rng.choice(MODES), rng.randrange(1, 9), agent, after=before if go_on else None)
+            sp = SamplingParams(max_tokens=r.max_tokens, temperature=0, ignore_eos=True,
+                                priority=rng.choice([0, 0, 1, 2]) if ranked else 0)
+            rid = f"r{n}"
+            eng.add(rid, prompt, sp, mode=r.mode, shared=spans, agent=agent, publish=rng.random() < 0.5)
+            r.resumed = eng.seqs[rid].resume is not None
+            reqs[rid], n = r, n + 1
+            live.add(rid)
+            if agent is not None:
+                last[agent] = r
+        elif live and roll < 0.67:
+            rid = rng.choice(sorted(live))
+            assert eng.abort(rid)
+            reqs[rid].aborted = True
+            live.discard(rid)
+        if eng.has_work():
+            for rid, d in eng.step():
+                r = reqs[rid]
+                assert not r.aborted and not r.ends, f"{rid} answered after it ended"
+                r.got += d.token_ids
+                if d.finish_reason:
+                    r.ends.append(d.finish_reason)
+                    live.discard(rid)
+    return reqs
+
+
+def tight(model, **kw) -> Engine:
+    """An engine whose pool holds a few of these requests at a time (prompts up to ~200
+    tokens), and whose host tier a few agents."""
+    return Engine(model=str(model), dtype="float32", device="cpu", kv_tokens=16 * 16, max_batched_tokens=96,
+                  max_seqs=6, recompute_ratio=1.0, offload_bytes=8 << 20, **kw)
+
+
+# seeds whose interleavings preempt, restore and abort (the test asserts they do)
+@pytest.mark.parametrize(("seed", "policy", "bases"), [(3, "priority", "standalone"), (2, "priority", "reader"),
+                                                     (7, "fcfs", "producer"), (29, "fcfs", "standalone")])
+def test_any_interleaving_ends_each_request_once_exactly_and_leaks_nothing(tiny_llama, seed, policy, bases):
+    eng = tight(tiny_llama, scheduling_policy=policy, bases=bases)
+    reqs = play(eng, random.Random(seed), requests=40)
+    kept = {rid: r for rid, r in reqs.items() if not r.aborted}
+    for rid, r in kept.items():
+        assert r.ends == ["length"] and len(r.got) == r.max_tokens, rid
+    # the same prompts alone in a fresh engine, no reuse
+    ref = Engine(model=str(tiny_llama), dtype="float32", kv_tokens=16 * 1024)
+    exact = {rid: r for rid, r in kept.items() if r.exact}
+    want = ref.generate([r.prompt for r in exact.values()],
+                        [SamplingParams(max_tokens=r.max_tokens, temperature=0, ignore_eos=True)
+                         for r in exact.values()])
+    assert [r.got for r in exact.values()] == [w[0] for w in want]
+    # what the interleaving was to exercise: a full pool, agents restored, aborts
+    assert eng.scheduler.preemptions and any(r.aborted for r in reqs.values())
+    assert any(r.resumed for r in exact.values())
+    eng.reset_caches()
+    assert eng.pool.num_free == eng.cache.num_blocks and not eng.idle.parked and eng.idle.bytes == 0 and not eng.seqs
+
+
+def test_two_ranks_follow_any_interleaving(tiny_llama):
+    """Tensor parallelism relays every call (adds mid-step, aborts, priorities): the
+    follower stays in lockstep and the pair answers as one process does (kvcmas aside: each
+    rank factors its own heads)."""
+    want = play(tight(tiny_llama, scheduling_policy="priority"), random.Random(3), requests=40)
+    two = tight(tiny_llama, scheduling_policy="priority", tensor_parallel_size=2)
+    try:
+        got = play(two, random.Random(3), requests=40)
+        assert two.scheduler.preemptions and two.idle.restored
+    finally:
+        two.close()
+    assert two.tp.agreed
+    assert {rid: (r.got, r.ends, r.aborted) for rid, r in got.items() if r.mode != "kvcmas"} == \
+        {rid: (r.got, r.ends, r.aborted) for rid, r in want.items() if r.mode != "kvcmas"}
