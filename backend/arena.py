@@ -44,6 +44,10 @@ class Arena:
             row_bytes *= d
         self.page = page or max(1, PAGE_BYTES // row_bytes)
         self.page_bytes = self.page * row_bytes
+        if 0 < capacity < self.page_bytes:  # it would hold nothing, and say so nowhere
+            raise ValueError(f"host tier: {capacity:,} bytes hold not one page ({self.page_bytes:,} bytes, "
+                             f"{self.page} tokens' K/V); give it at least that, or 0 to turn it off "
+                             "(offload_bytes, --offload-gib)")
         self.capacity = capacity // self.page_bytes  # in pages
         try:
             self.data = torch.empty((self.capacity * self.page, *row), dtype=dtype, pin_memory=pin)

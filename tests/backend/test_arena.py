@@ -56,6 +56,13 @@ def test_a_budget_the_host_cannot_hold_is_one_clear_error():
         Arena(ROW, torch.float32, pin=False, capacity=1 << 62)
 
 
+def test_a_budget_under_one_page_is_one_clear_error():
+    """It would hold nothing, silently."""
+    with pytest.raises(ValueError, match=r"host tier: 767 bytes hold not one page \(768 bytes, 2 tokens"):
+        Arena(ROW, torch.float32, pin=False, capacity=2 * ROW_BYTES - 1, page=2)
+    assert arena(pages=0).capacity == 0  # none at all: the tier is off
+
+
 def test_the_tier_holds_whole_pages():
     """With pages of 4 tokens, 5 private tokens hold 2 pages; the budget counts pages,
     so a tier of 4 pages fits two such agents, and a third evicts the first. A Master
