@@ -183,9 +183,10 @@ def shard_for(cfg: EngineConfig, device: torch.device, model: ModelConfig) -> Sh
 
 
 def _device(device: torch.device, rank: int) -> torch.device:
-    if device.type != "cuda" or os.environ.get(ONE_DEVICE):
+    """Rank's device, with its index (torch.cuda.set_device refuses a bare "cuda")."""
+    if device.type != "cuda":
         return device
-    return torch.device("cuda", (device.index or 0) + rank)
+    return torch.device("cuda", (device.index or 0) + (0 if os.environ.get(ONE_DEVICE) else rank))
 
 
 def free_port() -> int:

@@ -7,6 +7,7 @@ import sys
 import time
 
 import pytest
+import torch
 
 from tokendance.backend.api import InvalidRequest, Pooling, SamplingParams
 from tokendance.backend.engine import Engine
@@ -249,3 +250,16 @@ def test_priority_scheduling_preempts_alike_on_every_rank(tiny_llama):
     finally:
         two.close()
     assert two.tp.agreed and got == want and want[0] == ["high", "low"] and want[2] == 1
+
+
+def test_each_rank_names_its_gpu_with_an_index(monkeypatch):
+    """torch.cuda.set_device refuses a bare "cuda" (the default device): found on the
+    H200, where two ranks checked on one GPU failed to start."""
+    from tokendance.backend.parallel import ONE_DEVICE, _device
+
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    monkeypatch.delenv(ONE_DEVICE, raising=False)
+    assert [_device(cuda, r) for r in (0, 1)] == [torch.device("cuda", 0), torch.device("cuda", 1)]
+    assert _device(torch.device("cuda", 2), 1) == torch.device("cuda", 3) and _device(cpu, 1) == cpu
+    monkeypatch.setenv(ONE_DEVICE, "1")
+    assert [_device(cuda, r) for r in (0, 1)] == [torch.device("cuda", 0)] * 2
