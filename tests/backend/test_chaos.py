@@ -7,12 +7,14 @@ everything here: ratio 1; kvcomm and kvcmas predict), and every block comes back
 
 from __future__ import annotations
 
+import asyncio
 import random
 from dataclasses import dataclass, field
 
 import pytest
 
 from tokendance.backend.api import SamplingParams
+from tokendance.backend.async_engine import AsyncEngine, Job
 from tokendance.backend.engine import Engine
 
 EXACT = ("full", "prefix", "pic", "collective")  # at recompute ratio 1, exact prefill
@@ -102,6 +104,13 @@ def play(eng: Engine, rng: random.Random, requests: int) -> dict[str, Req]:
     return reqs
 
 
+def alone(model, reqs: list[Req]) -> list[list[int]]:
+    """Each request's tokens alone in a fresh engine, no reuse: exact prefill's."""
+    ref = Engine(model=str(model), dtype="float32", kv_tokens=16 * 1024)
+    params = [SamplingParams(max_tokens=r.max_tokens, temperature=0, ignore_eos=True) for r in reqs]
+    return [toks for toks, _, _ in ref.generate([r.prompt for r in reqs], params)]
+
+
 def tight(model, **kw) -> Engine:
     """An engine whose pool holds a few of these requests at a time (prompts up to ~200
     tokens), and whose host tier a few agents."""
@@ -118,16 +127,11 @@ def test_any_interleaving_ends_each_request_once_exactly_and_leaks_nothing(tiny_
     kept = {rid: r for rid, r in reqs.items() if not r.aborted}
     for rid, r in kept.items():
         assert r.ends == ["length"] and len(r.got) == r.max_tokens, rid
-    # the same prompts alone in a fresh engine, no reuse
-    ref = Engine(model=str(tiny_llama), dtype="float32", kv_tokens=16 * 1024)
-    exact = {rid: r for rid, r in kept.items() if r.exact}
-    want = ref.generate([r.prompt for r in exact.values()],
-                        [SamplingParams(max_tokens=r.max_tokens, temperature=0, ignore_eos=True)
-                         for r in exact.values()])
-    assert [r.got for r in exact.values()] == [w[0] for w in want]
+    exact = [r for r in kept.values() if r.exact]
+    assert [r.got for r in exact] == alone(tiny_llama, exact)
     # what the interleaving was to exercise: a full pool, agents restored, aborts
     assert eng.scheduler.preemptions and any(r.aborted for r in reqs.values())
-    assert any(r.resumed for r in exact.values())
+    assert any(r.resumed for r in exact)
     eng.reset_caches()
     assert eng.pool.num_free == eng.cache.num_blocks and not eng.idle.parked and eng.idle.bytes == 0 and not eng.seqs
 
@@ -146,3 +150,63 @@ def test_two_ranks_follow_any_interleaving(tiny_llama):
     assert two.tp.agreed
     assert {rid: (r.got, r.ends, r.aborted) for rid, r in got.items() if r.mode != "kvcmas"} == \
         {rid: (r.got, r.ends, r.aborted) for rid, r in want.items() if r.mode != "kvcmas"}
+
+
+async def test_clients_that_come_and_go_on_the_engine_thread_get_their_own_answers(tiny_llama):
+    """The server's side of it: groups of requests submitted from many tasks while the
+    engine thread steps, some streams abandoned after a few tokens, some aborted before
+    their first. Every stream read to its end gets exact prefill's tokens, and once all
+    are done every block is back."""
+    eng = tight(tiny_llama, scheduling_policy="priority")
+    core = AsyncEngine(eng)
+    finished: list[Req] = []  # in the order they ended: later prompts quote their answers
+    early: set[str] = set()  # aborted right after submitting
+    made: dict[str, int] = {}  # tokens the engine produced, by request
+    step = eng.step
+
+    def noting() -> list:
+        out = step()
+        for rid, d in out:
+            made[rid] = made.get(rid, 0) + len(d.token_ids)
+        return out
+
+    eng.step = noting
+
+    async def client(i: int) -> None:
+        rng = random.Random(i)  # its own: what it does does not hang on the threads' timing
+        delay, size, leave = rng.random() * 0.3, rng.randrange(1, 4), rng.random()
+        await asyncio.sleep(delay)
+        reqs, jobs = [], []
+        for j in range(size):  # a group, started in one step
+            prompt, spans, _ = prompt_for(rng, None, finished)
+            r = Req(prompt, rng.choice(EXACT), rng.randrange(1, 9), None)
+            sp = SamplingParams(max_tokens=r.max_tokens, temperature=0, ignore_eos=True, priority=rng.choice([0, 1]))
+            reqs.append(r)
+            jobs.append(Job(f"c{i}-{j}", prompt, sp, r.mode, spans))
+        streams = core.submit(jobs)
+        for r, stream in zip(reqs, streams):
+            if leave < 0.15:
+                stream.abort()  # gone at once, maybe before its add
+                r.aborted = True
+                early.add(stream.rid)
+                continue
+            async for d in stream:
+                r.got += d.token_ids
+                if d.finish_reason:
+                    r.ends.append(d.finish_reason)
+                elif leave < 0.3 and len(r.got) >= 2:
+                    stream.abort()  # the client hung up mid-answer
+                    r.aborted = True
+                    break
+            if not r.aborted:
+                finished.append(r)
+
+    await asyncio.wait_for(asyncio.gather(*(client(i) for i in range(24))), 120)
+    await core.close()
+    # the abort reaches the engine thread before its next step, or the one after
+    assert not eng.seqs and early and all(made.get(rid, 0) <= 1 for rid in early)
+    eng.reset_caches()
+    assert eng.pool.num_free == eng.cache.num_blocks
+    assert all(r.ends == ["length"] and len(r.got) == r.max_tokens for r in finished)
+    assert [r.got for r in finished] == alone(tiny_llama, finished)
+    assert len(finished) > 20 and len(early) >= 3 and eng.scheduler.preemptions
