@@ -118,11 +118,13 @@ def tight(model, **kw) -> Engine:
                   max_seqs=6, recompute_ratio=1.0, offload_bytes=8 << 20, **kw)
 
 
-# seeds whose interleavings preempt, restore and abort (the test asserts they do)
-@pytest.mark.parametrize(("seed", "policy", "bases"), [(3, "priority", "standalone"), (2, "priority", "reader"),
-                                                     (7, "fcfs", "producer"), (29, "fcfs", "standalone")])
-def test_any_interleaving_ends_each_request_once_exactly_and_leaks_nothing(tiny_llama, seed, policy, bases):
-    eng = tight(tiny_llama, scheduling_policy=policy, bases=bases)
+# seeds whose interleavings preempt, restore and abort (the test asserts they do); overlap:
+# lookahead decode (a GPU's default), its next step launched before the host reads this one
+@pytest.mark.parametrize(("seed", "policy", "bases", "overlap"), [
+    (3, "priority", "standalone", False), (2, "priority", "reader", False), (7, "fcfs", "producer", False),
+    (29, "fcfs", "standalone", False), (3, "priority", "standalone", True), (10, "fcfs", "producer", True)])
+def test_any_interleaving_ends_each_request_once_exactly_and_leaks_nothing(tiny_llama, seed, policy, bases, overlap):
+    eng = tight(tiny_llama, scheduling_policy=policy, bases=bases, overlap=overlap)
     reqs = play(eng, random.Random(seed), requests=40)
     kept = {rid: r for rid, r in reqs.items() if not r.aborted}
     for rid, r in kept.items():
@@ -157,7 +159,7 @@ async def test_clients_that_come_and_go_on_the_engine_thread_get_their_own_answe
     engine thread steps, some streams abandoned after a few tokens, some aborted before
     their first. Every stream read to its end gets exact prefill's tokens, and once all
     are done every block is back."""
-    eng = tight(tiny_llama, scheduling_policy="priority")
+    eng = tight(tiny_llama, scheduling_policy="priority", overlap=True)  # as on a GPU
     core = AsyncEngine(eng)
     finished: list[Req] = []  # in the order they ended: later prompts quote their answers
     early: set[str] = set()  # aborted right after submitting
