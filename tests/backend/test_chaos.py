@@ -12,6 +12,7 @@ import random
 from dataclasses import dataclass, field
 
 import pytest
+import torch
 
 from tokendance.backend.api import SamplingParams
 from tokendance.backend.async_engine import AsyncEngine, Job
@@ -20,6 +21,8 @@ from tokendance.backend.engine import Engine
 EXACT = ("full", "prefix", "pic", "collective")  # at recompute ratio 1, exact prefill
 MODES = (*EXACT, "kvcomm", "kvcmas")  # anchored ones predict offsets: checked for ending, not tokens
 AGENT_MODES = {"a": "collective", "b": "pic", "c": "kvcomm"}
+# on a GPU too (bash bench/h200.sh check): CUDA graphs, the Triton kernels, the pinned host tier
+DEVICES = ["cpu", *(["cuda"] if torch.cuda.is_available() else [])]
 
 
 @dataclass
@@ -104,18 +107,18 @@ def play(eng: Engine, rng: random.Random, requests: int) -> dict[str, Req]:
     return reqs
 
 
-def alone(model, reqs: list[Req]) -> list[list[int]]:
+def alone(model, reqs: list[Req], device: str = "cpu") -> list[list[int]]:
     """Each request's tokens alone in a fresh engine, no reuse: exact prefill's."""
-    ref = Engine(model=str(model), dtype="float32", kv_tokens=16 * 1024)
+    ref = Engine(model=str(model), dtype="float32", device=device, kv_tokens=16 * 1024)
     params = [SamplingParams(max_tokens=r.max_tokens, temperature=0, ignore_eos=True) for r in reqs]
     return [toks for toks, _, _ in ref.generate([r.prompt for r in reqs], params)]
 
 
-def tight(model, **kw) -> Engine:
+def tight(model, device: str = "cpu", **kw) -> Engine:
     """An engine whose pool holds a few of these requests at a time (prompts up to ~200
     tokens), and whose host tier a few agents."""
-    return Engine(model=str(model), dtype="float32", device="cpu", kv_tokens=16 * 16, max_batched_tokens=96,
-                  max_seqs=6, recompute_ratio=1.0, offload_bytes=8 << 20, **kw)
+    return Engine(model=str(model), dtype="float32", device=device, kv_tokens=16 * 16, max_batched_tokens=96,
+                  max_seqs=6, recompute_ratio=1.0, min_shared_tokens=0, offload_bytes=8 << 20, **kw)
 
 
 # seeds whose interleavings preempt, restore and abort (the test asserts they do); overlap:
@@ -123,14 +126,16 @@ def tight(model, **kw) -> Engine:
 @pytest.mark.parametrize(("seed", "policy", "bases", "overlap"), [
     (3, "priority", "standalone", False), (2, "priority", "reader", False), (7, "fcfs", "producer", False),
     (29, "fcfs", "standalone", False), (3, "priority", "standalone", True), (10, "fcfs", "producer", True)])
-def test_any_interleaving_ends_each_request_once_exactly_and_leaks_nothing(tiny_llama, seed, policy, bases, overlap):
-    eng = tight(tiny_llama, scheduling_policy=policy, bases=bases, overlap=overlap)
+@pytest.mark.parametrize("device", DEVICES)
+def test_any_interleaving_ends_each_request_once_exactly_and_leaks_nothing(tiny_llama, seed, policy, bases, overlap,
+                                                                          device):
+    eng = tight(tiny_llama, device, scheduling_policy=policy, bases=bases, overlap=overlap)
     reqs = play(eng, random.Random(seed), requests=40)
     kept = {rid: r for rid, r in reqs.items() if not r.aborted}
     for rid, r in kept.items():
         assert r.ends == ["length"] and len(r.got) == r.max_tokens, rid
     exact = [r for r in kept.values() if r.exact]
-    assert [r.got for r in exact] == alone(tiny_llama, exact)
+    assert [r.got for r in exact] == alone(tiny_llama, exact, device)
     # what the interleaving was to exercise: a full pool, agents restored, aborts
     assert eng.scheduler.preemptions and any(r.aborted for r in reqs.values())
     assert any(r.resumed for r in exact)
@@ -154,12 +159,13 @@ def test_two_ranks_follow_any_interleaving(tiny_llama):
         {rid: (r.got, r.ends, r.aborted) for rid, r in want.items() if r.mode != "kvcmas"}
 
 
-async def test_clients_that_come_and_go_on_the_engine_thread_get_their_own_answers(tiny_llama):
+@pytest.mark.parametrize("device", DEVICES)
+async def test_clients_that_come_and_go_on_the_engine_thread_get_their_own_answers(tiny_llama, device):
     """The server's side of it: groups of requests submitted from many tasks while the
     engine thread steps, some streams abandoned after a few tokens, some aborted before
     their first. Every stream read to its end gets exact prefill's tokens, and once all
     are done every block is back."""
-    eng = tight(tiny_llama, scheduling_policy="priority", overlap=True)  # as on a GPU
+    eng = tight(tiny_llama, device, scheduling_policy="priority", overlap=True)  # a GPU's default
     core = AsyncEngine(eng)
     finished: list[Req] = []  # in the order they ended: later prompts quote their answers
     early: set[str] = set()  # aborted right after submitting
@@ -210,5 +216,5 @@ async def test_clients_that_come_and_go_on_the_engine_thread_get_their_own_answe
     eng.reset_caches()
     assert eng.pool.num_free == eng.cache.num_blocks
     assert all(r.ends == ["length"] and len(r.got) == r.max_tokens for r in finished)
-    assert [r.got for r in finished] == alone(tiny_llama, finished)
+    assert [r.got for r in finished] == alone(tiny_llama, finished, device)
     assert len(finished) > 20 and len(early) >= 3 and eng.scheduler.preemptions
