@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import shutil
 from pathlib import Path
 
@@ -57,13 +58,21 @@ def make_tiny(dest: Path, arch: str, tokenizer_from: Path, **over) -> Path:
 
 
 @pytest.fixture(scope="session")
-def make_model(tmp_path_factory, smollm2):
+def tokenizer_folder(request) -> Path:
+    """SmolLM2's tokenizer files: TOKENDANCE_TOKENIZER's folder where it is set (the GPU
+    machine, which has no embedded model: bench/h200.sh), else the embedded model's."""
+    folder = os.environ.get("TOKENDANCE_TOKENIZER")
+    return Path(folder) if folder else request.getfixturevalue("smollm2")
+
+
+@pytest.fixture(scope="session")
+def make_model(tmp_path_factory, tokenizer_folder):
     """Factory: make_model(arch, **config_overrides) -> a fresh tiny model folder."""
     root = tmp_path_factory.mktemp("tiny")
     count = iter(range(10**6))
 
     def make(arch: str, **over) -> Path:
-        return make_tiny(root / f"{arch}-{next(count)}", arch, smollm2, **over)
+        return make_tiny(root / f"{arch}-{next(count)}", arch, tokenizer_folder, **over)
 
     return make
 
