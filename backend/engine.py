@@ -126,8 +126,8 @@ class Engine:
         if self.device.type == "cpu":
             heap.trim()  # what loading left free; serving's peak is kept from here on
         log.info("engine ready", model=str(self.folder), device=str(self.device),
-                 dtype=str(self.dtype).removeprefix("torch."), kv_blocks=self.cache.num_blocks, max_model_len=self.max_model_len,
-                 host_tier_mib=self.idle.tier.arena.data.nbytes >> 20)
+                 dtype=str(self.dtype).removeprefix("torch."), kv_blocks=self.cache.num_blocks,
+                 max_model_len=self.max_model_len, host_tier_mib=self.idle.tier.arena.data.nbytes >> 20)
 
     @property
     def kv_bytes_per_token(self) -> int:

@@ -20,12 +20,10 @@ import argparse
 import statistics
 import time
 
-from tokendance.backend.api import SamplingParams
+from tokendance.backend.api import POLICIES, SamplingParams
 from tokendance.backend.engine import Engine
 from tokendance.bench.engine import rand_prompts
 from tokendance.bench.options import positive
-
-POLICIES = ("fcfs", "priority")
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
@@ -46,13 +44,13 @@ def once(eng: Engine, args: argparse.Namespace, policy: str, seed: int) -> dict:
     slow = SamplingParams(max_tokens=args.tokens, temperature=0, ignore_eos=True)
     fast = SamplingParams(max_tokens=args.urgent_tokens, temperature=0, ignore_eos=True,
                           priority=-1 if policy == "priority" else 0)
+    preempted = eng.scheduler.preemptions  # the engine's count, over every run
     for i, p in enumerate(rest):
         eng.add(f"bg{i}", p, slow)
     t0 = time.perf_counter()
     while not any(s.out for s in eng.seqs.values()):  # the first slots decode
         eng.step()
     eng.add("urgent", urgent, fast)
-    seqs = list(eng.seqs.values())
     arrived, steps, urgent_ms = time.perf_counter(), 0, None
     while eng.has_work():
         finished = [rid for rid, d in eng.step() if d.finish_reason]
@@ -60,7 +58,7 @@ def once(eng: Engine, args: argparse.Namespace, policy: str, seed: int) -> dict:
         if "urgent" in finished:
             urgent_ms = (time.perf_counter() - arrived) * 1e3
     return dict(steps=steps, urgent=urgent_ms, total=(time.perf_counter() - t0) * 1e3,
-                preemptions=sum(s.preemptions for s in seqs))
+                preemptions=eng.scheduler.preemptions - preempted)
 
 
 def main(args: argparse.Namespace) -> int:
