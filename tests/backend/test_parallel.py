@@ -263,3 +263,11 @@ def test_each_rank_names_its_gpu_with_an_index(monkeypatch):
     assert _device(torch.device("cuda", 2), 1) == torch.device("cuda", 3) and _device(cpu, 1) == cpu
     monkeypatch.setenv(ONE_DEVICE, "1")
     assert [_device(cuda, r) for r in (0, 1)] == [torch.device("cuda", 0)] * 2
+
+
+def test_a_host_tier_too_small_for_each_rank_names_the_whole(tiny_llama):
+    with pytest.raises(ValueError, match=r"hold not one page .*each of the 2 ranks holds 1/2 of the 3,145,728 given"):
+        engine(tiny_llama, tensor_parallel_size=2, offload_bytes=3 << 20)
+    two = engine(tiny_llama, tensor_parallel_size=2, offload_bytes=4 << 20)  # a page each
+    two.close()
+    assert two.tp.agreed and two.idle.tier.arena.capacity == 1
