@@ -25,7 +25,7 @@ from tokendance.backend.api import TOP_LOGPROBS
 from tokendance.backend.collector import AHEAD
 from tokendance.backend.config import EngineConfig
 from tokendance.backend.model import AttnMeta, Decoder, KVCache
-from tokendance.kernels.jit import HAVE_TRITON
+from tokendance.kernels.jit import tiles_head
 
 log = structlog.get_logger(__name__)
 
@@ -92,7 +92,7 @@ def _settled(device: torch.device) -> int:
 def graphs_reserve(cfg: EngineConfig, model: Decoder, device: torch.device) -> int:
     """The bytes the engine's decode graphs hold (0 without them): captured once, as the
     engine captures them, over a pool of two blocks, then let go."""
-    if not (cfg.cuda_graphs and HAVE_TRITON):
+    if not (cfg.cuda_graphs and tiles_head(model.cfg.head_dim)):
         return 0
     from tokendance.backend.graphs import DecodeGraphs
 

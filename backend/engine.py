@@ -34,7 +34,7 @@ from tokendance.backend.stops import ended
 from tokendance.backend.thinking import Thought
 from tokendance.backend.waiting import Waiting
 from tokendance.kernels import packed
-from tokendance.kernels.jit import HAVE_TRITON
+from tokendance.kernels.jit import tiles_head
 
 log = structlog.get_logger(__name__)
 
@@ -97,7 +97,10 @@ class Engine:
         self.scheduler = Scheduler(self.blocks, cfg.max_seqs, budget, cfg.scheduling_policy)
         self.runner = Runner(self.model, self.cache)
         self.runner.late_from = cfg.check_layer
-        if self.device.type == "cuda" and cfg.cuda_graphs and HAVE_TRITON:  # graphs replay Triton kernels
+        if self.device.type == "cuda" and not tiles_head(self.mcfg.head_dim):
+            log.warning("attention in plain torch", head_dim=self.mcfg.head_dim,
+                        why="the Triton kernels take power-of-two head dims >= 32; no CUDA graphs either")
+        elif self.device.type == "cuda" and cfg.cuda_graphs:  # graphs replay the Triton kernels
             max_blocks = -(-self.mcfg.max_position // cfg.block_size)
             self.runner.capture(min(cfg.cuda_graphs, cfg.max_seqs), max_blocks, self.cache.trash_block)
         self.segments = SegmentCache(self.pool, cfg.block_size,

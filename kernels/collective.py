@@ -47,7 +47,7 @@ from tokendance.kernels.master import MasterRead, one_segment
 from tokendance.kernels.rope import rope_rotate_reference
 from tokendance.kernels.tiles import _dot, _scratch, scales, trig_table
 
-from tokendance.kernels.jit import tl, triton
+from tokendance.kernels.jit import tiles_head, tl, triton
 
 
 def _check(q, q_pos, shift, k_cache, v_cache, master_table, master_len, hide, inv_freq) -> None:
@@ -310,7 +310,7 @@ def collective_attention_triton(
     _check(q, q_pos, shift, k_cache, v_cache, master_table, master_len, hide, inv_freq)
     S, Hq, D = q.shape
     Hkv = k_cache.shape[2]
-    if D < 32 or D & (D - 1):
+    if not tiles_head(D):
         raise ValueError(f"head dim {D} must be a power of two >= 32")
     if k_cache.stride() != v_cache.stride() or k_cache.stride(-1) != 1:
         raise ValueError("k_cache and v_cache need equal strides, unit stride on D")

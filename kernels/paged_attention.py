@@ -34,7 +34,7 @@ import torch
 import torch.nn.functional as F
 
 from tokendance.kernels.collective import collective_partials, master_attention_reference, merge_attention
-from tokendance.kernels.jit import HAVE_TRITON
+from tokendance.kernels.jit import tiles_head
 from tokendance.kernels.master import MasterRead
 from tokendance.kernels.paged_triton import (decode_partials, decode_splits, paged_attention_triton,
                                              reduce_partials)
@@ -284,14 +284,15 @@ def paged_attention(
     trig: torch.Tensor | None = None,
     plan: dict | None = None,
 ) -> torch.Tensor:
-    """Dispatch: the Triton kernels on CUDA, the reference elsewhere. max_q (the most
+    """Dispatch: the Triton kernels on CUDA (head dims they tile), the reference
+    elsewhere. max_q (the most
     queries of one sequence) spares the GPU path a host sync. `master` (decode steps
     only): the batch's Master keys besides each sequence's own, read collectively.
     `trig` (kernels/paged_triton.py's trig_table) spares the kernels sines and cosines;
     `plan`, a dict shared by one step's layers, the reference its per-layer layout work."""
     args = (q, q_pos, cu_q, k_cache, v_cache, block_tables, kv_lens, inv_freq, rope_scale,
             sm_scale, slot_pos)
-    triton = q.is_cuda and HAVE_TRITON
+    triton = q.is_cuda and tiles_head(q.shape[-1])
     if master is not None:
         if triton:
             return master_decode_triton(*args, master, trig=trig)

@@ -13,7 +13,7 @@ import torch
 
 from tokendance.kernels.tiles import _attend, _prep, _scratch
 
-from tokendance.kernels.jit import tl, triton
+from tokendance.kernels.jit import tiles_head, tl, triton
 
 
 @triton.jit
@@ -225,7 +225,9 @@ def paged_attention_triton(
     T, Hq, D = q.shape
     Hkv, B = k_cache.shape[2], k_cache.shape[1]
     S = kv_lens.shape[0]
-    assert Hq % Hkv == 0 and D >= 32 and D & (D - 1) == 0, (Hq, Hkv, D)
+    if not tiles_head(D):
+        raise ValueError(f"head dim {D} must be a power of two >= 32 (paged_attention takes any)")
+    assert Hq % Hkv == 0, (Hq, Hkv)
     assert k_cache.stride() == v_cache.stride() and k_cache.stride(-1) == 1
     q = q.contiguous()
     out = torch.empty_like(q) if out is None else out

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from tokendance.kernels.jit import HAVE_TRITON, tl, triton
+from tokendance.kernels.jit import tiles_head, tl, triton
 
 # (inv_freq storage, layout, scale) -> (cos, sin, inv_freq) tables over positions
 # 0..n-1. Every layer of every step rotates by the same positions: compute cos/sin once,
@@ -114,7 +114,8 @@ def rope_rotate_triton(x: torch.Tensor, pos: torch.Tensor, inv_freq: torch.Tenso
 
 def rope_rotate(x: torch.Tensor, pos: torch.Tensor, inv_freq: torch.Tensor,
                 scale: float = 1.0) -> torch.Tensor:
-    """Dispatch: the Triton kernel on CUDA (one pass instead of ten), the reference elsewhere."""
-    if x.is_cuda and HAVE_TRITON:
+    """Dispatch: the Triton kernel on CUDA (one pass instead of ten; head dims it tiles),
+    the reference elsewhere."""
+    if x.is_cuda and tiles_head(x.shape[-1]):
         return rope_rotate_triton(x, pos, inv_freq, scale)
     return rope_rotate_reference(x, pos, inv_freq, scale)

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from tokendance.kernels.jit import HAVE_TRITON, tl, triton
+from tokendance.kernels.jit import tiles_head, tl, triton
 from tokendance.kernels.rope import _rotate_token, rope_rotate_reference
 
 
@@ -89,6 +89,6 @@ def store_triton(k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor, k_cache:
 def store(k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor, k_cache: torch.Tensor,
           v_cache: torch.Tensor, q: torch.Tensor | None = None, pos: torch.Tensor | None = None,
           inv_freq: torch.Tensor | None = None, scale: float = 1.0) -> torch.Tensor | None:
-    """Dispatch: the Triton kernel on CUDA, the reference elsewhere."""
-    fn = store_triton if k.is_cuda and HAVE_TRITON else store_reference
+    """Dispatch: the Triton kernel on CUDA (head dims it tiles), the reference elsewhere."""
+    fn = store_triton if k.is_cuda and tiles_head(k.shape[-1]) else store_reference
     return fn(k, v, slots, k_cache, v_cache, q, pos, inv_freq, scale)

@@ -21,8 +21,10 @@ from tokendance.backend.engine import Engine
 EXACT = ("full", "prefix", "pic", "collective")  # at recompute ratio 1, exact prefill
 MODES = (*EXACT, "kvcomm", "kvcmas")  # anchored ones predict offsets: checked for ending, not tokens
 AGENT_MODES = {"a": "collective", "b": "pic", "c": "kvcomm"}
-# on a GPU too (bash bench/h200.sh check): CUDA graphs, the Triton kernels, the pinned host tier
-DEVICES = ["cpu", *(["cuda"] if torch.cuda.is_available() else [])]
+# On a GPU too (bash bench/h200.sh check): "cuda", a tiny model of head dim 32: CUDA graphs,
+# the Triton kernels, the pinned host tier; "cuda-d16", the usual tiny model, whose head dim
+# the Triton kernels do not tile: the references on the GPU, no graphs.
+DEVICES = ["cpu", *(["cuda", "cuda-d16"] if torch.cuda.is_available() else [])]
 
 
 @dataclass
@@ -114,6 +116,14 @@ def alone(model, reqs: list[Req], device: str = "cpu") -> list[list[int]]:
     return [toks for toks, _, _ in ref.generate([r.prompt for r in reqs], params)]
 
 
+@pytest.fixture
+def where(request, tiny_llama, make_model) -> tuple[str, str]:
+    """(model folder, device) for a DEVICES entry."""
+    if request.param != "cuda":
+        return str(tiny_llama), request.param.removesuffix("-d16")
+    return str(make_model("llama", hidden_size=128, head_dim=32)), "cuda"
+
+
 def tight(model, device: str = "cpu", **kw) -> Engine:
     """An engine whose pool holds a few of these requests at a time (prompts up to ~200
     tokens), and whose host tier a few agents."""
@@ -126,16 +136,16 @@ def tight(model, device: str = "cpu", **kw) -> Engine:
 @pytest.mark.parametrize(("seed", "policy", "bases", "overlap"), [
     (3, "priority", "standalone", False), (2, "priority", "reader", False), (7, "fcfs", "producer", False),
     (29, "fcfs", "standalone", False), (3, "priority", "standalone", True), (10, "fcfs", "producer", True)])
-@pytest.mark.parametrize("device", DEVICES)
-def test_any_interleaving_ends_each_request_once_exactly_and_leaks_nothing(tiny_llama, seed, policy, bases, overlap,
-                                                                          device):
-    eng = tight(tiny_llama, device, scheduling_policy=policy, bases=bases, overlap=overlap)
+@pytest.mark.parametrize("where", DEVICES, indirect=True)
+def test_any_interleaving_ends_each_request_once_exactly_and_leaks_nothing(where, seed, policy, bases, overlap):
+    model, device = where
+    eng = tight(model, device, scheduling_policy=policy, bases=bases, overlap=overlap)
     reqs = play(eng, random.Random(seed), requests=40)
     kept = {rid: r for rid, r in reqs.items() if not r.aborted}
     for rid, r in kept.items():
         assert r.ends == ["length"] and len(r.got) == r.max_tokens, rid
     exact = [r for r in kept.values() if r.exact]
-    assert [r.got for r in exact] == alone(tiny_llama, exact, device)
+    assert [r.got for r in exact] == alone(model, exact, device)
     # what the interleaving was to exercise: a full pool, agents restored, aborts
     assert eng.scheduler.preemptions and any(r.aborted for r in reqs.values())
     assert any(r.resumed for r in exact)
@@ -159,13 +169,14 @@ def test_two_ranks_follow_any_interleaving(tiny_llama):
         {rid: (r.got, r.ends, r.aborted) for rid, r in want.items() if r.mode != "kvcmas"}
 
 
-@pytest.mark.parametrize("device", DEVICES)
-async def test_clients_that_come_and_go_on_the_engine_thread_get_their_own_answers(tiny_llama, device):
+@pytest.mark.parametrize("where", DEVICES, indirect=True)
+async def test_clients_that_come_and_go_on_the_engine_thread_get_their_own_answers(where):
     """The server's side of it: groups of requests submitted from many tasks while the
     engine thread steps, some streams abandoned after a few tokens, some aborted before
     their first. Every stream read to its end gets exact prefill's tokens, and once all
     are done every block is back."""
-    eng = tight(tiny_llama, device, scheduling_policy="priority", overlap=True)  # a GPU's default
+    model, device = where
+    eng = tight(model, device, scheduling_policy="priority", overlap=True)  # a GPU's default
     core = AsyncEngine(eng)
     finished: list[Req] = []  # in the order they ended: later prompts quote their answers
     early: set[str] = set()  # aborted right after submitting
@@ -216,5 +227,5 @@ async def test_clients_that_come_and_go_on_the_engine_thread_get_their_own_answe
     eng.reset_caches()
     assert eng.pool.num_free == eng.cache.num_blocks
     assert all(r.ends == ["length"] and len(r.got) == r.max_tokens for r in finished)
-    assert [r.got for r in finished] == alone(tiny_llama, finished, device)
+    assert [r.got for r in finished] == alone(model, finished, device)
     assert len(finished) > 20 and len(early) >= 3 and eng.scheduler.preemptions

@@ -1,9 +1,16 @@
-"""An install without Triton (it is an optional extra) serves through the references."""
+"""What the Triton kernels do not take is served by the references: an install without
+Triton (it is an optional extra), head dims the kernels do not tile."""
 
 from __future__ import annotations
 
 import subprocess
 import sys
+
+import pytest
+import torch
+
+from tokendance.kernels.jit import HAVE_TRITON, tiles_head
+from tokendance.kernels.paged_triton import paged_attention_triton
 
 SCRIPT = r'''
 import importlib.abc, sys
@@ -34,3 +41,16 @@ def test_engine_runs_without_triton(tiny_llama):
     eng = Engine(model=str(tiny_llama), dtype="float32", kv_tokens=1024)
     want = eng.generate([[5, 6, 7, 8, 9]], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))[0][0]
     assert out.stdout.splitlines()[-1].split() == [str(t) for t in want]  # after the log lines
+
+
+@pytest.mark.skipif(not HAVE_TRITON, reason="no triton")
+def test_the_head_dims_the_triton_kernels_tile_and_what_the_rest_get():
+    """Other head dims take the references (engine: no CUDA graphs), and the Triton entry
+    point says why it refuses them."""
+    assert [d for d in (16, 32, 48, 64, 80, 96, 128, 256) if tiles_head(d)] == [32, 64, 128, 256]
+    q = torch.randn(1, 2, 16)
+    kv = torch.zeros(2, 16, 1, 16)
+    with pytest.raises(ValueError, match="head dim 16 must be a power of two >= 32"):
+        paged_attention_triton(q, torch.zeros(1, dtype=torch.long), torch.tensor([0, 1]), kv, kv,
+                               torch.zeros(1, 1, dtype=torch.int32), torch.ones(1, dtype=torch.int32),
+                               torch.ones(8), 1.0, 0.25)
