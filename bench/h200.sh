@@ -55,7 +55,8 @@
 #     both on a Qwen2.5-7B shape with random weights and the tokenizer's vocabulary, saved as a folder
 # The carried folders are git-ignored; make them once on the CPU machine:
 #   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 \
-#     --implementation cp --platform manylinux2014_x86_64 -d .whl structlog aiohttp msgspec aiomqtt
+#     --implementation cp --platform manylinux2014_x86_64 -d .whl structlog aiohttp msgspec aiomqtt \
+#     pytest-asyncio==1.5.0  # the interleavings' asyncio test (the GPU host has pytest 9.1)
 #   (structured, tools, and check's held-after-a-marker check: also xgrammar apache-tvm-ffi openai httpx2 httpcore2 anyio pydantic
 #   pydantic_core annotated-types typing-inspection distro jiter sniffio truststore idna h11
 #   paho-mqtt, with --platform manylinux_2_28_x86_64 and the versions .venv has)
