@@ -74,3 +74,23 @@ def test_smollm2_matches_hf(smollm2):
     ours = eng.generate(prompts, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))
     for (toks, _, _), want in zip(ours, hf_greedy(smollm2, prompts, 12)):
         same_tokens(toks, want)
+
+
+def test_a_head_dim_of_no_power_of_two_matches_hf(make_model):
+    """Head dims the Triton kernels do not tile (80, 96 in the wild) run the references, on a
+    GPU too: the Mirrors' collective path included."""
+    folder = make_model("llama", hidden_size=96, head_dim=24)
+    eng = Engine(model=str(folder), dtype="float32", kv_tokens=2048)
+    prompts = prompts_for(eng.mcfg.vocab_size, (11, 150), seed=5)
+    greedy = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    ours = eng.generate(prompts, greedy)
+    for (toks, _, _), want in zip(ours, hf_greedy(folder, prompts, 12)):
+        same_tokens(toks, want)
+    # two agents that read the first answer at their own offsets, every token recomputed: exact
+    seg = ours[0][0]
+    group = [[7, 8] + seg + [9], [4, 5, 6, 10] + seg + [12, 13]]
+    shared = [[(2, 2 + len(seg))], [(4, 4 + len(seg))]]
+    want = eng.generate(group, greedy)
+    reuse = Engine(model=str(folder), dtype="float32", kv_tokens=2048, recompute_ratio=1.0, min_shared_tokens=0)
+    assert reuse.generate(group, greedy, mode="collective", shared=shared) == want
+    assert reuse.segments.held  # the answer's KV was computed once, as a base
