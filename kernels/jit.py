@@ -18,7 +18,6 @@ except ImportError:  # a CPU-only install still has the references
     HAVE_TRITON = False
 
 
-
 def tiles_head(d: int) -> bool:
     """Whether the Triton kernels that tile a head (attention, RoPE, the KV store) take
     head dim `d`: they split it in two halves of a power of two, each at least 16 wide

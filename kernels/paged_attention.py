@@ -285,11 +285,11 @@ def paged_attention(
     plan: dict | None = None,
 ) -> torch.Tensor:
     """Dispatch: the Triton kernels on CUDA (head dims they tile), the reference
-    elsewhere. max_q (the most
-    queries of one sequence) spares the GPU path a host sync. `master` (decode steps
-    only): the batch's Master keys besides each sequence's own, read collectively.
-    `trig` (kernels/paged_triton.py's trig_table) spares the kernels sines and cosines;
-    `plan`, a dict shared by one step's layers, the reference its per-layer layout work."""
+    elsewhere. max_q (the most queries of one sequence) spares the GPU path a host sync.
+    `master` (decode steps only): the batch's Master keys besides each sequence's own,
+    read collectively. `trig` (kernels/paged_triton.py's trig_table) spares the kernels
+    sines and cosines; `plan`, a dict shared by one step's layers, the reference its
+    per-layer layout work."""
     args = (q, q_pos, cu_q, k_cache, v_cache, block_tables, kv_lens, inv_freq, rope_scale,
             sm_scale, slot_pos)
     triton = q.is_cuda and tiles_head(q.shape[-1])

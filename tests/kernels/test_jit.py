@@ -45,8 +45,8 @@ def test_engine_runs_without_triton(tiny_llama):
 
 @pytest.mark.skipif(not HAVE_TRITON, reason="no triton")
 def test_the_head_dims_the_triton_kernels_tile_and_what_the_rest_get():
-    """Other head dims take the references (engine: no CUDA graphs), and the Triton entry
-    point says why it refuses them."""
+    """The head dims the Triton kernels tile (the dispatchers give the rest to the
+    references), and the Triton entry point saying why it refuses another."""
     assert [d for d in (16, 32, 48, 64, 80, 96, 128, 256) if tiles_head(d)] == [32, 64, 128, 256]
     q = torch.randn(1, 2, 16)
     kv = torch.zeros(2, 16, 1, 16)
