@@ -10,6 +10,8 @@
 #   act: the fused SwiGLU activation against torch's two ops (error, time)
 #   prefill: the engine's prefill alone against HF (10 x 2 k)
 #   check: the CUDA checks alone (bench/check_cuda.py), and the GPU-only tests
+#   tests: a dozen of the engine's test files on CUDA (its device is auto there): greedy vs HF,
+#     reuse, Mirrors, idle agents, lookahead, priority, kvcomm, offload, bases, late layers, sampling
 #   scoring: a prefill that scores its prompt (prompt logprobs: completions' echo with
 #     logprobs) against the same prefill without, Qwen2.5-7B shape, random bf16 weights
 #   reuse:  one All-Gather round, N = 10 and 20, every mode, serial pic and collective with
@@ -86,6 +88,11 @@ if want engine || want check; then
       "tests/backend/test_chaos.py -k cuda"; do
     python3 -m pytest -q -p no:cacheprovider -rfEs $t 2>&1 | tail -4
   done | tee "$OUT/gpu_tests.txt"
+fi
+if want tests; then
+  python3 -m pytest -q -p no:cacheprovider --tb=short -rf $(for t in greedy_vs_hf reuse mirror idle lookahead \
+      priority kvcomm offload bases late sampling; do echo tests/backend/test_$t.py; done) 2>&1 | tail -40 \
+    | tee "$OUT/backend_tests.txt"
 fi
 if want scoring; then
   python3 -m tokendance.bench.scoring --model qwen2.5-7b --dtype bfloat16 --tokens 2048 --prompts 8 \
