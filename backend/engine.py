@@ -109,14 +109,8 @@ class Engine:
         reuse = ReuseConfig(cfg.check_layer, cfg.recompute_ratio, cfg.recompute_floor, max_tokens=budget,
                             readers=cfg.bases == "reader", anchor_bytes=cfg.anchor_bytes // ranks,
                             anchor_rank=cfg.anchor_rank)
-        # a rank holds 1/ranks of each token's K/V: the same agents in 1/ranks of the bytes
         offload = host_tier_bytes(self.device) if cfg.offload_bytes is None else cfg.offload_bytes
-        try:
-            self.idle = IdleAgents(self.cache, offload // ranks)
-        except ValueError as e:  # the arena speaks of its rank's share: name the whole
-            if ranks == 1:
-                raise
-            raise ValueError(f"{e}; each of the {ranks} ranks holds 1/{ranks} of the {offload:,} given") from None
+        self.idle = IdleAgents(self.cache, offload, ranks)
         self.collector = Collector(self.model, self.cache, self.blocks, self.runner, self.segments,
                                    self.idle, reuse)
         self.waiting = Waiting(self.collector, self.scheduler, self.idle, self.blocks)

@@ -63,9 +63,16 @@ def _tokens(parked: Parked) -> torch.Tensor:
 
 
 class IdleAgents:
-    def __init__(self, cache: KVCache, budget_bytes: int):
+    def __init__(self, cache: KVCache, budget_bytes: int, ranks: int = 1):
+        """budget_bytes: the host tier's over every tensor-parallel rank; a rank holds
+        1/ranks of each token's K/V, so the same agents in 1/ranks of the bytes."""
         self.cache = cache
-        self.tier = HostTier(cache, budget_bytes)
+        try:
+            self.tier = HostTier(cache, budget_bytes // ranks)
+        except ValueError as e:  # the arena speaks of its rank's share: name the whole
+            if ranks == 1:
+                raise
+            raise ValueError(f"{e}; each of the {ranks} ranks holds 1/{ranks} of the {budget_bytes:,} given") from None
         self.parked: dict[str, Parked] = {}
         self.restored = 0  # prompt tokens restored instead of prefilled, all requests
 

@@ -116,12 +116,18 @@ def alone(model, reqs: list[Req], device: str = "cpu") -> list[list[int]]:
     return [toks for toks, _, _ in ref.generate([r.prompt for r in reqs], params)]
 
 
+@pytest.fixture(scope="module")
+def wide_llama(make_model) -> str:
+    """A tiny Llama of head dim 32, which the Triton kernels tile."""
+    return str(make_model("llama", hidden_size=128, head_dim=32))
+
+
 @pytest.fixture
-def where(request, tiny_llama, make_model) -> tuple[str, str]:
+def where(request, tiny_llama) -> tuple[str, str]:
     """(model folder, device) for a DEVICES entry."""
     if request.param != "cuda":
         return str(tiny_llama), request.param.removesuffix("-d16")
-    return str(make_model("llama", hidden_size=128, head_dim=32)), "cuda"
+    return request.getfixturevalue("wide_llama"), "cuda"
 
 
 def tight(model, device: str = "cpu", **kw) -> Engine:
