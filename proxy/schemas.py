@@ -30,8 +30,9 @@ log = structlog.get_logger("tokendance.proxy")
 _keys = msgspec.json.Decoder(dict[str, msgspec.Raw])  # a body's top-level fields, values unread
 
 
-class TokenDance(Struct, kw_only=True):
-    """The `tokendance` body object (what openai's extra_body sends)."""
+class TokenDance(Struct, kw_only=True, forbid_unknown_fields=True):
+    """The `tokendance` body object (what openai's extra_body sends). Ours, so a field it
+    does not know is a 400, not ignored: a misspelt `sesion` would lose the round's reuse."""
 
     session: str | None = None
     agent: str | None = None

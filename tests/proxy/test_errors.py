@@ -120,6 +120,7 @@ CASES = [  # (path, body or raw bytes, extra headers, status, param, code)
     ("chat", {**CHAT, "tokendance": {"round": "x"}}, {}, 400, "tokendance.round", "invalid_type"),
     ("chat", {**CHAT, "tokendance": {"round": -1, "session": "s"}}, {}, 400, "tokendance.round", None),
     ("chat", {**CHAT, "tokendance": "s1"}, {}, 400, "tokendance", "invalid_type"),
+    ("chat", {**CHAT, "tokendance": {"sesion": "s1"}}, {}, 400, "tokendance", "invalid_type"),
     ("text", {"model": "fake-tiny"}, {}, 400, "prompt", "invalid_type"),
     ("text", {**TEXT, "prompt": 5}, {}, 400, "prompt", "invalid_type"),
     ("text", {**TEXT, "prompt": [1, "a"]}, {}, 400, "prompt", None),
