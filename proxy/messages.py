@@ -202,8 +202,8 @@ def _turns(turns: list[Turn]) -> list[Message]:
     out: list[Message] = []
     for i, turn in enumerate(turns):
         where = f"messages.{i}"
-        if turn.role not in ("user", "assistant", "system"):
-            raise invalid(f"{where}.role: must be user or assistant, not {turn.role!r}", f"{where}.role")
+        if turn.role not in ("user", "assistant", "system"):  # system: Claude Code sends instructions so
+            raise invalid(f"{where}.role: must be user, assistant or system, not {turn.role!r}", f"{where}.role")
         if isinstance(turn.content, str):
             out.append(Message(role=turn.role, content=turn.content))
             continue

@@ -153,14 +153,15 @@ def test_a_request_becomes_the_chat_it_asks_for():
                                      {"role": "user", "content": [
                                          {"type": "tool_result", "tool_use_id": "t1", "is_error": True,
                                           "content": [{"type": "text", "text": "down"}]},
-                                         {"type": "text", "text": "Try again."}]}],
+                                         {"type": "text", "text": "Try again."}]},
+                                     {"role": "system", "content": "Answer in JSON."}],
                 tools=[WEATHER], tool_choice={"type": "any", "disable_parallel_tool_use": True},
                 thinking={"type": "disabled"}, stop_sequences=["END"], top_k=5, metadata={"user_id": "u1"},
                 output_config={"format": {"type": "json_schema", "schema": {"type": "object"}}})
     c = chat(msgspec.convert(body, MessagesRequest))
     assert [(m.role, m.content) for m in c.messages] == [
         ("system", "Be brief."), ("user", "Weather?"), ("assistant", "Let me look."), ("tool", "Error: down"),
-        ("user", "Try again.")]
+        ("user", "Try again."), ("system", "Answer in JSON.")]
     assert json.loads(c.messages[2].tool_calls[0].function.arguments) == {"city": "Oslo"}
     assert c.messages[3].tool_call_id == "t1" and c.tool_choice == "required" and c.parallel_tool_calls is False
     assert c.tools[0].function.parameters == WEATHER["input_schema"]
