@@ -47,6 +47,7 @@ class Config:
     min_shared_chars: int = 16  # shorter outputs are never marked as shared
     drain_timeout: float = 30.0
     reasoning: str | None = None  # vLLM's --reasoning-parser: "qwen3" | "deepseek_r1" (proxy/reasoning.py)
+    tool_parser: str | None = None  # vLLM's --tool-call-parser (proxy/tools.py PARSERS); None: the template's
     store_bytes: int = 256 * 2**20  # stored responses, and conversations, each (proxy/stored.py)
     peers: bool = False  # share rounds with the other proxies on the MQTT broker (proxy/peers.py)
     names: tuple[str, ...] = ()  # vLLM's --served-model-name: the model's names in the API
@@ -124,7 +125,7 @@ class Proxy:
     def dialect(self) -> str:
         """The chat template's way with tools (proxy/tools.py), found at its first use."""
         if self._dialect is None:
-            self._dialect = t.dialect(self.backend.render_chat)
+            self._dialect = t.dialect(self.backend.render_chat, self.config.tool_parser)
         return self._dialect
 
     def chat_form(self, messages: list[dict], tools: t.Tools | None,

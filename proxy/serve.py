@@ -21,6 +21,7 @@ from .core import Config
 from .cors import Cors, parse
 from .mqtt import address
 from .reasoning import PARSERS
+from .tools import PARSERS as TOOL_PARSERS
 
 DEFAULT_MODE = "collective"
 KEY_ENV = "TOKENDANCE_API_KEY"
@@ -58,6 +59,12 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     p.add_argument("--drain-timeout", type=float, default=30.0, help="seconds to finish on shutdown")
     p.add_argument("--reasoning-parser", choices=PARSERS, default=None,
                    help="read a chat answer's thinking (<think>...</think>) into its message's reasoning")
+    p.add_argument("--tool-call-parser", choices=list(TOOL_PARSERS), default=None,
+                   help="read the calls in chat answers in this format, whatever the chat template asks "
+                        "for (default: the template's, Hermes or Llama 3's JSON; Hermes for one that "
+                        "renders no tools, the proxy writing them in)")
+    p.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help="vLLM's: tool_choice auto is always on here; taken so vLLM's command lines run")
     p.add_argument("--stream-interval", type=int, default=1, metavar="N",
                    help="tokens per streamed chunk of chat and completion answers, the first and last "
                         "aside (a request's stream_interval may raise it)")
@@ -138,7 +145,8 @@ def config(args: argparse.Namespace) -> Config:
     policy = Cors(*(parse(f"--allowed-{what}", getattr(args, f"allowed_{what}"))
                     for what in ("origins", "methods", "headers")), credentials=args.allow_credentials)
     return Config(barrier_timeout=args.barrier_timeout_ms / 1e3, max_group=args.max_group,
-                  drain_timeout=args.drain_timeout, reasoning=args.reasoning_parser, names=names,
+                  drain_timeout=args.drain_timeout, reasoning=args.reasoning_parser,
+                  tool_parser=args.tool_call_parser, names=names,
                   api_keys=frozenset(keys), peers=args.mqtt_peers, stream_interval=args.stream_interval,
                   cors=policy)
 
@@ -225,6 +233,8 @@ def main(args: argparse.Namespace) -> int:
         if args.chat_template is not None:
             chat_template(backend, args.chat_template)
         server = Server(backend, cfg, args.mqtt)
+        if cfg.tool_parser is not None:  # one the chat template cannot take fails now, not per request
+            server.proxy.dialect()
         with heap.frozen():
             asyncio.run(serve(server, args.host, args.port))
     finally:

@@ -33,6 +33,7 @@ _CHOICES = ("none", "auto", "required")
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 _PROBE = "tokendance_probe_tool"
 HERMES, LLAMA3, WRITTEN = "hermes", "llama3", "written"  # dialects of chat templates
+PARSERS = {"hermes": HERMES, "llama3_json": LLAMA3}  # vLLM's --tool-call-parser: the formats read
 _LLAMA3_ASK = '"parameters": dictionary of argument name'  # Llama 3.1-3.3's templates ask so
 Render = Callable[..., str]  # a backend's render_chat(messages, tools=None)
 Draw = Callable[[list[dict[str, Any]]], str]  # messages -> prompt text
@@ -189,19 +190,28 @@ def made_calls(i: int, calls: list[MadeCall]) -> list[dict[str, Any]]:
     return out
 
 
-def dialect(render: Render) -> str:
+def dialect(render: Render, parser: str | None = None) -> str:
     """How the chat template takes tools: HERMES (it renders them and asks for Hermes
     calls), LLAMA3 (it renders them and asks for a bare {"name", "parameters"} object), or
     WRITTEN (it renders none, or asks for a format read here by neither: the proxy writes
-    them into the messages, in the Hermes format)."""
+    them into the messages, in the Hermes format). `parser` (a PARSERS name, vLLM's
+    --tool-call-parser) reads calls in its format from a template that renders tools,
+    whatever it asks for; ValueError where the template renders none and the parser is
+    not Hermes, the format the proxy writes them in."""
     probe = [{"type": "function", "function": {"name": _PROBE, "description": "",
                                                 "parameters": {"type": "object", "properties": {}}}}]
     try:
         text = render([{"role": "user", "content": "hi"}], tools=probe)
     except InvalidRequest:
-        return WRITTEN
+        text = ""
     if _PROBE not in text:
+        if parser is not None and PARSERS[parser] != HERMES:
+            raise ValueError(f"--tool-call-parser {parser}: the chat template renders no tools, so the "
+                             "proxy writes them in and reads calls in the Hermes format (give hermes, or "
+                             "a --chat-template that renders tools)")
         return WRITTEN
+    if parser is not None:
+        return PARSERS[parser]
     return HERMES if OPEN in text else LLAMA3 if _LLAMA3_ASK in text else WRITTEN
 
 

@@ -53,6 +53,11 @@ def test_flags():
     assert serve.config(parse("--reasoning-parser", "deepseek_r1")).reasoning == "deepseek_r1"
     with pytest.raises(SystemExit):  # argparse names the choices
         parse("--reasoning-parser", "o1")
+    assert serve.config(parse()).tool_parser is None
+    a = parse("--enable-auto-tool-choice", "--tool-call-parser", "llama3_json")  # vLLM's command line
+    assert serve.config(a).tool_parser == "llama3_json"
+    with pytest.raises(SystemExit):
+        parse("--tool-call-parser", "pythonic")
 
 
 @pytest.mark.parametrize("argv,message", [
@@ -334,6 +339,14 @@ def test_a_chat_template_replaces_the_tokenizers(tiny_llama, tmp_path):
         serve.chat_template(be, "/nope.jinja")
     with pytest.raises(ValueError, match="--chat-template cannot render a chat"):
         serve.chat_template(be, "{{ raise_exception('no system messages') }}")
+
+
+def test_a_tool_call_parser_the_template_cannot_take_is_one_line_at_start(monkeypatch, capsys):
+    monkeypatch.setattr(serve, "load_backend", lambda args: FakeBackend())  # it renders no tools
+    monkeypatch.setattr(serve, "serve", lambda *a: pytest.fail("the server must not start"))
+    assert cli.main(["serve", "--tool-call-parser", "llama3_json"]) == 1
+    err = capsys.readouterr().err.strip()
+    assert "--tool-call-parser llama3_json: the chat template renders no tools" in err and "\n" not in err
 
 
 def test_a_chat_template_needs_a_tokenizer(monkeypatch, capsys):

@@ -299,6 +299,24 @@ def test_a_llama3_template_gets_the_tools_itself_and_its_calls_are_read_bare(smo
         px._dialect = None
 
 
+def test_a_tool_call_parser_reads_its_format_from_any_template_that_renders_tools(smollm2):
+    """vLLM's --tool-call-parser: calls read in the named format whatever the template asks
+    for; a template that renders no tools gets them written in Hermes' format, so only the
+    Hermes parser goes with it."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(smollm2)
+    plain = partial(render_chat, tok)
+    assert tools.dialect(plain, "hermes") == tools.WRITTEN
+    with pytest.raises(ValueError, match="--tool-call-parser llama3_json: the chat template renders no tools"):
+        tools.dialect(plain, "llama3_json")
+    tok.chat_template = HERMES_TEMPLATE
+    assert tools.dialect(partial(render_chat, tok), "llama3_json") == tools.LLAMA3
+    assert tools.dialect(partial(render_chat, tok), "hermes") == tools.HERMES
+    tok.chat_template = LLAMA3_TEMPLATE
+    assert tools.dialect(partial(render_chat, tok), "hermes") == tools.HERMES
+
+
 @pytest.mark.slow
 def test_smollm2_calls_the_tool_a_question_needs(smollm2):
     """The real model, asked about the weather, required to make one call: it picks the
