@@ -7,7 +7,9 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import re
 from collections.abc import Callable
+from fractions import Fraction
 from typing import Any
 
 from tokendance.backend import generation
@@ -35,19 +37,19 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "offset K/V), on the engine's device beside the KV pool")
     p.add_argument("--anchor-rank", type=int, default=32,
                    help="kvcmas: the rank its anchors are held at, per layer (KVCMAS's low-rank anchors)")
-    p.add_argument("--kv-tokens", type=at_least(0), default=0,
+    p.add_argument("--kv-tokens", type=at_least(0, units=True), default=0,
                    help="the KV pool's size in tokens (0: 16 k on the CPU, 85 %% of the GPU's memory "
                         "left free by the weights)")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.0, metavar="F",
                    help="the share of the GPU's memory this engine holds: weights, a step's peak "
                         "(measured at start) and the KV pool (0: as --kv-tokens says)")
-    p.add_argument("--max-model-len", type=at_least(0), default=0,
+    p.add_argument("--max-model-len", type=at_least(0, units=True), default=0,
                    help="the longest prompt and answer together (0: the model's limit, or the pool's)")
     p.add_argument("--max-num-seqs", type=at_least(1), default=256, help="requests running at once")
     p.add_argument("--scheduling-policy", choices=POLICIES, default="fcfs",
                    help="fcfs: first come, first served; priority: by each request's priority (lower "
                         "first, then arrival), a waiting request preempting running ones of lower priority")
-    p.add_argument("--max-num-batched-tokens", type=at_least(0), default=0,
+    p.add_argument("--max-num-batched-tokens", type=at_least(0, units=True), default=0,
                    help="tokens a step computes at most (0: 2,048 on the CPU, 16,384 on the GPU)")
     add_generation_args(p)
 
@@ -103,20 +105,39 @@ def add_reuse_args(p: argparse.ArgumentParser) -> None:
                         "rounds slower; 0 on the CPU)")
 
 
-def at_least(low: int) -> Callable[[str], int]:
+def at_least(low: int, units: bool = False) -> Callable[[str], int]:
     """An integer option of at least `low` (argparse `type=`: a bad value is a one-line
-    usage error)."""
+    usage error); with `units`, a count of tokens as vLLM also takes one: 32k (32,000),
+    25.6k, 32K (32,768)."""
 
     def parse(text: str) -> int:
         try:
-            n = int(text)
+            n = _count(text) if units else int(text)
         except ValueError:
-            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+            also = " (or as 32k, 25.6k, 32K)" if units else ""
+            raise argparse.ArgumentTypeError(f"expected an integer{also}, got {text!r}") from None
         if n < low:
             raise argparse.ArgumentTypeError(f"must be at least {low}, got {n}")
         return n
 
     return parse
+
+
+_UNITS = {"k": 10**3, "m": 10**6, "g": 10**9, "K": 2**10, "M": 2**20, "G": 2**30}
+_COUNT = re.compile(r"(\d+(?:\.\d+)?)([kmgKMG])")
+
+
+def _count(text: str) -> int:
+    """vLLM's human-readable integers: decimal units (k, m, g) take a fraction that makes
+    a whole count, binary ones (K, M, G) a whole number; ValueError otherwise."""
+    m = _COUNT.fullmatch(text.strip())
+    if m is None:
+        return int(text)
+    number, unit = m.groups()
+    value = Fraction(number) * _UNITS[unit]
+    if value.denominator != 1 or (unit.isupper() and "." in number):
+        raise ValueError(text)
+    return int(value)
 
 
 def reuse_options(args: argparse.Namespace) -> dict[str, float | str]:

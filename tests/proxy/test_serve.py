@@ -201,8 +201,15 @@ def test_pool_and_batch_flags_size_the_engine(tiny_llama):
     assert be.info.priority and engine_options(parse())["scheduling_policy"] == "fcfs"
 
 
+def test_token_counts_take_vllms_units():
+    a = parse("--max-model-len", "32k", "--kv-tokens", "4K", "--max-num-batched-tokens", "25.6k")
+    assert (a.max_model_len, a.kv_tokens, a.max_num_batched_tokens) == (32_000, 4_096, 25_600)
+    assert parse("--max-model-len", "2048").max_model_len == 2048
+
+
 @pytest.mark.parametrize("flag,value", [("--min-shared-tokens", v) for v in ("-1", "x", "1.5")] + [
-    ("--kv-tokens", "-5"), ("--max-model-len", "1e3"), ("--max-num-seqs", "0"), ("--max-num-batched-tokens", "-1"),
+    ("--kv-tokens", "-5"), ("--max-model-len", "1e3"), ("--max-model-len", "1.5K"), ("--max-model-len", "0.0005k"),
+    ("--max-model-len", "32x"), ("--kv-tokens", "-1k"), ("--max-num-seqs", "0"), ("--max-num-batched-tokens", "-1"),
     ("--tensor-parallel-size", "0"), ("--data-parallel-size", "0"), ("--scheduling-policy", "lifo")])
 def test_bad_typed_flags_are_one_line(monkeypatch, capsys, flag, value):
     monkeypatch.setattr(serve, "load_backend", lambda args: pytest.fail("the model must not load"))
