@@ -208,9 +208,7 @@ class Engine:
     # -- the loop ------------------------------------------------------------------
 
     def step(self) -> list[tuple[str, Delta]]:
-        if self.relay is not None:
-            self.relay.step()
-        out = self._step()
+        out = self._step() if self.relay is None else self.relay.step(self._step)
         if self.tp is not None:
             self.tp.note(out)
         if self.tails:

@@ -33,10 +33,11 @@ import pickle
 import signal
 import socket
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
 from multiprocessing.process import BaseProcess
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import structlog
 import torch
@@ -50,6 +51,7 @@ if TYPE_CHECKING:
     from tokendance.backend.engine import Engine
 
 log = structlog.get_logger(__name__)
+T = TypeVar("T")
 
 # Every rank reaches the rendezvous by then (a follower only imports torch first), and
 # waits no longer for the others inside a collective (they run in lockstep).
@@ -252,9 +254,20 @@ class Relay:
     def queue(self, call: bytes) -> None:
         self.pending.append(call)
 
-    def step(self) -> None:
+    def step(self, run: Callable[[], T]) -> T:
+        """Send the step to the followers, then `run` it here. A collective that fails
+        because a follower died (gloo sees its socket close) says which one did."""
         self.queue(STEP)
         self._send(self.pending)
+        try:
+            return run()
+        except RuntimeError as e:
+            for _ in range(40):  # its exit reaches us a moment after its socket's reset
+                gone = self.shard.gone()
+                if gone:
+                    raise ChildProcessError(gone) from e
+                time.sleep(0.05)
+            raise
 
     def close(self, clean: bool = True) -> bool | None:
         """Stop the followers; whether every rank produced the same (None if not known).

@@ -228,6 +228,29 @@ def test_a_follower_gone_fails_the_next_step(tiny_llama):
         two.close()
 
 
+def test_a_follower_that_dies_mid_step_is_named_at_once(tiny_llama):
+    """Killed after it took the step's call, before the collectives it owes the leader:
+    the leader's step fails with the rank's exit, not gloo's connection error, within
+    seconds (not a collective's two-minute timeout)."""
+    two = engine(tiny_llama, tensor_parallel_size=2)
+    try:
+        prompts, _ = round_prompts(2, seed=1)
+        two.add("a", prompts[0], GREEDY)
+        step = two._step
+
+        def dying() -> list:
+            two.tp.procs[0].kill()  # not joined: its exit shows a moment after its sockets close
+            return step()
+
+        two._step = dying
+        t0 = time.monotonic()
+        with pytest.raises(ChildProcessError, match=r"tensor-parallel rank tokendance-tp1 exited \(code -9\)"):
+            two.step()
+        assert time.monotonic() - t0 < 10
+    finally:
+        two.close()
+
+
 def test_priority_scheduling_preempts_alike_on_every_rank(tiny_llama):
     """An urgent request preempting a running one under --scheduling-policy priority: the
     follower replays the arrivals and priorities, so its schedule, and its tokens, are the
