@@ -34,6 +34,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--mode", choices=MODES, default=None,
                    help=f"default KV reuse mode ({DEFAULT_MODE}; prefix with --vllm)")
+    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None,
+                   help="vLLM's: every mode but full reuses exact prefixes (taken as given); "
+                        "--no-enable-prefix-caching reuses nothing, as --mode full")
     p.add_argument("--engine", action="append", default=None, metavar="URL",
                    help="an engine started by `tokendance engine`; repeat it for several, each "
                         "session pinned to one (default: one in this process, set by the flags below)")
@@ -133,6 +136,17 @@ def engine_key(args: argparse.Namespace) -> str | None:
     return check_keys([env], "$" + ENGINE_KEY_ENV)[0] if env and remote else None
 
 
+def reuse_mode(mode: str | None, prefix_caching: bool | None) -> str | None:
+    """--mode with vLLM's --[no-]enable-prefix-caching (None: the backend's default mode)."""
+    if prefix_caching is None:
+        return mode
+    if prefix_caching and mode == "full":
+        raise ValueError("--mode full reuses no KV: not with --enable-prefix-caching")
+    if not prefix_caching and mode not in (None, "full"):
+        raise ValueError(f"--no-enable-prefix-caching reuses no KV: not with --mode {mode}")
+    return mode if prefix_caching else "full"
+
+
 def config(args: argparse.Namespace) -> Config:
     keys = check_keys(args.api_key or ([os.environ[KEY_ENV]] if os.environ.get(KEY_ENV) else []), "--api-key")
     names = tuple(args.served_model_name or ())
@@ -190,6 +204,7 @@ async def serve(server: Server, host: str, port: int, stop: asyncio.Event | None
 
 def main(args: argparse.Namespace) -> int:
     logs.to_stderr(args.log_level)
+    args.mode = reuse_mode(args.mode, args.enable_prefix_caching)
     if args.max_group < 1:
         raise ValueError("--max-group must be at least 1")
     if not args.barrier_timeout_ms >= 0:  # `not >=`: NaN fails too

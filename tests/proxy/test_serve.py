@@ -85,6 +85,8 @@ def test_flags():
     (["--stream-interval", "0"], "--stream-interval must be at least 1"),
     (["--gpu-memory-utilization", "0.5", "--kv-tokens", "4096"], "--kv-tokens and --gpu-memory-utilization"),
     (["/m/a", "--model", "/m/b"], "MODEL /m/a and --model /m/b name two models: give one"),
+    (["--mode", "full", "--enable-prefix-caching"], "--mode full reuses no KV: not with --enable-prefix-caching"),
+    (["--mode", "pic", "--no-enable-prefix-caching"], "--no-enable-prefix-caching reuses no KV: not with --mode pic"),
     (["/m/a", "--engine", "http://127.0.0.1:1"], "MODEL set the engine: with --engine, give them to"),
 ])
 def test_bad_flags_fail_in_one_line_before_loading_the_model(monkeypatch, capsys, argv, message):
@@ -199,6 +201,21 @@ def test_pool_and_batch_flags_size_the_engine(tiny_llama):
     assert e.collector.anchors.budget == 2**30 and e.collector.anchored["kvcmas"].rank == 32
     assert (e.scheduler.max_seqs, e.scheduler.max_tokens, e.scheduler.ranked) == (8, 512, True)
     assert be.info.priority and engine_options(parse())["scheduling_policy"] == "fcfs"
+
+
+@pytest.mark.parametrize("argv,mode", [
+    ([], None), (["--enable-prefix-caching"], None), (["--mode", "prefix", "--enable-prefix-caching"], "prefix"),
+    (["--no-enable-prefix-caching"], "full"), (["--mode", "full", "--no-enable-prefix-caching"], "full")])
+def test_vllms_prefix_caching_flag_sets_the_mode(monkeypatch, argv, mode):
+    seen = []
+
+    def load(args):
+        seen.append(args.mode)
+        raise ValueError("loaded no further")
+
+    monkeypatch.setattr(serve, "load_backend", load)
+    assert cli.main(["serve", *argv]) == 1
+    assert seen == [mode]
 
 
 def test_token_counts_take_vllms_units():
