@@ -35,8 +35,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     p.add_argument("--mode", choices=MODES, default=None,
                    help=f"default KV reuse mode ({DEFAULT_MODE}; prefix with --vllm)")
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None,
-                   help="vLLM's: every mode but full reuses exact prefixes (taken as given); "
-                        "--no-enable-prefix-caching reuses nothing, as --mode full")
+                   help="vLLM's: taken as given (prefix finds exact prefixes, the reuse modes too "
+                        "for what they compute plainly); --no-enable-prefix-caching is --mode full")
     p.add_argument("--engine", action="append", default=None, metavar="URL",
                    help="an engine started by `tokendance engine`; repeat it for several, each "
                         "session pinned to one (default: one in this process, set by the flags below)")
