@@ -107,6 +107,7 @@ class Sampled(Struct, kw_only=True):
     truncation_side: Literal["left", "right"] | None = None  # vLLM's: "right" keeps the first k instead
     request_id: str | None = None  # vLLM's: the answer's id, after its prefix
     priority: int = 0  # vLLM's: lower first, under the engine's --scheduling-policy priority
+    use_beam_search: bool = False  # vLLM's: taken only as false (a 400 otherwise, not ignored)
     logit_bias: dict[str, float] | None = None
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputs | None = None  # vLLM's extra parameter
@@ -133,6 +134,7 @@ class ChatRequest(Sampled, kw_only=True):
     reasoning_effort: Effort | None = None  # the template's reasoning_effort (and enable_thinking)
     include_reasoning: bool = True  # vLLM's: false leaves the parsed reasoning (and what reveals it) out
     return_prompt_text: bool = False  # vLLM's: the answer gives the chat as templated, its prompt
+    chat_template: str | None = None  # vLLM's, refused unless trusted: a 400 here (the server's own)
 
 
 class CompletionRequest(Sampled, kw_only=True):
@@ -180,6 +182,8 @@ def sampling(body: Sampled, max_tokens: int | None, logprobs: bool, top: int, le
     `model`: the model's defaults for what the body leaves out (ModelInfo.sampling)."""
     if not 1 <= body.n <= MAX_N:
         raise invalid(f"n must be between 1 and {MAX_N}", "n")
+    if body.use_beam_search:
+        raise unsupported("use_beam_search", "beam search")
     if body.stream_options is not None and not body.stream:
         raise invalid("stream_options is only allowed when stream is true", "stream_options")
     stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
@@ -266,6 +270,8 @@ def check_chat(body: ChatRequest, dialect: Callable[[], str], model: ModelInfo) 
     """The messages as the chat template wants them, the sampling parameters and the tools
     (`dialect`: the chat template's, asked only when tools are given). Without a length
     a chat goes on to the end of the context, as in vLLM."""
+    if body.chat_template is not None:
+        raise unsupported("chat_template", "a request's own chat_template (serve --chat-template sets the server's)")
     if body.functions:
         raise unsupported("functions", "functions (use tools)")
     if body.function_call not in (None, "none"):
