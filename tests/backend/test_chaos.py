@@ -36,8 +36,7 @@ class Req:
     got: list[int] = field(default_factory=list)
     ends: list[str] = field(default_factory=list)
     aborted: bool = False
-    resumed: bool = False  # restores a prefix its agent's last request parked
-    after: Req | None = None  # the agent's request whose prompt and answer this one's extends
+    parker: Req | None = None  # the agent's request whose parked KV this one restores
 
     @property
     def exact(self) -> bool:
@@ -45,17 +44,16 @@ class Req:
         (a restored prefix is as exact as the request that parked it)."""
         if self.mode in ("full", "prefix"):  # they restore nothing, and cache exact blocks only
             return True
-        return self.mode in EXACT and (self.after is None or self.after.exact)
+        return self.mode in EXACT and (self.parker is None or self.parker.exact)
 
 
 def fresh(rng: random.Random, n: int) -> list[int]:
     return [rng.randrange(3, 49152) for _ in range(n)]
 
 
-def prompt_for(rng: random.Random, last: Req | None, done: list[Req]) -> tuple[list[int], list[tuple[int, int]], bool]:
+def prompt_for(rng: random.Random, last: Req | None, done: list[Req]) -> tuple[list[int], list[tuple[int, int]]]:
     """An agent's next prompt: its last prompt and answer (when it has one), then up to
-    three finished answers of others as shared spans, then a few tokens of its own; and
-    whether it extends the last."""
+    three finished answers of others as shared spans, then a few tokens of its own."""
     go_on = bool(last is not None and last.got and len(last.prompt) < 120)
     ids = (last.prompt + last.got + [11]) if go_on else fresh(rng, rng.randrange(8, 40))
     spans = []
@@ -63,13 +61,17 @@ def prompt_for(rng: random.Random, last: Req | None, done: list[Req]) -> tuple[l
         if len(other.got) >= 2 and len(ids) < 180:
             spans.append((len(ids), len(ids) + len(other.got)))
             ids += other.got + [11]
-    return ids + fresh(rng, rng.randrange(1, 6)), spans, go_on
+    return ids + fresh(rng, rng.randrange(1, 6)), spans
 
 
 def play(eng: Engine, rng: random.Random, requests: int) -> dict[str, Req]:
     ranked = eng.cfg.scheduling_policy == "priority"
     reqs: dict[str, Req] = {}
     last: dict[str, Req] = {}
+    # An agent's KV is parked when its request of a reusing mode finishes (the engine's
+    # full and prefix ones park nothing): an agent's later request restores the last such
+    # one's, which may lie before the request its prompt extends.
+    parked: dict[str, Req] = {}
     live: set[str] = set()
     n = 0
     while n < requests or eng.has_work():
@@ -80,15 +82,16 @@ def play(eng: Engine, rng: random.Random, requests: int) -> dict[str, Req]:
                 agent = None  # an agent waits for its answer before it speaks again
             done = [r for r in reqs.values() if r.ends]
             before = last.get(agent) if agent else None
-            prompt, spans, go_on = prompt_for(rng, before, done)
+            prompt, spans = prompt_for(rng, before, done)
             # an agent keeps its mode, mostly (d and one request in five choose afresh)
             mode = AGENT_MODES.get(agent) if agent and rng.random() < 0.8 else None
-            r = Req(prompt, mode or rng.choice(MODES), rng.randrange(1, 9), agent, after=before if go_on else None)
+            r = Req(prompt, mode or rng.choice(MODES), rng.randrange(1, 9), agent)
             sp = SamplingParams(max_tokens=r.max_tokens, temperature=0, ignore_eos=True,
                                 priority=rng.choice([0, 0, 1, 2]) if ranked else 0)
             rid = f"r{n}"
             eng.add(rid, prompt, sp, mode=r.mode, shared=spans, agent=agent, publish=rng.random() < 0.5)
-            r.resumed = eng.seqs[rid].resume is not None
+            if eng.seqs[rid].resume is not None:
+                r.parker = parked[agent]
             reqs[rid], n = r, n + 1
             live.add(rid)
             if agent is not None:
@@ -106,6 +109,8 @@ def play(eng: Engine, rng: random.Random, requests: int) -> dict[str, Req]:
                 if d.finish_reason:
                     r.ends.append(d.finish_reason)
                     live.discard(rid)
+                    if r.agent is not None and r.mode not in ("full", "prefix"):
+                        parked[r.agent] = r
     return reqs
 
 
@@ -154,7 +159,7 @@ def test_any_interleaving_ends_each_request_once_exactly_and_leaks_nothing(where
     assert [r.got for r in exact] == alone(model, exact, device)
     # what the interleaving was to exercise: a full pool, agents restored, aborts
     assert eng.scheduler.preemptions and any(r.aborted for r in reqs.values())
-    assert any(r.resumed for r in exact)
+    assert any(r.parker is not None for r in exact)
     eng.reset_caches()
     assert eng.pool.num_free == eng.cache.num_blocks and not eng.idle.parked and eng.idle.bytes == 0 and not eng.seqs
 
@@ -203,7 +208,7 @@ async def test_clients_that_come_and_go_on_the_engine_thread_get_their_own_answe
         await asyncio.sleep(delay)
         reqs, jobs = [], []
         for j in range(size):  # a group, started in one step
-            prompt, spans, _ = prompt_for(rng, None, finished)
+            prompt, spans = prompt_for(rng, None, finished)
             r = Req(prompt, rng.choice(EXACT), rng.randrange(1, 9), None)
             sp = SamplingParams(max_tokens=r.max_tokens, temperature=0, ignore_eos=True, priority=rng.choice([0, 1]))
             reqs.append(r)
