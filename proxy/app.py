@@ -212,7 +212,8 @@ async def model(req: web.Request) -> web.Response:
 
 
 def _card(px: Proxy, name: str) -> replies.ModelCard:
-    return replies.ModelCard(name, int(px.started), px.backend.info.max_model_len)
+    info = px.backend.info
+    return replies.ModelCard(name, int(px.started), info.max_model_len, info.name)
 
 
 async def tokenize(req: web.Request) -> web.Response:

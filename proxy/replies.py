@@ -170,6 +170,8 @@ class ModelCard(Struct):
     id: str
     created: int
     max_model_len: int
+    root: str  # vLLM's: the model served under `id` (its own name, whatever --served-model-name says)
+    parent: str | None = None
     object: str = "model"
     owned_by: str = "tokendance"
 

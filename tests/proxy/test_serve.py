@@ -330,6 +330,7 @@ def _names_and_keys(url: str) -> None:
 
     ok = openai.OpenAI(base_url=url + "/v1", api_key="sk-b", max_retries=0)
     assert [m.id for m in ok.models.list()] == ["gpt-4o-mini", "tiny"]
+    assert [m.root for m in ok.models.list()] == ["fake-tiny"] * 2  # the model behind the names, as vLLM says
     r = ok.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "a b"}])
     assert r.model == "gpt-4o-mini" and r.choices[0].message.content == "a b"
     assert ok.responses.create(model="gpt-4o-mini", input="c d").model == "gpt-4o-mini"
