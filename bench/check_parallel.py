@@ -2,13 +2,22 @@
 between them, no CUDA graphs: backend/parallel.py's ONE_DEVICE) serve two All-Gather
 rounds in each mode and must give one process's greedy tokens. The speed of the split
 needs GPUs of its own: `bench parallel` on nvidia-h200-x2 and up.
-python -m tokendance.bench.check_parallel"""
+python -m tokendance.bench.check_parallel
+
+With --death, instead: how long a leader's step takes to fail when its follower is
+killed during it, over NCCL on two GPUs (gloo on one, or on the CPU), and with what
+error (NCCL's watchdog may end the process at its timeout instead: then no line).
+python -m tokendance.bench.check_parallel --death"""
 
 from __future__ import annotations
 
+import math
 import os
 import sys
+import time
 from pathlib import Path
+
+import torch
 
 from tokendance.backend import parallel
 from tokendance.backend.api import SamplingParams
@@ -47,7 +56,43 @@ def rounds(eng: Engine) -> dict[str, list[list[int]]]:
     return out
 
 
+def death(model: str, device: str) -> tuple[float, str]:
+    """(seconds from the follower's kill to the leader's failed step, the error) of a
+    two-rank engine on `device` whose follower is killed once it took a step's call,
+    before the collectives it owes the leader (tests/backend/test_parallel.py does the
+    same on the CPU)."""
+    two = Engine(EngineConfig(model=model, dtype="float32", device=device, cuda_graphs=0,
+                              kv_tokens=16384, tensor_parallel_size=2))
+    try:
+        two.add("a", [(i * 7919) % 40000 + 100 for i in range(2048)], GREEDY)
+        step, killed = two._step, []
+
+        def dying() -> list:
+            two.tp.procs[0].kill()
+            killed.append(time.monotonic())
+            return step()
+
+        two._step = dying
+        try:
+            two.step()
+        except Exception as e:  # what the step that lost its follower raised
+            return time.monotonic() - killed[0], f"{type(e).__name__}: {str(e)[:120]}"
+        return math.nan, "no error"
+    finally:
+        two.close()
+
+
 def main() -> int:
+    if "--death" in sys.argv:
+        gpus = torch.cuda.device_count()
+        device = "cuda" if gpus else "cpu"
+        if gpus == 1:
+            os.environ[parallel.ONE_DEVICE] = "1"
+        took, err = death(str(folder()), device)
+        link = "NCCL" if gpus >= 2 else "gloo"
+        print(f"tensor parallelism, a follower killed during a step ({device}, {link}): the leader's step "
+              f"failed {took:.2f} s later with {err}")
+        return 0 if took == took else 1
     os.environ[parallel.ONE_DEVICE] = "1"
     cfg = dict(model=str(folder()), dtype="float32", device="cuda", cuda_graphs=0, kv_tokens=32768,
                min_shared_tokens=0)

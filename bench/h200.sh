@@ -48,7 +48,8 @@
 #     (bench/fleet.py); on a machine of one GPU, two engines sharing it
 #   parallel: tensor parallelism: two ranks on one GPU against one process (bench/check_parallel.py,
 #     also in check), then, on a machine of two GPUs or more (nvidia-h200-x2 and up;
-#     bench/parallel.py), a Qwen2.5-0.5B shape end to end, then the Qwen2.5-14B shape at each size
+#     bench/parallel.py), a Qwen2.5-0.5B shape end to end, then the Qwen2.5-14B shape at each size,
+#     then a follower killed mid-step over NCCL (bench/check_parallel.py --death)
 #   remote: the proxy over `tokendance engine` against the engine in-process (bench/remote.py),
 #     a Qwen2.5-0.5B shape with random weights saved as a folder (the servers load folders)
 #   structured: structured outputs against the same work unconstrained (bench/structured.py),
@@ -247,6 +248,9 @@ if want parallel && [ "$(nvidia-smi -L | wc -l)" -ge 2 ]; then
     --agents 4 --repeats 1 2>&1 | grep -v -i "warn\|deprecat" | tee "$OUT/parallel-small.txt"
   td bench parallel --model qwen2.5-14b --sizes "$sizes" --repeats 3 2>&1 | grep -v -i "warn\|deprecat" \
     | tee "$OUT/parallel.txt"
+  # a follower killed mid-step over NCCL: how long until the leader's step fails, or its
+  # watchdog ends it (then no line)
+  timeout 400 python3 -m tokendance.bench.check_parallel --death 2>&1 | tail -n 40 | tee "$OUT/death.txt"
 fi
 if want structured || want tools; then
   # the tokenizer's vocabulary: a mask over 100 k ids no token has costs what no real model's does

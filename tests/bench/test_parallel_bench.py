@@ -7,6 +7,7 @@ import re
 import pytest
 
 from tokendance.bench import parallel as parallel_bench
+from tokendance.bench.check_parallel import death
 
 
 def test_sizes_one_and_two(tiny_llama, bench):
@@ -22,3 +23,8 @@ def test_sizes_one_and_two(tiny_llama, bench):
 def test_a_size_needs_its_batches(tiny_llama, bench):
     with pytest.raises(ValueError, match="--prefill and --decode each need a BATCHxLEN"):
         bench(parallel_bench, "--model", str(tiny_llama), "--prefill", "")
+
+
+def test_a_follower_killed_mid_step_is_timed_and_named(tiny_llama):
+    took, err = death(str(tiny_llama), "cpu")
+    assert 0 <= took < 10 and err == "ChildProcessError: tensor-parallel rank tokendance-tp1 exited (code -9)"
