@@ -83,10 +83,11 @@ class BlockManager:
         seq.cached = max(seq.cached, min(seq.computed, len(seq.prompt)))
 
     def publish(self, seq: Sequence) -> None:
-        """Make the sequence's newly completed full blocks findable."""
+        """Make the sequence's newly completed full blocks findable, those of exact K/V
+        only (a restored prefix may hold predicted K/V past seq.exact)."""
         if not seq.prefix_cache:
             return
-        known = min(seq.computed, len(seq) - seq.lookahead)  # tokens the host has read
+        known = min(seq.computed, len(seq) - seq.lookahead, seq.exact)  # read by the host, and exact
         for h in self._keys(seq, known // self.size):
             self.pool.publish(seq.blocks[len(seq.hashes)], h)
             seq.hashes.append(h)

@@ -72,7 +72,8 @@ class Sequence:
     @property
     def prefix_cache(self) -> bool:
         """Exact prefix caching: a `prefix` request, or a reusing one computed plainly (no
-        shared segment, nothing restored), whose KV is as exact."""
+        shared segment, no Mirror, nothing left to restore), whose KV is as exact up to
+        `exact` (a prefix it restored may hold predicted K/V after; BlockManager.publish)."""
         return self.mode == "prefix" or (self.mode in REUSING and not self.shared
                                          and self.resume is None and self.mirror is None)
 

@@ -304,3 +304,24 @@ def test_a_request_is_no_more_exact_than_the_prefix_it_restores(engine):
     seq = engine.seqs["c"]
     assert seq.resume is not None and seq.resume.length > first_predicted
     assert seq.exact == first_predicted
+
+
+def test_a_prefix_restored_inexact_is_never_found_as_exact(engine):
+    """A request that restored a predicted prefix and computed on plainly (no shared
+    segment, no Mirror) gives the prefix cache its exact blocks only: a `prefix` request
+    of its prompt finds those, not the predicted K/V after them (a random interleaving,
+    tests/backend/test_chaos.py's play at seed 1531, served them to one as exact)."""
+    prompts, spans = round_prompts(2, seed=17)
+    agents = ["a", "b"]
+    outs = [t for t, _, _ in engine.generate(prompts, GREEDY, mode="kvcomm", shared=spans, agents=agents)]
+    new, nspans = round_prompts(2, seed=18, hist=5)
+    grown = [p + o + q[5:] for p, o, q in zip(prompts, outs, new)]
+    gspans = [sp + [(lo - 5 + len(p) + len(o), hi - 5 + len(p) + len(o)) for lo, hi in nsp]
+              for p, o, sp, nsp in zip(prompts, outs, spans, nspans)]
+    outs2 = [t for t, _, _ in engine.generate(grown, GREEDY, mode="kvcomm", shared=gspans, agents=agents)]
+    exact = engine.idle.parked["\0a"].exact
+    prompt = grown[0] + outs2[0] + list(range(100, 140))
+    engine.generate([prompt], GREEDY, mode="kvcomm", agents=["a"])  # restores, then computes plainly
+    engine.add("p", prompt, GREEDY, mode="prefix")
+    b = engine.cache.block_size
+    assert 0 < engine.blocks.cached(engine.seqs["p"]) <= exact // b * b < len(prompt) - b
