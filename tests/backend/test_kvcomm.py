@@ -289,7 +289,9 @@ def test_a_request_computed_plainly_parks_an_exact_prefix(engine):
         assert engine.idle.parked[f"\0{a}"].exact == len(p) + len(o) - 1
 
 
-def test_a_request_is_no_more_exact_than_the_prefix_it_restores(engine):
+def predicted_twice(engine) -> tuple[list[int], int]:
+    """Two kvcomm rounds of agents a and b, the second predicting its new segments: agent
+    a's next prompt (its prompt and answer) and where its parked K/V stop being exact."""
     prompts, spans = round_prompts(2, seed=17)
     agents = ["a", "b"]
     outs = [t for t, _, _ in engine.generate(prompts, GREEDY, mode="kvcomm", shared=spans, agents=agents)]
@@ -300,7 +302,12 @@ def test_a_request_is_no_more_exact_than_the_prefix_it_restores(engine):
     outs2 = [t for t, _, _ in engine.generate(grown, GREEDY, mode="kvcomm", shared=gspans, agents=agents)]
     first_predicted = gspans[0][len(spans[0])][0]
     assert engine.idle.parked["\0a"].exact == first_predicted
-    engine.add("c", grown[0] + outs2[0] + [5, 6], GREEDY, mode="collective", agent="a")  # a plain restore
+    return grown[0] + outs2[0], first_predicted
+
+
+def test_a_request_is_no_more_exact_than_the_prefix_it_restores(engine):
+    history, first_predicted = predicted_twice(engine)
+    engine.add("c", history + [5, 6], GREEDY, mode="collective", agent="a")  # a plain restore
     seq = engine.seqs["c"]
     assert seq.resume is not None and seq.resume.length > first_predicted
     assert seq.exact == first_predicted
@@ -311,16 +318,8 @@ def test_a_prefix_restored_inexact_is_never_found_as_exact(engine):
     segment, no Mirror) gives the prefix cache its exact blocks only: a `prefix` request
     of its prompt finds those, not the predicted K/V after them (a random interleaving,
     tests/backend/test_chaos.py's play at seed 1531, served them to one as exact)."""
-    prompts, spans = round_prompts(2, seed=17)
-    agents = ["a", "b"]
-    outs = [t for t, _, _ in engine.generate(prompts, GREEDY, mode="kvcomm", shared=spans, agents=agents)]
-    new, nspans = round_prompts(2, seed=18, hist=5)
-    grown = [p + o + q[5:] for p, o, q in zip(prompts, outs, new)]
-    gspans = [sp + [(lo - 5 + len(p) + len(o), hi - 5 + len(p) + len(o)) for lo, hi in nsp]
-              for p, o, sp, nsp in zip(prompts, outs, spans, nspans)]
-    outs2 = [t for t, _, _ in engine.generate(grown, GREEDY, mode="kvcomm", shared=gspans, agents=agents)]
-    exact = engine.idle.parked["\0a"].exact
-    prompt = grown[0] + outs2[0] + list(range(100, 140))
+    history, exact = predicted_twice(engine)
+    prompt = history + list(range(100, 140))
     engine.generate([prompt], GREEDY, mode="kvcomm", agents=["a"])  # restores, then computes plainly
     engine.add("p", prompt, GREEDY, mode="prefix")
     b = engine.cache.block_size
