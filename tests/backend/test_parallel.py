@@ -289,8 +289,18 @@ def test_each_rank_names_its_gpu_with_an_index(monkeypatch):
 
 
 def test_a_host_tier_too_small_for_each_rank_names_the_whole(tiny_llama):
-    with pytest.raises(ValueError, match=r"hold not one page .*each of the 2 ranks holds 1/2 of the 3,145,728 given"):
-        engine(tiny_llama, tensor_parallel_size=2, offload_bytes=3 << 20)
-    two = engine(tiny_llama, tensor_parallel_size=2, offload_bytes=4 << 20)  # a page each
+    with pytest.raises(ValueError, match=r"hold not one page .*each of the 2 ranks holds 1/2 of the 1,048,576 given"):
+        engine(tiny_llama, tensor_parallel_size=2, offload_bytes=1 << 20)
+
+
+def test_each_ranks_host_tier_parks_as_one_process_does(tiny_llama):
+    """A page holds as many tokens on a rank as in one process (2 MiB of a token's every
+    head): the same budget, the same pages, so agents are parked and evicted alike (a
+    rank's own 2 MiB pages held twice the tokens, half as many, and the random
+    interleavings of tests/backend/test_chaos.py parted from one process's)."""
+    one = engine(tiny_llama, offload_bytes=6 << 20)
+    two = engine(tiny_llama, tensor_parallel_size=2, offload_bytes=6 << 20)
     two.close()
-    assert two.tp.agreed and two.idle.tier.arena.capacity == 1
+    assert two.tp.agreed
+    assert (two.idle.tier.arena.capacity, two.idle.tier.arena.page) == (one.idle.tier.arena.capacity,
+                                                                        one.idle.tier.arena.page) == (3, 4096)
