@@ -5,6 +5,7 @@ from __future__ import annotations
 import operator
 from typing import Annotated, TypedDict
 
+import openai
 import pytest
 
 pytest.importorskip("langgraph")
@@ -14,8 +15,8 @@ from langgraph.graph import END, START, StateGraph  # noqa: E402
 from langgraph.types import Send  # noqa: E402
 
 from tokendance.adapters.langgraph import chat_model, tag  # noqa: E402
-from tokendance.adapters.rounds import Rounds  # noqa: E402
-from tokendance.adapters.tags import PREFIX  # noqa: E402
+from tokendance.adapters.rounds import Rounds, served_model  # noqa: E402
+from tokendance.adapters.tags import PREFIX, api_base  # noqa: E402
 
 from .conftest import AGENTS  # noqa: E402
 
@@ -73,6 +74,13 @@ def build(url: str, session: str, **kw):
 def test_all_gather(proxy_url: str, check_rounds, responses: bool) -> None:
     """Also through OpenAI's Responses API (`use_responses_api`), LangChain's other client."""
     session = f"lg-1-{responses}"
+    # One call first, alone: the openai SDK defers building its pydantic models to their
+    # first use, which pydantic up to 2.12 (camel-ai's pin) does not make thread-safe, so
+    # the graph's concurrent first calls could fail inside the SDK (pydantic PR #13438).
+    sdk = openai.OpenAI(base_url=api_base(proxy_url), api_key="none", max_retries=0)
+    ask = dict(model=served_model(proxy_url), max_output_tokens=1, input="hi") if responses else \
+        dict(model=served_model(proxy_url), max_tokens=1, messages=[{"role": "user", "content": "hi"}])
+    (sdk.responses if responses else sdk.chat.completions).create(**ask)  # no session: no barrier
     out = build(proxy_url, session, use_responses_api=responses).invoke({"round": 1, "answers": []})
     assert sorted((r, a) for r, a, _ in out["answers"]) == [(r, a) for r in (1, 2) for a in AGENTS]
     assert all(isinstance(t, str) and t for _, _, t in out["answers"])
