@@ -68,7 +68,7 @@ class IdleAgents:
         1/ranks of each token's K/V, so the same agents in 1/ranks of the bytes."""
         self.cache = cache
         try:
-            self.tier = HostTier(cache, budget_bytes // ranks, ranks=ranks)
+            self.tier = HostTier(cache, budget_bytes, ranks=ranks)
         except ValueError as e:  # the arena speaks of its rank's share: name the whole
             if ranks == 1:
                 raise

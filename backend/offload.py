@@ -58,17 +58,18 @@ class HostTier:
     __slots__ = ("cache", "budget", "masters", "agents", "arena", "_bytes")
 
     def __init__(self, cache: KVCache, budget_bytes: int, page: int | None = None, ranks: int = 1):
-        """`page`: tokens a host page holds (default: 2 MiB of K/V of a token's every
-        head, over the `ranks` tensor-parallel ranks that each hold some: so a rank's tier
-        parks and evicts as one process's does, in 1/ranks of the bytes)."""
+        """`budget_bytes` over the `ranks` tensor-parallel ranks that each hold some of a
+        token's heads (this one 1/ranks of it); `page`: tokens a host page holds (default:
+        2 MiB of K/V of a token's every head: so a rank's tier parks and evicts as one
+        process's does)."""
         self.cache = cache
-        self.budget = budget_bytes
+        self.budget = budget_bytes // ranks
         self.masters: dict[int, _Master] = {}
         self.agents: OrderedDict[str, _Parked] = OrderedDict()  # least recently parked first
         kv = cache.kv
         page = page or max(1, PAGE_BYTES // (self.token_bytes() * ranks))
         self.arena = Arena((kv.shape[0], 2, kv.shape[4], kv.shape[5]), kv.dtype, kv.is_cuda,
-                           budget_bytes, page)
+                           self.budget, page)
         self._bytes = 0
 
     # -- queries -------------------------------------------------------------------
