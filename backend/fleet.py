@@ -42,6 +42,14 @@ MAX_PINS = 100_000  # sessions remembered (least recently used forgotten first)
 
 
 @dataclass(slots=True)
+class Routed:
+    """A prepared request's engine, and what that engine prepared."""
+
+    engine: int
+    inner: Prepared
+
+
+@dataclass(slots=True)
 class Pin:
     """A session's engine, and what it weighs there."""
 
@@ -167,40 +175,45 @@ class Fleet:
         return self.engines[0].render_chat(messages, tools, template)
 
     def prepare(self, request: Request) -> Prepared:
-        """Prepared by the engine it is routed to (every engine would prepare it alike); it
-        weighs from here, so a round's requests count before they are generated."""
+        """Prepared by the engine it is routed to; it weighs from here, so a round's
+        requests count before they are generated."""
         i = self.route(request)
         p = self.engines[i].prepare(request)
         if request.session is not None:
             self.pins[request.tenant, request.session].count(request)
-        return p
+        return Prepared(request, p.prompt_tokens, Routed(i, p), p.ids)
 
     def generate(self, group: list[Prepared]) -> list[Stream]:
         """Each request to its session's engine (routed again: its engine may have gone
-        down at the barrier); a group's requests outside any session stay together."""
-        parts: dict[int, list[int]] = {}
+        down at the barrier); a group's requests outside any session stay together, on
+        the engine that prepared the first of them while it serves. A request that moved
+        is prepared again where it goes."""
+        parts: dict[int, list[Prepared]] = {}
+        where: list[int] = []
         loose: int | None = None
-        for k, p in enumerate(group):
-            if p.request.session is None:
-                loose = self.route(p.request) if loose is None else loose
-                i = loose
-            else:
+        for p in group:
+            r: Routed = p.state
+            if p.request.session is not None:
                 i = self.route(p.request)
-            parts.setdefault(i, []).append(k)
-        streams: list[Stream | None] = [None] * len(group)
+            elif loose is None:
+                i = loose = r.engine if self._serves(r.engine) else self.route(p.request)
+            else:
+                i = loose
+            parts.setdefault(i, []).append(r.inner if i == r.engine else self.engines[i].prepare(p.request))
+            where.append(i)
+        got: dict[int, list[Stream]] = {}
         try:
-            for i, ks in parts.items():
-                got = self.engines[i].generate([group[k] for k in ks])
-                if len(got) != len(ks):
-                    raise BackendError(f"engine {self.names[i]} gave {len(got)} streams for {len(ks)} requests")
-                for k, st in zip(ks, got):
-                    streams[k] = st
+            for i, ps in parts.items():
+                got[i] = self.engines[i].generate(ps)
+                if len(got[i]) != len(ps):
+                    raise BackendError(f"engine {self.names[i]} gave {len(got[i])} streams for {len(ps)} requests")
         except BaseException:  # the group fails whole: what other engines started stops
-            for st in streams:
-                if st is not None:
+            for streams in got.values():
+                for st in streams:
                     st.abort()
             raise
-        return streams  # type: ignore[return-value]
+        order = {i: iter(streams) for i, streams in got.items()}
+        return [next(order[i]) for i in where]
 
     def gauges(self) -> list[Gauge]:
         """Every engine's gauges, labelled by engine, and the fleet's own."""

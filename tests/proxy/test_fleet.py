@@ -106,9 +106,30 @@ def test_generate_splits_a_group_by_engine_and_keeps_its_order(three):
     streams = f.generate(group)
     assert [s.p.request.id for s in streams] == ["a", "b", "c", "d", "e"]
     assert [r.id for r in engines[1].groups[-1]] == ["a", "d"]
-    assert [r.id for r in engines[0].groups[-1]] == ["b"]
-    loose = [g for g in engines if g.groups and g.groups[-1][0].id == "c"]
-    assert [r.id for r in loose[0].groups[-1]] == ["c", "e"]  # one call's loose requests together
+    # one call's loose requests together, where the first of them was prepared (the first turn)
+    assert [r.id for r in engines[0].groups[-1]] == ["b", "c", "e"] and not engines[2].groups
+
+
+def test_requests_outside_sessions_take_the_engines_in_turn_where_they_were_prepared(make_backend):
+    engines = [make_backend() for _ in range(2)]
+    f = Fleet(engines)
+    for k in range(4):  # plain chats, one call each
+        f.generate([f.prepare(request(f"r{k}"))])
+    assert [[g[0].id for g in e.groups] for e in engines] == [["r0", "r2"], ["r1", "r3"]]
+
+
+def test_a_request_that_moved_at_the_barrier_is_prepared_where_it_goes(three, monkeypatch):
+    f, engines, _ = three
+    p = f.prepare(request("a0", "s"))
+    was = f.pins["", "s"].engine
+    engines[was].down = "gone"
+    seen: list[str] = []
+    for e in engines:
+        monkeypatch.setattr(e, "prepare", lambda r, inner=e.prepare: seen.append(r.id) or inner(r))
+    [st] = f.generate([p])
+    now = f.pins["", "s"].engine
+    assert now != was and seen == ["a0"] and st.p.request.id == "a0"
+    assert engines[now].groups[-1][0].id == "a0" and not engines[was].groups
 
 
 def test_engines_that_differ_are_refused(make_backend):
