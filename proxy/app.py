@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import importlib.metadata
+import weakref
 
 import msgspec
 import structlog
@@ -285,12 +286,17 @@ def _number(req: web.Request) -> int:
 
 
 def make_app(proxy: Proxy, control: Control | None = None) -> web.Application:
+    """The proxy's routes; the caller keeps `proxy` and `control` alive (a Server does)."""
     policy = proxy.config.cors
     app = web.Application(middlewares=[middleware, cors.preflights(policy), keys(proxy.config.api_keys)],
                           client_max_size=64 * 2**20)
     cors.answer(app, policy)
-    app[PROXY] = proxy
-    app[CONTROL] = control
+    # The app holds them weakly (the Server holds them): aiohttp caches every app's
+    # middleware chain for the life of the process, so whatever an app holds strongly,
+    # a stopped server's engine with its weights and KV included, would never be freed.
+    px = weakref.proxy(proxy)
+    app[PROXY] = px
+    app[CONTROL] = control and weakref.proxy(control)
     r = app.router
     r.add_post("/v1/chat/completions", chat_completions)
     r.add_post("/v1/chat/completions/batch", chat_batch)
@@ -307,7 +313,7 @@ def make_app(proxy: Proxy, control: Control | None = None) -> web.Application:
     for path in ("/rerank", "/v1/rerank", "/v2/rerank"):
         r.add_post(path, rerank)
     r.add_post("/generative_scoring", generative_scoring)
-    conversations.routes(r, proxy)
+    conversations.routes(r, px)
     messages.routes(r)
     r.add_get("/v1/models", models)
     r.add_get("/v1/models/{model}", model)

@@ -1,13 +1,18 @@
 """Disconnects, engine failures, shutdown; /health and /metrics."""
 
 import asyncio
+import gc
 import importlib.metadata
 import json
 import time
+import weakref
 
 import aiohttp
 import openai
 import pytest
+
+from tokendance.proxy.app import Server
+from tokendance.proxy.core import Config
 
 MODEL = "fake-tiny"
 LONG = " ".join(f"w{i}" for i in range(40))
@@ -207,6 +212,24 @@ async def test_a_request_cut_off_while_generating_does_not_count_so_its_retry_ke
     stats = server.proxy.sessions.find("retry", 1).view()
     assert (stats["aborted"], stats["errors"], stats["requests"]) == (1, 1, 3)
     assert list(server.proxy.sessions.find("retry", 1).outputs[""].producers) == [" ".join(LONG.split()[-40:])]
+
+
+async def test_a_stopped_server_lets_its_backend_go(make_backend, broker, until):
+    """aiohttp keeps every app that served a request for the process's life (its cache of
+    middleware chains): a stopped server's backend, an engine's weights and KV, must not
+    stay with it."""
+    be = make_backend()
+    gone = weakref.ref(be)
+    server = Server(be, Config(), f"mqtt://127.0.0.1:{broker.port}")
+    await server.start("127.0.0.1", 0)
+    async with aiohttp.ClientSession() as http:  # a chat, and the conversations' routes
+        async with http.post(server.url + "/v1/chat/completions", json=body("a b")) as r:
+            assert r.status == 200
+        async with http.post(server.url + "/v1/conversations", json={}) as r:
+            assert r.status == 200
+    await server.stop()
+    del server, be
+    await until(lambda: gc.collect() is not None and gone() is None)  # once the loop let the tasks go
 
 
 async def test_health_is_a_503_once_the_engine_thread_stopped(start, tiny_llama):
