@@ -165,6 +165,26 @@ def test_full_mode_stays_the_no_reuse_baseline(tiny_llama):
     assert all(u.cached_tokens == 0 for u in usage)
 
 
+@pytest.mark.parametrize("between", ["full", "prefix"])
+def test_a_parked_prefix_outlives_requests_that_do_not_park(tiny_llama, between):
+    """full and prefix requests neither restore nor park: an agent's parked prefix stays
+    the one its last reusing request left, and its next reusing request restores it
+    (every reused token recomputed: it answers as full does)."""
+    eng, ref = engine(tiny_llama, recompute_ratio=1.0), engine(tiny_llama)
+    prompts, spans = round_prompts(2, seed=26)
+    outs, _ = run(eng, prompts, spans, "collective", "a-")
+    parked = {k: list(p.tokens) for k, p in eng.idle.parked.items()}
+    restored = eng.idle.restored
+    run(eng, *next_round(prompts, spans, outs, seed=7), between, "b-")
+    assert {k: list(p.tokens) for k, p in eng.idle.parked.items()} == parked
+    assert eng.idle.restored == restored
+    later, later_spans = next_round(prompts, spans, outs, seed=8)  # goes on from round 1's prompts
+    outs, _ = run(eng, later, later_spans, "collective", "c-")
+    assert outs == run(ref, later, later_spans, "full", "f-", agents=False)[0]
+    assert eng.idle.restored - restored >= sum(len(p) for p in prompts) // 2
+    assert free_blocks_after_reset(eng)
+
+
 def test_a_changed_prompt_restores_nothing(tiny_llama):
     eng = engine(tiny_llama)
     prompts, spans = round_prompts(2, seed=24)
