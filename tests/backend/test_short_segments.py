@@ -49,6 +49,7 @@ def test_a_request_whose_segments_are_all_short_is_exact(tiny_llama, mode):
     assert all(u.shared_tokens > 0 for u in usage)  # the same segments, reused
 
 
+@pytest.mark.device_defaults
 def test_the_default_minimum_follows_the_device():
     assert min_shared(None, torch.device("cpu")) == 0
     assert min_shared(None, torch.device("cuda")) == 64
