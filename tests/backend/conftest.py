@@ -5,12 +5,17 @@ CUDA (segments.CUDA_MIN_SHARED); there they are reused too, but in tests marked
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import pytest
 
 from tokendance.backend import segments
 
 
 @pytest.fixture(autouse=True)
-def _short_segments_reused(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
-    if request.node.get_closest_marker("device_defaults") is None:
-        monkeypatch.setattr(segments, "CUDA_MIN_SHARED", 0)
+def _short_segments_reused(request: pytest.FixtureRequest) -> Iterator[None]:
+    # its own MonkeyPatch: a test's monkeypatch.undo() must not take it back
+    with pytest.MonkeyPatch.context() as mp:
+        if request.node.get_closest_marker("device_defaults") is None:
+            mp.setattr(segments, "CUDA_MIN_SHARED", 0)
+        yield

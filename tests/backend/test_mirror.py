@@ -262,11 +262,13 @@ def test_later_check_layer(four_layers, ratio):
         assert outs["collective"] == outs["full"]
 
 
-def test_collective_decode_equals_whole_tables(engine):
+def test_collective_decode_equals_whole_tables(tiny_llama):
     """A decode step reading the batch's Master collectively (the CUDA path, here through
     its torch reference) gives the logits of reading each Mirror's whole slot table."""
     from tokendance.backend.runner import step_meta
 
+    # the step is built here from the sequences' tokens: none may still be on the device
+    engine = Engine(model=str(tiny_llama), dtype="float32", kv_tokens=8192, overlap=False)
     prompts, spans = round_prompts(4, seed=17)
     for i, (p, sp) in enumerate(zip(prompts, spans)):
         engine.add(f"d{i}", p, GREEDY, mode="collective", shared=sp)

@@ -285,7 +285,8 @@ def budget_round(folder, mode: str, budget: int, prompts, spans, monkeypatch):
 
     monkeypatch.setattr("tokendance.backend.collector.blend", spy)
     run = eng.runner.run
-    monkeypatch.setattr(eng.runner, "run", lambda work: forwards.append(sum(w.count for w in work)) or run(work))
+    monkeypatch.setattr(eng.runner, "run",  # *a: a lookahead step's tokens on the device
+                        lambda work, *a: forwards.append(sum(w.count for w in work)) or run(work, *a))
     for i, (p, sp) in enumerate(zip(prompts, spans)):
         eng.add(f"r{i}", p, GREEDY, mode=mode, shared=sp)
     toks: dict[str, list[int]] = {f"r{i}": [] for i in range(len(prompts))}
