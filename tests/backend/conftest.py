@@ -1,7 +1,7 @@
 """The engine's tests run on the CPU and, by bench/h200.sh, on CUDA. Their rounds' shared
 segments are tens of tokens, which the engine reuses on the CPU but by default not on
-CUDA (segments.CUDA_MIN_SHARED); there they are reused too, but in tests marked
-`device_defaults`."""
+CUDA (segments.CUDA_MIN_SHARED): the tests lift that minimum on every device, but in
+tests marked `device_defaults`."""
 
 from __future__ import annotations
 

@@ -220,7 +220,7 @@ async def test_a_stopped_server_lets_its_backend_go(make_backend, broker, until)
     stay with it."""
     be = make_backend()
     gone = weakref.ref(be)
-    server = Server(be, Config(), f"mqtt://127.0.0.1:{broker.port}")
+    server = Server(be, Config(), broker.url)
     await server.start("127.0.0.1", 0)
     async with aiohttp.ClientSession() as http:  # a chat, and the conversations' routes
         async with http.post(server.url + "/v1/chat/completions", json=body("a b")) as r:
