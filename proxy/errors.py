@@ -84,8 +84,10 @@ async def middleware(request: web.Request, handler) -> web.StreamResponse:
             raise
         code = {404: "unknown_url", 405: "method_not_allowed", 413: "request_too_large"}.get(exc.status)
         return ApiError(exc.status, exc.reason, code=code).response(anthropic)
-    except (asyncio.CancelledError, ConnectionResetError):
+    except asyncio.CancelledError:
         raise
+    except ConnectionResetError:  # the client went away: nothing to answer, nothing to log
+        return web.Response(status=499)
     except Exception as exc:
         if not isinstance(exc, BackendError):
             log.exception("unhandled", path=request.path)

@@ -42,7 +42,7 @@ async def reply(req: web.Request, px: Proxy, call: Call, streams: list[Stream],
         if call.stream:
             return await _sse(req, px, call, streams)
         return await _json(px, call, streams)
-    except asyncio.CancelledError:  # the client went away (aiohttp cancels the handler)
+    except (asyncio.CancelledError, ConnectionResetError):  # the client went away
         call.outcome = "abort"
         raise
     finally:

@@ -41,7 +41,7 @@ def tracked(endpoint: str) -> Callable[[Handler], Handler]:
             except InvalidRequest:  # e.g. from render_chat; the middleware answers 400
                 code = "400"
                 raise
-            except asyncio.CancelledError:
+            except (asyncio.CancelledError, ConnectionResetError):  # the client went away
                 code = "499"
                 raise
             finally:

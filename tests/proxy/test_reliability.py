@@ -1,15 +1,19 @@
 """Disconnects, engine failures, shutdown; /health and /metrics."""
 
 import asyncio
+import contextlib
 import gc
 import importlib.metadata
 import json
+import logging
 import time
 import weakref
 
 import aiohttp
 import openai
 import pytest
+from aiohttp import web
+from aiohttp.client_exceptions import ClientConnectionResetError
 
 from tokendance.proxy.app import Server
 from tokendance.proxy.core import Config
@@ -39,6 +43,38 @@ async def test_disconnect_mid_stream_aborts_and_frees(start, make_backend, until
     assert be.active == set() and be.finished == set()
     await until(lambda: server.proxy.sessions.find("d", 1).view()["aborted"] == 1)
     assert "tokendance_aborted_total 1" in server.proxy.metrics.render()
+
+
+@pytest.mark.parametrize("path, req", [
+    ("/v1/chat/completions", body("a b c", stream=True)),
+    ("/v1/completions", {"model": MODEL, "prompt": "a b c", "stream": True}),
+    ("/v1/responses", {"model": MODEL, "input": "a b c", "stream": True}),
+    ("/v1/messages", {"model": MODEL, "messages": [{"role": "user", "content": "a b c"}], "max_tokens": 8,
+                      "stream": True})])
+async def test_a_client_gone_before_its_stream_began_is_a_quiet_499(start, make_backend, monkeypatch, caplog,
+                                                                   path, req):
+    """The client went away while the request waited (at its barrier, say) and aiohttp had
+    not noticed yet: the stream's headers find the connection closing. The request is
+    counted as the client's (499), its engine work aborted, and nothing logs a traceback."""
+    be = make_backend(length=8)
+    server = await start(be)
+    real = web.StreamResponse.prepare
+
+    async def closing(self, request):
+        if self.content_type == "text/event-stream":
+            raise ClientConnectionResetError("Cannot write to closing transport")
+        return await real(self, request)
+
+    monkeypatch.setattr(web.StreamResponse, "prepare", closing)
+    async with aiohttp.ClientSession() as http:
+        with contextlib.suppress(aiohttp.ClientError):  # a closing connection carries no answer
+            async with http.post(server.url + path, json=req) as r:
+                await r.read()
+    assert be.aborted and be.finished == set()
+    endpoint = {"/v1/chat/completions": "chat", "/v1/completions": "completions", "/v1/responses": "responses",
+                "/v1/messages": "messages"}[path]
+    assert server.proxy.metrics.requests.values[(("code", "499"), ("endpoint", endpoint))] == 1
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
 
 
 async def test_disconnect_while_generating_without_stream_aborts(start, make_backend, until):
