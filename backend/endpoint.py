@@ -93,6 +93,8 @@ class Endpoint:
                 await resp.write(b"".join(wire.encoder.encode(e) + b"\n" for e in batch if e is not None))
             await resp.write_eof()
             return resp
+        except ConnectionResetError:  # the proxy went away: nobody to answer, nothing to log
+            return resp
         finally:  # also when the proxy went away: what it no longer reads stops
             for st in streams.values():
                 st.abort()
