@@ -64,18 +64,22 @@ class Control:
         self.outbox: deque[tuple[str, bytes]] = deque(maxlen=1000)
         self._wake = asyncio.Event()
         self._task: asyncio.Task | None = None
+        self._stopping = False
         self._decoder = msgspec.json.Decoder(RoundOpen)
 
     def start(self) -> None:
+        self._stopping = False
         self._task = asyncio.create_task(self._run())
 
     async def stop(self) -> None:
         if self._task is not None:
+            self._stopping = True  # aiomqtt may turn the cancellation into its own error
             self._task.cancel()
             try:
                 await self._task
             except asyncio.CancelledError:
-                pass
+                if asyncio.current_task().cancelling():  # stop() itself was cancelled
+                    raise
             self._task = None
 
     def publish(self, session: str, number: int, stats: dict[str, Any]) -> None:
@@ -113,6 +117,8 @@ class Control:
                     finally:
                         sender.cancel()
             except aiomqtt.MqttError as exc:
+                if self._stopping:  # a disconnect that the cancellation made, not the broker
+                    raise asyncio.CancelledError from exc
                 if not warned:
                     log.warning("mqtt disconnected" if self.connected else "mqtt broker unreachable, retrying",
                                 host=self.host, port=self.port, error=str(exc))

@@ -193,3 +193,22 @@ async def test_an_oversized_control_payload_is_refused_unread(start, broker, unt
         await until(lambda: server.proxy.sessions.find("big", 2) is not None)
     assert server.proxy.sessions.find("big", 1) is None
     assert [e["error"] for e in logs if e["event"] == "mqtt message ignored"] == ["payload over 1048576 bytes"]
+
+
+async def test_a_server_stops_when_aiomqtt_turns_its_cancellation_into_an_error(start, broker, until, monkeypatch):
+    """aiomqtt's client, cancelled while it disconnects, may raise its own error (the
+    broker's ack lost) instead of the cancellation: the control plane must not take it
+    for a lost broker and reconnect, or stopping the server waits forever."""
+    real = aiomqtt.Client.__aexit__
+
+    async def aexit(self, kind, exc, tb):
+        await real(self, kind, exc, tb)
+        if kind is asyncio.CancelledError:
+            raise aiomqtt.MqttError("Unexpected disconnection")
+
+    monkeypatch.setattr(aiomqtt.Client, "__aexit__", aexit)
+    server = await start(mqtt=broker.url)
+    await connected(server, until)
+    stopping = asyncio.create_task(server.stop())
+    done, _ = await asyncio.wait({stopping}, timeout=10)
+    assert done, "the control plane reconnected instead of stopping"
