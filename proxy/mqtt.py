@@ -64,16 +64,13 @@ class Control:
         self.outbox: deque[tuple[str, bytes]] = deque(maxlen=1000)
         self._wake = asyncio.Event()
         self._task: asyncio.Task | None = None
-        self._stopping = False
         self._decoder = msgspec.json.Decoder(RoundOpen)
 
     def start(self) -> None:
-        self._stopping = False
         self._task = asyncio.create_task(self._run())
 
     async def stop(self) -> None:
         if self._task is not None:
-            self._stopping = True  # aiomqtt may turn the cancellation into its own error
             self._task.cancel()
             try:
                 await self._task
@@ -117,7 +114,7 @@ class Control:
                     finally:
                         sender.cancel()
             except aiomqtt.MqttError as exc:
-                if self._stopping:  # a disconnect that the cancellation made, not the broker
+                if asyncio.current_task().cancelling():  # stop(): aiomqtt turned it into its own error
                     raise asyncio.CancelledError from exc
                 if not warned:
                     log.warning("mqtt disconnected" if self.connected else "mqtt broker unreachable, retrying",

@@ -235,8 +235,7 @@ async def test_connect_names_what_is_wrong():
 
 
 async def test_an_engine_with_a_key_answers_only_proxies_that_carry_it(tiny_llama, start):
-    r = await _serve(tiny_llama, Keys(["ek-1", "ek-2"]), offload_bytes=0)
-    try:
+    async with served(tiny_llama, keys=Keys(["ek-1", "ek-2"]), offload_bytes=0) as r:
         with pytest.raises(BackendError, match="requires an API key: give it with --engine-api-key"):
             await RemoteBackend.connect(r.url)
         with pytest.raises(BackendError, match="refused the API key given"):
@@ -257,9 +256,6 @@ async def test_an_engine_with_a_key_answers_only_proxies_that_carry_it(tiny_llam
                 await asyncio.sleep(0.05)
             else:
                 pytest.fail("no gauges")
-    finally:
-        await r.runner.cleanup()
-        await r.backend.close()
 
 
 @pytest.mark.parametrize("argv,env,message", [
@@ -347,19 +343,14 @@ def test_the_engine_key_goes_to_remote_engines_only(monkeypatch):
 
 
 async def test_a_remote_engine_tells_the_proxy_its_default_sampling(tiny_llama):
-    r = await _serve(tiny_llama, offload_bytes=0, override_generation_config={"temperature": 0.4, "top_k": 3})
-    try:
+    async with served(tiny_llama, offload_bytes=0, override_generation_config={"temperature": 0.4, "top_k": 3}) as r:
         be = await RemoteBackend.connect(r.url)
         assert be.info.sampling == {"temperature": 0.4, "top_k": 3} and isinstance(be.info.sampling["top_k"], int)
         await be.close()
-    finally:
-        await r.runner.cleanup()
-        await r.backend.close()
 
 
 async def test_a_remote_engine_that_schedules_by_priority_takes_one(tiny_llama, start):
-    r = await _serve(tiny_llama, offload_bytes=0, scheduling_policy="priority")
-    try:
+    async with served(tiny_llama, offload_bytes=0, scheduling_policy="priority") as r:
         be = await RemoteBackend.connect(r.url)
         assert be.info.priority
         server = await start(be)
@@ -370,6 +361,3 @@ async def test_a_remote_engine_that_schedules_by_priority_takes_one(tiny_llama, 
         answer = await _client(server).chat.completions.create(
             model=be.info.name, messages=user("hi"), max_tokens=2, extra_body={"priority": -4})
         assert answer.choices[0].finish_reason == "length" and seen == [-4]
-    finally:
-        await r.runner.cleanup()
-        await r.backend.close()
