@@ -10,6 +10,7 @@ import asyncio
 import os
 import signal
 import tempfile
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -34,16 +35,32 @@ class Endpoint:
         self.live: dict[str, Stream] = {}  # request id -> its stream, while its group answers
 
     def app(self) -> web.Application:
-        app = web.Application(client_max_size=MAX_BODY, middlewares=[self._check_key])
+        # The routes reach the endpoint through `held`, emptied at the app's cleanup: aiohttp
+        # caches every app's middleware chain, handlers included, for the life of the process,
+        # and a bound method would keep a stopped endpoint's engine, weights and KV with it.
+        held = [self]
+
+        def route(name: str) -> Callable[..., Awaitable[web.StreamResponse]]:
+            async def call(*args: Any, **kw: Any) -> web.StreamResponse:
+                if not held:
+                    raise web.HTTPServiceUnavailable(text=wire.encoder.encode(wire.WireError(
+                        "the engine has stopped")).decode(), content_type="application/json")
+                return await getattr(held[0], name)(*args, **kw)
+            return call
+
+        async def forget(app: web.Application) -> None:
+            held.clear()
+
+        app = web.Application(client_max_size=MAX_BODY, middlewares=[web.middleware(route("_check_key"))])
+        app.on_cleanup.append(forget)
         r, p = app.router, wire.PREFIX
-        r.add_get(p + "/info", self.get_info)
-        r.add_post(p + "/generate", self.generate)
-        r.add_post(p + "/abort", self.abort)
-        r.add_get(p + "/gauges", self.gauges)
-        r.add_get("/health", self.health)
+        r.add_get(p + "/info", route("get_info"))
+        r.add_post(p + "/generate", route("generate"))
+        r.add_post(p + "/abort", route("abort"))
+        r.add_get(p + "/gauges", route("gauges"))
+        r.add_get("/health", route("health"))
         return app
 
-    @web.middleware
     async def _check_key(self, req: web.Request, handler) -> web.StreamResponse:
         if self.keys and req.path.startswith(wire.PREFIX) and not self.keys.accept(req.headers):
             raise web.HTTPUnauthorized(text=wire.encoder.encode(wire.WireError(

@@ -91,9 +91,12 @@ if want engine || want check; then
   done | tee "$OUT/gpu_tests.txt"
 fi
 if want tests; then
-  python3 -m pytest -q -p no:cacheprovider --tb=short -rf $(for t in greedy_vs_hf reuse mirror idle lookahead \
-      priority kvcomm offload bases late sampling; do echo tests/backend/test_$t.py; done) 2>&1 | tail -40 \
-    | tee "$OUT/backend_tests.txt"
+  # A file per process: a device-side assert poisons the CUDA context for the rest of its
+  # process, and would fail every later file too. Each file's whole output stays in $OUT.
+  for t in greedy_vs_hf reuse mirror idle lookahead priority kvcomm offload bases late sampling; do
+    python3 -m pytest -q -p no:cacheprovider --tb=short -rf tests/backend/test_$t.py >"$OUT/test_$t.txt" 2>&1
+    echo "test_$t: $(tail -1 "$OUT/test_$t.txt")"
+  done | tee "$OUT/backend_tests.txt"
 fi
 if want scoring; then
   python3 -m tokendance.bench.scoring --model qwen2.5-7b --dtype bfloat16 --tokens 2048 --prompts 8 \

@@ -5,7 +5,9 @@ reads without a traceback."""
 from __future__ import annotations
 
 import contextlib
+import gc
 import logging
+import weakref
 from collections.abc import AsyncIterator
 
 import httpx
@@ -14,7 +16,7 @@ from aiohttp import web
 
 from tokendance.backend import wire
 from tokendance.backend.api import Request, SamplingParams, Segment
-from tests.proxy.test_remote import Remote, served
+from tests.proxy.test_remote import Remote, _serve, served
 
 
 @pytest.fixture
@@ -60,3 +62,19 @@ async def test_a_proxy_gone_mid_group_frees_the_engines_kv_quietly(engine, monke
             await http.post("/generate", content=wire.encoder.encode([one]))
     await until(lambda: not eng.seqs and eng.pool.num_free == free, timeout=10)
     assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
+
+
+async def test_a_stopped_endpoint_lets_its_engine_go(tiny_llama, until):
+    """aiohttp keeps every app that served a request for the process's life (its cache of
+    middleware chains): a stopped endpoint's engine, its weights and KV, must not stay."""
+    r = await _serve(tiny_llama, offload_bytes=0)
+    gone = weakref.ref(r.backend)
+    one = Request("w", [], SamplingParams(max_tokens=2), prompt_token_ids=[5, 6, 7])
+    async with httpx.AsyncClient(base_url=r.url + wire.PREFIX) as http:
+        assert (await http.get("/info")).status_code == 200
+        answer = await http.post("/generate", content=wire.encoder.encode([one]))
+        assert answer.status_code == 200 and wire.decode_event(answer.content.splitlines()[-1]).i == 0
+    await r.runner.cleanup()
+    await r.backend.close()
+    del r
+    await until(lambda: gc.collect() is not None and gone() is None)
