@@ -5,6 +5,7 @@ proxy answers while one engine serves."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from typing import Any
 
 import httpx
@@ -18,7 +19,7 @@ from tokendance.backend.remote import RemoteBackend
 from tokendance.examples import cli
 from tokendance.proxy.segment import SEP
 from tokendance.proxy.stats import Metrics
-from tests.proxy.test_remote import _serve
+from tests.proxy.test_remote import served
 
 
 class Clock:
@@ -173,11 +174,9 @@ def test_serve_refuses_an_engine_named_twice(capsys):
 
 @pytest.fixture
 async def pair(tiny_llama) -> Any:
-    engines = [await _serve(tiny_llama, offload_bytes=0) for _ in range(2)]
-    yield [(e.url, e.backend, e.runner) for e in engines]
-    for e in engines:
-        await e.runner.cleanup()
-        await e.backend.close()
+    async with contextlib.AsyncExitStack() as stack:
+        engines = [await stack.enter_async_context(served(tiny_llama, offload_bytes=0)) for _ in range(2)]
+        yield [(e.url, e.backend, e.runner) for e in engines]
 
 
 async def test_two_engines_serve_two_sessions_each_round_on_its_engine(pair, start):
