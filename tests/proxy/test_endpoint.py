@@ -74,7 +74,11 @@ async def test_a_stopped_endpoint_lets_its_engine_go(tiny_llama, until):
         assert (await http.get("/info")).status_code == 200
         answer = await http.post("/generate", content=wire.encoder.encode([one]))
         assert answer.status_code == 200 and wire.decode_event(answer.content.splitlines()[-1]).i == 0
+    app = r.runner.app
     await r.runner.cleanup()
     await r.backend.close()
     del r
     await until(lambda: gc.collect() is not None and gone() is None)
+    info = next(x.handler for x in app.router.routes() if x.resource.canonical == wire.PREFIX + "/info")
+    with pytest.raises(web.HTTPServiceUnavailable):  # a request in the moment it went away
+        await info(None)
