@@ -49,7 +49,7 @@ def check(c: dict) -> int:
     rows, take, picked = [], [], 0
     for i, (r, start) in enumerate(zip(c["reused"], c["starts"])):
         off = c["offsets"][i]
-        p = c["picks"][i]
+        p = c["picks"][i].cpu()
         sel = p[p >= 0] - off + start
         assert len(sel) == c["counts"][i]
         picked += len(sel)
@@ -60,12 +60,12 @@ def check(c: dict) -> int:
         take.append(rows[-1] - start + off)
     want = kv_view(c["seqs"], rows, LATE, c["block_size"], c["trash"], torch.device("cpu"))
     meta, kept = c["got"]
-    assert torch.equal(kept, torch.cat(take))
-    assert torch.equal(meta.positions, torch.cat(rows))
-    assert torch.equal(meta.cu_q.long(), torch.tensor([0] + [len(r) for r in rows]).cumsum(0))
+    assert torch.equal(kept.cpu(), torch.cat(take))  # the engine's, on its device
+    assert torch.equal(meta.positions.cpu(), torch.cat(rows))
+    assert torch.equal(meta.cu_q.long().cpu(), torch.tensor([0] + [len(r) for r in rows]).cumsum(0))
     assert meta.max_q == max(len(r) for r in rows)
     for key in ("slots", "block_tables", "kv_lens", "slot_pos"):
-        assert torch.equal(getattr(meta, key), want[key]), key
+        assert torch.equal(getattr(meta, key).cpu(), want[key]), key
     return picked
 
 
