@@ -15,6 +15,7 @@ restarted proxy would seal its new rounds with the last run's messages.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import secrets
 from collections import deque
 from collections.abc import Callable
@@ -35,6 +36,8 @@ PEER_EVENTS = ("arrived", "said")  # between proxies, with --mqtt-peers (proxy/p
 PINNED = "pinned"  # tokendance/{session}/pinned: the engine a proxy put a session on (same)
 # tokendance/responses/{id}/stored, tokendance/conversations/{id}/deleted, ... (same)
 KEPT, STORE_EVENTS = ("responses", "conversations"), ("stored", "deleted")
+SETTLE = 1.0  # seconds a connection cancelled while being made may take to finish, to be closed
+STOP_AGAIN = 2.0  # seconds stop() waits before cancelling the control task again
 
 
 def topic(session: str, number: int, event: str) -> str:
@@ -70,14 +73,21 @@ class Control:
         self._task = asyncio.create_task(self._run())
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
+        task, self._task = self._task, None
+        if task is None:
+            return
+        # Python 3.11's asyncio.wait_for, which aiomqtt awaits in, returns the result of a
+        # future completing in the moment the task is cancelled and drops the cancellation
+        # (fixed in 3.12): cancel again until the task ends.
+        while not task.done():
+            task.cancel()
             try:
-                await self._task
-            except asyncio.CancelledError:
-                if asyncio.current_task().cancelling():  # stop() itself was cancelled
-                    raise
-            self._task = None
+                await asyncio.wait({task}, timeout=STOP_AGAIN)
+            except asyncio.CancelledError:  # stop() itself was cancelled
+                task.cancel()
+                raise
+        if not task.cancelled() and task.exception() is not None:
+            log.error("mqtt control ended", error=repr(task.exception()))
 
     def publish(self, session: str, number: int, stats: dict[str, Any]) -> None:
         self.send(topic(session, number, "done"), msgspec.json.encode(stats))
@@ -90,17 +100,8 @@ class Control:
         delay, warned = self.backoff[0], False  # one warning per outage, not per retry
         while True:
             try:
-                async with aiomqtt.Client(self.host, self.port, username=self.user,
-                                          password=self.password, keepalive=10,
-                                          identifier=f"tokendance-{secrets.token_hex(4)}") as c:
-                    await c.subscribe(f"{PREFIX}/+/round/+/open", qos=1)
-                    await c.subscribe(f"{PREFIX}/+/round/+/seal", qos=1)
-                    if self.on_peer is not None:
-                        for event in PEER_EVENTS:
-                            await c.subscribe(f"{PREFIX}/+/round/+/{event}", qos=1)
-                        await c.subscribe(f"{PREFIX}/+/{PINNED}", qos=1)
-                        for kind in KEPT:
-                            await c.subscribe(f"{PREFIX}/{kind}/+/+", qos=1)
+                async with contextlib.AsyncExitStack() as stack:
+                    c = await self._connect(stack)
                     self.connected, delay, warned = True, self.backoff[0], False
                     log.info("mqtt connected", host=self.host, port=self.port)
                     sender = asyncio.create_task(self._send(c))
@@ -123,6 +124,37 @@ class Control:
             self.connected = False
             await asyncio.sleep(delay)
             delay = min(delay * 2, self.backoff[1])
+
+    async def _connect(self, stack: contextlib.AsyncExitStack) -> aiomqtt.Client:
+        """A connected, subscribed client, which `stack` disconnects. aiomqtt leaves a
+        connection it is cancelled in the middle of making open, and pinging the broker,
+        for the life of the process (and logs a traceback for a subscription acknowledged
+        after its call was cancelled): a cancellation here lets both finish first (a
+        moment), so the connection closes."""
+        entering = asyncio.ensure_future(self._subscribed(stack))
+        try:
+            return await asyncio.shield(entering)
+        except asyncio.CancelledError:
+            await asyncio.wait({entering}, timeout=SETTLE)
+            if not entering.done():  # a broker that does not answer: give up on it
+                entering.cancel()
+            elif not entering.cancelled():
+                entering.exception()  # retrieved: a failed connection is no news when stopping
+            raise
+
+    async def _subscribed(self, stack: contextlib.AsyncExitStack) -> aiomqtt.Client:
+        c = await stack.enter_async_context(aiomqtt.Client(
+            self.host, self.port, username=self.user, password=self.password, keepalive=10,
+            identifier=f"tokendance-{secrets.token_hex(4)}"))
+        await c.subscribe(f"{PREFIX}/+/round/+/open", qos=1)
+        await c.subscribe(f"{PREFIX}/+/round/+/seal", qos=1)
+        if self.on_peer is not None:
+            for event in PEER_EVENTS:
+                await c.subscribe(f"{PREFIX}/+/round/+/{event}", qos=1)
+            await c.subscribe(f"{PREFIX}/+/{PINNED}", qos=1)
+            for kind in KEPT:
+                await c.subscribe(f"{PREFIX}/{kind}/+/+", qos=1)
+        return c
 
     async def _send(self, c: aiomqtt.Client) -> None:
         try:
