@@ -214,17 +214,13 @@ async def test_a_server_stops_when_aiomqtt_turns_its_cancellation_into_an_error(
     assert done, "the control plane reconnected instead of stopping"
 
 
-async def test_a_server_stopped_at_any_moment_of_its_connecting_stops_and_leaves_no_connection(make_backend, broker):
+async def test_a_server_stopped_at_any_moment_of_its_connecting_stops_and_leaves_no_connection(start, broker):
     """Stopped while its MQTT client connects or subscribes: Python 3.11's wait_for, which
     aiomqtt awaits in, may drop the cancellation of a call completing in that moment (the
     control task then served on and stop() waited forever), and aiomqtt leaves a
     connection it was cancelled in the middle of making open, pinging the broker."""
-    from tokendance.proxy.app import Server
-    from tokendance.proxy.core import Config
-
     for i in range(40):  # each stop lands at another moment of the connection
-        server = Server(make_backend(), Config(), broker.url)
-        await server.start("127.0.0.1", 0)
+        server = await start(mqtt=broker.url)
         await asyncio.sleep(i * 0.0005)
         stopping = asyncio.create_task(server.stop())
         done, _ = await asyncio.wait({stopping}, timeout=10)
