@@ -53,6 +53,11 @@ class BackendError(RuntimeError):
     """The engine failed; every request of the affected group gets this error."""
 
 
+class Unavailable(BackendError):
+    """The engine could not be reached, or said it cannot serve now: nothing of the
+    request ran there, so it may be sent again (a 503 at the proxy)."""
+
+
 @dataclass(slots=True)
 class Structure:
     """What the output must match (backend/grammar.py): a JSON schema (`spec` its JSON

@@ -18,12 +18,13 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+import msgspec
 import structlog
 
-from tokendance.backend import wire
+from tokendance.backend import reach, wire
 from tokendance.backend.auth import header, refused
 from tokendance.backend.api import (
-    BackendError, Gauge, ModelInfo, Prepared, Request, Template, check_mode,
+    BackendError, Gauge, ModelInfo, Prepared, Request, Template, Unavailable, check_mode,
 )
 from tokendance.backend.grammar import Grammars
 from tokendance.backend.prompt import check, fast_tokenizer, render_chat, request_ids
@@ -123,8 +124,7 @@ class RemoteBackend:
             async with s.post(self.url + wire.PREFIX + "/generate", data=wire.encoder.encode(requests),
                               headers={"Content-Type": "application/json"}) as r:
                 if r.status != 200:
-                    text = (await r.text())[:500]
-                    raise BackendError(f"the engine answered the group with HTTP {r.status}: {text}")
+                    raise reach.answered(f"the engine at {self.url}", r.status, await _why(r))
                 buf, again = b"", set()
                 async for chunk in r.content.iter_any():  # lines of any length
                     *lines, buf = (buf + chunk).split(b"\n")
@@ -136,8 +136,10 @@ class RemoteBackend:
             raise
         except BackendError as e:
             error = e
+            if isinstance(e, Unavailable):  # it answered that it cannot serve: a fleet sends it nothing more
+                self._lost(str(e))
         except Exception as e:  # unreachable, reset, a malformed line: the group's open requests fail
-            error = BackendError(f"lost the engine at {self.url}: {e or type(e).__name__}")
+            error = reach.lost(f"the engine at {self.url}", e)
             self._lost(str(error))
         finally:
             open_ = [st for st in streams if not st.done and not st.ended]
@@ -206,6 +208,15 @@ class RemoteBackend:
         task = asyncio.get_running_loop().create_task(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+
+
+async def _why(r: aiohttp.ClientResponse) -> str:
+    """An endpoint's error answer: its WireError's message, or the start of the body."""
+    body = await r.read()
+    try:
+        return wire.decode(body, wire.WireError).message
+    except msgspec.DecodeError:
+        return body[:500].decode(errors="replace")
 
 
 def _tokenizer(files: dict[str, str]) -> Any:

@@ -13,10 +13,12 @@ import msgspec
 import structlog
 from aiohttp import web
 
-from tokendance.backend.api import BackendError, InvalidRequest
+from tokendance.backend.api import BackendError, InvalidRequest, Unavailable
 from tokendance.backend.auth import Keys
 
 log = structlog.get_logger("tokendance.proxy")
+
+RETRY_AFTER = 2  # seconds: how often the proxy polls a remote engine's health
 
 TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "invalid_request_error",
          405: "invalid_request_error", 413: "invalid_request_error", 503: "server_error"}
@@ -39,10 +41,11 @@ class ErrorEnvelope(msgspec.Struct):
 
 class ApiError(Exception):
     def __init__(self, status: int, message: str, param: str | None = None,
-                 code: str | None = None, type: str | None = None):
+                 code: str | None = None, type: str | None = None, retry_after: int | None = None):
         super().__init__(message)
         self.status = status
         self.body = ErrorBody(message, type or TYPES.get(status, "server_error"), param, code)
+        self.retry_after = retry_after  # seconds, as the Retry-After header (the openai SDK waits that long)
 
     def encode(self) -> bytes:
         return msgspec.json.encode(ErrorEnvelope(self.body))
@@ -50,7 +53,8 @@ class ApiError(Exception):
     def response(self, anthropic: bool = False) -> web.Response:
         body = self.encode() if not anthropic else msgspec.json.encode({"type": "error", "error": {
             "type": ANTHROPIC.get(self.status, "api_error"), "message": self.body.message}})
-        return web.Response(status=self.status, body=body, content_type="application/json")
+        headers = {"Retry-After": str(self.retry_after)} if self.retry_after is not None else None
+        return web.Response(status=self.status, body=body, content_type="application/json", headers=headers)
 
 
 def invalid(message: str, param: str | None = None, code: str | None = None) -> ApiError:
@@ -62,9 +66,13 @@ def unsupported(param: str, what: str | None = None) -> ApiError:
 
 
 def from_backend(exc: BaseException) -> ApiError:
-    """An engine failure (or an unexpected exception around it) as a 500."""
+    """An engine failure (or an unexpected exception around it) as a 500; an engine that
+    could not take the request as a 503, to be sent again once the proxy's next poll of
+    it may have found it back."""
     if isinstance(exc, InvalidRequest):
         return invalid(exc.message, exc.param, exc.code)
+    if isinstance(exc, Unavailable):
+        return ApiError(503, f"engine unavailable: {exc}", code="backend_unavailable", retry_after=RETRY_AFTER)
     if isinstance(exc, BackendError):
         return ApiError(500, f"engine error: {exc}", code="engine_error", type="server_error")
     return ApiError(500, "internal error", code="internal_error", type="server_error")

@@ -18,6 +18,7 @@ class FakeVLLM:
         self.key = key  # vLLM's --api-key: its /v1 routes answer 401 without it
         self.bodies: list[dict[str, Any]] = []
         self.cancelled = 0
+        self.status = 200  # another: /v1/completions answers it with vLLM's error body
 
     @web.middleware
     async def _check(self, req: web.Request, handler) -> web.StreamResponse:
@@ -42,6 +43,8 @@ class FakeVLLM:
     async def completions(self, req: web.Request) -> web.StreamResponse:
         body = await req.json()
         self.bodies.append(body)
+        if self.status != 200:
+            return web.json_response({"error": {"message": f"failed with {self.status}"}}, status=self.status)
         if body["max_tokens"] > 100:
             return web.json_response({"error": {"message": "max_tokens is too large"}}, status=400)
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})

@@ -13,7 +13,7 @@ import openai
 import pytest
 
 from tokendance.backend import fleet as fleet_module
-from tokendance.backend.api import BackendError, Gauge, Prepared, Request, SamplingParams, Segment
+from tokendance.backend.api import BackendError, Gauge, Prepared, Request, SamplingParams, Segment, Unavailable
 from tokendance.backend.fleet import ACTIVE, Fleet, Pin
 from tokendance.backend.remote import RemoteBackend
 from tokendance.examples import cli
@@ -261,7 +261,7 @@ async def test_a_group_the_engine_lost_marks_it_down_at_once(pair):
     r = await RemoteBackend.connect(url)
     await runner.cleanup()
     (st,) = r.generate([r.prepare(request("a"))])
-    with pytest.raises(BackendError, match="lost the engine"):
+    with pytest.raises(Unavailable, match="cannot reach the engine"):
         [d async for d in st]
     assert r.problem() is not None  # before any poll could have seen it
     await r.close()

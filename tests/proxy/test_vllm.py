@@ -1,7 +1,8 @@
 """The proxy over a vLLM server (`tokendance serve --vllm URL`), against a fake server that
 speaks vLLM's streamed /v1/completions (tests/proxy/fake_vllm.py): token ids go out,
 deltas and usage come back, `full` and `prefix` map to cache salts, its refusals are
-400s, and a lost server is a 500. Embeddings and scores through it: test_vllm_scores.py."""
+400s, and a server that cannot be reached is a 503. Embeddings and scores through it:
+test_vllm_scores.py."""
 
 from __future__ import annotations
 
@@ -169,14 +170,24 @@ async def test_a_client_that_leaves_closes_its_vllm_call(proxy, vllm, until):
     await until(lambda: vllm.cancelled == 1, timeout=10)
 
 
-async def test_a_lost_server_is_a_500_and_health_says_so(proxy, vllm):
+async def test_a_lost_server_is_a_503_and_health_says_so(proxy, vllm):
     await vllm.runner.cleanup()
     with pytest.raises(openai.InternalServerError) as e:
         await client(proxy).completions.create(model="fake-vllm", prompt="a b", max_tokens=2)
-    assert "lost the vLLM server" in e.value.body["message"]
+    assert e.value.status_code == 503 and e.value.response.headers["Retry-After"] == "2"
+    assert f"cannot reach the vLLM server at {vllm.url}" in e.value.body["message"]
     async with httpx.AsyncClient(base_url=proxy.url) as http:
         r = await http.get("/health")
     assert r.status_code == 503 and "does not answer" in r.json()["error"]["message"]
+
+
+@pytest.mark.parametrize("status, code", [(503, "backend_unavailable"), (500, "engine_error")])
+async def test_a_server_that_cannot_serve_now_is_a_503_one_that_failed_a_500(proxy, vllm, status, code):
+    vllm.status = status
+    with pytest.raises(openai.InternalServerError) as e:
+        await client(proxy).completions.create(model="fake-vllm", prompt="a b", max_tokens=2)
+    assert e.value.status_code == status and e.value.body["code"] == code
+    assert f"failed with {status}" in e.value.body["message"]
 
 
 async def test_a_lost_server_is_found_again_once_its_health_answers(proxy, vllm, until, monkeypatch):

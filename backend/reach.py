@@ -1,0 +1,27 @@
+"""How the HTTP backends (remote.py, vllm.py) report an engine they could not reach:
+a call that never got through ran nothing, so its requests may be sent again (the
+proxy's 503); one lost partway is an engine failure (a 500)."""
+
+from __future__ import annotations
+
+import aiohttp
+
+from tokendance.backend.api import BackendError, Unavailable
+
+NOT_SENT = (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError)  # refused, no route, connect timed out
+
+
+def lost(what: str, e: BaseException) -> BackendError:
+    """`e`, raised by a call to `what` ("the engine at URL"), as its requests' error."""
+    why = f"{e or type(e).__name__}"
+    if isinstance(e, NOT_SENT):
+        return Unavailable(f"cannot reach {what}: {why}")
+    return BackendError(f"lost {what}: {why}")
+
+
+def answered(what: str, status: int, message: str) -> BackendError:
+    """An HTTP answer other than 200 (and a client's 4xx) from `what`: a 503 says it
+    cannot serve now, anything else that it failed."""
+    if status == 503:
+        return Unavailable(f"{what} cannot serve now: {message}")
+    return BackendError(f"{what} answered HTTP {status}: {message}")
