@@ -1,0 +1,101 @@
+"""The proxy over a remote engine it cannot reach: a 503 `backend_unavailable` with
+Retry-After when nothing of a request ran there (so a client may send it again and get
+its answer once the engine is back), a 500 `engine_error` when the engine was lost
+partway through an answer; never a hang. The same for a vLLM server: test_vllm.py."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+import httpx
+import openai
+import pytest
+from aiohttp import web
+
+from tokendance.backend import wire
+from tokendance.backend.endpoint import Endpoint, engine_info
+from tokendance.backend.remote import RemoteBackend
+from tests.proxy.test_remote import _client, served, user
+
+
+@pytest.fixture
+async def remote(tiny_llama):
+    async with served(tiny_llama, offload_bytes=0) as r:
+        yield r
+
+
+@pytest.fixture
+async def proxy(remote, start) -> Any:
+    return await start(await RemoteBackend.connect(remote.url, "collective"), barrier_timeout=10.0)
+
+
+async def test_an_engine_that_cannot_be_reached_is_a_503_at_once(proxy, remote, until):
+    c = _client(proxy)
+    name = proxy.proxy.backend.info.name
+    await remote.runner.cleanup()
+    async with httpx.AsyncClient(base_url=proxy.url) as http:
+        await until(lambda: proxy.proxy.backend.problem() is not None, timeout=10)  # the 2 s poll
+        health = await http.get("/health")
+    assert health.status_code == 503 and "does not answer" in health.json()["error"]["message"]
+    t0 = time.perf_counter()
+    with pytest.raises(openai.InternalServerError) as e:
+        await c.chat.completions.create(model=name, messages=user("hi"), max_tokens=2)
+    assert time.perf_counter() - t0 < 5
+    # nothing ran: a 503 that says when to ask again (the openai SDK waits that long)
+    assert e.value.status_code == 503 and e.value.response.headers["Retry-After"] == "2"
+    assert e.value.body["code"] == "backend_unavailable"
+    assert e.value.body["message"].startswith(f"engine unavailable: cannot reach the engine at {remote.url}")
+    stream = await c.chat.completions.create(model=name, messages=user("hi"), max_tokens=2, stream=True)
+    with pytest.raises(openai.APIError, match="cannot reach the engine"):
+        [chunk async for chunk in stream]
+
+
+async def test_a_client_that_retries_gets_its_answer_once_the_engine_is_back(proxy, remote, until):
+    name = proxy.proxy.backend.info.name
+    port = int(remote.url.rsplit(":", 1)[1])
+    await remote.runner.cleanup()
+    retrying = openai.AsyncOpenAI(base_url=proxy.url + "/v1", api_key="sk-test", max_retries=2)
+    call = asyncio.ensure_future(retrying.chat.completions.create(model=name, messages=user("hi"), max_tokens=2))
+    await until(lambda: proxy.proxy.metrics.engine_errors.values.get((), 0) == 1, timeout=10)  # its first try: a 503
+    failed = time.perf_counter()
+    back = web.AppRunner(Endpoint(remote.backend, engine_info(remote.backend)).app())
+    await back.setup()
+    await web.TCPSite(back, "127.0.0.1", port).start()
+    try:
+        answer = await asyncio.wait_for(call, 30)  # its next, Retry-After later
+        assert answer.choices[0].finish_reason == "length"
+        assert time.perf_counter() - failed > 1.5  # the SDK's own first wait is 0.5 s at most
+        assert proxy.proxy.metrics.engine_errors.values.get((), 0) == 1
+    finally:
+        await back.cleanup()
+
+
+async def test_an_engine_that_answers_it_cannot_serve_is_a_503_and_down_at_once(proxy, remote, monkeypatch):
+    async def stopping(self, req: web.Request) -> web.Response:
+        return web.Response(status=503, body=wire.encoder.encode(wire.WireError("the engine has stopped")))
+
+    monkeypatch.setattr(Endpoint, "generate", stopping)
+    with pytest.raises(openai.InternalServerError) as e:
+        await _client(proxy).chat.completions.create(model=proxy.proxy.backend.info.name,
+                                                     messages=user("hi"), max_tokens=2)
+    assert e.value.status_code == 503 and e.value.body["code"] == "backend_unavailable"
+    assert e.value.body["message"] == f"engine unavailable: the engine at {remote.url} cannot serve now: " \
+                                      "the engine has stopped"
+    assert proxy.proxy.backend.problem() is not None  # before any poll could have seen it
+
+
+async def test_an_engine_lost_partway_through_an_answer_is_a_500(proxy, remote, monkeypatch):
+    async def broken(self, req: web.Request) -> web.StreamResponse:
+        out = web.StreamResponse()
+        await out.prepare(req)
+        req.transport.close()  # the engine's process died mid-answer
+        return out
+
+    monkeypatch.setattr(Endpoint, "generate", broken)
+    with pytest.raises(openai.InternalServerError) as e:
+        await _client(proxy).chat.completions.create(model=proxy.proxy.backend.info.name,
+                                                     messages=user("hi"), max_tokens=2)
+    assert e.value.status_code == 500 and e.value.body["code"] == "engine_error"
+    assert f"lost the engine at {remote.url}" in e.value.body["message"]
