@@ -9,13 +9,18 @@ or send the whole round at once.
 Announcing lets the proxy release a round's barrier as soon as every named agent has
 arrived; sealing releases it with whoever is there; `chats` sends every agent's chat of
 a round in one batch, which needs neither. Plain stdlib HTTP, so the helper works from
-any framework's thread; the `a*` variants run it off the event loop.
+any framework's thread; the `a*` variants run it off the event loop. A 503 or 429 that
+says when to ask again (Retry-After: the proxy's answer when it could not reach its
+engine, so nothing of the request ran) is sent again then, twice at most, as the openai
+SDK does.
 """
 
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
+import time
 import urllib.error
 import urllib.parse
 import urllib.request
@@ -23,6 +28,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from tokendance.adapters.tags import api_base
+
+RETRIES = 2  # as the openai SDK's default: how often a request is sent again (retry_after)
+MAX_WAIT = 60.0  # seconds; a longer Retry-After is an error at once
 
 
 class ProxyError(RuntimeError):
@@ -100,20 +108,40 @@ def served_model(url: str | None = None, api_key: str = "tokendance", timeout: f
 
 
 def request(method: str, url: str, payload: Any, api_key: str, timeout: float) -> dict[str, Any]:
-    """One JSON request; ProxyError for an error answer, ConnectionError for no answer."""
+    """One JSON request, sent again as `retry_after` says; ProxyError for an error
+    answer, ConnectionError for no answer."""
     data = None if payload is None else json.dumps(payload).encode()
     req = urllib.request.Request(url, data=data, method=method)
     req.add_header("Authorization", f"Bearer {api_key}")
     if data is not None:
         req.add_header("Content-Type", "application/json")
+    for attempt in itertools.count():
+        try:
+            with urllib.request.urlopen(req, timeout=timeout) as r:
+                raw = r.read()
+            return json.loads(raw) if raw.strip() else {}
+        except urllib.error.HTTPError as e:
+            wait = retry_after(e.code, e.headers)
+            if wait is None or attempt >= RETRIES:
+                raise ProxyError(e.code, error_message(e.read())) from None
+            e.close()
+        except urllib.error.URLError as e:  # refused, unknown host, not an http(s) URL
+            raise ConnectionError(f"cannot reach the TokenDance proxy at {url}: {e.reason}") from None
+        time.sleep(wait)
+
+
+def retry_after(status: int, headers: Any) -> float | None:
+    """How long to wait before sending again a request answered `status`, or None: only
+    a 503 or 429 that says when (Retry-After, in seconds), as the proxy's 503 for an
+    engine it could not reach does (nothing of the request ran). A 503 without it (a
+    proxy shutting down) is final."""
+    if status not in (429, 503):
+        return None
     try:
-        with urllib.request.urlopen(req, timeout=timeout) as r:
-            raw = r.read()
-    except urllib.error.HTTPError as e:
-        raise ProxyError(e.code, error_message(e.read())) from None
-    except urllib.error.URLError as e:  # refused, unknown host, not an http(s) URL
-        raise ConnectionError(f"cannot reach the TokenDance proxy at {url}: {e.reason}") from None
-    return json.loads(raw) if raw.strip() else {}
+        wait = float(headers.get("Retry-After", ""))
+    except ValueError:  # absent, or an HTTP date
+        return None
+    return wait if 0 <= wait <= MAX_WAIT else None
 
 
 def error_message(raw: bytes) -> str:

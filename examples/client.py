@@ -6,17 +6,22 @@ by `previous_response_id` and sends only what its chat added since; with
 (`/v1/conversations`) that its responses go on in; with `api="messages"` it speaks
 Anthropic's Messages API (`/v1/messages`); with `api="batch"` a round's chats go in one
 request (`/v1/chat/completions/batch`, `round`). `embed` gives texts' embeddings, and
-`judge` texts' probability of a yes (vLLM's `/generative_scoring`), for agents' memories."""
+`judge` texts' probability of a yes (vLLM's `/generative_scoring`), for agents' memories.
+A request answered with a Retry-After (the proxy could not reach its engine) is sent
+again then, as in adapters/rounds.py."""
 
 from __future__ import annotations
 
+import asyncio
+import itertools
+import json
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
 
-from tokendance.adapters.rounds import ProxyError, Rounds, error_message
+from tokendance.adapters.rounds import RETRIES, ProxyError, Rounds, error_message, retry_after
 from tokendance.adapters.tags import api_base, headers
 
 
@@ -167,8 +172,13 @@ class Client:
         tags = headers(self.session, agent, round, self.mode)
         tags["Authorization"] = f"Bearer {self.api_key}"
         base = api_base(self.url)
-        async with self.http.post((base.removesuffix("/v1") if root else base) + path, json=body, headers=tags) as r:
-            raw = await r.read()
-            if r.status != 200:
-                raise ProxyError(r.status, error_message(raw))
-            return await r.json()
+        for attempt in itertools.count():
+            async with self.http.post((base.removesuffix("/v1") if root else base) + path, json=body,
+                                      headers=tags) as r:
+                raw = await r.read()
+                if r.status == 200:
+                    return json.loads(raw)
+                wait = retry_after(r.status, r.headers)
+                if wait is None or attempt >= RETRIES:
+                    raise ProxyError(r.status, error_message(raw))
+            await asyncio.sleep(wait)  # nothing of it ran: sent again, as the openai SDK does
