@@ -21,11 +21,11 @@ from typing import Any
 import aiohttp
 import structlog
 
+from tokendance.backend import reach
 from tokendance.backend.api import (
     BackendError, Delta, Gauge, InvalidRequest, ModelInfo, Prepared, Request, TokenLogprob,
     Template, TopLogprob, Usage, check_mode,
 )
-from tokendance.backend import reach
 from tokendance.backend.auth import header, refused
 from tokendance.backend.detok import Pieces
 from tokendance.backend.grammar import Grammars
