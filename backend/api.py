@@ -55,7 +55,12 @@ class BackendError(RuntimeError):
 
 class Unavailable(BackendError):
     """The engine could not be reached, or said it cannot serve now: nothing of the
-    request ran there, so it may be sent again (a 503 at the proxy)."""
+    request ran there, so it may be sent again (a 503 at the proxy), best once the
+    backend has looked at the engine again, `retry_after` seconds on."""
+
+    def __init__(self, message: str, retry_after: float):
+        super().__init__(message)
+        self.retry_after = retry_after
 
 
 @dataclass(slots=True)

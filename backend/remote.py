@@ -124,7 +124,7 @@ class RemoteBackend:
             async with s.post(self.url + wire.PREFIX + "/generate", data=wire.encoder.encode(requests),
                               headers={"Content-Type": "application/json"}) as r:
                 if r.status != 200:
-                    raise reach.answered(f"the engine at {self.url}", r.status, await _why(r))
+                    raise reach.answered(f"the engine at {self.url}", r.status, await _why(r), GAUGES_EVERY)
                 buf, again = b"", set()
                 async for chunk in r.content.iter_any():  # lines of any length
                     *lines, buf = (buf + chunk).split(b"\n")
@@ -139,7 +139,7 @@ class RemoteBackend:
             if isinstance(e, Unavailable):  # it answered that it cannot serve: a fleet sends it nothing more
                 self._lost(str(e))
         except Exception as e:  # unreachable, reset, a malformed line: the group's open requests fail
-            error = reach.lost(f"the engine at {self.url}", e)
+            error = reach.lost(f"the engine at {self.url}", e, GAUGES_EVERY)
             self._lost(str(error))
         finally:
             open_ = [st for st in streams if not st.done and not st.ended]

@@ -187,7 +187,7 @@ class VLLMBackend:
             raise
         except Exception as e:  # unreachable, reset, a malformed chunk
             self._lost(f"the vLLM server at {self.url} does not answer: {e or type(e).__name__}")
-            st.put(reach.lost(f"the vLLM server at {self.url}", e))
+            st.put(reach.lost(f"the vLLM server at {self.url}", e, POLL))
 
     async def _embedding(self, req: Request) -> Delta:
         """An embedding request as one call to the server's /v1/embeddings (a server that
@@ -263,7 +263,7 @@ def _refused(status: int, text: str) -> Exception:
         message = text[:500]
     if 400 <= status < 500:
         return InvalidRequest(f"the vLLM server refused the request: {message}")
-    return reach.answered("the vLLM server", status, message)
+    return reach.answered("the vLLM server", status, message, POLL)
 
 
 def _delta(c: dict[str, Any], pieces: Pieces, labels: list[int] | None = None) -> Delta:

@@ -8,6 +8,7 @@ may produce a 5xx or a traceback. The middleware turns every exception into that
 from __future__ import annotations
 
 import asyncio
+import math
 
 import msgspec
 import structlog
@@ -17,8 +18,6 @@ from tokendance.backend.api import BackendError, InvalidRequest, Unavailable
 from tokendance.backend.auth import Keys
 
 log = structlog.get_logger("tokendance.proxy")
-
-RETRY_AFTER = 2  # seconds: how often the proxy polls a remote engine's health
 
 TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "invalid_request_error",
          405: "invalid_request_error", 413: "invalid_request_error", 503: "server_error"}
@@ -67,12 +66,13 @@ def unsupported(param: str, what: str | None = None) -> ApiError:
 
 def from_backend(exc: BaseException) -> ApiError:
     """An engine failure (or an unexpected exception around it) as a 500; an engine that
-    could not take the request as a 503, to be sent again once the proxy's next poll of
+    could not take the request as a 503, to be sent again once the backend's next poll of
     it may have found it back."""
     if isinstance(exc, InvalidRequest):
         return invalid(exc.message, exc.param, exc.code)
     if isinstance(exc, Unavailable):
-        return ApiError(503, f"engine unavailable: {exc}", code="backend_unavailable", retry_after=RETRY_AFTER)
+        return ApiError(503, f"engine unavailable: {exc}", code="backend_unavailable",
+                        retry_after=max(1, math.ceil(exc.retry_after)))  # the header takes whole seconds
     if isinstance(exc, BackendError):
         return ApiError(500, f"engine error: {exc}", code="engine_error", type="server_error")
     return ApiError(500, "internal error", code="internal_error", type="server_error")
