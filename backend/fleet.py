@@ -13,7 +13,8 @@ spread out. Requests outside any session take the engines in turn.
 
 An engine that reports a problem (its /health, or a group it lost) takes no new work;
 its sessions move to another engine at their next request, where what they had cached
-is computed again. The proxy is healthy while one engine is.
+is computed again. Requests it could not take at all move at once (backend/failover.py).
+The proxy is healthy while one engine is.
 
 Several proxies in front of the same engines (proxy/peers.py) tell each other where
 they pinned a session (`on_pin`), and `adopt` another's pin: when two pinned one
@@ -33,6 +34,7 @@ from typing import Any
 import structlog
 
 from tokendance.backend.api import Backend, BackendError, Gauge, Prepared, Request, Stream, Template
+from tokendance.backend.failover import Failover, Part, Place
 
 log = structlog.get_logger(__name__)
 
@@ -187,11 +189,40 @@ class Fleet:
         """Each request to its session's engine (routed again: its engine may have gone
         down at the barrier); a group's requests outside any session stay together, on
         the engine that prepared the first of them while it serves. A request that moved
-        is prepared again where it goes."""
-        parts: dict[int, list[Prepared]] = {}
-        where: list[int] = []
+        is prepared again where it goes. What an engine cannot take is sent again
+        (backend/failover.py)."""
+        return [Failover(self.again, part, k) for part, k in self._start(group, self._split(group), 0)]
+
+    def again(self, part: Part) -> None:
+        """Send `part`, which its engine could not take, to where its requests are routed
+        now (once, for all its streams); a request whose engine is not another that
+        serves stays, and its client gets the error."""
+        if part.moved is not None:
+            return
+        part.moved = [None] * len(part.group)
+        if part.hops + 1 >= len(self.engines):
+            return
+        todo = [k for k in range(len(part.group)) if not part.kept[k]]
+        group = [part.group[k] for k in todo]
+        try:
+            split = {i: ms for i, ms in self._split(group).items() if i != part.engine and self._serves(i)}
+            placed = self._start(group, split, part.hops + 1)
+        except Exception as e:  # (a prepare or generate that fails) they stay: each gets its own error
+            log.warning("group not sent again", engine=self.names[part.engine], error=repr(e))
+            return
+        for k, place in zip(todo, placed):
+            if place is not None:
+                part.streams[k].abort()
+                part.moved[k] = place
+        if split:
+            log.warning("group sent again", was=self.names[part.engine], requests=sum(p is not None for p in placed),
+                        engines=sorted(self.names[i] for i in split))
+
+    def _split(self, group: list[Prepared]) -> dict[int, list[tuple[int, Prepared]]]:
+        """Each engine's requests of `group`: their indexes, and each as that engine prepared it."""
+        parts: dict[int, list[tuple[int, Prepared]]] = {}
         loose: int | None = None
-        for p in group:
+        for n, p in enumerate(group):
             r: Routed = p.state
             if p.request.session is not None:
                 i = self.route(p.request)
@@ -199,21 +230,30 @@ class Fleet:
                 i = loose = r.engine if self._serves(r.engine) else self.route(p.request)
             else:
                 i = loose
-            parts.setdefault(i, []).append(r.inner if i == r.engine else self.engines[i].prepare(p.request))
-            where.append(i)
-        got: dict[int, list[Stream]] = {}
+            parts.setdefault(i, []).append((n, r.inner if i == r.engine else self.engines[i].prepare(p.request)))
+        return parts
+
+    def _start(self, group: list[Prepared], split: dict[int, list[tuple[int, Prepared]]],
+               hops: int) -> list[Place | None]:
+        """Start each engine's part of `split`; where each request of `group` went (None:
+        nowhere). The parts start together or not at all."""
+        placed: list[Place | None] = [None] * len(group)
+        started: list[Part] = []
         try:
-            for i, ps in parts.items():
-                got[i] = self.engines[i].generate(ps)
-                if len(got[i]) != len(ps):
-                    raise BackendError(f"engine {self.names[i]} gave {len(got[i])} streams for {len(ps)} requests")
-        except BaseException:  # the group fails whole: what other engines started stops
-            for streams in got.values():
-                for st in streams:
+            for i, members in split.items():
+                streams = self.engines[i].generate([q for _, q in members])
+                part = Part(i, [group[n] for n, _ in members], streams, hops)
+                started.append(part)
+                if len(streams) != len(members):
+                    raise BackendError(f"engine {self.names[i]} gave {len(streams)} streams for {len(members)} requests")
+                for k, (n, _) in enumerate(members):
+                    placed[n] = (part, k)
+        except BaseException:  # what other engines started stops
+            for part in started:
+                for st in part.streams:
                     st.abort()
             raise
-        order = {i: iter(streams) for i, streams in got.items()}
-        return [next(order[i]) for i in where]
+        return placed
 
     def gauges(self) -> list[Gauge]:
         """Every engine's gauges, labelled by engine, and the fleet's own."""

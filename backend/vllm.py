@@ -24,7 +24,7 @@ import structlog
 from tokendance.backend import reach
 from tokendance.backend.api import (
     BackendError, Delta, Gauge, InvalidRequest, ModelInfo, Prepared, Request, TokenLogprob,
-    Template, TopLogprob, Usage, check_mode,
+    Template, TopLogprob, Unavailable, Usage, check_mode,
 )
 from tokendance.backend.auth import header, refused
 from tokendance.backend.detok import Pieces
@@ -182,6 +182,8 @@ class VLLMBackend:
             last.usage = last.usage or Usage()
             st.put(last)
         except (InvalidRequest, BackendError) as e:
+            if isinstance(e, Unavailable):  # it said it cannot serve: a fleet sends it nothing more
+                self._lost(str(e))
             st.put(e)
         except asyncio.CancelledError:
             raise

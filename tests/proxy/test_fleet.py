@@ -105,7 +105,7 @@ def test_generate_splits_a_group_by_engine_and_keeps_its_order(three):
     group = [f.prepare(r) for r in (request("a", "s1"), request("b", "s0"), request("c"), request("d", "s1"),
                                     request("e"))]
     streams = f.generate(group)
-    assert [s.p.request.id for s in streams] == ["a", "b", "c", "d", "e"]
+    assert [s.part.streams[s.k].p.request.id for s in streams] == ["a", "b", "c", "d", "e"]
     assert [r.id for r in engines[1].groups[-1]] == ["a", "d"]
     # one call's loose requests together, where the first of them was prepared (the first turn)
     assert [r.id for r in engines[0].groups[-1]] == ["b", "c", "e"] and not engines[2].groups
@@ -129,7 +129,7 @@ def test_a_request_that_moved_at_the_barrier_is_prepared_where_it_goes(three, mo
         monkeypatch.setattr(e, "prepare", lambda r, inner=e.prepare: seen.append(r.id) or inner(r))
     [st] = f.generate([p])
     now = f.pins["", "s"].engine
-    assert now != was and seen == ["a0"] and st.p.request.id == "a0"
+    assert now != was and seen == ["a0"] and st.part.streams[st.k].p.request.id == "a0"
     assert engines[now].groups[-1][0].id == "a0" and not engines[was].groups
 
 
@@ -220,10 +220,9 @@ async def test_a_lost_engine_moves_its_session_and_the_proxy_keeps_serving(pair,
     (pin,) = fleet.pins.values()  # the one session's
     i = pin.engine
     await pair[i][2].cleanup()  # that engine's socket closes
-    # The next request may still be sent there (the poll has not seen it yet): a 500 that
-    # marks the engine down at once, so the SDK's own retry lands on the other engine.
-    retrying = c.with_options(max_retries=1)
-    again = await retrying.chat.completions.create(**kw, extra_body={"tokendance": {"session": "s", "agent": "a"}})
+    # The next request may still be sent there (the poll has not seen it yet): the fleet
+    # sends it again to the other engine (test_failover.py), with no retry by the client.
+    again = await c.chat.completions.create(**kw, extra_body={"tokendance": {"session": "s", "agent": "a"}})
     assert pin.engine == 1 - i
     assert again.choices[0].message.content == first.choices[0].message.content
     async with httpx.AsyncClient(base_url=server.url) as http:

@@ -1,0 +1,158 @@
+"""A fleet sends what an engine could not take to another engine before its client sees
+an error (backend/failover.py): a group's share moves whole, a request that has streamed
+stays, and with no other engine serving the client gets the 503's error."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+from typing import Any
+
+import httpx
+import openai
+import pytest
+
+from tokendance.backend.api import Delta, Prepared, Unavailable
+from tokendance.backend.fleet import Fleet, Pin
+from tokendance.backend.remote import RemoteBackend
+from tokendance.backend.vllm import VLLMBackend
+from tests.proxy.fake_backend import FakeBackend
+from tests.proxy.fake_vllm import FakeVLLM, client
+from tests.proxy.fake_vllm import served as served_vllm
+from tests.proxy.test_fleet import request
+from tests.proxy.test_remote import served
+
+
+class Refusing(FakeBackend):
+    """An engine that ran nothing of what it was given (`after` deltas streamed first)
+    and reports itself down, as RemoteBackend does when it cannot reach its engine."""
+
+    def __init__(self, after: int = 0) -> None:
+        super().__init__()
+        self.after = after
+
+    def generate(self, group: list[Prepared]) -> list[Any]:
+        self.groups.append([p.request for p in group])
+        self.down = "cannot reach the engine"
+        return [Refused(self, p.request.id) for p in group]
+
+
+class Refused:
+    def __init__(self, backend: Refusing, rid: str) -> None:
+        self.backend, self.rid = backend, rid
+
+    async def __aiter__(self) -> AsyncIterator[Delta]:
+        for _ in range(self.backend.after):
+            yield Delta("early ", [1])
+        raise Unavailable("cannot reach the engine", 2.0)
+
+    def abort(self) -> None:
+        self.backend.aborted.add(self.rid)
+
+
+async def texts(streams: list[Any]) -> list[str]:
+    async def one(st: Any) -> str:
+        return "".join([d.text async for d in st])
+    return await asyncio.gather(*map(one, streams))
+
+
+def pinned(engines: list[Any], session: str = "s", ids: str = "abc") -> tuple[Fleet, list[Prepared]]:
+    f = Fleet(engines)
+    f.pins["", session] = Pin(0, 0.0)
+    return f, [f.prepare(request(i, session)) for i in ids]
+
+
+async def test_a_group_its_engine_could_not_take_moves_whole_to_another():
+    engines = [Refusing(), FakeBackend(), FakeBackend()]
+    f, group = pinned(engines)
+    got = await texts(f.generate(group))
+    assert got == ["hello from "] * 3  # two words of each prompt, echoed
+    served_by = [e for e in engines[1:] if e.groups]
+    assert len(served_by) == 1 and [[r.id for r in g] for g in served_by[0].groups] == [["a", "b", "c"]]
+    assert f.pins["", "s"].engine == engines.index(served_by[0])
+    assert not served_by[0].active and not served_by[0].aborted  # each finished there
+
+
+async def test_a_request_that_has_streamed_is_not_sent_again():
+    engines = [Refusing(after=1), FakeBackend()]
+    f, group = pinned(engines, ids="a")
+    (st,) = f.generate(group)
+    seen = []
+    with pytest.raises(Unavailable):
+        async for d in st:
+            seen.append(d.text)
+    assert seen == ["early "] and not engines[1].groups
+
+
+@pytest.mark.parametrize("n", [2, 3])
+async def test_with_no_other_engine_to_take_it_the_client_gets_the_error(n):
+    engines = [Refusing() for _ in range(n)]
+    f, group = pinned(engines)
+    for st in f.generate(group):
+        with pytest.raises(Unavailable, match="cannot reach"):
+            [d async for d in st]
+    assert [len(e.groups) for e in engines] == [1] * n  # each tried once, none twice
+
+
+async def test_a_client_that_leaves_after_its_request_moved_stops_it_where_it_went():
+    engines = [Refusing(), FakeBackend(delay=0.05)]
+    f, group = pinned(engines, ids="ab")
+    a, b = f.generate(group)
+    it = aiter(a)
+    first = await anext(it)  # a's error moved both
+    assert first.text == "hello " and [r.id for r in engines[1].groups[0]] == ["a", "b"]
+    b.abort()  # b's consumer never read, and leaves
+    assert "b" in engines[1].aborted and "b" in engines[0].aborted
+    assert "".join([first.text] + [d.text async for d in it]) == "hello from "
+    assert "a" not in engines[1].aborted
+
+
+# -- real engines, through the proxy ---------------------------------------------------------
+
+
+@pytest.fixture
+async def pair(tiny_llama) -> Any:
+    async with contextlib.AsyncExitStack() as stack:
+        engines = [await stack.enter_async_context(served(tiny_llama, offload_bytes=0)) for _ in range(2)]
+        yield [(e.url, e.runner) for e in engines]
+
+
+async def test_a_round_whose_engine_went_away_is_answered_by_the_other_without_a_retry(pair, start):
+    fleet = await Fleet.connect([u for u, _ in pair], lambda u: RemoteBackend.connect(u, "collective"))
+    server = await start(fleet, barrier_timeout=10.0)
+    c = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="sk-test", max_retries=0)
+
+    async def turn(agent: str, rnd: int) -> str:
+        r = await c.chat.completions.create(
+            model=fleet.info.name, messages=[{"role": "user", "content": f"I am {agent}. Tell me about rivers."}],
+            max_tokens=4, temperature=0,
+            extra_body={"tokendance": {"session": "s", "agent": agent, "round": rnd}})
+        return r.choices[0].message.content
+
+    async with httpx.AsyncClient(base_url=server.url) as http:
+        await http.post("/v1/tokendance/sessions/s/rounds/1", json={"agents": ["a", "b", "c"]})
+        first = await asyncio.gather(*[turn(a, 1) for a in "abc"])
+        (pin,) = fleet.pins.values()
+        was = pin.engine
+        await pair[was][1].cleanup()  # that engine's socket closes before the proxy's poll sees it
+        await http.post("/v1/tokendance/sessions/s/rounds/2", json={"agents": ["a", "b", "c"]})
+        second = await asyncio.gather(*[turn(a, 2) for a in "abc"])  # no client retries
+        stats = (await http.get("/v1/tokendance/sessions/s/rounds/2")).json()
+    assert pin.engine == 1 - was and second == first
+    assert (stats["groups"], stats["requests"]) == (1, 3)  # still one group, on the other engine
+
+
+async def test_a_vllm_server_that_answers_503_hands_its_requests_to_another(tiny_llama, start):
+    fakes = [await served_vllm(FakeVLLM(str(tiny_llama))) for _ in range(2)]
+    try:
+        fleet = await Fleet.connect([f.url for f in fakes], lambda u: VLLMBackend.connect(u))
+        server = await start(fleet)
+        fakes[0].status = 503  # where a new session goes first
+        r = await client(server).completions.create(model="fake-vllm", prompt="a b", max_tokens=2,
+                                       extra_body={"tokendance": {"session": "s", "agent": "a"}})
+        assert r.choices[0].text == " w0 w1" and len(fakes[1].bodies) == 1
+        assert fleet.engines[0].problem() is not None  # it takes nothing more until its /health answers
+    finally:
+        for f in fakes:
+            await f.runner.cleanup()
