@@ -49,13 +49,14 @@ class Rounds:
     url: str | None = None
     api_key: str = "tokendance"
     timeout: float = 30.0
+    retries: int = RETRIES  # how often a request answered with a Retry-After is sent again
 
     def path(self, round: int, tail: str = "") -> str:
         s, r = (urllib.parse.quote(str(x), safe="") for x in (self.session, round))  # the proxy checks both
         return f"{api_base(self.url)}/tokendance/sessions/{s}/rounds/{r}{tail}"
 
     def call(self, method: str, url: str, payload: Any = None) -> dict[str, Any]:
-        return request(method, url, payload, self.api_key, self.timeout)
+        return request(method, url, payload, self.api_key, self.timeout, self.retries)
 
     def announce(self, round: int, agents: list[str], timeout_ms: float | None = None) -> dict[str, Any]:
         """Name the agents of `round`: its barrier opens once all of them arrived
@@ -83,7 +84,8 @@ class Rounds:
             raise ValueError("chats must name at least one agent")
         body = {"model": model or served_model(self.url, self.api_key), "messages": list(chats.values()),
                 **fields, "tokendance": {"session": self.session, "round": round, "agents": list(chats)}}
-        out = request("POST", f"{api_base(self.url)}/chat/completions/batch", body, self.api_key, timeout)
+        out = request("POST", f"{api_base(self.url)}/chat/completions/batch", body, self.api_key, timeout,
+                      self.retries)
         answers = sorted(out["choices"], key=lambda c: c["index"])
         return {agent: c["message"].get("content") or "" for agent, c in zip(chats, answers)}
 
@@ -107,9 +109,10 @@ def served_model(url: str | None = None, api_key: str = "tokendance", timeout: f
     return models["data"][0]["id"]
 
 
-def request(method: str, url: str, payload: Any, api_key: str, timeout: float) -> dict[str, Any]:
-    """One JSON request, sent again as `retry_after` says; ProxyError for an error
-    answer, ConnectionError for no answer."""
+def request(method: str, url: str, payload: Any, api_key: str, timeout: float,
+            retries: int = RETRIES) -> dict[str, Any]:
+    """One JSON request, sent again as `retry_after` says, `retries` times at most;
+    ProxyError for an error answer, ConnectionError for no answer."""
     data = None if payload is None else json.dumps(payload).encode()
     req = urllib.request.Request(url, data=data, method=method)
     req.add_header("Authorization", f"Bearer {api_key}")
@@ -122,7 +125,7 @@ def request(method: str, url: str, payload: Any, api_key: str, timeout: float) -
             return json.loads(raw) if raw.strip() else {}
         except urllib.error.HTTPError as e:
             wait = retry_after(e.code, e.headers)
-            if wait is None or attempt >= RETRIES:
+            if wait is None or attempt >= retries:
                 raise ProxyError(e.code, error_message(e.read())) from None
             e.close()
         except urllib.error.URLError as e:  # refused, unknown host, not an http(s) URL

@@ -47,6 +47,7 @@ class Client:
     timeout: float = 600.0
     api: str = "chat"  # or "responses", "conversations", "messages", "batch"
     repetition: dict[str, int] | None = None  # vLLM's repetition_detection (chat and batch)
+    retries: int = RETRIES  # how often a request answered with a Retry-After is sent again
     http: aiohttp.ClientSession | None = field(default=None, repr=False)
     # per agent, its last response (or its conversation object) and the conversation it holds
     chains: dict[str, tuple[str, list[dict[str, str]]]] = field(default_factory=dict, repr=False)
@@ -54,7 +55,7 @@ class Client:
 
     @property
     def rounds(self) -> Rounds:
-        return Rounds(self.session, self.url, self.api_key, self.timeout)
+        return Rounds(self.session, self.url, self.api_key, self.timeout, self.retries)
 
     async def __aenter__(self) -> Client:
         self.http = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=self.timeout))
@@ -179,6 +180,6 @@ class Client:
                 if r.status == 200:
                     return json.loads(raw)
                 wait = retry_after(r.status, r.headers)
-                if wait is None or attempt >= RETRIES:
+                if wait is None or attempt >= self.retries:
                     raise ProxyError(r.status, error_message(raw))
             await asyncio.sleep(wait)  # nothing of it ran: sent again, as the openai SDK does

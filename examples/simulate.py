@@ -12,6 +12,7 @@ from collections.abc import Callable
 
 from tqdm import tqdm
 
+from tokendance.adapters.rounds import RETRIES
 from tokendance.backend import logs
 from tokendance.backend.api import MODES, REUSE_DEFAULTS
 from tokendance.backend.flags import add_parallel_args, add_reuse_args, reuse_options
@@ -58,6 +59,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     p.add_argument("--repetition-detection", type=loops, default=None, metavar="SIZE[,COUNT]",
                    help="end a reply once it ends in a pattern of 1 to SIZE tokens repeated COUNT "
                    "times (default 3), as vLLM's repetition_detection does (chat and batch APIs)")
+    p.add_argument("--retries", type=int, default=RETRIES,
+                   help="send a request the proxy could not serve now (a 503 or 429 with a Retry-After: "
+                   "its engine is unreachable or restarting) again up to this often, after the wait it "
+                   "names (default %(default)s, as the openai SDK's max_retries)")
     p.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
     return p
 
@@ -77,6 +82,8 @@ def loops(text: str) -> dict[str, int]:
 def main(args: argparse.Namespace) -> int:
     if args.agents < 1 or args.rounds < 1 or args.max_tokens < 1:
         raise ValueError("--agents, --rounds and --max-tokens must be at least 1")
+    if args.retries < 0:
+        raise ValueError("--retries must be at least 0")
     if args.repetition_detection is not None and args.api not in ("chat", "batch"):
         raise ValueError("--repetition-detection is a chat completions parameter: use --api chat or batch")
     logs.to_stderr(args.log_level)
@@ -138,7 +145,7 @@ async def once(args: argparse.Namespace, url: str, scenario: Scenario, mode: str
         raise ConnectionError(f"no proxy answers at {url} ({getattr(e, 'reason', e)})") from e
     session = f"{scenario.name}-{mode or 'default'}-{args.seed}-{secrets.token_hex(3)}"
     async with Client(url, session, mode, model, args.max_tokens, args.temperature, args.seed,
-                      api=args.api, repetition=args.repetition_detection) as c:
+                      api=args.api, repetition=args.repetition_detection, retries=args.retries) as c:
         return await run(scenario, c, args.rounds, on_round)
 
 

@@ -94,6 +94,13 @@ class Barrier:
             gate.timer.cancel()
             gate.timer = None
 
+    def unanswered(self, gate: Gate, agent: str | None) -> None:
+        """`agent`'s request left its group unanswered, to be sent again (its engine could
+        not take it): the agent is awaited again, so the group's retries go out together."""
+        if agent is not None and gate.expected is not None and agent in gate.expected and agent in gate.done:
+            gate.done.discard(agent)
+            gate.missing.add(agent)
+
     def expect(self, gate: Gate, agents: Iterable[str], announced: bool = True) -> None:
         gate.expected = frozenset(agents)
         gate.announced = announced

@@ -186,6 +186,7 @@ class Proxy:
         try:
             streams = await self.barrier.wait(rnd.gate, entry)
         except BaseException as exc:
+            call.retry = isinstance(exc, ApiError) and exc.retry_after is not None
             self.finish(call, "error" if isinstance(exc, ApiError) else "abort")
             raise
         call.released = time.perf_counter()
@@ -199,7 +200,8 @@ class Proxy:
         self._count_group(len(call.prepared), reason)
         try:
             return self.generate(call.prepared)
-        except ApiError:
+        except ApiError as exc:
+            call.retry = exc.retry_after is not None
             self.finish(call, "error")
             raise
 
@@ -242,6 +244,8 @@ class Proxy:
                         self.peers.said(rnd, call.agent(i), call.tenant, call.said(i))
             else:  # never answered (at the barrier or while generating): a retry keeps the round
                 self.sessions.uncommit(call.meta, rnd, call.before)
+                if call.retry and not call.meta.agents:  # with its group's (a batch is a group of its own)
+                    self.barrier.unanswered(rnd.gate, call.meta.agent)
             if rnd.active == 0 and not rnd.gate.pending:
                 self._round_done(rnd)
         m.kv_bytes.inc(shared * u.block_bytes, kind="shared")
@@ -262,7 +266,7 @@ class Proxy:
         except ApiError as exc:
             for e in live:
                 e.future.set_exception(ApiError(exc.status, exc.body.message, exc.body.param,
-                                                exc.body.code, exc.body.type))
+                                                exc.body.code, exc.body.type, exc.retry_after))
             return
         i = 0
         for e in live:

@@ -23,6 +23,7 @@ from . import calls, replies as s
 from .call import Call
 from .core import Proxy
 from .errors import ApiError, from_backend
+from .primed import primed
 from .reasoning import Thinking
 
 log = structlog.get_logger("tokendance.proxy")
@@ -37,6 +38,11 @@ async def reply(req: web.Request, px: Proxy, call: Call, streams: list[Stream],
                 write: Writer | None = None) -> web.StreamResponse:
     """Answer the call (`write`: in another API's shape than chat's or completions')."""
     try:
+        if call.stream:
+            try:
+                streams = await primed(call, streams)
+            except Exception as exc:
+                raise failed(px, call, exc) from exc
         if write is not None:
             return await write(req, px, call, streams)
         if call.stream:
@@ -187,7 +193,9 @@ def failed(px: Proxy, call: Call, exc: Exception) -> ApiError:
     call.outcome = "error"
     px.metrics.engine_errors.inc()
     log.error("stream failed", id=call.id, error=repr(exc))
-    return from_backend(exc)
+    err = from_backend(exc)
+    call.retry = err.retry_after is not None
+    return err
 
 
 def thinking_of(px: Proxy, call: Call) -> Thinking | None:

@@ -1,7 +1,7 @@
 """A request the proxy answers with a 503 and a Retry-After (it could not reach its
-engine: nothing of the request ran) is sent again that much later, twice at most, as the
-openai SDK does; by the round helper (stdlib HTTP) and by the examples' agent client
-(aiohttp). Any other error is final at once."""
+engine: nothing of the request ran) is sent again that much later, twice at most unless
+the caller says otherwise, as the openai SDK does; by the round helper (stdlib HTTP) and
+by the examples' agent client (aiohttp). Any other error is final at once."""
 
 from __future__ import annotations
 
@@ -56,15 +56,15 @@ def url(srv: ThreadingHTTPServer) -> str:
     return f"http://127.0.0.1:{srv.server_address[1]}"
 
 
-def agent_chat(srv: ThreadingHTTPServer) -> str:
+def agent_chat(srv: ThreadingHTTPServer, **kw: int) -> str:
     async def run() -> str:
-        async with Client(url(srv), "s", model="m") as c:
+        async with Client(url(srv), "s", model="m", **kw) as c:
             return (await c.chat("a", 1, [{"role": "user", "content": "x"}])).text
     return asyncio.run(run())
 
 
-def batch(srv: ThreadingHTTPServer) -> str:
-    return Rounds("s", url(srv)).chats(1, {"a": [{"role": "user", "content": "x"}]}, model="m")["a"]
+def batch(srv: ThreadingHTTPServer, **kw: int) -> str:
+    return Rounds("s", url(srv), **kw).chats(1, {"a": [{"role": "user", "content": "x"}]}, model="m")["a"]
 
 
 @pytest.mark.parametrize("send", [agent_chat, batch])
@@ -81,6 +81,16 @@ def test_it_gives_up_after_two_retries(server, send) -> None:
     with pytest.raises(ProxyError, match="engine unavailable") as e:
         send(server)
     assert e.value.status == 503 and len(server.times) == 3
+
+
+@pytest.mark.parametrize("send", [agent_chat, batch])
+def test_the_caller_says_how_often(server, send) -> None:
+    server.answers = [UNREACHABLE] * 3 + [OK]
+    assert send(server, retries=3) == "hi" and len(server.times) == 4
+    server.answers, server.times = [UNREACHABLE, OK], []
+    with pytest.raises(ProxyError, match="engine unavailable"):
+        send(server, retries=0)
+    assert len(server.times) == 1
 
 
 @pytest.mark.parametrize("send", [agent_chat, batch])

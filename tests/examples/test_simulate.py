@@ -9,6 +9,7 @@ import sys
 import pytest
 
 from tokendance.adapters.rounds import ProxyError, Rounds
+from tokendance.backend.api import Unavailable
 from tokendance.examples import cli
 from tokendance.examples.client import Client
 from tokendance.examples.debate import Debate
@@ -17,6 +18,7 @@ from tokendance.examples.local import proxy, threaded
 from tokendance.examples.client import Reply
 from tokendance.examples.loop import Round, run
 from tokendance.examples.table import diverged, row
+from tests.proxy.test_unavailable import Restarting
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("tokendance.proxy.app") is None,
                                 reason="tokendance.proxy.app is not in this tree yet")
@@ -62,6 +64,20 @@ def test_user_mistakes_are_one_line(capsys) -> None:
     assert cli.main(["simulate", "debate", "--model", "echo", "--rounds", "1", "--temperature", "-1"]) == 1
     err = capsys.readouterr().err.strip()
     assert err.endswith("proxy answered 400: temperature must be between 0 and 2") and "\n" not in err
+
+
+@pytest.mark.parametrize("retries, ok", [(2, False), (3, True)])
+def test_retries_ride_out_an_engine_restart(capsys, retries, ok) -> None:
+    with threaded(Restarting(Unavailable("cannot reach the engine", 0.01), down=3)) as url:  # Retry-After: 1
+        rc = cli.main(["simulate", "debate", "--url", url, "--agents", "2", "--rounds", "1",
+                       "--retries", str(retries)])
+    out, err = capsys.readouterr()
+    if ok:
+        assert rc == 0 and len(_lines(out)) == 1
+    else:
+        assert rc == 1 and err.strip().endswith("proxy answered 503: engine unavailable: cannot reach the engine")
+    assert cli.main(["simulate", "debate", "--model", "echo", "--retries", "-1"]) == 1
+    assert capsys.readouterr().err.strip().endswith("--retries must be at least 0")
 
 
 async def test_loop_and_divergence() -> None:

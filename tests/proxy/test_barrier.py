@@ -119,3 +119,19 @@ async def test_zero_timeout_never_holds():
     await arrive(b, g, "a")
     await arrive(b, g, None)
     assert [r for r, _ in groups] == ["timeout", "timeout"]
+
+
+async def test_an_agent_whose_request_went_unanswered_is_awaited_again():
+    b, groups = make()
+    g = Gate()
+    b.expect(g, ["a", "b", "c"])
+    await asyncio.gather(*[arrive(b, g, x) for x in "abc"])
+    for x in "ab":  # their engine could not take them: they will be sent again
+        b.unanswered(g, x)
+    b.unanswered(g, "z")  # not one of the round's agents
+    assert g.missing == {"a", "b"} and g.done == {"c"}
+    first = arrive(b, g, "a")
+    await asyncio.sleep(0.02)
+    assert len(groups) == 1  # a waits for b's retry
+    await asyncio.gather(first, arrive(b, g, "b"))
+    assert groups[1] == ("all", ["a", "b"])

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import AsyncIterator
 from typing import Any
 
 import httpx
@@ -15,8 +16,10 @@ import pytest
 from aiohttp import web
 
 from tokendance.backend import wire
+from tokendance.backend.api import BackendError, Delta, Prepared, Unavailable
 from tokendance.backend.endpoint import Endpoint, engine_info
 from tokendance.backend.remote import RemoteBackend
+from tests.proxy.fake_backend import FakeBackend
 from tests.proxy.test_remote import _client, served, user
 
 
@@ -47,9 +50,9 @@ async def test_an_engine_that_cannot_be_reached_is_a_503_at_once(proxy, remote, 
     assert e.value.status_code == 503 and e.value.response.headers["Retry-After"] == "2"
     assert e.value.body["code"] == "backend_unavailable"
     assert e.value.body["message"].startswith(f"engine unavailable: cannot reach the engine at {remote.url}")
-    stream = await c.chat.completions.create(model=name, messages=user("hi"), max_tokens=2, stream=True)
-    with pytest.raises(openai.APIError, match="cannot reach the engine"):
-        [chunk async for chunk in stream]
+    with pytest.raises(openai.InternalServerError) as e:  # streamed: the same, before the stream starts
+        await c.chat.completions.create(model=name, messages=user("hi"), max_tokens=2, stream=True)
+    assert e.value.status_code == 503 and e.value.response.headers["Retry-After"] == "2"
 
 
 async def test_a_client_that_retries_gets_its_answer_once_the_engine_is_back(proxy, remote, until):
@@ -99,3 +102,68 @@ async def test_an_engine_lost_partway_through_an_answer_is_a_500(proxy, remote, 
                                                      messages=user("hi"), max_tokens=2)
     assert e.value.status_code == 500 and e.value.body["code"] == "engine_error"
     assert f"lost the engine at {remote.url}" in e.value.body["message"]
+
+
+class Restarting(FakeBackend):
+    """An engine that cannot take the first `down` groups it is given (`why`: Unavailable,
+    a 503, or another BackendError, a 500) and serves the rest."""
+
+    def __init__(self, why: BackendError, down: int = 1) -> None:
+        super().__init__()
+        self.why, self.down = why, down
+
+    def generate(self, group: list[Prepared]) -> list[Any]:
+        if self.down == 0:
+            return super().generate(group)
+        self.down -= 1
+        self.groups.append([p.request for p in group])
+        return [Refused(self.why) for _ in group]
+
+
+class Refused:
+    def __init__(self, why: BackendError) -> None:
+        self.why = why
+
+    async def __aiter__(self) -> AsyncIterator[Delta]:
+        raise self.why
+        yield
+
+    def abort(self) -> None:
+        pass
+
+
+@pytest.mark.parametrize("why, groups", [(Unavailable("cannot reach the engine", 0.01), [3, 3]),
+                                         (BackendError("lost the engine"), [3, 1, 1, 1])])
+async def test_a_group_sent_again_after_a_503_is_one_group_again(start, why, groups):
+    be = Restarting(why)
+    server = await start(be, barrier_timeout=5.0)
+    c = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="sk-test", max_retries=1)
+
+    async def turn(agent: str) -> str:
+        r = await c.chat.completions.create(model="fake-tiny", messages=user(f"I am {agent}."), max_tokens=2,
+                                            extra_body={"tokendance": {"session": "s", "agent": agent, "round": 1}})
+        return r.choices[0].message.content
+
+    async with httpx.AsyncClient(base_url=server.url) as http:
+        await http.post("/v1/tokendance/sessions/s/rounds/1", json={"agents": ["a", "b", "c"]})
+        t0 = time.perf_counter()
+        assert await asyncio.gather(*map(turn, "abc")) == ["I am "] * 3
+        # the retries, 1 s (the Retry-After) or the SDK's own backoff (a 500) later, together
+        # again after a 503; each its own group after a 500, with no wait for the others
+        assert [len(g) for g in be.groups] == groups and time.perf_counter() - t0 < 4
+
+
+@pytest.mark.parametrize("path, body", [
+    ("/v1/chat/completions", {"messages": user("hi"), "max_tokens": 2}),
+    ("/v1/completions", {"prompt": "a b c", "max_tokens": 2}),
+    ("/v1/responses", {"input": "hi", "max_output_tokens": 2}),
+    ("/v1/messages", {"messages": user("hi"), "max_tokens": 2}),
+])
+async def test_a_stream_its_engine_could_not_start_is_an_http_503_not_an_event(start, path, body):
+    server = await start(Restarting(Unavailable("cannot reach the engine", 0.01)))
+    async with httpx.AsyncClient(base_url=server.url, headers={"Authorization": "Bearer sk-test"}) as http:
+        r = await http.post(path, json={"model": "fake-tiny", "stream": True, **body})
+        assert r.status_code == 503 and r.headers["Retry-After"] == "1" and "cannot reach the engine" in r.text
+        r = await http.post(path, json={"model": "fake-tiny", "stream": True, **body})  # its retry
+    assert r.status_code == 200 and r.headers["Content-Type"].startswith("text/event-stream")
+    assert "cannot reach" not in r.text
