@@ -85,6 +85,7 @@ class Fleet:
         self._turn = itertools.count()  # requests outside sessions
         self._clock = clock
         self._down: list[str | None] = [None] * len(engines)  # last problem seen, for the log
+        self.resent = 0  # requests an engine could not take, sent to another
         self.origin = ""  # this proxy, among several (proxy/peers.py)
         self.on_pin: Callable[[Key, str, tuple[float, str]], None] | None = None  # engine, decided
 
@@ -214,6 +215,7 @@ class Fleet:
             if place is not None:
                 part.streams[k].abort()
                 part.moved[k] = place
+                self.resent += 1
         if split:
             log.warning("group sent again", was=self.names[part.engine], requests=sum(p is not None for p in placed),
                         engines=sorted(self.names[i] for i in split))
@@ -257,7 +259,9 @@ class Fleet:
 
     def gauges(self) -> list[Gauge]:
         """Every engine's gauges, labelled by engine, and the fleet's own."""
-        out = [Gauge("fleet_engines_up", "engines serving now", sum(map(self._serves, range(len(self.engines)))))]
+        out = [Gauge("fleet_engines_up", "engines serving now", sum(map(self._serves, range(len(self.engines))))),
+               Gauge("fleet_resent_total", "requests an engine could not take, sent to another", self.resent,
+                     "counter")]
         weight, count = self.loads()
         for i, (name, e) in enumerate(zip(self.names, self.engines)):
             lab = {"engine": name}

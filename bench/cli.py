@@ -1,5 +1,5 @@
 """`tokendance bench KIND`: engine, reuse, memory, mirror-decode, fidelity, offsets, restore,
-resume, remote, fleet, structured, tools, judge, loops, gaps, parallel, priority."""
+resume, remote, fleet, failover, structured, tools, judge, loops, gaps, parallel, priority."""
 
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ KINDS = {
     "resume": ("tokendance.bench.resume", "a second round with its agents resumed from the host tier, against without"),
     "remote": ("tokendance.bench.remote", "the proxy over a remote engine against the engine in-process"),
     "fleet": ("tokendance.bench.fleet", "simulations side by side on several engines against one"),
+    "failover": ("tokendance.bench.failover", "a round after the session's engine is lost, against none lost"),
     "structured": ("tokendance.bench.structured", "structured outputs (a JSON schema) against the same work unconstrained"),
     "tools": ("tokendance.bench.tools", "rounds of agents that call a tool and answer, in each reuse mode"),
     "judge": ("tokendance.bench.judge", "a judge scoring N answers: /generative_scoring against completions"),

@@ -72,6 +72,14 @@ async def run(model: str | None, dtype: str, repeats: int) -> list[tuple[str, fl
 def child(args: list[str], env: dict[str, str] | None = None, cores: set[int] | None = None) -> Iterator[str]:
     """`tokendance ARGS --port P` in a child process (`env` added to this one's, on `cores`
     alone if given); its URL once it answers /health."""
+    with process(args, env, cores) as (_, url):
+        yield url
+
+
+@contextlib.contextmanager
+def process(args: list[str], env: dict[str, str] | None = None,
+            cores: set[int] | None = None) -> Iterator[tuple[subprocess.Popen, str]]:
+    """`child`, and the process (to kill it)."""
     port = free_port()
     argv = [sys.executable, "-m", "tokendance.examples.cli", *args, "--port", str(port), "--log-level", "warning"]
     proc = subprocess.Popen(argv, env={**os.environ, **env} if env else None,
@@ -90,7 +98,7 @@ def child(args: list[str], env: dict[str, str] | None = None, cores: set[int] | 
             if time.monotonic() > end:
                 raise RuntimeError(f"tokendance {args[0]} did not start within 300 s")
             time.sleep(0.5)
-        yield url
+        yield proc, url
     finally:
         proc.terminate()
         proc.wait(60)

@@ -72,6 +72,7 @@ async def test_a_group_its_engine_could_not_take_moves_whole_to_another():
     assert len(served_by) == 1 and [[r.id for r in g] for g in served_by[0].groups] == [["a", "b", "c"]]
     assert f.pins["", "s"].engine == engines.index(served_by[0])
     assert not served_by[0].active and not served_by[0].aborted  # each finished there
+    assert f.resent == 3 and [g.value for g in f.gauges() if g.name == "fleet_resent_total"] == [3]
 
 
 async def test_a_request_that_has_streamed_is_not_sent_again():
