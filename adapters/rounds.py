@@ -9,10 +9,9 @@ or send the whole round at once.
 Announcing lets the proxy release a round's barrier as soon as every named agent has
 arrived; sealing releases it with whoever is there; `chats` sends every agent's chat of
 a round in one batch, which needs neither. Plain stdlib HTTP, so the helper works from
-any framework's thread; the `a*` variants run it off the event loop. A 503 or 429 that
-says when to ask again (Retry-After: the proxy's answer when it could not reach its
-engine, so nothing of the request ran) is sent again then, twice at most, as the openai
-SDK does.
+any framework's thread; the `a*` variants run it off the event loop. An answer the
+openai SDK would send again (a 503 when the proxy could not reach its engine, any 5xx,
+a 429) is sent again as it would be (adapters/retry.py).
 """
 
 from __future__ import annotations
@@ -27,10 +26,9 @@ import urllib.request
 from dataclasses import dataclass
 from typing import Any
 
+from tokendance.adapters.retry import RETRIES, backoff
 from tokendance.adapters.tags import api_base
 
-RETRIES = 2  # as the openai SDK's default: how often a request is sent again (retry_after)
-MAX_WAIT = 60.0  # seconds; a longer Retry-After is an error at once
 
 
 class ProxyError(RuntimeError):
@@ -49,7 +47,7 @@ class Rounds:
     url: str | None = None
     api_key: str = "tokendance"
     timeout: float = 30.0
-    retries: int = RETRIES  # how often a request answered with a Retry-After is sent again
+    retries: int = RETRIES  # how often a request is sent again (adapters/retry.py)
 
     def path(self, round: int, tail: str = "") -> str:
         s, r = (urllib.parse.quote(str(x), safe="") for x in (self.session, round))  # the proxy checks both
@@ -111,7 +109,7 @@ def served_model(url: str | None = None, api_key: str = "tokendance", timeout: f
 
 def request(method: str, url: str, payload: Any, api_key: str, timeout: float,
             retries: int = RETRIES) -> dict[str, Any]:
-    """One JSON request, sent again as `retry_after` says, `retries` times at most;
+    """One JSON request, sent again as `backoff` says, `retries` times at most;
     ProxyError for an error answer, ConnectionError for no answer."""
     data = None if payload is None else json.dumps(payload).encode()
     req = urllib.request.Request(url, data=data, method=method)
@@ -124,27 +122,13 @@ def request(method: str, url: str, payload: Any, api_key: str, timeout: float,
                 raw = r.read()
             return json.loads(raw) if raw.strip() else {}
         except urllib.error.HTTPError as e:
-            wait = retry_after(e.code, e.headers)
+            wait = backoff(e.code, e.headers, attempt)
             if wait is None or attempt >= retries:
                 raise ProxyError(e.code, error_message(e.read())) from None
             e.close()
         except urllib.error.URLError as e:  # refused, unknown host, not an http(s) URL
             raise ConnectionError(f"cannot reach the TokenDance proxy at {url}: {e.reason}") from None
         time.sleep(wait)
-
-
-def retry_after(status: int, headers: Any) -> float | None:
-    """How long to wait before sending again a request answered `status`, or None: only
-    a 503 or 429 that says when (Retry-After, in seconds), as the proxy's 503 for an
-    engine it could not reach does (nothing of the request ran). A 503 without it (a
-    proxy shutting down) is final."""
-    if status not in (429, 503):
-        return None
-    try:
-        wait = float(headers.get("Retry-After", ""))
-    except ValueError:  # absent, or an HTTP date
-        return None
-    return wait if 0 <= wait <= MAX_WAIT else None
 
 
 def error_message(raw: bytes) -> str:

@@ -7,8 +7,8 @@ by `previous_response_id` and sends only what its chat added since; with
 Anthropic's Messages API (`/v1/messages`); with `api="batch"` a round's chats go in one
 request (`/v1/chat/completions/batch`, `round`). `embed` gives texts' embeddings, and
 `judge` texts' probability of a yes (vLLM's `/generative_scoring`), for agents' memories.
-A request answered with a Retry-After (the proxy could not reach its engine) is sent
-again then, as in adapters/rounds.py."""
+An answer the openai SDK would send again (the proxy's 503 when it could not reach its
+engine, any 5xx) is sent again as it would be (adapters/retry.py)."""
 
 from __future__ import annotations
 
@@ -21,7 +21,8 @@ from typing import Any
 
 import aiohttp
 
-from tokendance.adapters.rounds import RETRIES, ProxyError, Rounds, error_message, retry_after
+from tokendance.adapters.retry import RETRIES, backoff
+from tokendance.adapters.rounds import ProxyError, Rounds, error_message
 from tokendance.adapters.tags import api_base, headers
 
 
@@ -47,7 +48,7 @@ class Client:
     timeout: float = 600.0
     api: str = "chat"  # or "responses", "conversations", "messages", "batch"
     repetition: dict[str, int] | None = None  # vLLM's repetition_detection (chat and batch)
-    retries: int = RETRIES  # how often a request answered with a Retry-After is sent again
+    retries: int = RETRIES  # how often a request is sent again (adapters/retry.py)
     http: aiohttp.ClientSession | None = field(default=None, repr=False)
     # per agent, its last response (or its conversation object) and the conversation it holds
     chains: dict[str, tuple[str, list[dict[str, str]]]] = field(default_factory=dict, repr=False)
@@ -179,7 +180,7 @@ class Client:
                 raw = await r.read()
                 if r.status == 200:
                     return json.loads(raw)
-                wait = retry_after(r.status, r.headers)
+                wait = backoff(r.status, r.headers, attempt)
                 if wait is None or attempt >= self.retries:
                     raise ProxyError(r.status, error_message(raw))
-            await asyncio.sleep(wait)  # nothing of it ran: sent again, as the openai SDK does
+            await asyncio.sleep(wait)

@@ -12,7 +12,7 @@ from collections.abc import Callable
 
 from tqdm import tqdm
 
-from tokendance.adapters.rounds import RETRIES
+from tokendance.adapters.retry import RETRIES
 from tokendance.backend import logs
 from tokendance.backend.api import MODES, REUSE_DEFAULTS
 from tokendance.backend.flags import add_parallel_args, add_reuse_args, reuse_options
@@ -60,9 +60,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
                    help="end a reply once it ends in a pattern of 1 to SIZE tokens repeated COUNT "
                    "times (default 3), as vLLM's repetition_detection does (chat and batch APIs)")
     p.add_argument("--retries", type=int, default=RETRIES,
-                   help="send a request the proxy could not serve now (a 503 or 429 with a Retry-After: "
-                   "its engine is unreachable or restarting) again up to this often, after the wait it "
-                   "names (default %(default)s, as the openai SDK's max_retries)")
+                   help="send a request the proxy answered with a 5xx or 429 (its engine unreachable, "
+                   "lost or restarting) again up to this often, after the Retry-After it names or a "
+                   "backoff of 0.5 s doubling to 8 s (default %(default)s, as the openai SDK's max_retries)")
     p.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
     return p
 

@@ -95,8 +95,9 @@ class Barrier:
             gate.timer = None
 
     def unanswered(self, gate: Gate, agent: str | None) -> None:
-        """`agent`'s request left its group unanswered, to be sent again (its engine could
-        not take it): the agent is awaited again, so the group's retries go out together."""
+        """`agent`'s request failed after its group left (its engine could not take it,
+        or was lost): the agent is awaited again, so that the group's retries, which
+        clients send after the same Retry-After or nearly the same backoff, go together."""
         if agent is not None and gate.expected is not None and agent in gate.expected and agent in gate.done:
             gate.done.discard(agent)
             gate.missing.add(agent)

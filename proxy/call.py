@@ -49,7 +49,6 @@ class Call:
     stopped: list[str | int | None] = field(default_factory=list)  # vLLM's stop_reason: what stopped each choice
     usage: list[Usage | None] = field(default_factory=list)
     outcome: str = "ok"  # "ok" | "error" | "abort"
-    retry: bool = False  # its error said to send it again (nothing of it ran: a 503 with Retry-After)
     done: bool = False
     echo: Echo | None = None  # a completion's `echo`, or a chat's (proxy/echo.py)
     prompt_logprobs: int | None = None  # vLLM's field: alternatives to list per prompt token

@@ -186,7 +186,6 @@ class Proxy:
         try:
             streams = await self.barrier.wait(rnd.gate, entry)
         except BaseException as exc:
-            call.retry = isinstance(exc, ApiError) and exc.retry_after is not None
             self.finish(call, "error" if isinstance(exc, ApiError) else "abort")
             raise
         call.released = time.perf_counter()
@@ -200,8 +199,7 @@ class Proxy:
         self._count_group(len(call.prepared), reason)
         try:
             return self.generate(call.prepared)
-        except ApiError as exc:
-            call.retry = exc.retry_after is not None
+        except ApiError:
             self.finish(call, "error")
             raise
 
@@ -244,7 +242,7 @@ class Proxy:
                         self.peers.said(rnd, call.agent(i), call.tenant, call.said(i))
             else:  # never answered (at the barrier or while generating): a retry keeps the round
                 self.sessions.uncommit(call.meta, rnd, call.before)
-                if call.retry and not call.meta.agents:  # with its group's (a batch is a group of its own)
+                if call.outcome == "error" and not call.meta.agents:  # with its group's (a batch is its own)
                     self.barrier.unanswered(rnd.gate, call.meta.agent)
             if rnd.active == 0 and not rnd.gate.pending:
                 self._round_done(rnd)

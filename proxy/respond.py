@@ -193,9 +193,7 @@ def failed(px: Proxy, call: Call, exc: Exception) -> ApiError:
     call.outcome = "error"
     px.metrics.engine_errors.inc()
     log.error("stream failed", id=call.id, error=repr(exc))
-    err = from_backend(exc)
-    call.retry = err.retry_after is not None
-    return err
+    return from_backend(exc)
 
 
 def thinking_of(px: Proxy, call: Call) -> Thinking | None:

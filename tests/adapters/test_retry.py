@@ -1,7 +1,8 @@
-"""A request the proxy answers with a 503 and a Retry-After (it could not reach its
-engine: nothing of the request ran) is sent again that much later, twice at most unless
-the caller says otherwise, as the openai SDK does; by the round helper (stdlib HTTP) and
-by the examples' agent client (aiohttp). Any other error is final at once."""
+"""Our clients send a request again as the openai SDK would (adapters/retry.py): a 503
+with a Retry-After (the proxy could not reach its engine: nothing of the request ran)
+that much later, a 5xx without one after a backoff, twice at most unless the caller says
+otherwise; by the round helper (stdlib HTTP) and by the examples' agent client
+(aiohttp). A 4xx is final at once."""
 
 from __future__ import annotations
 
@@ -14,7 +15,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from tokendance.adapters.rounds import ProxyError, Rounds, retry_after
+from tokendance.adapters.retry import backoff
+from tokendance.adapters.rounds import ProxyError, Rounds
 from tokendance.examples.client import Client
 
 OK = (200, {}, {"choices": [{"index": 0, "message": {"content": "hi"}, "finish_reason": "stop"}],
@@ -94,23 +96,35 @@ def test_the_caller_says_how_often(server, send) -> None:
 
 
 @pytest.mark.parametrize("send", [agent_chat, batch])
+def test_a_5xx_that_names_no_wait_is_sent_again_after_a_backoff(server, send) -> None:
+    server.answers = [(500, {}, {"error": {"message": "engine error: lost the engine"}}),
+                      (503, {}, {"error": {"message": "the server is shutting down"}}), OK]
+    assert send(server) == "hi"
+    first, second = (b - a for a, b in zip(server.times, server.times[1:]))
+    assert 0.375 <= first < 0.75 <= second < 1.5  # 0.5 s, then 1 s, less up to a quarter
+
+
+@pytest.mark.parametrize("send", [agent_chat, batch])
 @pytest.mark.parametrize("answer", [
-    (500, {"Retry-After": "0"}, {"error": {"message": "engine error: lost the engine"}}),
-    (503, {}, {"error": {"message": "the server is shutting down"}}),
     (400, {}, {"error": {"message": "max_tokens must be at least 1"}}),
+    (404, {}, {"error": {"message": "the model `m` does not exist"}}),
+    (503, {"x-should-retry": "false"}, {"error": {"message": "not now, not later"}}),
+    (503, {"Retry-After": "600"}, {"error": {"message": "come back in ten minutes"}}),
 ])
-def test_other_errors_are_final(server, send, answer) -> None:
+def test_other_answers_are_final(server, send, answer) -> None:
     server.answers = [answer, OK]
     with pytest.raises(ProxyError, match=answer[2]["error"]["message"]):
         send(server)
     assert len(server.times) == 1
 
 
-def test_what_counts_as_a_retry_after() -> None:
-    assert retry_after(503, {"Retry-After": "2"}) == 2.0
-    assert retry_after(429, {"Retry-After": "0.5"}) == 0.5
-    assert retry_after(503, {}) is None  # a proxy shutting down
-    assert retry_after(503, {"Retry-After": "Wed, 21 Oct 2026 07:28:00 GMT"}) is None
-    assert retry_after(503, {"Retry-After": "600"}) is None  # longer than any agent should wait
-    assert retry_after(503, {"Retry-After": "-1"}) is None
-    assert retry_after(500, {"Retry-After": "1"}) is None
+def test_what_the_wait_is() -> None:
+    assert backoff(503, {"Retry-After": "2"}, 0) == 2.0
+    assert backoff(429, {"Retry-After": "0.5"}, 5) == 0.5
+    assert 0.375 <= backoff(503, {}, 0) <= 0.5  # a proxy shutting down, as the SDK would
+    assert 6.0 <= backoff(500, {}, 10) <= 8.0
+    assert 0.75 <= backoff(502, {"Retry-After": "Wed, 21 Oct 2026 07:28:00 GMT"}, 1) <= 1.0
+    assert backoff(408, {}, 0) and backoff(409, {}, 0) and backoff(400, {"x-should-retry": "true"}, 0)
+    assert backoff(503, {"Retry-After": "121"}, 0) is None  # longer than the SDK waits
+    assert backoff(500, {"x-should-retry": "false"}, 0) is None
+    assert backoff(400, {"Retry-After": "1"}, 0) is None
