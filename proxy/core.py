@@ -16,7 +16,7 @@ from functools import partial
 import structlog
 
 from tokendance.backend.api import (Backend, BackendError, InvalidRequest, Prepared, Request, SamplingParams,
-                                    Segment, Stream, Template)
+                                    Segment, Stream, Template, Usage)
 from tokendance.backend.auth import bearer
 
 from . import tools as t
@@ -210,7 +210,8 @@ class Proxy:
         call.outcome = outcome or call.outcome
         now = call.ended = time.perf_counter()
         latency = now - call.t0
-        u = call.total()
+        # one that failed before its first token counts none: what its engine ran is lost
+        u = call.total() if call.outcome == "ok" or any(call.tokens) or any(call.usage) else Usage()
         m = self.metrics
         for kind in ("prompt", "completion", "cached", "shared", "recomputed"):
             m.tokens.inc(getattr(u, f"{kind}_tokens"), kind=kind)

@@ -138,18 +138,23 @@ async def test_a_group_whose_requests_failed_is_one_group_again_when_they_are_se
     server = await start(be, barrier_timeout=5.0)
     c = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="sk-test", max_retries=1)
 
-    async def turn(agent: str) -> str:
-        r = await c.chat.completions.create(model="fake-tiny", messages=user(f"I am {agent}."), max_tokens=2,
-                                            extra_body={"tokendance": {"session": "s", "agent": agent, "round": 1}})
-        return r.choices[0].message.content
+    async def turn(agent: str) -> Any:
+        return await c.chat.completions.create(
+            model="fake-tiny", messages=user(f"I am {agent}."), max_tokens=2,
+            extra_body={"tokendance": {"session": "s", "agent": agent, "round": 1}})
 
     async with httpx.AsyncClient(base_url=server.url) as http:
         await http.post("/v1/tokendance/sessions/s/rounds/1", json={"agents": ["a", "b", "c"]})
         t0 = time.perf_counter()
-        assert await asyncio.gather(*map(turn, "abc")) == ["I am "] * 3
+        rs = await asyncio.gather(*map(turn, "abc"))
+        assert [r.choices[0].message.content for r in rs] == ["I am "] * 3
         # the retries, 1 s (the Retry-After) or the SDK's backoff (0.375 to 0.5 s) later:
         # the first back waits for the others, and they go together
         assert [len(g) for g in be.groups] == [3, 3] and time.perf_counter() - t0 < 4
+        stats = (await http.get("/v1/tokendance/sessions/s/rounds/1")).json()
+    # the failed tries count as requests and errors, their tokens not at all
+    assert (stats["requests"], stats["errors"]) == (6, 3)
+    assert stats["prompt_tokens"] == sum(r.usage.prompt_tokens for r in rs)
 
 
 @pytest.mark.parametrize("path, body", [
