@@ -23,9 +23,8 @@ class Primed:
         if self.first is None:
             return
         yield self.first
-        if self.first.finish_reason is None:
-            async for d in self.it:
-                yield d
+        async for d in self.it:  # ends after a finishing delta
+            yield d
 
     def abort(self) -> None:
         self.stream.abort()
