@@ -20,10 +20,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
+import structlog
 
 from tokendance.adapters.retry import RETRIES, backoff
 from tokendance.adapters.rounds import ProxyError, Rounds, error_message
 from tokendance.adapters.tags import api_base, headers
+
+log = structlog.get_logger(__name__)
 
 
 @dataclass(slots=True)
@@ -183,4 +186,6 @@ class Client:
                 wait = backoff(r.status, r.headers, attempt)
                 if wait is None or attempt >= self.retries:
                     raise ProxyError(r.status, error_message(raw))
+                log.warning("sending again", agent=agent, status=r.status, error=error_message(raw),
+                            wait=f"{wait:.2f} s", retry=f"{attempt + 1} of {self.retries}")
             await asyncio.sleep(wait)

@@ -72,6 +72,8 @@ def test_retries_ride_out_an_engine_restart(capsys, retries, ok) -> None:
         rc = cli.main(["simulate", "debate", "--url", url, "--agents", "2", "--rounds", "1",
                        "--retries", str(retries)])
     out, err = capsys.readouterr()
+    # each agent's each try but the last is named in the log (two agents, three refusals)
+    assert err.count("sending again") == 2 * min(3, retries) and f"1 of {retries}" in err
     if ok:
         assert rc == 0 and len(_lines(out)) == 1
     else:
