@@ -26,7 +26,7 @@ class Part:
     group: list[Prepared]  # as the fleet prepared them
     streams: list[Stream]
     hops: int = 0  # engines these requests were sent to before this one
-    kept: list[bool] = field(default_factory=list)  # streaming, or abandoned: never moved
+    kept: list[bool] = field(init=False)  # streaming, or abandoned: never moved
     moved: list[Place | None] | None = None  # once sent again: where each request went
 
     def __post_init__(self) -> None:

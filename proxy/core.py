@@ -264,8 +264,7 @@ class Proxy:
             streams = self.generate([p for e in live for p in e.prepared])
         except ApiError as exc:
             for e in live:
-                e.future.set_exception(ApiError(exc.status, exc.body.message, exc.body.param,
-                                                exc.body.code, exc.body.type, exc.retry_after))
+                e.future.set_exception(exc.copy())
             return
         i = 0
         for e in live:

@@ -46,6 +46,12 @@ class ApiError(Exception):
         self.body = ErrorBody(message, type or TYPES.get(status, "server_error"), param, code)
         self.retry_after = retry_after  # seconds, as the Retry-After header (the openai SDK waits that long)
 
+    def copy(self) -> ApiError:
+        """The same answer as an exception of its own (each request of a failed group
+        raises one, and may reword its param)."""
+        b = self.body
+        return ApiError(self.status, b.message, b.param, b.code, b.type, self.retry_after)
+
     def encode(self) -> bytes:
         return msgspec.json.encode(ErrorEnvelope(self.body))
 

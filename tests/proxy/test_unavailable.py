@@ -171,3 +171,17 @@ async def test_a_stream_its_engine_could_not_start_is_an_http_503_not_an_event(s
         r = await http.post(path, json={"model": "fake-tiny", "stream": True, **body})  # its retry
     assert r.status_code == 200 and r.headers["Content-Type"].startswith("text/event-stream")
     assert "cannot reach" not in r.text
+
+
+async def test_a_group_refused_at_once_tells_each_of_its_requests_when_to_come_back(start):
+    class Refuses(FakeBackend):
+        def generate(self, group: list[Prepared]) -> list[Any]:
+            raise Unavailable("cannot reach the engine", 2.0)
+
+    server = await start(Refuses(), barrier_timeout=5.0)
+    async with httpx.AsyncClient(base_url=server.url) as http:
+        await http.post("/v1/tokendance/sessions/s/rounds/1", json={"agents": ["a", "b"]})
+        rs = await asyncio.gather(*[http.post("/v1/chat/completions", json={
+            "model": "fake-tiny", "messages": user("hi"), "max_tokens": 2,
+            "tokendance": {"session": "s", "agent": a, "round": 1}}) for a in "ab"])
+    assert [(r.status_code, r.headers.get("Retry-After")) for r in rs] == [(503, "2")] * 2
