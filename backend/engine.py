@@ -99,7 +99,7 @@ class Engine:
         self.runner.late_from = cfg.check_layer
         if self.device.type == "cuda" and not tiles_head(self.mcfg.head_dim):
             log.warning("attention in plain torch", head_dim=self.mcfg.head_dim,
-                        why="the Triton kernels take power-of-two head dims >= 32; no CUDA graphs either")
+                        why="the Triton kernels take even head dims from 16 to 256; no CUDA graphs either")
         elif self.device.type == "cuda" and cfg.cuda_graphs:  # graphs replay the Triton kernels
             max_blocks = -(-self.mcfg.max_position // cfg.block_size)
             self.runner.capture(min(cfg.cuda_graphs, cfg.max_seqs), max_blocks, self.cache.trash_block)

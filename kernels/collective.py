@@ -23,17 +23,15 @@ that each lie inside one segment, with a shift per (Mirror, chunk). The single-s
 API above is the case of one segment cut into equal chunks.
 
 Kernels: first the Master's keys are rotated at their segment-local positions into a
-workspace (grid (chunk, kv head)), once per step, so that the several row tiles that
-read a key tile do not each rotate it again (on an H200 that rotation was 30 % of the
-scoring kernel's time). Then the scoring kernel, grid (row tile, chunk, kv head): row
-tiles hold at most cfg["block_m"] of the S*G rows (padded to a power of two >= 16);
-each program writes a partial (o, lse) per chunk into a partial buffer (at split index
-`split_off + chunk`, so that the engine's paged decode of the private part can share it
-and one reduce merges both); a third kernel merges the chunks for the standalone API.
-An empty chunk (lo = hi: padding) has no partial: its slot is neither written nor read.
-Rotations read rows of the cos/sin table (`tiles.trig_table`). Scores are in the log2
-domain inside the kernels. Every Master slot of a chunk must hold finite values, hidden
-or not (a hidden key still gets loaded, with weight 0).
+workspace (grid (chunk, kv head)), once per step, so that the row tiles that read a key
+tile do not each rotate it again (on an H200 that was 30 % of the scoring kernel's
+time). Then the scoring kernel, grid (row tile, chunk, kv head): row tiles hold at most
+cfg["block_m"] of the S*G rows (padded to a power of two >= 16); each program writes a
+partial (o, lse) per chunk at split index `split_off + chunk` of a partial buffer that
+the engine's paged decode of the private part shares (one reduce merges both); a third
+kernel merges the chunks for the standalone API. An empty chunk (lo = hi: padding) has
+no partial. Rotations read rows of the cos/sin table (`tiles.trig_table`); scores are in
+the log2 domain. Every Master slot of a chunk must hold finite values, hidden or not.
 """
 
 from __future__ import annotations
@@ -47,7 +45,7 @@ from tokendance.kernels.master import MasterRead, one_segment
 from tokendance.kernels.rope import rope_rotate_reference
 from tokendance.kernels.tiles import _dot, _scratch, scales, trig_table
 
-from tokendance.kernels.jit import tiles_head, tl, triton
+from tokendance.kernels.jit import cols, padded_half, tiles_head, tl, triton, wrapped
 
 
 def _check(q, q_pos, shift, k_cache, v_cache, master_table, master_len, hide, inv_freq) -> None:
@@ -141,15 +139,17 @@ def merge_attention(
 
 @triton.jit
 def _rotate_kernel(chunks, kc, table, trig, trig_n, kr, s_blk, s_slot, s_kh, s_rj, s_rh,
-                   B: tl.constexpr, HALF: tl.constexpr, BLOCK_N: tl.constexpr):
+                   B: tl.constexpr, HALF: tl.constexpr, HP: tl.constexpr, BLOCK_N: tl.constexpr):
     """Keys of one chunk and kv head rotated at their segment-local positions (rows of the
-    cos/sin table) into kr, at their Master slot: once per step, not once per row tile."""
+    cos/sin table) into kr, at their Master slot: once per step, not once per row tile.
+    kr's rows are 2 * HP wide, each half zero past HALF."""
     ch = tl.program_id(0)
     kvh = tl.program_id(1)
     lo = tl.load(chunks + ch * 3)
     hi = tl.load(chunks + ch * 3 + 1)
     seg = tl.load(chunks + ch * 3 + 2)
-    offs_h = tl.arange(0, HALF)
+    hm = cols(HP, HALF, HP != HALF)[None, :]
+    offs_h = tl.arange(0, HP)
     offs_n = tl.arange(0, BLOCK_N)
     kc += kvh * s_kh
     for start in range(lo, hi, BLOCK_N):
@@ -157,21 +157,21 @@ def _rotate_kernel(chunks, kc, table, trig, trig_n, kr, s_blk, s_slot, s_kh, s_r
         jm = j < hi
         blk = tl.load(table + j // B, mask=jm, other=0)
         kp = kc + (blk.to(tl.int64) * s_blk + (j % B) * s_slot)[:, None] + offs_h[None, :]
-        k1 = tl.load(kp, mask=jm[:, None], other=0.0).to(tl.float32)
-        k2 = tl.load(kp + HALF, mask=jm[:, None], other=0.0).to(tl.float32)
+        k1 = tl.load(kp, mask=jm[:, None] & hm, other=0.0).to(tl.float32)
+        k2 = tl.load(kp + HALF, mask=jm[:, None] & hm, other=0.0).to(tl.float32)
         t = trig + (j - seg)[:, None].to(tl.int64) * HALF + offs_h[None, :]
-        c = tl.load(t, mask=jm[:, None], other=1.0)
-        s = tl.load(t + trig_n * HALF, mask=jm[:, None], other=0.0)
+        c = tl.load(t, mask=jm[:, None] & hm, other=1.0)
+        s = tl.load(t + trig_n * HALF, mask=jm[:, None] & hm, other=0.0)
         o = kr + j[:, None].to(tl.int64) * s_rj + kvh * s_rh + offs_h[None, :]
         tl.store(o, (k1 * c - k2 * s).to(kr.dtype.element_ty), mask=jm[:, None])
-        tl.store(o + HALF, (k2 * c + k1 * s).to(kr.dtype.element_ty), mask=jm[:, None])
+        tl.store(o + HP, (k2 * c + k1 * s).to(kr.dtype.element_ty), mask=jm[:, None])
 
 
 @triton.jit
 def _collective_kernel(q, q_pos, shift, chunks, kr, vc, table, hide, trig, trig_n, o_part,
                        lse_part, n_rows, n_total, split_off, s_qt, s_qh, s_blk, s_slot, s_kh,
                        s_rj, s_rh, s_ss, s_hs, qk_scale,
-                       G: tl.constexpr, B: tl.constexpr, HALF: tl.constexpr,
+                       G: tl.constexpr, B: tl.constexpr, HALF: tl.constexpr, HP: tl.constexpr,
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PREC: tl.constexpr):
     mb = tl.program_id(0)
     ch = tl.program_id(1)
@@ -189,24 +189,27 @@ def _collective_kernel(q, q_pos, shift, chunks, kr, vc, table, hide, trig, trig_
     sh = tl.load(shift + mir * s_ss + ch, mask=valid, other=0).to(tl.int32)
     lim = tl.where(valid, p - sh, -1)  # a row's last causally visible segment slot
     hi = tl.minimum(hi, seg + tl.max(lim, 0) + 1)  # keys past every row's limit are skipped
-    offs_h = tl.arange(0, HALF)
-    offs_d = tl.arange(0, 2 * HALF)
+    hm = cols(HP, HALF, HP != HALF)[None, :]
+    dm = cols(2 * HP, 2 * HALF, HP != HALF)[None, :]
+    offs_h = tl.arange(0, HP)
+    offs_d = tl.arange(0, 2 * HP)  # an output's columns, and a rotated key's two halves in kr
+    offs_v = wrapped(2 * HP, 2 * HALF, HP != HALF)  # a value's, past D wrapped (tiles.py)
     offs_n = tl.arange(0, BLOCK_N)
-    acc = tl.zeros([BLOCK_M, 2 * HALF], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, 2 * HP], dtype=tl.float32)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     if lo < hi:  # else no row of the tile sees the chunk: an empty partial
         # Queries arrive rotated at q_pos: rotate them back by shift (a row of the cos/sin
         # table, clamped: a shift past the table is a segment the row does not read).
         qo = mir.to(tl.int64)[:, None] * s_qt + head[:, None] * s_qh + offs_h[None, :]
-        q1 = tl.load(q + qo, mask=valid[:, None], other=0.0).to(tl.float32)
-        q2 = tl.load(q + qo + HALF, mask=valid[:, None], other=0.0).to(tl.float32)
+        q1 = tl.load(q + qo, mask=valid[:, None] & hm, other=0.0).to(tl.float32)
+        q2 = tl.load(q + qo + HALF, mask=valid[:, None] & hm, other=0.0).to(tl.float32)
         t = trig + tl.minimum(tl.maximum(sh, 0), trig_n - 1).to(tl.int64)[:, None] * HALF + offs_h[None, :]
-        c = tl.load(t)
-        s = tl.load(t + trig_n * HALF)
+        c = tl.load(t, mask=hm, other=1.0)
+        s = tl.load(t + trig_n * HALF, mask=hm, other=0.0)
         qa = (q1 * c + q2 * s).to(q.dtype.element_ty)
         qb = (q2 * c - q1 * s).to(q.dtype.element_ty)
-        qr = tl.join(qa, qb).permute(0, 2, 1).reshape(BLOCK_M, 2 * HALF)
+        qr = tl.join(qa, qb).permute(0, 2, 1).reshape(BLOCK_M, 2 * HP)
         vc += kvh * s_kh
         for start in range(lo, hi, BLOCK_N):
             j = start + offs_n
@@ -214,7 +217,7 @@ def _collective_kernel(q, q_pos, shift, chunks, kr, vc, table, hide, trig, trig_
             blk = tl.load(table + j // B, mask=jm, other=0)
             k = tl.load(kr + j[None, :].to(tl.int64) * s_rj + kvh * s_rh + offs_d[:, None],
                         mask=jm[None, :], other=0.0)  # K^T, rotated
-            v = tl.load(vc + (blk.to(tl.int64) * s_blk + (j % B) * s_slot)[:, None] + offs_d[None, :],
+            v = tl.load(vc + (blk.to(tl.int64) * s_blk + (j % B) * s_slot)[:, None] + offs_v[None, :],
                         mask=jm[:, None], other=0.0)
             qk = _dot(qr, k, None, PREC) * qk_scale
             hid = tl.load(hide + mir[:, None] * s_hs + j[None, :],
@@ -234,16 +237,18 @@ def _collective_kernel(q, q_pos, shift, chunks, kr, vc, table, hide, trig, trig_
     lse = tl.where(seen, m_i + tl.log2(l_safe), float("-inf"))
     base = (mir.to(tl.int64) * (G * tl.num_programs(2)) + head) * n_total + split_off + ch
     tl.store(o_part + base[:, None] * (2 * HALF) + offs_d[None, :], acc / l_safe[:, None],
-             mask=valid[:, None])
+             mask=valid[:, None] & dm)
     tl.store(lse_part + base, lse, mask=valid)
 
 
 @triton.jit
-def _merge_kernel(o_part, lse_part, chunks, out, lse_out, NSPLIT: tl.constexpr, D: tl.constexpr):
+def _merge_kernel(o_part, lse_part, chunks, out, lse_out, NSPLIT: tl.constexpr, D: tl.constexpr,
+                  DP: tl.constexpr):
     r = tl.program_id(0)  # Mirror * Hq + head
     sp = tl.arange(0, NSPLIT)
     live = tl.load(chunks + sp * 3 + 1) > tl.load(chunks + sp * 3)  # empty chunks wrote nothing
-    offs_d = tl.arange(0, D)
+    offs_d = tl.arange(0, DP)  # D columns, padded to a power of two
+    dm = cols(DP, D, DP != D)
     base = r.to(tl.int64) * NSPLIT + sp
     lse = tl.load(lse_part + base, mask=live, other=float("-inf"))
     m = tl.max(lse, 0)
@@ -252,8 +257,8 @@ def _merge_kernel(o_part, lse_part, chunks, out, lse_out, NSPLIT: tl.constexpr, 
     den = tl.sum(w, 0)
     seen = den > 0
     den = tl.where(seen, den, 1.0)
-    o = tl.load(o_part + base[:, None] * D + offs_d[None, :], mask=live[:, None], other=0.0)
-    tl.store(out + r.to(tl.int64) * D + offs_d, tl.sum(o * w[:, None], 0) / den)
+    o = tl.load(o_part + base[:, None] * D + offs_d[None, :], mask=live[:, None] & dm[None, :], other=0.0)
+    tl.store(out + r.to(tl.int64) * D + offs_d, tl.sum(o * w[:, None], 0) / den, mask=dm)
     # back to the natural log: ln x = log2 x * ln 2
     tl.store(lse_out + r, tl.where(seen, (m + tl.log2(den)) * 0.6931471805599453, float("-inf")))
 
@@ -311,7 +316,7 @@ def collective_attention_triton(
     S, Hq, D = q.shape
     Hkv = k_cache.shape[2]
     if not tiles_head(D):
-        raise ValueError(f"head dim {D} must be a power of two >= 32")
+        raise ValueError(f"head dim {D} must be even, 16 to 256")
     if k_cache.stride() != v_cache.stride() or k_cache.stride(-1) != 1:
         raise ValueError("k_cache and v_cache need equal strides, unit stride on D")
     if out is None:
@@ -337,7 +342,8 @@ def collective_attention_triton(
     read = one_segment(shift, master_table, master_len, hide.contiguous(), ns, c["block_n"])
     collective_partials(q, q_pos, k_cache, v_cache, read, inv_freq, rope_scale, sm_scale,
                         o_part, lse_part, 0, cfg=c, trig=trig)
-    _merge_kernel[(S * Hq,)](o_part, lse_part, read.chunks, o, lse, NSPLIT=ns, D=D, num_warps=4)
+    _merge_kernel[(S * Hq,)](o_part, lse_part, read.chunks, o, lse, NSPLIT=ns, D=D,
+                             DP=2 * padded_half(D), num_warps=4)
     return o, lse
 
 
@@ -367,18 +373,19 @@ def collective_partials(q, q_pos, k_cache, v_cache, read: MasterRead, inv_freq,
     hide = read.hide.view(torch.uint8) if read.hide.dtype == torch.bool else read.hide
     assert hide.stride(1) == 1 and read.shift.stride(1) == 1 and o_part.is_contiguous()
     # Rotated keys at their Master slots (only the chunks' slots are written or read).
-    kr = torch.empty(read.table.numel() * B, Hkv, D, device=q.device, dtype=k_cache.dtype)
+    hp = padded_half(D)
+    kr = torch.empty(read.table.numel() * B, Hkv, 2 * hp, device=q.device, dtype=k_cache.dtype)
     _rotate_kernel[(n_chunks, Hkv)](
         read.chunks, k_cache, read.table, trig, trig.shape[1], kr,
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), kr.stride(0), kr.stride(1),
-        B=B, HALF=D // 2, BLOCK_N=ROTATE_TILE if q.is_cuda else c["block_n"], num_warps=4,
+        B=B, HALF=D // 2, HP=hp, BLOCK_N=ROTATE_TILE if q.is_cuda else c["block_n"], num_warps=4,
     )
     _collective_kernel[(tiles, n_chunks, Hkv)](
         q, q_pos, read.shift, read.chunks, kr, v_cache, read.table, hide, trig, trig.shape[1],
         o_part, lse_part, S * G, o_part.shape[2], split_off,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         kr.stride(0), kr.stride(1), read.shift.stride(0), hide.stride(0), qk_scale,
-        G=G, B=B, HALF=D // 2, BLOCK_M=block_m, BLOCK_N=c["block_n"], PREC=prec,
+        G=G, B=B, HALF=D // 2, HP=hp, BLOCK_M=block_m, BLOCK_N=c["block_n"], PREC=prec,
         num_warps=c["num_warps"], num_stages=c["num_stages"],
     )
 

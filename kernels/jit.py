@@ -1,7 +1,8 @@
 """Triton when it is installed, else a stand-in: the kernel modules define their kernels
 either way (`@triton.jit` leaves them plain functions), and dispatchers launch them only
 `if HAVE_TRITON` (and, for a head's kernels, `tiles_head`); the plain-torch references
-serve machines without it."""
+serve machines without it. Beside that, how the kernels tile a head: the head dims they
+take, each half's padded width, and the masks and offsets of the padding."""
 
 from __future__ import annotations
 
@@ -20,9 +21,38 @@ except ImportError:  # a CPU-only install still has the references
 
 def tiles_head(d: int) -> bool:
     """Whether the Triton kernels that tile a head (attention, RoPE, the KV store) take
-    head dim `d`: they split it in two halves of a power of two, each at least 16 wide
-    (tl.dot's least). Other head dims run the plain-torch references, on a GPU too."""
-    return HAVE_TRITON and d >= 32 and d & (d - 1) == 0
+    head dim `d`: any even one from 16 to 256. They split it in two halves (RoPE's), each
+    tiled as `padded_half(d)` columns, the ones past d/2 masked. Other head dims run the
+    plain-torch references, on a GPU too."""
+    return HAVE_TRITON and d % 2 == 0 and 16 <= d <= 256
 
 
-__all__ = ["HAVE_TRITON", "tiles_head", "tl", "triton"]
+def padded_half(d: int) -> int:
+    """The columns a kernel tiles half of head dim `d` with: a power of two (tl.arange's
+    rule) of at least 16 (tl.dot's least)."""
+    return max(16, 1 << (d // 2 - 1).bit_length())
+
+
+@triton.jit
+def cols(n: tl.constexpr, live: tl.constexpr, PAD: tl.constexpr):
+    """A mask of the first `live` of a tile's n columns: `arange < live` with PAD, else a
+    constant that folds away (the tile is exactly the head's width)."""
+    if PAD:
+        m = tl.arange(0, n) < live
+    else:
+        m = tl.full([n], 1, tl.int1)
+    return m
+
+
+@triton.jit
+def wrapped(n: tl.constexpr, live: tl.constexpr, PAD: tl.constexpr):
+    """A tile's n column offsets, the ones past `live` wrapped onto live ones with PAD: a
+    load through them stays in its row and reads finite values, and needs no mask where
+    what those columns meet is zero (a query's padding) or is never stored."""
+    offs = tl.arange(0, n)
+    if PAD:
+        offs = offs % live
+    return offs
+
+
+__all__ = ["HAVE_TRITON", "cols", "wrapped", "padded_half", "tiles_head", "tl", "triton"]

@@ -13,13 +13,13 @@ import torch
 
 from tokendance.kernels.tiles import _attend, _prep, _scratch
 
-from tokendance.kernels.jit import tiles_head, tl, triton
+from tokendance.kernels.jit import cols, padded_half, tiles_head, tl, triton
 
 
 @triton.jit
 def _prefill_kernel(q, q_pos, cu_q, kc, vc, bt, kpt, kv_lens, inv_freq, out,
                     s_qt, s_qh, s_blk, s_slot, s_kh, s_bt, s_sp, qk_scale, trig, trig_n,
-                    G: tl.constexpr, B: tl.constexpr, HALF: tl.constexpr,
+                    G: tl.constexpr, B: tl.constexpr, HALF: tl.constexpr, HP: tl.constexpr,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                     STEP: tl.constexpr, POS: tl.constexpr, TRIG: tl.constexpr, PREC: tl.constexpr):
     # Last row blocks first: under causality they carry the most keys.
@@ -36,11 +36,12 @@ def _prefill_kernel(q, q_pos, cu_q, kc, vc, bt, kpt, kv_lens, inv_freq, out,
     head = kvh * G + rows % G
     qp = tl.load(q_pos + tok, mask=valid, other=0).to(tl.int32)
     kv_len = tl.load(kv_lens + seq).to(tl.int32)
-    offs_h = tl.arange(0, HALF)
+    hm = cols(HP, HALF, HP != HALF)
+    offs_h = tl.arange(0, HP)
     qo = tok[:, None] * s_qt + head[:, None] * s_qh + offs_h[None, :]
-    q1 = tl.load(q + qo, mask=valid[:, None], other=0.0)
-    q2 = tl.load(q + qo + HALF, mask=valid[:, None], other=0.0)
-    f = tl.load(inv_freq + offs_h)[:, None]
+    q1 = tl.load(q + qo, mask=valid[:, None] & hm[None, :], other=0.0)
+    q2 = tl.load(q + qo + HALF, mask=valid[:, None] & hm[None, :], other=0.0)
+    f = tl.load(inv_freq + offs_h, mask=hm, other=0.0)[:, None]
     # Keys below every row's position need no mask; the rest up to the highest do.
     if POS:  # slot order says nothing about positions: every tile is masked
         hi = kv_len
@@ -49,7 +50,7 @@ def _prefill_kernel(q, q_pos, cu_q, kc, vc, bt, kpt, kv_lens, inv_freq, out,
         hi = tl.minimum(kv_len, tl.max(tl.where(valid, qp, -1), 0) + 1)
         full = tl.minimum(kv_len, tl.min(tl.where(valid, qp, kv_len), 0) + 1)
         full = full // BLOCK_N * BLOCK_N
-    acc = tl.zeros([BLOCK_M, 2 * HALF], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, 2 * HP], dtype=tl.float32)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     kc += kvh * s_kh
@@ -57,21 +58,22 @@ def _prefill_kernel(q, q_pos, cu_q, kc, vc, bt, kpt, kv_lens, inv_freq, out,
     bt += seq.to(tl.int64) * s_bt
     kpt += seq.to(tl.int64) * s_sp
     acc, m_i, l_i = _attend(acc, m_i, l_i, q1, q2, qp, kc, vc, bt, kpt, f, 0, full,
-                            s_blk, s_slot, qk_scale, trig, trig_n, B, HALF, BLOCK_N, False, STEP,
-                            POS, POS, TRIG, PREC)
+                            s_blk, s_slot, qk_scale, trig, trig_n, B, HALF, HP, BLOCK_N, False,
+                            STEP, POS, POS, TRIG, PREC)
     acc, m_i, l_i = _attend(acc, m_i, l_i, q1, q2, qp, kc, vc, bt, kpt, f, full, hi,
-                            s_blk, s_slot, qk_scale, trig, trig_n, B, HALF, BLOCK_N, True, STEP,
-                            POS, POS, TRIG, PREC)
+                            s_blk, s_slot, qk_scale, trig, trig_n, B, HALF, HP, BLOCK_N, True,
+                            STEP, POS, POS, TRIG, PREC)
     o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
-    offs_d = tl.arange(0, 2 * HALF)
+    offs_d = tl.arange(0, 2 * HP)
     oo = tok[:, None] * s_qt + head[:, None] * s_qh + offs_d[None, :]
-    tl.store(out + oo, o.to(out.dtype.element_ty), mask=valid[:, None])
+    dm = cols(2 * HP, 2 * HALF, HP != HALF)
+    tl.store(out + oo, o.to(out.dtype.element_ty), mask=valid[:, None] & dm[None, :])
 
 
 @triton.jit
 def _decode_kernel(q, q_pos, cu_q, kc, vc, bt, kpt, kv_lens, inv_freq, o_part, lse_part, n_total,
                    s_qt, s_qh, s_blk, s_slot, s_kh, s_bt, s_sp, qk_scale, trig, trig_n,
-                   G: tl.constexpr, B: tl.constexpr, HALF: tl.constexpr,
+                   G: tl.constexpr, B: tl.constexpr, HALF: tl.constexpr, HP: tl.constexpr,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, NSPLIT: tl.constexpr,
                    STEP: tl.constexpr, POS: tl.constexpr, TRIG: tl.constexpr, PREC: tl.constexpr):
     seq = tl.program_id(0)
@@ -97,13 +99,14 @@ def _decode_kernel(q, q_pos, cu_q, kc, vc, bt, kpt, kv_lens, inv_freq, o_part, l
         full = lo
     else:
         full = lo + tl.maximum(hi - lo, 0) // BLOCK_N * BLOCK_N
-    offs_h = tl.arange(0, HALF)
+    hm = cols(HP, HALF, HP != HALF)
+    offs_h = tl.arange(0, HP)
     qo = q_lo.to(tl.int64) * s_qt + head[:, None] * s_qh + offs_h[None, :]
-    q1 = tl.load(q + qo, mask=valid[:, None], other=0.0)
-    q2 = tl.load(q + qo + HALF, mask=valid[:, None], other=0.0)
+    q1 = tl.load(q + qo, mask=valid[:, None] & hm[None, :], other=0.0)
+    q2 = tl.load(q + qo + HALF, mask=valid[:, None] & hm[None, :], other=0.0)
     qp = tl.zeros([BLOCK_M], dtype=tl.int32) + p
-    f = tl.load(inv_freq + offs_h)[:, None]
-    acc = tl.zeros([BLOCK_M, 2 * HALF], dtype=tl.float32)
+    f = tl.load(inv_freq + offs_h, mask=hm, other=0.0)[:, None]
+    acc = tl.zeros([BLOCK_M, 2 * HP], dtype=tl.float32)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     kc += kvh * s_kh
@@ -111,25 +114,26 @@ def _decode_kernel(q, q_pos, cu_q, kc, vc, bt, kpt, kv_lens, inv_freq, o_part, l
     bt += seq.to(tl.int64) * s_bt
     kpt += seq.to(tl.int64) * s_sp
     acc, m_i, l_i = _attend(acc, m_i, l_i, q1, q2, qp, kc, vc, bt, kpt, f, lo, full,
-                            s_blk, s_slot, qk_scale, trig, trig_n, B, HALF, BLOCK_N, False, STEP,
-                            POS, False, TRIG, PREC)
+                            s_blk, s_slot, qk_scale, trig, trig_n, B, HALF, HP, BLOCK_N, False,
+                            STEP, POS, False, TRIG, PREC)
     acc, m_i, l_i = _attend(acc, m_i, l_i, q1, q2, qp, kc, vc, bt, kpt, f, full, hi,
-                            s_blk, s_slot, qk_scale, trig, trig_n, B, HALF, BLOCK_N, True, STEP,
-                            POS, False, TRIG, PREC)
+                            s_blk, s_slot, qk_scale, trig, trig_n, B, HALF, HP, BLOCK_N, True,
+                            STEP, POS, False, TRIG, PREC)
     # An empty split leaves weight 0 (lse = -inf) and a zero partial.
     seen = l_i > 0
     l_safe = tl.where(seen, l_i, 1.0)
     lse = tl.where(seen, m_i + tl.log2(l_safe), float("-inf"))
     base = (seq * (G * tl.num_programs(1)) + head) * n_total + sp
-    offs_d = tl.arange(0, 2 * HALF)
+    offs_d = tl.arange(0, 2 * HP)
+    dm = cols(2 * HP, 2 * HALF, HP != HALF)
     tl.store(o_part + base[:, None] * (2 * HALF) + offs_d[None, :],
-             acc / l_safe[:, None], mask=valid[:, None])
+             acc / l_safe[:, None], mask=valid[:, None] & dm[None, :])
     tl.store(lse_part + base, lse, mask=valid)
 
 
 @triton.jit
 def _reduce_kernel(o_part, lse_part, cu_q, chunks, out, n_total, n_own, s_qt, s_qh,
-                   BLOCK: tl.constexpr, D: tl.constexpr):
+                   BLOCK: tl.constexpr, D: tl.constexpr, DP: tl.constexpr):
     """One (sequence, head): its partials merged BLOCK at a time, rescaled as they come
     (a tile of every partial at once spilled registers past ~64 of them: with 256 Master
     chunks a step of ten Mirrors took twice as long)."""
@@ -138,11 +142,12 @@ def _reduce_kernel(o_part, lse_part, cu_q, chunks, out, n_total, n_own, s_qt, s_
     q_lo = tl.load(cu_q + seq)
     if tl.load(cu_q + seq + 1) == q_lo:
         return
-    offs_d = tl.arange(0, D)
+    offs_d = tl.arange(0, DP)  # D columns, padded to a power of two
+    dm = cols(DP, D, DP != D)
     row = (seq * tl.num_programs(1) + h) * n_total
     m = -1e30  # finite: a block of empty partials (-inf) then weighs exactly 0
     l = 0.0
-    acc = tl.zeros([D], dtype=tl.float32)
+    acc = tl.zeros([DP], dtype=tl.float32)
     for start in range(0, n_total, BLOCK):
         sp = start + tl.arange(0, BLOCK)
         used = sp < n_total
@@ -156,12 +161,13 @@ def _reduce_kernel(o_part, lse_part, cu_q, chunks, out, n_total, n_own, s_qt, s_
         lse = tl.load(lse_part + row + sp, mask=used, other=float("-inf"))
         m_new = tl.maximum(m, tl.max(lse, 0))
         w = tl.exp2(lse - m_new)
-        o = tl.load(o_part + (row + sp)[:, None] * D + offs_d[None, :], mask=used[:, None], other=0.0)
+        o = tl.load(o_part + (row + sp)[:, None] * D + offs_d[None, :], mask=used[:, None] & dm[None, :],
+                    other=0.0)
         alpha = tl.exp2(m - m_new)
         acc = acc * alpha + tl.sum(o * w[:, None], 0)
         l = l * alpha + tl.sum(w, 0)
         m = m_new
-    tl.store(out + q_lo.to(tl.int64) * s_qt + h * s_qh + offs_d, (acc / l).to(out.dtype.element_ty))
+    tl.store(out + q_lo.to(tl.int64) * s_qt + h * s_qh + offs_d, (acc / l).to(out.dtype.element_ty), mask=dm)
 
 
 # Launch configurations on a GPU, and the small tiles the interpreter runs faster with.
@@ -226,7 +232,7 @@ def paged_attention_triton(
     Hkv, B = k_cache.shape[2], k_cache.shape[1]
     S = kv_lens.shape[0]
     if not tiles_head(D):
-        raise ValueError(f"head dim {D} must be a power of two >= 32 (paged_attention takes any)")
+        raise ValueError(f"head dim {D} must be even, 16 to 256 (paged_attention takes any)")
     assert Hq % Hkv == 0, (Hq, Hkv)
     assert k_cache.stride() == v_cache.stride() and k_cache.stride(-1) == 1
     q = q.contiguous()
@@ -254,7 +260,7 @@ def paged_attention_triton(
     _prefill_kernel[grid](
         q, q_pos, cu_q, k_cache, v_cache, block_tables, kpt, kv_lens, inv_freq, out,
         q.stride(0), q.stride(1), *common,
-        G=G, B=B, HALF=D // 2, BLOCK_M=c["block_m"], BLOCK_N=c["block_n"],
+        G=G, B=B, HALF=D // 2, HP=padded_half(D), BLOCK_M=c["block_m"], BLOCK_N=c["block_n"],
         STEP=_rotation(c["step"], pos_flag, trig), POS=pos_flag, TRIG=trig is not None, PREC=prec,
         num_warps=c["num_warps"], num_stages=c["num_stages"],
     )
@@ -279,7 +285,7 @@ def decode_partials(q, q_pos, cu_q, k_cache, v_cache, block_tables, kv_lens, inv
         q, q_pos, cu_q, k_cache, v_cache, block_tables, kpt, kv_lens, inv_freq, o_part,
         lse_part, n,
         q.stride(0), q.stride(1), *common,
-        G=Hq // Hkv, B=B, HALF=D // 2, BLOCK_M=max(16, triton.next_power_of_2(Hq // Hkv)),
+        G=Hq // Hkv, B=B, HALF=D // 2, HP=padded_half(D), BLOCK_M=max(16, triton.next_power_of_2(Hq // Hkv)),
         BLOCK_N=c["block_n"], NSPLIT=ns, STEP=_rotation(c["step"], pos_flag, trig), POS=pos_flag,
         TRIG=trig is not None, PREC=prec, num_warps=c["num_warps"], num_stages=c["num_stages"],
     )
@@ -298,4 +304,5 @@ def reduce_partials(o_part: torch.Tensor, lse_part: torch.Tensor, cu_q: torch.Te
     n_own = n if chunks is None else n - chunks.shape[0]
     _reduce_kernel[(S, Hq)](o_part, lse_part, cu_q, cu_q if chunks is None else chunks, out, n,
                             n_own, out.stride(0), out.stride(1),
-                            BLOCK=min(REDUCE_BLOCK, triton.next_power_of_2(n)), D=D, num_warps=4)
+                            BLOCK=min(REDUCE_BLOCK, triton.next_power_of_2(n)), D=D,
+                            DP=2 * padded_half(D), num_warps=4)

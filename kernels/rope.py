@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from tokendance.kernels.jit import tiles_head, tl, triton
+from tokendance.kernels.jit import cols, padded_half, tiles_head, tl, triton
 
 # (inv_freq storage, layout, scale) -> (cos, sin, inv_freq) tables over positions
 # 0..n-1. Every layer of every step rotates by the same positions: compute cos/sin once,
@@ -76,15 +76,16 @@ def rope_apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inplace: b
 
 @triton.jit
 def _rotate_token(x, pos, inv_freq, out, t, sxt, sxh, sot, soh, H, scale,
-                  HALF: tl.constexpr, BLOCK_H: tl.constexpr):
+                  HALF: tl.constexpr, HP: tl.constexpr, BLOCK_H: tl.constexpr):
     """Token t's H heads of x rotated by pos[t] into out, in float32 (kernels/store.py
-    rotates queries with it too)."""
-    d = tl.arange(0, HALF)
+    rotates queries with it too). HP: HALF's columns, padded to a power of two."""
+    d = tl.arange(0, HP)
     h = tl.arange(0, BLOCK_H)[:, None]
-    ang = tl.load(pos + t).to(tl.float32) * tl.load(inv_freq + d).to(tl.float32)
+    dm = cols(HP, HALF, HP != HALF)
+    ang = tl.load(pos + t).to(tl.float32) * tl.load(inv_freq + d, mask=dm, other=0.0).to(tl.float32)
     c = (tl.cos(ang) * scale)[None, :]
     s = (tl.sin(ang) * scale)[None, :]
-    m = h < H
+    m = (h < H) & dm[None, :]
     src = x + t.to(tl.int64) * sxt + h * sxh + d[None, :]
     x1 = tl.load(src, mask=m, other=0.0).to(tl.float32)
     x2 = tl.load(src + HALF, mask=m, other=0.0).to(tl.float32)
@@ -95,8 +96,9 @@ def _rotate_token(x, pos, inv_freq, out, t, sxt, sxh, sot, soh, H, scale,
 
 @triton.jit
 def _rope_kernel(x, pos, inv_freq, out, sxt, sxh, sot, soh, H, scale,
-                 HALF: tl.constexpr, BLOCK_H: tl.constexpr):
-    _rotate_token(x, pos, inv_freq, out, tl.program_id(0), sxt, sxh, sot, soh, H, scale, HALF, BLOCK_H)
+                 HALF: tl.constexpr, HP: tl.constexpr, BLOCK_H: tl.constexpr):
+    _rotate_token(x, pos, inv_freq, out, tl.program_id(0), sxt, sxh, sot, soh, H, scale, HALF, HP,
+                  BLOCK_H)
 
 
 def rope_rotate_triton(x: torch.Tensor, pos: torch.Tensor, inv_freq: torch.Tensor,
@@ -105,10 +107,10 @@ def rope_rotate_triton(x: torch.Tensor, pos: torch.Tensor, inv_freq: torch.Tenso
     t, h, d = x.shape
     out = torch.empty(t, h, d, dtype=x.dtype, device=x.device)
     if t:
-        assert x.stride(-1) == 1 and d & (d - 1) == 0
+        assert x.stride(-1) == 1 and d % 2 == 0
         _rope_kernel[(t,)](x, pos, inv_freq.float().contiguous(), out, x.stride(0), x.stride(1),
                            out.stride(0), out.stride(1), h, scale,
-                           HALF=d // 2, BLOCK_H=triton.next_power_of_2(h))
+                           HALF=d // 2, HP=padded_half(d), BLOCK_H=triton.next_power_of_2(h))
     return out
 
 

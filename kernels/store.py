@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from tokendance.kernels.jit import tiles_head, tl, triton
+from tokendance.kernels.jit import cols, padded_half, tiles_head, tl, triton
 from tokendance.kernels.rope import _rotate_token, rope_rotate_reference
 
 
@@ -45,19 +45,19 @@ def store_reference(k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor, k_cac
 @triton.jit
 def _store_kernel(q, k, v, pos, slots, kc, vc, inv_freq, qo, s_qt, s_qh, s_kt, s_kh, s_vt, s_vh,
                   s_ot, s_oh, s_slot, s_ch, Hq, Hkv, scale,
-                  HALF: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_KV: tl.constexpr,
-                  ROTATE: tl.constexpr):
+                  HALF: tl.constexpr, HP: tl.constexpr, BLOCK_Q: tl.constexpr,
+                  BLOCK_KV: tl.constexpr, ROTATE: tl.constexpr):
     t = tl.program_id(0)
-    d = tl.arange(0, 2 * HALF)[None, :]
+    d = tl.arange(0, 2 * HP)[None, :]
     hk = tl.arange(0, BLOCK_KV)[:, None]
-    mk = hk < Hkv
+    mk = (hk < Hkv) & cols(2 * HP, 2 * HALF, HP != HALF)[None, :]
     slot = tl.load(slots + t).to(tl.int64)
     kx = tl.load(k + t.to(tl.int64) * s_kt + hk * s_kh + d, mask=mk)
     vx = tl.load(v + t.to(tl.int64) * s_vt + hk * s_vh + d, mask=mk)
     tl.store(kc + slot * s_slot + hk * s_ch + d, kx, mask=mk)
     tl.store(vc + slot * s_slot + hk * s_ch + d, vx, mask=mk)
     if ROTATE:
-        _rotate_token(q, pos, inv_freq, qo, t, s_qt, s_qh, s_ot, s_oh, Hq, scale, HALF, BLOCK_Q)
+        _rotate_token(q, pos, inv_freq, qo, t, s_qt, s_qh, s_ot, s_oh, Hq, scale, HALF, HP, BLOCK_Q)
 
 
 def store_triton(k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor, k_cache: torch.Tensor,
@@ -67,7 +67,7 @@ def store_triton(k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor, k_cache:
     TRITON_INTERPRET=1."""
     _check(k, v, slots, k_cache, v_cache)
     t, hkv, d = k.shape
-    assert k.stride(-1) == v.stride(-1) == 1 and d & (d - 1) == 0
+    assert k.stride(-1) == v.stride(-1) == 1 and d % 2 == 0
     assert k_cache.is_contiguous() and v_cache.is_contiguous()
     qo = None if q is None else torch.empty(q.shape, dtype=q.dtype, device=q.device)
     if t:
@@ -80,7 +80,7 @@ def store_triton(k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor, k_cache:
                             k if inv_freq is None else inv_freq, os_,
                             qs.stride(0), qs.stride(1), k.stride(0), k.stride(1), v.stride(0),
                             v.stride(1), os_.stride(0), os_.stride(1), k_cache.stride(1),
-                            k_cache.stride(2), qs.shape[1], hkv, scale, HALF=d // 2,
+                            k_cache.stride(2), qs.shape[1], hkv, scale, HALF=d // 2, HP=padded_half(d),
                             BLOCK_Q=triton.next_power_of_2(qs.shape[1]),
                             BLOCK_KV=triton.next_power_of_2(hkv), ROTATE=q is not None)
     return qo

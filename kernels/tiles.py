@@ -1,12 +1,20 @@
 """Triton building blocks of the paged-attention kernels (kernels/paged_triton.py) and
 the collective one (kernels/collective.py): one K/V tile into an online softmax with
-RoPE on read, the loop over a key range, and the host-side argument preparation."""
+RoPE on read, the loop over a key range, and the host-side argument preparation.
+
+A head of D = 2 * HALF columns is tiled as two halves of HP columns each (a power of
+two, `jit.padded_half`), and values and outputs as 2 * HP. Where HP > HALF the tile's
+columns past the head's read columns of the head again (`jit.wrapped`): a query's
+padding is zero, so they add nothing to a score, and the output's padding is never
+stored (the kernels mask their queries' loads and their stores). Masks on every key and
+value load instead took the decode kernel from 168 registers to 234 (ptxas for sm_90,
+bench/ptx.py). With HP = HALF the offsets are the plain ones."""
 
 from __future__ import annotations
 
 import torch
 
-from tokendance.kernels.jit import tl, triton
+from tokendance.kernels.jit import tl, triton, wrapped
 
 LOG2E = 1.4426950408889634
 
@@ -20,18 +28,18 @@ def _dot(a, b, acc, PREC: tl.constexpr):
 
 @triton.jit
 def _tile(acc, m_i, l_i, q1, q2, qp, kc, vc, bt, j, jm, kpos, c, s, s_blk, s_slot, qk_scale,
-          B: tl.constexpr, HALF: tl.constexpr, MASK: tl.constexpr, POS: tl.constexpr,
-          PREC: tl.constexpr):
+          B: tl.constexpr, HALF: tl.constexpr, HP: tl.constexpr, MASK: tl.constexpr,
+          POS: tl.constexpr, PREC: tl.constexpr):
     """One key tile (slots j, live where jm, at positions kpos, rotated by c/s) into the
     online softmax of the rows (q1 | q2)."""
-    offs_h = tl.arange(0, HALF)
-    offs_d = tl.arange(0, 2 * HALF)
+    offs_h = wrapped(HP, HALF, HP != HALF)
+    offs_d = wrapped(2 * HP, 2 * HALF, HP != HALF)
     if MASK:
         blk = tl.load(bt + j // B, mask=jm, other=0)
     else:
         blk = tl.load(bt + j // B)
     row = blk.to(tl.int64) * s_blk + (j % B) * s_slot
-    kp = kc + row[None, :] + offs_h[:, None]  # K^T halves, [HALF, BLOCK_N]
+    kp = kc + row[None, :] + offs_h[:, None]  # K^T halves, [HP, BLOCK_N]
     vp = vc + row[:, None] + offs_d[None, :]
     if MASK:
         k1 = tl.load(kp, mask=jm[None, :], other=0.0).to(tl.float32)
@@ -59,14 +67,14 @@ def _tile(acc, m_i, l_i, q1, q2, qp, kc, vc, bt, j, jm, kpos, c, s, s_blk, s_slo
 
 @triton.jit
 def _pos_tile(acc, m_i, l_i, q1, q2, qp, kc, vc, bt, f, j, jm, kpos, ct, st, s_blk, s_slot,
-              qk_scale, trig, trig_n, B: tl.constexpr, HALF: tl.constexpr, BLOCK_N: tl.constexpr,
-              TRIG: tl.constexpr, PREC: tl.constexpr):
+              qk_scale, trig, trig_n, B: tl.constexpr, HALF: tl.constexpr, HP: tl.constexpr,
+              BLOCK_N: tl.constexpr, TRIG: tl.constexpr, PREC: tl.constexpr):
     """A tile read through slot positions, rotated by rows of the cos/sin table `trig`
     ([2, trig_n, HALF] float32) with TRIG; without it, by angle addition from its first
     position when its visible slots are consecutive, else by a sine and a cosine per
     element (five times the arithmetic of the rest of the tile)."""
     if TRIG:
-        t = trig + kpos[None, :].to(tl.int64) * HALF + tl.arange(0, HALF)[:, None]
+        t = trig + kpos[None, :].to(tl.int64) * HALF + wrapped(HP, HALF, HP != HALF)[:, None]
         c = tl.load(t, mask=jm[None, :], other=1.0)
         s = tl.load(t + trig_n * HALF, mask=jm[None, :], other=0.0)
     else:
@@ -74,7 +82,7 @@ def _pos_tile(acc, m_i, l_i, q1, q2, qp, kc, vc, bt, f, j, jm, kpos, ct, st, s_b
         rel = kpos - offs_n
         p0 = tl.max(tl.where(jm, rel, -1), 0)
         if tl.min(tl.where(jm, rel, p0), 0) == p0:
-            a0 = f * p0.to(tl.float32)  # [HALF, 1]
+            a0 = f * p0.to(tl.float32)  # [HP, 1]
             c0 = tl.cos(a0)
             s0 = tl.sin(a0)
             c = c0 * ct - s0 * st
@@ -84,19 +92,19 @@ def _pos_tile(acc, m_i, l_i, q1, q2, qp, kc, vc, bt, f, j, jm, kpos, ct, st, s_b
             c = tl.cos(ang)
             s = tl.sin(ang)
     return _tile(acc, m_i, l_i, q1, q2, qp, kc, vc, bt, j, jm, kpos, c, s, s_blk, s_slot,
-                 qk_scale, B, HALF, True, True, PREC)
+                 qk_scale, B, HALF, HP, True, True, PREC)
 
 
 @triton.jit
 def _attend(acc, m_i, l_i, q1, q2, qp, kc, vc, bt, kpt, f, lo, hi, s_blk, s_slot, qk_scale,
-            trig, trig_n, B: tl.constexpr, HALF: tl.constexpr, BLOCK_N: tl.constexpr,
-            MASK: tl.constexpr, STEP: tl.constexpr, POS: tl.constexpr, SKIP: tl.constexpr,
-            TRIG: tl.constexpr, PREC: tl.constexpr):
+            trig, trig_n, B: tl.constexpr, HALF: tl.constexpr, HP: tl.constexpr,
+            BLOCK_N: tl.constexpr, MASK: tl.constexpr, STEP: tl.constexpr, POS: tl.constexpr,
+            SKIP: tl.constexpr, TRIG: tl.constexpr, PREC: tl.constexpr):
     """Online softmax of the rows (q1 | q2) over keys lo .. hi-1 of one sequence.
 
     kc, vc: the kv head's first element in block 0; bt: the block-table row; f:
-    inv_freq as [HALF, 1]. Without MASK every key in range must be visible to every
-    row; with it, key j counts for a row at position p only if j < hi and j <= p.
+    inv_freq as [HP, 1] (0 past HALF). Without MASK every key in range must be visible
+    to every row; with it, key j counts for a row at position p only if j < hi and j <= p.
     STEP picks how keys at consecutive positions are rotated: 1, cos/sin of the first
     tile and an exact rotation per tile; 2, rows of the cos/sin table `trig`; 0, a sine
     and a cosine per element. With POS (needs MASK, STEP 0), slot j's position is kpt[j]
@@ -135,14 +143,14 @@ def _attend(acc, m_i, l_i, q1, q2, qp, kc, vc, bt, kpt, f, lo, hi, s_blk, s_slot
                 if tl.max(jm.to(tl.int32), 0) > 0:
                     acc, m_i, l_i = _pos_tile(acc, m_i, l_i, q1, q2, qp, kc, vc, bt, f, j, jm, kpos,
                                               ct, st, s_blk, s_slot, qk_scale, trig, trig_n, B, HALF,
-                                              BLOCK_N, TRIG, PREC)
+                                              HP, BLOCK_N, TRIG, PREC)
             else:
                 acc, m_i, l_i = _pos_tile(acc, m_i, l_i, q1, q2, qp, kc, vc, bt, f, j, jm, kpos,
                                           ct, st, s_blk, s_slot, qk_scale, trig, trig_n, B, HALF,
-                                          BLOCK_N, TRIG, PREC)
+                                          HP, BLOCK_N, TRIG, PREC)
         else:
             if STEP == 2:
-                t = trig + j[None, :].to(tl.int64) * HALF + tl.arange(0, HALF)[:, None]
+                t = trig + j[None, :].to(tl.int64) * HALF + wrapped(HP, HALF, HP != HALF)[:, None]
                 c = tl.load(t, mask=jm[None, :], other=1.0)
                 s = tl.load(t + trig_n * HALF, mask=jm[None, :], other=0.0)
             elif STEP == 0:
@@ -150,7 +158,7 @@ def _attend(acc, m_i, l_i, q1, q2, qp, kc, vc, bt, kpt, f, lo, hi, s_blk, s_slot
                 c = tl.cos(ang)
                 s = tl.sin(ang)
             acc, m_i, l_i = _tile(acc, m_i, l_i, q1, q2, qp, kc, vc, bt, j, jm, j, c, s,
-                                  s_blk, s_slot, qk_scale, B, HALF, MASK, False, PREC)
+                                  s_blk, s_slot, qk_scale, B, HALF, HP, MASK, False, PREC)
             if STEP == 1:
                 c, s = c * cs - s * ss, s * cs + c * ss
     return acc, m_i, l_i

@@ -23,7 +23,7 @@ MODES = (*EXACT, "kvcomm", "kvcmas")  # anchored ones predict offsets: checked f
 AGENT_MODES = {"a": "collective", "b": "pic", "c": "kvcomm"}
 # On a GPU too (bash bench/h200.sh check): "cuda", a tiny model of head dim 32: CUDA graphs,
 # the Triton kernels, the pinned host tier; "cuda-d16", the usual tiny model, whose head dim
-# the Triton kernels do not tile: the references on the GPU, no graphs.
+# the Triton kernels tile in halves padded from 8 columns to 16.
 DEVICES = ["cpu", *(["cuda", "cuda-d16"] if torch.cuda.is_available() else [])]
 
 

@@ -18,7 +18,7 @@ if "triton" in sys.modules:
         for mod in (tl.standard, tl.random, tl):
             importlib.reload(mod)
         # Importers after what they import: paged_attention takes names from collective.
-        for name in ("tokendance.kernels.rope", "tokendance.kernels.tiles",
+        for name in ("tokendance.kernels.jit", "tokendance.kernels.rope", "tokendance.kernels.tiles",
                      "tokendance.kernels.paged_triton", "tokendance.kernels.collective",
                      "tokendance.kernels.paged_attention", "tokendance.kernels.deviation",
                      "tokendance.kernels.diff", "tokendance.kernels.restore",
