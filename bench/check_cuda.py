@@ -22,7 +22,12 @@ from tokendance.bench.shapes import SHAPES
 from tokendance.bench.small import REUSE_ALL, seeded, small_folder
 
 
-def graphs_vs_eager(mirrors: bool = False, n: int = 11, segments: int = 0) -> float:
+def vocab(shape: str) -> int:
+    """Token ids to draw below: the shape's and the tokenizer's vocabulary both."""
+    return min(49152, SHAPES[shape]["vocab_size"])
+
+
+def graphs_vs_eager(mirrors: bool = False, n: int = 11, segments: int = 0, shape: str = "qwen2.5-7b") -> float:
     """Relative error of a replayed decode step against the same step run eagerly: n
     plain sequences, or n Mirrors of one round (a graph of 16 rows for 11, of 24 for 20;
     52 read more segments than CHUNK_CAP: a wide graph, captured at that step); with
@@ -30,16 +35,17 @@ def graphs_vs_eager(mirrors: bool = False, n: int = 11, segments: int = 0) -> fl
     from tokendance.backend.graphs import CHUNK_CAP, WIDE_CAPS
     from tokendance.bench.allgather import make_round
 
-    eng = Engine(EngineConfig(model=str(small_folder()), dtype="bfloat16", random_weights=True,
+    eng = Engine(EngineConfig(model=str(small_folder(shape=shape)), dtype="bfloat16", random_weights=True,
                               kv_tokens=16 * 4096 if n <= 32 else 64 * 4096, cuda_graphs=max(32, n), **REUSE_ALL))
     sampling = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    v = vocab(shape)
     if mirrors:
-        rnd = make_round(segments, 8, 8, 49152, seed=2) if segments else make_round(n, 100, 40, 49152, seed=2)
+        rnd = make_round(segments, 8, 8, v, seed=2) if segments else make_round(n, 100, 40, v, seed=2)
         for i, (p, sp) in enumerate(zip(rnd.prompts[:n], rnd.shared[:n])):
             eng.add(f"r{i}", p, sampling, mode="collective", shared=sp)
         eng._blend()  # prefill and first tokens: the next step is the first Mirror decode
     else:
-        for i, p in enumerate(rand_prompts(n, 300, 49152, 0)):
+        for i, p in enumerate(rand_prompts(n, 300, v, 0)):
             eng.add(f"r{i}", p[: 100 + 20 * i], sampling)
         while any(s.computed < len(s.prompt) for s in eng.seqs.values()):
             eng.step()
@@ -167,15 +173,15 @@ def producer_tails() -> tuple[float, bool]:
     return worst, whole
 
 
-def collective_vs_tables(dtype: str) -> float:
+def collective_vs_tables(dtype: str, shape: str = "qwen2.5-7b") -> float:
     """Relative error of a decode step over 11 Mirrors with the Master read collectively
     (the engine's path) against the same step reading each Mirror's whole slot table."""
     from tokendance.backend.runner import step_meta
     from tokendance.bench.allgather import make_round
 
-    eng = Engine(EngineConfig(model=str(small_folder()), dtype=dtype, random_weights=True,
+    eng = Engine(EngineConfig(model=str(small_folder(shape=shape)), dtype=dtype, random_weights=True,
                               kv_tokens=16 * 4096, cuda_graphs=0, **REUSE_ALL))
-    rnd = make_round(11, 100, 40, 49152, seed=4)
+    rnd = make_round(11, 100, 40, vocab(shape), seed=4)
     sampling = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
     for i, (p, sp) in enumerate(zip(rnd.prompts, rnd.shared)):
         eng.add(f"c{i}", p, sampling, mode="collective", shared=sp)
@@ -214,7 +220,7 @@ def greedy_vs_hf(dtype: str, shape: str = "qwen2.5-7b") -> bool:
                 p.copy_(torch.cat([sd[name.replace("gate_up_proj", x)] for x in ("gate_proj", "up_proj")]))
             else:
                 p.copy_(sd[name])
-    prompts = rand_prompts(4, 200, 49152, 1)
+    prompts = rand_prompts(4, 200, vocab(shape), 1)
     ours = [t for t, _, _ in eng.generate(prompts, SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))]
     with torch.no_grad():
         ref = [hf.generate(torch.tensor([p], device="cuda"), max_new_tokens=8, do_sample=False,

@@ -50,6 +50,11 @@
 #     also in check), then, on a machine of two GPUs or more (nvidia-h200-x2 and up;
 #     bench/parallel.py), a Qwen2.5-0.5B shape end to end, then the Qwen2.5-14B shape at each size,
 #     then a follower killed mid-step over NCCL (bench/check_parallel.py --death)
+#   headdims: head dims that are not a power of two (bench/head_dims.py: the engine at Danube3-4B's
+#     and Danube2-1.8B's shapes against HF, the kernels against the reference and timed; with
+#     HEADDIMS_BASELINE, an earlier checkout's kernels folder, timed against it at head dim 128)
+#   headdims-engine: the engine on Danube3-4B's shape against HF, now and as it ran before (the
+#     references on the GPU, no CUDA graphs)
 #   remote: the proxy over `tokendance engine` against the engine in-process (bench/remote.py),
 #     a Qwen2.5-0.5B shape with random weights saved as a folder (the servers load folders)
 #   structured: structured outputs against the same work unconstrained (bench/structured.py),
@@ -133,6 +138,19 @@ if want readers; then
   td bench reuse --model qwen2.5-7b --dtype bfloat16 --agents 12,14,16,18,20 --history 512 --output 150 \
     --repeats 3 --decode 128 --ratio 0.3 --modes collective --readers collective 2>&1 \
     | grep -v -i "warn\|deprecat" | tee "$OUT/readers_capacity.txt"
+fi
+if want headdims; then
+  python3 -m tokendance.bench.head_dims ${HEADDIMS_BASELINE:+--baseline "$HEADDIMS_BASELINE"} 2>&1 \
+    | grep -v -i "warn\|deprecat" | tee "$OUT/head_dims.txt"
+fi
+if want headdims-engine; then
+  td bench engine --model danube3-4b --dtype bfloat16 --prefill 10x2048 --decode 32x4096 \
+    --steps 48 --repeats 3 2>&1 | grep -v -i "warn\|deprecat\|forward_call" | tee "$OUT/head_dims_engine.txt"
+  # as before session 50: head dims other than powers of two from 32 ran the references, no graphs
+  python3 -c "import sys, tokendance.kernels.jit as j; j.tiles_head = lambda d: j.HAVE_TRITON and d >= 32 \
+and d & (d - 1) == 0; from tokendance.examples.cli import main; sys.exit(main(sys.argv[1:]))" \
+    bench engine --model danube3-4b --dtype bfloat16 --prefill 10x2048 --decode 32x4096 --steps 48 \
+    --repeats 3 2>&1 | grep -v -i "warn\|deprecat\|forward_call" | tee "$OUT/head_dims_engine_before.txt"
 fi
 if want mirrors; then
   python3 -m tokendance.bench.check_cuda mirrors 2>&1 | grep -i "mirror\|diff encode" | tee "$OUT/check_mirrors.txt"

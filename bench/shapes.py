@@ -29,6 +29,17 @@ SHAPES = {
     "qwen3-8b": dict(QWEN_COMMON, architectures=["Qwen3ForCausalLM"], model_type="qwen3", vocab_size=151936,
                      max_position_embeddings=40960, hidden_size=4096, intermediate_size=12288,
                      num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8, head_dim=128),
+    # head dims that are not a power of two: 120 (H2O Danube3-4B) and 80 (Danube2-1.8B)
+    "danube3-4b": dict(architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=32000,
+                       hidden_size=3840, intermediate_size=10240, num_hidden_layers=24,
+                       num_attention_heads=32, num_key_value_heads=8, head_dim=120,
+                       max_position_embeddings=8192, rope_theta=100000.0, rms_norm_eps=1e-5,
+                       tie_word_embeddings=False, eos_token_id=2),
+    "danube2-1.8b": dict(architectures=["MistralForCausalLM"], model_type="mistral", vocab_size=32000,
+                         hidden_size=2560, intermediate_size=6912, num_hidden_layers=24,
+                         num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=8192,
+                         rope_theta=10000.0, rms_norm_eps=1e-5, sliding_window=None,
+                         tie_word_embeddings=False, eos_token_id=2),
 }
 
 

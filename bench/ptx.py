@@ -1,0 +1,157 @@
+"""The Triton kernels compiled for a GPU on a machine without one: each kernel's PTX and
+ptxas's registers and spills at the head dims asked, and, with --baseline (an earlier
+checkout's kernels folder), whether this checkout's PTX is the same as that one's.
+
+What a kernel change does to the code a GPU runs, seen where no GPU is lent: a change
+meant to leave a head dim's code alone must leave its PTX identical.
+
+    python -m tokendance.bench.ptx [--baseline DIR] [--dims 64,128] [--arch 90] [--kernels NAME,...]
+
+It exits 1 when a kernel's PTX differs from the baseline's. Triton's interpreter
+(TRITON_INTERPRET=1) compiles nothing: run it without.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import re
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from tokendance.kernels.jit import padded_half
+
+# Argument types by parameter name (the rest are i32 scalars); every kernel's names agree.
+TYPES = {
+    "q": "*bf16", "k": "*bf16", "v": "*bf16", "x": "*bf16", "kc": "*bf16", "vc": "*bf16", "kr": "*bf16",
+    "out": "*bf16", "qo": "*bf16", "q_pos": "*i64", "pos": "*i64", "slots": "*i64", "cu_q": "*i32",
+    "bt": "*i32", "kpt": "*i32", "kv_lens": "*i32", "chunks": "*i32", "shift": "*i32", "table": "*i32",
+    "hide": "*u8", "inv_freq": "*fp32", "trig": "*fp32", "o_part": "*fp32", "lse_part": "*fp32",
+    "lse_out": "*fp32", "qk_scale": "fp32", "scale": "fp32",
+}
+
+
+@dataclass(frozen=True)
+class Kernel:
+    module: str  # under kernels/
+    name: str
+    warps: int = 4
+    stages: int = 2
+    extra: tuple = ()  # constexprs besides the head's, as (name, value) pairs
+
+    def constexprs(self, d: int, fn) -> dict:
+        head = dict(HALF=d // 2, HP=padded_half(d), D=d, DP=2 * padded_half(d))
+        return {k: v for k, v in (*head.items(), *self.extra) if k in fn.arg_names}
+
+
+# The launch configurations the engine uses on a GPU (kernels/paged_triton.py, collective.py).
+KERNELS = [
+    Kernel("paged_triton", "_decode_kernel", extra=(("G", 7), ("B", 16), ("BLOCK_M", 16), ("BLOCK_N", 32),
+                                                    ("NSPLIT", 8), ("STEP", 2), ("POS", False), ("TRIG", True),
+                                                    ("PREC", "tf32"))),
+    Kernel("paged_triton", "_prefill_kernel", 8, 2, (("G", 7), ("B", 16), ("BLOCK_M", 128), ("BLOCK_N", 64),
+                                                    ("STEP", 1), ("POS", False), ("TRIG", False), ("PREC", "tf32"))),
+    Kernel("paged_triton", "_reduce_kernel", extra=(("BLOCK", 32),)),
+    Kernel("collective", "_rotate_kernel", extra=(("B", 16), ("BLOCK_N", 32))),
+    Kernel("collective", "_collective_kernel", extra=(("G", 7), ("B", 16), ("BLOCK_M", 16), ("BLOCK_N", 64),
+                                                      ("PREC", "tf32"))),
+    Kernel("collective", "_merge_kernel", extra=(("NSPLIT", 8),)),
+    Kernel("rope", "_rope_kernel", extra=(("BLOCK_H", 32),)),
+    Kernel("store", "_store_kernel", extra=(("BLOCK_Q", 32), ("BLOCK_KV", 4), ("ROTATE", True))),
+]
+
+
+def load_baseline(folder: str, package: str = "tdbase"):
+    """An earlier checkout's kernels folder as the package `<package>.kernels` (its imports
+    of tokendance.kernels rewritten), to compile or time beside this checkout's."""
+    root = Path(tempfile.mkdtemp())
+    pkg = root / package / "kernels"
+    pkg.mkdir(parents=True)
+    (root / package / "__init__.py").write_text("")
+    for f in Path(folder).glob("*.py"):
+        pkg.joinpath(f.name).write_text(f.read_text().replace("tokendance.kernels", f"{package}.kernels"))
+    sys.path.insert(0, str(root))
+    for name in [m for m in sys.modules if m == package or m.startswith(package + ".")]:
+        del sys.modules[name]  # an earlier baseline's
+    importlib.invalidate_caches()
+    return lambda module: importlib.import_module(f"{package}.kernels.{module}")
+
+
+def compile_ptx(fn, consts: dict, warps: int, stages: int, arch: int) -> str:
+    """fn's PTX for sm_<arch>, its debug sections and comments dropped."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    sig = {n: "constexpr" if n in consts else TYPES.get(n, "i32") for n in fn.arg_names}
+    k = triton.compile(ASTSource(fn, sig, consts), target=GPUTarget("cuda", arch, 32),
+                       options=dict(num_warps=warps, num_stages=stages))
+    text = re.split(r"\.section\s+\.debug", k.asm["ptx"])[0]
+    lines = (re.sub(r"//.*|^\s*\.(loc|file)\b.*", "", line).rstrip() for line in text.splitlines())
+    return "\n".join(line for line in lines if line.strip())
+
+
+def registers(ptx: str, arch: int) -> tuple[int, int]:
+    """(registers, spill bytes stored) that ptxas reports for the PTX."""
+    from triton.backends.nvidia.compiler import get_ptxas
+
+    tool = get_ptxas(arch)
+    with tempfile.NamedTemporaryFile("w", suffix=".ptx") as f:
+        f.write(ptx)
+        f.flush()
+        out = subprocess.run([getattr(tool, "path", tool), "-v", f"--gpu-name=sm_{arch}a", f.name,
+                              "-o", "/dev/null"], capture_output=True, text=True, check=True).stderr
+    regs = re.search(r"Used (\d+) registers", out)
+    spills = re.search(r"(\d+) bytes spill stores", out)
+    return int(regs.group(1)) if regs else 0, int(spills.group(1)) if spills else 0
+
+
+def compare(dims: list[int], arch: int, baseline: str | None, kernels=KERNELS) -> list[tuple]:
+    """Rows (kernel, head dim, PTX lines, registers, spill bytes, same as the baseline or None)."""
+    old = load_baseline(baseline) if baseline else None
+    rows = []
+    for kern in kernels:
+        fn = getattr(importlib.import_module(f"tokendance.kernels.{kern.module}"), kern.name)
+        for d in dims:
+            ptx = compile_ptx(fn, kern.constexprs(d, fn), kern.warps, kern.stages, arch)
+            same = None
+            if old is not None:
+                base = getattr(old(kern.module), kern.name)
+                same = ptx == compile_ptx(base, kern.constexprs(d, base), kern.warps, kern.stages, arch)
+            rows.append((kern.name, d, len(ptx.splitlines()), *registers(ptx, arch), same))
+    return rows
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--baseline", help="an earlier checkout's kernels folder, to compare PTX with")
+    p.add_argument("--dims", default="64,128", help="head dims, comma-separated")
+    p.add_argument("--arch", type=int, default=90, help="the GPU's compute capability, as 90")
+    p.add_argument("--kernels", help="only these kernels, comma-separated (default: all)")
+    a = p.parse_args()
+    try:
+        dims = [int(x) for x in a.dims.split(",")]
+    except ValueError:
+        print(f"--dims: not a list of integers: {a.dims!r}", file=sys.stderr)
+        return 2
+    names = a.kernels.split(",") if a.kernels else [k.name for k in KERNELS]
+    unknown = sorted(set(names) - {k.name for k in KERNELS})
+    if unknown:
+        print(f"--kernels: unknown {', '.join(unknown)}; choose of {', '.join(k.name for k in KERNELS)}",
+              file=sys.stderr)
+        return 2
+    rows = compare(dims, a.arch, a.baseline, [k for k in KERNELS if k.name in names])
+    print(f"sm_{a.arch}, Triton kernels as the engine launches them" +
+          (f"; PTX against {a.baseline}" if a.baseline else ""))
+    print("| kernel | head dim | PTX lines | registers | spill bytes |" + (" same PTX |" if a.baseline else ""))
+    print("|---|---|---|---|---|" + ("---|" if a.baseline else ""))
+    for name, d, n, regs, spill, same in rows:
+        print(f"| {name} | {d} | {n:,} | {regs} | {spill} |" + (f" {same} |" if same is not None else ""))
+    return 0 if all(r[-1] is not False for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
