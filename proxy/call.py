@@ -61,6 +61,9 @@ class Call:
     truncate: int | None = None  # vLLM's truncate_prompt_tokens, resolved (Request.truncate)
     truncation_side: str = "left"  # the end `truncate` cuts (Request.truncation_side)
     batch: bool = False  # a batch of chats: its round's group, started at once
+    # its stream was answered 200: an error now ends it as an event, which clients do not
+    # send again (as they do an HTTP error)
+    opened: bool = False
     key: str = field(default_factory=lambda: secrets.token_hex(12))  # its requests' ids begin with it: unique
     ids: list[list[int]] = field(default_factory=list)  # each choice's output token ids
     scored: list[list[TokenLogprob]] = field(default_factory=list)  # each choice's prompt tokens'

@@ -243,7 +243,9 @@ class Proxy:
                         self.peers.said(rnd, call.agent(i), call.tenant, call.said(i))
             else:  # never answered (at the barrier or while generating): a retry keeps the round
                 self.sessions.uncommit(call.meta, rnd, call.before)
-                if call.outcome == "error" and not call.meta.agents:  # with its group's (a batch is its own)
+                # awaited again with its group's retries (a batch is its own group; a stream
+                # that failed after it opened is not sent again)
+                if call.outcome == "error" and not call.meta.agents and not call.opened:
                     self.barrier.unanswered(rnd.gate, call.meta.agent)
             if rnd.active == 0 and not rnd.gate.pending:
                 self._round_done(rnd)

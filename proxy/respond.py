@@ -43,6 +43,7 @@ async def reply(req: web.Request, px: Proxy, call: Call, streams: list[Stream],
                 streams = await primed(call, streams)
             except Exception as exc:
                 raise failed(px, call, exc) from exc
+            call.opened = True
         if write is not None:
             return await write(req, px, call, streams)
         if call.stream:

@@ -185,3 +185,56 @@ async def test_a_group_refused_at_once_tells_each_of_its_requests_when_to_come_b
             "model": "fake-tiny", "messages": user("hi"), "max_tokens": 2,
             "tokendance": {"session": "s", "agent": a, "round": 1}}) for a in "ab"])
     assert [(r.status_code, r.headers.get("Retry-After")) for r in rs] == [(503, "2")] * 2
+
+
+class Broken:
+    """A stream whose engine is lost after its first token."""
+
+    def __init__(self, stream: Any) -> None:
+        self.stream = stream
+
+    async def __aiter__(self) -> AsyncIterator[Delta]:
+        async for d in self.stream:
+            yield d
+            raise BackendError("lost the engine")
+
+    def abort(self) -> None:
+        self.stream.abort()
+
+
+async def test_a_stream_lost_after_it_opened_is_not_awaited_again(start):
+    """Its client learns of it in the stream and does not send it again, so the retry of
+    another agent of its group goes at once, not after the barrier's timeout."""
+    class Breaks(FakeBackend):
+        def generate(self, group: list[Prepared]) -> list[Any]:
+            streams = super().generate(group)
+            if len(self.groups) > 1:
+                return streams
+            return [Broken(s) if p.request.agent == "a" else Refused(Unavailable("cannot reach the engine", 0.01))
+                    for p, s in zip(group, streams)]
+
+    be = Breaks()
+    server = await start(be, barrier_timeout=3.0)
+    c = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="sk-test", max_retries=1)
+    tags = lambda agent: {"tokendance": {"session": "s", "agent": agent, "round": 1}}  # noqa: E731
+
+    async def streamed() -> str:
+        got = ""
+        with pytest.raises(openai.APIError, match="lost the engine"):
+            async for chunk in await c.chat.completions.create(
+                    model="fake-tiny", messages=user("I am a."), max_tokens=4, stream=True, extra_body=tags("a")):
+                got += chunk.choices[0].delta.content or "" if chunk.choices else ""
+        return got
+
+    async def retried() -> tuple[str, float]:
+        t0 = time.perf_counter()
+        r = await c.chat.completions.create(model="fake-tiny", messages=user("I am b."), max_tokens=2,
+                                            extra_body=tags("b"))
+        return r.choices[0].message.content, time.perf_counter() - t0
+
+    async with httpx.AsyncClient(base_url=server.url) as http:
+        await http.post("/v1/tokendance/sessions/s/rounds/1", json={"agents": ["a", "b"]})
+        got, (answer, took) = await asyncio.gather(streamed(), retried())
+    assert got == "I " and answer == "I am "
+    # b is sent again after its Retry-After (1 s) and goes alone, without waiting for a
+    assert [len(g) for g in be.groups] == [2, 1] and took < 2.5, took
