@@ -88,7 +88,7 @@ if want engine || want check; then
   python3 -m tokendance.bench.check_cuda memory 2>&1 | grep -i "utilization\|budget" | tee -a "$OUT/check.txt"
   # The GPU-only tests (skipped on the CPU machine), the kernels' apart: their conftest turns
   # on Triton's interpreter for the whole process. Then the engine's random interleavings on
-  # CUDA, through the Triton kernels (head dim 32) and the references (16) (their tiny models
+  # CUDA, through the Triton kernels, head dim 32 and 16 (halves padded to 16) (their tiny models
   # take the tokenizer from TOKENDANCE_TOKENIZER).
   for t in tests/kernels/test_prefill.py "tests/backend/test_upload.py tests/backend/test_arena.py" \
       "tests/backend/test_chaos.py -k cuda"; do
