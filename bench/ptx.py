@@ -47,7 +47,8 @@ class Kernel:
         return {k: v for k, v in (*head.items(), *self.extra) if k in fn.arg_names}
 
 
-# The launch configurations the engine uses on a GPU (kernels/paged_triton.py, collective.py).
+# The launch configurations the engine uses on a GPU (kernels/paged_triton.py, collective.py),
+# bf16, seven query heads a kv head (Qwen2.5-7B's).
 KERNELS = [
     Kernel("paged_triton", "_decode_kernel", extra=(("G", 7), ("B", 16), ("BLOCK_M", 16), ("BLOCK_N", 32),
                                                     ("NSPLIT", 8), ("STEP", 2), ("POS", False), ("TRIG", True),

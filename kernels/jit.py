@@ -22,8 +22,9 @@ except ImportError:  # a CPU-only install still has the references
 def tiles_head(d: int) -> bool:
     """Whether the Triton kernels that tile a head (attention, RoPE, the KV store) take
     head dim `d`: any even one from 16 to 256. They split it in two halves (RoPE's), each
-    tiled as `padded_half(d)` columns, the ones past d/2 masked. Other head dims run the
-    plain-torch references, on a GPU too."""
+    tiled as `padded_half(d)` columns, the ones past d/2 masked (`cols`) or reading the
+    head's own again (`wrapped`). Other head dims run the plain-torch references, on a
+    GPU too."""
     return HAVE_TRITON and d % 2 == 0 and 16 <= d <= 256
 
 
