@@ -61,6 +61,7 @@ class Call:
     truncate: int | None = None  # vLLM's truncate_prompt_tokens, resolved (Request.truncate)
     truncation_side: str = "left"  # the end `truncate` cuts (Request.truncation_side)
     batch: bool = False  # a batch of chats: its round's group, started at once
+    legacy: bool = False  # asked with the deprecated functions: its call answered as function_call
     # its stream was answered 200: an error now ends it as an event, which clients do not
     # send again (as they do an HTTP error)
     opened: bool = False

@@ -11,7 +11,7 @@ from msgspec.structs import replace
 
 from tokendance.backend.api import SamplingParams, Stream
 
-from . import echo, schemas, segment
+from . import echo, functions, schemas, segment
 from .call import Call
 from .core import Proxy
 from .errors import ApiError, invalid, unsupported
@@ -58,7 +58,8 @@ def prepare(px: Proxy, call: Call, body: ChatRequest, batch: list[list[Message]]
 def _checked(px: Proxy, call: Call, body: ChatRequest, k: int, batch: bool) -> tuple[list[dict[str, Any]],
                                                                                      SamplingParams]:
     try:
-        messages, sampling, call.tools = schemas.check_chat(body, px.dialect, px.backend.info)
+        call.legacy = functions.legacy(body)
+        messages, sampling, call.tools = schemas.check_chat(functions.as_tools(body), px.dialect, px.backend.info)
     except ApiError as exc:  # named in the batch: messages[k][i]...
         if batch and exc.body.param and exc.body.param.startswith("messages"):
             exc.body.param = f"messages[{k}]" + exc.body.param.removeprefix("messages")
@@ -73,7 +74,7 @@ def check_batch(body: BatchChatRequest) -> None:
     if body.stream:
         raise unsupported("stream", "streaming a batch of chats")
     if body.tools or body.functions:
-        raise unsupported("tools", "tools in a batch of chats")
+        raise unsupported("tools" if body.tools else "functions", "tools in a batch of chats")
     if body.n != 1:
         raise unsupported("n", "n other than 1 in a batch of chats")
     if body.prompt_logprobs is not None:

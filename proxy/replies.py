@@ -78,6 +78,7 @@ class OutMessage(Struct, omit_defaults=True):
     content: str | None
     tool_calls: list[OutCall] | None = None
     reasoning: str | None = None  # with a reasoning parser (proxy/reasoning.py)
+    function_call: OutFunction | None = None  # the deprecated API's (proxy/functions.py)
 
 
 class FunctionDelta(Struct, omit_defaults=True):
@@ -119,6 +120,7 @@ class OutDelta(Struct, omit_defaults=True):
     content: str | None = None
     tool_calls: list[CallDelta] | None = None
     reasoning: str | None = None
+    function_call: FunctionDelta | None = None  # the deprecated API's (proxy/functions.py)
 
 
 class ChunkChoice(Struct):

@@ -19,7 +19,7 @@ from msgspec import UNSET, UnsetType
 
 from tokendance.backend.api import BackendError, Delta, Stream, TokenLogprob, TopLogprob
 
-from . import calls, replies as s
+from . import calls, functions, replies as s
 from .call import Call
 from .core import Proxy
 from .errors import ApiError, from_backend
@@ -84,8 +84,11 @@ async def _json(px: Proxy, call: Call, streams: list[Stream]) -> web.Response:
             message = s.OutMessage("assistant", content if content or not got.calls else None,
                                    [s.OutCall(c.id or "", s.OutFunction(c.name or "", c.arguments))
                                     for c in got.calls] or None, None if call.hide_reasoning else reasoning or None)
-            choices.append(s.ChatChoice(i, message, calls.finish(r, call.finish[i]),
-                                        chat_lp(call, call.logprobs[i]), _ids(call, i)[1], call.stopped[i]))
+            finish = calls.finish(r, call.finish[i])
+            if call.legacy:
+                message, finish = functions.message(message), functions.finish(finish)
+            choices.append(s.ChatChoice(i, message, finish, chat_lp(call, call.logprobs[i]), _ids(call, i)[1],
+                                        call.stopped[i]))
         one = not call.batch  # a batch of chats has a prompt per choice: none of them is the call's
         body: Any = s.ChatCompletion(call.id, call.created, call.model, choices, usage,
                                      prompt_logprobs=_prompt_lp(call, call.scored[0]) if one else None,
@@ -230,9 +233,11 @@ def _chat_chunk(call: Call, i: int, d: Delta, r: calls.Reader, th: Thinking | No
         return None
     deltas = [s.CallDelta(p.index, s.FunctionDelta(p.name, p.arguments), p.id, p.id and "function")
               for p in pieces]
-    return s.ChatChunk(call.id, call.created, call.model, [s.ChunkChoice(
-        i, s.OutDelta(content=content or None, tool_calls=deltas or None, reasoning=reasoning or None), lp,
-        calls.finish(r, d.finish_reason), stop_reason=_stop(d))])
+    delta = s.OutDelta(content=content or None, tool_calls=deltas or None, reasoning=reasoning or None)
+    finish = calls.finish(r, d.finish_reason)
+    if call.legacy:
+        delta, finish = functions.delta(delta), functions.finish(finish)
+    return s.ChatChunk(call.id, call.created, call.model, [s.ChunkChoice(i, delta, lp, finish, stop_reason=_stop(d))])
 
 
 def _text_chunk(call: Call, i: int, text: str, lps: list[TokenLogprob], d: Delta, offset: int) -> s.Completion:

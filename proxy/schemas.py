@@ -53,6 +53,7 @@ class Message(Struct, kw_only=True):
     name: str | None = None
     tool_calls: list[t.MadeCall] | None = None
     tool_call_id: str | None = None
+    function_call: t.CalledFunction | None = None  # the deprecated API's (proxy/functions.py)
 
 
 class StreamOptions(Struct):
@@ -123,8 +124,8 @@ class ChatRequest(Sampled, kw_only=True):
     tools: list[t.Tool] | None = None
     tool_choice: str | t.NamedChoice | None = None
     parallel_tool_calls: bool | None = None
-    functions: list[Any] | None = None
-    function_call: Any = None
+    functions: list[t.Function] | None = None  # deprecated: proxy/functions.py makes them tools
+    function_call: str | t.FunctionName | None = None
     add_special_tokens: bool = False  # vLLM's: the template writes the BOS
     # vLLM's: how the chat template renders (backend/api.py Template)
     chat_template_kwargs: dict[str, Any] | None = None
@@ -272,10 +273,6 @@ def check_chat(body: ChatRequest, dialect: Callable[[], str], model: ModelInfo) 
     a chat goes on to the end of the context, as in vLLM."""
     if body.chat_template is not None:
         raise unsupported("chat_template", "a request's own chat_template (serve --chat-template sets the server's)")
-    if body.functions:
-        raise unsupported("functions", "functions (use tools)")
-    if body.function_call not in (None, "none"):
-        raise unsupported("function_call", "function_call (use tool_choice)")
     tools = t.check(body.tools, body.tool_choice, body.parallel_tool_calls)
     if tools is not None:
         tools.dialect = dialect()
@@ -326,8 +323,6 @@ def template(kwargs: dict[str, Any] | None, add_generation_prompt: bool,
 def message(i: int, m: Message) -> dict[str, Any]:
     """A chat message as the template wants it; a 400 naming its field."""
     where = f"messages[{i}]"
-    if m.role == "function":
-        raise unsupported(f"{where}.role", "messages of role function (use tool)")
     if m.role not in ("system", "developer", "user", "assistant", "tool"):
         raise invalid(f"unknown role {m.role!r}", f"{where}.role")
     if m.tool_calls and m.role != "assistant":

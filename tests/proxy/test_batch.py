@@ -41,6 +41,7 @@ def test_each_conversation_gets_what_it_would_alone(engine_live, engine_client, 
 @pytest.mark.parametrize("extra,param", [
     ({"stream": True}, "stream"),
     ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+    ({"functions": [{"name": "f"}]}, "functions"),
     ({"n": 2}, "n"),
     ({"prompt_logprobs": 1}, "prompt_logprobs"),
     ({"messages": []}, "messages"),
@@ -49,7 +50,7 @@ def test_each_conversation_gets_what_it_would_alone(engine_live, engine_client, 
     ({"messages": CONVS[0]}, "messages[0]"),
     ({"tokendance": {"agents": ["a", "b"]}}, "tokendance.agents"),
     ({"tokendance": {"agents": ["a", "b", "c/d"]}}, "tokendance.agents"),
-], ids=["stream", "tools", "n", "prompt-logprobs", "empty", "empty-conversation", "bad-role", "not-a-batch",
+], ids=["stream", "tools", "functions", "n", "prompt-logprobs", "empty", "empty-conversation", "bad-role", "not-a-batch",
         "two-agents-for-three", "bad-agent-name"])
 def test_what_a_batch_does_not_take_is_a_400(engine_live, engine_model, extra, param):
     r = batch(engine_live.url, {"model": engine_model, "max_tokens": 4, "messages": CONVS, **extra})
