@@ -1,11 +1,12 @@
 """The Triton kernels compiled for a GPU on a machine without one: each kernel's PTX and
 ptxas's registers and spills at the head dims asked, and, with --baseline (an earlier
-checkout's kernels folder), whether this checkout's PTX is the same as that one's.
+checkout's kernels folder, or a git revision of this one), whether this checkout's PTX
+is the same as that one's.
 
 What a kernel change does to the code a GPU runs, seen where no GPU is lent: a change
 meant to leave a head dim's code alone must leave its PTX identical.
 
-    python -m tokendance.bench.ptx [--baseline DIR] [--dims 64,128] [--arch 90] [--kernels NAME,...]
+    python -m tokendance.bench.ptx [--baseline DIR|REV] [--dims 64,128] [--arch 90] [--kernels NAME,...]
 
 It exits 1 when a kernel's PTX differs from the baseline's. Triton's interpreter
 (TRITON_INTERPRET=1) compiles nothing: run it without.
@@ -63,6 +64,25 @@ KERNELS = [
     Kernel("rope", "_rope_kernel", extra=(("BLOCK_H", 32),)),
     Kernel("store", "_store_kernel", extra=(("BLOCK_Q", 32), ("BLOCK_KV", 4), ("ROTATE", True))),
 ]
+
+
+ROOT = Path(__file__).resolve().parents[1]  # the checkout: bench/ beside kernels/
+
+
+def from_git(rev: str) -> str:
+    """The kernels folder of revision `rev` of this checkout, written out to a new folder;
+    ValueError when git does not know it."""
+    def git(*args: str) -> str:
+        out = subprocess.run(["git", "-C", str(ROOT), *args], capture_output=True, text=True)
+        if out.returncode != 0:
+            raise ValueError(f"git cannot read {rev!r}: {out.stderr.strip()}")
+        return out.stdout
+
+    folder = Path(tempfile.mkdtemp())
+    for path in git("ls-tree", "--name-only", f"{rev}:kernels").split():
+        if path.endswith(".py"):
+            folder.joinpath(path).write_text(git("show", f"{rev}:kernels/{path}"))
+    return str(folder)
 
 
 def load_baseline(folder: str, package: str = "tdbase"):
@@ -128,7 +148,8 @@ def compare(dims: list[int], arch: int, baseline: str | None, kernels=KERNELS) -
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--baseline", help="an earlier checkout's kernels folder, to compare PTX with")
+    p.add_argument("--baseline", help="an earlier checkout's kernels folder, or a git revision of this "
+                                      "checkout, to compare PTX with")
     p.add_argument("--dims", default="64,128", help="head dims, comma-separated")
     p.add_argument("--arch", type=int, default=90, help="the GPU's compute capability, as 90")
     p.add_argument("--kernels", help="only these kernels, comma-separated (default: all)")
@@ -138,6 +159,13 @@ def main() -> int:
     except ValueError:
         print(f"--dims: not a list of integers: {a.dims!r}", file=sys.stderr)
         return 2
+    label = a.baseline
+    if a.baseline and not Path(a.baseline).is_dir():
+        try:
+            a.baseline = from_git(a.baseline)
+        except (OSError, ValueError) as exc:
+            print(f"--baseline: not a folder, and {exc}", file=sys.stderr)
+            return 2
     names = a.kernels.split(",") if a.kernels else [k.name for k in KERNELS]
     unknown = sorted(set(names) - {k.name for k in KERNELS})
     if unknown:
@@ -146,7 +174,7 @@ def main() -> int:
         return 2
     rows = compare(dims, a.arch, a.baseline, [k for k in KERNELS if k.name in names])
     print(f"sm_{a.arch}, Triton kernels as the engine launches them" +
-          (f"; PTX against {a.baseline}" if a.baseline else ""))
+          (f"; PTX against {label}" if a.baseline else ""))
     print("| kernel | head dim | PTX lines | registers | spill bytes |" + (" same PTX |" if a.baseline else ""))
     print("|---|---|---|---|---|" + ("---|" if a.baseline else ""))
     for name, d, n, regs, spill, same in rows:

@@ -65,3 +65,18 @@ def test_ptx_for_a_gpu_compiled_here_and_compared(baseline):
     assert same.returncode == 0 and "| _rope_kernel | 64 |" in same.stdout and same.stdout.rstrip().endswith("True |")
     bad = run_ptx("--kernels", "_nope")
     assert bad.returncode == 2 and bad.stderr.startswith("--kernels: unknown _nope")
+
+
+def test_a_baseline_can_be_a_git_revision(tmp_path):
+    """`--baseline REV`: the kernels folder of that revision, as git holds it."""
+    rev = subprocess.run(["git", "-C", str(ptx.ROOT), "rev-parse", "HEAD"], capture_output=True, text=True)
+    if rev.returncode != 0:
+        pytest.skip("not a git checkout")
+    folder = Path(ptx.from_git("HEAD"))
+    shown = subprocess.run(["git", "-C", str(ptx.ROOT), "show", "HEAD:kernels/rope.py"], capture_output=True,
+                           text=True).stdout
+    assert (folder / "rope.py").read_text() == shown and (folder / "paged_triton.py").exists()
+    with pytest.raises(ValueError, match="git cannot read 'no-such-rev'"):
+        ptx.from_git("no-such-rev")
+    bad = run_ptx("--baseline", "no-such-rev", "--kernels", "_rope_kernel")
+    assert bad.returncode == 2 and bad.stderr.startswith("--baseline: not a folder, and git cannot read")
