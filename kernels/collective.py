@@ -141,13 +141,10 @@ def merge_attention(
 def _rotate_kernel(chunks, kc, table, trig, trig_n, kr, s_blk, s_slot, s_kh, s_rj, s_rh,
                    B: tl.constexpr, HALF: tl.constexpr, HP: tl.constexpr, BLOCK_N: tl.constexpr):
     """Keys of one chunk and kv head rotated at their segment-local positions (rows of the
-    cos/sin table) into kr, at their Master slot: once per step, not once per row tile.
-    kr's rows are 2 * HP wide, each half zero past HALF."""
-    ch = tl.program_id(0)
-    kvh = tl.program_id(1)
-    lo = tl.load(chunks + ch * 3)
-    hi = tl.load(chunks + ch * 3 + 1)
-    seg = tl.load(chunks + ch * 3 + 2)
+    cos/sin table) into kr (rows of 2 * HP, each half zero past HALF), at their Master
+    slot: once per step, not once per row tile."""
+    ch, kvh = tl.program_id(0), tl.program_id(1)
+    lo, hi, seg = tl.load(chunks + ch * 3), tl.load(chunks + ch * 3 + 1), tl.load(chunks + ch * 3 + 2)
     hm = cols(HP, HALF, HP != HALF)[None, :]
     offs_h = tl.arange(0, HP)
     offs_n = tl.arange(0, BLOCK_N)
@@ -264,10 +261,10 @@ def _merge_kernel(o_part, lse_part, chunks, out, lse_out, NSPLIT: tl.constexpr, 
 
 
 # Launch configurations: for the GPU, picked on an H200 on the engine's own decode inputs
-# (Qwen2.5-7B shape, N Mirrors of a 2 k-token round, ~20 chunks; µs per layer inside a
-# CUDA graph, N = 10 / 20): rows of 16, keys of 64, 4 warps 13.1 / 23.7 (+ 3.7 for the
-# rotation); keys of 32 with 8 warps 18.7 / 27.1; rows of 64 with 4 warps 23.6 / 23.3.
-# block_m caps the rows of one program. The small tiles the interpreter runs faster with.
+# (Qwen2.5-7B shape, N Mirrors of a 2 k-token round, ~20 chunks; µs per layer inside a CUDA
+# graph, N = 10 / 20): rows of 16, keys of 64, 4 warps 13.1 / 23.7 (+ 3.7 for the rotation);
+# keys of 32 with 8 warps 18.7 / 27.1; rows of 64 with 4 warps 23.6 / 23.3. block_m caps
+# a program's rows. The small tiles the interpreter runs faster with.
 COLLECTIVE_CFG = dict(block_m=16, block_n=64, num_warps=4, num_stages=2)
 INTERP_CFG = dict(block_m=32, block_n=16, num_warps=4, num_stages=1)
 ROTATE_TILE = 32  # keys per step of the rotation kernel
