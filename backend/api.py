@@ -82,12 +82,14 @@ class Structure:
 @dataclass(slots=True)
 class Template:
     """How a chat is rendered, as vLLM's chat requests say it: variables for the template
-    (Qwen3's `enable_thinking`, say), the generation prompt, or the last (assistant)
-    message left open for the model to go on with."""
+    (Qwen3's `enable_thinking`, say), the generation prompt, the last (assistant)
+    message left open for the model to go on with, or the request's own template (vLLM's,
+    where the server trusts them) instead of the tokenizer's."""
 
     kwargs: dict[str, Any] = field(default_factory=dict)
     add_generation_prompt: bool = True
     continue_final_message: bool = False
+    chat_template: str | None = None
 
 
 @dataclass(slots=True)

@@ -55,11 +55,15 @@ def render_chat(tokenizer: Any, messages: list[dict[str, Any]], tools: list[dict
     them), with the generation prompt unless `template` says otherwise; a template that
     rejects them is the client's mistake."""
     tp = template or Template()
+    own = {} if tp.chat_template is None else {"chat_template": tp.chat_template}
     try:
         return tokenizer.apply_chat_template(messages, tools=tools, tokenize=False,
                                              add_generation_prompt=tp.add_generation_prompt,
-                                             continue_final_message=tp.continue_final_message, **tp.kwargs)
+                                             continue_final_message=tp.continue_final_message, **own, **tp.kwargs)
     except Exception as e:
+        if own:
+            raise InvalidRequest(f"the request's chat_template does not render these messages: {e}",
+                                 "chat_template") from e
         raise InvalidRequest(f"messages do not fit the model's chat template: {e}", "messages") from e
 
 

@@ -5,11 +5,12 @@ each, prefilled in one group, so a round's agents can come in one request)."""
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Any
 
 from msgspec.structs import replace
 
-from tokendance.backend.api import SamplingParams, Stream
+from tokendance.backend.api import SamplingParams, Stream, Template
 
 from . import echo, functions, schemas, segment
 from .call import Call
@@ -34,10 +35,10 @@ def prepare(px: Proxy, call: Call, body: ChatRequest, batch: list[list[Message]]
     `batch`, each conversation is a prompt of the call."""
     convs = [body.messages] if batch is None else batch
     call.check_agents(len(convs))
-    checked = [_checked(px, call, body if batch is None else replace(body, messages=m), k, batch is not None)
-               for k, m in enumerate(convs)]
     template = schemas.template(body.chat_template_kwargs, body.add_generation_prompt, body.continue_final_message,
-                                body.reasoning_effort)
+                                body.reasoning_effort, schemas.own(body.chat_template, px.config.trust_chat_template))
+    checked = [_checked(px, call, body if batch is None else replace(body, messages=m), k, batch is not None,
+                        template) for k, m in enumerate(convs)]
     call.meta.resumes = checked[0][0][-1]["role"] == "tool"
     call.hide_reasoning = not body.include_reasoning and px.config.reasoning is not None
     call.show_prompt = body.return_prompt_text and batch is None  # a batch's prompts are its choices'
@@ -55,11 +56,12 @@ def prepare(px: Proxy, call: Call, body: ChatRequest, batch: list[list[Message]]
         px.prepare(call, [prompt], sampling, body.add_special_tokens)
 
 
-def _checked(px: Proxy, call: Call, body: ChatRequest, k: int, batch: bool) -> tuple[list[dict[str, Any]],
-                                                                                     SamplingParams]:
+def _checked(px: Proxy, call: Call, body: ChatRequest, k: int, batch: bool,
+             template: Template | None) -> tuple[list[dict[str, Any]], SamplingParams]:
     try:
         call.legacy = functions.legacy(body)
-        messages, sampling, call.tools = schemas.check_chat(functions.as_tools(body), px.dialect, px.backend.info)
+        messages, sampling, call.tools = schemas.check_chat(functions.as_tools(body), partial(px.dialect, template),
+                                                            px.backend.info)
     except ApiError as exc:  # named in the batch: messages[k][i]...
         if batch and exc.body.param and exc.body.param.startswith("messages"):
             exc.body.param = f"messages[{k}]" + exc.body.param.removeprefix("messages")

@@ -54,6 +54,7 @@ class Config:
     api_keys: frozenset[str] = frozenset()  # vLLM's --api-key: required on /v1 routes (empty: none)
     stream_interval: int = 1  # vLLM's --stream-interval: tokens per streamed chunk (a request may raise it)
     cors: Cors = Cors()  # vLLM's --allowed-origins, --allowed-methods, ... (proxy/cors.py)
+    trust_chat_template: bool = False  # vLLM's --trust-request-chat-template: a request may bring its own
 
 
 class Proxy:
@@ -122,8 +123,15 @@ class Proxy:
         """Whose sessions a request names: its API key's under --api-key (proxy/session.py)."""
         return digest(bearer(headers)) if self.config.api_keys else ""
 
-    def dialect(self) -> str:
-        """The chat template's way with tools (proxy/tools.py), found at its first use."""
+    def dialect(self, template: Template | None = None) -> str:
+        """The chat template's way with tools (proxy/tools.py), found at its first use; a
+        request's own template's, asked each time (a render of one short message)."""
+        if template is not None and template.chat_template is not None:
+            render = partial(self.backend.render_chat, template=Template(chat_template=template.chat_template))
+            try:
+                return t.dialect(render, self.config.tool_parser)
+            except ValueError as e:
+                raise invalid(f"the request's chat_template cannot take tools here: {e}", "chat_template") from None
         if self._dialect is None:
             self._dialect = t.dialect(self.backend.render_chat, self.config.tool_parser)
         return self._dialect
@@ -131,7 +139,7 @@ class Proxy:
     def chat_form(self, messages: list[dict], tools: t.Tools | None,
                   template: Template | None = None) -> tuple[list[dict], t.Draw]:
         """The messages to render and how (proxy/tools.py)."""
-        d = self.dialect() if t.uses_tools(messages, tools) else t.WRITTEN
+        d = self.dialect(template) if t.uses_tools(messages, tools) else t.WRITTEN
         render = self.backend.render_chat if template is None else partial(self.backend.render_chat, template=template)
         return t.form(render, d, messages, tools)
 

@@ -56,6 +56,7 @@ class EmbeddingRequest(Fields, kw_only=True):
     add_generation_prompt: bool = False
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
+    chat_template: str | None = None  # vLLM's: where the server trusts them (schemas.own)
 
 
 class Embedding(Struct):
@@ -170,7 +171,8 @@ def _render(px: Proxy, body: EmbeddingRequest, chat: list[Any]) -> str:
         msgs = msgspec.convert(chat, list[Message])
     except msgspec.ValidationError as exc:
         raise invalid(f"invalid chat message: {exc}", "messages", "invalid_type") from None
-    template = schemas.template(body.chat_template_kwargs, body.add_generation_prompt, body.continue_final_message)
+    template = schemas.template(body.chat_template_kwargs, body.add_generation_prompt, body.continue_final_message,
+                                chat_template=schemas.own(body.chat_template, px.config.trust_chat_template))
     messages, render = px.chat_form([schemas.message(i, m) for i, m in enumerate(msgs)], None, template)
     return render(messages)
 

@@ -135,7 +135,7 @@ class ChatRequest(Sampled, kw_only=True):
     reasoning_effort: Effort | None = None  # the template's reasoning_effort (and enable_thinking)
     include_reasoning: bool = True  # vLLM's: false leaves the parsed reasoning (and what reveals it) out
     return_prompt_text: bool = False  # vLLM's: the answer gives the chat as templated, its prompt
-    chat_template: str | None = None  # vLLM's, refused unless trusted: a 400 here (the server's own)
+    chat_template: str | None = None  # vLLM's: the request's own, where the server trusts them (`own`)
 
 
 class CompletionRequest(Sampled, kw_only=True):
@@ -271,8 +271,6 @@ def check_chat(body: ChatRequest, dialect: Callable[[], str], model: ModelInfo) 
     """The messages as the chat template wants them, the sampling parameters and the tools
     (`dialect`: the chat template's, asked only when tools are given). Without a length
     a chat goes on to the end of the context, as in vLLM."""
-    if body.chat_template is not None:
-        raise unsupported("chat_template", "a request's own chat_template (serve --chat-template sets the server's)")
     tools = t.check(body.tools, body.tool_choice, body.parallel_tool_calls)
     if tools is not None:
         tools.dialect = dialect()
@@ -301,11 +299,21 @@ _RESERVED = {"conversation", "messages", "tools", "documents", "chat_template", 
              "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs", "processor_kwargs"}
 
 
-def template(kwargs: dict[str, Any] | None, add_generation_prompt: bool,
-             continue_final_message: bool, effort: str | None = None) -> Template | None:
+def own(text: str | None, trusted: bool) -> str | None:
+    """A request's own chat template, taken only where the server trusts them (vLLM's
+    --trust-request-chat-template: a template is code the server runs, if sandboxed)."""
+    if text is not None and not trusted:
+        raise invalid("a request's own chat_template is refused: the server was not started with "
+                      "--trust-request-chat-template", "chat_template")
+    return text
+
+
+def template(kwargs: dict[str, Any] | None, add_generation_prompt: bool, continue_final_message: bool,
+             effort: str | None = None, chat_template: str | None = None) -> Template | None:
     """How the chat template renders, as vLLM's fields say (None: as it does by default).
     `effort` (vLLM's reasoning_effort) reaches the template as `reasoning_effort`, and
-    switches `enable_thinking` (off for "none") unless the kwargs set it."""
+    switches `enable_thinking` (off for "none") unless the kwargs set it; `chat_template`
+    (from `own`) replaces the tokenizer's."""
     if add_generation_prompt and continue_final_message:
         raise invalid("continue_final_message and add_generation_prompt cannot both be true",
                       "continue_final_message")
@@ -315,9 +323,9 @@ def template(kwargs: dict[str, Any] | None, add_generation_prompt: bool,
     kwargs = dict(kwargs or {})
     if effort is not None:
         kwargs = {"reasoning_effort": effort, "enable_thinking": effort != "none"} | kwargs
-    if not kwargs and add_generation_prompt:
+    if not kwargs and add_generation_prompt and chat_template is None:
         return None
-    return Template(kwargs, add_generation_prompt, continue_final_message)
+    return Template(kwargs, add_generation_prompt, continue_final_message, chat_template)
 
 
 def message(i: int, m: Message) -> dict[str, Any]:

@@ -86,6 +86,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     p.add_argument("--chat-template", default=None, metavar="PATH",
                    help="a Jinja chat template file (or the template itself) to render chats with, "
                         "instead of the tokenizer's")
+    p.add_argument("--trust-request-chat-template", action="store_true",
+                   help="take a request's own chat_template (chats, /tokenize, chat embeddings); "
+                        "without it one is a 400, as in vLLM")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     p.set_defaults(func=main)
     return p
@@ -162,7 +165,7 @@ def config(args: argparse.Namespace) -> Config:
                   drain_timeout=args.drain_timeout, reasoning=args.reasoning_parser,
                   tool_parser=args.tool_call_parser, names=names,
                   api_keys=frozenset(keys), peers=args.mqtt_peers, stream_interval=args.stream_interval,
-                  cors=policy)
+                  cors=policy, trust_chat_template=args.trust_request_chat_template)
 
 
 def chat_template(backend: Backend, given: str) -> None:

@@ -25,6 +25,7 @@ class TokenizeRequest(Struct, kw_only=True):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
+    chat_template: str | None = None  # vLLM's: where the server trusts them (schemas.own)
     return_token_strs: bool = False
 
 
@@ -55,11 +56,11 @@ def tokenize(px: Proxy, body: TokenizeRequest) -> Tokenized:
     else:
         if not body.messages:
             raise invalid("messages must not be empty", "messages")
-        template = schemas.template(body.chat_template_kwargs, body.add_generation_prompt,
-                                    body.continue_final_message)
+        template = schemas.template(body.chat_template_kwargs, body.add_generation_prompt, body.continue_final_message,
+                                    chat_template=schemas.own(body.chat_template, px.config.trust_chat_template))
         tools = t.check(body.tools, None, None)
         if tools is not None:
-            tools.dialect = px.dialect()
+            tools.dialect = px.dialect(template)
         messages, render = px.chat_form([message(i, m) for i, m in enumerate(body.messages)], tools, template)
         text, special = render(messages), bool(body.add_special_tokens)
     ids = tokenize_segments(tok, [Segment(text)], special)[0]

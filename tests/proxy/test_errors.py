@@ -130,7 +130,7 @@ CASES = [  # (path, body or raw bytes, extra headers, status, param, code)
     ("chat", {**CHAT, "tokendance": {"sesion": "s1"}}, {}, 400, "tokendance", "invalid_type"),
     ("chat", {**CHAT, "use_beam_search": True}, {}, 400, "use_beam_search", "unsupported"),
     ("text", {**TEXT, "use_beam_search": True}, {}, 400, "use_beam_search", "unsupported"),
-    ("chat", {**CHAT, "chat_template": "{{ messages }}"}, {}, 400, "chat_template", "unsupported"),
+    ("chat", {**CHAT, "chat_template": "{{ messages }}"}, {}, 400, "chat_template", None),  # untrusted
     ("text", {"model": "fake-tiny"}, {}, 400, "prompt", "invalid_type"),
     ("text", {**TEXT, "prompt": 5}, {}, 400, "prompt", "invalid_type"),
     ("text", {**TEXT, "prompt": [1, "a"]}, {}, 400, "prompt", None),

@@ -58,6 +58,8 @@ def test_flags():
     assert serve.config(a).tool_parser == "llama3_json"
     with pytest.raises(SystemExit):
         parse("--tool-call-parser", "pythonic")
+    assert not serve.config(parse()).trust_chat_template  # vLLM's default: a request's own is a 400
+    assert serve.config(parse("--trust-request-chat-template")).trust_chat_template
 
 
 @pytest.mark.parametrize("argv,message", [
