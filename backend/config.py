@@ -74,6 +74,7 @@ ARCHITECTURES = {
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
+    "SmolLM3ForCausalLM": "smollm3",  # Llama's, with some layers that take no RoPE (NoPE)
 }
 
 
@@ -95,6 +96,7 @@ class ModelConfig:
     rope: dict = field(default_factory=dict)  # rope_theta, rope_type, factor, ...
     eos_token_ids: list[int] = field(default_factory=list)
     sliding_window: int | None = None
+    nope: tuple[int, ...] = ()  # layers without RoPE (SmolLM3's every fourth): their keys carry no position
 
     @classmethod
     def load(cls, folder: str | Path) -> "ModelConfig":
@@ -142,10 +144,26 @@ class ModelConfig:
             rope=rope,
             eos_token_ids=[] if eos is None else ([eos] if isinstance(eos, int) else list(eos)),
             sliding_window=window,
+            nope=_nope(raw, path) if arch == "smollm3" else (),
         )
 
     def kv_bytes_per_token(self, elem_size: int) -> int:
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * elem_size
+
+
+def _nope(raw: dict, path: Path) -> tuple[int, ...]:
+    """SmolLM3's layers without RoPE: `no_rope_layers` (1: RoPE, 0: none, a flag a layer),
+    else every `no_rope_layer_interval`-th layer, as transformers reads them."""
+    n = raw["num_hidden_layers"]
+    flags = raw.get("no_rope_layers")
+    if flags is None:
+        every = raw.get("no_rope_layer_interval", 4)
+        if type(every) is not int or every < 1:
+            raise InvalidRequest(f"{path}: no_rope_layer_interval must be a positive integer", "model")
+        flags = [int((i + 1) % every != 0) for i in range(n)]
+    if not isinstance(flags, list) or len(flags) != n or any(f not in (0, 1) for f in flags):
+        raise InvalidRequest(f"{path}: no_rope_layers must give 0 or 1 for each of the {n} layers", "model")
+    return tuple(i for i, f in enumerate(flags) if not f)
 
 
 def _read(path: Path) -> dict:

@@ -200,9 +200,14 @@ class Layer(nn.Module):
 
 
 class Rope(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    """A layer's RoPE. Without `positional` (a NoPE layer) every angle is zero: the kernels
+    rotate by the identity, so such a layer runs the same code with no position in it."""
+
+    def __init__(self, cfg: ModelConfig, positional: bool = True):
         super().__init__()
         inv_freq, scale = rope_params(cfg.rope, cfg.head_dim, cfg.max_position)
+        if not positional:
+            inv_freq, scale = torch.zeros_like(inv_freq), 1.0
         self.register_buffer("inv_freq", inv_freq, persistent=False)
         # cos/sin per position for the kernels' tiles of scattered positions (Mirrors)
         self.register_buffer("trig", trig_table(inv_freq, cfg.max_position), persistent=False)
@@ -218,10 +223,12 @@ class Decoder(nn.Module):
         self.cfg = cfg
         self.tp = tp
         self.rope = Rope(cfg)
+        self.nope = Rope(cfg, positional=False) if cfg.nope else None
         self.model = nn.Module()
         vocab = cfg.vocab_size if tp is None else tp.rows(cfg.vocab_size)  # this rank's rows
         self.model.embed_tokens = nn.Embedding(vocab, cfg.hidden_size)
-        self.model.layers = nn.ModuleList(Layer(cfg, i, self.rope, tp) for i in range(cfg.num_layers))
+        self.model.layers = nn.ModuleList(Layer(cfg, i, self.nope if i in cfg.nope else self.rope, tp)
+                                          for i in range(cfg.num_layers))
         self.model.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(cfg.hidden_size, vocab, bias=False)
         if cfg.tie_embeddings:

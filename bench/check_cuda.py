@@ -198,10 +198,10 @@ def collective_vs_tables(dtype: str, shape: str = "qwen2.5-7b") -> float:
     return float((got - want).norm() / want.norm())
 
 
-def greedy_vs_hf(dtype: str, shape: str = "qwen2.5-7b") -> bool:
+def greedy_vs_hf(dtype: str, shape: str = "qwen2.5-7b", layers: int = 2) -> bool:
     from transformers import AutoModelForCausalLM
 
-    folder = small_folder(2, shape)
+    folder = small_folder(layers, shape)
     eng = Engine(EngineConfig(model=str(folder), dtype=dtype, random_weights=True, kv_tokens=8192))
     hf = AutoModelForCausalLM.from_config(__import__("transformers").AutoConfig.from_pretrained(folder),
                                           dtype=eng.dtype).to("cuda").eval()
@@ -226,7 +226,7 @@ def greedy_vs_hf(dtype: str, shape: str = "qwen2.5-7b") -> bool:
         ref = [hf.generate(torch.tensor([p], device="cuda"), max_new_tokens=8, do_sample=False,
                            pad_token_id=0)[0, len(p):].tolist() for p in prompts]
     same = sum(a[: len(b)] == b for a, b in zip(ours, ref))
-    print(f"greedy vs HF ({shape}, {dtype}): {same}/{len(prompts)} prompts identical")
+    print(f"greedy vs HF ({shape}, {layers} layers, {dtype}): {same}/{len(prompts)} prompts identical")
     return same == len(prompts)
 
 

@@ -55,6 +55,9 @@
 #     HEADDIMS_BASELINE, an earlier checkout's kernels folder, timed against it at head dim 128)
 #   headdims-engine: the engine on Danube3-4B's shape against HF, now and as it ran before (the
 #     references on the GPU, no CUDA graphs)
+#   smollm3: SmolLM3's layers without RoPE (NoPE) on the GPU: greedy tokens against HF on 4 layers
+#     of its 3B shape (the fourth takes no RoPE), CUDA-graph decode against eager, and the engine
+#     benchmark on the whole shape against HF
 #   remote: the proxy over `tokendance engine` against the engine in-process (bench/remote.py),
 #     a Qwen2.5-0.5B shape with random weights saved as a folder (the servers load folders)
 #   structured: structured outputs against the same work unconstrained (bench/structured.py),
@@ -151,6 +154,14 @@ if want headdims-engine; then
 and d & (d - 1) == 0; from tokendance.examples.cli import main; sys.exit(main(sys.argv[1:]))" \
     bench engine --model danube3-4b --dtype bfloat16 --prefill 10x2048 --decode 32x4096 --steps 48 \
     --repeats 3 2>&1 | grep -v -i "warn\|deprecat\|forward_call" | tee "$OUT/head_dims_engine_before.txt"
+fi
+if want smollm3; then
+  python3 -c "import sys; from tokendance.bench.check_cuda import greedy_vs_hf, graphs_vs_eager
+ok = greedy_vs_hf('float32', 'smollm3-3b', 4); greedy_vs_hf('bfloat16', 'smollm3-3b', 4)
+err = graphs_vs_eager(shape='smollm3-3b'); print(f'CUDA-graph decode vs eager (smollm3-3b), bf16: {err:.2e}')
+sys.exit(0 if ok and err < 2e-2 else 1)" 2>&1 | grep -v -i "warn\|deprecat" | tee "$OUT/smollm3.txt"
+  td bench engine --model smollm3-3b --dtype bfloat16 --prefill 10x2048 --decode 32x4096 \
+    --steps 48 --repeats 3 2>&1 | grep -v -i "warn\|deprecat\|forward_call" | tee "$OUT/smollm3_engine.txt"
 fi
 if want mirrors; then
   python3 -m tokendance.bench.check_cuda mirrors 2>&1 | grep -i "mirror\|diff encode" | tee "$OUT/check_mirrors.txt"

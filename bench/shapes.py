@@ -40,6 +40,12 @@ SHAPES = {
                          num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=8192,
                          rope_theta=10000.0, rms_norm_eps=1e-5, sliding_window=None,
                          tie_word_embeddings=False, eos_token_id=2),
+    # every fourth layer without RoPE (NoPE)
+    "smollm3-3b": dict(architectures=["SmolLM3ForCausalLM"], model_type="smollm3", vocab_size=128256,
+                       hidden_size=2048, intermediate_size=11008, num_hidden_layers=36,
+                       num_attention_heads=16, num_key_value_heads=4, max_position_embeddings=65536,
+                       rope_theta=5000000.0, rms_norm_eps=1e-6, no_rope_layer_interval=4,
+                       tie_word_embeddings=True, pad_token_id=128004, eos_token_id=128012),
 }
 
 

@@ -78,12 +78,13 @@ def paged_attention_reference(
         lo, hi = starts[s], starts[s + 1]
         if hi == lo:
             continue
-        read = plan.get(("prefill", s)) if plan is not None else None
+        key = ("prefill", s, inv_freq.data_ptr())  # a model's NoPE layers read with other angles
+        read = plan.get(key) if plan is not None else None
         if read is None:
             read = _seq_read(q, q_pos[lo:hi].long(), block_tables[s], kv_len, k_cache.shape[1],
                              None if slot_pos is None else slot_pos[s], inv_freq, rope_scale)
             if plan is not None:
-                plan[("prefill", s)] = read
+                plan[key] = read
         # One gather of the slots each, the keys then rotated where they landed.
         k = k_cache.flatten(0, 1).index_select(0, read.slots)
         v = v_cache.flatten(0, 1).index_select(0, read.slots)
@@ -183,12 +184,13 @@ def _decode_reference(q, q_pos, k_cache, v_cache, block_tables, kv_lens, inv_fre
     s, hkv, d = q.shape[0], k_cache.shape[2], q.shape[-1]
 
     def layout() -> tuple:
-        got = plan.get("decode") if plan is not None else None
+        key = ("decode", inv_freq.data_ptr())
+        got = plan.get(key) if plan is not None else None
         if got is None:
             got = _decode_layout(q_pos, block_tables, kv_lens, inv_freq, rope_scale, slot_pos,
                                  k_cache.shape[1], k_cache.shape[0])
             if plan is not None:
-                plan["decode"] = got
+                plan[key] = got
         return got
 
     step = plan.get("rotated") if plan is not None and not lse else None

@@ -17,7 +17,7 @@ decode gathers per step as before)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -60,12 +60,14 @@ class RotatedStep:
     rows: tuple
     qpos: list[int]
     slots: torch.Tensor  # [S] flat pool slots
-    rot: torch.Tensor | None = None  # made by the step's first append, for every layer
+    # made by the step's first append, for every layer of the same RoPE (a NoPE layer's is another)
+    rot: dict[int, torch.Tensor] = field(default_factory=dict)
 
     def rotation(self, inv_freq: torch.Tensor, rope_scale: float) -> torch.Tensor:
         """RoPE at the rows' positions as matrices [S, D, D] (k @ R rotates a row's keys
         [Hkv, D]): one batched matmul a layer instead of a handful of small ops."""
-        if self.rot is None:
+        r = self.rot.get(inv_freq.data_ptr())
+        if r is None:
             cos, sin = rope_cos_sin(torch.tensor(self.qpos), inv_freq, rope_scale)  # [S, D/2]
             s, half = cos.shape
             i = torch.arange(half)
@@ -74,8 +76,8 @@ class RotatedStep:
             r[:, i + half, i + half] = cos
             r[:, i + half, i] = -sin
             r[:, i, i + half] = sin
-            self.rot = r
-        return self.rot
+            self.rot[inv_freq.data_ptr()] = r
+        return r
 
 
 def _same(a: tuple, b: tuple) -> bool:

@@ -158,12 +158,18 @@ def test_ratio_one_gives_full_greedy_output(tiny_llama):
 
 def test_qwen3_reuses_its_normed_keys(tiny_models):
     """Qwen3 norms each head's k before RoPE: the pool holds the normed keys, so reuse
-    works as for the others (ratio 1 = full; collective = pic, with tokens recomputed)."""
+    works as for the others."""
+    reuses_as_llama_does(tiny_models["qwen3"])
+
+
+def reuses_as_llama_does(folder) -> None:
+    """Ratio 1 gives full's tokens; collective equals pic (the same tokens recomputed, the
+    same KV and logits)."""
     prompts, spans = round_prompts(3, seed=6)
-    eng = Engine(model=str(tiny_models["qwen3"]), dtype="float32", kv_tokens=8192, recompute_ratio=1.0)
+    eng = Engine(model=str(folder), dtype="float32", kv_tokens=8192, recompute_ratio=1.0)
     full = eng.generate(prompts, GREEDY)
     assert eng.generate(prompts, GREEDY, mode="collective", shared=spans) == full
-    eng = Engine(model=str(tiny_models["qwen3"]), dtype="float32", kv_tokens=8192)
+    eng = Engine(model=str(folder), dtype="float32", kv_tokens=8192)
     seqs, logits = prefill(eng, "pic", prompts, spans)
     kv = [kv_of(eng, s) for s in seqs]
     col, col_logits = prefill(eng, "collective", prompts, spans)

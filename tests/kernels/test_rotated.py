@@ -147,7 +147,7 @@ def test_merge_path_ignores_held_keys():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_the_steps_rotation_matrices_rotate_queries_as_rope_does(dtype):
     # A CPU decode step over held keys rotates its queries by the matrices it makes once
-    # for every layer (backend/model.py, Attention.store): as kernels/rope.py does.
+    # for every layer of one RoPE (backend/model.py, Attention.store): as kernels/rope.py does.
     from tokendance.kernels.rope import rope_rotate_reference
 
     torch.manual_seed(3)
@@ -156,7 +156,11 @@ def test_the_steps_rotation_matrices_rotate_queries_as_rope_does(dtype):
     step = RotatedStep(RotatedKeys(1 << 30, 2), tuple(range(4)), qpos, torch.zeros(4, dtype=torch.long))
     q = torch.randn(4, 9, 64).to(dtype)
     for scale in (1.0, 1.3):
-        step.rot = None
+        step.rot.clear()
         got = torch.bmm(q.float(), step.rotation(inv_freq, scale)).to(dtype)
         want = rope_rotate_reference(q, torch.tensor(qpos), inv_freq, scale)
         torch.testing.assert_close(got, want, rtol=1e-5 if dtype == torch.float32 else 1e-2, atol=1e-5)
+    # a NoPE layer's (all angles zero) is the identity, made beside the other, not in its place
+    nope = torch.zeros_like(inv_freq)
+    assert torch.equal(step.rotation(nope, 1.0), torch.eye(64).expand(4, 64, 64))
+    assert step.rotation(inv_freq, 1.3) is not step.rotation(nope, 1.0) and len(step.rot) == 2
