@@ -75,6 +75,7 @@ ARCHITECTURES = {
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
     "SmolLM3ForCausalLM": "smollm3",  # Llama's, with some layers that take no RoPE (NoPE)
+    "GraniteForCausalLM": "granite",  # Llama's, with scaled embeddings, residuals, scores and logits
 }
 
 
@@ -97,6 +98,12 @@ class ModelConfig:
     eos_token_ids: list[int] = field(default_factory=list)
     sliding_window: int | None = None
     nope: tuple[int, ...] = ()  # layers without RoPE (SmolLM3's every fourth): their keys carry no position
+    # Granite's multipliers: of the embeddings, of each block's output before its residual
+    # add, of the attention scores (None: 1/sqrt(head_dim)), and the divisor of the logits
+    embedding_multiplier: float = 1.0
+    residual_multiplier: float = 1.0
+    attention_multiplier: float | None = None
+    logits_scaling: float = 1.0
 
     @classmethod
     def load(cls, folder: str | Path) -> "ModelConfig":
@@ -145,6 +152,7 @@ class ModelConfig:
             eos_token_ids=[] if eos is None else ([eos] if isinstance(eos, int) else list(eos)),
             sliding_window=window,
             nope=_nope(raw, path) if arch == "smollm3" else (),
+            **(_granite(raw, path) if arch == "granite" else {}),
         )
 
     def kv_bytes_per_token(self, elem_size: int) -> int:
@@ -164,6 +172,17 @@ def _nope(raw: dict, path: Path) -> tuple[int, ...]:
     if not isinstance(flags, list) or len(flags) != n or any(f not in (0, 1) for f in flags):
         raise InvalidRequest(f"{path}: no_rope_layers must give 0 or 1 for each of the {n} layers", "model")
     return tuple(i for i, f in enumerate(flags) if not f)
+
+
+def _granite(raw: dict, path: Path) -> dict[str, float]:
+    """Granite's multipliers, as transformers defaults them (1.0 each: the attention's too)."""
+    out = {}
+    for key in ("embedding_multiplier", "residual_multiplier", "attention_multiplier", "logits_scaling"):
+        v = raw.get(key, 1.0)
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0:
+            raise InvalidRequest(f"{path}: {key} must be a positive number", "model")
+        out[key] = float(v)
+    return out
 
 
 def _read(path: Path) -> dict:

@@ -141,4 +141,8 @@ def load(folder: Path, dtype: torch.dtype, device: torch.device | str, tp: Shard
         expected += 2 * cfg.num_layers
     if len(seen) < expected:
         raise InvalidRequest(f"checkpoint in {folder} is missing weights ({len(seen)}/{expected})", "model")
+    if cfg.residual_multiplier != 1.0:  # Granite's, folded into the projections that end each block
+        for layer in model.layers:
+            layer.self_attn.o_proj.weight.mul_(cfg.residual_multiplier)
+            layer.mlp.down_proj.weight.mul_(cfg.residual_multiplier)
     return model

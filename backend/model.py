@@ -113,7 +113,7 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(self.d, cfg.rms_norm_eps)
         self.qk_norm = cfg.qk_norm
         self.rope = rope
-        self.scale = self.d ** -0.5
+        self.scale = cfg.attention_multiplier if cfg.attention_multiplier is not None else self.d ** -0.5
 
     def qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Un-rotated q, k, v of shape [T, H, D] (q and k normed per head where the model
@@ -239,12 +239,12 @@ class Decoder(nn.Module):
         return self.model.layers
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
-        table = self.model.embed_tokens
+        table, m = self.model.embed_tokens, self.cfg.embedding_multiplier
         if self.tp is None:
-            return table(ids)
+            return table(ids) if m == 1.0 else table(ids) * m
         local = ids - self.tp.rank * table.num_embeddings
         mine = (local >= 0) & (local < table.num_embeddings)
-        x = table(torch.where(mine, local, 0)) * mine[:, None].to(table.weight.dtype)
+        x = table(torch.where(mine, local, 0)) * (mine[:, None].to(table.weight.dtype) * m)
         return self.tp.sum(x)  # each token's row from the rank that holds it
 
     def logits(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
@@ -256,7 +256,8 @@ class Decoder(nn.Module):
         logits = self.lm_head(h)
         if self.tp is not None:  # every rank's vocabulary rows, the padding dropped
             logits = self.tp.gather(logits)[:, :self.cfg.vocab_size]
-        return logits.float()
+        s = self.cfg.logits_scaling
+        return logits.float() if s == 1.0 else logits.float() / s
 
     def states(self, ids: torch.Tensor, meta: AttnMeta, cache: KVCache,
                last: torch.Tensor | None = None) -> torch.Tensor:
