@@ -137,7 +137,7 @@ def blend(model: Decoder, cache: KVCache, items: list[BlendInput], check_layer: 
             x, res = layer(x, meta, cache, res)
             continue
         attn = layer.self_attn
-        h, res = layer.norm_in(x, res)
+        h, res = layer.pre(x, res)
         q, k, v = attn.qkv(h)
         base = torch.cat([it.seq.mirror.master_slots(bsz)[it.start:] if it.seq.mirror is not None
                           else torch.full((len(r),), -1) for it, r in zip(items, full)])
@@ -160,8 +160,7 @@ def blend(model: Decoder, cache: KVCache, items: list[BlendInput], check_layer: 
         counts = caps(sizes, ratio) if floor <= 0 else (back.get() >= 0).sum(1).tolist()
         meta, take = late.meta(picks, counts)
         q = attn.store(q[take], k[take], v[take], meta, cache)
-        h, res = layer.post_attention_layernorm.add(attn.attend(q, meta, cache), res[take])
-        x = layer.mlp(h)
+        x, res = layer.post(attn.attend(q, meta, cache), res[take])
     last = meta.cu_q[1:].long() - 1
     logits = model.logits(x[last], res[last])
     selected: list[list[int]] = [[] for _ in items]

@@ -76,6 +76,7 @@ ARCHITECTURES = {
     "Qwen3ForCausalLM": "qwen3",
     "SmolLM3ForCausalLM": "smollm3",  # Llama's, with some layers that take no RoPE (NoPE)
     "GraniteForCausalLM": "granite",  # Llama's, with scaled embeddings, residuals, scores and logits
+    "Olmo2ForCausalLM": "olmo2",  # norms after attention and MLP, none before; q and k normed whole
 }
 
 
@@ -93,7 +94,10 @@ class ModelConfig:
     max_position: int
     tie_embeddings: bool
     qkv_bias: bool
-    qk_norm: bool = False  # Qwen3: RMSNorm over each head's q and k before RoPE
+    # RMSNorm of q and k before RoPE: "head" (Qwen3: each head's) or "all" (OLMo 2: the whole
+    # projections, every head at once); None: none
+    qk_norm: str | None = None
+    post_norm: bool = False  # OLMo 2: each block's output normed before its residual add, no input norms
     rope: dict = field(default_factory=dict)  # rope_theta, rope_type, factor, ...
     eos_token_ids: list[int] = field(default_factory=list)
     sliding_window: int | None = None
@@ -147,7 +151,8 @@ class ModelConfig:
             max_position=raw.get("max_position_embeddings", 4096),
             tie_embeddings=bool(raw.get("tie_word_embeddings", False)),
             qkv_bias=arch == "qwen2" or bool(raw.get("attention_bias", False)),
-            qk_norm=arch == "qwen3",
+            qk_norm="head" if arch == "qwen3" else "all" if arch == "olmo2" else None,
+            post_norm=arch == "olmo2",
             rope=rope,
             eos_token_ids=[] if eos is None else ([eos] if isinstance(eos, int) else list(eos)),
             sliding_window=window,

@@ -108,9 +108,10 @@ class Attention(nn.Module):
         self.nq, self.nkv, self.d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.qkv_proj = nn.Linear(cfg.hidden_size, (self.nq + 2 * self.nkv) * self.d, bias=cfg.qkv_bias)
         self.o_proj = nn.Linear(self.nq * self.d, cfg.hidden_size, bias=False)
-        if cfg.qk_norm:
-            self.q_norm = RMSNorm(self.d, cfg.rms_norm_eps)
-            self.k_norm = RMSNorm(self.d, cfg.rms_norm_eps)
+        if cfg.qk_norm is not None:
+            whole = cfg.qk_norm == "all"
+            self.q_norm = RMSNorm(self.d * (self.nq if whole else 1), cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(self.d * (self.nkv if whole else 1), cfg.rms_norm_eps)
         self.qk_norm = cfg.qk_norm
         self.rope = rope
         self.scale = cfg.attention_multiplier if cfg.attention_multiplier is not None else self.d ** -0.5
@@ -120,9 +121,11 @@ class Attention(nn.Module):
         does so: the stored keys are the normed ones)."""
         q, k, v = self.qkv_proj(x).split([self.nq * self.d, self.nkv * self.d, self.nkv * self.d], -1)
         t = x.shape[0]
-        if self.qk_norm:  # rows of one head each: the norm kernel's 2-D layout
+        if self.qk_norm == "head":  # rows of one head each: the norm kernel's 2-D layout
             q = self.q_norm(q.reshape(-1, self.d))
             k = self.k_norm(k.reshape(-1, self.d))
+        elif self.qk_norm == "all":
+            q, k = self.q_norm(q), self.k_norm(k)
         return q.view(t, self.nq, self.d), k.view(t, self.nkv, self.d), v.view(t, self.nkv, self.d)
 
     def store(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttnMeta,
@@ -188,15 +191,39 @@ class Layer(nn.Module):
                 residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """The hidden state x + residual (x alone if residual is None) through the layer,
         as the next such pair: each residual add runs inside the norm after it."""
-        h, residual = self.norm_in(x, residual)
-        h, residual = self.post_attention_layernorm.add(self.self_attn(h, meta, cache), residual)
-        return self.mlp(h), residual
+        h, residual = self.pre(x, residual)
+        return self.post(self.self_attn(h, meta, cache), residual)
 
-    def norm_in(self, x: torch.Tensor, residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-        """(input norm of x + residual, x + residual)."""
+    def pre(self, x: torch.Tensor, residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the attention's input, x + residual)."""
         if residual is None:
             return self.input_layernorm(x), x
         return self.input_layernorm.add(x, residual)
+
+    def post(self, o: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The attention's output `o` added in, then the MLP: the next layer's pair."""
+        h, residual = self.post_attention_layernorm.add(o, residual)
+        return self.mlp(h), residual
+
+
+class PostNormLayer(Layer):
+    """OLMo 2's: the attention and the MLP read the sum itself, and their outputs are
+    normed before they are added to it."""
+
+    def __init__(self, cfg: ModelConfig, idx: int, rope: "Rope", tp: Shard | None = None):
+        nn.Module.__init__(self)
+        self.self_attn = Attention(cfg, idx, rope, tp)
+        self.mlp = MLP(cfg, tp)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_feedforward_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def pre(self, x: torch.Tensor, residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        s = x if residual is None else x + residual
+        return s, s
+
+    def post(self, o: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        residual = residual + self.post_attention_layernorm(o)
+        return self.post_feedforward_layernorm(self.mlp(residual)), residual
 
 
 class Rope(nn.Module):
@@ -227,7 +254,8 @@ class Decoder(nn.Module):
         self.model = nn.Module()
         vocab = cfg.vocab_size if tp is None else tp.rows(cfg.vocab_size)  # this rank's rows
         self.model.embed_tokens = nn.Embedding(vocab, cfg.hidden_size)
-        self.model.layers = nn.ModuleList(Layer(cfg, i, self.nope if i in cfg.nope else self.rope, tp)
+        kind = PostNormLayer if cfg.post_norm else Layer
+        self.model.layers = nn.ModuleList(kind(cfg, i, self.nope if i in cfg.nope else self.rope, tp)
                                           for i in range(cfg.num_layers))
         self.model.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(cfg.hidden_size, vocab, bias=False)

@@ -34,14 +34,16 @@ def smollm2() -> Path:
 
 def make_tiny(dest: Path, arch: str, tokenizer_from: Path, **over) -> Path:
     """A 2-layer random model of `arch` ("llama" | "qwen2" | "qwen3" | "mistral" | "smollm3" |
-    "granite") saved as an HF folder."""
+    "granite" | "olmo2") saved as an HF folder."""
     from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM
     from transformers import Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
-    from transformers import GraniteConfig, GraniteForCausalLM, SmolLM3Config, SmolLM3ForCausalLM
+    from transformers import GraniteConfig, GraniteForCausalLM, Olmo2Config, Olmo2ForCausalLM
+    from transformers import SmolLM3Config, SmolLM3ForCausalLM
 
     kinds = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen2": (Qwen2Config, Qwen2ForCausalLM),
              "qwen3": (Qwen3Config, Qwen3ForCausalLM), "mistral": (MistralConfig, MistralForCausalLM),
-             "smollm3": (SmolLM3Config, SmolLM3ForCausalLM), "granite": (GraniteConfig, GraniteForCausalLM)}
+             "smollm3": (SmolLM3Config, SmolLM3ForCausalLM), "granite": (GraniteConfig, GraniteForCausalLM),
+             "olmo2": (Olmo2Config, Olmo2ForCausalLM)}
     cfg_cls, model_cls = kinds[arch]
     kw = dict(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
               num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
@@ -53,7 +55,7 @@ def make_tiny(dest: Path, arch: str, tokenizer_from: Path, **over) -> Path:
     # comparisons are not decided by rounding.
     with torch.no_grad():
         model.lm_head.weight.mul_(8.0)
-        for name, p in model.named_parameters():  # Qwen3's per-head norms: not all ones
+        for name, p in model.named_parameters():  # q and k norms (Qwen3's, OLMo 2's): not all ones
             if name.endswith(("q_norm.weight", "k_norm.weight")):
                 p.uniform_(0.5, 1.5)
     model.save_pretrained(dest)
