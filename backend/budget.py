@@ -100,7 +100,7 @@ def graphs_reserve(cfg: EngineConfig, model: Decoder, device: torch.device) -> i
     cache = KVCache(model.cfg, 2, cfg.block_size, next(model.parameters()).dtype, device)
     pool = _settled(device) - base
     graphs = DecodeGraphs(model, cache, min(cfg.cuda_graphs, cfg.max_seqs),
-                          -(-model.cfg.max_position // cfg.block_size), cache.trash_block, cfg.check_layer)
+                          -(-model.cfg.context // cfg.block_size), cache.trash_block, cfg.check_layer)
     held = _settled(device) - base - pool
     del graphs, cache
     _settled(device)
@@ -111,7 +111,7 @@ def graphs_reserve(cfg: EngineConfig, model: Decoder, device: torch.device) -> i
 def step_peak(model: Decoder, tokens: int, device: torch.device) -> int:
     """The bytes torch's allocator holds at the peak of a forward of `tokens` fresh prompt
     tokens, beyond what it held before (prompts no longer than the model's positions)."""
-    longest = model.cfg.max_position
+    longest = model.cfg.context
     lens = [min(longest, tokens - lo) for lo in range(0, tokens, longest)]
     cu = [0]
     for n in lens:

@@ -77,6 +77,7 @@ ARCHITECTURES = {
     "SmolLM3ForCausalLM": "smollm3",  # Llama's, with some layers that take no RoPE (NoPE)
     "GraniteForCausalLM": "granite",  # Llama's, with scaled embeddings, residuals, scores and logits
     "Olmo2ForCausalLM": "olmo2",  # norms after attention and MLP, none before; q and k normed whole
+    "Phi3ForCausalLM": "phi3",  # Phi-3, 3.5, 4-mini: LongRoPE, a part of each head rotated (4-mini)
 }
 
 
@@ -98,6 +99,7 @@ class ModelConfig:
     # projections, every head at once); None: none
     qk_norm: str | None = None
     post_norm: bool = False  # OLMo 2: each block's output normed before its residual add, no input norms
+    rotary_dim: int | None = None  # the dims of a head RoPE turns, if not all (partial_rotary_factor)
     rope: dict = field(default_factory=dict)  # rope_theta, rope_type, factor, ...
     eos_token_ids: list[int] = field(default_factory=list)
     sliding_window: int | None = None
@@ -137,7 +139,12 @@ class ModelConfig:
         rope = dict(raw.get("rope_parameters") or raw.get("rope_scaling") or {})
         rope.setdefault("rope_theta", raw.get("rope_theta", 10000.0))
         rope["rope_type"] = rope.get("rope_type", rope.get("type", "default"))
-        window = raw.get("sliding_window") if raw.get("use_sliding_window", arch == "mistral") else None
+        if arch == "phi3" and rope["rope_type"] in ("su", "yarn"):  # Phi-3's old names, as HF reads them
+            rope["rope_type"] = "longrope"
+        if raw.get("original_max_position_embeddings"):  # Phi-3 gives it beside its rope_scaling
+            rope.setdefault("original_max_position_embeddings", raw["original_max_position_embeddings"])
+        head_dim = raw.get("head_dim") or raw["hidden_size"] // heads
+        window = raw.get("sliding_window") if raw.get("use_sliding_window", arch in ("mistral", "phi3")) else None
         return cls(
             arch=arch,
             vocab_size=raw["vocab_size"],
@@ -146,7 +153,7 @@ class ModelConfig:
             num_layers=raw["num_hidden_layers"],
             num_heads=heads,
             num_kv_heads=raw.get("num_key_value_heads") or heads,
-            head_dim=raw.get("head_dim") or raw["hidden_size"] // heads,
+            head_dim=head_dim,
             rms_norm_eps=raw.get("rms_norm_eps", 1e-6),
             max_position=raw.get("max_position_embeddings", 4096),
             tie_embeddings=bool(raw.get("tie_word_embeddings", False)),
@@ -157,8 +164,17 @@ class ModelConfig:
             eos_token_ids=[] if eos is None else ([eos] if isinstance(eos, int) else list(eos)),
             sliding_window=window,
             nope=_nope(raw, path) if arch == "smollm3" else (),
+            rotary_dim=_rotary_dim(raw, rope, head_dim, path),
             **(_granite(raw, path) if arch == "granite" else {}),
         )
+
+    @property
+    def context(self) -> int:
+        """Positions the model reads as HF does: max_position_embeddings, but LongRoPE's
+        short factors (backend/rope_scaling.py) hold only to original_max_position_embeddings."""
+        if self.rope.get("rope_type") == "longrope":
+            return min(self.max_position, self.rope.get("original_max_position_embeddings") or self.max_position)
+        return self.max_position
 
     def kv_bytes_per_token(self, elem_size: int) -> int:
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * elem_size
@@ -177,6 +193,16 @@ def _nope(raw: dict, path: Path) -> tuple[int, ...]:
     if not isinstance(flags, list) or len(flags) != n or any(f not in (0, 1) for f in flags):
         raise InvalidRequest(f"{path}: no_rope_layers must give 0 or 1 for each of the {n} layers", "model")
     return tuple(i for i, f in enumerate(flags) if not f)
+
+
+def _rotary_dim(raw: dict, rope: dict, head_dim: int, path: Path) -> int | None:
+    """How many of a head's dims RoPE turns, if not all (partial_rotary_factor)."""
+    share = rope.get("partial_rotary_factor", raw.get("partial_rotary_factor", 1.0))
+    dim = int(head_dim * share) if isinstance(share, (int, float)) and not isinstance(share, bool) else 0
+    if not 2 <= dim <= head_dim or dim % 2:
+        raise InvalidRequest(f"{path}: partial_rotary_factor {share!r} leaves no even share of the "
+                             f"{head_dim} dims of a head", "model")
+    return None if dim == head_dim else dim
 
 
 def _granite(raw: dict, path: Path) -> dict[str, float]:

@@ -101,7 +101,7 @@ class Engine:
             log.warning("attention in plain torch", head_dim=self.mcfg.head_dim,
                         why="the Triton kernels take even head dims from 16 to 256; no CUDA graphs either")
         elif self.device.type == "cuda" and cfg.cuda_graphs:  # graphs replay the Triton kernels
-            max_blocks = -(-self.mcfg.max_position // cfg.block_size)
+            max_blocks = -(-self.mcfg.context // cfg.block_size)
             self.runner.capture(min(cfg.cuda_graphs, cfg.max_seqs), max_blocks, self.cache.trash_block)
         self.segments = SegmentCache(self.pool, cfg.block_size,
                                      int(self.cache.num_blocks * cfg.segment_cache_fraction))
@@ -115,7 +115,7 @@ class Engine:
                                    self.idle, reuse)
         self.waiting = Waiting(self.collector, self.scheduler, self.idle, self.blocks)
         # the model's, the pool's, a sliding window's (within it full attention is exact), the flag's
-        limits = (self.mcfg.max_position, self.cache.num_blocks * cfg.block_size, self.mcfg.sliding_window,
+        limits = (self.mcfg.context, self.cache.num_blocks * cfg.block_size, self.mcfg.sliding_window,
                   cfg.max_model_len)
         self.max_model_len = min(x for x in limits if x)
         self.seqs: dict[str, Sequence] = {}

@@ -22,6 +22,7 @@ from tokendance.backend.api import InvalidRequest
 from tokendance.backend.config import ModelConfig
 from tokendance.backend.model import Decoder
 from tokendance.backend.parallel import Shard, shard_config, shard_weight
+from tokendance.backend.rope_scaling import rotary
 
 log = structlog.get_logger(__name__)
 
@@ -107,6 +108,43 @@ def _target(name: str, cfg: ModelConfig) -> tuple[str, int | None]:
     return name, None
 
 
+FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+
+
+def _parts(name: str, w: torch.Tensor, cfg: ModelConfig, fold: float) -> list[tuple[str, torch.Tensor]]:
+    """A checkpoint tensor as the loader places it: fused ones (Phi-3's qkv_proj and
+    gate_up_proj) as their parts, which tensor parallelism then splits as it would unfused
+    ones; q's and k's rows paired up for the kernels' RoPE where a model turns only part of
+    each head (`_pairs`)."""
+    for fused, parts in FUSED.items():
+        if f".{fused}." in name:
+            qd, kd, inter = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.intermediate_size
+            sizes = (qd, kd, kd) if fused == "qkv_proj" else (inter, inter)
+            if w.shape[0] != sum(sizes):
+                raise InvalidRequest(f"{name} has {w.shape[0]} rows, not the config's {sum(sizes)}", "model")
+            return [p for part, piece in zip(parts, w.split(sizes)) for p in
+                    _parts(name.replace(fused, part), piece, cfg, fold)]
+    if cfg.rotary_dim is not None and (".q_proj." in name or ".k_proj." in name):
+        w = _pairs(w, cfg.head_dim, cfg.rotary_dim, fold)
+    return [(name, w)]
+
+
+def _pairs(w: torch.Tensor, d: int, r: int, fold: float) -> torch.Tensor:
+    """Each head's rows reordered so that the pairs HF turns, (i, i + r/2) for i < r/2, sit
+    where the kernels turn theirs, (j, j + d/2), and the d - r dims HF leaves alone pair up
+    among themselves at zero frequency (backend/rope_scaling.py `rotary`); the turned rows
+    times `fold`, the attention scaling the kernels would put on every pair. q and k are
+    reordered alike, so q.k, and attention, are unchanged."""
+    half, rh = d // 2, r // 2
+    rest = torch.arange(r, d)
+    order = torch.cat([torch.arange(rh), rest[: half - rh], torch.arange(rh, r), rest[half - rh:]])
+    out = w.reshape(-1, d, *w.shape[1:])[:, order].clone()
+    if fold != 1.0:
+        out[:, :rh] *= fold
+        out[:, half:half + rh] *= fold
+    return out.reshape(w.shape)
+
+
 @torch.no_grad()
 def load(folder: Path, dtype: torch.dtype, device: torch.device | str, tp: Shard | None = None) -> Decoder:
     """The folder's model on `device` (with a tensor-parallel shard: this rank's part)."""
@@ -115,24 +153,26 @@ def load(folder: Path, dtype: torch.dtype, device: torch.device | str, tp: Shard
     if not files:
         raise InvalidRequest(f"no .safetensors weights in {folder}", "model")
     model = build(cfg, dtype, device, tp)
+    fold = rotary(cfg)[2]
     params = dict(model.named_parameters())
     seen: set[str] = set()
     for file in files:
         with safe_open(str(file), framework="pt") as f:
-            for name in f.keys():
-                if cfg.tie_embeddings and name == "lm_head.weight":
+            for stored in f.keys():
+                if cfg.tie_embeddings and stored == "lm_head.weight":
                     continue
-                target, off = _target(name, model.cfg)
-                if target not in params:
-                    if "rotary_emb" in name:
-                        continue
-                    raise InvalidRequest(f"unexpected weight {name} in {file.name}", "model")
-                src = shard_weight(name, f.get_tensor(name), tp)
-                # rows from `off` in a fused parameter; a tensor-parallel rank's vocabulary
-                # share may hold fewer rows than its parameter (the padded last one)
-                dst = params[target][off or 0: (off or 0) + src.shape[0]]
-                dst.copy_(src.to(dtype))
-                seen.add(f"{target}@{off}")
+                if "rotary_emb" in stored:
+                    continue
+                for name, w in _parts(stored, f.get_tensor(stored), cfg, fold):
+                    target, off = _target(name, model.cfg)
+                    if target not in params:
+                        raise InvalidRequest(f"unexpected weight {stored} in {file.name}", "model")
+                    src = shard_weight(name, w, tp)
+                    # rows from `off` in a fused parameter; a tensor-parallel rank's vocabulary
+                    # share may hold fewer rows than its parameter (the padded last one)
+                    dst = params[target][off or 0: (off or 0) + src.shape[0]]
+                    dst.copy_(src.to(dtype))
+                    seen.add(f"{target}@{off}")
     # per layer: q, k, v, o, gate, up, down, two norms; then embed, norm, lm_head
     expected = 9 * cfg.num_layers + 2 + (0 if cfg.tie_embeddings else 1)
     if cfg.qkv_bias:

@@ -14,7 +14,7 @@ from torch import nn
 
 from tokendance.backend.config import ModelConfig
 from tokendance.backend.parallel import Shard
-from tokendance.backend.rope_scaling import rope_params
+from tokendance.backend.rope_scaling import rotary
 from tokendance.kernels.act import silu_mul
 from tokendance.kernels.master import MasterRead
 from tokendance.kernels.norm import rms_norm
@@ -232,12 +232,12 @@ class Rope(nn.Module):
 
     def __init__(self, cfg: ModelConfig, positional: bool = True):
         super().__init__()
-        inv_freq, scale = rope_params(cfg.rope, cfg.head_dim, cfg.max_position)
+        inv_freq, scale, _ = rotary(cfg)
         if not positional:
             inv_freq, scale = torch.zeros_like(inv_freq), 1.0
         self.register_buffer("inv_freq", inv_freq, persistent=False)
         # cos/sin per position for the kernels' tiles of scattered positions (Mirrors)
-        self.register_buffer("trig", trig_table(inv_freq, cfg.max_position), persistent=False)
+        self.register_buffer("trig", trig_table(inv_freq, cfg.context), persistent=False)
         self.scale = scale
 
 

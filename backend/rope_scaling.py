@@ -11,6 +11,7 @@ import math
 import torch
 
 from tokendance.backend.api import InvalidRequest
+from tokendance.backend.config import ModelConfig
 
 
 def _base(theta: float, dim: int) -> torch.Tensor:
@@ -57,6 +58,23 @@ def _yarn(theta: float, dim: int, p: dict, max_position: int) -> tuple[torch.Ten
     return inv, float(attn)
 
 
+def _longrope(theta: float, dim: int, p: dict, max_position: int) -> tuple[torch.Tensor, float]:
+    """Phi-3's, with its short factors: HF's choice for a sequence within
+    original_max_position_embeddings, where the engine caps its context
+    (ModelConfig.context)."""
+    orig = p.get("original_max_position_embeddings")
+    if not isinstance(orig, int) or orig < 1:
+        raise InvalidRequest("longrope needs original_max_position_embeddings", "model")
+    short = p.get("short_factor")
+    if not isinstance(short, list) or len(short) != dim // 2:
+        raise InvalidRequest(f"longrope needs {dim // 2} short_factor values (one a rotated pair)", "model")
+    attn = p.get("attention_factor")
+    if attn is None:
+        factor = p.get("factor") or max_position / orig
+        attn = 1.0 if factor <= 1 else math.sqrt(1 + math.log(factor) / math.log(orig))
+    return _base(theta, dim) / torch.tensor(short, dtype=torch.float32), float(attn)
+
+
 def rope_params(rope: dict, head_dim: int, max_position: int) -> tuple[torch.Tensor, float]:
     kind, theta = rope.get("rope_type", "default"), float(rope["rope_theta"])
     if kind == "default":
@@ -67,7 +85,22 @@ def rope_params(rope: dict, head_dim: int, max_position: int) -> tuple[torch.Ten
         return _llama3(_base(theta, head_dim), rope), 1.0
     if kind == "yarn":
         return _yarn(theta, head_dim, rope, max_position)
+    if kind == "longrope":
+        return _longrope(theta, head_dim, rope, max_position)
     raise InvalidRequest(
-        f"unsupported rope_scaling type {kind!r}; supported: default, linear, llama3, yarn",
+        f"unsupported rope_scaling type {kind!r}; supported: default, linear, llama3, yarn, longrope",
         "model",
     )
+
+
+def rotary(cfg: ModelConfig) -> tuple[torch.Tensor, float, float]:
+    """The model's RoPE as the kernels take it: inv_freq [head_dim / 2], the scale they put
+    on cos and sin, and a factor the loader folds into q's and k's rotated rows instead.
+    A model that rotates only its first rotary_dim dims gets zero frequencies for the
+    other pairs (backend/loader.py pairs its dims up so); its attention scaling is folded,
+    since the kernels' scale would reach the unrotated pairs too."""
+    dim = cfg.rotary_dim or cfg.head_dim
+    inv_freq, scale = rope_params(cfg.rope, dim, cfg.max_position)
+    if dim == cfg.head_dim:
+        return inv_freq, scale, 1.0
+    return torch.cat([inv_freq, inv_freq.new_zeros((cfg.head_dim - dim) // 2)]), 1.0, scale

@@ -34,16 +34,16 @@ def smollm2() -> Path:
 
 def make_tiny(dest: Path, arch: str, tokenizer_from: Path, **over) -> Path:
     """A 2-layer random model of `arch` ("llama" | "qwen2" | "qwen3" | "mistral" | "smollm3" |
-    "granite" | "olmo2") saved as an HF folder."""
+    "granite" | "olmo2" | "phi3") saved as an HF folder."""
     from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM
     from transformers import Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
     from transformers import GraniteConfig, GraniteForCausalLM, Olmo2Config, Olmo2ForCausalLM
-    from transformers import SmolLM3Config, SmolLM3ForCausalLM
+    from transformers import Phi3Config, Phi3ForCausalLM, SmolLM3Config, SmolLM3ForCausalLM
 
     kinds = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen2": (Qwen2Config, Qwen2ForCausalLM),
              "qwen3": (Qwen3Config, Qwen3ForCausalLM), "mistral": (MistralConfig, MistralForCausalLM),
              "smollm3": (SmolLM3Config, SmolLM3ForCausalLM), "granite": (GraniteConfig, GraniteForCausalLM),
-             "olmo2": (Olmo2Config, Olmo2ForCausalLM)}
+             "olmo2": (Olmo2Config, Olmo2ForCausalLM), "phi3": (Phi3Config, Phi3ForCausalLM)}
     cfg_cls, model_cls = kinds[arch]
     kw = dict(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
               num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,

@@ -182,6 +182,26 @@ def test_a_vocabulary_the_size_does_not_divide(make_model, arch):
     assert two.tp.agreed and got == want
 
 
+@pytest.mark.parametrize("arch,over", [
+    ("phi3", dict(rope_parameters={"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5})),
+    ("granite", dict(embedding_multiplier=12.0, residual_multiplier=0.22, attention_multiplier=1.5)),
+    ("smollm3", dict(no_rope_layer_interval=2)),
+])
+def test_other_architectures_split_as_one_process(make_model, arch, over):
+    """Phi-3's fused q, k, v and gate, up split into parts before the ranks take theirs, its
+    heads' dims paired up; Granite's embeddings scaled on each rank and its residual
+    multiplier folded into each rank's share; SmolLM3's NoPE layers."""
+    folder = make_model(arch, pad_token_id=0, **over)
+    prompts = [list(range(300, 317)), list(range(100, 140))]
+    want = engine(folder).generate(prompts, GREEDY)
+    two = engine(folder, tensor_parallel_size=2)
+    try:
+        got = two.generate(prompts, GREEDY)
+    finally:
+        two.close()
+    assert two.tp.agreed and got == want
+
+
 def test_a_size_the_heads_do_not_divide_by(tiny_llama, make_model):
     with pytest.raises(InvalidRequest, match="does not divide the model's 4 attention heads"):
         engine(tiny_llama, tensor_parallel_size=3)

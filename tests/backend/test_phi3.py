@@ -1,0 +1,95 @@
+"""Phi-3 (3, 3.5, 4-mini): q, k, v and gate, up fused in the checkpoint, LongRoPE, and
+(4-mini) RoPE on only part of each head. The loader splits the fused tensors and pairs
+a head's dims up so that the kernels' RoPE turns the ones HF turns (the others at zero
+frequency); LongRoPE's short factors hold to original_max_position_embeddings, where the
+context is capped. The engine gives HF's greedy tokens."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tokendance.backend import loader
+from tokendance.backend.api import InvalidRequest, SamplingParams
+from tokendance.backend.config import ModelConfig
+from tokendance.backend.engine import Engine
+
+from .test_greedy_vs_hf import hf_greedy, prompts_for, same_tokens
+from .test_reuse import reuses_as_llama_does
+
+HALF = [1.0, 1.5, 2.5, 4.0]  # a factor a turned pair: 4 pairs of 8 turned dims
+LONGROPE = dict(rope_type="longrope", rope_theta=10000.0, short_factor=HALF, long_factor=[f * 3 for f in HALF],
+                attention_factor=1.5)
+GREEDY = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+
+
+def phi3(make_model, share: float = 1.0, rope: dict | None = None, **over):
+    rope = dict(rope or {"rope_type": "default", "rope_theta": 10000.0}, partial_rotary_factor=share)
+    if share == 1.0 and "short_factor" in rope:
+        rope.update(short_factor=HALF * 2, long_factor=HALF * 2)
+    return make_model("phi3", pad_token_id=0, rope_parameters=rope, original_max_position_embeddings=2048,
+                      max_position_embeddings=65536, **over)
+
+
+@pytest.fixture(scope="module")
+def mini4(make_model):
+    """Phi-4-mini's kind: half of each head turned (its share is 3/4), LongRoPE."""
+    return phi3(make_model, 0.5, LONGROPE)
+
+
+def matches_hf(folder, lengths=(3, 17, 64, 200, 700)) -> tuple[Engine, list]:
+    eng = Engine(model=str(folder), dtype="float32", kv_tokens=8192, max_batched_tokens=512)
+    prompts = prompts_for(eng.mcfg.vocab_size, lengths, seed=7)
+    ours = eng.generate(prompts, GREEDY)
+    for (toks, _, _), want in zip(ours, hf_greedy(folder, prompts, 24)):
+        same_tokens(toks, want)
+    return eng, ours
+
+
+def test_part_of_each_head_turned_with_longrope_matches_hf(mini4, monkeypatch):
+    eng, ours = matches_hf(mini4)
+    assert (eng.mcfg.arch, eng.mcfg.rotary_dim, eng.max_model_len) == ("phi3", 8, 2048)  # the short factors' reach
+    prompts = prompts_for(eng.mcfg.vocab_size, (3, 17, 64, 200, 700), seed=7)
+    assert eng.generate(prompts, GREEDY, mode="prefix") == ours
+    # the test can tell: without the pairing, or without the attention factor folded in
+    for broken in (lambda w, d, r, fold: w, lambda w, d, r, fold, pairs=loader._pairs: pairs(w, d, r, 1.0)):
+        monkeypatch.setattr(loader, "_pairs", broken)
+        assert Engine(model=str(mini4), dtype="float32", kv_tokens=8192).generate(prompts, GREEDY) != ours
+        monkeypatch.undo()
+
+
+@pytest.mark.parametrize("kind", ["longrope", "plain"])
+def test_whole_heads_turned_match_hf(make_model, kind):
+    """Phi-3.5-mini's kind (LongRoPE) and Phi-3-mini-4k's (none)."""
+    eng, _ = matches_hf(phi3(make_model, 1.0, LONGROPE if kind == "longrope" else None))
+    assert eng.mcfg.rotary_dim is None and eng.max_model_len == (2048 if kind == "longrope" else 8192)  # the pool's
+
+
+def test_a_sliding_window_caps_the_context(make_model):
+    """Phi-3 attends within its sliding window, always; within it attention is whole."""
+    eng, _ = matches_hf(phi3(make_model, sliding_window=300), lengths=(3, 17, 64, 200, 276))  # + 24: 300
+    assert eng.max_model_len == 300
+
+
+def test_phi3_reuses_as_llama_does(mini4):
+    reuses_as_llama_does(mini4)
+
+
+def test_what_cannot_be_read_is_a_one_line_error(tmp_path):
+    def config(**over) -> None:
+        raw = {"architectures": ["Phi3ForCausalLM"], "vocab_size": 64, "hidden_size": 64, "intermediate_size": 64,
+               "num_hidden_layers": 2, "num_attention_heads": 4, **over}
+        (tmp_path / "config.json").write_text(json.dumps(raw))
+        return ModelConfig.load(tmp_path)
+
+    assert config(partial_rotary_factor=0.75).rotary_dim == 12
+    for share in (0.0, 0.1, 1.5, "half"):
+        with pytest.raises(InvalidRequest, match="partial_rotary_factor"):
+            config(partial_rotary_factor=share)
+    from tokendance.backend.rope_scaling import rotary
+
+    for rope, orig, match in (({"rope_type": "longrope", "short_factor": [1.0]}, 2048, "short_factor"),
+                              ({"type": "su", "short_factor": HALF * 2}, None, "original_max_position_embeddings")):
+        with pytest.raises(InvalidRequest, match=match):
+            rotary(config(rope_scaling=rope, original_max_position_embeddings=orig))
