@@ -117,8 +117,8 @@ class Attention(nn.Module):
         self.scale = cfg.attention_multiplier if cfg.attention_multiplier is not None else self.d ** -0.5
 
     def qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Un-rotated q, k, v of shape [T, H, D] (q and k normed per head where the model
-        does so: the stored keys are the normed ones)."""
+        """Un-rotated q, k, v of shape [T, H, D] (q and k normed, per head or whole, where
+        the model does so: the stored keys are the normed ones)."""
         q, k, v = self.qkv_proj(x).split([self.nq * self.d, self.nkv * self.d, self.nkv * self.d], -1)
         t = x.shape[0]
         if self.qk_norm == "head":  # rows of one head each: the norm kernel's 2-D layout
