@@ -30,8 +30,13 @@ def engine(folder, monkeypatch, left_out: str | None = None) -> Engine:
     """An engine on `folder`, with one multiplier left at its Llama value."""
     if left_out is not None:
         load = ModelConfig.load.__func__
-        monkeypatch.setattr(ModelConfig, "load", classmethod(lambda cls, f: (
-            c := load(cls, f), setattr(c, left_out, None if left_out == "attention_multiplier" else 1.0), c)[-1]))
+
+        def without(cls, f):
+            cfg = load(cls, f)
+            setattr(cfg, left_out, None if left_out == "attention_multiplier" else 1.0)
+            return cfg
+
+        monkeypatch.setattr(ModelConfig, "load", classmethod(without))
     return Engine(model=str(folder), dtype="float32", kv_tokens=8192, max_batched_tokens=512)
 
 

@@ -36,8 +36,14 @@ def test_smollm3_matches_hf(smollm3, monkeypatch):
     full = eng.generate(variants, greedy)
     assert eng.generate(variants, greedy, mode="prefix") == eng.generate(variants, greedy, mode="prefix") == full
     # the test can tell: with RoPE in every layer (a Llama of the same weights) the tokens differ
-    monkeypatch.setattr(ModelConfig, "load", classmethod(lambda cls, folder, _load=ModelConfig.load.__func__: (
-        c := _load(cls, folder), setattr(c, "nope", ()), c)[-1]))
+    load = ModelConfig.load.__func__
+
+    def as_llama(cls, folder):
+        cfg = load(cls, folder)
+        cfg.nope = ()
+        return cfg
+
+    monkeypatch.setattr(ModelConfig, "load", classmethod(as_llama))
     llama = Engine(model=str(smollm3), dtype="float32", kv_tokens=8192, max_batched_tokens=512)
     assert llama.mcfg.nope == () and llama.generate(prompts, greedy) != ours
 
