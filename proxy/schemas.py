@@ -301,7 +301,8 @@ _RESERVED = {"conversation", "messages", "tools", "documents", "chat_template", 
 
 def own(text: str | None, trusted: bool) -> str | None:
     """A request's own chat template, taken only where the server trusts them (vLLM's
-    --trust-request-chat-template: a template is code the server runs, if sandboxed)."""
+    --trust-request-chat-template: a template is code the server runs, in Jinja's sandbox,
+    which does not bound its time)."""
     if text is not None and not trusted:
         raise invalid("a request's own chat_template is refused: the server was not started with "
                       "--trust-request-chat-template", "chat_template")
