@@ -1,5 +1,4 @@
-"""Reading tool calls out of a choice's text as it streams (proxy/tools.py writes the
-prompt side).
+"""Reading tool calls out of a choice's text as it streams (proxy/tools.py: the prompt side).
 
 A `Reader` takes the text in pieces and gives back, for each, the content the client may
 see and the parts of tool calls it completed. One reader per `tool_choice`:
@@ -16,6 +15,7 @@ see and the parts of tool calls it completed. One reader per `tool_choice`:
   is content. One that begins with `{` otherwise is held back to its end and read whole:
   calls if all of it is call objects, else content. Any other answer streams as it
   comes, as content.
+- `Listed` (proxy/listed.py): Granite's and Phi-4-mini's JSON list of calls after a marker.
 - `Named`: the whole output is the named function's arguments (held to its schema), so
   they stream as they come.
 - `Required`: the output is a JSON list of `{"name", "parameters"}` (held to a schema of
@@ -31,7 +31,7 @@ import secrets
 from dataclasses import dataclass, field
 
 from .scan import Scan, head
-from .tools import CLOSE, LLAMA3, OPEN, Tools
+from .tools import CLOSE, LLAMA3, MARKERS, OPEN, Tools
 
 
 @dataclass(slots=True)
@@ -233,10 +233,10 @@ def _hermes_call(body: str) -> tuple[str, str] | None:
         obj = json.loads(body)
     except ValueError:
         return None
-    return _call_of(obj)
+    return call_of(obj)
 
 
-def _call_of(obj: object) -> tuple[str, str] | None:
+def call_of(obj: object) -> tuple[str, str] | None:
     """(name, arguments as JSON text) of a call object, None if it is not one."""
     if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
         return None
@@ -326,7 +326,7 @@ def _llama3_calls(text: str) -> list[tuple[str, str]] | None:
             obj, at = dec.raw_decode(text, at)
         except ValueError:
             return None
-        call = _call_of(obj)
+        call = call_of(obj)
         if call is None:
             return None
         out.append(call)
@@ -386,6 +386,9 @@ def reader(tools: Tools | None) -> Reader:
         return Named(tools.name or "")
     if tools.choice == "required":
         return Required()
+    if tools.dialect in MARKERS:
+        from .listed import Listed  # it builds on this module's Reader
+        return Listed(MARKERS[tools.dialect], tools.parallel)
     return Llama3(tools.parallel) if tools.dialect == LLAMA3 else Hermes(tools.parallel)
 
 

@@ -8,7 +8,9 @@ probe). A template that renders tools and asks for Hermes calls, `<tool_call>{"n
 "parameters": ...}` object (Llama 3.1-3.3's), gets the tools, calls and results as it
 expects them, and its calls are read in that format (proxy/calls.py). Any other template
 (SmolLM2's renders no tools at all) gets them written into the messages it renders, in
-the Hermes format (`hermes`). `required` and a named function hold the output to a JSON schema,
+the Hermes format (`hermes`). `--tool-call-parser granite` or `phi4_mini_json` reads a
+JSON list of calls after Granite's or Phi-4-mini's marker instead (proxy/listed.py), from a
+template that renders tools. `required` and a named function hold the output to a JSON schema,
 as vLLM does, so they work on any model; `auto` depends on the model answering in the
 format, and holds a call it begins to a given function (to its parameters where the
 function is `strict`) once any tool is `strict`.
@@ -33,7 +35,10 @@ _CHOICES = ("none", "auto", "required")
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 _PROBE = "tokendance_probe_tool"
 HERMES, LLAMA3, WRITTEN = "hermes", "llama3", "written"  # dialects of chat templates
-PARSERS = {"hermes": HERMES, "llama3_json": LLAMA3}  # vLLM's --tool-call-parser: the formats read
+GRANITE, PHI4 = "granite", "phi4_mini"  # a JSON list of calls after a marker (proxy/listed.py)
+MARKERS = {GRANITE: ("<|tool_call|>", OPEN), PHI4: ("functools",)}  # the first is the one written
+# vLLM's --tool-call-parser: the formats read (a marker's list only where given, as in vLLM)
+PARSERS = {"hermes": HERMES, "llama3_json": LLAMA3, "granite": GRANITE, "phi4_mini_json": PHI4}
 _LLAMA3_ASK = '"parameters": dictionary of argument name'  # Llama 3.1-3.3's templates ask so
 Render = Callable[..., str]  # a backend's render_chat(messages, tools=None)
 Draw = Callable[[list[dict[str, Any]]], str]  # messages -> prompt text
@@ -115,6 +120,9 @@ class Tools:
     def _calls(self, fns: dict[str, dict[str, Any]]) -> Structure:
         if self.dialect == LLAMA3:
             trigger, begin, end = '{"name": ', '{{"name": {}, "parameters": ', "}"
+        elif self.dialect in MARKERS:  # each call a list of one after the marker
+            mark = MARKERS[self.dialect][0]
+            trigger, begin, end = mark, mark + '[{{"name": {}, "arguments": ', "}]"
         else:
             trigger, begin, end = OPEN, f'{OPEN}\n{{{{"name": {{}}, "arguments": ', f"}}\n{CLOSE}"
         tags = [{"type": "tag", "begin": begin.format(json.dumps(name)),

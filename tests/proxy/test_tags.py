@@ -11,6 +11,7 @@ import pytest
 from tokendance.backend.grammar import Grammars
 from tokendance.proxy import tools as t
 from tokendance.proxy.calls import Hermes, Llama3
+from tokendance.proxy.listed import Listed
 from tokendance.proxy.errors import ApiError
 from tokendance.proxy.structured import ResponseFormat, StructuredOutputs, structure
 
@@ -109,3 +110,16 @@ def test_a_llama3_template_holds_its_bare_calls(grammars):
     assert not accepts(grammars, s, '{"name": "get_weather", "parameters": {"city": "Rome"}}')
     assert not accepts(grammars, s, call("get_weather", '{"city": "Oslo"}'))  # '{"name": ' begins a bare call
     assert [(c.name, json.loads(c.arguments)) for c in Llama3().whole(bare).calls] == [("get_weather", {"city": "Oslo"})]
+
+
+@pytest.mark.parametrize("dialect", [t.GRANITE, t.PHI4])
+def test_a_marked_list_template_holds_each_call_to_a_list_after_its_marker(grammars, dialect):
+    tools = t.check([WEATHER, NOTE], "auto", None)
+    tools.dialect = dialect
+    s, mark = tools.structure(), t.MARKERS[dialect][0]
+    held = f'{mark}[{{"name": "get_weather", "arguments": {{"city": "Oslo"}}}}]'
+    assert accepts(grammars, s, held) and accepts(grammars, s, "It is cold.")
+    assert not accepts(grammars, s, f'{mark}[{{"name": "get_weather", "arguments": {{"city": "Rome"}}}}]')
+    got = Listed(t.MARKERS[dialect]).whole(held + held.replace("get_weather", "note"))
+    assert [(c.name, json.loads(c.arguments)) for c in got.calls] == [("get_weather", {"city": "Oslo"}),
+                                                                       ("note", {"city": "Oslo"})]
