@@ -13,7 +13,7 @@ import pytest
 BENCH = Path(__file__).resolve().parents[2] / "bench"
 
 
-@pytest.mark.parametrize("script", ["kernels.py", "collective.py", "head_dims.py"])
+@pytest.mark.parametrize("script", ["kernels.py", "collective.py", "head_dims.py", "moe.py"])
 def test_smoke(script: str) -> None:
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     env.pop("OUT", None)

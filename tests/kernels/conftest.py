@@ -22,6 +22,7 @@ if "triton" in sys.modules:
                      "tokendance.kernels.paged_triton", "tokendance.kernels.collective",
                      "tokendance.kernels.paged_attention", "tokendance.kernels.deviation",
                      "tokendance.kernels.diff", "tokendance.kernels.restore",
-                     "tokendance.kernels.norm", "tokendance.kernels.act", "tokendance.kernels.store"):
+                     "tokendance.kernels.norm", "tokendance.kernels.act", "tokendance.kernels.moe",
+                     "tokendance.kernels.store"):
             if name in sys.modules:
                 importlib.reload(sys.modules[name])

@@ -1,0 +1,157 @@
+"""Mixture-of-Experts expert computation: each token's hidden state through the k experts
+its router chose, the outputs summed with the routing weights. It is Qwen3-MoE's
+`Qwen3MoeExperts.forward` (transformers); the router and its top-k are the caller's.
+
+Layout: x [T, H] (the normed hidden states); gate_up [E, 2I, H], per expert the gate
+projection's rows, then the up projection's (nn.Linear's out x in); down [E, H, I];
+weights [T, k] in x's dtype and ids [T, k] int64: each token's k distinct experts and
+their routing weights. With e = ids[t, j]:
+    out[t] = sum_j weights[t, j] * down[e] @ silu_mul(gate_up[e] @ x[t])
+
+The reference is the definition and the CPU path: a loop over the experts in use, which
+reads them back to the host. The Triton path makes no host sync and no shape depends on
+the routing, so a decode step that calls it can be captured into a CUDA graph. `align`
+sorts the T*k (token, slot) pairs by expert on the device and pads each expert's group
+to a multiple of BLOCK_M, in a list of a static length (the worst case of the padding);
+a grouped GEMM then runs one program per (row block, column tile), every row block of a
+single expert (blocks past the used ones return at once), gathering its rows of A and
+scattering its results to their pairs' rows: x -> h [T*k, 2I] -> silu_mul -> [T*k, I]
+-> times the routing weight -> y [T*k, H], then each token's k rows summed in float32.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.nn.functional as F
+
+from tokendance.kernels.act import silu_mul, silu_mul_reference
+from tokendance.kernels.jit import HAVE_TRITON, tl, triton
+from tokendance.kernels.tiles import _dot
+
+# Launch configuration on a GPU: untimed, no GPU was available to pick it. The
+# interpreter's small tiles keep tests fast and span several blocks and tiles.
+CFG = dict(block_m=64, block_n=64, block_k=64, num_warps=4, num_stages=3)
+INTERP_CFG = dict(block_m=16, block_n=16, block_k=16, num_warps=4, num_stages=1)
+
+
+def moe_reference(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
+                  weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """The definition, expert by expert in ascending order, as transformers computes it."""
+    out = torch.zeros_like(x)
+    for e in ids.unique().tolist():  # sorted
+        j, t = torch.where(ids.t() == e)  # transformers' order: by slot, then token
+        a = silu_mul_reference(F.linear(x[t], gate_up[e]))
+        y = F.linear(a, down[e]) * weights[t, j, None]
+        out.index_add_(0, t, y.to(out.dtype))
+    return out
+
+
+def align(ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The pairs of ids [T, k] grouped by expert, each group padded to a multiple of block_m.
+
+    Returns pairs [P] int32 (a flat pair index t*k + j, or T*k for padding) and
+    block_expert [P // block_m] int32 (each row block's expert, -1 past the used ones).
+    P = T*k + min(E, T*k) * (block_m - 1), rounded up to a multiple of block_m: at most
+    min(E, T*k) experts are used, each padded by less than block_m. Device-side, static
+    shapes, no host sync. Within a group the pairs are in ascending order (stable sort).
+    """
+    n = ids.numel()
+    dev = ids.device
+    flat = ids.reshape(-1).long()  # scatter_add_ takes int64 indices
+    # scatter_add_, not bincount: CUDA's bincount reads its input's max back to the host
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=dev)
+    counts.scatter_add_(0, flat, torch.ones_like(flat))
+    padded = (counts + block_m - 1) // block_m * block_m
+    ends = padded.cumsum(0)  # each group's end in `pairs`
+    order = torch.argsort(flat, stable=True)
+    e = flat[order]
+    rank = torch.arange(n, device=dev) - (counts.cumsum(0) - counts)[e]  # place in its group
+    size = (n + min(num_experts, n) * (block_m - 1) + block_m - 1) // block_m * block_m
+    pairs = torch.full((size,), n, dtype=torch.int32, device=dev)
+    pairs.scatter_(0, ends[e] - padded[e] + rank, order.to(torch.int32))
+    starts = torch.arange(0, size, block_m, device=dev)
+    blk = torch.searchsorted(ends, starts, right=True)  # the group whose range holds the block
+    return pairs, torch.where(blk < num_experts, blk, -1).to(torch.int32)
+
+
+@triton.jit
+def _moe_gemm_kernel(a, w, c, pairs, block_expert, wts, N, K, n_pairs, s_a, s_we, s_wn, s_c,
+                     TOPK: tl.constexpr, WEIGHT: tl.constexpr, BLOCK_M: tl.constexpr,
+                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PREC: tl.constexpr):
+    """c[rows, tile] = a[rows // TOPK] @ w[e]^T (times wts[rows] with WEIGHT) for the rows
+    of one block of `pairs`, all of expert e; sentinel rows are masked."""
+    b = tl.program_id(0)
+    e = tl.load(block_expert + b)
+    if e < 0:
+        return
+    rows = tl.load(pairs + b * BLOCK_M + tl.arange(0, BLOCK_M))
+    valid = rows < n_pairs
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    nm = offs_n < N
+    offs_k = tl.arange(0, BLOCK_K)
+    ap = a + (rows // TOPK).to(tl.int64)[:, None] * s_a + offs_k[None, :]
+    # W[e]^T as a [BLOCK_K, BLOCK_N] tile; an expert's offset may pass 2^31 elements
+    wp = w + e.to(tl.int64) * s_we + offs_n.to(tl.int64)[None, :] * s_wn + offs_k[:, None]
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        km = k0 + offs_k < K
+        at = tl.load(ap, mask=valid[:, None] & km[None, :], other=0.0)
+        wt = tl.load(wp, mask=km[:, None] & nm[None, :], other=0.0)
+        acc = _dot(at, wt, acc, PREC)
+        ap += BLOCK_K
+        wp += BLOCK_K
+    if WEIGHT:
+        acc = acc * tl.load(wts + rows, mask=valid, other=0.0).to(tl.float32)[:, None]
+    cp = c + rows.to(tl.int64)[:, None] * s_c + offs_n[None, :]
+    tl.store(cp, acc.to(c.dtype.element_ty), mask=valid[:, None] & nm[None, :])
+
+
+def _gemm(a: torch.Tensor, w: torch.Tensor, c: torch.Tensor, pairs: torch.Tensor,
+          block_expert: torch.Tensor, wts: torch.Tensor | None, topk: int, cfg: dict,
+          prec: str) -> None:
+    """c [T*k, N] = per pair, its row of a (row pair // topk) times its expert's w [E, N, K]^T."""
+    n, k = w.shape[1], w.shape[2]
+    grid = (block_expert.shape[0], triton.cdiv(n, cfg["block_n"]))
+    _moe_gemm_kernel[grid](
+        a, w, c, pairs, block_expert, c if wts is None else wts, n, k, c.shape[0],
+        a.stride(0), w.stride(0), w.stride(1), c.stride(0),
+        TOPK=topk, WEIGHT=wts is not None, BLOCK_M=cfg["block_m"], BLOCK_N=cfg["block_n"],
+        BLOCK_K=cfg["block_k"], PREC=prec, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+    )
+
+
+def moe_triton(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, weights: torch.Tensor,
+               ids: torch.Tensor, cfg: dict | None = None) -> torch.Tensor:
+    """The Triton path of `moe`, free of host syncs: CUDA tensors, or CPU tensors under
+    TRITON_INTERPRET=1. cfg overrides the launch configuration."""
+    if not x.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError("moe_triton needs CUDA tensors (or TRITON_INTERPRET=1)")
+    T, H = x.shape
+    E, I2, _ = gate_up.shape
+    k = ids.shape[1]
+    assert gate_up.dtype == down.dtype == x.dtype, (x.dtype, gate_up.dtype, down.dtype)
+    assert gate_up.stride(-1) == 1 and down.stride(-1) == 1  # not copied: they are large
+    if T == 0:
+        return x.new_empty(0, H)
+    c = {**(CFG if x.is_cuda else INTERP_CFG), **(cfg or {})}
+    # as tiles.scales: the interpreter would multiply bf16 bit patterns as integers
+    prec = "ieee" if x.dtype == torch.float32 else "tf32" if x.is_cuda else "upcast"
+    pairs, block_expert = align(ids, E, c["block_m"])
+    x = x.contiguous()
+    h = torch.empty(T * k, I2, dtype=x.dtype, device=x.device)
+    _gemm(x, gate_up, h, pairs, block_expert, None, k, c, prec)
+    a = silu_mul(h)
+    y = torch.empty(T * k, H, dtype=x.dtype, device=x.device)
+    _gemm(a, down, y, pairs, block_expert, weights.reshape(-1).contiguous(), 1, c, prec)
+    return y.view(T, k, H).sum(1, dtype=torch.float32).to(x.dtype)
+
+
+def moe(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, weights: torch.Tensor,
+        ids: torch.Tensor) -> torch.Tensor:
+    """Dispatch: the Triton path on CUDA, the reference elsewhere (float32 on CPU stays
+    the exact reference)."""
+    if HAVE_TRITON and x.is_cuda:
+        return moe_triton(x, gate_up, down, weights, ids)
+    return moe_reference(x, gate_up, down, weights, ids)

@@ -1,0 +1,126 @@
+"""MoE experts: the Triton path (interpreted on CPU) against the reference, the align
+step's invariants, and the reference against transformers' Qwen3MoeExperts."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import tokendance.kernels.moe as moe_mod
+from tokendance.kernels.moe import align, moe, moe_reference, moe_triton
+
+
+def make(T: int, H: int, I: int, E: int, k: int, dtype: torch.dtype = torch.float32,
+         seed: int = 0, hot: int | None = None) -> tuple[torch.Tensor, ...]:
+    """x, gate_up, down, weights, ids; with `hot`, every token's first choice is that expert."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(T, H, generator=g)
+    gate_up = torch.randn(E, 2 * I, H, generator=g) / H ** 0.5
+    down = torch.randn(E, H, I, generator=g) / I ** 0.5
+    rows = []
+    for _ in range(T):
+        perm = torch.randperm(E, generator=g)
+        if hot is not None:
+            perm = torch.cat([torch.tensor([hot]), perm[perm != hot]])
+        rows.append(perm[:k])
+    ids = torch.stack(rows) if T else torch.zeros(0, k, dtype=torch.int64)
+    weights = torch.randn(T, k, generator=g).softmax(-1)
+    return x.to(dtype), gate_up.to(dtype), down.to(dtype), weights.to(dtype), ids
+
+
+# (T, H, I, E, k, hot). H=44, I=20: with 16-wide tiles every GEMM's N and K have a partial tile.
+CASES = {
+    "prefill": (16, 44, 20, 8, 2, None),
+    "decode": (1, 44, 20, 8, 2, None),
+    "few_pairs": (2, 44, 20, 8, 2, None),  # T*k < E: most experts unused
+    "uneven": (40, 44, 20, 8, 2, 5),  # every token on expert 5: several blocks of it
+    "top4": (6, 32, 16, 8, 4, None),  # tile-exact sizes
+}
+
+
+def close(out: torch.Tensor, ref: torch.Tensor) -> None:
+    if out.dtype == torch.float32:
+        torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    else:
+        # bf16 rounds h, the activation and y on both paths at different points (the
+        # reference also each weighted y and the running sum): a few ulps of the output's
+        # scale, where a wrong row, expert, weight or mask is off by the scale itself.
+        scale = ref.float().abs().max().item()
+        torch.testing.assert_close(out.float(), ref.float(), rtol=2 ** -6, atol=2 ** -5 * scale)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("case", list(CASES))
+def test_triton_matches_reference(case: str, dtype: torch.dtype) -> None:
+    T, H, I, E, k, hot = CASES[case]
+    args = make(T, H, I, E, k, dtype, seed=len(case), hot=hot)
+    out = moe_triton(*args)
+    assert out.shape == (T, H) and out.dtype == dtype
+    close(out, moe_reference(*args))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_triton_other_tiles(dtype: torch.dtype) -> None:
+    """cfg overrides the tiles: 32-wide ones leave partial tiles of H=48, I=40 everywhere."""
+    args = make(12, 48, 40, 8, 2, dtype, seed=3, hot=1)
+    close(moe_triton(*args, cfg=dict(block_m=32, block_n=32, block_k=32)), moe_reference(*args))
+
+
+def test_no_tokens() -> None:
+    args = make(0, 44, 20, 8, 2)
+    out = moe_triton(*args)
+    assert out.shape == (0, 44) and out.dtype == torch.float32
+    assert moe_reference(*args).shape == (0, 44)
+
+
+@pytest.mark.parametrize("T,k,E,bm", [(16, 2, 8, 16), (1, 2, 8, 16), (3, 2, 8, 4), (40, 2, 8, 16),
+                                      (33, 4, 64, 8), (5, 1, 3, 1), (0, 2, 8, 16)])
+def test_align(T: int, k: int, E: int, bm: int) -> None:
+    _, _, _, _, ids = make(T, 8, 8, E, k, seed=T + E, hot=2 if T == 40 else None)
+    pairs, block_expert = align(ids, E, bm)
+    n = T * k
+    size = -(-(n + min(E, n) * (bm - 1)) // bm) * bm
+    assert pairs.shape == (size,) and block_expert.shape == (size // bm,)
+    assert pairs.dtype == block_expert.dtype == torch.int32
+    real = pairs[pairs < n]
+    assert torch.equal(real.sort().values, torch.arange(n, dtype=torch.int32))  # each once
+    assert bool((pairs <= n).all())  # the rest are the sentinel
+    flat = ids.reshape(-1)
+    used = int((block_expert >= 0).sum())
+    assert bool((block_expert[used:] == -1).all()) and bool((pairs[used * bm:] == n).all())
+    assert used == int(((torch.bincount(flat, minlength=E) + bm - 1) // bm).sum())
+    assert torch.equal(block_expert[:used], block_expert[:used].sort().values)
+    for b in range(used):
+        blk = pairs[b * bm:(b + 1) * bm]
+        live = blk[blk < n].long()
+        assert len(live) > 0 and bool((blk[len(live):] == n).all())  # padding at the end
+        assert bool((flat[live] == int(block_expert[b])).all())  # one expert's pairs
+        assert bool((live[1:] > live[:-1]).all())  # in ascending order
+
+
+@pytest.mark.parametrize("hot", [None, 0])
+def test_reference_is_transformers(hot: int | None) -> None:
+    from transformers import Qwen3MoeConfig
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
+
+    T, H, I, E, k = 9, 44, 20, 8, 2
+    x, gate_up, down, weights, ids = make(T, H, I, E, k, seed=7, hot=hot)
+    cfg = Qwen3MoeConfig(hidden_size=H, moe_intermediate_size=I, num_experts=E,
+                         num_experts_per_tok=k, hidden_act="silu")
+    experts = Qwen3MoeExperts(cfg)
+    with torch.no_grad():
+        experts.gate_up_proj.copy_(gate_up)
+        experts.down_proj.copy_(down)
+        want = experts(x, ids, weights)
+    got = moe_reference(x, gate_up, down, weights, ids)
+    assert got.abs().max() > 0.1
+    assert torch.equal(got, want)  # the same ops in the same order
+
+
+def test_cpu_dispatch_is_reference(monkeypatch: pytest.MonkeyPatch) -> None:
+    def boom(*a, **kw):
+        raise AssertionError("moe_triton on CPU tensors")
+
+    monkeypatch.setattr(moe_mod, "moe_triton", boom)
+    args = make(5, 44, 20, 8, 2)
+    assert torch.equal(moe(*args), moe_reference(*args))
