@@ -78,7 +78,12 @@ ARCHITECTURES = {
     "GraniteForCausalLM": "granite",  # Llama's, with scaled embeddings, residuals, scores and logits
     "Olmo2ForCausalLM": "olmo2",  # norms after attention and MLP, none before; q and k normed whole
     "Phi3ForCausalLM": "phi3",  # Phi-3, 3.5, 4-mini: LongRoPE, a part of each head rotated (4-mini)
+    # mixtures of experts (backend/moe.py): Mistral's, Qwen3's and OLMo's layers otherwise
+    "MixtralForCausalLM": "mixtral",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
+    "OlmoeForCausalLM": "olmoe",
 }
+MOE = ("mixtral", "qwen3_moe", "olmoe")
 
 
 @dataclass(slots=True)
@@ -110,6 +115,15 @@ class ModelConfig:
     residual_multiplier: float = 1.0
     attention_multiplier: float | None = None
     logits_scaling: float = 1.0
+    clip_qkv: float | None = None  # OLMoE's: q, k and v clamped to +-clip_qkv after the norms
+    # A mixture of experts: experts per sparse layer, how many each token takes, an
+    # expert's MLP width, whether the chosen ones' weights are renormalised to sum to 1,
+    # and the layers that keep a dense MLP (Qwen3-MoE's mlp_only_layers)
+    experts: int = 0
+    experts_per_token: int = 0
+    expert_size: int = 0
+    norm_topk: bool = False
+    dense_layers: tuple[int, ...] = ()
 
     @classmethod
     def load(cls, folder: str | Path) -> "ModelConfig":
@@ -144,7 +158,8 @@ class ModelConfig:
         if raw.get("original_max_position_embeddings"):  # Phi-3 gives it beside its rope_scaling
             rope.setdefault("original_max_position_embeddings", raw["original_max_position_embeddings"])
         head_dim = raw.get("head_dim") or raw["hidden_size"] // heads
-        window = raw.get("sliding_window") if raw.get("use_sliding_window", arch in ("mistral", "phi3")) else None
+        window = (raw.get("sliding_window") if raw.get("use_sliding_window", arch in ("mistral", "phi3", "mixtral"))
+                  else None)
         return cls(
             arch=arch,
             vocab_size=raw["vocab_size"],
@@ -158,7 +173,7 @@ class ModelConfig:
             max_position=raw.get("max_position_embeddings", 4096),
             tie_embeddings=bool(raw.get("tie_word_embeddings", False)),
             qkv_bias=arch == "qwen2" or bool(raw.get("attention_bias", False)),
-            qk_norm="head" if arch == "qwen3" else "all" if arch == "olmo2" else None,
+            qk_norm="head" if arch in ("qwen3", "qwen3_moe") else "all" if arch in ("olmo2", "olmoe") else None,
             post_norm=arch == "olmo2",
             rope=rope,
             eos_token_ids=[] if eos is None else ([eos] if isinstance(eos, int) else list(eos)),
@@ -166,6 +181,7 @@ class ModelConfig:
             nope=_nope(raw, path) if arch == "smollm3" else (),
             rotary_dim=_rotary_dim(raw, rope, head_dim, path),
             **(_granite(raw, path) if arch == "granite" else {}),
+            **(_moe(raw, arch, path) if arch in MOE else {}),
         )
 
     @property
@@ -175,6 +191,10 @@ class ModelConfig:
         if self.rope.get("rope_type") == "longrope":
             return min(self.max_position, self.rope.get("original_max_position_embeddings") or self.max_position)
         return self.max_position
+
+    def sparse(self, layer: int) -> bool:
+        """Whether `layer`'s MLP is a mixture of experts."""
+        return self.experts > 0 and layer not in self.dense_layers
 
     def kv_bytes_per_token(self, elem_size: int) -> int:
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * elem_size
@@ -213,6 +233,36 @@ def _granite(raw: dict, path: Path) -> dict[str, float]:
         if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0:
             raise InvalidRequest(f"{path}: {key} must be a positive number", "model")
         out[key] = float(v)
+    return out
+
+
+def _moe(raw: dict, arch: str, path: Path) -> dict:
+    """A mixture of experts' fields, as transformers reads each architecture's config."""
+    n = raw["num_hidden_layers"]
+    keys = dict(experts="num_experts" if "num_experts" in raw else "num_local_experts",
+                experts_per_token="num_experts_per_tok",
+                expert_size="moe_intermediate_size" if arch == "qwen3_moe" else "intermediate_size")
+    out = {name: raw.get(key) for name, key in keys.items()}
+    for name, v in out.items():
+        if type(v) is not int or v < 1:
+            raise InvalidRequest(f"{path}: {keys[name]} must be a positive integer, not {v!r}", "model")
+    if out["experts_per_token"] > out["experts"]:
+        raise InvalidRequest(f"{path}: num_experts_per_tok {out['experts_per_token']} exceeds the "
+                             f"{out['experts']} experts", "model")
+    out["norm_topk"] = True if arch == "mixtral" else bool(raw.get("norm_topk_prob", False))
+    dense: set[int] = set()
+    if arch == "qwen3_moe":
+        only, step = raw.get("mlp_only_layers") or [], raw.get("decoder_sparse_step", 1)
+        if type(step) is not int or step < 1 or not isinstance(only, list) or any(
+                type(i) is not int or not 0 <= i < n for i in only):
+            raise InvalidRequest(f"{path}: decoder_sparse_step must be a positive integer and "
+                                 f"mlp_only_layers layer indices below {n}", "model")
+        dense = set(only) | {i for i in range(n) if (i + 1) % step}
+    out["dense_layers"] = tuple(sorted(dense))
+    clip = raw.get("clip_qkv") if arch == "olmoe" else None
+    if clip is not None and (isinstance(clip, bool) or not isinstance(clip, (int, float)) or not clip > 0):
+        raise InvalidRequest(f"{path}: clip_qkv must be a positive number", "model")
+    out["clip_qkv"] = None if clip is None else float(clip)
     return out
 
 

@@ -11,6 +11,7 @@ import contextlib
 import hashlib
 import importlib.util
 import os
+import re
 import shutil
 from pathlib import Path
 
@@ -96,16 +97,27 @@ def build(cfg: ModelConfig, dtype: torch.dtype, device: torch.device | str, tp: 
         torch.set_default_dtype(prev)
 
 
-def _target(name: str, cfg: ModelConfig) -> tuple[str, int | None]:
-    """Checkpoint name -> (our parameter name, row offset into a fused parameter)."""
+def _target(name: str, cfg: ModelConfig) -> tuple[str, int | None, int | None]:
+    """Checkpoint name -> (our parameter name, the expert's index into stacked expert
+    weights, the row offset into a fused parameter)."""
     qd, kd = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
     for part, off in (("q_proj", 0), ("k_proj", qd), ("v_proj", qd + kd)):
         if f".self_attn.{part}." in name:
-            return name.replace(part, "qkv_proj"), off
+            return name.replace(part, "qkv_proj"), None, off
+    expert = EXPERT.search(name)
+    if expert is not None:
+        e, part = int(expert[1]), expert[2]
+        stacked = name[: expert.start()] + ".mlp.experts." + ("down_proj" if part == "down_proj" else "gate_up_proj")
+        return stacked, e, cfg.expert_size if part == "up_proj" else 0
     for part, off in (("gate_proj", 0), ("up_proj", cfg.intermediate_size)):
         if f".mlp.{part}." in name:
-            return name.replace(part, "gate_up_proj"), off
-    return name, None
+            return name.replace(part, "gate_up_proj"), None, off
+    return name, None, None
+
+
+EXPERT = re.compile(r"\.mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+# Mixtral's names for its experts and router, as the other mixtures name them
+MIXTRAL = {".block_sparse_moe.": ".mlp.", ".w1.": ".gate_proj.", ".w3.": ".up_proj.", ".w2.": ".down_proj."}
 
 
 FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
@@ -115,7 +127,10 @@ def _parts(name: str, w: torch.Tensor, cfg: ModelConfig, fold: float) -> list[tu
     """A checkpoint tensor as the loader places it: fused ones (Phi-3's qkv_proj and
     gate_up_proj) as their parts, which tensor parallelism then splits as it would unfused
     ones; q's and k's rows paired up for the kernels' RoPE where a model turns only part of
-    each head (`_pairs`)."""
+    each head (`_pairs`); Mixtral's expert names as the other mixtures' (`MIXTRAL`)."""
+    if ".block_sparse_moe." in name:
+        for old, new in MIXTRAL.items():
+            name = name.replace(old, new)
     for fused, parts in FUSED.items():
         if f".{fused}." in name:
             qd, kd, inter = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.intermediate_size
@@ -164,17 +179,23 @@ def load(folder: Path, dtype: torch.dtype, device: torch.device | str, tp: Shard
                 if "rotary_emb" in stored:
                     continue
                 for name, w in _parts(stored, f.get_tensor(stored), cfg, fold):
-                    target, off = _target(name, model.cfg)
-                    if target not in params:
+                    target, expert, off = _target(name, model.cfg)
+                    if target not in params or (expert is not None and expert >= cfg.experts):
                         raise InvalidRequest(f"unexpected weight {stored} in {file.name}", "model")
                     src = shard_weight(name, w, tp)
                     # rows from `off` in a fused parameter; a tensor-parallel rank's vocabulary
                     # share may hold fewer rows than its parameter (the padded last one)
-                    dst = params[target][off or 0: (off or 0) + src.shape[0]]
+                    dst = params[target] if expert is None else params[target][expert]
+                    dst = dst[off or 0: (off or 0) + src.shape[0]]
+                    if dst.shape != src.shape:
+                        raise InvalidRequest(f"{stored} in {file.name} has shape {tuple(w.shape)}, not what "
+                                             "the config gives", "model")
                     dst.copy_(src.to(dtype))
-                    seen.add(f"{target}@{off}")
-    # per layer: q, k, v, o, gate, up, down, two norms; then embed, norm, lm_head
-    expected = 9 * cfg.num_layers + 2 + (0 if cfg.tie_embeddings else 1)
+                    seen.add(f"{target}@{expert}@{off}")
+    # per layer: q, k, v, o, two norms, and gate, up, down (or each expert's and the
+    # router); then embed, norm, lm_head
+    sparse = sum(cfg.sparse(i) for i in range(cfg.num_layers))
+    expected = 9 * cfg.num_layers + sparse * (3 * cfg.experts - 2) + 2 + (0 if cfg.tie_embeddings else 1)
     if cfg.qkv_bias:
         expected += 3 * cfg.num_layers
     if cfg.qk_norm:

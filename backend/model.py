@@ -1,4 +1,5 @@
-"""Llama / Qwen2 / Qwen3 / Mistral decoder, our own forward.
+"""Llama / Qwen2 / Qwen3 / Mistral decoder (and the other architectures backend/config.py
+takes), our own forward.
 
 Every layer's K/V passes through `KVCache.store` (keys before RoPE) and attention reads
 them back through the paged pool, so reuse policies can see and replace any layer's
@@ -13,6 +14,7 @@ import torch
 from torch import nn
 
 from tokendance.backend.config import ModelConfig
+from tokendance.backend.moe import MoE
 from tokendance.backend.parallel import Shard
 from tokendance.backend.rope_scaling import rotary
 from tokendance.kernels.act import silu_mul
@@ -113,6 +115,7 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(self.d * (self.nq if whole else 1), cfg.rms_norm_eps)
             self.k_norm = RMSNorm(self.d * (self.nkv if whole else 1), cfg.rms_norm_eps)
         self.qk_norm = cfg.qk_norm
+        self.clip = cfg.clip_qkv
         self.rope = rope
         self.scale = cfg.attention_multiplier if cfg.attention_multiplier is not None else self.d ** -0.5
 
@@ -126,6 +129,8 @@ class Attention(nn.Module):
             k = self.k_norm(k.reshape(-1, self.d))
         elif self.qk_norm == "all":
             q, k = self.q_norm(q), self.k_norm(k)
+        if self.clip is not None:
+            q, k, v = (a.clamp(-self.clip, self.clip) for a in (q, k, v))
         return q.view(t, self.nq, self.d), k.view(t, self.nkv, self.d), v.view(t, self.nkv, self.d)
 
     def store(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttnMeta,
@@ -183,7 +188,7 @@ class Layer(nn.Module):
     def __init__(self, cfg: ModelConfig, idx: int, rope: "Rope", tp: Shard | None = None):
         super().__init__()
         self.self_attn = Attention(cfg, idx, rope, tp)
-        self.mlp = MLP(cfg, tp)
+        self.mlp = MoE(cfg, tp) if cfg.sparse(idx) else MLP(cfg, tp)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
@@ -213,7 +218,7 @@ class PostNormLayer(Layer):
     def __init__(self, cfg: ModelConfig, idx: int, rope: "Rope", tp: Shard | None = None):
         nn.Module.__init__(self)
         self.self_attn = Attention(cfg, idx, rope, tp)
-        self.mlp = MLP(cfg, tp)
+        self.mlp = MoE(cfg, tp) if cfg.sparse(idx) else MLP(cfg, tp)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_feedforward_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 

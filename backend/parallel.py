@@ -5,7 +5,8 @@ The split is Megatron's: qkv_proj and gate_up_proj by output rows (a rank's quer
 heads, its share of the MLP), o_proj and down_proj by input columns, their partial
 outputs summed across ranks (one all-reduce after attention, one after the MLP); the
 embeddings and lm_head by vocabulary rows (a token's embedding summed from the rank that
-holds it, the logits gathered whole on every rank); norms whole. A rank's KV pool holds
+holds it, the logits gathered whole on every rank); norms whole, and a mixture of experts'
+router (each expert splits as a dense MLP does). A rank's KV pool holds
 its own KV heads only, so the pool, the segment cache, the Mirrors and the host tier all
 shrink by n per token while their block tables stay the same on every rank.
 
@@ -123,12 +124,12 @@ def shard_config(cfg: ModelConfig, size: int) -> ModelConfig:
         raise InvalidRequest("the model norms q and k over all its heads at once (OLMo 2): it does not "
                              "split over tensor-parallel ranks", "tensor_parallel_size")
     for what, n in (("attention heads", cfg.num_heads), ("KV heads", cfg.num_kv_heads),
-                    ("MLP width", cfg.intermediate_size)):
+                    ("MLP width", cfg.intermediate_size), ("experts' MLP width", cfg.expert_size or size)):
         if n % size:
             raise InvalidRequest(f"--tensor-parallel-size {size} does not divide the model's "
                                  f"{n} {what}", "tensor_parallel_size")
     return dataclasses.replace(cfg, num_heads=cfg.num_heads // size, num_kv_heads=cfg.num_kv_heads // size,
-                               intermediate_size=cfg.intermediate_size // size)
+                               intermediate_size=cfg.intermediate_size // size, expert_size=cfg.expert_size // size)
 
 
 ROWS = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")  # split by output rows

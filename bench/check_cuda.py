@@ -205,21 +205,24 @@ def greedy_vs_hf(dtype: str, shape: str = "qwen2.5-7b", layers: int = 2) -> bool
     eng = Engine(EngineConfig(model=str(folder), dtype=dtype, random_weights=True, kv_tokens=8192))
     hf = AutoModelForCausalLM.from_config(__import__("transformers").AutoConfig.from_pretrained(folder),
                                           dtype=eng.dtype).to("cuda").eval()
-    # Same weights: ours take HF's (fused where ours are fused); Qwen3's per-head norms
-    # start at ones in HF, so they are drawn first.
+    # Same weights: ours take HF's (fused where ours are fused; a mixture's experts are
+    # stacked alike in both); Qwen3's per-head norms start at ones in HF, and routers
+    # near zero (routing all but uniform, decided by rounding), so both are drawn first.
     sd = hf.state_dict()
     with torch.no_grad():
         for name, t in sd.items():
             if name.endswith(("q_norm.weight", "k_norm.weight")):
                 t.uniform_(0.5, 1.5)
+            if name.endswith("mlp.gate.weight"):
+                t.normal_(0.0, 1.0)
         for name, p in eng.model.named_parameters():
-            if "qkv_proj" in name:
+            if name in sd:
+                p.copy_(sd[name])
+            elif "qkv_proj" in name:
                 parts = [sd[name.replace("qkv_proj", x)] for x in ("q_proj", "k_proj", "v_proj")]
                 p.copy_(torch.cat(parts))
-            elif "gate_up_proj" in name:
-                p.copy_(torch.cat([sd[name.replace("gate_up_proj", x)] for x in ("gate_proj", "up_proj")]))
             else:
-                p.copy_(sd[name])
+                p.copy_(torch.cat([sd[name.replace("gate_up_proj", x)] for x in ("gate_proj", "up_proj")]))
     prompts = rand_prompts(4, 200, vocab(shape), 1)
     ours = [t for t, _, _ in eng.generate(prompts, SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))]
     with torch.no_grad():

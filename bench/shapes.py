@@ -46,6 +46,18 @@ SHAPES = {
                        num_attention_heads=16, num_key_value_heads=4, max_position_embeddings=65536,
                        rope_theta=5000000.0, rms_norm_eps=1e-6, no_rope_layer_interval=4,
                        tie_word_embeddings=True, pad_token_id=128004, eos_token_id=128012),
+    # mixtures of experts: 8 of 128 experts a token (3.3 B of 30.5 B parameters), and 8 of 64
+    # (1.3 B of 6.9 B; small enough to time beside HF on one GPU)
+    "qwen3-30b-a3b": dict(QWEN_COMMON, architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe",
+                          vocab_size=151936, max_position_embeddings=40960, hidden_size=2048,
+                          intermediate_size=6144, moe_intermediate_size=768, num_hidden_layers=48,
+                          num_attention_heads=32, num_key_value_heads=4, head_dim=128, num_experts=128,
+                          num_experts_per_tok=8, norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[]),
+    "olmoe-1b-7b": dict(architectures=["OlmoeForCausalLM"], model_type="olmoe", vocab_size=50304,
+                        hidden_size=2048, intermediate_size=1024, num_hidden_layers=16, num_attention_heads=16,
+                        num_key_value_heads=16, num_experts=64, num_experts_per_tok=8, norm_topk_prob=False,
+                        max_position_embeddings=4096, rope_theta=10000.0, rms_norm_eps=1e-5,
+                        tie_word_embeddings=False, pad_token_id=1, eos_token_id=50279),
 }
 
 

@@ -1,0 +1,54 @@
+"""A mixture of experts in place of a layer's MLP (Mixtral, Qwen3-MoE, OLMoE).
+
+A router scores every expert for each token; the token goes through the k best experts'
+SwiGLU MLPs, and their outputs are summed, weighted by the router's softmax over all
+experts (renormalised over the k chosen where the model says so). The experts' weights
+are stacked, [E, 2I, H] (gate rows, then up) and [E, H, I], so one kernel launch
+(kernels/moe.py) serves every expert. Under tensor parallelism each rank holds every
+expert's share of the MLP width, as it holds a dense MLP's, and the ranks' partial
+outputs are summed; the router is whole on every rank and picks alike.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from tokendance.backend.config import ModelConfig
+from tokendance.backend.parallel import Shard
+from tokendance.kernels.moe import moe
+
+
+class Experts(nn.Module):
+    """The stacked expert weights, named as transformers names them in memory."""
+
+    def __init__(self, n: int, hidden: int, width: int):
+        super().__init__()
+        self.gate_up_proj = nn.Parameter(torch.empty(n, 2 * width, hidden))
+        self.down_proj = nn.Parameter(torch.empty(n, hidden, width))
+        # as nn.Linear starts its weights: random-weight engines (timing) use these
+        for p, fan_in in ((self.gate_up_proj, hidden), (self.down_proj, width)):
+            nn.init.uniform_(p, -fan_in ** -0.5, fan_in ** -0.5)
+
+
+class MoE(nn.Module):
+    def __init__(self, cfg: ModelConfig, tp: Shard | None = None):
+        super().__init__()
+        self.gate = nn.Linear(cfg.hidden_size, cfg.experts, bias=False)  # the router
+        self.experts = Experts(cfg.experts, cfg.hidden_size, cfg.expert_size)
+        self.k, self.norm = cfg.experts_per_token, cfg.norm_topk
+        self.tp = tp
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights, ids = route(self.gate(x), self.k, self.norm)
+        y = moe(x, self.experts.gate_up_proj, self.experts.down_proj, weights.to(x.dtype), ids)
+        return y if self.tp is None else self.tp.sum(y)
+
+
+def route(logits: torch.Tensor, k: int, norm: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weights [T, k] float32, expert ids [T, k]): the k largest of the softmax over all
+    experts, taken in float32 as transformers takes them, renormalised with `norm`."""
+    weights, ids = logits.float().softmax(-1).topk(k, -1)
+    if norm:
+        weights = weights / weights.sum(-1, keepdim=True)
+    return weights, ids
