@@ -121,7 +121,7 @@ class Shard:
 def shard_config(cfg: ModelConfig, size: int) -> ModelConfig:
     """The part of the model one rank holds (InvalidRequest if the model cannot split so)."""
     if cfg.qk_norm == "all":
-        raise InvalidRequest("the model norms q and k over all its heads at once (OLMo 2): it does not "
+        raise InvalidRequest("the model norms q and k over all its heads at once (OLMo 2, OLMoE): it does not "
                              "split over tensor-parallel ranks", "tensor_parallel_size")
     for what, n in (("attention heads", cfg.num_heads), ("KV heads", cfg.num_kv_heads),
                     ("MLP width", cfg.intermediate_size), ("experts' MLP width", cfg.expert_size or size)):

@@ -127,3 +127,8 @@ def test_a_checkpoint_short_of_an_expert_or_with_one_too_many(moes, tmp_path):
     wide = _edited(src, tmp_path, "wide", intermediate_size=64)  # the experts hold 128 rows
     with pytest.raises(InvalidRequest, match="not what the config gives"):
         Engine(model=str(wide), dtype="float32", kv_tokens=1024)
+
+
+def test_olmoe_does_not_split_over_ranks(moes):
+    with pytest.raises(InvalidRequest, match="does not split over tensor-parallel ranks"):
+        Engine(model=str(moes["olmoe"]), dtype="float32", kv_tokens=1024, tensor_parallel_size=2)
