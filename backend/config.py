@@ -80,10 +80,12 @@ ARCHITECTURES = {
     "Phi3ForCausalLM": "phi3",  # Phi-3, 3.5, 4-mini: LongRoPE, a part of each head rotated (4-mini)
     # mixtures of experts (backend/moe.py): Mistral's, Qwen3's and OLMo's layers otherwise
     "MixtralForCausalLM": "mixtral",
+    "Qwen2MoeForCausalLM": "qwen2_moe",  # with a shared expert every token takes
     "Qwen3MoeForCausalLM": "qwen3_moe",
     "OlmoeForCausalLM": "olmoe",
 }
-MOE = ("mixtral", "qwen3_moe", "olmoe")
+MOE = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe")
+QWEN_MOE = ("qwen2_moe", "qwen3_moe")
 
 
 @dataclass(slots=True)
@@ -118,12 +120,14 @@ class ModelConfig:
     clip_qkv: float | None = None  # OLMoE's: q, k and v clamped to +-clip_qkv after the norms
     # A mixture of experts: experts per sparse layer, how many each token takes, an
     # expert's MLP width, whether the chosen ones' weights are renormalised to sum to 1,
-    # and the layers that keep a dense MLP (Qwen3-MoE's mlp_only_layers)
+    # the layers that keep a dense MLP (Qwen-MoE's mlp_only_layers), and the width of a
+    # shared expert every token takes beside its k, its output gated (Qwen2-MoE's; 0: none)
     experts: int = 0
     experts_per_token: int = 0
     expert_size: int = 0
     norm_topk: bool = False
     dense_layers: tuple[int, ...] = ()
+    shared_expert_size: int = 0
 
     @classmethod
     def load(cls, folder: str | Path) -> "ModelConfig":
@@ -172,7 +176,8 @@ class ModelConfig:
             rms_norm_eps=raw.get("rms_norm_eps", 1e-6),
             max_position=raw.get("max_position_embeddings", 4096),
             tie_embeddings=bool(raw.get("tie_word_embeddings", False)),
-            qkv_bias=arch == "qwen2" or bool(raw.get("attention_bias", False)),
+            qkv_bias=(arch == "qwen2" or bool(raw.get("attention_bias", False))
+                      or (arch == "qwen2_moe" and bool(raw.get("qkv_bias", True)))),
             qk_norm="head" if arch in ("qwen3", "qwen3_moe") else "all" if arch in ("olmo2", "olmoe") else None,
             post_norm=arch == "olmo2",
             rope=rope,
@@ -241,7 +246,9 @@ def _moe(raw: dict, arch: str, path: Path) -> dict:
     n = raw["num_hidden_layers"]
     keys = dict(experts="num_experts" if "num_experts" in raw else "num_local_experts",
                 experts_per_token="num_experts_per_tok",
-                expert_size="moe_intermediate_size" if arch == "qwen3_moe" else "intermediate_size")
+                expert_size="moe_intermediate_size" if arch in QWEN_MOE else "intermediate_size")
+    if arch == "qwen2_moe":
+        keys["shared_expert_size"] = "shared_expert_intermediate_size"
     out = {name: raw.get(key) for name, key in keys.items()}
     for name, v in out.items():
         if type(v) is not int or v < 1:
@@ -251,7 +258,7 @@ def _moe(raw: dict, arch: str, path: Path) -> dict:
                              f"{out['experts']} experts", "model")
     out["norm_topk"] = True if arch == "mixtral" else bool(raw.get("norm_topk_prob", False))
     dense: set[int] = set()
-    if arch == "qwen3_moe":
+    if arch in QWEN_MOE:
         only, step = raw.get("mlp_only_layers") or [], raw.get("decoder_sparse_step", 1)
         if type(step) is not int or step < 1 or not isinstance(only, list) or any(
                 type(i) is not int or not 0 <= i < n for i in only):

@@ -109,9 +109,10 @@ def _target(name: str, cfg: ModelConfig) -> tuple[str, int | None, int | None]:
         e, part = int(expert[1]), expert[2]
         stacked = name[: expert.start()] + ".mlp.experts." + ("down_proj" if part == "down_proj" else "gate_up_proj")
         return stacked, e, cfg.expert_size if part == "up_proj" else 0
-    for part, off in (("gate_proj", 0), ("up_proj", cfg.intermediate_size)):
-        if f".mlp.{part}." in name:
-            return name.replace(part, "gate_up_proj"), None, off
+    for mlp, width in ((".mlp.", cfg.intermediate_size), (".shared_expert.", cfg.shared_expert_size)):
+        for part, off in (("gate_proj", 0), ("up_proj", width)):
+            if f"{mlp}{part}." in name:
+                return name.replace(part, "gate_up_proj"), None, off
     return name, None, None
 
 
@@ -192,10 +193,11 @@ def load(folder: Path, dtype: torch.dtype, device: torch.device | str, tp: Shard
                                              "the config gives", "model")
                     dst.copy_(src.to(dtype))
                     seen.add(f"{target}@{expert}@{off}")
-    # per layer: q, k, v, o, two norms, and gate, up, down (or each expert's and the
-    # router); then embed, norm, lm_head
+    # per layer: q, k, v, o, two norms, and gate, up, down (or each expert's, the router,
+    # and a shared expert's gate, up, down and its gate); then embed, norm, lm_head
     sparse = sum(cfg.sparse(i) for i in range(cfg.num_layers))
-    expected = 9 * cfg.num_layers + sparse * (3 * cfg.experts - 2) + 2 + (0 if cfg.tie_embeddings else 1)
+    shared = 4 if cfg.shared_expert_size else 0
+    expected = 9 * cfg.num_layers + sparse * (3 * cfg.experts - 2 + shared) + 2 + (0 if cfg.tie_embeddings else 1)
     if cfg.qkv_bias:
         expected += 3 * cfg.num_layers
     if cfg.qk_norm:

@@ -14,10 +14,9 @@ import torch
 from torch import nn
 
 from tokendance.backend.config import ModelConfig
-from tokendance.backend.moe import MoE
+from tokendance.backend.moe import MLP, MoE
 from tokendance.backend.parallel import Shard
 from tokendance.backend.rope_scaling import rotary
-from tokendance.kernels.act import silu_mul
 from tokendance.kernels.master import MasterRead
 from tokendance.kernels.norm import rms_norm
 from tokendance.kernels.paged_attention import paged_attention
@@ -172,16 +171,6 @@ class Attention(nn.Module):
         return self.out(causal_attention(q, k, v, meta.fresh_cu, self.scale, meta.cu_q))
 
 
-class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig, tp: Shard | None = None):
-        super().__init__()
-        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
-        self.tp = tp
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = self.down_proj(silu_mul(self.gate_up_proj(x)))
-        return x if self.tp is None else self.tp.sum(x)
 
 
 class Layer(nn.Module):

@@ -1,8 +1,10 @@
-"""A mixture of experts in place of a layer's MLP (Mixtral, Qwen3-MoE, OLMoE).
+"""A layer's MLP: dense (SwiGLU), or a mixture of experts (Mixtral, Qwen2-MoE, Qwen3-MoE,
+OLMoE).
 
 A router scores every expert for each token; the token goes through the k best experts'
 SwiGLU MLPs, and their outputs are summed, weighted by the router's softmax over all
-experts (renormalised over the k chosen where the model says so). The experts' weights
+experts (renormalised over the k chosen where the model says so). Qwen2-MoE adds a
+shared expert, a dense MLP every token takes, its output scaled by a sigmoid gate. The experts' weights
 are stacked, [E, 2I, H] (gate rows, then up) and [E, H, I], so one kernel launch
 (kernels/moe.py) serves every expert. Under tensor parallelism each rank holds every
 expert's share of the MLP width, as it holds a dense MLP's, and the ranks' partial
@@ -16,7 +18,21 @@ from torch import nn
 
 from tokendance.backend.config import ModelConfig
 from tokendance.backend.parallel import Shard
+from tokendance.kernels.act import silu_mul
 from tokendance.kernels.moe import moe
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig, tp: Shard | None = None, width: int | None = None):
+        super().__init__()
+        width = width or cfg.intermediate_size
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * width, bias=False)
+        self.down_proj = nn.Linear(width, cfg.hidden_size, bias=False)
+        self.tp = tp
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.down_proj(silu_mul(self.gate_up_proj(x)))
+        return x if self.tp is None else self.tp.sum(x)
 
 
 class Experts(nn.Module):
@@ -38,10 +54,15 @@ class MoE(nn.Module):
         self.experts = Experts(cfg.experts, cfg.hidden_size, cfg.expert_size)
         self.k, self.norm = cfg.experts_per_token, cfg.norm_topk
         self.tp = tp
+        if cfg.shared_expert_size:
+            self.shared_expert = MLP(cfg, width=cfg.shared_expert_size)  # summed with the rest, once
+            self.shared_expert_gate = nn.Linear(cfg.hidden_size, 1, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = route(self.gate(x), self.k, self.norm)
         y = moe(x, self.experts.gate_up_proj, self.experts.down_proj, weights.to(x.dtype), ids)
+        if hasattr(self, "shared_expert"):
+            y = y + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         return y if self.tp is None else self.tp.sum(y)
 
 

@@ -124,12 +124,14 @@ def shard_config(cfg: ModelConfig, size: int) -> ModelConfig:
         raise InvalidRequest("the model norms q and k over all its heads at once (OLMo 2, OLMoE): it does not "
                              "split over tensor-parallel ranks", "tensor_parallel_size")
     for what, n in (("attention heads", cfg.num_heads), ("KV heads", cfg.num_kv_heads),
-                    ("MLP width", cfg.intermediate_size), ("experts' MLP width", cfg.expert_size or size)):
+                    ("MLP width", cfg.intermediate_size), ("experts' MLP width", cfg.expert_size or size),
+                    ("shared expert's MLP width", cfg.shared_expert_size or size)):
         if n % size:
             raise InvalidRequest(f"--tensor-parallel-size {size} does not divide the model's "
                                  f"{n} {what}", "tensor_parallel_size")
     return dataclasses.replace(cfg, num_heads=cfg.num_heads // size, num_kv_heads=cfg.num_kv_heads // size,
-                               intermediate_size=cfg.intermediate_size // size, expert_size=cfg.expert_size // size)
+                               intermediate_size=cfg.intermediate_size // size, expert_size=cfg.expert_size // size,
+                               shared_expert_size=cfg.shared_expert_size // size)
 
 
 ROWS = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")  # split by output rows

@@ -34,20 +34,21 @@ def smollm2() -> Path:
 
 def make_tiny(dest: Path, arch: str, tokenizer_from: Path, **over) -> Path:
     """A 2-layer random model of `arch` ("llama" | "qwen2" | "qwen3" | "mistral" | "smollm3" |
-    "granite" | "olmo2" | "phi3", or a mixture of experts: "mixtral" | "qwen3_moe" | "olmoe")
-    saved as an HF folder."""
+    "granite" | "olmo2" | "phi3", or a mixture of experts: "mixtral" | "qwen2_moe" | "qwen3_moe" |
+    "olmoe") saved as an HF folder."""
     from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM
     from transformers import Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
     from transformers import GraniteConfig, GraniteForCausalLM, Olmo2Config, Olmo2ForCausalLM
     from transformers import Phi3Config, Phi3ForCausalLM, SmolLM3Config, SmolLM3ForCausalLM
     from transformers import MixtralConfig, MixtralForCausalLM, OlmoeConfig, OlmoeForCausalLM
-    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+    from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
 
     kinds = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen2": (Qwen2Config, Qwen2ForCausalLM),
              "qwen3": (Qwen3Config, Qwen3ForCausalLM), "mistral": (MistralConfig, MistralForCausalLM),
              "smollm3": (SmolLM3Config, SmolLM3ForCausalLM), "granite": (GraniteConfig, GraniteForCausalLM),
              "olmo2": (Olmo2Config, Olmo2ForCausalLM), "phi3": (Phi3Config, Phi3ForCausalLM),
              "mixtral": (MixtralConfig, MixtralForCausalLM), "qwen3_moe": (Qwen3MoeConfig, Qwen3MoeForCausalLM),
+             "qwen2_moe": (Qwen2MoeConfig, Qwen2MoeForCausalLM),
              "olmoe": (OlmoeConfig, OlmoeForCausalLM)}
     cfg_cls, model_cls = kinds[arch]
     kw = dict(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -63,7 +64,7 @@ def make_tiny(dest: Path, arch: str, tokenizer_from: Path, **over) -> Path:
         for name, p in model.named_parameters():  # q and k norms (Qwen3's, OLMo 2's): not all ones
             if name.endswith(("q_norm.weight", "k_norm.weight")):
                 p.uniform_(0.5, 1.5)
-            if name.endswith("mlp.gate.weight"):  # a router's: decisive, as a trained one is
+            if name.endswith(("mlp.gate.weight", "shared_expert_gate.weight")):  # decisive, as trained ones are
                 p.normal_(0.0, 1.0)
     model.save_pretrained(dest)
     for name in TOKENIZER_FILES:

@@ -1,4 +1,4 @@
-"""Mixtures of experts (Mixtral, Qwen3-MoE, OLMoE): the engine gives HF's greedy tokens,
+"""Mixtures of experts (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE): the engine gives HF's greedy tokens,
 reuses as for Llama, and reads each architecture's expert fields and names; what it
 cannot load is a one-line error."""
 
@@ -26,6 +26,9 @@ KINDS = {
     # layer 1 of 3 keeps a dense MLP (mlp_only_layers), whose width differs from an expert's
     "qwen3_moe": dict(num_experts=8, num_experts_per_tok=3, moe_intermediate_size=48, norm_topk_prob=True,
                       mlp_only_layers=[1]),
+    # a shared expert of its own width; only every second layer sparse (decoder_sparse_step)
+    "qwen2_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=False,
+                      shared_expert_intermediate_size=40, decoder_sparse_step=2),
     # clip_qkv low enough to clamp: without the clamp the tokens differ
     "olmoe": dict(num_experts=4, num_experts_per_tok=2, norm_topk_prob=False, clip_qkv=0.5),
 }
@@ -40,7 +43,7 @@ def moes(make_model):
 def test_moe_matches_hf(moes, arch):
     eng = Engine(model=str(moes[arch]), dtype="float32", kv_tokens=8192, max_batched_tokens=512)
     sparse = [isinstance(layer.mlp, MoE) for layer in eng.model.layers]
-    assert sparse == ([True, False, True] if arch == "qwen3_moe" else [True] * 3)
+    assert sparse == {"qwen3_moe": [True, False, True], "qwen2_moe": [False, True, False]}.get(arch, [True] * 3)
     prompts = prompts_for(eng.mcfg.vocab_size, (3, 17, 64, 200, 700), seed=7)
     ours = eng.generate(prompts, GREEDY)
     for (toks, _, _), want in zip(ours, hf_greedy(moes[arch], prompts, 24)):
@@ -56,12 +59,14 @@ def test_moe_reuses_as_llama_does(moes):
 
 @pytest.mark.parametrize("arch", list(KINDS))
 def test_a_sparse_layer_computes_what_transformers_does(moes, arch):
-    """Layer 0's MoE against HF's on the same states: routing (renormalised or not),
-    each expert's gate and up rows, the weighted sum."""
+    """A sparse layer's MoE against HF's on the same states: routing (renormalised or
+    not), each expert's gate and up rows, the weighted sum, a shared expert and its gate."""
     from transformers import AutoModelForCausalLM
 
-    ours = loader.load(moes[arch], torch.float32, "cpu").model.layers[0].mlp
-    theirs = AutoModelForCausalLM.from_pretrained(moes[arch], dtype=torch.float32).model.layers[0].mlp
+    i = 1 if arch == "qwen2_moe" else 0  # the first sparse layer
+    ours = loader.load(moes[arch], torch.float32, "cpu").model.layers[i].mlp
+    theirs = AutoModelForCausalLM.from_pretrained(moes[arch], dtype=torch.float32).model.layers[i].mlp
+    assert isinstance(ours, MoE)
     x = torch.randn(40, 64, generator=torch.Generator().manual_seed(3)) * 0.1  # routing far from one-hot
     with torch.no_grad():
         want = theirs(x[None])

@@ -187,6 +187,8 @@ def test_a_vocabulary_the_size_does_not_divide(make_model, arch):
     ("granite", dict(embedding_multiplier=12.0, residual_multiplier=0.22, attention_multiplier=1.5)),
     ("smollm3", dict(no_rope_layer_interval=2)),
     ("qwen3_moe", dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True)),
+    ("qwen2_moe", dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                       shared_expert_intermediate_size=48)),
     ("mixtral", dict(num_local_experts=4, num_experts_per_tok=2)),
 ])
 def test_other_architectures_split_as_one_process(make_model, arch, over):
