@@ -83,8 +83,9 @@ ARCHITECTURES = {
     "Qwen2MoeForCausalLM": "qwen2_moe",  # with a shared expert every token takes
     "Qwen3MoeForCausalLM": "qwen3_moe",
     "OlmoeForCausalLM": "olmoe",
+    "GraniteMoeForCausalLM": "granitemoe",  # Granite's multipliers too
 }
-MOE = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe")
+MOE = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "granitemoe")
 QWEN_MOE = ("qwen2_moe", "qwen3_moe")
 
 
@@ -185,7 +186,7 @@ class ModelConfig:
             sliding_window=window,
             nope=_nope(raw, path) if arch == "smollm3" else (),
             rotary_dim=_rotary_dim(raw, rope, head_dim, path),
-            **(_granite(raw, path) if arch == "granite" else {}),
+            **(_granite(raw, path) if arch in ("granite", "granitemoe") else {}),
             **(_moe(raw, arch, path) if arch in MOE else {}),
         )
 
@@ -256,7 +257,8 @@ def _moe(raw: dict, arch: str, path: Path) -> dict:
     if out["experts_per_token"] > out["experts"]:
         raise InvalidRequest(f"{path}: num_experts_per_tok {out['experts_per_token']} exceeds the "
                              f"{out['experts']} experts", "model")
-    out["norm_topk"] = True if arch == "mixtral" else bool(raw.get("norm_topk_prob", False))
+    # GraniteMoE's softmax over the k best logits is the renormalised top k of the whole one
+    out["norm_topk"] = arch in ("mixtral", "granitemoe") or bool(raw.get("norm_topk_prob", False))
     dense: set[int] = set()
     if arch in QWEN_MOE:
         only, step = raw.get("mlp_only_layers") or [], raw.get("decoder_sparse_step", 1)

@@ -22,6 +22,7 @@ from safetensors import safe_open
 from tokendance.backend.api import InvalidRequest
 from tokendance.backend.config import ModelConfig
 from tokendance.backend.model import Decoder
+from tokendance.backend.moe import MoE
 from tokendance.backend.parallel import Shard, shard_config, shard_weight
 from tokendance.backend.rope_scaling import rotary
 
@@ -128,8 +129,17 @@ def _parts(name: str, w: torch.Tensor, cfg: ModelConfig, fold: float) -> list[tu
     """A checkpoint tensor as the loader places it: fused ones (Phi-3's qkv_proj and
     gate_up_proj) as their parts, which tensor parallelism then splits as it would unfused
     ones; q's and k's rows paired up for the kernels' RoPE where a model turns only part of
-    each head (`_pairs`); Mixtral's expert names as the other mixtures' (`MIXTRAL`)."""
+    each head (`_pairs`); Mixtral's expert names as the other mixtures' (`MIXTRAL`), and
+    GraniteMoE's tensors of every expert at once as each expert's."""
     if ".block_sparse_moe." in name:
+        stem = name[: name.index(".block_sparse_moe.")]
+        if name.endswith((".input_linear.weight", ".output_linear.weight")):  # GraniteMoE's: all experts
+            pieces = [("down_proj", x) for x in w] if "output" in name else [
+                p for x in w for p in zip(("gate_proj", "up_proj"), x.chunk(2))]
+            k = 1 if "output" in name else 2
+            return [(f"{stem}.mlp.experts.{i // k}.{part}.weight", x) for i, (part, x) in enumerate(pieces)]
+        if name.endswith(".router.layer.weight"):
+            return [(f"{stem}.mlp.gate.weight", w)]
         for old, new in MIXTRAL.items():
             name = name.replace(old, new)
     for fused, parts in FUSED.items():
@@ -207,5 +217,6 @@ def load(folder: Path, dtype: torch.dtype, device: torch.device | str, tp: Shard
     if cfg.residual_multiplier != 1.0:  # Granite's, folded into the projections that end each block
         for layer in model.layers:
             layer.self_attn.o_proj.weight.mul_(cfg.residual_multiplier)
-            layer.mlp.down_proj.weight.mul_(cfg.residual_multiplier)
+            mlp = layer.mlp
+            (mlp.experts.down_proj if isinstance(mlp, MoE) else mlp.down_proj.weight).mul_(cfg.residual_multiplier)
     return model

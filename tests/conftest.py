@@ -35,12 +35,13 @@ def smollm2() -> Path:
 def make_tiny(dest: Path, arch: str, tokenizer_from: Path, **over) -> Path:
     """A 2-layer random model of `arch` ("llama" | "qwen2" | "qwen3" | "mistral" | "smollm3" |
     "granite" | "olmo2" | "phi3", or a mixture of experts: "mixtral" | "qwen2_moe" | "qwen3_moe" |
-    "olmoe") saved as an HF folder."""
+    "olmoe" | "granitemoe") saved as an HF folder."""
     from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM
     from transformers import Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
     from transformers import GraniteConfig, GraniteForCausalLM, Olmo2Config, Olmo2ForCausalLM
     from transformers import Phi3Config, Phi3ForCausalLM, SmolLM3Config, SmolLM3ForCausalLM
     from transformers import MixtralConfig, MixtralForCausalLM, OlmoeConfig, OlmoeForCausalLM
+    from transformers import GraniteMoeConfig, GraniteMoeForCausalLM
     from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
 
     kinds = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen2": (Qwen2Config, Qwen2ForCausalLM),
@@ -49,7 +50,7 @@ def make_tiny(dest: Path, arch: str, tokenizer_from: Path, **over) -> Path:
              "olmo2": (Olmo2Config, Olmo2ForCausalLM), "phi3": (Phi3Config, Phi3ForCausalLM),
              "mixtral": (MixtralConfig, MixtralForCausalLM), "qwen3_moe": (Qwen3MoeConfig, Qwen3MoeForCausalLM),
              "qwen2_moe": (Qwen2MoeConfig, Qwen2MoeForCausalLM),
-             "olmoe": (OlmoeConfig, OlmoeForCausalLM)}
+             "olmoe": (OlmoeConfig, OlmoeForCausalLM), "granitemoe": (GraniteMoeConfig, GraniteMoeForCausalLM)}
     cfg_cls, model_cls = kinds[arch]
     kw = dict(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
               num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
@@ -64,8 +65,10 @@ def make_tiny(dest: Path, arch: str, tokenizer_from: Path, **over) -> Path:
         for name, p in model.named_parameters():  # q and k norms (Qwen3's, OLMo 2's): not all ones
             if name.endswith(("q_norm.weight", "k_norm.weight")):
                 p.uniform_(0.5, 1.5)
-            if name.endswith(("mlp.gate.weight", "shared_expert_gate.weight")):  # decisive, as trained ones are
+            if name.endswith(("mlp.gate.weight", "shared_expert_gate.weight", "moe.router.weight")):  # decisive, as trained ones are
                 p.normal_(0.0, 1.0)
+            if ".experts." in name:  # activations of order 1: silu(gate) * up is then no longer ~ gate * up / 2,
+                p.mul_(10.0)  # symmetric in the two (a swap of them would pass unseen)
     model.save_pretrained(dest)
     for name in TOKENIZER_FILES:
         if (tokenizer_from / name).exists():

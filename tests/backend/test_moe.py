@@ -1,4 +1,4 @@
-"""Mixtures of experts (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE): the engine gives HF's greedy tokens,
+"""Mixtures of experts (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, GraniteMoE): the engine gives HF's greedy tokens,
 reuses as for Llama, and reads each architecture's expert fields and names; what it
 cannot load is a one-line error."""
 
@@ -31,6 +31,10 @@ KINDS = {
                       shared_expert_intermediate_size=40, decoder_sparse_step=2),
     # clip_qkv low enough to clamp: without the clamp the tokens differ
     "olmoe": dict(num_experts=4, num_experts_per_tok=2, norm_topk_prob=False, clip_qkv=0.5),
+    # every expert in one checkpoint tensor; Granite's multipliers, the residual one folded
+    # into each expert's down projection
+    "granitemoe": dict(num_local_experts=4, num_experts_per_tok=2, embedding_multiplier=12.0,
+                       residual_multiplier=0.22, attention_multiplier=1.5, logits_scaling=2.0),
 }
 
 
@@ -65,12 +69,14 @@ def test_a_sparse_layer_computes_what_transformers_does(moes, arch):
 
     i = 1 if arch == "qwen2_moe" else 0  # the first sparse layer
     ours = loader.load(moes[arch], torch.float32, "cpu").model.layers[i].mlp
-    theirs = AutoModelForCausalLM.from_pretrained(moes[arch], dtype=torch.float32).model.layers[i].mlp
+    layer = AutoModelForCausalLM.from_pretrained(moes[arch], dtype=torch.float32).model.layers[i]
+    theirs = layer.block_sparse_moe if arch == "granitemoe" else layer.mlp
     assert isinstance(ours, MoE)
     x = torch.randn(40, 64, generator=torch.Generator().manual_seed(3)) * 0.1  # routing far from one-hot
     with torch.no_grad():
         want = theirs(x[None])
-        want = (want[0] if isinstance(want, tuple) else want).reshape(40, 64)
+        # Granite's residual multiplier: HF's layer applies it, ours holds it in the weights
+        want = (want[0] if isinstance(want, tuple) else want).reshape(40, 64) * KINDS[arch].get("residual_multiplier", 1)
         torch.testing.assert_close(ours(x), want, rtol=1e-5, atol=1e-6)
 
 
