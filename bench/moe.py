@@ -3,8 +3,9 @@
 One MoE layer of Qwen3-30B-A3B (H 2,048, expert width 768, 8 of 128 experts a token) and
 of OLMoE-1B-7B (H 2,048, width 1,024, 8 of 64), bf16, routed by random logits, at
 T = 1, 32, 256 (decode batches) and 2,048, 8,192 (prefill steps). Per case: the relative
-errors of `moe_triton` and of `moe_reference` (transformers' loop over the experts in
-use, also the path HF takes) against the exact answer, the median time of each, and for decode steps `moe_triton`
+errors of `moe_triton`, of `moe_reference` (the loop over the experts in use) and of
+`moe_grouped` (torch's grouped GEMM, the path transformers takes) against the exact
+answer, the median time of each, and for decode steps `moe_triton`
 inside a CUDA graph (what the engine replays: the loop reads the routing back to the
 host and cannot be captured). Bytes are the used experts' weights read once, against
 the 4.1 TB/s copy ceiling; FLOP/s count 6 T k H I.
@@ -27,7 +28,7 @@ if SMOKE:
 import torch  # noqa: E402
 
 from tokendance.bench.kernel_timing import COPY_CEILING, graph_ms, median_ms, rel, save_log, say  # noqa: E402
-from tokendance.kernels.moe import moe_reference, moe_triton  # noqa: E402
+from tokendance.kernels.moe import GROUPED_MM, moe_grouped, moe_reference, moe_triton  # noqa: E402
 
 DEV = "cpu" if SMOKE else "cuda"
 DTYPE = torch.bfloat16
@@ -56,6 +57,8 @@ def case(name: str, h: int, i: int, e: int, k: int, t: int) -> tuple[str, bool]:
     used = int(ids.unique().numel())
     t_ref = median_ms(lambda: moe_reference(x, gate_up, down, w, ids), SMOKE)
     t_tri = median_ms(lambda: moe_triton(x, gate_up, down, w, ids), SMOKE)
+    t_grp = median_ms(lambda: moe_grouped(x, gate_up, down, w, ids), SMOKE) if GROUPED_MM else float("nan")
+    err_grp = rel(moe_grouped(x, gate_up, down, w, ids), exact) if GROUPED_MM else float("nan")
     graph = ""
     if t <= DECODE:
         t_g = graph_ms(lambda: moe_triton(x, gate_up, down, w, ids), SMOKE, launches=8)
@@ -66,8 +69,9 @@ def case(name: str, h: int, i: int, e: int, k: int, t: int) -> tuple[str, bool]:
     flops = 6 * t * k * h * i
     best = min(t_tri, t_g)
     sec = best * 1e-3
-    row = (f"| {name} | {t} | {used} | {err:.1e} / {err_ref:.1e} | {t_ref:.3f} | {t_tri:.3f} | {graph or '-'} | "
-           f"{t_ref / best:.2f}x | {bytes_ / sec / 1e9:,.0f} GB/s ({bytes_ / sec / COPY_CEILING:.0%}) | "
+    row = (f"| {name} | {t} | {used} | {err:.1e} / {err_ref:.1e} / {err_grp:.1e} | {t_ref:.3f} | {t_grp:.3f} | "
+           f"{t_tri:.3f} | {graph or '-'} | {t_ref / best:.2f}x | {t_grp / best:.2f}x | "
+           f"{bytes_ / sec / 1e9:,.0f} GB/s ({bytes_ / sec / COPY_CEILING:.0%}) | "
            f"{flops / sec / 1e12:,.1f} TFLOP/s |")
     return row, ok
 
@@ -75,8 +79,9 @@ def case(name: str, h: int, i: int, e: int, k: int, t: int) -> tuple[str, bool]:
 def main() -> int:
     say(f"fused MoE (kernels/moe.py) vs the reference loop, {DTYPE}, on {DEV}"
         + (f" ({torch.cuda.get_device_name()})" if DEV == "cuda" else " (interpreter)"))
-    say("| shape | T | experts used | rel err fused / loop | loop ms | fused ms | fused in a graph ms | "
-        "speed-up | weights read | compute |\n|---|---|---|---|---|---|---|---|---|---|")
+    say("| shape | T | experts used | rel err fused / loop / grouped | loop ms | grouped ms | fused ms | "
+        "fused in a graph ms | fused vs loop | fused vs grouped | weights read | compute |\n"
+        "|---|---|---|---|---|---|---|---|---|---|---|---|")
     ok = True
     for name, (h, i, e, k) in SHAPES.items():
         for t in TOKENS:

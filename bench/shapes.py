@@ -58,6 +58,13 @@ SHAPES = {
                         num_key_value_heads=16, num_experts=64, num_experts_per_tok=8, norm_topk_prob=False,
                         max_position_embeddings=4096, rope_theta=10000.0, rms_norm_eps=1e-5,
                         tie_word_embeddings=False, pad_token_id=1, eos_token_id=50279),
+    # 8 of 32 experts a token (0.4 B of 1.3 B parameters): a mixture a CPU runs
+    "granitemoe-1b": dict(architectures=["GraniteMoeForCausalLM"], model_type="granitemoe", vocab_size=49155,
+                          hidden_size=1024, intermediate_size=512, num_hidden_layers=24, num_attention_heads=16,
+                          num_key_value_heads=8, num_local_experts=32, num_experts_per_tok=8,
+                          max_position_embeddings=4096, rope_theta=10000.0, rms_norm_eps=1e-6,
+                          embedding_multiplier=12.0, residual_multiplier=0.22, attention_multiplier=0.015625,
+                          logits_scaling=6.0, tie_word_embeddings=True, eos_token_id=0),
 }
 
 

@@ -8,8 +8,9 @@ weights [T, k] in x's dtype and ids [T, k] int64: each token's k distinct expert
 their routing weights. With e = ids[t, j]:
     out[t] = sum_j weights[t, j] * down[e] @ silu_mul(gate_up[e] @ x[t])
 
-The reference is the definition and the CPU path: a loop over the experts in use, which
-reads them back to the host. The Triton path makes no host sync and no shape depends on
+The reference is the definition and the CPU path in float32: a loop over the experts in
+use, which reads them back to the host. In bf16 the CPU takes torch's grouped GEMM
+(`moe_grouped`), faster there than the loop. The Triton path makes no host sync and no shape depends on
 the routing, so a decode step that calls it can be captured into a CUDA graph. `align`
 sorts the T*k (token, slot) pairs by expert on the device and pads each expert's group
 to a multiple of BLOCK_M, in a list of a static length (the worst case of the padding);
@@ -148,10 +149,38 @@ def moe_triton(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, weigh
     return y.view(T, k, H).sum(1, dtype=torch.float32).to(x.dtype)
 
 
+GROUPED_MM = getattr(F, "grouped_mm", None)  # torch >= 2.10
+
+
+def moe_grouped(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, weights: torch.Tensor,
+                ids: torch.Tensor) -> torch.Tensor:
+    """torch's grouped GEMM (`F.grouped_mm`, as transformers' default path): the pairs
+    sorted by expert, each expert's rows one group; no host sync either. The CPU's path in
+    bf16: at 8 tokens of a GraniteMoE-1B layer (8 of 32 experts) 12.6 ms against the loop's
+    19.8 on this 2-core Xeon, 42 against 45 at 512 tokens."""
+    k, E = ids.shape[1], gate_up.shape[0]
+    flat = ids.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    rows = order // k
+    counts = torch.zeros(E, dtype=torch.int64, device=x.device).scatter_add_(0, flat, torch.ones_like(flat))
+    offs = counts.cumsum(0).to(torch.int32)  # each expert's last row + 1
+    h = GROUPED_MM(x[rows], gate_up.transpose(1, 2), offs=offs)
+    y = GROUPED_MM(silu_mul(h), down.transpose(1, 2), offs=offs) * weights.reshape(-1)[order, None]
+    return torch.zeros_like(x).index_add_(0, rows, y)
+
+
+def groupable(*ts: torch.Tensor) -> bool:
+    """Whether F.grouped_mm takes these: 16-byte aligned rows and starts."""
+    return GROUPED_MM is not None and all(
+        t.data_ptr() % 16 == 0 and all(st * t.element_size() % 16 == 0 for st in t.stride()[:-1]) for t in ts)
+
+
 def moe(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, weights: torch.Tensor,
         ids: torch.Tensor) -> torch.Tensor:
-    """Dispatch: the Triton path on CUDA, the reference elsewhere (float32 on CPU stays
-    the exact reference)."""
+    """Dispatch: the Triton path on CUDA; on CPU, torch's grouped GEMM in half precision
+    and the reference in float32 (our exact reference stays exact)."""
     if HAVE_TRITON and x.is_cuda:
         return moe_triton(x, gate_up, down, weights, ids)
+    if x.dtype != torch.float32 and groupable(x, gate_up, down):
+        return moe_grouped(x, gate_up, down, weights, ids)
     return moe_reference(x, gate_up, down, weights, ids)

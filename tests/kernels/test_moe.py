@@ -124,3 +124,17 @@ def test_cpu_dispatch_is_reference(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(moe_mod, "moe_triton", boom)
     args = make(5, 44, 20, 8, 2)
     assert torch.equal(moe(*args), moe_reference(*args))
+    # bf16: torch's grouped GEMM where its rows are 16-byte aligned, else the reference
+    args = make(5, 48, 24, 8, 2, torch.bfloat16)
+    assert torch.equal(moe(*args), moe_mod.moe_grouped(*args))
+    args = make(5, 44, 20, 8, 2, torch.bfloat16)
+    assert not moe_mod.groupable(*args[:3]) and torch.equal(moe(*args), moe_reference(*args))
+
+
+@pytest.mark.skipif(moe_mod.GROUPED_MM is None, reason="torch has no F.grouped_mm")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("case", ["prefill", "decode", "few_pairs", "uneven"])
+def test_grouped_matches_reference(case: str, dtype: torch.dtype) -> None:
+    T, _, _, E, k, hot = CASES[case]
+    args = make(T, 48, 24, E, k, dtype, seed=3, hot=hot)  # rows of 16 bytes' multiples
+    close(moe_mod.moe_grouped(*args), moe_reference(*args))
