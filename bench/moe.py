@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import os
 import sys
-from functools import partial
 
 SMOKE = "--smoke" in sys.argv
 if SMOKE:
