@@ -12,13 +12,16 @@ the 4.1 TB/s copy ceiling; FLOP/s count 6 T k H I.
 
     PYTHONPATH=<dir holding tokendance/> python bench/moe.py [--smoke]
 
---smoke runs tiny shapes under TRITON_INTERPRET=1 on the CPU (checks the script only).
+--smoke runs tiny shapes under TRITON_INTERPRET=1 on the CPU (checks the script only);
+--cpu times the CPU's two paths (the loop, the grouped GEMM) on a GraniteMoE-1B layer.
 """
 
 from __future__ import annotations
 
 import os
+import statistics
 import sys
+import time
 
 SMOKE = "--smoke" in sys.argv
 if SMOKE:
@@ -29,7 +32,8 @@ import torch  # noqa: E402
 from tokendance.bench.kernel_timing import COPY_CEILING, graph_ms, median_ms, rel, save_log, say  # noqa: E402
 from tokendance.kernels.moe import GROUPED_MM, moe_grouped, moe_reference, moe_triton  # noqa: E402
 
-DEV = "cpu" if SMOKE else "cuda"
+CPU = "--cpu" in sys.argv  # the CPU's two paths alone (the loop, the grouped GEMM), timed
+DEV = "cpu" if SMOKE or CPU else "cuda"
 DTYPE = torch.bfloat16
 # name: (H, I, E, k)
 SHAPES = {"qwen3-30b-a3b": (64, 32, 16, 4), "olmoe-1b-7b": (64, 48, 8, 2)} if SMOKE else {
@@ -38,7 +42,7 @@ TOKENS = (1, 8, 40) if SMOKE else (1, 32, 256, 2048, 8192)
 DECODE = 256  # up to this many tokens: a decode batch, timed in a graph too
 
 
-def case(name: str, h: int, i: int, e: int, k: int, t: int) -> tuple[str, bool]:
+def inputs(h: int, i: int, e: int, k: int, t: int) -> tuple[torch.Tensor, ...]:
     g = torch.Generator(device=DEV).manual_seed(t)
     x = torch.randn(t, h, device=DEV, generator=g).to(DTYPE)
     gate_up = (torch.randn(e, 2 * i, h, device=DEV, generator=g) * h ** -0.5).to(DTYPE)
@@ -46,6 +50,11 @@ def case(name: str, h: int, i: int, e: int, k: int, t: int) -> tuple[str, bool]:
     logits = torch.randn(t, e, device=DEV, generator=g)
     w, ids = logits.softmax(-1).topk(k, -1)
     w = (w / w.sum(-1, keepdim=True)).to(DTYPE)
+    return x, gate_up, down, w, ids
+
+
+def case(name: str, h: int, i: int, e: int, k: int, t: int) -> tuple[str, bool]:
+    x, gate_up, down, w, ids = inputs(h, i, e, k, t)
     # both against the exact answer (float32 from the same bf16 inputs): bf16 rounds each
     # path at different points, so neither is the other's reference
     exact = moe_reference(x.float(), gate_up.float(), down.float(), w.float(), ids)
@@ -92,5 +101,29 @@ def main() -> int:
     return 0 if ok else 1
 
 
+def cpu_main() -> int:
+    """One layer of the GraniteMoE-1B shape (H 1,024, width 512, 8 of 32 experts) on this
+    CPU: the reference loop against torch's grouped GEMM, medians of 30 calls."""
+    def ms(fn) -> float:
+        for _ in range(5):
+            fn()
+        ts = []
+        for _ in range(30):
+            t0 = time.perf_counter()
+            fn()
+            ts.append(time.perf_counter() - t0)
+        return statistics.median(ts) * 1e3
+
+    say(f"MoE layer (granitemoe-1b), {DTYPE}, on this CPU ({torch.get_num_threads()} threads): loop vs grouped")
+    say("| tokens | rel err loop / grouped | loop ms | grouped ms | grouped vs loop |\n|---|---|---|---|---|")
+    for t in (1, 8, 64, 512):
+        args = inputs(1024, 512, 32, 8, t)
+        exact = moe_reference(*(a.float() if a.is_floating_point() else a for a in args))
+        e_ref, e_grp = rel(moe_reference(*args), exact), rel(moe_grouped(*args), exact)
+        a, b = ms(lambda: moe_reference(*args)), ms(lambda: moe_grouped(*args))
+        say(f"| {t} | {e_ref:.1e} / {e_grp:.1e} | {a:.2f} | {b:.2f} | {a / b:.2f}x |")
+    return 0
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(cpu_main() if CPU else main())
