@@ -30,7 +30,6 @@ import statistics
 import time
 
 import httpx
-import openai
 
 from tokendance.bench.fleet import notes
 from tokendance.bench.options import positive
@@ -51,6 +50,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
 
 async def one(args: argparse.Namespace, lose: bool) -> dict[str, object]:
     """One pass on fresh processes: round 2's figures."""
+    import openai  # here: `tokendance bench` imports every benchmark, and the GPU host has no openai
+
     engine = ["engine", "--dtype", args.dtype, "--offload-gib", "0"] + (["--model", args.model] if args.model else [])
     with contextlib.ExitStack() as stack:
         procs = [stack.enter_context(process(engine)) for _ in range(2)]

@@ -49,3 +49,15 @@ def test_bad_lists_are_one_line_usage_errors(capsys, argv, message):
     assert e.value.code == 2
     err = capsys.readouterr().err.strip()
     assert message in err and "\n" not in err
+
+
+def test_every_benchmark_loads_without_the_openai_sdk():
+    """`tokendance bench` imports every benchmark to build its parser: on the GPU host,
+    which has no openai package, `bench engine` must still start."""
+    import subprocess
+    import sys
+
+    code = ("import sys; sys.modules['openai'] = None; from tokendance.examples import cli; "
+            "sys.exit(cli.main(['bench', 'engine', '--help']))")
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0 and "--prefill" in res.stdout, res.stderr[-1000:]
