@@ -229,7 +229,13 @@ def greedy_vs_hf(dtype: str, shape: str = "qwen2.5-7b", layers: int = 2) -> bool
         ref = [hf.generate(torch.tensor([p], device="cuda"), max_new_tokens=8, do_sample=False,
                            pad_token_id=0)[0, len(p):].tolist() for p in prompts]
     same = sum(a[: len(b)] == b for a, b in zip(ours, ref))
-    print(f"greedy vs HF ({shape}, {layers} layers, {dtype}): {same}/{len(prompts)} prompts identical")
+    first = sum(a[:1] == b[:1] for a, b in zip(ours, ref))
+    with torch.no_grad():  # how flat random weights leave the first choice: rounding may decide it
+        gaps = [float(hf(torch.tensor([p], device="cuda")).logits[0, -1].float().topk(2).values.diff().abs())
+                for p in prompts]
+    print(f"greedy vs HF ({shape}, {layers} layers, {dtype}): {same}/{len(prompts)} prompts identical, "
+          f"first tokens {first}/{len(prompts)}; HF's gap between its two best first logits "
+          f"{min(gaps):.3g} to {max(gaps):.3g}")
     return same == len(prompts)
 
 

@@ -13,7 +13,8 @@ the 4.1 TB/s copy ceiling; FLOP/s count 6 T k H I.
     PYTHONPATH=<dir holding tokendance/> python bench/moe.py [--smoke]
 
 --smoke runs tiny shapes under TRITON_INTERPRET=1 on the CPU (checks the script only);
---cpu times the CPU's two paths (the loop, the grouped GEMM) on a GraniteMoE-1B layer.
+--cpu times the CPU's two paths (the loop, the grouped GEMM) on a GraniteMoE-1B layer;
+--sweep times the Triton kernel's launch configurations.
 """
 
 from __future__ import annotations
@@ -125,5 +126,23 @@ def cpu_main() -> int:
     return 0
 
 
+SWEEP = [dict(block_m=m, block_n=n, block_k=bk, num_warps=w, num_stages=st)
+         for m, n, bk, w, st in ((64, 64, 64, 4, 3), (16, 64, 128, 4, 3), (32, 64, 64, 4, 4), (64, 128, 64, 4, 3),
+                                 (128, 64, 64, 4, 3), (128, 128, 64, 8, 3), (128, 128, 32, 8, 4))]
+
+
+def sweep() -> int:
+    """The Triton kernel's launch configurations on Qwen3-30B-A3B's layer (`--sweep`)."""
+    h, i, e, k = SHAPES["qwen3-30b-a3b"]
+    say("| T | " + " | ".join(f"{c['block_m']}x{c['block_n']}x{c['block_k']} w{c['num_warps']} s{c['num_stages']}"
+                             for c in SWEEP) + " | grouped |\n|---|" + "---|" * (len(SWEEP) + 1))
+    for t in (1, 32, 256, 2048, 8192):
+        args = inputs(h, i, e, k, t)
+        times = [median_ms(lambda: moe_triton(*args, cfg=c), SMOKE) for c in SWEEP]
+        say(f"| {t} | " + " | ".join(f"{x:.3f}" for x in times) + f" | {median_ms(lambda: moe_grouped(*args), SMOKE):.3f} |")
+    save_log("moe_sweep.txt")
+    return 0
+
+
 if __name__ == "__main__":
-    sys.exit(cpu_main() if CPU else main())
+    sys.exit(cpu_main() if CPU else sweep() if "--sweep" in sys.argv else main())
