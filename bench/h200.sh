@@ -58,9 +58,11 @@
 #   smollm3: SmolLM3's layers without RoPE (NoPE) on the GPU: greedy tokens against HF on 4 layers
 #     of its 3B shape (the fourth takes no RoPE), CUDA-graph decode against eager, and the engine
 #     benchmark on the whole shape against HF
-#   moe: mixtures of experts: the fused expert kernel against the loop over experts (bench/moe.py),
-#     greedy tokens against HF on 4 layers of OLMoE-1B-7B's and Qwen3-30B-A3B's shapes, CUDA-graph
-#     decode against eager, the engine on OLMoE-1B-7B's whole shape against HF;
+#   moe: mixtures of experts: the fused expert kernel against the loop over experts and torch's
+#     grouped GEMM (bench/moe.py), greedy tokens against HF on 4 layers of OLMoE-1B-7B's and
+#     Qwen3-30B-A3B's shapes, CUDA-graph decode against eager, then moe-engine;
+#     moe-engine: the engine on OLMoE-1B-7B's whole shape against HF;
+#     moe-sweep: the fused kernel's launch configurations (bench/moe.py --sweep);
 #     moe-reuse: the reuse round (N = 10, 20) on Qwen3-30B-A3B's shape, full, prefix and collective
 #   remote: the proxy over `tokendance engine` against the engine in-process (bench/remote.py),
 #     a Qwen2.5-0.5B shape with random weights saved as a folder (the servers load folders)
@@ -173,8 +175,13 @@ if want moe; then
 ok = [greedy_vs_hf(d, s, 4) for s in ('olmoe-1b-7b', 'qwen3-30b-a3b') for d in ('float32', 'bfloat16')]
 err = graphs_vs_eager(shape='qwen3-30b-a3b'); print(f'CUDA-graph decode vs eager (qwen3-30b-a3b), bf16: {err:.2e}')
 sys.exit(0 if ok[0] and ok[2] and err < 2e-2 else 1)" 2>&1 | grep -v -i "warn\|deprecat" | tee "$OUT/moe.txt"
+fi
+if want moe || want moe-engine; then
   td bench engine --model olmoe-1b-7b --dtype bfloat16 --prefill 10x2048 --decode 32x2048 \
     --steps 48 --repeats 3 2>&1 | grep -v -i "warn\|deprecat\|forward_call" | tee "$OUT/moe_engine.txt"
+fi
+if want moe-sweep; then
+  python3 bench/moe.py --sweep 2>&1 | grep -v -i "warn\|deprecat" | tee "$OUT/moe_sweep.txt"
 fi
 if want moe-reuse; then
   td bench reuse --model qwen3-30b-a3b --dtype bfloat16 --agents 10,20 --history 512 --output 150 \
