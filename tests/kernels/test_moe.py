@@ -131,6 +131,24 @@ def test_cpu_dispatch_is_reference(monkeypatch: pytest.MonkeyPatch) -> None:
     assert not moe_mod.groupable(*args[:3]) and torch.equal(moe(*args), moe_reference(*args))
 
 
+def test_paths_on_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On CUDA: Triton, but torch's grouped GEMM for half-precision steps of GROUPED_FROM
+    tokens and more (float32 and unaligned rows stay on Triton)."""
+    class Cuda:
+        def __init__(self, t: torch.Tensor):
+            self.t, self.is_cuda, self.dtype, self.shape = t, True, t.dtype, t.shape
+
+        def __getattr__(self, name):
+            return getattr(self.t, name)
+
+    monkeypatch.setattr(moe_mod, "HAVE_TRITON", True)
+    monkeypatch.setattr(moe_mod, "GROUPED_FROM", 8)
+    for t, h, dtype, want in ((7, 48, torch.bfloat16, "triton"), (8, 48, torch.bfloat16, "grouped"),
+                              (8, 48, torch.float32, "triton"), (8, 44, torch.bfloat16, "triton")):
+        x, gate_up, down, _, _ = make(t, h, 24, 4, 2, dtype)
+        assert moe_mod.path(Cuda(x), gate_up, down) == want, (t, h, dtype)
+
+
 @pytest.mark.skipif(moe_mod.GROUPED_MM is None, reason="torch has no F.grouped_mm")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("case", ["prefill", "decode", "few_pairs", "uneven"])
