@@ -78,7 +78,7 @@ ARCHITECTURES = {
     "GraniteForCausalLM": "granite",  # Llama's, with scaled embeddings, residuals, scores and logits
     "Olmo2ForCausalLM": "olmo2",  # norms after attention and MLP, none before; q and k normed whole
     "Phi3ForCausalLM": "phi3",  # Phi-3, 3.5, 4-mini: LongRoPE, a part of each head rotated (4-mini)
-    # mixtures of experts (backend/moe.py): Mistral's, Qwen3's and OLMo's layers otherwise
+    # mixtures of experts (backend/moe.py), their layers otherwise Mistral's, Qwen's, OLMo's, Granite's
     "MixtralForCausalLM": "mixtral",
     "Qwen2MoeForCausalLM": "qwen2_moe",  # with a shared expert every token takes
     "Qwen3MoeForCausalLM": "qwen3_moe",

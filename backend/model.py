@@ -171,8 +171,6 @@ class Attention(nn.Module):
         return self.out(causal_attention(q, k, v, meta.fresh_cu, self.scale, meta.cu_q))
 
 
-
-
 class Layer(nn.Module):
     def __init__(self, cfg: ModelConfig, idx: int, rope: "Rope", tp: Shard | None = None):
         super().__init__()

@@ -1,14 +1,14 @@
 """A layer's MLP: dense (SwiGLU), or a mixture of experts (Mixtral, Qwen2-MoE, Qwen3-MoE,
-OLMoE).
+OLMoE, GraniteMoE).
 
 A router scores every expert for each token; the token goes through the k best experts'
 SwiGLU MLPs, and their outputs are summed, weighted by the router's softmax over all
 experts (renormalised over the k chosen where the model says so). Qwen2-MoE adds a
-shared expert, a dense MLP every token takes, its output scaled by a sigmoid gate. The experts' weights
-are stacked, [E, 2I, H] (gate rows, then up) and [E, H, I], so one kernel launch
-(kernels/moe.py) serves every expert. Under tensor parallelism each rank holds every
-expert's share of the MLP width, as it holds a dense MLP's, and the ranks' partial
-outputs are summed; the router is whole on every rank and picks alike.
+shared expert, a dense MLP every token takes, its output scaled by a sigmoid gate. The
+experts' weights are stacked, [E, 2I, H] (gate rows, then up) and [E, H, I], so one
+kernel launch (kernels/moe.py) serves every expert. Under tensor parallelism each rank
+holds every expert's share of the MLP width, as it holds a dense MLP's, and the ranks'
+partial outputs are summed; the router is whole on every rank and picks alike.
 """
 
 from __future__ import annotations
@@ -23,6 +23,8 @@ from tokendance.kernels.moe import moe
 
 
 class MLP(nn.Module):
+    """SwiGLU: down(silu(gate(x)) * up(x)), gate and up fused in one projection."""
+
     def __init__(self, cfg: ModelConfig, tp: Shard | None = None, width: int | None = None):
         super().__init__()
         width = width or cfg.intermediate_size

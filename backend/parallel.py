@@ -6,9 +6,9 @@ heads, its share of the MLP), o_proj and down_proj by input columns, their parti
 outputs summed across ranks (one all-reduce after attention, one after the MLP); the
 embeddings and lm_head by vocabulary rows (a token's embedding summed from the rank that
 holds it, the logits gathered whole on every rank); norms whole, and a mixture of experts'
-router (each expert splits as a dense MLP does). A rank's KV pool holds
-its own KV heads only, so the pool, the segment cache, the Mirrors and the host tier all
-shrink by n per token while their block tables stay the same on every rank.
+router (each expert splits as a dense MLP does). A rank's KV pool holds its own KV heads
+only, so the pool, the segment cache, the Mirrors and the host tier all shrink by n per
+token while their block tables stay the same on every rank.
 
 The engine's schedule is a function of the calls made to it (add, abort, step,
 reset_caches) and nothing else: no clock, no memory reading once it is built. So rank 0,
