@@ -18,7 +18,7 @@ from tokendance.backend.api import SamplingParams
 from tokendance.backend.device import sync
 from tokendance.backend.config import EngineConfig
 from tokendance.backend.engine import Engine
-from tokendance.bench.options import batches, positive
+from tokendance.bench.options import batches, natural, positive
 from tokendance.bench.shapes import resolve
 
 
@@ -116,6 +116,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--repeats", type=positive, default=3)
     p.add_argument("--temperature", type=float, default=0.0,
                    help="decode: 0 greedy; above, sampled (HF with one multinomial draw a step)")
+    p.add_argument("--kv-tokens", type=natural, default=0,
+                   help="the pool, if larger than the run needs (on a CPU the held rotated keys of a "
+                        "decode batch get the pool's bytes: the default pool is 16 k tokens)")
     p.add_argument("--breakdown", action="store_true",
                    help="then split each decode step into GPU forward and host time")
 
@@ -124,7 +127,7 @@ def main(args: argparse.Namespace) -> int:
     model, random = resolve(args.model)
     pre, dec = args.prefill, args.decode
     need = max([b * (n + args.steps + 16) for b, n in pre + dec]) + 1024
-    eng = Engine(EngineConfig(model=model, dtype=args.dtype, random_weights=random, kv_tokens=need,
+    eng = Engine(EngineConfig(model=model, dtype=args.dtype, random_weights=random, kv_tokens=max(need, args.kv_tokens),
                               max_batched_tokens=max(b * n for b, n in pre + dec)))
     dev, vocab = eng.device, min(eng.mcfg.vocab_size, len(eng.tokenizer))
     hf = hf_model(eng.folder, eng.dtype, dev, random)

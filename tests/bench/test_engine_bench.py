@@ -27,3 +27,18 @@ def test_engine_bench_samples_when_asked(tiny_llama, bench, monkeypatch):
     assert seen and set(seen) == {0.8}  # HF's side sampled at that temperature too
     toks = real(torch.tensor([[0.0, 5.0, 1.0]] * 4000), 1.0)[:, 0]
     assert 0.9 < (toks == 1).float().mean() < 1.0  # a draw, not the argmax
+
+
+def test_engine_bench_takes_a_larger_pool(tiny_llama, bench, monkeypatch):
+    """--kv-tokens: the pool, when larger than the run needs (the CPU's held rotated keys
+    are budgeted by the pool's bytes)."""
+    from tokendance.backend.engine import Engine
+
+    pools = []
+    real = Engine.__init__
+    monkeypatch.setattr(Engine, "__init__", lambda self, cfg=None, **kw: pools.append(cfg.kv_tokens) or real(self, cfg, **kw))
+    bench(engine_bench, "--model", str(tiny_llama), "--dtype", "float32", "--prefill", "", "--decode", "2x32",
+          "--steps", "3", "--repeats", "1", "--kv-tokens", "6000")
+    bench(engine_bench, "--model", str(tiny_llama), "--dtype", "float32", "--prefill", "", "--decode", "2x32",
+          "--steps", "3", "--repeats", "1")
+    assert pools == [6000, 2 * (32 + 3 + 16) + 1024]
