@@ -54,7 +54,8 @@ def by_expert(ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.
     expert's pair count [E] int64), on the device without a host sync."""
     flat = ids.reshape(-1).long()  # scatter_add_ takes int64 indices
     # scatter_add_, not bincount: CUDA's bincount reads its input's max back to the host
-    counts = torch.zeros(num_experts, dtype=torch.int64, device=ids.device).scatter_add_(0, flat, torch.ones_like(flat))
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=ids.device)
+    counts.scatter_add_(0, flat, torch.ones_like(flat))
     return flat, torch.argsort(flat, stable=True), counts
 
 
