@@ -231,7 +231,21 @@ async def test_clients_that_come_and_go_on_the_engine_thread_get_their_own_answe
             if not r.aborted:
                 finished.append(r)
 
-    await asyncio.wait_for(asyncio.gather(*(client(i) for i in range(24))), 120)
+    async def crowd() -> None:
+        """Three prompts of five blocks each, first in the queue, grow a sixth block each as
+        they decode: 18 blocks in a pool of 16 preempt one of them whatever the timing."""
+        rng = random.Random(-1)
+        reqs = [Req(fresh(rng, 80), "prefix", 8, None) for _ in range(3)]
+        sp = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, priority=0)
+        streams = core.submit([Job(f"crowd-{j}", r.prompt, sp, r.mode, []) for j, r in enumerate(reqs)])
+        for r, stream in zip(reqs, streams):
+            async for d in stream:
+                r.got += d.token_ids
+                if d.finish_reason:
+                    r.ends.append(d.finish_reason)
+            finished.append(r)
+
+    await asyncio.wait_for(asyncio.gather(crowd(), *(client(i) for i in range(24))), 120)
     await core.close()
     # the abort reaches the engine thread before its next step, or the one after
     assert not eng.seqs and early and all(made.get(rid, 0) <= 1 for rid in early)
