@@ -347,6 +347,7 @@ class ModelInfo:
     # model's generation config (backend/generation.py)
     sampling: dict[str, float] = field(default_factory=dict)
     priority: bool = False  # requests may carry a priority (vLLM's --scheduling-policy priority)
+    eos: tuple[int, ...] = ()  # the tokens that end a sequence unless ignore_eos (a beam search's)
 
 
 @dataclass(slots=True)

@@ -184,7 +184,7 @@ def engine_info(backend: Any) -> wire.Info:
     return wire.Info(name=engine.name, max_model_len=engine.max_model_len,
                      kv_bytes_per_token=engine.kv_bytes_per_token, vocab_size=engine.mcfg.vocab_size,
                      tokenizer=tokenizer_files(engine.tokenizer), sampling=backend.info.sampling,
-                     priority=backend.info.priority)
+                     priority=backend.info.priority, eos=list(backend.info.eos))
 
 
 # -- `tokendance engine` --------------------------------------------------------------------

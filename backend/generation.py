@@ -53,6 +53,18 @@ def defaults(model_folder: str | Path, choice: str = "auto", override: dict[str,
     return out
 
 
+def ends(model_folder: str | Path, tokenizer: Any) -> tuple[int, ...]:
+    """The tokens that end a sequence, as the engine takes them (backend/config.py): the
+    generation config's eos_token_id (else the model config's), and the tokenizer's."""
+    folder = Path(model_folder).expanduser()
+    eos = _read(folder / "config.json").get("eos_token_id")
+    eos = _read(folder / "generation_config.json").get("eos_token_id", eos)
+    ids = set() if eos is None else {eos} if isinstance(eos, int) else set(eos)
+    if tokenizer.eos_token_id is not None:
+        ids.add(tokenizer.eos_token_id)
+    return tuple(sorted(ids))
+
+
 def _named(values: dict[str, Any]) -> dict[str, Any]:
     return {("max_tokens" if k == "max_new_tokens" else k): v for k, v in values.items() if v is not None}
 

@@ -40,7 +40,8 @@ class RemoteBackend:
                  timeout: float = 10.0, api_key: str | None = None):
         check_mode(mode)
         self.url = url.rstrip("/")
-        self.info = ModelInfo(info.name, info.max_model_len, info.kv_bytes_per_token, info.sampling, info.priority)
+        self.info = ModelInfo(info.name, info.max_model_len, info.kv_bytes_per_token, info.sampling, info.priority,
+                              tuple(info.eos))
         self.vocab_size = info.vocab_size
         self.tokenizer = tokenizer
         self.grammars = Grammars(tokenizer, info.vocab_size)  # checks structured outputs' specs

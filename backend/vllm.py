@@ -29,7 +29,7 @@ from tokendance.backend.api import (
 from tokendance.backend.auth import header, refused
 from tokendance.backend.detok import Pieces
 from tokendance.backend.grammar import Grammars
-from tokendance.backend.generation import defaults
+from tokendance.backend.generation import defaults, ends
 from tokendance.backend.prompt import check, fast_tokenizer, render_chat, request_ids
 from tokendance.backend.stream import QueueStream
 
@@ -40,11 +40,12 @@ POLL = 2.0  # seconds between looks at a lost server's /health
 
 class VLLMBackend:
     def __init__(self, url: str, model: str, max_model_len: int, tokenizer: Any, mode: str = "prefix",
-                 timeout: float = 10.0, api_key: str | None = None, sampling: dict[str, float] | None = None):
+                 timeout: float = 10.0, api_key: str | None = None, sampling: dict[str, float] | None = None,
+                 eos: tuple[int, ...] = ()):
         self.url = url.rstrip("/")
         # vLLM does not say its KV bytes per token. The proxy sends every sampling field, so
         # it applies the model's defaults itself, as the server would (`sampling`).
-        self.info = ModelInfo(model, max_model_len, 0, sampling or {}, priority=True)
+        self.info = ModelInfo(model, max_model_len, 0, sampling or {}, priority=True, eos=eos)
         self.tokenizer = tokenizer
         self.grammars = Grammars(tokenizer, len(tokenizer))  # checks structured outputs' specs
         self.pieces = Pieces(tokenizer)  # a logprob's token text, as the engine writes it
@@ -78,7 +79,7 @@ class VLLMBackend:
             raise BackendError(f"no vLLM server at {url}: {e or type(e).__name__}") from e
         where = tokenizer or root
         tok = fast_tokenizer(where, f"the tokenizer at {where} (--tokenizer: a local model folder)")
-        return cls(url, name, max_len, tok, mode, timeout, api_key, defaults(where, *generation))
+        return cls(url, name, max_len, tok, mode, timeout, api_key, defaults(where, *generation), ends(where, tok))
 
     # -- the Backend protocol ------------------------------------------------------------
 

@@ -32,6 +32,7 @@ class Info(Struct, kw_only=True):
     tokenizer: dict[str, str]  # file name -> text: what the proxy tokenizes and renders chats with
     sampling: dict[str, int | float] = {}  # the model's default sampling (backend/generation.py)
     priority: bool = False  # it schedules by requests' priority (--scheduling-policy priority)
+    eos: list[int] = []  # the tokens that end a sequence unless ignore_eos
 
 
 class Failure(Struct):

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from tokendance.backend.generation import check, defaults
+from tokendance.backend.generation import check, defaults, ends
 from tokendance.examples import cli
 
 # a generation_config.json of the kind instruct models ship: sampling beside token ids
@@ -31,6 +31,21 @@ def test_the_model_folders_values_that_differ_from_transformers_defaults(tmp_pat
     neutral = folder(tmp_path, {"temperature": 1.0, "top_k": 50, "top_p": 1.0, "max_new_tokens": 300}, "n")
     assert defaults(neutral) == {"max_tokens": 300}  # a default value is no advice; max_new_tokens is max_tokens
     assert defaults(tmp_path / "none") == {}  # no file, no defaults
+
+
+def test_the_end_tokens_as_the_engine_takes_them(tmp_path):
+    """A vLLM server's model's ends, for the proxy's beam search: the generation config's
+    eos_token_id over the model config's, with the tokenizer's."""
+    class Tok:
+        eos_token_id = 2
+
+    d = folder(tmp_path, QWEN)
+    (d / "config.json").write_text(json.dumps({"eos_token_id": 7}))
+    assert ends(d, Tok()) == (2, 151643, 151645)
+    (d / "generation_config.json").unlink()
+    assert ends(d, Tok()) == (2, 7)
+    Tok.eos_token_id = None
+    assert ends(tmp_path / "none", Tok()) == ()
 
 
 def test_vllm_a_folder_and_overrides(tmp_path):
