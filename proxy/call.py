@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from tokendance.backend.api import Delta, Prepared, TokenLogprob, Usage
 
 from . import tools as t
+from .beams import Beams
 from .echo import Echo
 from .errors import invalid
 from .session import Meta, Round
@@ -61,6 +62,7 @@ class Call:
     truncate: int | None = None  # vLLM's truncate_prompt_tokens, resolved (Request.truncate)
     truncation_side: str = "left"  # the end `truncate` cuts (Request.truncation_side)
     batch: bool = False  # a batch of chats: its round's group, started at once
+    beams: Beams | None = None  # vLLM's use_beam_search (proxy/beams.py): its choices are the n best beams
     legacy: bool = False  # asked with the deprecated functions: its call answered as function_call
     # its stream was answered 200: an error now ends it as an event, which clients do not
     # send again (as they do an HTTP error)

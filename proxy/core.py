@@ -19,7 +19,7 @@ from tokendance.backend.api import (Backend, BackendError, InvalidRequest, Prepa
                                     Segment, Stream, Template, Usage)
 from tokendance.backend.auth import bearer
 
-from . import tools as t
+from . import beams, tools as t
 from .barrier import Barrier, Entry, Gate
 from .call import Call
 from .cors import Cors
@@ -101,7 +101,8 @@ class Proxy:
                     prompt_logprobs=prompt_logprobs(body),
                     return_ids=body.return_token_ids, as_ids=body.return_tokens_as_token_ids,
                     truncate=truncation(body.truncate_prompt_tokens, self.backend.info.max_model_len),
-                    truncation_side=body.truncation_side or "left", interval=self.interval(body.stream_interval))
+                    truncation_side=body.truncation_side or "left", interval=self.interval(body.stream_interval),
+                    beams=beams.asked(body, self.backend, meta.session))
 
     def interval(self, asked: int | None) -> int:
         """vLLM's: a request's stream_interval, clamped up to the server's."""
@@ -206,6 +207,8 @@ class Proxy:
         call.released = time.perf_counter()
         self._count_group(len(call.prepared), reason)
         try:
+            if call.beams is not None:
+                return beams.start(self.backend, call.prepared, call.beams, call.key)
             return self.generate(call.prepared)
         except ApiError:
             self.finish(call, "error")

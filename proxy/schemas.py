@@ -108,7 +108,8 @@ class Sampled(Struct, kw_only=True):
     truncation_side: Literal["left", "right"] | None = None  # vLLM's: "right" keeps the first k instead
     request_id: str | None = None  # vLLM's: the answer's id, after its prefix
     priority: int = 0  # vLLM's: lower first, under the engine's --scheduling-policy priority
-    use_beam_search: bool = False  # vLLM's: taken only as false (a 400 otherwise, not ignored)
+    use_beam_search: bool = False  # vLLM's: n beams (proxy/beams.py)
+    length_penalty: float = 1.0  # vLLM's: a beam's score divides its logprob by its length ** this
     logit_bias: dict[str, float] | None = None
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputs | None = None  # vLLM's extra parameter
@@ -183,8 +184,6 @@ def sampling(body: Sampled, max_tokens: int | None, logprobs: bool, top: int, le
     `model`: the model's defaults for what the body leaves out (ModelInfo.sampling)."""
     if not 1 <= body.n <= MAX_N:
         raise invalid(f"n must be between 1 and {MAX_N}", "n")
-    if body.use_beam_search:
-        raise unsupported("use_beam_search", "beam search")
     if body.stream_options is not None and not body.stream:
         raise invalid("stream_options is only allowed when stream is true", "stream_options")
     stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])

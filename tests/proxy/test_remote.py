@@ -109,6 +109,17 @@ async def test_answers_equal_the_in_process_engines(tiny_llama, proxy, start):
     assert json.loads(a.choices[0].message.tool_calls[0].function.arguments)["x"] in ("left", "right")
 
 
+async def test_beam_search_over_the_wire_equals_the_in_process_engines(tiny_llama, proxy, start):
+    """Its steps' alternatives come with their token ids, and the engine's end tokens with /info."""
+    local = await start(EngineBackend.load(str(tiny_llama), dtype="float32", offload_bytes=0))
+    assert proxy.proxy.backend.info.eos == local.proxy.backend.info.eos != ()
+    kw = dict(model=proxy.proxy.backend.info.name, prompt="The market opens", max_tokens=4, n=3,
+              extra_body={"use_beam_search": True})
+    a, b = [await _client(s).completions.create(**kw) for s in (proxy, local)]
+    assert [(c.text, c.finish_reason) for c in a.choices] == [(c.text, c.finish_reason) for c in b.choices]
+    assert len({c.text for c in a.choices}) == 3
+
+
 async def test_embeddings_equal_the_in_process_engines(tiny_llama, proxy, start):
     local = await start(EngineBackend.load(str(tiny_llama), dtype="float32", offload_bytes=0))
     kw = dict(model=proxy.proxy.backend.info.name, input=["The market opens", "at dawn"], encoding_format="float")

@@ -122,6 +122,19 @@ async def test_streams_and_logprobs_come_back(proxy, tiny_llama):
         assert [(x.token, x.logprob) for x in t.top_logprobs] == [(tok.decode([9]), -1.009), (tok.decode([3]), -1.003)]
 
 
+async def test_a_beam_search_steps_through_vllm_one_token_at_a_time(proxy, vllm, tiny_llama):
+    """Each step a one-token request per beam, asking the 2n likeliest by id: the fake's
+    likeliest is token 100 at every step."""
+    tok = AutoTokenizer.from_pretrained(tiny_llama)
+    assert tok.eos_token_id in proxy.proxy.backend.info.eos
+    r = await client(proxy).completions.create(model="fake-vllm", prompt=[1, 2, 3], max_tokens=3,
+                                               extra_body={"use_beam_search": True})
+    assert r.choices[0].text == tok.decode([100] * 3) and r.choices[0].finish_reason == "length"
+    steps = vllm.bodies[-3:]
+    assert [b["prompt"] for b in steps] == [[1, 2, 3], [1, 2, 3, 100], [1, 2, 3, 100, 100]]
+    assert all((b["max_tokens"], b["logprobs"]) == (1, 2) for b in steps)
+
+
 async def test_what_vllm_refuses_is_a_400(proxy):
     with pytest.raises(openai.BadRequestError) as e:
         await client(proxy).completions.create(model="fake-vllm", prompt="a b", max_tokens=500)
