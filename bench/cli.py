@@ -1,5 +1,5 @@
 """`tokendance bench KIND`: engine, reuse, memory, mirror-decode, fidelity, offsets, restore,
-resume, remote, fleet, failover, structured, tools, judge, loops, gaps, parallel, priority."""
+resume, remote, fleet, failover, structured, tools, beams, judge, loops, gaps, parallel, priority."""
 
 from __future__ import annotations
 
@@ -20,6 +20,7 @@ KINDS = {
     "failover": ("tokendance.bench.failover", "a round after the session's engine is lost, against none lost"),
     "structured": ("tokendance.bench.structured", "structured outputs (a JSON schema) against the same work unconstrained"),
     "tools": ("tokendance.bench.tools", "rounds of agents that call a tool and answer, in each reuse mode"),
+    "beams": ("tokendance.bench.beams", "beam search through the proxy against HF's generate(num_beams=n)"),
     "judge": ("tokendance.bench.judge", "a judge scoring N answers: /generative_scoring against completions"),
     "loops": ("tokendance.bench.loops", "a debate with repetition detection against without"),
     "gaps": ("tokendance.bench.gaps", "where the device waits on the host in a traced run (bench reuse --trace)"),
