@@ -46,30 +46,45 @@ def same_as_reference(out: torch.Tensor, want: torch.Tensor) -> None:
     assert (out != want).sum() <= 0.01 * out.numel()
 
 
-def test_float32_rows_pick_the_path(monkeypatch) -> None:
-    """float32: fewer than FEW rows take F.linear on the plain weight (exactly), more the
-    packed one."""
+@pytest.mark.parametrize("few", [True, False])
+def test_float32_rows_pick_the_path(monkeypatch, few: bool) -> None:
+    """float32, `few` (an Intel CPU): fewer than FEW rows take F.linear on the plain
+    weight (exactly), more the packed one; else every input the packed one."""
     lin = nn.Linear(64, 32)
-    layer = PackedLinear(lin)
+    layer = PackedLinear(lin, few=few)
+    assert (layer.plain is not None) == few
     calls = []
     real = torch.ops.mkldnn._linear_pointwise
     monkeypatch.setattr(packed.torch.ops.mkldnn, "_linear_pointwise",
                         lambda *a: calls.append(a[0].shape) or real(*a), raising=False)
-    few = torch.randn(packed.FEW - 1, 64)
-    assert torch.equal(layer(few), reference(few, lin.weight, lin.bias)) and not calls
+    one = torch.randn(1, 64)
+    out = layer(one)
+    assert torch.equal(out, reference(one, lin.weight, lin.bias)) if few else calls == [one.shape]
+    same_as_reference(out, reference(one, lin.weight, lin.bias))
+    calls.clear()
     many = torch.randn(packed.FEW, 64)
     same_as_reference(layer(many), reference(many, lin.weight, lin.bias))
     assert calls == [many.shape]
 
 
-def test_pack_replaces_only_linears_worth_it() -> None:
+@pytest.mark.parametrize("intel", [True, False])
+def test_pack_replaces_only_linears_worth_it(intel: bool) -> None:
     model = nn.Sequential(nn.Linear(8, 4, dtype=torch.bfloat16), nn.Linear(8, 8), nn.Linear(8, 4),
                           nn.Sequential(nn.Linear(8, 4, dtype=torch.float16)))
-    assert pack(model) == 1 + BF16
+    assert pack(model, intel) == 1 + BF16 + (not intel)
     assert isinstance(model[0], PackedLinear if BF16 else nn.Linear)  # bf16: any shape
     assert isinstance(model[1], PackedLinear)
-    assert isinstance(model[2], nn.Linear)  # float32 narrowing (a down_proj): F.linear
+    # float32 narrowing (a down_proj): F.linear on an Intel CPU, packed elsewhere
+    assert isinstance(model[2], nn.Linear if intel else PackedLinear)
     assert isinstance(model[3][0], nn.Linear)  # no packed float16 path
+
+
+def test_the_cpus_maker_decides(monkeypatch) -> None:
+    """pack() without `intel` asks this CPU (/proc/cpuinfo's vendor)."""
+    for intel in (True, False):
+        monkeypatch.setattr(packed, "INTEL", intel)
+        model = nn.Sequential(nn.Linear(8, 4))
+        assert pack(model) == (not intel)
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
@@ -85,17 +100,18 @@ def test_tied_embedding_survives(tiny_models, dtype: str) -> None:
         same_as_reference(eng.model.lm_head(h), reference(h, emb, None))
 
 
-@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
-def test_engine_tokens_unchanged(tiny_models, monkeypatch, dtype: str) -> None:
+@pytest.mark.parametrize(("dtype", "intel"), [("bfloat16", False), ("float32", True), ("float32", False)])
+def test_engine_tokens_unchanged(tiny_models, monkeypatch, dtype: str, intel: bool) -> None:
     if dtype == "bfloat16" and not BF16:
         pytest.skip("this CPU's oneDNN has no bf16 kernels")
+    monkeypatch.setattr(packed, "INTEL", intel)
     folder = tiny_models["qwen2"]  # QKV bias
     g = torch.Generator().manual_seed(11)
     prompts = [torch.randint(3, 200, (n,), generator=g).tolist() for n in (5, 40, 300, 7, 90)]
     params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
     fast = Engine(model=str(folder), dtype=dtype, kv_tokens=2048)
     assert isinstance(fast.model.layers[0].mlp.gate_up_proj, PackedLinear)
-    assert isinstance(fast.model.layers[0].mlp.down_proj, PackedLinear if dtype == "bfloat16" else nn.Linear)
+    assert isinstance(fast.model.layers[0].mlp.down_proj, nn.Linear if dtype == "float32" and intel else PackedLinear)
     monkeypatch.setattr(packed, "supported", lambda *_: False)
     plain = Engine(model=str(folder), dtype=dtype, kv_tokens=2048)
     assert isinstance(plain.model.layers[0].mlp.gate_up_proj, nn.Linear)
