@@ -39,8 +39,14 @@ class Beam:
     logprob: float = 0.0  # cumulative
     end: int | None = None  # the end token that finished it
 
-    def score(self, prompt: int, penalty: float) -> float:
-        return self.logprob / (prompt + len(self.tokens)) ** penalty
+    def rank(self, prompt: int, penalty: float) -> tuple[float, float]:
+        """Orders beams as vLLM's score, logprob / (prompt + len(tokens)) ** penalty, does
+        (logprobs are not positive), in logs and scaled down by a penalty above 1, so that
+        none overflows; then, where that rounds alike, by logprob."""
+        if self.logprob >= 0.0:
+            return math.inf, self.logprob
+        s = max(1.0, abs(penalty))
+        return penalty / s * math.log(prompt + len(self.tokens)) - math.log(-self.logprob) / s, self.logprob
 
 
 # What changes the logits a beam is ranked by, reads them, or ends a beam by its text: no
@@ -114,7 +120,7 @@ class Search:
     async def run(self) -> list[Beam]:
         sp, prompt = self.first.request.sampling, self.first.ids
         ends = set(sp.stop_token_ids) | (set() if sp.ignore_eos else set(self.backend.info.eos))
-        width, score = self.beams.width, self.score
+        width, rank = self.beams.width, self.rank
         step = SamplingParams(max_tokens=1, temperature=0.0, logprobs=True, top_logprobs=2 * width,
                               ignore_eos=True, priority=sp.priority)
         live, done = [Beam([])], []
@@ -127,16 +133,16 @@ class Search:
                         grown.append(Beam(b.tokens + [token], b.logprob + lp))
                     elif len(b.tokens) >= sp.min_tokens:  # an end before min_tokens is barred
                         done.append(Beam(b.tokens, b.logprob + lp, token))
-            live = sorted(grown, key=score, reverse=True)[:width]
+            live = sorted(grown, key=rank, reverse=True)[:width]
             if not live or len(prompt) + t + 2 > self.backend.info.max_model_len:
                 break
-        best = sorted(done + live, key=score, reverse=True)[:width]
+        best = sorted(done + live, key=rank, reverse=True)[:width]
         if len(best) < width:
             raise InvalidRequest(f"the model gives {len(best)} beams, fewer than n ({width})", "n")
         return best
 
-    def score(self, b: Beam) -> float:
-        return b.score(len(self.first.ids), self.beams.length_penalty)
+    def rank(self, b: Beam) -> tuple[float, float]:
+        return b.rank(len(self.first.ids), self.beams.length_penalty)
 
     async def step(self, t: int, prompts: list[list[int]], sp: SamplingParams) -> list[list[tuple[int, float]]]:
         """Each prompt's likeliest next tokens and their logprobs, from one group."""

@@ -110,6 +110,14 @@ def test_each_beam_offers_twice_n_continuations(served, hf):
     assert all(len(c["token_ids"]) == 3 for c in got["choices"])
 
 
+def test_no_length_penalty_overflows_the_ranking(served, hf):
+    """Beams are ranked in logs: under a penalty this steep the longest come first, ended ones last."""
+    ends = set(sum(reference(hf, PROMPT, 2, 1), []))
+    got = beams(served, prompt=PROMPT, n=3, max_tokens=3, stop_token_ids=sorted(ends), length_penalty=1e308,
+                return_token_ids=True)["choices"]
+    assert [(len(c["token_ids"]), c["finish_reason"]) for c in got] == [(3, "length")] * 3
+
+
 def test_chat_streamed_and_several_prompts(served):
     name = served.backend.info.name
     chat = {"model": name, "messages": [{"role": "user", "content": "Say something."}], "n": 2,
