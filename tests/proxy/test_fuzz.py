@@ -28,7 +28,8 @@ FIELDS = ["messages", "prompt", "n", "stop", "max_tokens", "max_completion_token
           "chat_template_kwargs", "add_generation_prompt", "continue_final_message", "prompt_logprobs",
           "allowed_token_ids", "bad_words", "return_token_ids", "truncate_prompt_tokens", "truncation_side",
           "return_tokens_as_token_ids", "request_id", "priority", "logprob_token_ids", "repetition_detection",
-          "thinking_token_budget", "stream_interval", "include_reasoning", "return_prompt_text"]
+          "thinking_token_budget", "stream_interval", "include_reasoning", "return_prompt_text", "use_beam_search",
+          "length_penalty"]
 TOOLS = [{"type": "function", "function": {"name": "f", "strict": True, "parameters": {
     "type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}}},
     {"type": "function", "function": {"name": "g"}}]
@@ -54,7 +55,7 @@ PLAUSIBLE: dict[str, Any] = {
     "repetition_detection": [{"max_pattern_size": 3, "min_count": 2}, {"max_pattern_size": 2, "min_count": 1},
                              {"max_pattern_size": 1, "min_pattern_size": 2, "min_count": 3}],
     "thinking_token_budget": [0, 3, -1, -2], "stream_interval": [2, 5, 0], "include_reasoning": [False],
-    "return_prompt_text": [True],
+    "return_prompt_text": [True], "use_beam_search": [True], "length_penalty": [0.0, 2.5, -1.0],
 }
 CONVOS = [[{"role": "user", "content": "hi there"}],
           [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name a color."}],
