@@ -210,6 +210,28 @@ async def test_two_engines_serve_two_sessions_each_round_on_its_engine(pair, sta
             assert f'tokendance_engine_fleet_sessions{{engine="{url}"}} 1' in metrics
 
 
+async def test_a_beam_search_through_a_fleet_equals_one_engines(pair, start):
+    """Its steps, outside any session, take the engines in turn: the same beams as on one."""
+    fleet = await Fleet.connect([u for u, _, _ in pair], lambda u: RemoteBackend.connect(u, "collective"))
+    one = await RemoteBackend.connect(pair[0][0], "collective")
+    assert fleet.info.eos == one.info.eos != ()
+    kw = dict(model=fleet.info.name, prompt="The market opens", max_tokens=4, n=3,
+              extra_body={"use_beam_search": True, "return_token_ids": True})
+    added = [0, 0]
+    for i, (_, be, _) in enumerate(pair):
+        def counted(*a, i=i, add=be.engine.add, **kw):
+            added[i] += 1
+            return add(*a, **kw)
+        be.engine.add = counted
+    got = []
+    for be in (fleet, one):
+        server = await start(be)
+        c = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="sk-test", max_retries=0)
+        got.append([c.model_extra["token_ids"] for c in (await c.completions.create(**kw)).choices])
+    assert got[0] == got[1] and len({tuple(t) for t in got[0]}) == 3
+    assert all(added) and sum(added) == 2 * (1 + 3 * 3)  # each run: 1 request, then 3 beams x 3 steps
+
+
 async def test_a_lost_engine_moves_its_session_and_the_proxy_keeps_serving(pair, start):
     fleet = await Fleet.connect([u for u, _, _ in pair], lambda u: RemoteBackend.connect(u, "collective"))
     server = await start(fleet)
