@@ -18,13 +18,13 @@ output is at least as wide as their input are packed: down_proj (1,536 to 576) r
 slower packed at 1-10 rows (7.0 against 8.0 ms at 8). The cost is memory, 430 MB more
 for SmolLM2 (the tied lm_head's packed copy included), for a batch-8 decode step in 0.81
 of the time (62 against 77 ms, one process, medians of 4).
-MKL takes its fast kernels on Intel CPUs only. On the 2-core AMD EPYC host the packed
-weight is the faster at every row count and width (one SmolLM2 layer, µs, medians of 50
+That rule was measured on an Intel CPU. On the 2-core AMD EPYC host the packed weight
+is the faster at every row count and width (one SmolLM2 layer, µs, medians of 50
 calls, MKL against packed, at 1 / 2 / 3 / 4 / 8 rows): qkv 45/36, 89/36, 128/39, 108/44,
 113/66; gate_up 132/65, 263/69, 390/84, 352/88, 421/153; down_proj 61/47, 128/49,
 269/55, 180/60, 223/107; the lm_head 10.3/5.6, 26.4/5.4, 38.1/4.6, 19.0/5.4, 17.1/5.5
-ms. Elsewhere, then, every float32 layer is packed for every input, and keeps no plain
-copy.
+ms. So the rule holds on Intel CPUs only; on any other every float32 layer is packed for
+every input, and keeps no plain copy.
 Outputs differ from `F.linear`'s by float32 rounding (another summation order).
 
 The reference is `F.linear` on the unpacked weight; tests compare the two.
@@ -49,7 +49,7 @@ def _intel() -> bool:
         return False
 
 
-INTEL = _intel()  # MKL's sgemm, F.linear's float32 path, runs its fast kernels here
+INTEL = _intel()  # where MKL's sgemm (F.linear's float32 path) beat the packed weight at 1-3 rows
 
 
 def supported(dtype: torch.dtype, device: torch.device | str) -> bool:
