@@ -109,7 +109,6 @@ class ModelConfig:
     post_norm: bool = False  # OLMo 2: each block's output normed before its residual add, no input norms
     rotary_dim: int | None = None  # the dims of a head RoPE turns, if not all (partial_rotary_factor)
     rope: dict = field(default_factory=dict)  # rope_theta, rope_type, factor, ...
-    eos_token_ids: list[int] = field(default_factory=list)
     sliding_window: int | None = None
     nope: tuple[int, ...] = ()  # layers without RoPE (SmolLM3's every fourth): their keys carry no position
     # Granite's multipliers: of the embeddings, of each block's output before its residual
@@ -151,10 +150,6 @@ class ModelConfig:
         if bad:
             raise InvalidRequest(f"{path}: {', '.join(bad)} must be positive integers", "model")
         heads = raw["num_attention_heads"]
-        eos = raw.get("eos_token_id")
-        gen = Path(folder) / "generation_config.json"
-        if gen.is_file():
-            eos = _read(gen).get("eos_token_id", eos)
         rope = dict(raw.get("rope_parameters") or raw.get("rope_scaling") or {})
         rope.setdefault("rope_theta", raw.get("rope_theta", 10000.0))
         rope["rope_type"] = rope.get("rope_type", rope.get("type", "default"))
@@ -182,7 +177,6 @@ class ModelConfig:
             qk_norm="head" if arch in ("qwen3", "qwen3_moe") else "all" if arch in ("olmo2", "olmoe") else None,
             post_norm=arch == "olmo2",
             rope=rope,
-            eos_token_ids=[] if eos is None else ([eos] if isinstance(eos, int) else list(eos)),
             sliding_window=window,
             nope=_nope(raw, path) if arch == "smollm3" else (),
             rotary_dim=_rotary_dim(raw, rope, head_dim, path),

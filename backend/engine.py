@@ -18,6 +18,7 @@ from tokendance.backend.collector import Collector, ReuseConfig
 from tokendance.backend.config import EngineConfig, ModelConfig
 from tokendance.backend.detok import Detok, Pieces
 from tokendance.backend.device import host_threads, host_tier_bytes, pick_device
+from tokendance.backend.generation import ends
 from tokendance.backend.grammar import Grammars
 from tokendance.backend.idle import IdleAgents
 from tokendance.backend.lookahead import Inflight, eligible, launch
@@ -81,9 +82,7 @@ class Engine:
         self.tokenizer = AutoTokenizer.from_pretrained(self.folder)
         self.pieces = Pieces(self.tokenizer)  # tokens' texts alone, for logprobs
         self.name = loader.DEFAULT_MODEL if cfg.model in (None, "", "default") else Path(cfg.model).name
-        self.eos = set(self.mcfg.eos_token_ids)
-        if self.tokenizer.eos_token_id is not None:
-            self.eos.add(self.tokenizer.eos_token_id)
+        self.eos = set(ends(self.folder, self.tokenizer))
         self.grammars = Grammars(self.tokenizer, self.mcfg.vocab_size, sorted(self.eos))
         budget = cfg.max_batched_tokens or (16384 if self.device.type == "cuda" else 2048)
         per_token = self.mcfg.kv_bytes_per_token(torch.tensor([], dtype=self.dtype).element_size())

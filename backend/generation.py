@@ -54,7 +54,7 @@ def defaults(model_folder: str | Path, choice: str = "auto", override: dict[str,
 
 
 def ends(model_folder: str | Path, tokenizer: Any) -> tuple[int, ...]:
-    """The tokens that end a sequence, as the engine takes them (backend/config.py): the
+    """The tokens that end a sequence (the engine's, and a vLLM server's model's): the
     generation config's eos_token_id (else the model config's), and the tokenizer's."""
     folder = Path(model_folder).expanduser()
     eos = _read(folder / "config.json").get("eos_token_id")
