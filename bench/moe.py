@@ -127,19 +127,26 @@ def cpu_main() -> int:
 
 
 SWEEP = [dict(block_m=m, block_n=n, block_k=bk, num_warps=w, num_stages=st)
-         for m, n, bk, w, st in ((64, 64, 64, 4, 3), (16, 64, 128, 4, 3), (32, 64, 64, 4, 4), (64, 128, 64, 4, 3),
-                                 (128, 64, 64, 4, 3), (128, 128, 64, 8, 3), (128, 128, 32, 8, 4))]
+         for m, n, bk, w, st in ((64, 64, 64, 4, 3), (16, 64, 128, 4, 3), (16, 64, 64, 4, 4), (16, 128, 64, 4, 3),
+                                 (32, 64, 64, 4, 4), (32, 128, 64, 4, 3), (64, 128, 64, 4, 3), (128, 64, 64, 4, 3),
+                                 (128, 128, 64, 8, 3), (128, 128, 64, 8, 4), (128, 256, 64, 8, 3),
+                                 (128, 128, 32, 8, 4))]
 
 
 def sweep() -> int:
-    """The Triton kernel's launch configurations on Qwen3-30B-A3B's layer (`--sweep`)."""
-    h, i, e, k = SHAPES["qwen3-30b-a3b"]
-    say("| T | " + " | ".join(f"{c['block_m']}x{c['block_n']}x{c['block_k']} w{c['num_warps']} s{c['num_stages']}"
-                             for c in SWEEP) + " | grouped |\n|---|" + "---|" * (len(SWEEP) + 1))
-    for t in (1, 32, 256, 2048, 8192):
-        args = inputs(h, i, e, k, t)
-        times = [median_ms(lambda: moe_triton(*args, cfg=c), SMOKE) for c in SWEEP]
-        say(f"| {t} | " + " | ".join(f"{x:.3f}" for x in times) + f" | {median_ms(lambda: moe_grouped(*args), SMOKE):.3f} |")
+    """The Triton kernel's launch configurations on both layers (`--sweep`): decode batches
+    (T <= DECODE) timed inside a CUDA graph, as the engine replays them (eager, the host's
+    launches would hide the kernels), prefill steps eager; torch's grouped GEMM eager."""
+    for name, (h, i, e, k) in SHAPES.items():
+        say(f"{name}: ms per call\n| T | " + " | ".join(
+            f"{c['block_m']}x{c['block_n']}x{c['block_k']} w{c['num_warps']} s{c['num_stages']}" for c in SWEEP)
+            + " | grouped |\n|---|" + "---|" * (len(SWEEP) + 1))
+        for t in TOKENS:
+            args = inputs(h, i, e, k, t)
+            timer = (lambda f: graph_ms(f, SMOKE, launches=8)) if t <= DECODE else (lambda f: median_ms(f, SMOKE))
+            times = [timer(lambda c=c: moe_triton(*args, cfg=c)) for c in SWEEP]
+            grp = median_ms(lambda: moe_grouped(*args), SMOKE) if GROUPED_MM else float("nan")
+            say(f"| {t} | " + " | ".join(f"{x:.3f}" for x in times) + f" | {grp:.3f} |")
     save_log("moe_sweep.txt")
     return 0
 

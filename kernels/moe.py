@@ -31,9 +31,17 @@ from tokendance.kernels.act import silu_mul, silu_mul_reference
 from tokendance.kernels.jit import HAVE_TRITON, tl, triton
 from tokendance.kernels.tiles import _dot
 
-# Launch configuration on a GPU: untimed, no GPU was available to pick it. The
-# interpreter's small tiles keep tests fast and span several blocks and tiles.
-CFG = dict(block_m=64, block_n=64, block_k=64, num_warps=4, num_stages=3)
+# Launch configurations on a GPU by the step's tokens: (from T, config). Picked on an H100
+# (bf16, `bench/moe.py --sweep`, Qwen3-30B-A3B's and OLMoE-1B-7B's layers). Decode batches
+# in a CUDA graph took 0.10-0.12 ms at one token and 0.35-0.70 ms at 32-256 under every
+# configuration; 64 x 64 x 64 was within 1 % of the best at 32 and 256, 5 % at one. At
+# 2,048 tokens 128 x 128 x 64 (8 warps) took 0.98 / 0.93 ms against 1.03 / 1.14 for
+# 64 x 64 x 64, at 8,192 128 x 256 x 64 1.95 / 2.25 against 3.30 / 4.04 (torch's grouped
+# GEMM: 3.00 / 3.23). 4,096 was not timed.
+CFGS = ((0, dict(block_m=64, block_n=64, block_k=64, num_warps=4, num_stages=3)),
+        (1024, dict(block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=3)),
+        (4096, dict(block_m=128, block_n=256, block_k=64, num_warps=8, num_stages=3)))
+# The interpreter's small tiles keep tests fast and span several blocks and tiles.
 INTERP_CFG = dict(block_m=16, block_n=16, block_k=16, num_warps=4, num_stages=1)
 
 
@@ -142,7 +150,7 @@ def moe_triton(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, weigh
     assert gate_up.stride(-1) == 1 and down.stride(-1) == 1  # not copied: they are large
     if T == 0:
         return x.new_empty(0, H)
-    c = {**(CFG if x.is_cuda else INTERP_CFG), **(cfg or {})}
+    c = {**(launch(T) if x.is_cuda else INTERP_CFG), **(cfg or {})}
     # as tiles.scales: the interpreter would multiply bf16 bit patterns as integers
     prec = "ieee" if x.dtype == torch.float32 else "tf32" if x.is_cuda else "upcast"
     pairs, block_expert = align(ids, E, c["block_m"])
@@ -178,19 +186,15 @@ def groupable(*ts: torch.Tensor) -> bool:
         t.data_ptr() % 16 == 0 and all(st * t.element_size() % 16 == 0 for st in t.stride()[:-1]) for t in ts)
 
 
-# On CUDA, steps of at least this many tokens take torch's grouped GEMM. On an H100 (bf16,
-# bench/moe.py, both eager) the Triton kernel took 3.36 against 3.02 ms at 8,192 tokens of
-# a Qwen3-30B-A3B layer and 4.13 against 3.25 of an OLMoE-1B-7B one; 1.04 against 1.18 and
-# 1.15 against 1.05 at 2,048; 0.49-0.60 against 0.41-0.62 at 32 and 256. Decode steps
-# replay it in a CUDA graph: 0.10 ms at one token (the grouped GEMM eager: 0.17).
-GROUPED_FROM = 4096
+def launch(tokens: int) -> dict:
+    """The launch configuration on a GPU for a step of this many tokens (CFGS)."""
+    return next(c for start, c in reversed(CFGS) if tokens >= start)
 
 
 def path(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> str:
     """Which implementation `moe` runs: "triton", "grouped" or "reference"."""
     if HAVE_TRITON and x.is_cuda:
-        big = x.shape[0] >= GROUPED_FROM and x.dtype != torch.float32
-        return "grouped" if big and groupable(x, gate_up, down) else "triton"
+        return "triton"
     if x.dtype != torch.float32 and groupable(x, gate_up, down):
         return "grouped"
     return "reference"
@@ -198,8 +202,8 @@ def path(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> str:
 
 def moe(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, weights: torch.Tensor,
         ids: torch.Tensor) -> torch.Tensor:
-    """Dispatch: on CUDA the Triton path, torch's grouped GEMM for long prefill steps in
-    half precision; on CPU the grouped GEMM in half precision and the reference in float32
+    """Dispatch: on CUDA the Triton path (in a CUDA graph at decode sizes, and eager from
+    2,048 tokens, faster than torch's grouped GEMM at every size timed); on CPU the grouped GEMM in half precision and the reference in float32
     (our exact reference stays exact)."""
     impl = {"triton": moe_triton, "grouped": moe_grouped, "reference": moe_reference}[path(x, gate_up, down)]
     return impl(x, gate_up, down, weights, ids)

@@ -132,8 +132,7 @@ def test_cpu_dispatch_is_reference(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_paths_on_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
-    """On CUDA: Triton, but torch's grouped GEMM for half-precision steps of GROUPED_FROM
-    tokens and more (float32 and unaligned rows stay on Triton)."""
+    """On CUDA: Triton at every step size, dtype and alignment."""
     class Cuda:
         def __init__(self, t: torch.Tensor):
             self.t, self.is_cuda, self.dtype, self.shape = t, True, t.dtype, t.shape
@@ -142,11 +141,25 @@ def test_paths_on_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
             return getattr(self.t, name)
 
     monkeypatch.setattr(moe_mod, "HAVE_TRITON", True)
-    monkeypatch.setattr(moe_mod, "GROUPED_FROM", 8)
-    for t, h, dtype, want in ((7, 48, torch.bfloat16, "triton"), (8, 48, torch.bfloat16, "grouped"),
-                              (8, 48, torch.float32, "triton"), (8, 44, torch.bfloat16, "triton")):
+    for t, h, dtype in ((7, 48, torch.bfloat16), (8, 48, torch.float32), (8, 44, torch.bfloat16)):
         x, gate_up, down, _, _ = make(t, h, 24, 4, 2, dtype)
-        assert moe_mod.path(Cuda(x), gate_up, down) == want, (t, h, dtype)
+        assert moe_mod.path(Cuda(x), gate_up, down) == "triton", (t, h, dtype)
+
+
+def test_launch_by_tokens() -> None:
+    """Each step size takes the configuration of the last start it reaches."""
+    (_, small), (mid, medium), (big, large) = moe_mod.CFGS
+    assert moe_mod.launch(1) is small and moe_mod.launch(mid - 1) is small
+    assert moe_mod.launch(mid) is medium and moe_mod.launch(big - 1) is medium
+    assert moe_mod.launch(big) is large and moe_mod.launch(10 ** 6) is large
+
+
+@pytest.mark.parametrize("start", [s for s, _ in moe_mod.CFGS])
+def test_triton_gpu_tiles(start: int) -> None:
+    """The GPU's configurations (tiles of 64 to 256, wider than H=48 and I=40) compute the
+    reference's answer; the interpreter runs them as a GPU would, tiles and masks."""
+    args = make(12, 48, 40, 8, 2, torch.bfloat16, seed=5, hot=1)
+    close(moe_triton(*args, cfg=moe_mod.launch(start)), moe_reference(*args))
 
 
 @pytest.mark.skipif(moe_mod.GROUPED_MM is None, reason="torch has no F.grouped_mm")
