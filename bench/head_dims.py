@@ -12,11 +12,11 @@ torch references on the GPU, without CUDA graphs.
     heads, bf16) against the reference in float64, then timed: decode of 32 x 4096
     context (inside a CUDA graph, as the engine replays it) and prefill of 10 x 2048, at
     head dim 120 and at 128 (the padded tile's width), and the reference at 120.
-(c) With --baseline DIR (the kernels folder of an earlier checkout): that checkout's
-    paged kernels against this one's at Qwen2.5-7B's attention shape (head dim 128),
-    alternating: what the masks cost a head that needs none.
+(c) With --baseline DIR|REV (an earlier checkout's kernels folder, or a git revision of
+    this one): that checkout's paged kernels against this one's at Qwen2.5-7B's attention
+    shape (head dim 128), alternating: what the masks cost a head that needs none.
 
-    python -m tokendance.bench.head_dims [--baseline DIR] [--kernels-only] [--smoke]
+    python -m tokendance.bench.head_dims [--baseline DIR|REV] [--kernels-only] [--smoke]
 
 --smoke runs (b) and (c) at tiny sizes under TRITON_INTERPRET=1 on the CPU (checks the
 script only).
@@ -38,7 +38,7 @@ import torch  # noqa: E402
 
 from tokendance.bench.kernel_timing import COPY_CEILING, graph_ms, median_ms, say  # noqa: E402
 from tokendance.bench.kernels import check, make, suffix  # noqa: E402
-from tokendance.bench.ptx import load_baseline  # noqa: E402
+from tokendance.bench.ptx import load_baseline, resolve  # noqa: E402
 from tokendance.kernels import paged_attention as pa  # noqa: E402
 from tokendance.kernels.tiles import trig_table  # noqa: E402
 
@@ -139,10 +139,16 @@ def against(folder: str, rounds: int = 1 if SMOKE else 5) -> None:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--baseline", help="the kernels folder of an earlier checkout, to time against")
+    p.add_argument("--baseline", help="an earlier checkout's kernels folder, or a git revision, to time against")
     p.add_argument("--kernels-only", action="store_true", help="skip (a), the engine's checks")
     p.add_argument("--smoke", action="store_true", help="(b) and (c) tiny, interpreted on the CPU")
     a = p.parse_args()
+    if a.baseline:  # before any of the GPU's time goes
+        try:
+            a.baseline = resolve(a.baseline)
+        except ValueError as exc:
+            print(f"--baseline: {exc}", file=sys.stderr)
+            return 2
     torch.manual_seed(0)
     ok = True
     if not (a.kernels_only or a.smoke):

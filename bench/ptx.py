@@ -85,6 +85,19 @@ def from_git(rev: str) -> str:
     return str(folder)
 
 
+def resolve(baseline: str) -> str:
+    """`--baseline`: an earlier checkout's kernels folder, or a git revision of this
+    checkout (its kernels written out by `from_git`); ValueError, in a line, for neither."""
+    if Path(baseline).is_dir():
+        if not Path(baseline, "paged_triton.py").is_file():
+            raise ValueError(f"{baseline} is not a kernels folder: it holds no paged_triton.py")
+        return baseline
+    try:
+        return from_git(baseline)
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"not a folder, and {exc}") from None
+
+
 def load_baseline(folder: str, package: str = "tdbase"):
     """An earlier checkout's kernels folder as the package `<package>.kernels` (its imports
     of tokendance.kernels rewritten), to compile or time beside this checkout's."""
@@ -160,11 +173,11 @@ def main() -> int:
         print(f"--dims: not a list of integers: {a.dims!r}", file=sys.stderr)
         return 2
     label = a.baseline
-    if a.baseline and not Path(a.baseline).is_dir():
+    if a.baseline:
         try:
-            a.baseline = from_git(a.baseline)
-        except (OSError, ValueError) as exc:
-            print(f"--baseline: not a folder, and {exc}", file=sys.stderr)
+            a.baseline = resolve(a.baseline)
+        except ValueError as exc:
+            print(f"--baseline: {exc}", file=sys.stderr)
             return 2
     names = a.kernels.split(",") if a.kernels else [k.name for k in KERNELS]
     unknown = sorted(set(names) - {k.name for k in KERNELS})

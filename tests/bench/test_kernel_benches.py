@@ -22,3 +22,16 @@ def test_smoke(script: str) -> None:
                          capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stderr[-2000:]
     assert "all ok" in res.stdout, res.stdout[-2000:]
+
+
+@pytest.mark.parametrize("script", ["head_dims.py", "ptx.py"])
+def test_a_baseline_that_is_neither_kernels_nor_a_revision_is_a_line(script: str, tmp_path: Path) -> None:
+    """An empty folder (a session once carried one: the GPU's checks ran for minutes and
+    then the baseline's import failed) and an unknown revision stop the script at once."""
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    for arg, says in ((str(tmp_path), "holds no paged_triton.py"), ("no-such-rev", "git cannot read")):
+        res = subprocess.run([sys.executable, str(BENCH / script), "--baseline", arg], env=env,
+                             capture_output=True, text=True, timeout=120)
+        assert res.returncode == 2 and res.stdout == "", res.stdout[-1000:]
+        assert res.stderr.startswith("--baseline: ") and says in res.stderr, res.stderr
+        assert len(res.stderr.strip().splitlines()) == 1, res.stderr
