@@ -236,6 +236,16 @@ def greedy_vs_hf(dtype: str, shape: str = "qwen2.5-7b", layers: int = 2) -> bool
     print(f"greedy vs HF ({shape}, {layers} layers, {dtype}): {same}/{len(prompts)} prompts identical, "
           f"first tokens {first}/{len(prompts)}; HF's gap between its two best first logits "
           f"{min(gaps):.3g} to {max(gaps):.3g}")
+    for p, a, b in zip(prompts, ours, ref):
+        j = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
+        if j is None:
+            continue
+        with torch.no_grad():  # the same context up to j: HF's view of our token there
+            logits = hf(torch.tensor([p + b[:j]], device="cuda")).logits[0, -1].float()
+        rank = int((logits > logits[a[j]]).sum()) + 1
+        print(f"  first difference at token {j}: ours is HF's choice #{rank}, its logit "
+              f"{float(logits[b[j]] - logits[a[j]]):.3g} below HF's (HF's logits there up to "
+              f"{float(logits.abs().max()):.3g})")
     return same == len(prompts)
 
 
