@@ -278,6 +278,9 @@ class Request:
     truncate: int | None = None  # vLLM's truncate_prompt_tokens: only this many of the prompt's tokens
     truncation_side: str = "left"  # which end `truncate` cuts: "left" keeps the last tokens, "right" the first
     pooling: Pooling | None = None  # an embedding: the prompt pooled, nothing generated
+    # Outside a session: requests of one route go to one engine of a fleet while it serves
+    # (a beam search's steps, whose prompts grow from one another: its prefix cache has them)
+    route: str | None = None
 
 
 @dataclass(slots=True)

@@ -9,7 +9,8 @@ active sessions weigh least: a session is active for ACTIVE seconds after its la
 request and weighs the requests of its latest round (a round of 20 agents weighs more
 than one of 2; a simulation that ended weighs nothing once it is idle). It counts from
 its first request's arrival, before the barrier, so simulations that start together
-spread out. Requests outside any session take the engines in turn.
+spread out. Requests outside any session take the engines in turn, but those of one
+route (`Request.route`: a beam search's steps) stay on the engine the first took.
 
 An engine that reports a problem (its /health, or a group it lost) takes no new work;
 its sessions move to another engine at their next request, where what they had cached
@@ -83,6 +84,7 @@ class Fleet:
         self.tokenizer = first.tokenizer
         self.pins: OrderedDict[Key, Pin] = OrderedDict()  # least recent first
         self._turn = itertools.count()  # requests outside sessions
+        self.routes: OrderedDict[Key, int] = OrderedDict()  # (tenant, route): engine; least recent first
         self._clock = clock
         self._down: list[str | None] = [None] * len(engines)  # last problem seen, for the log
         self.resent = 0  # requests an engine could not take, sent to another
@@ -109,7 +111,16 @@ class Fleet:
         """The engine `request` goes to (and, for a session, stays on)."""
         up = [i for i in range(len(self.engines)) if self._serves(i)] or [0]  # none: 0's error
         if request.session is None:
-            return up[next(self._turn) % len(up)]
+            if request.route is None:
+                return up[next(self._turn) % len(up)]
+            r = (request.tenant, request.route)
+            j = self.routes.get(r)
+            if j is None or j not in up:
+                j = self.routes[r] = up[next(self._turn) % len(up)]
+                while len(self.routes) > MAX_PINS:
+                    self.routes.popitem(last=False)
+            self.routes.move_to_end(r)
+            return j
         s = (request.tenant, request.session)
         t = self._clock()
         pin = self.pins.get(s)

@@ -21,6 +21,7 @@ KINDS = {
     "structured": ("tokendance.bench.structured", "structured outputs (a JSON schema) against the same work unconstrained"),
     "tools": ("tokendance.bench.tools", "rounds of agents that call a tool and answer, in each reuse mode"),
     "beams": ("tokendance.bench.beams", "beam search through the proxy against HF's generate(num_beams=n)"),
+    "beam-routes": ("tokendance.bench.beam_routes", "a beam search through a fleet: its steps on one engine, against in turn"),
     "judge": ("tokendance.bench.judge", "a judge scoring N answers: /generative_scoring against completions"),
     "loops": ("tokendance.bench.loops", "a debate with repetition detection against without"),
     "gaps": ("tokendance.bench.gaps", "where the device waits on the host in a traced run (bench reuse --trace)"),

@@ -119,6 +119,26 @@ def test_requests_outside_sessions_take_the_engines_in_turn_where_they_were_prep
     assert [[g[0].id for g in e.groups] for e in engines] == [["r0", "r2"], ["r1", "r3"]]
 
 
+def test_requests_of_one_route_stay_on_one_engine_while_it_serves(three, monkeypatch):
+    """A route (a beam search's steps) takes its engine in turn once, then keeps it; per
+    tenant; moved when that engine is down; the least recent routes forgotten first."""
+    f, engines, _ = three
+    def routed(rid: str, route: str, tenant: str = "") -> int:
+        r = request(rid, tenant=tenant)
+        r.route = route
+        return f.route(r)
+    assert [routed(f"a{k}", "beams-a") for k in range(4)] == [0, 0, 0, 0]
+    assert f.route(request("loose")) == 1  # the turn goes on past the route's one
+    assert routed("b0", "beams-b") == 2 and routed("a4", "beams-a") == 0
+    assert routed("t0", "beams-a", tenant="k2") == 0  # its own route: the next turn (0 again)
+    engines[0].down = "gone"
+    moved = routed("a5", "beams-a")
+    assert moved != 0 and routed("a6", "beams-a") == moved
+    monkeypatch.setattr(fleet_module, "MAX_PINS", 2)
+    routed("c0", "beams-c")
+    assert list(f.routes) == [("", "beams-a"), ("", "beams-c")]
+
+
 def test_a_request_that_moved_at_the_barrier_is_prepared_where_it_goes(three, monkeypatch):
     f, engines, _ = three
     p = f.prepare(request("a0", "s"))
@@ -210,26 +230,33 @@ async def test_two_engines_serve_two_sessions_each_round_on_its_engine(pair, sta
             assert f'tokendance_engine_fleet_sessions{{engine="{url}"}} 1' in metrics
 
 
-async def test_a_beam_search_through_a_fleet_equals_one_engines(pair, start):
-    """Its steps, outside any session, take the engines in turn: the same beams as on one."""
+@pytest.mark.parametrize("n", [2, 3])
+async def test_a_beam_search_through_a_fleet_stays_on_one_engine(pair, start, n):
+    """Its steps, outside any session, share a route: they stay on one engine, whose
+    prefix cache holds the beams' past (taking the engines in turn, each step found only
+    what the step before the last had left there); the same beams as on one engine."""
     fleet = await Fleet.connect([u for u, _, _ in pair], lambda u: RemoteBackend.connect(u, "collective"))
     one = await RemoteBackend.connect(pair[0][0], "collective")
     assert fleet.info.eos == one.info.eos != ()
-    kw = dict(model=fleet.info.name, prompt="The market opens", max_tokens=4, n=3,
+    kw = dict(model=fleet.info.name, prompt="The market opens", max_tokens=4, n=n,
               extra_body={"use_beam_search": True, "return_token_ids": True})
-    added = [0, 0]
+    added: list[list[str]] = [[], []]
     for i, (_, be, _) in enumerate(pair):
-        def counted(*a, i=i, add=be.engine.add, **kw):
-            added[i] += 1
-            return add(*a, **kw)
+        def counted(req, *a, i=i, add=be.engine.add, **kw):
+            added[i].append(req)
+            return add(req, *a, **kw)
         be.engine.add = counted
     got = []
     for be in (fleet, one):
         server = await start(be)
         c = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="sk-test", max_retries=0)
-        got.append([c.model_extra["token_ids"] for c in (await c.completions.create(**kw)).choices])
-    assert got[0] == got[1] and len({tuple(t) for t in got[0]}) == 3
-    assert all(added) and sum(added) == 2 * (1 + 3 * 3)  # each run: 1 request, then 3 beams x 3 steps
+        res = await c.completions.create(**kw)
+        got.append([c.model_extra["token_ids"] for c in res.choices])
+        if be is fleet:
+            on = [len(a) for a in added]
+            assert sorted(on) == [0, 1 + n * 3], (n, added)  # one beam's step, then n beams x 3 steps
+    assert got[0] == got[1] and len({tuple(t) for t in got[0]}) == n
+    assert len(fleet.routes) == 1
 
 
 async def test_a_lost_engine_moves_its_session_and_the_proxy_keeps_serving(pair, start):
