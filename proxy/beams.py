@@ -10,7 +10,9 @@ of the finished and the live are the n choices, best first.
 A beam's score is its cumulative log-probability over (prompt + output tokens, its end
 token left out) ** length_penalty, vLLM's. Candidates are ranked by the model's own
 log-probabilities, so temperature, top_p, top_k, min_p and seed change nothing, as in vLLM.
-A beam search is not part of a round: it is refused in a session."""
+With `logprobs`, each choice's tokens come with their log-probabilities and the k best
+alternatives at each step, as the steps gave them. A beam search is not part of a round:
+it is refused in a session."""
 
 from __future__ import annotations
 
@@ -20,7 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any, AsyncIterator
 
 from tokendance.backend.api import (TOP_LOGPROBS, Backend, Delta, InvalidRequest, Prepared, Request, SamplingParams,
-                                    Stream, Usage)
+                                    Stream, TokenLogprob, TopLogprob, Usage)
 
 from .errors import invalid, unsupported
 
@@ -38,6 +40,7 @@ class Beam:
     tokens: list[int]  # its output so far, its end token aside
     logprob: float = 0.0  # cumulative
     end: int | None = None  # the end token that finished it
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # with `logprobs`: each token's, the end's too
 
     def rank(self, prompt: int, penalty: float) -> tuple[float, float]:
         """Orders beams as vLLM's score, logprob / (prompt + len(tokens)) ** penalty, does
@@ -49,12 +52,12 @@ class Beam:
         return penalty / s * math.log(prompt + len(self.tokens)) - math.log(-self.logprob) / s, self.logprob
 
 
-# What changes the logits a beam is ranked by, reads them, or ends a beam by its text: no
-# place in a beam search (a 400 each, naming the field), unless left at a value that asks
-# for nothing. (A completion's `logprobs: 0` asks for the chosen tokens' logprobs.)
+# What changes the logits a beam is ranked by, reads the prompt's or chosen tokens', or
+# ends a beam by its text: no place in a beam search (a 400 each, naming the field),
+# unless left at a value that asks for nothing.
 REFUSED: dict[str, tuple[str, tuple[Any, ...]]] = {
-    "stop": ("stop strings", ("", [])), "logprobs": ("logprobs", (False,)), "top_logprobs": ("logprobs", (0,)),
-    "prompt_logprobs": ("prompt_logprobs", ()), "logprob_token_ids": ("logprobs", ([],)),
+    "stop": ("stop strings", ("", [])), "prompt_logprobs": ("prompt_logprobs", ()),
+    "logprob_token_ids": ("logprob_token_ids", ([],)),
     "response_format": ("structured outputs", ()), "structured_outputs": ("structured outputs", ()),
     "presence_penalty": ("penalties", (0.0,)), "frequency_penalty": ("penalties", (0.0,)),
     "repetition_penalty": ("penalties", (1.0,)), "logit_bias": ("logit_bias", ({},)),
@@ -82,6 +85,8 @@ def asked(body: Any, backend: Backend, session: str | None) -> Beams | None:
             continue
         if not _unset(value, neutral):
             raise unsupported(name, f"{what} with use_beam_search")
+    if getattr(body, "echo", False) and getattr(body, "logprobs", None) is not None:
+        raise unsupported("echo", "the prompt's logprobs (echo with logprobs) with use_beam_search")
     if session is not None:
         raise invalid("a beam search is not part of a round: leave out the session with use_beam_search",
                       "use_beam_search")
@@ -121,18 +126,21 @@ class Search:
         sp, prompt = self.first.request.sampling, self.first.ids
         ends = set(sp.stop_token_ids) | (set() if sp.ignore_eos else set(self.backend.info.eos))
         width, rank = self.beams.width, self.rank
-        step = SamplingParams(max_tokens=1, temperature=0.0, logprobs=True, top_logprobs=2 * width,
+        k = sp.top_logprobs if sp.logprobs else 0  # the alternatives a choice lists at each token
+        step = SamplingParams(max_tokens=1, temperature=0.0, logprobs=True, top_logprobs=max(2 * width, k),
                               ignore_eos=True, priority=sp.priority)
         live, done = [Beam([])], []
         for t in range(sp.max_tokens):
             tops = await self.step(t, [prompt + b.tokens for b in live], step)
             grown = []
             for b, top in zip(live, tops):
-                for token, lp in top:
-                    if token not in ends:
-                        grown.append(Beam(b.tokens + [token], b.logprob + lp))
+                for x in top[:2 * width]:
+                    lps = b.logprobs + [TokenLogprob(x.token, x.logprob, x.bytes, top=top[:k], id=x.id)
+                                        ] if sp.logprobs else []
+                    if x.id not in ends:
+                        grown.append(Beam(b.tokens + [x.id], b.logprob + x.logprob, None, lps))
                     elif len(b.tokens) >= sp.min_tokens:  # an end before min_tokens is barred
-                        done.append(Beam(b.tokens, b.logprob + lp, token))
+                        done.append(Beam(b.tokens, b.logprob + x.logprob, x.id, lps))
             live = sorted(grown, key=rank, reverse=True)[:width]
             if not live or len(prompt) + t + 2 > self.backend.info.max_model_len:
                 break
@@ -144,8 +152,8 @@ class Search:
     def rank(self, b: Beam) -> tuple[float, float]:
         return b.rank(len(self.first.ids), self.beams.length_penalty)
 
-    async def step(self, t: int, prompts: list[list[int]], sp: SamplingParams) -> list[list[tuple[int, float]]]:
-        """Each prompt's likeliest next tokens and their logprobs, from one group."""
+    async def step(self, t: int, prompts: list[list[int]], sp: SamplingParams) -> list[list[TopLogprob]]:
+        """Each prompt's likeliest next tokens and their logprobs, best first, from one group."""
         r = self.first.request
         group = [self.backend.prepare(Request(f"{self.key}-{t}-{j}", [], sp, mode="prefix", prompt_token_ids=p,
                                               tenant=r.tenant, route=self.key)) for j, p in enumerate(prompts)]
@@ -163,7 +171,7 @@ class Search:
             if any(x.id is None for x in top):
                 raise InvalidRequest("beam search needs the backend to name its logprobs' tokens by id, "
                                      "which this one does not", "use_beam_search", "unsupported")
-            out.append([(x.id, x.logprob) for x in top])
+            out.append(sorted(top, key=lambda x: -x.logprob))  # best first, whatever order they came in
         return out
 
     def delta(self, i: int, beams: list[Beam]) -> Delta:
@@ -175,7 +183,7 @@ class Search:
                       cached_tokens=u.cached_tokens)
         stop = b.end if b.end in sp.stop_token_ids else None
         return Delta(text=text, token_ids=ids, finish_reason="length" if b.end is None else "stop",
-                     stop_reason=stop, usage=usage)
+                     stop_reason=stop, usage=usage, logprobs=b.logprobs)
 
     def leave(self) -> None:
         """A choice is no longer read: the search stops once none is."""

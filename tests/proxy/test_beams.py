@@ -137,8 +137,8 @@ def test_chat_streamed_and_several_prompts(served):
 
 
 @pytest.mark.parametrize(("extra", "param"), [
-    ({"n": 11}, "n"), ({"stop": ["x"]}, "stop"), ({"logprobs": 2}, "logprobs"), ({"logprobs": 0}, "logprobs"),
-    ({"prompt_logprobs": 0}, "prompt_logprobs"), ({"repetition_penalty": 1.1}, "repetition_penalty"),
+    ({"n": 11}, "n"), ({"stop": ["x"]}, "stop"), ({"echo": True, "logprobs": 1}, "echo"),
+    ({"logprob_token_ids": [5], "logprobs": 0}, "logprob_token_ids"), ({"prompt_logprobs": 0}, "prompt_logprobs"), ({"repetition_penalty": 1.1}, "repetition_penalty"),
     ({"presence_penalty": 0.5}, "presence_penalty"), ({"logit_bias": {"5": 1}}, "logit_bias"),
     ({"response_format": {"type": "json_object"}}, "response_format"),
     ({"tokendance": {"session": "s", "agent": "a"}}, "use_beam_search"),
@@ -149,9 +149,48 @@ def test_what_a_beam_search_cannot_take_is_a_400(served, extra, param):
     assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
 
 
+def test_logprobs_are_each_chosen_tokens_and_its_best_alternatives(served, hf):
+    """With logprobs, each choice's tokens (an end token too) come with HF's log-softmax
+    at that place and its k best alternatives, best first; they sum to the beam's
+    cumulative logprob, which ranks the choices. k above 2n is asked of every step."""
+    ends = set(sum(reference(hf, PROMPT, 3, 2), [])[1::2][:1])  # a second-step token: a beam ends by it
+    for n, k in ((3, 2), (2, 5)):  # 5 > 2n: the steps ask for more than the search needs
+        out = beams(served, prompt=PROMPT, n=n, max_tokens=4, stop_token_ids=sorted(ends), logprobs=k,
+                    return_token_ids=True)
+        assert [c["token_ids"] for c in out["choices"]] == reference(hf, PROMPT, n, 4, ends)
+        assert any(c["finish_reason"] == "stop" for c in out["choices"])  # an end token's logprob is listed too
+        sums = []
+        for c in out["choices"]:
+            ids, lp = c["token_ids"], c["logprobs"]
+            assert len(lp["tokens"]) == len(lp["token_logprobs"]) == len(lp["top_logprobs"]) == len(ids)
+            for j, tok in enumerate(ids):
+                with torch.no_grad():
+                    want = hf(torch.tensor([PROMPT + ids[:j]])).logits[0, -1].float().log_softmax(-1)
+                assert lp["token_logprobs"][j] == pytest.approx(float(want[tok]), abs=1e-4)
+                top = lp["top_logprobs"][j]
+                assert list(top.values()) == pytest.approx(want.topk(k).values.tolist(), abs=1e-4)
+            sums.append(sum(lp["token_logprobs"]))
+        lengths = [len(PROMPT) + len(c["token_ids"]) - (c["finish_reason"] == "stop") for c in out["choices"]]
+        scores = [x / n for x, n in zip(sums, lengths)]
+        assert scores == sorted(scores, reverse=True)
+    chat = httpx.post(served.url + "/v1/chat/completions", json={
+        "model": served.backend.info.name, "messages": [{"role": "user", "content": "Say something."}], "n": 2,
+        "max_tokens": 3, "use_beam_search": True, "logprobs": True, "top_logprobs": 3}, timeout=60).json()
+    for c in chat["choices"]:
+        items = c["logprobs"]["content"]
+        assert len(items) == 3 and all(len(x["top_logprobs"]) == 3 for x in items)
+        assert "".join(x["token"] for x in items) == c["message"]["content"]
+    plain = httpx.post(served.url + "/v1/chat/completions", json={
+        "model": served.backend.info.name, "messages": [{"role": "user", "content": "Say something."}], "n": 2,
+        "max_tokens": 3, "use_beam_search": True}, timeout=60).json()
+    assert [c["message"]["content"] for c in plain["choices"]] == [c["message"]["content"] for c in chat["choices"]]
+    assert all(c.get("logprobs") is None for c in plain["choices"])
+
+
 def test_what_asks_for_nothing_is_taken(served):
     beams(served, prompt="Hi", n=2, max_tokens=2, stop=[], presence_penalty=0, repetition_penalty=1,
-          logit_bias={}, response_format={"type": "text"}, temperature=0.7, seed=3)
+          logit_bias={}, response_format={"type": "text"}, temperature=0.7, seed=3, logprob_token_ids=[],
+          echo=True)
 
 
 def test_a_client_that_leaves_ends_its_search(served):
