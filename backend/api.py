@@ -63,6 +63,12 @@ class Unavailable(BackendError):
         self.retry_after = retry_after
 
 
+class Lost(BackendError):
+    """The engine was lost while it ran the request (its connection broke, it ended the
+    answer early): what it generated is gone with it. A fleet sends a request that has
+    shown its client nothing to another engine, from the start."""
+
+
 @dataclass(slots=True)
 class Structure:
     """What the output must match (backend/grammar.py): a JSON schema (`spec` its JSON
@@ -281,6 +287,9 @@ class Request:
     # Outside a session: requests of one route go to one engine of a fleet while it serves
     # (a beam search's steps, whose prompts grow from one another: its prefix cache has them)
     route: str | None = None
+    # Its client reads the answer whole, not streamed: a fleet holds its deltas until the
+    # end, so that a request whose engine is lost partway can start again on another
+    whole: bool = False
 
 
 @dataclass(slots=True)

@@ -1,11 +1,15 @@
-"""A fleet's requests that their engine could not take (backend/fleet.py).
+"""A fleet's requests that their engine could not take, or was lost while it ran them
+(backend/fleet.py).
 
 An engine that cannot be reached, or answers that it cannot serve, ran nothing of the
-requests sent to it (backend/reach.py). The fleet sends them again, before their clients
-see an error, to the engines they are routed to now: the one that failed is down by then,
-so its sessions move. A barrier group's share of one engine (a Part) moves together,
-so it is still generated as one group. Only requests that have streamed nothing move;
-one that has, or whose client went away, stays and ends as it does.
+requests sent to it; one lost partway took what it generated with it (backend/reach.py).
+The fleet sends them again, before their clients see an error, to the engines they are
+routed to now: the one that failed is down by then, so its sessions move. A barrier
+group's share of one engine (a Part) moves together, so it is still generated as one
+group. Only requests that have shown their clients nothing move: a request read whole
+(`Request.whole`) shows its deltas only once its engine has sent the last, so it moves
+whenever its engine fails; a streamed one that has streamed, or whose client went away,
+stays and ends as it does.
 """
 
 from __future__ import annotations
@@ -13,7 +17,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
-from tokendance.backend.api import Delta, Prepared, Stream, Unavailable
+from tokendance.backend.api import Delta, Lost, Prepared, Stream, Unavailable
 
 Place = tuple["Part", int]  # a part, and a request's index in it
 
@@ -26,7 +30,7 @@ class Part:
     group: list[Prepared]  # as the fleet prepared them
     streams: list[Stream]
     hops: int = 0  # engines these requests were sent to before this one
-    kept: list[bool] = field(init=False)  # streaming, or abandoned: never moved
+    kept: list[bool] = field(init=False)  # shown to its client, or abandoned: never moved
     moved: list[Place | None] | None = None  # once sent again: where each request went
 
     def __post_init__(self) -> None:
@@ -35,8 +39,8 @@ class Part:
 
 class Failover:
     """One request's stream from a fleet: its engine's, or, when that engine could not
-    take it, the stream of the engine it was sent to next (`again(part)` sends a part
-    once, for all its streams)."""
+    take it or was lost, the stream of the engine it was sent to next (`again(part)`
+    sends a part once, for all its streams)."""
 
     def __init__(self, again: Callable[[Part], None], part: Part, k: int):
         self.again, self.part, self.k = again, part, k
@@ -46,13 +50,17 @@ class Failover:
         try:
             while True:
                 part, k = self.part, self.k
+                held: list[Delta] | None = [] if part.group[k].request.whole else None
                 try:
                     async for d in part.streams[k]:
                         if _moved(part, k) is not None:
                             break  # sent again elsewhere: what this engine still sends is dropped
+                        if held is not None:
+                            held.append(d)
+                            continue
                         part.kept[k] = True
                         yield d
-                except Unavailable:
+                except (Unavailable, Lost):
                     if part.kept[k]:
                         over = True
                         raise
@@ -66,6 +74,10 @@ class Failover:
                 nxt = _moved(part, k)
                 if nxt is None:  # it finished, or was aborted
                     over = True
+                    if held and not part.kept[k]:  # read whole: shown once its engine sent the last
+                        part.kept[k] = True
+                        for d in held:
+                            yield d
                     return
                 self.part, self.k = nxt
         finally:

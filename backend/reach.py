@@ -1,12 +1,13 @@
 """How the HTTP backends (remote.py, vllm.py) report an engine they could not reach:
 a call that never got through ran nothing, so its requests may be sent again (the
-proxy's 503); one lost partway is an engine failure (a 500)."""
+proxy's 503); one lost partway is an engine failure (`Lost`: a 500, unless a fleet
+sends the requests that showed their clients nothing to another engine)."""
 
 from __future__ import annotations
 
 import aiohttp
 
-from tokendance.backend.api import BackendError, Unavailable
+from tokendance.backend.api import BackendError, Lost, Unavailable
 
 NOT_SENT = (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError)  # refused, no route, connect timed out
 
@@ -17,7 +18,7 @@ def lost(what: str, e: BaseException, poll: float) -> BackendError:
     why = f"{e or type(e).__name__}"
     if isinstance(e, NOT_SENT):
         return Unavailable(f"cannot reach {what}: {why}", poll)
-    return BackendError(f"lost {what}: {why}")
+    return Lost(f"lost {what}: {why}")
 
 
 def answered(what: str, status: int, message: str, poll: float) -> BackendError:

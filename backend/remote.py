@@ -24,7 +24,7 @@ import structlog
 from tokendance.backend import reach, wire
 from tokendance.backend.auth import header, refused
 from tokendance.backend.api import (
-    BackendError, Gauge, ModelInfo, Prepared, Request, Template, Unavailable, check_mode,
+    BackendError, Gauge, Lost, ModelInfo, Prepared, Request, Template, Unavailable, check_mode,
 )
 from tokendance.backend.grammar import Grammars
 from tokendance.backend.prompt import check, fast_tokenizer, render_chat, request_ids
@@ -147,7 +147,7 @@ class RemoteBackend:
             if open_:
                 if error is None:
                     self._lost(f"the engine at {self.url} ended a group's answer early")
-                err = error or BackendError("the engine ended the group's answer early")
+                err = error or Lost("the engine ended the group's answer early")
                 log.error("remote group failed", requests=len(open_), error=str(err))
                 for st in open_:
                     st.put(err)

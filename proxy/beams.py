@@ -156,7 +156,8 @@ class Search:
         """Each prompt's likeliest next tokens and their logprobs, best first, from one group."""
         r = self.first.request
         group = [self.backend.prepare(Request(f"{self.key}-{t}-{j}", [], sp, mode="prefix", prompt_token_ids=p,
-                                              tenant=r.tenant, route=self.key)) for j, p in enumerate(prompts)]
+                                              tenant=r.tenant, route=self.key, whole=True))
+                 for j, p in enumerate(prompts)]
         streams = self.backend.generate(group)
         try:
             got = await asyncio.gather(*(_last(s) for s in streams))

@@ -162,7 +162,7 @@ class Proxy:
                             session=m.session, agent=call.agent(len(call.prepared)), round=call.number,
                             prompt_token_ids=prompt if ids else None, tenant=call.tenant,
                             add_special_tokens=special, truncate=call.truncate,
-                            truncation_side=call.truncation_side)
+                            truncation_side=call.truncation_side, whole=not call.stream)
                 try:
                     call.prepared.append(self.backend.prepare(r))
                 except InvalidRequest as exc:  # the engine names the chat field, "messages"

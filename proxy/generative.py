@@ -76,7 +76,7 @@ async def score(px: Proxy, body: GenerativeScoring, headers: Mapping[str, str]) 
     for i, ids in enumerate(_prompts(px, body)):
         try:
             group.append(px.backend.prepare(Request(f"generative-scoring-{key}-{i}", [], sampling,
-                                                    prompt_token_ids=ids, tenant=tenant)))
+                                                    prompt_token_ids=ids, tenant=tenant, whole=True)))
         except InvalidRequest as exc:
             raise _named(exc) from None
     streams = px.generate(group)

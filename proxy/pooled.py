@@ -78,7 +78,7 @@ async def pool(px: Proxy, key: str, prompts: list[str | list[int]], shape: Shape
         sampling = SamplingParams(max_tokens=1, priority=shape.priority)
         r = Request(f"{key}-{i}", [Segment(p)] if text else [], sampling, prompt_token_ids=None if text else p,
                     tenant=shape.tenant, add_special_tokens=shape.special, truncate=shape.truncate,
-                    truncation_side=shape.side, pooling=Pooling(shape.normalize))
+                    truncation_side=shape.side, pooling=Pooling(shape.normalize), whole=True)
         try:
             group.append(px.backend.prepare(r))
         except InvalidRequest as exc:

@@ -1,6 +1,7 @@
-"""A fleet sends what an engine could not take to another engine before its client sees
-an error (backend/failover.py): a group's share moves whole, a request that has streamed
-stays, and with no other engine serving the client gets the 503's error."""
+"""A fleet sends what an engine could not take, or was lost while running, to another
+engine before its client sees an error (backend/failover.py): a group's share moves
+whole, a request that has streamed stays, one read whole moves even partway, and with
+no other engine serving the client gets the error."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import httpx
 import openai
 import pytest
 
-from tokendance.backend.api import Delta, Prepared, Unavailable
+from tokendance.backend.api import Delta, Lost, Prepared, Unavailable
 from tokendance.backend.fleet import Fleet, Pin
 from tokendance.backend.remote import RemoteBackend
 from tokendance.backend.vllm import VLLMBackend
@@ -32,6 +33,9 @@ class Refusing(FakeBackend):
         super().__init__()
         self.after = after
 
+    def error(self) -> Exception:
+        return Unavailable("cannot reach the engine", 2.0)
+
     def generate(self, group: list[Prepared]) -> list[Any]:
         self.groups.append([p.request for p in group])
         self.down = "cannot reach the engine"
@@ -45,10 +49,17 @@ class Refused:
     async def __aiter__(self) -> AsyncIterator[Delta]:
         for _ in range(self.backend.after):
             yield Delta("early ", [1])
-        raise Unavailable("cannot reach the engine", 2.0)
+        raise self.backend.error()
 
     def abort(self) -> None:
         self.backend.aborted.add(self.rid)
+
+
+class Lose(Refusing):
+    """An engine lost while it ran its group: `after` deltas each, then the connection broke."""
+
+    def error(self) -> Exception:
+        return Lost("lost the engine: connection reset")
 
 
 async def texts(streams: list[Any]) -> list[str]:
@@ -84,6 +95,46 @@ async def test_a_request_that_has_streamed_is_not_sent_again():
         async for d in st:
             seen.append(d.text)
     assert seen == ["early "] and not engines[1].groups
+
+
+def whole(f: Fleet, rid: str, session: str = "s") -> Prepared:
+    r = request(rid, session)
+    r.whole = True
+    return f.prepare(r)
+
+
+async def test_an_engine_lost_partway_hands_on_what_showed_its_client_nothing():
+    """Of a group whose engine was lost after two deltas each: a request read whole (its
+    deltas held) starts again on the other engine, its client sees that engine's answer
+    only; a streamed one that had streamed gets the error; one the engine had sent
+    nothing yet moves too."""
+    engines = [Lose(after=2), FakeBackend()]
+    f = Fleet(engines)
+    f.pins["", "s"] = Pin(0, 0.0)
+    group = [whole(f, "a"), f.prepare(request("b", "s"))]
+    a, b = f.generate(group)
+    seen_b = []
+    with pytest.raises(Lost, match="connection reset"):
+        async for d in b:
+            seen_b.append(d.text)
+    assert seen_b == ["early ", "early "]
+    assert [d.text async for d in a] == ["hello ", "from "]  # the other engine's, whole
+    assert [[r.id for r in g] for g in engines[1].groups] == [["a"]] and f.resent == 1
+    engines[0].after = 0  # lost before it sent anything: a streamed request moves as well
+    f.pins["", "s2"] = Pin(0, 0.0)
+    engines[0].down = None
+    (c,) = f.generate([f.prepare(request("c", "s2"))])
+    assert [d.text async for d in c] == ["hello ", "from "] and engines[1].groups[-1][0].id == "c"
+
+
+async def test_a_whole_request_shows_its_deltas_once_its_engine_sent_the_last():
+    engines = [FakeBackend(delay=0.01)]
+    f = Fleet(engines)
+    (st,) = f.generate([whole(f, "a", session=None)])
+    it = aiter(st)
+    first = await anext(it)
+    assert engines[0].groups and not engines[0].active  # the engine was done before the first showed
+    assert "".join([first.text] + [d.text async for d in it]) == "hello from "
 
 
 @pytest.mark.parametrize("n", [2, 3])
@@ -142,6 +193,34 @@ async def test_a_round_whose_engine_went_away_is_answered_by_the_other_without_a
         stats = (await http.get("/v1/tokendance/sessions/s/rounds/2")).json()
     assert pin.engine == 1 - was and second == first
     assert (stats["groups"], stats["requests"]) == (1, 3)  # still one group, on the other engine
+
+
+async def test_an_engine_lost_mid_answer_is_replaced_before_the_client_sees_it(tiny_llama, start):
+    """A non-streamed chat in a session, its engine's connection broken after the engine
+    has generated some of it: the proxy answers from the other engine, the same tokens as
+    an engine that was never lost, with no retry by the client (that was a 500)."""
+    async with contextlib.AsyncExitStack() as stack:
+        engines = [await stack.enter_async_context(served(tiny_llama, offload_bytes=0)) for _ in range(2)]
+        fleet = await Fleet.connect([e.url for e in engines], lambda u: RemoteBackend.connect(u, "collective"))
+        server = await start(fleet)
+        c = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="sk-test", max_retries=0)
+        kw = dict(model=fleet.info.name, messages=[{"role": "user", "content": "Tell me about rivers."}],
+                  max_tokens=400, temperature=0, extra_body={"ignore_eos": True})
+        alone = await c.chat.completions.create(**kw)  # outside any session: engines in turn
+        task = asyncio.create_task(c.chat.completions.create(
+            **{**kw, "extra_body": {"ignore_eos": True, "tokendance": {"session": "s", "agent": "a"}}}))
+        while not fleet.pins:
+            await asyncio.sleep(0.001)
+        (pin,) = fleet.pins.values()
+        was = engines[pin.engine]
+        while not any(len(q.out) >= 20 for q in list(was.backend.engine.seqs.values())):  # partway
+            await asyncio.sleep(0.001)
+        for h in was.runner.server.connections:  # the proxy's connection breaks mid-answer
+            h.transport.abort()
+        got = await task
+    assert pin.engine == 1 - engines.index(was) and fleet.resent == 1
+    assert got.choices[0].message.content == alone.choices[0].message.content
+    assert got.usage.completion_tokens == 400
 
 
 async def test_a_vllm_server_that_answers_503_hands_its_requests_to_another(tiny_llama, start):
