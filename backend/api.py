@@ -338,6 +338,9 @@ class Delta:
     # on a request's first delta, with SamplingParams.prompt_logprobs: one per prompt token
     prompt_logprobs: list[TokenLogprob] | None = None
     embedding: list[float] | None = None  # a pooling request's, on its last (only) delta
+    # When it came from its engine (time.perf_counter), where it was held before it was
+    # shown (a fleet's request read whole): what time-to-first-token counts from
+    at: float | None = None
 
 
 @dataclass(slots=True)

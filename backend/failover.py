@@ -14,6 +14,7 @@ stays and ends as it does.
 
 from __future__ import annotations
 
+import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
@@ -56,6 +57,7 @@ class Failover:
                         if _moved(part, k) is not None:
                             break  # sent again elsewhere: what this engine still sends is dropped
                         if held is not None:
+                            d.at = d.at or time.perf_counter()
                             held.append(d)
                             continue
                         part.kept[k] = True

@@ -73,7 +73,7 @@ class Call:
 
     def add(self, i: int, d: Delta) -> None:
         if not self.first and d.token_ids:
-            self.first = time.perf_counter()
+            self.first = d.at or time.perf_counter()
         self.texts[i].append(d.text)
         self.logprobs[i].extend(d.logprobs)
         if d.prompt_logprobs is not None:

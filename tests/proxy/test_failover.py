@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -128,12 +129,15 @@ async def test_an_engine_lost_partway_hands_on_what_showed_its_client_nothing():
 
 
 async def test_a_whole_request_shows_its_deltas_once_its_engine_sent_the_last():
-    engines = [FakeBackend(delay=0.01)]
+    """Held, each delta keeps when it came: time-to-first-token counts from there."""
+    engines = [FakeBackend(delay=0.05)]
     f = Fleet(engines)
     (st,) = f.generate([whole(f, "a", session=None)])
     it = aiter(st)
     first = await anext(it)
+    shown = time.perf_counter()
     assert engines[0].groups and not engines[0].active  # the engine was done before the first showed
+    assert first.at is not None and shown - first.at >= 0.04  # it came a delta's delay before the last
     assert "".join([first.text] + [d.text async for d in it]) == "hello from "
 
 
