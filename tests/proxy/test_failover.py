@@ -217,8 +217,9 @@ async def test_an_engine_lost_mid_answer_is_replaced_before_the_client_sees_it(t
             await asyncio.sleep(0.001)
         (pin,) = fleet.pins.values()
         was = engines[pin.engine]
-        while not any(len(q.out) >= 20 for q in list(was.backend.engine.seqs.values())):  # partway
-            await asyncio.sleep(0.001)
+        while not task.done() and not any(len(q.out) >= 20 for q in list(was.backend.engine.seqs.values())):
+            await asyncio.sleep(0.001)  # partway
+        assert not task.done(), "the answer ended before the engine could be lost partway"
         for h in was.runner.server.connections:  # the proxy's connection breaks mid-answer
             h.transport.abort()
         got = await task
