@@ -87,7 +87,7 @@ class Fleet:
         self.routes: OrderedDict[Key, int] = OrderedDict()  # (tenant, route): engine; least recent first
         self._clock = clock
         self._down: list[str | None] = [None] * len(engines)  # last problem seen, for the log
-        self.resent = 0  # requests an engine could not take, sent to another
+        self.resent = 0  # requests an engine could not take or was lost running, sent to another
         self.origin = ""  # this proxy, among several (proxy/peers.py)
         self.on_pin: Callable[[Key, str, tuple[float, str]], None] | None = None  # engine, decided
 
@@ -271,7 +271,7 @@ class Fleet:
     def gauges(self) -> list[Gauge]:
         """Every engine's gauges, labelled by engine, and the fleet's own."""
         out = [Gauge("fleet_engines_up", "engines serving now", sum(map(self._serves, range(len(self.engines))))),
-               Gauge("fleet_resent_total", "requests an engine could not take, sent to another", self.resent,
+               Gauge("fleet_resent_total", "requests an engine could not take or lost, sent to another", self.resent,
                      "counter")]
         weight, count = self.loads()
         for i, (name, e) in enumerate(zip(self.names, self.engines)):
