@@ -23,7 +23,7 @@ import structlog
 
 from tokendance.backend import reach
 from tokendance.backend.api import (
-    BackendError, Delta, Gauge, InvalidRequest, ModelInfo, Prepared, Request, TokenLogprob,
+    BackendError, Delta, Gauge, InvalidRequest, Lost, ModelInfo, Prepared, Request, TokenLogprob,
     Template, TopLogprob, Unavailable, Usage, check_mode,
 )
 from tokendance.backend.auth import header, refused
@@ -179,7 +179,9 @@ class VLLMBackend:
                         last = last or Delta()
                         last.usage = _usage(chunk["usage"], shared)
             if last is None or last.finish_reason is None:
-                raise BackendError("the vLLM server ended a request's stream early")
+                why = f"the vLLM server at {self.url} ended a request's stream early"
+                self._lost(why)  # a fleet sends it nothing more until its /health answers again
+                raise Lost(why)
             last.usage = last.usage or Usage()
             st.put(last)
         except (InvalidRequest, BackendError) as e:

@@ -19,6 +19,9 @@ class FakeVLLM:
         self.bodies: list[dict[str, Any]] = []
         self.cancelled = 0
         self.status = 200  # another: /v1/completions answers it with vLLM's error body
+        # After this many tokens a stream breaks: "reset" drops the connection, "end" ends
+        # the stream as if it were whole (no finish_reason)
+        self.cut: tuple[int, str] | None = None
 
     @web.middleware
     async def _check(self, req: web.Request, handler) -> web.StreamResponse:
@@ -52,6 +55,12 @@ class FakeVLLM:
         n = body["max_tokens"]
         try:
             for i in range(n):
+                if self.cut is not None and i == self.cut[0]:
+                    if self.cut[1] == "reset":
+                        req.transport.close()
+                        return resp
+                    await resp.write(b"data: [DONE]\n\n")
+                    return resp
                 last = i == n - 1  # a stop string "stop" ends it at its last token, as vLLM says
                 stop = "stop" in (body.get("stop") or [])
                 choice = {"index": 0, "text": f" w{i}", "token_ids": [100 + i],

@@ -241,3 +241,31 @@ async def test_a_vllm_server_that_answers_503_hands_its_requests_to_another(tiny
     finally:
         for f in fakes:
             await f.runner.cleanup()
+
+
+@pytest.mark.parametrize("how", ["reset", "end"])
+async def test_a_vllm_server_lost_mid_answer_hands_on_a_whole_request(tiny_llama, start, how):
+    """A vLLM server whose stream breaks after two tokens (the connection reset, or the
+    stream ended with no finish): a non-streamed completion is answered whole by the other
+    server; a streamed one that had streamed ends with the error as its last event."""
+    fakes = [await served_vllm(FakeVLLM(str(tiny_llama))) for _ in range(2)]
+    try:
+        fleet = await Fleet.connect([f.url for f in fakes], lambda u: VLLMBackend.connect(u))
+        server = await start(fleet)
+        fakes[0].cut = (2, how)  # a new session's engine: the first of two idle ones
+        kw = dict(model="fake-vllm", prompt="a b", max_tokens=5,
+                  extra_body={"tokendance": {"session": "s", "agent": "a"}})
+        r = await client(server).completions.create(**kw)
+        assert r.choices[0].text == " w0 w1 w2 w3 w4" and fleet.resent == 1
+        assert [len(f.bodies) for f in fakes] == [1, 1]
+        (pin,) = fleet.pins.values()
+        assert pin.engine == 1
+        fakes[1].cut = (2, how)
+        texts: list[str] = []
+        with pytest.raises(openai.APIError, match="lost|ended"):
+            async for chunk in await client(server).completions.create(**kw, stream=True):
+                texts += [c.text for c in chunk.choices]
+        assert "".join(texts) == " w0 w1" and fleet.resent == 1  # it had streamed: it stays
+    finally:
+        for f in fakes:
+            await f.runner.cleanup()
