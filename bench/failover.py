@@ -12,13 +12,12 @@ SDK with its default of two retries, reading their answers whole. In the `lost` 
 session's engine is killed (SIGKILL) after round 1, before the proxy's poll of it can
 notice; in the `mid` pass half of round 1's latency into round 2, while it generates
 that round's answers; in the `kept` pass nothing happens. The passes alternate. Per
-pass kind, medians over the repeats: round
-2's latency (first request sent to last answer read), and, summed, its barrier groups,
-the requests the fleet sent again to the other engine (`fleet_resent_total`; none when
-the proxy's poll saw the engine gone first, and the session moved before its requests
-were sent), the proxy's engine errors (requests that failed on an engine) and the
-requests whose agent got an error after its retries. Last: whether round 2's answers
-equal the `kept` pass's.
+pass kind, medians over the repeats: round 2's latency (first request sent to last
+answer read), and, summed, its barrier groups, the requests the fleet sent again to the
+other engine (`fleet_resent_total`; none when the proxy's poll saw the engine gone
+first, and the session moved before its requests were sent), the proxy's engine errors
+(requests that failed on an engine) and the requests whose agent got an error after
+its retries. Last: whether round 2's answers equal the `kept` pass's.
 """
 
 from __future__ import annotations
