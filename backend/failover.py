@@ -57,7 +57,7 @@ class Failover:
                         if _moved(part, k) is not None:
                             break  # sent again elsewhere: what this engine still sends is dropped
                         if held is not None:
-                            d.at = d.at or time.perf_counter()
+                            d.at = time.perf_counter()
                             held.append(d)
                             continue
                         part.kept[k] = True

@@ -179,13 +179,11 @@ class VLLMBackend:
                         last = last or Delta()
                         last.usage = _usage(chunk["usage"], shared)
             if last is None or last.finish_reason is None:
-                why = f"the vLLM server at {self.url} ended a request's stream early"
-                self._lost(why)  # a fleet sends it nothing more until its /health answers again
-                raise Lost(why)
+                raise Lost(f"the vLLM server at {self.url} ended a request's stream early")
             last.usage = last.usage or Usage()
             st.put(last)
         except (InvalidRequest, BackendError) as e:
-            if isinstance(e, Unavailable):  # it said it cannot serve: a fleet sends it nothing more
+            if isinstance(e, (Unavailable, Lost)):  # it cannot serve, or broke: a fleet sends it nothing more
                 self._lost(str(e))
             st.put(e)
         except asyncio.CancelledError:
