@@ -11,10 +11,11 @@ torch references on the GPU, without CUDA graphs.
 (b) The paged attention kernels at Danube3-4B's attention shape (32 query heads, 8 kv
     heads, bf16) against the reference in float64, then timed: decode of 32 x 4096
     context (inside a CUDA graph, as the engine replays it) and prefill of 10 x 2048, at
-    head dim 120 and at 128 (the padded tile's width), and the reference at 120.
+    head dims 128, 120 (the padded tile's width) and 100, and the reference at 120.
 (c) With --baseline DIR|REV (an earlier checkout's kernels folder, or a git revision of
-    this one): that checkout's paged kernels against this one's at Qwen2.5-7B's attention
-    shape (head dim 128), alternating: what the masks cost a head that needs none.
+    this one): that checkout's paged kernels against this one's, alternating, at
+    Qwen2.5-7B's attention shape (head dim 128: what a change costs a head that needs no
+    padding) and at Danube3-4B's (120).
 
     python -m tokendance.bench.head_dims [--baseline DIR|REV] [--kernels-only] [--smoke]
 
@@ -68,7 +69,7 @@ def engine_checks() -> bool:
 def kernel_checks() -> bool:
     ok = True
     sc = 8 if not SMOKE else 1
-    for d in (120, 80, 96) if not SMOKE else (120,):
+    for d in (120, 100, 80, 96) if not SMOKE else (120,):
         for dt in (torch.float32, torch.bfloat16):
             L = [37 * sc, 10 * sc, 64 * sc]
             ok &= check(f"prefill 32/8 D{d}", make(L, suffix(L, L), 32, 8, d, dt))
@@ -97,9 +98,9 @@ def prefill_case(d: int, hq: int = 32, hkv: int = 8):
 
 
 def timings() -> None:
-    say("(b) Danube3-4B attention (32/8), bf16: head dim 120 (halves padded to 64) and 128")
+    say("(b) Danube3-4B attention (32/8), bf16: head dims 128, 120 and 100 (halves padded to 64)")
     dec, pre = "%d x %d" % DECODE, "%d x %d" % PREFILL
-    for d in (120, 128):
+    for d in (128, 120, 100):
         args, trig, nbytes = decode_case(d)
         out = torch.empty_like(args[0])
         ms = graph_ms(lambda: pa.paged_attention_triton(*args, max_q=1, trig=trig, out=out), SMOKE)
@@ -114,27 +115,28 @@ def timings() -> None:
 
 
 def against(folder: str, rounds: int = 1 if SMOKE else 5) -> None:
-    """This checkout's paged kernels against the baseline's at head dim 128, alternating."""
+    """This checkout's paged kernels against the baseline's, alternating, at head dims
+    128 (Qwen2.5-7B's attention) and 120 (Danube3-4B's)."""
     old = load_baseline(folder)("paged_triton")
     new = importlib.import_module("tokendance.kernels.paged_triton")
-    say(f"(c) head dim 128 (Qwen2.5-7B attention, 28/4), bf16: this checkout against {folder}, "
-        f"medians of {rounds} alternating rounds")
-    args, trig, _ = decode_case(128, 28, 4)
-    out = torch.empty_like(args[0])
-    pre, _ = prefill_case(128, 28, 4)
-    cases = {
-        "decode %d x %d (us, in a graph)" % DECODE: lambda m: graph_ms(
-            lambda: m.paged_attention_triton(*args, max_q=1, trig=trig, out=out), SMOKE) * 1e3,
-        "prefill %d x %d (ms)" % PREFILL: lambda m: median_ms(
-            lambda: m.paged_attention_triton(*pre, max_q=PREFILL[1]), SMOKE),
-    }
-    for name, run in cases.items():
-        times = {"this": [], "baseline": []}
-        for _ in range(rounds):
-            times["this"].append(run(new))
-            times["baseline"].append(run(old))
-        a, b = statistics.median(times["this"]), statistics.median(times["baseline"])
-        say(f"  {name}: this {a:.2f}, baseline {b:.2f}: {a / b:.3f}x the baseline's time")
+    say(f"(c) this checkout against {folder}, bf16, medians of {rounds} alternating rounds")
+    for d, hq, hkv in ((128, 28, 4), (120, 32, 8)):
+        args, trig, _ = decode_case(d, hq, hkv)
+        out = torch.empty_like(args[0])
+        pre, _ = prefill_case(d, hq, hkv)
+        cases = {
+            f"D{d} ({hq}/{hkv}) decode %d x %d (us, in a graph)" % DECODE: lambda m: graph_ms(
+                lambda: m.paged_attention_triton(*args, max_q=1, trig=trig, out=out), SMOKE) * 1e3,
+            f"D{d} ({hq}/{hkv}) prefill %d x %d (ms)" % PREFILL: lambda m: median_ms(
+                lambda: m.paged_attention_triton(*pre, max_q=PREFILL[1]), SMOKE),
+        }
+        for name, run in cases.items():
+            times = {"this": [], "baseline": []}
+            for _ in range(rounds):
+                times["this"].append(run(new))
+                times["baseline"].append(run(old))
+            a, b = statistics.median(times["this"]), statistics.median(times["baseline"])
+            say(f"  {name}: this {a:.2f}, baseline {b:.2f}: {a / b:.3f}x the baseline's time")
 
 
 def main() -> int:

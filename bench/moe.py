@@ -14,7 +14,8 @@ the 4.1 TB/s copy ceiling; FLOP/s count 6 T k H I.
 
 --smoke runs tiny shapes under TRITON_INTERPRET=1 on the CPU (checks the script only);
 --cpu times the CPU's two paths (the loop, the grouped GEMM) on a GraniteMoE-1B layer;
---sweep times the Triton kernel's launch configurations.
+--sweep times the Triton kernel's launch configurations; --tokens T[,T...] sets the
+sizes either times (the default: the five above).
 """
 
 from __future__ import annotations
@@ -40,6 +41,13 @@ DTYPE = torch.bfloat16
 SHAPES = {"qwen3-30b-a3b": (64, 32, 16, 4), "olmoe-1b-7b": (64, 48, 8, 2)} if SMOKE else {
     "qwen3-30b-a3b": (2048, 768, 128, 8), "olmoe-1b-7b": (2048, 1024, 64, 8)}
 TOKENS = (1, 8, 40) if SMOKE else (1, 32, 256, 2048, 8192)
+if "--tokens" in sys.argv:
+    try:
+        TOKENS = tuple(int(t) for t in sys.argv[sys.argv.index("--tokens") + 1].split(","))
+    except (IndexError, ValueError):
+        TOKENS = ()
+    if not TOKENS or min(TOKENS) < 1:
+        sys.exit("--tokens: a comma list of positive token counts, as 1024,4096")
 DECODE = 256  # up to this many tokens: a decode batch, timed in a graph too
 
 

@@ -69,6 +69,39 @@ KERNELS = [
 ROOT = Path(__file__).resolve().parents[1]  # the checkout: bench/ beside kernels/
 
 
+def ints(d: int, hq: int = 28, hkv: int = 4, b: int = 16) -> dict[str, int]:
+    """The integer arguments whose values the layout fixes, as the engine passes them at
+    head dim d (Qwen2.5-7B's heads, 16-slot blocks). Triton's launcher marks each one
+    divisible by 16 as such (and every 16-byte aligned pointer), and the loads' widths
+    follow from it: so must the PTX compiled here. Counts the batch sets are left out."""
+    hp2 = 2 * padded_half(d)
+    return dict(s_qt=hq * d, s_qh=d, s_kt=hkv * d, s_kh=d, s_vt=hkv * d, s_vh=d, s_ot=hq * d,
+                s_oh=d, sxt=hq * d, sxh=d, sot=hq * d, soh=d, s_blk=b * hkv * d, s_slot=hkv * d,
+                s_ch=d, s_rj=hkv * hp2, s_rh=hp2, s_bt=256, s_sp=b * 256, trig_n=32768, Hq=hq,
+                Hkv=hkv, H=hq)
+
+
+def attrs(fn, d: int) -> dict:
+    """Triton's specialization of fn's arguments at head dim d: pointers (the pool's and
+    torch's tensors are 16-byte aligned) and the integers of `ints` divisible by 16."""
+    vals = ints(d)
+    return {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names)
+            if TYPES.get(n, "i32").startswith("*") or vals.get(n, 1) % 16 == 0}
+
+
+def widths(ptx: str) -> dict[int, int]:
+    """Global loads by bytes an instruction (plain and cp.async): a head's row read 2 bytes
+    at a time is what an unaligned stride costs."""
+    out: dict[int, int] = {}
+    for m in re.finditer(r"cp\.async\.c[ag]\.shared\.global \[[^]]*\], \[[^]]*\], (\w+)", ptx):
+        n = int(m.group(1), 0)
+        out[n] = out.get(n, 0) + 1
+    for m in re.finditer(r"ld\.global\S*?(?:\.v(\d))?\.[bfsu](\d+) ", ptx):
+        n = int(m.group(1) or 1) * int(m.group(2)) // 8
+        out[n] = out.get(n, 0) + 1
+    return dict(sorted(out.items(), reverse=True))
+
+
 def from_git(rev: str) -> str:
     """The kernels folder of revision `rev` of this checkout, written out to a new folder;
     ValueError when git does not know it."""
@@ -114,17 +147,19 @@ def load_baseline(folder: str, package: str = "tdbase"):
     return lambda module: importlib.import_module(f"{package}.kernels.{module}")
 
 
-def compile_ptx(fn, consts: dict, warps: int, stages: int, arch: int) -> str:
-    """fn's PTX for sm_<arch>, its debug sections and comments dropped."""
+def compile_ptx(fn, d: int, consts: dict, warps: int, stages: int, arch: int) -> str:
+    """fn's PTX for sm_<arch> at head dim d, its debug sections and comments dropped."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
     sig = {n: "constexpr" if n in consts else TYPES.get(n, "i32") for n in fn.arg_names}
-    k = triton.compile(ASTSource(fn, sig, consts), target=GPUTarget("cuda", arch, 32),
+    k = triton.compile(ASTSource(fn, sig, consts, attrs(fn, d)), target=GPUTarget("cuda", arch, 32),
                        options=dict(num_warps=warps, num_stages=stages))
     text = re.split(r"\.section\s+\.debug", k.asm["ptx"])[0]
-    lines = (re.sub(r"//.*|^\s*\.(loc|file)\b.*", "", line).rstrip() for line in text.splitlines())
+    # debug labels too: an inlined helper adds some, and nothing but the dropped sections jumps to them
+    drop = r"//.*|^\s*\.(loc|file)\b.*|^\$L__tmp\d+:$"
+    lines = (re.sub(drop, "", line).rstrip() for line in text.splitlines())
     return "\n".join(line for line in lines if line.strip())
 
 
@@ -144,18 +179,19 @@ def registers(ptx: str, arch: int) -> tuple[int, int]:
 
 
 def compare(dims: list[int], arch: int, baseline: str | None, kernels=KERNELS) -> list[tuple]:
-    """Rows (kernel, head dim, PTX lines, registers, spill bytes, same as the baseline or None)."""
+    """Rows (kernel, head dim, PTX lines, registers, spill bytes, `widths`, same as the
+    baseline or None)."""
     old = load_baseline(baseline) if baseline else None
     rows = []
     for kern in kernels:
         fn = getattr(importlib.import_module(f"tokendance.kernels.{kern.module}"), kern.name)
         for d in dims:
-            ptx = compile_ptx(fn, kern.constexprs(d, fn), kern.warps, kern.stages, arch)
+            ptx = compile_ptx(fn, d, kern.constexprs(d, fn), kern.warps, kern.stages, arch)
             same = None
             if old is not None:
                 base = getattr(old(kern.module), kern.name)
-                same = ptx == compile_ptx(base, kern.constexprs(d, base), kern.warps, kern.stages, arch)
-            rows.append((kern.name, d, len(ptx.splitlines()), *registers(ptx, arch), same))
+                same = ptx == compile_ptx(base, d, kern.constexprs(d, base), kern.warps, kern.stages, arch)
+            rows.append((kern.name, d, len(ptx.splitlines()), *registers(ptx, arch), widths(ptx), same))
     return rows
 
 
@@ -188,10 +224,13 @@ def main() -> int:
     rows = compare(dims, a.arch, a.baseline, [k for k in KERNELS if k.name in names])
     print(f"sm_{a.arch}, Triton kernels as the engine launches them" +
           (f"; PTX against {label}" if a.baseline else ""))
-    print("| kernel | head dim | PTX lines | registers | spill bytes |" + (" same PTX |" if a.baseline else ""))
-    print("|---|---|---|---|---|" + ("---|" if a.baseline else ""))
-    for name, d, n, regs, spill, same in rows:
-        print(f"| {name} | {d} | {n:,} | {regs} | {spill} |" + (f" {same} |" if same is not None else ""))
+    print("| kernel | head dim | PTX lines | registers | spill bytes | global loads (bytes: count) |"
+          + (" same PTX |" if a.baseline else ""))
+    print("|---|---|---|---|---|---|" + ("---|" if a.baseline else ""))
+    for name, d, n, regs, spill, w, same in rows:
+        loads = ", ".join(f"{b}: {c}" for b, c in w.items())
+        print(f"| {name} | {d} | {n:,} | {regs} | {spill} | {loads} |"
+              + (f" {same} |" if same is not None else ""))
     return 0 if all(r[-1] is not False for r in rows) else 1
 
 

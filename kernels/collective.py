@@ -45,7 +45,7 @@ from tokendance.kernels.master import MasterRead, one_segment
 from tokendance.kernels.rope import rope_rotate_reference
 from tokendance.kernels.tiles import _dot, _scratch, scales, trig_table
 
-from tokendance.kernels.jit import cols, padded_half, tiles_head, tl, triton, wrapped
+from tokendance.kernels.jit import cols, head_strides, in_heads, padded_half, tiles_head, tl, triton, wrapped
 
 
 def _check(q, q_pos, shift, k_cache, v_cache, master_table, master_len, hide, inv_freq) -> None:
@@ -148,7 +148,7 @@ def _rotate_kernel(chunks, kc, table, trig, trig_n, kr, s_blk, s_slot, s_kh, s_r
     hm = cols(HP, HALF, HP != HALF)[None, :]
     offs_h = tl.arange(0, HP)
     offs_n = tl.arange(0, BLOCK_N)
-    kc += kvh * s_kh
+    kc += in_heads(kvh, s_kh, HALF)
     for start in range(lo, hi, BLOCK_N):
         j = start + offs_n
         jm = j < hi
@@ -198,7 +198,8 @@ def _collective_kernel(q, q_pos, shift, chunks, kr, vc, table, hide, trig, trig_
     if lo < hi:  # else no row of the tile sees the chunk: an empty partial
         # Queries arrive rotated at q_pos: rotate them back by shift (a row of the cos/sin
         # table, clamped: a shift past the table is a segment the row does not read).
-        qo = mir.to(tl.int64)[:, None] * s_qt + head[:, None] * s_qh + offs_h[None, :]
+        qo = in_heads(mir.to(tl.int64)[:, None], s_qt, HALF) + in_heads(head[:, None], s_qh, HALF) \
+            + offs_h[None, :]
         q1 = tl.load(q + qo, mask=valid[:, None] & hm, other=0.0).to(tl.float32)
         q2 = tl.load(q + qo + HALF, mask=valid[:, None] & hm, other=0.0).to(tl.float32)
         t = trig + tl.minimum(tl.maximum(sh, 0), trig_n - 1).to(tl.int64)[:, None] * HALF + offs_h[None, :]
@@ -207,7 +208,7 @@ def _collective_kernel(q, q_pos, shift, chunks, kr, vc, table, hide, trig, trig_
         qa = (q1 * c + q2 * s).to(q.dtype.element_ty)
         qb = (q2 * c - q1 * s).to(q.dtype.element_ty)
         qr = tl.join(qa, qb).permute(0, 2, 1).reshape(BLOCK_M, 2 * HP)
-        vc += kvh * s_kh
+        vc += in_heads(kvh, s_kh, HALF)
         for start in range(lo, hi, BLOCK_N):
             j = start + offs_n
             jm = j < hi
@@ -369,6 +370,7 @@ def collective_partials(q, q_pos, k_cache, v_cache, read: MasterRead, inv_freq,
     prec, qk_scale = scales(q, sm_scale, rope_scale)
     hide = read.hide.view(torch.uint8) if read.hide.dtype == torch.bool else read.hide
     assert hide.stride(1) == 1 and read.shift.stride(1) == 1 and o_part.is_contiguous()
+    assert head_strides(D, *q.stride()[:2], *k_cache.stride()[:3])
     # Rotated keys at their Master slots (only the chunks' slots are written or read).
     hp = padded_half(D)
     kr = torch.empty(read.table.numel() * B, Hkv, 2 * hp, device=q.device, dtype=k_cache.dtype)

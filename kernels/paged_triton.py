@@ -13,7 +13,7 @@ import torch
 
 from tokendance.kernels.tiles import _attend, _prep, _scratch
 
-from tokendance.kernels.jit import cols, padded_half, tiles_head, tl, triton
+from tokendance.kernels.jit import cols, head_strides, in_heads, padded_half, tiles_head, tl, triton
 
 
 @triton.jit
@@ -38,7 +38,7 @@ def _prefill_kernel(q, q_pos, cu_q, kc, vc, bt, kpt, kv_lens, inv_freq, out,
     kv_len = tl.load(kv_lens + seq).to(tl.int32)
     hm = cols(HP, HALF, HP != HALF)
     offs_h = tl.arange(0, HP)
-    qo = tok[:, None] * s_qt + head[:, None] * s_qh + offs_h[None, :]
+    qo = in_heads(tok[:, None], s_qt, HALF) + in_heads(head[:, None], s_qh, HALF) + offs_h[None, :]
     q1 = tl.load(q + qo, mask=valid[:, None] & hm[None, :], other=0.0)
     q2 = tl.load(q + qo + HALF, mask=valid[:, None] & hm[None, :], other=0.0)
     f = tl.load(inv_freq + offs_h, mask=hm, other=0.0)[:, None]
@@ -53,8 +53,8 @@ def _prefill_kernel(q, q_pos, cu_q, kc, vc, bt, kpt, kv_lens, inv_freq, out,
     acc = tl.zeros([BLOCK_M, 2 * HP], dtype=tl.float32)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    kc += kvh * s_kh
-    vc += kvh * s_kh
+    kc += in_heads(kvh, s_kh, HALF)
+    vc += in_heads(kvh, s_kh, HALF)
     bt += seq.to(tl.int64) * s_bt
     kpt += seq.to(tl.int64) * s_sp
     acc, m_i, l_i = _attend(acc, m_i, l_i, q1, q2, qp, kc, vc, bt, kpt, f, 0, full,
@@ -65,7 +65,7 @@ def _prefill_kernel(q, q_pos, cu_q, kc, vc, bt, kpt, kv_lens, inv_freq, out,
                             STEP, POS, POS, TRIG, PREC)
     o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     offs_d = tl.arange(0, 2 * HP)
-    oo = tok[:, None] * s_qt + head[:, None] * s_qh + offs_d[None, :]
+    oo = in_heads(tok[:, None], s_qt, HALF) + in_heads(head[:, None], s_qh, HALF) + offs_d[None, :]
     dm = cols(2 * HP, 2 * HALF, HP != HALF)
     tl.store(out + oo, o.to(out.dtype.element_ty), mask=valid[:, None] & dm[None, :])
 
@@ -101,7 +101,7 @@ def _decode_kernel(q, q_pos, cu_q, kc, vc, bt, kpt, kv_lens, inv_freq, o_part, l
         full = lo + tl.maximum(hi - lo, 0) // BLOCK_N * BLOCK_N
     hm = cols(HP, HALF, HP != HALF)
     offs_h = tl.arange(0, HP)
-    qo = q_lo.to(tl.int64) * s_qt + head[:, None] * s_qh + offs_h[None, :]
+    qo = in_heads(q_lo.to(tl.int64), s_qt, HALF) + in_heads(head[:, None], s_qh, HALF) + offs_h[None, :]
     q1 = tl.load(q + qo, mask=valid[:, None] & hm[None, :], other=0.0)
     q2 = tl.load(q + qo + HALF, mask=valid[:, None] & hm[None, :], other=0.0)
     qp = tl.zeros([BLOCK_M], dtype=tl.int32) + p
@@ -109,8 +109,8 @@ def _decode_kernel(q, q_pos, cu_q, kc, vc, bt, kpt, kv_lens, inv_freq, o_part, l
     acc = tl.zeros([BLOCK_M, 2 * HP], dtype=tl.float32)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    kc += kvh * s_kh
-    vc += kvh * s_kh
+    kc += in_heads(kvh, s_kh, HALF)
+    vc += in_heads(kvh, s_kh, HALF)
     bt += seq.to(tl.int64) * s_bt
     kpt += seq.to(tl.int64) * s_sp
     acc, m_i, l_i = _attend(acc, m_i, l_i, q1, q2, qp, kc, vc, bt, kpt, f, lo, full,
@@ -167,7 +167,8 @@ def _reduce_kernel(o_part, lse_part, cu_q, chunks, out, n_total, n_own, s_qt, s_
         acc = acc * alpha + tl.sum(o * w[:, None], 0)
         l = l * alpha + tl.sum(w, 0)
         m = m_new
-    tl.store(out + q_lo.to(tl.int64) * s_qt + h * s_qh + offs_d, (acc / l).to(out.dtype.element_ty), mask=dm)
+    tl.store(out + in_heads(q_lo.to(tl.int64), s_qt, D // 2) + in_heads(h, s_qh, D // 2) + offs_d,
+             (acc / l).to(out.dtype.element_ty), mask=dm)
 
 
 # Launch configurations on a GPU, and the small tiles the interpreter runs faster with.
@@ -302,6 +303,7 @@ def reduce_partials(o_part: torch.Tensor, lse_part: torch.Tensor, cu_q: torch.Te
     len(chunks) partials are the Master chunks', and empty chunks' are skipped."""
     S, Hq, n, D = o_part.shape
     n_own = n if chunks is None else n - chunks.shape[0]
+    assert head_strides(D, *out.stride()[:2])
     _reduce_kernel[(S, Hq)](o_part, lse_part, cu_q, cu_q if chunks is None else chunks, out, n,
                             n_own, out.stride(0), out.stride(1),
                             BLOCK=min(REDUCE_BLOCK, triton.next_power_of_2(n)), D=D,

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from tokendance.kernels.jit import cols, padded_half, tiles_head, tl, triton
+from tokendance.kernels.jit import cols, head_strides, in_heads, padded_half, tiles_head, tl, triton
 
 # (inv_freq storage, layout, scale) -> (cos, sin, inv_freq) tables over positions
 # 0..n-1. Every layer of every step rotates by the same positions: compute cos/sin once,
@@ -86,10 +86,10 @@ def _rotate_token(x, pos, inv_freq, out, t, sxt, sxh, sot, soh, H, scale,
     c = (tl.cos(ang) * scale)[None, :]
     s = (tl.sin(ang) * scale)[None, :]
     m = (h < H) & dm[None, :]
-    src = x + t.to(tl.int64) * sxt + h * sxh + d[None, :]
+    src = x + in_heads(t.to(tl.int64), sxt, HALF) + in_heads(h, sxh, HALF) + d[None, :]
     x1 = tl.load(src, mask=m, other=0.0).to(tl.float32)
     x2 = tl.load(src + HALF, mask=m, other=0.0).to(tl.float32)
-    dst = out + t.to(tl.int64) * sot + h * soh + d[None, :]
+    dst = out + in_heads(t.to(tl.int64), sot, HALF) + in_heads(h, soh, HALF) + d[None, :]
     tl.store(dst, (x1 * c - x2 * s).to(out.dtype.element_ty), mask=m)
     tl.store(dst + HALF, (x2 * c + x1 * s).to(out.dtype.element_ty), mask=m)
 
@@ -107,7 +107,7 @@ def rope_rotate_triton(x: torch.Tensor, pos: torch.Tensor, inv_freq: torch.Tenso
     t, h, d = x.shape
     out = torch.empty(t, h, d, dtype=x.dtype, device=x.device)
     if t:
-        assert x.stride(-1) == 1 and d % 2 == 0
+        assert x.stride(-1) == 1 and d % 2 == 0 and head_strides(d, *x.stride()[:2], *out.stride()[:2])
         _rope_kernel[(t,)](x, pos, inv_freq.float().contiguous(), out, x.stride(0), x.stride(1),
                            out.stride(0), out.stride(1), h, scale,
                            HALF=d // 2, HP=padded_half(d), BLOCK_H=triton.next_power_of_2(h))

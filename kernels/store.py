@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from tokendance.kernels.jit import cols, padded_half, tiles_head, tl, triton
+from tokendance.kernels.jit import cols, head_strides, in_heads, padded_half, tiles_head, tl, triton
 from tokendance.kernels.rope import _rotate_token, rope_rotate_reference
 
 
@@ -52,10 +52,10 @@ def _store_kernel(q, k, v, pos, slots, kc, vc, inv_freq, qo, s_qt, s_qh, s_kt, s
     hk = tl.arange(0, BLOCK_KV)[:, None]
     mk = (hk < Hkv) & cols(2 * HP, 2 * HALF, HP != HALF)[None, :]
     slot = tl.load(slots + t).to(tl.int64)
-    kx = tl.load(k + t.to(tl.int64) * s_kt + hk * s_kh + d, mask=mk)
-    vx = tl.load(v + t.to(tl.int64) * s_vt + hk * s_vh + d, mask=mk)
-    tl.store(kc + slot * s_slot + hk * s_ch + d, kx, mask=mk)
-    tl.store(vc + slot * s_slot + hk * s_ch + d, vx, mask=mk)
+    kx = tl.load(k + in_heads(t.to(tl.int64), s_kt, HALF) + in_heads(hk, s_kh, HALF) + d, mask=mk)
+    vx = tl.load(v + in_heads(t.to(tl.int64), s_vt, HALF) + in_heads(hk, s_vh, HALF) + d, mask=mk)
+    tl.store(kc + in_heads(slot, s_slot, HALF) + in_heads(hk, s_ch, HALF) + d, kx, mask=mk)
+    tl.store(vc + in_heads(slot, s_slot, HALF) + in_heads(hk, s_ch, HALF) + d, vx, mask=mk)
     if ROTATE:
         _rotate_token(q, pos, inv_freq, qo, t, s_qt, s_qh, s_ot, s_oh, Hq, scale, HALF, HP, BLOCK_Q)
 
@@ -69,10 +69,12 @@ def store_triton(k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor, k_cache:
     t, hkv, d = k.shape
     assert k.stride(-1) == v.stride(-1) == 1 and d % 2 == 0
     assert k_cache.is_contiguous() and v_cache.is_contiguous()
+    assert head_strides(d, *k.stride()[:2], *v.stride()[:2], *k_cache.stride()[1:3])
     qo = None if q is None else torch.empty(q.shape, dtype=q.dtype, device=q.device)
     if t:
         if q is not None:
             assert q.stride(-1) == 1 and q.shape[2] == d and q.shape[0] == t
+            assert head_strides(d, *q.stride()[:2])
             inv_freq = inv_freq.float().contiguous()
         # Without q the rotation's arguments are placeholders the kernel never reads.
         qs, os_ = (q, qo) if q is not None else (k, k)

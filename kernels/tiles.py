@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from tokendance.kernels.jit import tl, triton, wrapped
+from tokendance.kernels.jit import head_strides, tl, triton, wrapped
 
 LOG2E = 1.4426950408889634
 
@@ -187,6 +187,7 @@ def _prep(q, k_cache, block_tables, kv_lens, inv_freq, rope_scale, sm_scale, slo
     """(precision, the stride/scale/table arguments both kernels take, the slot-position
     table or a stand-in, inv_freq and block tables as the kernels want them)."""
     prec, qk_scale = scales(q, sm_scale, rope_scale)
+    assert head_strides(q.shape[-1], *q.stride()[:2], *k_cache.stride()[:3])
     if slot_pos is not None:
         slot_pos = slot_pos.to(torch.int32).contiguous()
         assert (slot_pos.shape[0] == kv_lens.shape[0]
