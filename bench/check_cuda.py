@@ -9,6 +9,7 @@ python -m tokendance.bench.check_cuda [act | memory | mirrors]"""
 
 from __future__ import annotations
 
+import copy
 import sys
 
 import torch
@@ -238,16 +239,26 @@ def greedy_vs_hf(dtype: str, shape: str = "qwen2.5-7b", layers: int = 2) -> bool
     print(f"greedy vs HF ({shape}, {layers} layers, {dtype}): {same}/{len(prompts)} prompts identical, "
           f"first tokens {first}/{len(prompts)}; HF's gap between its two best first logits "
           f"{min(gaps):.3g} to {max(gaps):.3g}")
+    exact = None  # HF in float32 on the same weights: the arbiter of a bf16 difference
     for p, a, b in zip(prompts, ours, ref):
         j = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
         if j is None:
             continue
+        ctx = torch.tensor([p + b[:j]], device="cuda")
         with torch.no_grad():  # the same context up to j: HF's view of our token there
-            logits = hf(torch.tensor([p + b[:j]], device="cuda")).logits[0, -1].float()
+            logits = hf(ctx).logits[0, -1].float()
         rank = int((logits > logits[a[j]]).sum()) + 1
         print(f"  first difference at token {j}: ours is HF's choice #{rank}, its logit "
               f"{float(logits[b[j]] - logits[a[j]]):.3g} below HF's (HF's logits there up to "
               f"{float(logits.abs().max()):.3g})")
+        if eng.dtype != torch.float32:
+            if exact is None:
+                exact = copy.deepcopy(hf).float()
+            with torch.no_grad():
+                f32 = exact(ctx).logits[0, -1]
+            gap, top = float(f32[b[j]] - f32[a[j]]), int(f32.argmax())
+            own = "HF's" if top == b[j] else "ours" if top == a[j] else "neither"
+            print(f"    float32 prefers {'HF' if gap > 0 else 'ours'}, by {abs(gap):.3g}; its own choice: {own}")
     return same == len(prompts)
 
 
