@@ -17,7 +17,10 @@ torch references on the GPU, without CUDA graphs.
     Qwen2.5-7B's attention shape (head dim 128: what a change costs a head that needs no
     padding) and at Danube3-4B's (120).
 
-    python -m tokendance.bench.head_dims [--baseline DIR|REV] [--kernels-only] [--smoke]
+    python -m tokendance.bench.head_dims [--baseline DIR|REV] [--kernels-only] [--sweep] [--smoke]
+
+--sweep times the decode kernel's launch configurations at head dims 128, 120 and 100
+instead (decode in a graph, as in (b)).
 
 --smoke runs (b) and (c) at tiny sizes under TRITON_INTERPRET=1 on the CPU (checks the
 script only).
@@ -139,12 +142,33 @@ def against(folder: str, rounds: int = 1 if SMOKE else 5) -> None:
             say(f"  {name}: this {a:.2f}, baseline {b:.2f}: {a / b:.3f}x the baseline's time")
 
 
+SWEEP = [dict(block_n=n, num_warps=w, num_stages=st) for n, w, st in
+         ((32, 4, 2), (32, 4, 3), (64, 4, 2), (64, 8, 2), (16, 4, 2), (32, 2, 2))]
+
+
+def sweep() -> None:
+    """Decode's launch configurations (`--sweep`), µs a layer in a graph."""
+    say("decode %d x %d, 32/8, bf16: us a layer per launch configuration (block_n, warps, stages)" % DECODE)
+    say("| head dim | " + " | ".join(f"{c['block_n']} w{c['num_warps']} s{c['num_stages']}" for c in SWEEP)
+        + " |\n|---|" + "---|" * len(SWEEP))
+    for d in (128, 120, 100):
+        args, trig, _ = decode_case(d)
+        out = torch.empty_like(args[0])
+        times = [graph_ms(lambda c=c: pa.paged_attention_triton(*args, max_q=1, trig=trig, out=out, cfg=c),
+                          SMOKE) * 1e3 for c in SWEEP]
+        say(f"| {d} | " + " | ".join(f"{t:.1f}" for t in times) + " |")
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--baseline", help="an earlier checkout's kernels folder, or a git revision, to time against")
     p.add_argument("--kernels-only", action="store_true", help="skip (a), the engine's checks")
     p.add_argument("--smoke", action="store_true", help="(b) and (c) tiny, interpreted on the CPU")
+    p.add_argument("--sweep", action="store_true", help="only decode's launch configurations, timed")
     a = p.parse_args()
+    if a.sweep:
+        sweep()
+        return 0
     if a.baseline:  # before any of the GPU's time goes
         try:
             a.baseline = resolve(a.baseline)
