@@ -8,7 +8,8 @@ columns past the head's read columns of the head again (`jit.wrapped`): a query'
 padding is zero, so they add nothing to a score, and the output's padding is never
 stored (the kernels mask their queries' loads and their stores). Masks on every key and
 value load instead took the decode kernel from 168 registers to 234 (ptxas for sm_90,
-bench/ptx.py). With HP = HALF the offsets are the plain ones."""
+bench/ptx.py, compiled then without the launcher's specialization). With HP = HALF the
+offsets are the plain ones."""
 
 from __future__ import annotations
 
