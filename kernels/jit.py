@@ -58,13 +58,13 @@ def wrapped(n: tl.constexpr, live: tl.constexpr, PAD: tl.constexpr):
 
 @triton.jit
 def in_heads(i, stride, HALF: tl.constexpr):
-    """i * stride (i a scalar, a vector or a column), stride a multiple of a head's 2 * HALF columns,
-    marked as a multiple of the largest power of two that divides 2 * HALF. Triton's
-    launcher marks a stride divisible by 16 itself; at head dim 120 nothing said that 8
-    divides its strides, and every load through them read 2 bytes at a time, unpipelined
-    (bench/ptx.py). The mark must sit on the product made here: Triton drops it on a
-    function's argument. The hosts check the claim (`head_strides`); where 16 divides the
-    head it adds nothing."""
+    """i * stride (i a scalar, a vector or a column; stride a multiple of a head's 2 * HALF
+    columns), marked as a multiple of the largest power of two that divides 2 * HALF.
+    Triton's launcher marks a stride divisible by 16 itself; at head dim 120 nothing said
+    that 8 divides its strides, and every load through them read 2 bytes at a time,
+    unpipelined (bench/ptx.py). The mark must sit on the product made here: Triton drops
+    it on a function's argument. The hosts check the claim (`head_strides`); where 16
+    divides the head it adds nothing."""
     x = i * stride
     if (2 * HALF) % 16 != 0:
         a: tl.constexpr = (2 * HALF) & -(2 * HALF)
