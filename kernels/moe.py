@@ -67,14 +67,13 @@ def by_expert(ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.
     return flat, torch.argsort(flat, stable=True), counts
 
 
-def align(ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
+def align_reference(ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The pairs of ids [T, k] grouped by expert, each group padded to a multiple of block_m.
 
     Returns pairs [P] int32 (a flat pair index t*k + j, or T*k for padding) and
-    block_expert [P // block_m] int32 (each row block's expert, -1 past the used ones).
-    P = T*k + min(E, T*k) * (block_m - 1), rounded up to a multiple of block_m: at most
-    min(E, T*k) experts are used, each padded by less than block_m. Device-side, static
-    shapes, no host sync. Within a group the pairs are in ascending order (stable sort).
+    block_expert [P // block_m] int32 (each row block's expert, -1 past the used ones),
+    P = `padded_pairs`. Device-side, static shapes, no host sync. Within a group the pairs
+    are in ascending order (stable sort).
     """
     n = ids.numel()
     dev = ids.device
@@ -83,12 +82,91 @@ def align(ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tens
     ends = padded.cumsum(0)  # each group's end in `pairs`
     e = flat[order]
     rank = torch.arange(n, device=dev) - (counts.cumsum(0) - counts)[e]  # place in its group
-    size = (n + min(num_experts, n) * (block_m - 1) + block_m - 1) // block_m * block_m
+    size = padded_pairs(n, num_experts, block_m)
     pairs = torch.full((size,), n, dtype=torch.int32, device=dev)
     pairs.scatter_(0, ends[e] - padded[e] + rank, order.to(torch.int32))
     starts = torch.arange(0, size, block_m, device=dev)
     blk = torch.searchsorted(ends, starts, right=True)  # the group whose range holds the block
     return pairs, torch.where(blk < num_experts, blk, -1).to(torch.int32)
+
+
+def padded_pairs(n: int, num_experts: int, block_m: int) -> int:
+    """`align`'s static length: n pairs, at most min(E, n) groups, each padded by less than
+    block_m, rounded up to a multiple of block_m."""
+    return (n + min(num_experts, n) * (block_m - 1) + block_m - 1) // block_m * block_m
+
+
+@triton.jit
+def _groups_kernel(e, n, groups, block_expert, n_blocks, E: tl.constexpr, EP: tl.constexpr,
+                   BLOCK_M: tl.constexpr, CHUNK: tl.constexpr):
+    """One program: each expert's first pair in the sorted ids e (a binary search per
+    expert, all at once), its padded group's start, and every row block's expert."""
+    x = tl.arange(0, EP)  # experts 0 .. E-1, and E: the end of the last group
+    lo = tl.zeros([EP], dtype=tl.int32)
+    hi = tl.zeros([EP], dtype=tl.int32) + n
+    for _ in range(32):  # lower bound of x in e: n < 2^31
+        mid = (lo + hi) // 2
+        go = lo < hi
+        less = tl.load(e + mid, mask=go, other=0) < x
+        lo = tl.where(go & less, mid + 1, lo)
+        hi = tl.where(go & ~less, mid, hi)
+    first = lo
+    # group x's size: the next expert's first pair minus its own (one more search's worth,
+    # read from `first` shifted through memory)
+    tl.store(groups + 2 * EP + x, first)
+    tl.debug_barrier()
+    count = tl.load(groups + 2 * EP + x + 1, mask=x < E, other=0) - tl.where(x < E, first, 0)
+    padded = (count + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    ends = tl.cumsum(padded, 0)
+    tl.store(groups + x, first, mask=x < E)
+    tl.store(groups + EP + x, ends - padded, mask=x < E)
+    for b0 in range(0, n_blocks, CHUNK):
+        b = b0 + tl.arange(0, CHUNK)
+        # the group whose padded range holds the block: how many groups end at or before it
+        g = tl.sum(((ends[None, :] <= (b * BLOCK_M)[:, None]) & (x < E)[None, :]).to(tl.int32), 1)
+        tl.store(block_expert + b, tl.where(g < E, g, -1), mask=b < n_blocks)
+
+
+@triton.jit
+def _pairs_kernel(order, groups, block_expert, pairs, n, size, EP: tl.constexpr, BLOCK_M: tl.constexpr,
+                  BLOCK: tl.constexpr):
+    """Slots of `pairs`: a block's r-th slot holds its expert's r-th pair, or n past them."""
+    j = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    live = j < size
+    ex = tl.load(block_expert + j // BLOCK_M, mask=live, other=-1)
+    used = ex >= 0
+    exs = tl.where(used, ex, 0)
+    first = tl.load(groups + exs, mask=used, other=0)
+    r = j - tl.load(groups + EP + exs, mask=used, other=0)
+    count = tl.load(groups + 2 * EP + exs + 1, mask=used, other=0) - first
+    real = used & (r < count)
+    src = tl.load(order + first + r, mask=real, other=0)
+    tl.store(pairs + j, tl.where(real, src, n).to(tl.int32), mask=live)
+
+
+def align_triton(ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """`align_reference` in a sort and two launches (it took some twenty small ops, each a
+    launch: the host's time on a mixture's layer): CUDA, or CPU under TRITON_INTERPRET=1."""
+    n = ids.numel()
+    e, order = torch.sort(ids.reshape(-1), stable=True)
+    size = padded_pairs(n, num_experts, block_m)
+    ep = triton.next_power_of_2(num_experts + 1)
+    groups = torch.empty(3 * ep + 1, dtype=torch.int32, device=ids.device)  # firsts, padded starts, scratch
+    pairs = torch.empty(size, dtype=torch.int32, device=ids.device)
+    block_expert = torch.empty(size // block_m, dtype=torch.int32, device=ids.device)
+    if n == 0:
+        return pairs, block_expert
+    _groups_kernel[(1,)](e, n, groups, block_expert, size // block_m, E=num_experts, EP=ep, BLOCK_M=block_m,
+                         CHUNK=min(64, triton.next_power_of_2(size // block_m)))
+    _pairs_kernel[(triton.cdiv(size, 1024),)](order, groups, block_expert, pairs, n, size, EP=ep,
+                                              BLOCK_M=block_m, BLOCK=1024)
+    return pairs, block_expert
+
+
+def align(ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dispatch: the Triton kernels on CUDA, the reference elsewhere."""
+    fn = align_triton if HAVE_TRITON and ids.is_cuda else align_reference
+    return fn(ids, num_experts, block_m)
 
 
 @triton.jit

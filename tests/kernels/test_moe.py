@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import tokendance.kernels.moe as moe_mod
-from tokendance.kernels.moe import align, moe, moe_reference, moe_triton
+from tokendance.kernels.moe import align, align_reference, align_triton, moe, moe_reference, moe_triton
 
 
 def make(T: int, H: int, I: int, E: int, k: int, dtype: torch.dtype = torch.float32,
@@ -96,6 +96,18 @@ def test_align(T: int, k: int, E: int, bm: int) -> None:
         assert len(live) > 0 and bool((blk[len(live):] == n).all())  # padding at the end
         assert bool((flat[live] == int(block_expert[b])).all())  # one expert's pairs
         assert bool((live[1:] > live[:-1]).all())  # in ascending order
+
+
+@pytest.mark.parametrize("T,k,E,bm", [(16, 2, 8, 16), (1, 2, 8, 16), (3, 2, 8, 4), (40, 2, 8, 16), (33, 4, 64, 8),
+                                      (5, 1, 3, 1), (0, 2, 8, 16), (300, 8, 128, 64), (7, 8, 128, 64),
+                                      (100, 2, 7, 16), (64, 4, 60, 128)])
+def test_align_triton_equals_the_reference(T: int, k: int, E: int, bm: int) -> None:
+    """The sort and two launches give the reference's pairs and blocks exactly: every
+    expert used, few used (7 tokens of 128 experts), one hot expert, an expert count that
+    is not a power of two, blocks wider than any group."""
+    _, _, _, _, ids = make(T, 8, 8, E, k, seed=T + E + 1, hot=1 if T in (40, 100) else None)
+    want, got = align_reference(ids, E, bm), align_triton(ids, E, bm)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
 
 
 @pytest.mark.parametrize("hot", [None, 0])
