@@ -63,7 +63,9 @@
 #     Qwen3-30B-A3B's shapes, CUDA-graph decode against eager, then moe-engine;
 #     moe-engine: the engine on OLMoE-1B-7B's whole shape against HF;
 #     moe-sweep: the fused kernel's launch configurations (bench/moe.py --sweep);
-#     moe-reuse: the reuse round (N = 10, 20) on Qwen3-30B-A3B's shape, full, prefix and collective
+#     moe-reuse: the reuse round (N = 10, 20) on Qwen3-30B-A3B's shape, full, prefix and collective;
+#     moe-align: the grouping step in a sort and two launches against the torch ops, alone, in the
+#     layer (bench/moe.py --align) and in the reuse round at N = 10 (the torch ops patched back in)
 #   remote: the proxy over `tokendance engine` against the engine in-process (bench/remote.py),
 #     a Qwen2.5-0.5B shape with random weights saved as a folder (the servers load folders)
 #   structured: structured outputs against the same work unconstrained (bench/structured.py),
@@ -186,6 +188,15 @@ fi
 if want moe-reuse; then
   td bench reuse --model qwen3-30b-a3b --dtype bfloat16 --agents 10,20 --history 512 --output 150 \
     --repeats 3 --modes full,prefix,collective 2>&1 | grep -v -i "warn\|deprecat" | tee "$OUT/moe_reuse.txt"
+fi
+if want moe-align; then
+  python3 bench/moe.py --align --tokens 1,256,2048 2>&1 | grep -v -i "warn\|deprecat" | tee "$OUT/moe_align.txt"
+  for a in m.align_reference m.align; do
+    python3 -c "import sys, tokendance.kernels.moe as m; m.align = $a
+from tokendance.examples.cli import main; sys.exit(main(sys.argv[1:]))" bench reuse --model qwen3-30b-a3b \
+      --dtype bfloat16 --agents 10 --history 512 --output 150 --repeats 3 --modes full,collective 2>&1 \
+      | grep -v -i "warn\|deprecat" | tee -a "$OUT/moe_align.txt"
+  done
 fi
 if want mirrors; then
   python3 -m tokendance.bench.check_cuda mirrors 2>&1 | grep -i "mirror\|diff encode" | tee "$OUT/check_mirrors.txt"

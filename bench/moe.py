@@ -14,8 +14,10 @@ the 4.1 TB/s copy ceiling; FLOP/s count 6 T k H I.
 
 --smoke runs tiny shapes under TRITON_INTERPRET=1 on the CPU (checks the script only);
 --cpu times the CPU's two paths (the loop, the grouped GEMM) on a GraniteMoE-1B layer;
---sweep times the Triton kernel's launch configurations; --tokens T[,T...] sets the
-sizes either times (the default: the five above).
+--sweep times the Triton kernel's launch configurations; --align times the grouping
+step (`align_triton` against `align_reference`: equal outputs, then host-inclusive wall
+time a call, alone and in the layer: eager, a prefill step's cost); --tokens T[,T...]
+sets the sizes these time (the default: the five above).
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ if SMOKE:
 import torch  # noqa: E402
 
 from tokendance.bench.kernel_timing import COPY_CEILING, graph_ms, median_ms, rel, save_log, say  # noqa: E402
+import tokendance.kernels.moe as kmoe  # noqa: E402
 from tokendance.kernels.moe import GROUPED_MM, moe_grouped, moe_reference, moe_triton  # noqa: E402
 
 CPU = "--cpu" in sys.argv  # the CPU's two paths alone (the loop, the grouped GEMM), timed
@@ -159,5 +162,49 @@ def sweep() -> int:
     return 0
 
 
+def wall_ms(fn, calls: int = 1 if SMOKE else 20, repeats: int = 1 if SMOKE else 7) -> float:
+    """Median wall milliseconds a call over `calls` back to back, the host's launches
+    included (what an eager prefill step pays)."""
+    for _ in range(1 if SMOKE else 5):
+        fn()
+    ts = []
+    for _ in range(repeats):
+        if DEV == "cuda":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        if DEV == "cuda":
+            torch.cuda.synchronize()
+        ts.append((time.perf_counter() - t0) / calls * 1e3)
+    return statistics.median(ts)
+
+
+def align_main() -> int:
+    """`--align`: the grouping step in a sort and two launches against the torch ops."""
+    h, i, e, k = SHAPES["qwen3-30b-a3b"]
+    say(f"align on {DEV}, Qwen3-30B-A3B's layer ({e} experts, {k} a token): ms a call, wall, host included")
+    say("| T | outputs equal | align: torch ops | align: Triton | layer: torch ops | layer: Triton | layer |\n"
+        "|---|---|---|---|---|---|---|")
+    ok = True
+    for t in TOKENS:
+        x, gate_up, down, w, ids = inputs(h, i, e, k, t)
+        bm = kmoe.launch(t)["block_m"] if DEV == "cuda" else kmoe.INTERP_CFG["block_m"]
+        a, b = kmoe.align_reference(ids, e, bm), kmoe.align_triton(ids, e, bm)
+        same = torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+        ok &= same
+        times = []
+        for fn in (kmoe.align_reference, kmoe.align_triton):
+            kmoe.align = fn  # what moe_triton calls
+            times += [wall_ms(lambda: fn(ids, e, bm)), wall_ms(lambda: moe_triton(x, gate_up, down, w, ids))]
+        kmoe.align = kmoe.align_triton if DEV == "cuda" else kmoe.align_reference
+        say(f"| {t} | {same} | {times[0]:.3f} | {times[2]:.3f} | {times[1]:.3f} | {times[3]:.3f} | "
+            f"{times[1] / times[3]:.2f}x |")
+    say("all ok" if ok else "MISMATCH")
+    save_log("moe_align.txt")
+    return 0 if ok else 1
+
+
 if __name__ == "__main__":
-    sys.exit(cpu_main() if CPU else sweep() if "--sweep" in sys.argv else main())
+    sys.exit(cpu_main() if CPU else sweep() if "--sweep" in sys.argv else align_main() if "--align" in sys.argv
+             else main())
