@@ -34,7 +34,7 @@ import httpx
 
 from tokendance.bench.fleet import notes
 from tokendance.bench.options import positive
-from tokendance.bench.remote import child, process
+from tokendance.bench.remote import child, processes
 from tokendance.examples import scenario
 
 PASSES = ("kept", "lost", "mid")
@@ -55,7 +55,7 @@ async def one(args: argparse.Namespace, lose: str) -> dict[str, object]:
 
     engine = ["engine", "--dtype", args.dtype, "--offload-gib", "0"] + (["--model", args.model] if args.model else [])
     with contextlib.ExitStack() as stack:
-        procs = [stack.enter_context(process(engine)) for _ in range(2)]
+        procs = stack.enter_context(processes([(engine, None, None)] * 2))
         urls = [url for _, url in procs]
         front = stack.enter_context(child(["serve", "--mode", "collective", "--barrier-timeout-ms", "30000",
                                            *[f"--engine={u}" for u in urls]]))

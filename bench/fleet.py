@@ -32,7 +32,7 @@ import httpx
 
 from tokendance.backend.flags import at_least
 from tokendance.bench.options import natural, positive
-from tokendance.bench.remote import child
+from tokendance.bench.remote import child, processes
 from tokendance.examples import scenario
 
 WORDS = ("river", "market", "harvest", "bridge", "winter", "council", "grain", "stone", "tower", "road",
@@ -92,7 +92,7 @@ async def run(args: argparse.Namespace) -> list[tuple[str, list[float], list[flo
     proxy = ["--mode", "collective", "--barrier-timeout-ms", "30000"]
     with contextlib.ExitStack() as stack:
         pins = [_pinned(args.pin, k) for k in range(args.engines)]  # a bad --pin fails before any start
-        urls = [stack.enter_context(child(["engine", *engine], *pin)) for pin in pins]
+        urls = [url for _, url in stack.enter_context(processes([(["engine", *engine], *pin) for pin in pins]))]
         fronts = {"one engine": stack.enter_context(child(["serve", *proxy, "--engine", urls[0]])),
                   f"{args.engines} engines": stack.enter_context(
                       child(["serve", *proxy, *[f"--engine={u}" for u in urls]]))}

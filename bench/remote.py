@@ -48,8 +48,8 @@ async def run(model: str | None, dtype: str, repeats: int) -> list[tuple[str, fl
     engine = ["--dtype", dtype, "--offload-gib", "0"] + (["--model", model] if model else [])
     proxy = ["--mode", "collective", "--barrier-timeout-ms", "10000"]
     with contextlib.ExitStack() as stack:
-        local = stack.enter_context(child(["serve", *proxy, *engine]))
-        far = stack.enter_context(child(["engine", *engine]))
+        (_, local), (_, far) = stack.enter_context(processes([(["serve", *proxy, *engine], None, None),
+                                                              (["engine", *engine], None, None)]))
         remote = stack.enter_context(child(["serve", *proxy, "--engine", far]))
         async with httpx.AsyncClient(timeout=300) as http:
             name = (await http.get(local + "/v1/models")).json()["data"][0]["id"]
@@ -80,28 +80,54 @@ def child(args: list[str], env: dict[str, str] | None = None, cores: set[int] | 
 def process(args: list[str], env: dict[str, str] | None = None,
             cores: set[int] | None = None) -> Iterator[tuple[subprocess.Popen, str]]:
     """`child`, and the process (to kill it)."""
-    port = free_port()
-    argv = [sys.executable, "-m", "tokendance.examples.cli", *args, "--port", str(port), "--log-level", "warning"]
-    proc = subprocess.Popen(argv, env={**os.environ, **env} if env else None,
-                            preexec_fn=(lambda: os.sched_setaffinity(0, cores)) if cores else None)
-    url = f"http://127.0.0.1:{port}"
+    with processes([(args, env, cores)]) as [one]:
+        yield one
+
+
+Spec = tuple[list[str], dict[str, str] | None, set[int] | None]  # args, env, cores
+
+
+@contextlib.contextmanager
+def processes(specs: list[Spec]) -> Iterator[list[tuple[subprocess.Popen, str]]]:
+    """Several `process`es, (args, env, cores) each, all started before any is waited for:
+    their startups (torch's import, a model's load) overlap."""
+    started: list[tuple[subprocess.Popen, str, str]] = []
+    ports: set[int] = set()
     try:
+        for args, env, cores in specs:
+            port = free_port()
+            while port in ports:  # none has bound its port yet
+                port = free_port()
+            ports.add(port)
+            argv = [sys.executable, "-m", "tokendance.examples.cli", *args, "--port", str(port), "--log-level",
+                    "warning"]
+            proc = subprocess.Popen(argv, env={**os.environ, **env} if env else None,
+                                    preexec_fn=(lambda c=cores: os.sched_setaffinity(0, c)) if cores else None)
+            started.append((proc, f"http://127.0.0.1:{port}", args[0]))
         end = time.monotonic() + 300
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"tokendance {args[0]} exited with {proc.returncode}")
-            try:
-                if httpx.get(url + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            if time.monotonic() > end:
-                raise RuntimeError(f"tokendance {args[0]} did not start within 300 s")
-            time.sleep(0.5)
-        yield proc, url
+        for proc, url, what in started:
+            _ready(proc, url, what, end)
+        yield [(proc, url) for proc, url, _ in started]
     finally:
-        proc.terminate()
-        proc.wait(60)
+        for proc, _, _ in started:
+            proc.terminate()
+        for proc, _, _ in started:
+            proc.wait(60)
+
+
+def _ready(proc: subprocess.Popen, url: str, what: str, end: float) -> None:
+    """Until the process answers /health; RuntimeError if it exits or `end` passes first."""
+    while True:
+        if proc.poll() is not None:
+            raise RuntimeError(f"tokendance {what} exited with {proc.returncode}")
+        try:
+            if httpx.get(url + "/health", timeout=2).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        if time.monotonic() > end:
+            raise RuntimeError(f"tokendance {what} did not start within 300 s")
+        time.sleep(0.5)
 
 
 Case = Callable[[httpx.AsyncClient, str, str], Awaitable[dict[str, float]]]
