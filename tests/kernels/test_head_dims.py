@@ -99,7 +99,7 @@ def test_decode_bf16() -> None:
     assert got.dtype == torch.bfloat16 and tp.rel(got.float(), want) < 2e-2
 
 
-@pytest.mark.parametrize("d", [96, 80, 6])
+@pytest.mark.parametrize("d", [96, 80, 120, 6])
 def test_rope(d: int) -> None:
     g = torch.Generator().manual_seed(d)
     inv = 1.0 / 1e4 ** (torch.arange(0, d, 2).float() / d)
@@ -110,7 +110,7 @@ def test_rope(d: int) -> None:
                                rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("d", [96, 80])
+@pytest.mark.parametrize("d", [96, 80, 120])
 def test_store(d: int) -> None:
     g = torch.Generator().manual_seed(d)
     inv = 1.0 / 1e4 ** (torch.arange(0, d, 2).float() / d)
@@ -124,3 +124,22 @@ def test_store(d: int) -> None:
     out = store_triton(k, v, slots, *out_pool, q, pos, inv, 0.9)
     assert torch.equal(out_pool, ref_pool)  # the slots' heads whole, no column past them
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_strides_the_kernels_mark_but_that_break_the_mark_are_refused() -> None:
+    """At head dim 120 the kernels tell the compiler that 8 divides every stride of a head
+    (`jit.in_heads`); a view whose stride it does not divide is refused, not read wrong."""
+    d = 120
+    inv = 1.0 / 1e4 ** (torch.arange(0, d, 2).float() / d)
+    kv = torch.randn(5, 2, 124)[:, :, :d]  # rows of 124: 8 does not divide the head stride
+    pool = torch.zeros(2, 4, 4, 2, d)
+    with pytest.raises(AssertionError):
+        store_triton(kv, kv, torch.arange(5), *pool)
+    with pytest.raises(AssertionError):
+        rope_rotate_triton(kv, torch.arange(5), inv)
+    c = tp.make_case([20], tp.suffix([20], [1]), hq=4, hkv=2, d=d)
+    wide = torch.zeros(*c.k_cache.shape[:-1], 124)
+    wide[..., :d] = c.k_cache
+    with pytest.raises(AssertionError):
+        pa.paged_attention_triton(c.q, c.q_pos, c.cu_q, wide[..., :d], wide[..., :d], c.block_tables, c.kv_lens,
+                                  c.inv_freq, 1.0, d ** -0.5)
