@@ -1,7 +1,8 @@
-"""The Triton kernels compiled for a GPU on a machine without one: each kernel's PTX and
-ptxas's registers and spills at the head dims asked, and, with --baseline (an earlier
-checkout's kernels folder, or a git revision of this one), whether this checkout's PTX
-is the same as that one's.
+"""The Triton kernels compiled for a GPU on a machine without one, their arguments
+specialized as Triton's launcher specializes them at run time: each kernel's PTX,
+ptxas's registers and spills, and its global loads by width at the head dims asked, and,
+with --baseline (an earlier checkout's kernels folder, or a git revision of this one),
+whether this checkout's PTX is the same as that one's.
 
 What a kernel change does to the code a GPU runs, seen where no GPU is lent: a change
 meant to leave a head dim's code alone must leave its PTX identical.
