@@ -37,7 +37,7 @@ from tokendance.kernels.tiles import _dot
 # configuration; 64 x 64 x 64 was within 1 % of the best at 32 and 256, 5 % at one. At
 # 2,048 tokens 128 x 128 x 64 (8 warps) took 0.98 / 0.93 ms against 1.03 / 1.14 for
 # 64 x 64 x 64, at 8,192 128 x 256 x 64 1.95 / 2.25 against 3.30 / 4.04 (torch's grouped
-# GEMM: 3.00 / 3.23). 4,096 was not timed.
+# GEMM: 3.00 / 3.23). At 1,024 and 4,096 (session 55) these were the best or within 1 %.
 CFGS = ((0, dict(block_m=64, block_n=64, block_k=64, num_warps=4, num_stages=3)),
         (1024, dict(block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=3)),
         (4096, dict(block_m=128, block_n=256, block_k=64, num_warps=8, num_stages=3)))
