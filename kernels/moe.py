@@ -280,8 +280,8 @@ def path(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> str:
 
 def moe(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, weights: torch.Tensor,
         ids: torch.Tensor) -> torch.Tensor:
-    """Dispatch: on CUDA the Triton path (in a CUDA graph at decode sizes, and eager from
-    2,048 tokens, faster than torch's grouped GEMM at every size timed); on CPU the grouped GEMM in half precision and the reference in float32
-    (our exact reference stays exact)."""
+    """Dispatch: on CUDA the Triton path (replayed in a CUDA graph at decode sizes; faster
+    than torch's grouped GEMM at every size timed); on CPU the grouped GEMM in half
+    precision and the reference in float32 (our exact reference stays exact)."""
     impl = {"triton": moe_triton, "grouped": moe_grouped, "reference": moe_reference}[path(x, gate_up, down)]
     return impl(x, gate_up, down, weights, ids)
