@@ -1,4 +1,4 @@
-"""What the GPU kernel benchmarks (bench/kernels.py, bench/collective.py) share: a log
+"""What the GPU kernel benchmarks (bench/kernels.py, bench/collective.py, ...) share: a log
 that prints and keeps its lines, median timings, relative error, and the statistics of
 compiled kernels. A --smoke run sets TRITON_INTERPRET=1 before importing this."""
 
@@ -37,6 +37,27 @@ def median_ms(fn, smoke: bool) -> float:
         fn()
         return (time.perf_counter() - t) * 1e3
     return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
+
+
+def wall_ms(fn, smoke: bool, calls: int = 20, repeats: int = 7) -> float:
+    """Median wall milliseconds a call over `calls` back to back, the host's launches
+    included (what an eager step pays; `median_ms` times the device); under the
+    interpreter, one call after one warm-up."""
+    calls, repeats = (1, 1) if smoke else (calls, repeats)
+    cuda = torch.cuda.is_available() and not smoke
+    for _ in range(1 if smoke else 5):
+        fn()
+    ts = []
+    for _ in range(repeats):
+        if cuda:
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        if cuda:
+            torch.cuda.synchronize()
+        ts.append((time.perf_counter() - t0) / calls * 1e3)
+    return sorted(ts)[len(ts) // 2]
 
 
 def graph_ms(fn, smoke: bool, launches: int = 28, replays: int = 30) -> float:

@@ -33,7 +33,8 @@ if SMOKE:
 
 import torch  # noqa: E402
 
-from tokendance.bench.kernel_timing import COPY_CEILING, graph_ms, median_ms, rel, save_log, say  # noqa: E402
+from tokendance.bench.kernel_timing import (COPY_CEILING, graph_ms, median_ms, rel, save_log, say,  # noqa: E402
+                                           wall_ms)
 import tokendance.kernels.moe as kmoe  # noqa: E402
 from tokendance.kernels.moe import GROUPED_MM, moe_grouped, moe_reference, moe_triton  # noqa: E402
 
@@ -162,24 +163,6 @@ def sweep() -> int:
     return 0
 
 
-def wall_ms(fn, calls: int = 1 if SMOKE else 20, repeats: int = 1 if SMOKE else 7) -> float:
-    """Median wall milliseconds a call over `calls` back to back, the host's launches
-    included (what an eager prefill step pays)."""
-    for _ in range(1 if SMOKE else 5):
-        fn()
-    ts = []
-    for _ in range(repeats):
-        if DEV == "cuda":
-            torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        if DEV == "cuda":
-            torch.cuda.synchronize()
-        ts.append((time.perf_counter() - t0) / calls * 1e3)
-    return statistics.median(ts)
-
-
 def align_main() -> int:
     """`--align`: the grouping step in a sort and two launches against the torch ops."""
     h, i, e, k = SHAPES["qwen3-30b-a3b"]
@@ -196,7 +179,8 @@ def align_main() -> int:
         times = []
         for fn in (kmoe.align_reference, kmoe.align_triton):
             kmoe.align = fn  # what moe_triton calls
-            times += [wall_ms(lambda: fn(ids, e, bm)), wall_ms(lambda: moe_triton(x, gate_up, down, w, ids))]
+            times += [wall_ms(lambda: fn(ids, e, bm), SMOKE),
+                      wall_ms(lambda: moe_triton(x, gate_up, down, w, ids), SMOKE)]
         kmoe.align = kmoe.align_triton if DEV == "cuda" else kmoe.align_reference
         say(f"| {t} | {same} | {times[0]:.3f} | {times[2]:.3f} | {times[1]:.3f} | {times[3]:.3f} | "
             f"{times[1] / times[3]:.2f}x |")
