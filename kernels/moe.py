@@ -105,7 +105,7 @@ def _groups_kernel(e, n, groups, block_expert, n_blocks, E: tl.constexpr, EP: tl
     lo = tl.zeros([EP], dtype=tl.int32)
     hi = tl.zeros([EP], dtype=tl.int32) + n
     for _ in range(32):  # lower bound of x in e: n < 2^31
-        mid = (lo + hi) // 2
+        mid = lo + (hi - lo) // 2
         go = lo < hi
         less = tl.load(e + mid, mask=go, other=0) < x
         lo = tl.where(go & less, mid + 1, lo)
