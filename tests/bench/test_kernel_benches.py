@@ -14,7 +14,8 @@ import pytest
 BENCH = Path(__file__).resolve().parents[2] / "bench"
 
 
-@pytest.mark.parametrize("script", ["kernels.py", "collective.py", "head_dims.py", "moe.py", "moe.py --align"])
+@pytest.mark.parametrize("script", ["kernels.py", "collective.py", "head_dims.py", "head_dims.py --sweep", "moe.py",
+                                    "moe.py --align"])
 def test_smoke(script: str) -> None:
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     env.pop("OUT", None)
@@ -23,7 +24,19 @@ def test_smoke(script: str) -> None:
     res = subprocess.run([sys.executable, str(BENCH / script), "--smoke", *extra], env=env,
                          capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stderr[-2000:]
-    assert "all ok" in res.stdout, res.stdout[-2000:]
+    assert "all ok" in res.stdout or "--sweep" in extra, res.stdout[-2000:]
+    if "--sweep" in extra:  # a row of timings per head dim
+        rows = [line for line in res.stdout.splitlines() if line.startswith(("| 128 |", "| 120 |", "| 100 |"))]
+        assert len(rows) == 3, res.stdout[-2000:]
+
+
+@pytest.mark.parametrize("tokens", ["0", "x", ""])
+def test_moe_bench_refuses_sizes_that_are_not_positive_counts(tokens: str) -> None:
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    res = subprocess.run([sys.executable, str(BENCH / "moe.py"), "--smoke", "--sweep", "--tokens", tokens], env=env,
+                         capture_output=True, text=True, timeout=120)
+    assert res.returncode == 1 and res.stdout == ""
+    assert res.stderr.strip() == "--tokens: a comma list of positive token counts, as 1024,4096"
 
 
 @pytest.mark.parametrize("script", ["head_dims.py", "ptx.py"])
