@@ -23,9 +23,7 @@ sets the sizes these time (the default: the five above).
 from __future__ import annotations
 
 import os
-import statistics
 import sys
-import time
 
 SMOKE = "--smoke" in sys.argv
 if SMOKE:
@@ -118,14 +116,7 @@ def cpu_main() -> int:
     """One layer of the GraniteMoE-1B shape (H 1,024, width 512, 8 of 32 experts) on this
     CPU: the reference loop against torch's grouped GEMM, medians of 30 calls."""
     def ms(fn) -> float:
-        for _ in range(5):
-            fn()
-        ts = []
-        for _ in range(30):
-            t0 = time.perf_counter()
-            fn()
-            ts.append(time.perf_counter() - t0)
-        return statistics.median(ts) * 1e3
+        return wall_ms(fn, False, calls=1, repeats=30)
 
     say(f"MoE layer (granitemoe-1b), {DTYPE}, on this CPU ({torch.get_num_threads()} threads): loop vs grouped")
     say("| tokens | rel err loop / grouped | loop ms | grouped ms | grouped vs loop |\n|---|---|---|---|---|")
@@ -169,7 +160,7 @@ def align_main() -> int:
     say(f"align on {DEV}, Qwen3-30B-A3B's layer ({e} experts, {k} a token): ms a call, wall, host included")
     say("| T | outputs equal | align: torch ops | align: Triton | layer: torch ops | layer: Triton | layer |\n"
         "|---|---|---|---|---|---|---|")
-    ok = True
+    ok, dispatch = True, kmoe.align
     for t in TOKENS:
         x, gate_up, down, w, ids = inputs(h, i, e, k, t)
         bm = kmoe.launch(t)["block_m"] if DEV == "cuda" else kmoe.INTERP_CFG["block_m"]
@@ -181,7 +172,7 @@ def align_main() -> int:
             kmoe.align = fn  # what moe_triton calls
             times += [wall_ms(lambda: fn(ids, e, bm), SMOKE),
                       wall_ms(lambda: moe_triton(x, gate_up, down, w, ids), SMOKE)]
-        kmoe.align = kmoe.align_triton if DEV == "cuda" else kmoe.align_reference
+        kmoe.align = dispatch
         say(f"| {t} | {same} | {times[0]:.3f} | {times[2]:.3f} | {times[1]:.3f} | {times[3]:.3f} | "
             f"{times[1] / times[3]:.2f}x |")
     say("all ok" if ok else "MISMATCH")
