@@ -14,24 +14,21 @@ Mirror r // G, head kvh * G + r % G) in one tl.dot. Master traffic then does not
 with the number of Mirrors.
 
 The result covers only the Master keys: o [S, Hq, D] and the natural-log lse [S, Hq],
-both float32 (lse = -inf and o = 0 where nothing is visible). `merge_attention` adds
-the Mirror's private part (history, patches, decode tail) computed separately.
+both float32 (lse = -inf, o = 0 where nothing is visible); kernels/merge.py adds the
+Mirror's private part (history, patches, decode tail). In the engine a batch's Master is
+several segments, each at its own offset in each Mirror's prompt: `MasterRead` cuts it
+into chunks inside one segment each, with a shift per (Mirror, chunk); the API above is
+one segment cut into equal chunks.
 
-In the engine a batch's Master is several segments (one per shared output), each at its
-own offset in each Mirror's prompt: `MasterRead` describes it as chunks, slot ranges
-that each lie inside one segment, with a shift per (Mirror, chunk). The single-segment
-API above is the case of one segment cut into equal chunks.
-
-Kernels: first the Master's keys are rotated at their segment-local positions into a
-workspace (grid (chunk, kv head)), once per step, so that the row tiles that read a key
-tile do not each rotate it again (on an H200 that was 30 % of the scoring kernel's
-time). Then the scoring kernel, grid (row tile, chunk, kv head): row tiles hold at most
-cfg["block_m"] of the S*G rows (padded to a power of two >= 16); each program writes a
-partial (o, lse) per chunk at split index `split_off + chunk` of a partial buffer that
-the engine's paged decode of the private part shares (one reduce merges both); a third
-kernel merges the chunks for the standalone API. An empty chunk (lo = hi: padding) has
-no partial. Rotations read rows of the cos/sin table (`tiles.trig_table`); scores are in
-the log2 domain. Every Master slot of a chunk must hold finite values, hidden or not.
+Kernels: the Master's keys rotated at their segment-local positions into a workspace
+(grid (chunk, kv head)) once per step, not once per row tile (on an H200 30 % of the
+scoring kernel's time); then the scoring kernel, grid (row tile, chunk, kv head), rows
+of at most cfg["block_m"] of the S*G (a power of two >= 16), writes a partial (o, lse)
+per chunk at split `split_off + chunk` of a buffer that the paged decode of the private
+part shares (one reduce merges both); a third kernel merges the chunks for the API above.
+An empty chunk (lo = hi: padding) has no partial. Rotations read the cos/sin table
+(`tiles.trig_table`); scores are in the log2 domain. Every Master slot of a chunk must
+hold finite values, hidden or not.
 """
 
 from __future__ import annotations
@@ -93,9 +90,11 @@ def collective_attention_reference(
 
 
 def master_attention_reference(q, q_pos, k_cache, v_cache, read: MasterRead, inv_freq,
-                               rope_scale: float, sm_scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+                               rope_scale: float, sm_scale: float, window: int = 0
+                               ) -> tuple[torch.Tensor, torch.Tensor]:
     """`collective_attention_reference` over a MasterRead: every Mirror gets its own
-    copy of the Master keys, rotated at its positions."""
+    copy of the Master keys, rotated at its positions (in a sliding window of `window`
+    keys, if not 0)."""
     S, Hq, D = q.shape
     bsz, Hkv = k_cache.shape[1], k_cache.shape[2]
     chunks = read.chunks.long().cpu()
@@ -111,6 +110,8 @@ def master_attention_reference(q, q_pos, k_cache, v_cache, read: MasterRead, inv
     v = v_cache.flatten(0, 1)[slots].float().where(inside, 0.0)
     pos = read.shift.long()[:, cid.clamp_min(0)] + (j - chunks[:, 2].to(q.device)[cid.clamp_min(0)])
     visible = (cid >= 0) & (read.hide[:, :L] == 0) & (pos <= q_pos.long()[:, None])
+    if window:
+        visible &= pos > q_pos.long()[:, None] - window
     kr = rope_rotate_reference(k.repeat(S, 1, 1), pos.where(visible, 0).flatten(), inv_freq, rope_scale)
     kr = kr.view(S, L, Hkv, D)
     qg = q.float().view(S, Hkv, Hq // Hkv, D)
@@ -120,21 +121,6 @@ def master_attention_reference(q, q_pos, k_cache, v_cache, read: MasterRead, inv
     p = torch.exp(scores - lse.nan_to_num(neginf=0.0)[..., None])
     o = torch.einsum("shgt,thd->shgd", p, v)
     return o.reshape(S, Hq, D), lse.reshape(S, Hq)
-
-
-def merge_attention(
-    o1: torch.Tensor, lse1: torch.Tensor, o2: torch.Tensor, lse2: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Attention over the union of two disjoint key sets from the two partial results
-    (o [..., D], natural-log lse [...]); a side with lse = -inf contributes nothing."""
-    if o1.shape != o2.shape or lse1.shape != lse2.shape or o1.shape[:-1] != lse1.shape:
-        raise ValueError(f"cannot merge o {tuple(o1.shape)}/{tuple(o2.shape)} with lse "
-                         f"{tuple(lse1.shape)}/{tuple(lse2.shape)}")
-    lse = torch.logaddexp(lse1, lse2)
-    base = lse.nan_to_num(neginf=0.0)  # both sides empty: weights exp(-inf) = 0
-    w1 = torch.exp(lse1 - base)[..., None]
-    w2 = torch.exp(lse2 - base)[..., None]
-    return o1 * w1 + o2 * w2, lse
 
 
 @triton.jit
@@ -167,9 +153,10 @@ def _rotate_kernel(chunks, kc, table, trig, trig_n, kr, s_blk, s_slot, s_kh, s_r
 @triton.jit
 def _collective_kernel(q, q_pos, shift, chunks, kr, vc, table, hide, trig, trig_n, o_part,
                        lse_part, n_rows, n_total, split_off, s_qt, s_qh, s_blk, s_slot, s_kh,
-                       s_rj, s_rh, s_ss, s_hs, qk_scale,
+                       s_rj, s_rh, s_ss, s_hs, qk_scale, win,
                        G: tl.constexpr, B: tl.constexpr, HALF: tl.constexpr, HP: tl.constexpr,
-                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PREC: tl.constexpr):
+                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, WIN: tl.constexpr,
+                       PREC: tl.constexpr):
     mb = tl.program_id(0)
     ch = tl.program_id(1)
     kvh = tl.program_id(2)
@@ -186,6 +173,8 @@ def _collective_kernel(q, q_pos, shift, chunks, kr, vc, table, hide, trig, trig_
     sh = tl.load(shift + mir * s_ss + ch, mask=valid, other=0).to(tl.int32)
     lim = tl.where(valid, p - sh, -1)  # a row's last causally visible segment slot
     hi = tl.minimum(hi, seg + tl.max(lim, 0) + 1)  # keys past every row's limit are skipped
+    if WIN:  # and in a sliding window of win keys, those before every row's window
+        lo = tl.maximum(lo, seg + tl.min(tl.where(valid, lim, 1 << 30), 0) - win + 1)
     hm = cols(HP, HALF, HP != HALF)[None, :]
     dm = cols(2 * HP, 2 * HALF, HP != HALF)[None, :]
     offs_h = tl.arange(0, HP)
@@ -221,6 +210,8 @@ def _collective_kernel(q, q_pos, shift, chunks, kr, vc, table, hide, trig, trig_
             hid = tl.load(hide + mir[:, None] * s_hs + j[None, :],
                           mask=valid[:, None] & jm[None, :], other=1)
             ok = (hid == 0) & ((j - seg)[None, :] <= lim[:, None])
+            if WIN:
+                ok = ok & ((j - seg)[None, :] > lim[:, None] - win)
             qk = tl.where(ok, qk, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(qk, 1))
             m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with nothing seen yet
@@ -348,13 +339,14 @@ def collective_attention_triton(
 def collective_partials(q, q_pos, k_cache, v_cache, read: MasterRead, inv_freq,
                         rope_scale: float, sm_scale: float, o_part: torch.Tensor,
                         lse_part: torch.Tensor, split_off: int, cfg: dict | None = None,
-                        trig: torch.Tensor | None = None) -> None:
+                        trig: torch.Tensor | None = None, window: int = 0) -> None:
     """Launch the collective kernels: the Master's keys rotated into a workspace, then
     chunk c's partial (o, log2 lse) of Mirror s, head h into o_part[s, h, split_off + c],
     lse_part[s, h, split_off + c] (float32 buffers [S, Hq, n, D] and [S, Hq, n],
     contiguous), for every chunk that is not empty. Rotations read rows of trig
     (`tiles.trig_table` of inv_freq, a row for every shift and segment slot); without it
-    one is built, after a host sync for its length (not the engine's path)."""
+    one is built, after a host sync for its length (not the engine's path). window: a
+    sliding window's keys (0: none), as in `paged_attention`."""
     S, Hq, D = q.shape
     B, Hkv = k_cache.shape[1], k_cache.shape[2]
     G = Hq // Hkv
@@ -383,8 +375,8 @@ def collective_partials(q, q_pos, k_cache, v_cache, read: MasterRead, inv_freq,
         q, q_pos, read.shift, read.chunks, kr, v_cache, read.table, hide, trig, trig.shape[1],
         o_part, lse_part, S * G, o_part.shape[2], split_off,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        kr.stride(0), kr.stride(1), read.shift.stride(0), hide.stride(0), qk_scale,
-        G=G, B=B, HALF=D // 2, HP=hp, BLOCK_M=block_m, BLOCK_N=c["block_n"], PREC=prec,
+        kr.stride(0), kr.stride(1), read.shift.stride(0), hide.stride(0), qk_scale, window,
+        G=G, B=B, HALF=D // 2, HP=hp, BLOCK_M=block_m, BLOCK_N=c["block_n"], WIN=window > 0, PREC=prec,
         num_warps=c["num_warps"], num_stages=c["num_stages"],
     )
 

@@ -33,9 +33,10 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from tokendance.kernels.collective import collective_partials, master_attention_reference, merge_attention
+from tokendance.kernels.collective import collective_partials, master_attention_reference
 from tokendance.kernels.jit import tiles_head
 from tokendance.kernels.master import MasterRead
+from tokendance.kernels.merge import merge_attention
 from tokendance.kernels.paged_triton import (decode_partials, decode_splits, paged_attention_triton,
                                              reduce_partials)
 from tokendance.kernels.rope import rope_apply, rope_cos_sin
@@ -64,25 +65,27 @@ def paged_attention_reference(
     sm_scale: float,
     slot_pos: torch.Tensor | None = None,
     plan: dict | None = None,
+    window: int = 0,
 ) -> torch.Tensor:
     """Attention output [T, Hq, D] in q.dtype. slot_pos: [S, >= slots in the tables]
     positions of the table slots, or None for slot j at position j. plan: a dict the
     layers of one step share (AttnMeta.plan): decode and prefill work out how each
-    sequence reads the pool once in it."""
+    sequence reads the pool once in it. window: see `paged_attention`."""
     starts = cu_q.tolist()
     if starts[-1] == len(starts) - 1:  # one query per sequence
         return _decode_reference(q, q_pos, k_cache, v_cache, block_tables, kv_lens,
-                                 inv_freq, rope_scale, sm_scale, slot_pos, plan=plan)
+                                 inv_freq, rope_scale, sm_scale, slot_pos, plan=plan, window=window)
     out = torch.empty_like(q)
     for s, kv_len in enumerate(kv_lens.tolist()):
         lo, hi = starts[s], starts[s + 1]
         if hi == lo:
             continue
-        key = ("prefill", s, inv_freq.data_ptr())  # a model's NoPE layers read with other angles
+        # a model's NoPE layers read with other angles, its sliding-window ones fewer keys
+        key = ("prefill", s, inv_freq.data_ptr(), window)
         read = plan.get(key) if plan is not None else None
         if read is None:
             read = _seq_read(q, q_pos[lo:hi].long(), block_tables[s], kv_len, k_cache.shape[1],
-                             None if slot_pos is None else slot_pos[s], inv_freq, rope_scale)
+                             None if slot_pos is None else slot_pos[s], inv_freq, rope_scale, window)
             if plan is not None:
                 plan[key] = read
         # One gather of the slots each, the keys then rotated where they landed.
@@ -92,7 +95,7 @@ def paged_attention_reference(
         if read.rows is not None:
             out[lo:hi] = runs_attention(q[lo:hi], k, v, read.rows, sm_scale)
         else:
-            out[lo:hi] = _masked_attention(q[lo:hi], read.qp, k, v, read.kpos, sm_scale)
+            out[lo:hi] = _masked_attention(q[lo:hi], read.qp, k, v, read.kpos, sm_scale, window)
     return out
 
 
@@ -108,7 +111,8 @@ class _SeqRead:
     rows: Rows | None  # keys at 0 .. L-1 on CPU: runs and rest (kernels/runs.py); else one masked call
 
 
-def _seq_read(q, qp, block_table, kv_len: int, bsz: int, slot_pos, inv_freq, rope_scale) -> _SeqRead:
+def _seq_read(q, qp, block_table, kv_len: int, bsz: int, slot_pos, inv_freq, rope_scale,
+              window: int = 0) -> _SeqRead:
     slots = kv_slots(block_table, kv_len, bsz)
     kpos = torch.arange(kv_len, device=q.device)
     if slot_pos is not None:
@@ -118,8 +122,11 @@ def _seq_read(q, qp, block_table, kv_len: int, bsz: int, slot_pos, inv_freq, rop
         keep = torch.nonzero((kpos >= 0) & (kpos <= qp.max())).flatten()
         keep = keep[kpos[keep].argsort()]
         slots, kpos = slots[keep], kpos[keep]
+    if window and int(qp.max()) >= window:  # keys before every row's window are not read
+        keep = kpos > int(qp.min()) - window
+        slots, kpos = slots[keep], kpos[keep]
     rows = None
-    if (len(qp) > 1 and FLASH_LSE is not None and not q.is_cuda
+    if (len(qp) > 1 and FLASH_LSE is not None and not q.is_cuda and not (window and int(qp.max()) >= window)
             and torch.equal(kpos, torch.arange(len(kpos), device=kpos.device))):
         rows = split_rows(qp, q.dtype)
     cos, sin = rope_cos_sin(kpos, inv_freq, rope_scale)
@@ -127,12 +134,15 @@ def _seq_read(q, qp, block_table, kv_len: int, bsz: int, slot_pos, inv_freq, rop
 
 
 def _masked_attention(q: torch.Tensor, qp: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                      kpos: torch.Tensor, sm_scale: float) -> torch.Tensor:
-    """Queries at positions qp over rotated keys at kpos, each seeing kpos <= its own:
-    one SDPA call with a mask (none for one query at or past the last key)."""
+                      kpos: torch.Tensor, sm_scale: float, window: int = 0) -> torch.Tensor:
+    """Queries at positions qp over rotated keys at kpos, each seeing kpos <= its own
+    (and > its own - window, with one): one SDPA call with a mask (none for one query at or
+    past the last key, with no window)."""
     mask = None
-    if not (len(qp) == 1 and int(qp[0]) >= int(kpos.max())):
+    if window or not (len(qp) == 1 and int(qp[0]) >= int(kpos.max())):
         mask = kpos[None, :] <= qp[:, None]
+        if window:
+            mask &= kpos[None, :] > qp[:, None] - window
     # 4-D inputs: on CPU this takes SDPA's fused path, 3-D ones the slow math path.
     o = F.scaled_dot_product_attention(
         q.transpose(0, 1)[None],
@@ -146,14 +156,17 @@ def _masked_attention(q: torch.Tensor, qp: torch.Tensor, k: torch.Tensor, v: tor
 
 
 def _decode_layout(q_pos, block_tables, kv_lens, inv_freq, rope_scale, slot_pos, bsz: int,
-                   nblocks: int) -> tuple[torch.Tensor, int, torch.Tensor, torch.Tensor, torch.Tensor]:
+                   nblocks: int, window: int = 0) -> tuple:
     """What every layer of a decode step reads the same way: pool slots to gather (S x L,
-    flat), L, the keys' cos and sin [S or 1, L, 1, D/2], and an additive mask [S, L]:
-    -inf for the keys a query does not see."""
+    flat), L, the keys' cos and sin [S or 1, L, 1, D/2], an additive mask [S, L]: -inf for
+    the keys a query does not see, and the keys' positions [S or 1, L]. In a sliding window
+    the slots before every query's window are left out (they are in position order)."""
     s = kv_lens.shape[0]
-    width = int(kv_lens.max())
-    blocks = block_tables[:, : -(-width // bsz)].long().clamp(0, nblocks - 1)
-    kpos = torch.arange(width, device=kv_lens.device)
+    end = int(kv_lens.max())
+    first = max(0, int(q_pos.min()) - window + 1) if window and slot_pos is None else 0
+    blocks = block_tables[:, : -(-end // bsz)].long().clamp(0, nblocks - 1)
+    kpos = torch.arange(first, end, device=kv_lens.device)
+    width = end - first
     live = kpos[None, :] < kv_lens[:, None]
     idx = blocks.gather(1, (kpos // bsz).expand(s, -1)) * bsz + kpos % bsz  # [S, L] pool slots
     if slot_pos is not None:
@@ -165,13 +178,17 @@ def _decode_layout(q_pos, block_tables, kv_lens, inv_freq, rope_scale, slot_pos,
     cos, sin = rope_cos_sin(kpos.clamp_min(0).flatten(), inv_freq, rope_scale)
     rows = s if slot_pos is not None else 1  # else the same positions for every sequence
     visible = live & (kpos <= q_pos[:, None])
+    if window:
+        visible &= kpos > q_pos[:, None] - window
     mask = torch.zeros(visible.shape, dtype=torch.float32, device=visible.device)
     mask.masked_fill_(~visible, float("-inf"))
-    return idx.flatten(), width, cos.view(rows, width, 1, -1), sin.view(rows, width, 1, -1), mask
+    return (idx.flatten(), width, cos.view(rows, width, 1, -1), sin.view(rows, width, 1, -1), mask,
+            kpos.view(rows, width))
 
 
 def _decode_reference(q, q_pos, k_cache, v_cache, block_tables, kv_lens, inv_freq,
-                      rope_scale, sm_scale, slot_pos=None, lse: bool = False, plan: dict | None = None):
+                      rope_scale, sm_scale, slot_pos=None, lse: bool = False, plan: dict | None = None,
+                      window: int = 0):
     """One query per sequence: every sequence's keys gathered into one padded batch
     [S, L, Hkv, D] in float32, rotated where they landed, then per kv head two batched
     matmuls that read K and V in that layout (a dozen small ops per sequence per layer in
@@ -184,18 +201,18 @@ def _decode_reference(q, q_pos, k_cache, v_cache, block_tables, kv_lens, inv_fre
     s, hkv, d = q.shape[0], k_cache.shape[2], q.shape[-1]
 
     def layout() -> tuple:
-        key = ("decode", inv_freq.data_ptr())
+        key = ("decode", inv_freq.data_ptr(), window)
         got = plan.get(key) if plan is not None else None
         if got is None:
             got = _decode_layout(q_pos, block_tables, kv_lens, inv_freq, rope_scale, slot_pos,
-                                 k_cache.shape[1], k_cache.shape[0])
+                                 k_cache.shape[1], k_cache.shape[0], window)
             if plan is not None:
                 plan[key] = got
         return got
 
     step = plan.get("rotated") if plan is not None and not lse else None
     if step is not None:
-        o = rotated_decode(step, q, k_cache, v_cache, layout, inv_freq, rope_scale, sm_scale)
+        o = rotated_decode(step, q, k_cache, v_cache, layout, inv_freq, rope_scale, sm_scale, window)
         if o is not None:
             return o
     got = layout()
@@ -215,20 +232,21 @@ def _decode_reference(q, q_pos, k_cache, v_cache, block_tables, kv_lens, inv_fre
 
 
 def master_decode_reference(q, q_pos, k_cache, v_cache, block_tables, kv_lens, inv_freq,
-                            rope_scale, sm_scale, slot_pos, read: MasterRead) -> torch.Tensor:
+                            rope_scale, sm_scale, slot_pos, read: MasterRead, window: int = 0
+                            ) -> torch.Tensor:
     """Decode over each sequence's own keys and the batch's Master (kernels/master.py):
     the two parts computed apart and merged by their lse."""
     o1, lse1 = _decode_reference(q, q_pos, k_cache, v_cache, block_tables, kv_lens, inv_freq,
-                                 rope_scale, sm_scale, slot_pos, lse=True)
+                                 rope_scale, sm_scale, slot_pos, lse=True, window=window)
     o2, lse2 = master_attention_reference(q, q_pos, k_cache, v_cache, read, inv_freq, rope_scale,
-                                          sm_scale)
+                                          sm_scale, window)
     return merge_attention(o1, lse1, o2, lse2)[0].to(q.dtype)
 
 
 def master_decode_triton(q, q_pos, cu_q, k_cache, v_cache, block_tables, kv_lens, inv_freq,
                          rope_scale: float, sm_scale: float, slot_pos, read: MasterRead,
-                         out: torch.Tensor | None = None, trig: torch.Tensor | None = None
-                         ) -> torch.Tensor:
+                         out: torch.Tensor | None = None, trig: torch.Tensor | None = None,
+                         window: int = 0) -> torch.Tensor:
     """Decode (one query per sequence) over each sequence's own keys (block_tables,
     kv_lens, slot_pos as in paged attention) and the batch's Master (read), the Master
     read collectively: both write partials into one buffer, one reduce merges them."""
@@ -250,9 +268,9 @@ def master_decode_triton(q, q_pos, cu_q, k_cache, v_cache, block_tables, kv_lens
         side.wait_stream(torch.cuda.current_stream(q.device))
     with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
         collective_partials(q, q_pos, k_cache, v_cache, read, inv_freq, rope_scale, sm_scale,
-                            o_part, lse_part, ns, trig=trig)
+                            o_part, lse_part, ns, trig=trig, window=window)
     decode_partials(q, q_pos, cu_q, k_cache, v_cache, block_tables, kv_lens, inv_freq, rope_scale,
-                    sm_scale, slot_pos, o_part, lse_part, ns, trig=trig)
+                    sm_scale, slot_pos, o_part, lse_part, ns, trig=trig, window=window)
     if side is not None:
         torch.cuda.current_stream(q.device).wait_stream(side)
     reduce_partials(o_part, lse_part, cu_q, out, read.chunks)
@@ -285,20 +303,22 @@ def paged_attention(
     master: MasterRead | None = None,
     trig: torch.Tensor | None = None,
     plan: dict | None = None,
+    window: int = 0,
 ) -> torch.Tensor:
     """Dispatch: the Triton kernels on CUDA (head dims they tile), the reference
     elsewhere. max_q (the most queries of one sequence) spares the GPU path a host sync.
     `master` (decode steps only): the batch's Master keys besides each sequence's own,
     read collectively. `trig` (kernels/paged_triton.py's trig_table) spares the kernels
     sines and cosines; `plan`, a dict shared by one step's layers, the reference its
-    per-layer layout work."""
+    per-layer layout work. `window` (0: none): a sliding window, a query at p sees only
+    the keys at p - window + 1 .. p (HF's sliding_window)."""
     args = (q, q_pos, cu_q, k_cache, v_cache, block_tables, kv_lens, inv_freq, rope_scale,
             sm_scale, slot_pos)
     triton = q.is_cuda and tiles_head(q.shape[-1])
     if master is not None:
         if triton:
-            return master_decode_triton(*args, master, trig=trig)
-        return master_decode_reference(q, q_pos, *args[3:], master)
+            return master_decode_triton(*args, master, trig=trig, window=window)
+        return master_decode_reference(q, q_pos, *args[3:], master, window)
     if triton:
-        return paged_attention_triton(*args, max_q=max_q, trig=trig)
-    return paged_attention_reference(*args, plan=plan)
+        return paged_attention_triton(*args, max_q=max_q, trig=trig, window=window)
+    return paged_attention_reference(*args, plan=plan, window=window)

@@ -11,17 +11,17 @@ import os
 
 import torch
 
-from tokendance.kernels.tiles import _attend, _prep, _scratch
+from tokendance.kernels.tiles import _attend_ranges, _prep, _scratch
 
 from tokendance.kernels.jit import cols, head_strides, in_heads, padded_half, tiles_head, tl, triton
 
 
 @triton.jit
 def _prefill_kernel(q, q_pos, cu_q, kc, vc, bt, kpt, kv_lens, inv_freq, out,
-                    s_qt, s_qh, s_blk, s_slot, s_kh, s_bt, s_sp, qk_scale, trig, trig_n,
+                    s_qt, s_qh, s_blk, s_slot, s_kh, s_bt, s_sp, qk_scale, trig, trig_n, win,
                     G: tl.constexpr, B: tl.constexpr, HALF: tl.constexpr, HP: tl.constexpr,
-                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                    STEP: tl.constexpr, POS: tl.constexpr, TRIG: tl.constexpr, PREC: tl.constexpr):
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, STEP: tl.constexpr,
+                    POS: tl.constexpr, WIN: tl.constexpr, TRIG: tl.constexpr, PREC: tl.constexpr):
     # Last row blocks first: under causality they carry the most keys.
     mb = tl.num_programs(0) - 1 - tl.program_id(0)
     seq = tl.program_id(1)
@@ -42,14 +42,22 @@ def _prefill_kernel(q, q_pos, cu_q, kc, vc, bt, kpt, kv_lens, inv_freq, out,
     q1 = tl.load(q + qo, mask=valid[:, None] & hm[None, :], other=0.0)
     q2 = tl.load(q + qo + HALF, mask=valid[:, None] & hm[None, :], other=0.0)
     f = tl.load(inv_freq + offs_h, mask=hm, other=0.0)[:, None]
-    # Keys below every row's position need no mask; the rest up to the highest do.
+    # Keys below every row's position need no mask; the rest up to the highest do. In a
+    # sliding window, keys before the lowest row's window are skipped and those before
+    # the highest row's masked too: masked [lo, mid), unmasked [mid, full), masked [full, hi).
+    lo = 0
+    mid = 0
     if POS:  # slot order says nothing about positions: every tile is masked
         hi = kv_len
         full = 0
     else:
-        hi = tl.minimum(kv_len, tl.max(tl.where(valid, qp, -1), 0) + 1)
-        full = tl.minimum(kv_len, tl.min(tl.where(valid, qp, kv_len), 0) + 1)
-        full = full // BLOCK_N * BLOCK_N
+        p_hi = tl.max(tl.where(valid, qp, -1), 0)
+        hi = tl.minimum(kv_len, p_hi + 1)
+        p_lo = tl.min(tl.where(valid, qp, kv_len), 0)
+        full = tl.minimum(kv_len, p_lo + 1) // BLOCK_N * BLOCK_N
+        if WIN:
+            lo = tl.maximum(p_lo - win + 1, 0) // BLOCK_N * BLOCK_N
+            mid = tl.minimum(tl.maximum(tl.cdiv(p_hi - win + 1, BLOCK_N) * BLOCK_N, lo), full)
     acc = tl.zeros([BLOCK_M, 2 * HP], dtype=tl.float32)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -57,12 +65,9 @@ def _prefill_kernel(q, q_pos, cu_q, kc, vc, bt, kpt, kv_lens, inv_freq, out,
     vc += in_heads(kvh, s_kh, HALF)
     bt += seq.to(tl.int64) * s_bt
     kpt += seq.to(tl.int64) * s_sp
-    acc, m_i, l_i = _attend(acc, m_i, l_i, q1, q2, qp, kc, vc, bt, kpt, f, 0, full,
-                            s_blk, s_slot, qk_scale, trig, trig_n, B, HALF, HP, BLOCK_N, False,
-                            STEP, POS, POS, TRIG, PREC)
-    acc, m_i, l_i = _attend(acc, m_i, l_i, q1, q2, qp, kc, vc, bt, kpt, f, full, hi,
-                            s_blk, s_slot, qk_scale, trig, trig_n, B, HALF, HP, BLOCK_N, True,
-                            STEP, POS, POS, TRIG, PREC)
+    acc, m_i, l_i = _attend_ranges(acc, m_i, l_i, q1, q2, qp, kc, vc, bt, kpt, f, lo, mid, full, hi,
+                                   s_blk, s_slot, qk_scale, trig, trig_n, win, B, HALF, HP, BLOCK_N,
+                                   STEP, POS, POS, WIN, TRIG, PREC)
     o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     offs_d = tl.arange(0, 2 * HP)
     oo = in_heads(tok[:, None], s_qt, HALF) + in_heads(head[:, None], s_qh, HALF) + offs_d[None, :]
@@ -72,10 +77,11 @@ def _prefill_kernel(q, q_pos, cu_q, kc, vc, bt, kpt, kv_lens, inv_freq, out,
 
 @triton.jit
 def _decode_kernel(q, q_pos, cu_q, kc, vc, bt, kpt, kv_lens, inv_freq, o_part, lse_part, n_total,
-                   s_qt, s_qh, s_blk, s_slot, s_kh, s_bt, s_sp, qk_scale, trig, trig_n,
+                   s_qt, s_qh, s_blk, s_slot, s_kh, s_bt, s_sp, qk_scale, trig, trig_n, win,
                    G: tl.constexpr, B: tl.constexpr, HALF: tl.constexpr, HP: tl.constexpr,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, NSPLIT: tl.constexpr,
-                   STEP: tl.constexpr, POS: tl.constexpr, TRIG: tl.constexpr, PREC: tl.constexpr):
+                   STEP: tl.constexpr, POS: tl.constexpr, WIN: tl.constexpr, TRIG: tl.constexpr,
+                   PREC: tl.constexpr):
     seq = tl.program_id(0)
     kvh = tl.program_id(1)
     sp = tl.program_id(2)
@@ -91,14 +97,24 @@ def _decode_kernel(q, q_pos, cu_q, kc, vc, bt, kpt, kv_lens, inv_freq, o_part, l
         end = tl.where(has_q, kv_len, 0)
     else:
         end = tl.where(has_q, tl.minimum(kv_len, p + 1), 0)
-    # Tile-aligned splits: no tile crosses into the next split's keys.
-    span = tl.cdiv(tl.cdiv(end, NSPLIT), BLOCK_N) * BLOCK_N
-    lo = sp * span
+    # Tile-aligned splits: no tile crosses into the next split's keys. In a sliding
+    # window they split the window's keys, the first tile masked where it starts early.
+    if WIN and not POS:
+        first = tl.maximum(p - win + 1, 0)
+        start = first // BLOCK_N * BLOCK_N
+        span = tl.cdiv(tl.cdiv(tl.maximum(end - start, 0), NSPLIT), BLOCK_N) * BLOCK_N
+        lo = start + sp * span
+    else:
+        span = tl.cdiv(tl.cdiv(end, NSPLIT), BLOCK_N) * BLOCK_N
+        lo = sp * span
     hi = tl.minimum(lo + span, end)
     if POS:
         full = lo
     else:
         full = lo + tl.maximum(hi - lo, 0) // BLOCK_N * BLOCK_N
+    mid = lo
+    if WIN and not POS:
+        mid = tl.minimum(tl.maximum(tl.cdiv(first, BLOCK_N) * BLOCK_N, lo), full)
     hm = cols(HP, HALF, HP != HALF)
     offs_h = tl.arange(0, HP)
     qo = in_heads(q_lo.to(tl.int64), s_qt, HALF) + in_heads(head[:, None], s_qh, HALF) + offs_h[None, :]
@@ -113,12 +129,9 @@ def _decode_kernel(q, q_pos, cu_q, kc, vc, bt, kpt, kv_lens, inv_freq, o_part, l
     vc += in_heads(kvh, s_kh, HALF)
     bt += seq.to(tl.int64) * s_bt
     kpt += seq.to(tl.int64) * s_sp
-    acc, m_i, l_i = _attend(acc, m_i, l_i, q1, q2, qp, kc, vc, bt, kpt, f, lo, full,
-                            s_blk, s_slot, qk_scale, trig, trig_n, B, HALF, HP, BLOCK_N, False,
-                            STEP, POS, False, TRIG, PREC)
-    acc, m_i, l_i = _attend(acc, m_i, l_i, q1, q2, qp, kc, vc, bt, kpt, f, full, hi,
-                            s_blk, s_slot, qk_scale, trig, trig_n, B, HALF, HP, BLOCK_N, True,
-                            STEP, POS, False, TRIG, PREC)
+    acc, m_i, l_i = _attend_ranges(acc, m_i, l_i, q1, q2, qp, kc, vc, bt, kpt, f, lo, mid, full, hi,
+                                   s_blk, s_slot, qk_scale, trig, trig_n, win, B, HALF, HP, BLOCK_N,
+                                   STEP, POS, False, WIN, TRIG, PREC)
     # An empty split leaves weight 0 (lse = -inf) and a zero partial.
     seen = l_i > 0
     l_safe = tl.where(seen, l_i, 1.0)
@@ -218,12 +231,13 @@ def paged_attention_triton(
     cfg: dict | None = None,
     out: torch.Tensor | None = None,
     trig: torch.Tensor | None = None,
+    window: int = 0,
 ) -> torch.Tensor:
     """The Triton path of `paged_attention`: the decode kernel when no sequence has
     more than one query, the prefill kernel otherwise.
 
-    slot_pos: see `paged_attention`. max_q: the most queries of one sequence, when the
-    caller knows it (else one host sync reads it from cu_q). cfg overrides the launch
+    slot_pos, window: see `paged_attention`. max_q: the most queries of one sequence, when
+    the caller knows it (else one host sync reads it from cu_q). cfg overrides the launch
     configuration; out, a contiguous [T, Hq, D] tensor, receives the result. trig: see
     `tiles.trig_table`, for slots at scattered positions.
     """
@@ -248,7 +262,7 @@ def paged_attention_triton(
         o_part = _scratch(S, Hq, ns, D, device=q.device)
         lse = _scratch(S, Hq, ns, device=q.device)
         decode_partials(q, q_pos, cu_q, k_cache, v_cache, block_tables, kv_lens, inv_freq,
-                        rope_scale, sm_scale, slot_pos, o_part, lse, ns, cfg, trig)
+                        rope_scale, sm_scale, slot_pos, o_part, lse, ns, cfg, trig, window)
         reduce_partials(o_part, lse, cu_q, out)
         return out
     G = Hq // Hkv
@@ -260,9 +274,10 @@ def paged_attention_triton(
     grid = (triton.cdiv(max_q * G, c["block_m"]), S, Hkv)
     _prefill_kernel[grid](
         q, q_pos, cu_q, k_cache, v_cache, block_tables, kpt, kv_lens, inv_freq, out,
-        q.stride(0), q.stride(1), *common,
+        q.stride(0), q.stride(1), *common, window,
         G=G, B=B, HALF=D // 2, HP=padded_half(D), BLOCK_M=c["block_m"], BLOCK_N=c["block_n"],
-        STEP=_rotation(c["step"], pos_flag, trig), POS=pos_flag, TRIG=trig is not None, PREC=prec,
+        STEP=_rotation(c["step"], pos_flag, trig), POS=pos_flag, WIN=window > 0,
+        TRIG=trig is not None, PREC=prec,
         num_warps=c["num_warps"], num_stages=c["num_stages"],
     )
     return out
@@ -271,7 +286,8 @@ def paged_attention_triton(
 def decode_partials(q, q_pos, cu_q, k_cache, v_cache, block_tables, kv_lens, inv_freq,
                     rope_scale: float, sm_scale: float, slot_pos, o_part: torch.Tensor,
                     lse_part: torch.Tensor, num_splits: int | None = None,
-                    cfg: dict | None = None, trig: torch.Tensor | None = None) -> int:
+                    cfg: dict | None = None, trig: torch.Tensor | None = None,
+                    window: int = 0) -> int:
     """Split-K decode (one query per sequence, q contiguous) into partial slots
     0 .. ns-1 of o_part [S, Hq, n, D] / lse_part [S, Hq, n] (log2); returns ns, at most n
     (the caller may fill the slots after them, see kernels/collective.py)."""
@@ -285,10 +301,11 @@ def decode_partials(q, q_pos, cu_q, k_cache, v_cache, block_tables, kv_lens, inv
     _decode_kernel[(S, Hkv, ns)](
         q, q_pos, cu_q, k_cache, v_cache, block_tables, kpt, kv_lens, inv_freq, o_part,
         lse_part, n,
-        q.stride(0), q.stride(1), *common,
+        q.stride(0), q.stride(1), *common, window,
         G=Hq // Hkv, B=B, HALF=D // 2, HP=padded_half(D), BLOCK_M=max(16, triton.next_power_of_2(Hq // Hkv)),
         BLOCK_N=c["block_n"], NSPLIT=ns, STEP=_rotation(c["step"], pos_flag, trig), POS=pos_flag,
-        TRIG=trig is not None, PREC=prec, num_warps=c["num_warps"], num_stages=c["num_stages"],
+        WIN=window > 0, TRIG=trig is not None, PREC=prec, num_warps=c["num_warps"],
+        num_stages=c["num_stages"],
     )
     return ns
 

@@ -35,6 +35,7 @@ class _Held:
     k: torch.Tensor  # [S, Hkv, cap, D] float32, rotated
     v: torch.Tensor  # [S, Hkv, cap, D] float32
     mask: torch.Tensor  # [S, cap] additive: 0 for a key the row sees, -inf elsewhere
+    pos: torch.Tensor  # [S, cap] the keys' positions (a sliding window's mask moves with them)
 
 
 class RotatedKeys:
@@ -85,11 +86,12 @@ def _same(a: tuple, b: tuple) -> bool:
 
 
 def rotated_decode(step: RotatedStep, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                   layout, inv_freq: torch.Tensor, rope_scale: float, sm_scale: float
-                   ) -> torch.Tensor | None:
+                   layout, inv_freq: torch.Tensor, rope_scale: float, sm_scale: float,
+                   window: int = 0) -> torch.Tensor | None:
     """Decode attention [S, Hq, D] in q.dtype over the held keys of this layer, appending
     the step's new ones; None when they would not fit the budget (the caller gathers).
-    layout(): `_decode_layout`'s tuple for this step, made only when gathering."""
+    layout(): `_decode_layout`'s tuple for this step, made only when gathering. In a
+    sliding window of `window` keys the held keys that left a row's window are masked."""
     keys, s = step.keys, q.shape[0]
     hkv, d = k_cache.shape[2], k_cache.shape[3]
     h = keys.held.get(k_cache.data_ptr())
@@ -106,15 +108,19 @@ def rotated_decode(step: RotatedStep, q: torch.Tensor, k_cache: torch.Tensor, v_
     # The G query heads of a kv head as G query rows of one head: SDPA then needs no
     # GQA expansion of K/V (0.7x the time of enable_gqa on 2 cores).
     n = h.n
+    mask = h.mask[:, :n]
+    if window:
+        qpos = torch.tensor(step.qpos, device=mask.device)
+        mask = mask.masked_fill(h.pos[:, :n] <= (qpos - window)[:, None], float("-inf"))
     o = F.scaled_dot_product_attention(q.float().view(s, hkv, -1, d), h.k[:, :, :n], h.v[:, :, :n],
-                                       attn_mask=h.mask[:, None, None, :n], scale=sm_scale)
+                                       attn_mask=mask[:, None, None, :], scale=sm_scale)
     return o.reshape(q.shape).to(q.dtype)
 
 
 def gathered(k_cache: torch.Tensor, v_cache: torch.Tensor, layout, s: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The keys, rotated in float32, and the values of `_decode_layout`'s gather for s
     sequences, both [S, L, Hkv, D]."""
-    idx, width, cos, sin, _ = layout
+    idx, width, cos, sin = layout[:4]
     hkv, d = k_cache.shape[2], k_cache.shape[3]
     k = k_cache.flatten(0, 1).index_select(0, idx).view(s, width, hkv, d).float()
     v = v_cache.flatten(0, 1).index_select(0, idx).view(s, width, hkv, d)
@@ -135,7 +141,9 @@ def _gather(step: RotatedStep, k_cache, v_cache, layout) -> _Held | None:
     v[:, :, :width] = got_v.transpose(1, 2)
     held = torch.full((s, cap), float("-inf"), device=k.device)
     held[:, :width] = mask
-    return _Held(step.rows, list(step.qpos), width, k, v, held)
+    pos = torch.full((s, cap), -1, dtype=torch.long, device=k.device)
+    pos[:, :width] = layout[5]
+    return _Held(step.rows, list(step.qpos), width, k, v, held, pos)
 
 
 def _append(h: _Held, step: RotatedStep, k_cache, v_cache, inv_freq, rope_scale: float) -> None:
@@ -145,5 +153,6 @@ def _append(h: _Held, step: RotatedStep, k_cache, v_cache, inv_freq, rope_scale:
     h.k[:, :, h.n] = torch.bmm(k, step.rotation(inv_freq, rope_scale))
     h.v[:, :, h.n] = v_cache.flatten(0, 1).index_select(0, step.slots)
     h.mask[:, h.n] = 0.0
+    h.pos[:, h.n] = torch.tensor(step.qpos, device=h.pos.device)
     h.n += 1
     h.qpos = step.qpos

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
-from tokendance.kernels.collective import merge_attention
+from tokendance.kernels.merge import merge_attention
 
 MIN_RUN = 64  # consecutive query positions worth a chunk call of their own
 REST_GROUP = 64  # the other rows: masked calls of this many, in position order

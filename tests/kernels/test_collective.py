@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import tokendance.kernels.collective as col
+from tokendance.kernels.merge import merge_attention
 from tokendance.kernels.paged_attention import paged_attention_reference
 from tokendance.kernels.rope import rope_rotate
 
@@ -246,13 +247,13 @@ def test_merge_handles_empty_sides() -> None:
     o = torch.randn(2, 3, 8)
     lse = torch.tensor([[0.5, -math.inf, 2.0], [-math.inf, -math.inf, 1.0]])
     none = torch.full_like(lse, -math.inf)
-    for got_o, got_lse in (col.merge_attention(o, lse, torch.zeros_like(o), none),
-                           col.merge_attention(torch.zeros_like(o), none, o, lse)):
+    for got_o, got_lse in (merge_attention(o, lse, torch.zeros_like(o), none),
+                           merge_attention(torch.zeros_like(o), none, o, lse)):
         fin = lse.isfinite()
         assert torch.allclose(got_o[fin], o[fin]) and (got_o[~fin] == 0).all()
         assert torch.equal(got_lse, lse)
     with pytest.raises(ValueError):
-        col.merge_attention(o, lse, o[:1], lse[:1])
+        merge_attention(o, lse, o[:1], lse[:1])
 
 
 @pytest.mark.parametrize("master_kernel", ["reference", "triton"])
@@ -311,7 +312,7 @@ def test_merge_equals_attention_over_union(master_kernel: str) -> None:
             po, plse = col.collective_attention_reference(
                 c.q[s : s + 1], c.q_pos[s : s + 1], torch.tensor([shift]), c.k_cache,
                 c.v_cache, table, n, hide, c.inv_freq, c.rope_scale, c.sm_scale)
-            merged = col.merge_attention(o[s : s + 1], lse[s : s + 1], po, plse)
+            merged = merge_attention(o[s : s + 1], lse[s : s + 1], po, plse)
             o[s : s + 1], lse[s : s + 1] = merged
 
     width = max(len(t) for t in dense)

@@ -36,9 +36,9 @@ class Batch:
         self.rows = tuple(object() for _ in lens)
         self.g = g
 
-    def step(self, keys: RotatedKeys | None, dtype: torch.dtype):
+    def step(self, keys: RotatedKeys | None, dtype: torch.dtype, window: int = 0):
         """Each sequence's next token (stored at its next slot, at its next position):
-        (attention with `keys`, attention gathering)."""
+        (attention with `keys`, attention gathering), in a sliding window if not 0."""
         s = len(self.lens)
         qpos = torch.tensor(self.lens)
         slots = self.table.long()[torch.arange(s), qpos // B] * B + qpos % B
@@ -53,11 +53,11 @@ class Batch:
             kv_lens = torch.full_like(kv_lens, self.table.shape[1] * B)
         q = torch.randn(s, HQ, D, generator=self.g).to(dtype)
         args = (q, qpos, self.k, self.v, self.table, kv_lens, INV, 1.0, D ** -0.5, self.pos)
-        want = pa._decode_reference(*args, plan={})
+        want = pa._decode_reference(*args, plan={}, window=window)
         if keys is None:
             return None, want
         plan = {"rotated": RotatedStep(keys, self.rows, qpos.tolist(), slots)}
-        return pa._decode_reference(*args, plan=plan), want
+        return pa._decode_reference(*args, plan=plan, window=window), want
 
 
 def gathers(monkeypatch) -> list[int]:
@@ -80,6 +80,18 @@ def test_held_keys_equal_gathering_every_step(monkeypatch, dtype, mirror):
         tol = 1e-5 if dtype == torch.float32 else 2 ** -7
         torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=1e-5)
     assert len(calls) == 1  # the first step gathered; the others appended
+
+
+@pytest.mark.parametrize("mirror", [False, True])
+def test_held_keys_leave_a_sliding_window(monkeypatch, mirror):
+    """The held keys stay; each step masks the ones its rows' windows left behind."""
+    calls = gathers(monkeypatch)
+    batch = Batch([9, 23, 16], torch.float32, mirror=mirror, seed=8)
+    keys = RotatedKeys(1 << 30, 1)
+    for _ in range(12):
+        got, want = batch.step(keys, torch.float32, window=6)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert len(calls) == 1
 
 
 def test_each_layer_holds_its_own(monkeypatch):
