@@ -109,7 +109,8 @@ class ModelConfig:
     post_norm: bool = False  # OLMo 2: each block's output normed before its residual add, no input norms
     rotary_dim: int | None = None  # the dims of a head RoPE turns, if not all (partial_rotary_factor)
     rope: dict = field(default_factory=dict)  # rope_theta, rope_type, factor, ...
-    sliding_window: int | None = None
+    # each layer's sliding window (keys a query sees, its own included; 0: all before it)
+    windows: tuple[int, ...] = ()
     nope: tuple[int, ...] = ()  # layers without RoPE (SmolLM3's every fourth): their keys carry no position
     # Granite's multipliers: of the embeddings, of each block's output before its residual
     # add, of the attention scores (None: 1/sqrt(head_dim)), and the divisor of the logits
@@ -158,8 +159,6 @@ class ModelConfig:
         if raw.get("original_max_position_embeddings"):  # Phi-3 gives it beside its rope_scaling
             rope.setdefault("original_max_position_embeddings", raw["original_max_position_embeddings"])
         head_dim = raw.get("head_dim") or raw["hidden_size"] // heads
-        window = (raw.get("sliding_window") if raw.get("use_sliding_window", arch in ("mistral", "phi3", "mixtral"))
-                  else None)
         return cls(
             arch=arch,
             vocab_size=raw["vocab_size"],
@@ -177,7 +176,7 @@ class ModelConfig:
             qk_norm="head" if arch in ("qwen3", "qwen3_moe") else "all" if arch in ("olmo2", "olmoe") else None,
             post_norm=arch == "olmo2",
             rope=rope,
-            sliding_window=window,
+            windows=_windows(raw, arch, path),
             nope=_nope(raw, path) if arch == "smollm3" else (),
             rotary_dim=_rotary_dim(raw, rope, head_dim, path),
             **(_granite(raw, path) if arch in ("granite", "granitemoe") else {}),
@@ -191,6 +190,10 @@ class ModelConfig:
         if self.rope.get("rope_type") == "longrope":
             return min(self.max_position, self.rope.get("original_max_position_embeddings") or self.max_position)
         return self.max_position
+
+    def window(self, layer: int) -> int:
+        """`layer`'s sliding window: 0 for full attention."""
+        return self.windows[layer] if self.windows else 0
 
     def sparse(self, layer: int) -> bool:
         """Whether `layer`'s MLP is a mixture of experts."""
@@ -213,6 +216,42 @@ def _nope(raw: dict, path: Path) -> tuple[int, ...]:
     if not isinstance(flags, list) or len(flags) != n or any(f not in (0, 1) for f in flags):
         raise InvalidRequest(f"{path}: no_rope_layers must give 0 or 1 for each of the {n} layers", "model")
     return tuple(i for i, f in enumerate(flags) if not f)
+
+
+def _windows(raw: dict, arch: str, path: Path) -> tuple[int, ...]:
+    """Each layer's sliding window (0: none), as transformers reads each architecture's
+    config: every layer's (Mistral, Mixtral, Phi-3, Qwen3-MoE), or the layers `layer_types`
+    names, else those its rule picks (Qwen2 and Qwen3 from max_window_layers on, Qwen2-MoE
+    the even ones below it, SmolLM3 its NoPE ones); () for none."""
+    n = raw["num_hidden_layers"]
+    use = raw.get("use_sliding_window", arch in ("mistral", "mixtral", "phi3"))
+    size = raw.get("sliding_window", 4096 if arch in ("mistral", "qwen2", "qwen3", "qwen2_moe", "qwen3_moe")
+                   else None)
+    if not use or not size or arch not in ("mistral", "mixtral", "phi3", "qwen2", "qwen3", "qwen2_moe",
+                                           "qwen3_moe", "smollm3"):
+        return ()
+    if type(size) is not int or size < 1:
+        raise InvalidRequest(f"{path}: sliding_window must be a positive integer, not {size!r}", "model")
+    if arch in ("mistral", "mixtral", "phi3", "qwen3_moe"):
+        return (size,) * n
+    kinds = raw.get("layer_types")
+    if kinds is None:
+        first = raw.get("max_window_layers", 28)
+        if type(first) is not int:
+            raise InvalidRequest(f"{path}: max_window_layers must be an integer", "model")
+        if arch == "smollm3":
+            nope = set(_nope(raw, path))
+            return tuple(size if i in nope else 0 for i in range(n)) if nope else ()
+        if arch == "qwen2_moe":
+            kinds = ["sliding_attention" if i % 2 == 0 and i < first else "" for i in range(n)]
+        else:
+            kinds = ["sliding_attention" if i >= first else "" for i in range(n)]
+    elif not isinstance(kinds, list) or len(kinds) != n or any(
+            k not in ("sliding_attention", "full_attention") for k in kinds):
+        raise InvalidRequest(f"{path}: layer_types must name sliding_attention or full_attention "
+                             f"for each of the {n} layers", "model")
+    out = tuple(size if k == "sliding_attention" else 0 for k in kinds)
+    return out if any(out) else ()
 
 
 def _rotary_dim(raw: dict, rope: dict, head_dim: int, path: Path) -> int | None:

@@ -113,9 +113,7 @@ class Engine:
         self.collector = Collector(self.model, self.cache, self.blocks, self.runner, self.segments,
                                    self.idle, reuse)
         self.waiting = Waiting(self.collector, self.scheduler, self.idle, self.blocks)
-        # the model's, the pool's, a sliding window's (within it full attention is exact), the flag's
-        limits = (self.mcfg.context, self.cache.num_blocks * cfg.block_size, self.mcfg.sliding_window,
-                  cfg.max_model_len)
+        limits = (self.mcfg.context, self.cache.num_blocks * cfg.block_size, cfg.max_model_len)  # model, pool, flag
         self.max_model_len = min(x for x in limits if x)
         self.seqs: dict[str, Sequence] = {}
         self._arrivals = itertools.count()

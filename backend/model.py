@@ -116,6 +116,7 @@ class Attention(nn.Module):
         self.qk_norm = cfg.qk_norm
         self.clip = cfg.clip_qkv
         self.rope = rope
+        self.window = cfg.window(layer)  # a sliding window's keys, 0 for full attention
         self.scale = cfg.attention_multiplier if cfg.attention_multiplier is not None else self.d ** -0.5
 
     def qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -150,7 +151,7 @@ class Attention(nn.Module):
         o = paged_attention(
             q, meta.positions, meta.cu_q, cache.k[self.layer], cache.v[self.layer],
             meta.block_tables, meta.kv_lens, self.rope.inv_freq, self.rope.scale, self.scale,
-            meta.max_q, meta.slot_pos, meta.master, self.rope.trig, meta.plan,
+            meta.max_q, meta.slot_pos, meta.master, self.rope.trig, meta.plan, self.window,
         )
         return self.out(o)
 
@@ -168,7 +169,7 @@ class Attention(nn.Module):
         rot = self.rope
         q = rope_rotate(q, meta.positions, rot.inv_freq, rot.scale)
         k = rope_rotate(k, meta.positions, rot.inv_freq, rot.scale)
-        return self.out(causal_attention(q, k, v, meta.fresh_cu, self.scale, meta.cu_q))
+        return self.out(causal_attention(q, k, v, meta.fresh_cu, self.scale, meta.cu_q, self.window))
 
 
 class Layer(nn.Module):
