@@ -40,6 +40,12 @@ SHAPES = {
                          num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=8192,
                          rope_theta=10000.0, rms_norm_eps=1e-5, sliding_window=None,
                          tie_word_embeddings=False, eos_token_id=2),
+    # a sliding window of 4,096 keys on every layer, a context of 32 k
+    "mistral-7b-v0.1": dict(architectures=["MistralForCausalLM"], model_type="mistral", vocab_size=32000,
+                            hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                            num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=32768,
+                            rope_theta=10000.0, rms_norm_eps=1e-5, sliding_window=4096,
+                            tie_word_embeddings=False, eos_token_id=2),
     # every fourth layer without RoPE (NoPE)
     "smollm3-3b": dict(architectures=["SmolLM3ForCausalLM"], model_type="smollm3", vocab_size=128256,
                        hidden_size=2048, intermediate_size=11008, num_hidden_layers=36,
