@@ -1,4 +1,5 @@
-"""SwiGLU's activation: silu(gate) * up over the fused gate_up projection's output.
+"""SwiGLU's activation: silu(gate) * up over the fused gate_up projection's output (and
+GeGLU's, Gemma's, with tanh-approximated gelu in silu's place: torch's two ops).
 
 The reference is the definition and the CPU path: torch's two ops, silu rounded to the
 input's dtype, then the product. On CUDA one Triton pass reads both halves once and
@@ -21,6 +22,13 @@ def silu_mul_reference(x: torch.Tensor) -> torch.Tensor:
     """x [..., 2I] (gate, then up) -> silu(gate) * up [..., I]."""
     gate, up = x.chunk(2, -1)
     return F.silu(gate).mul_(up)  # into silu's output: one [T, I] buffer, not two
+
+
+def gelu_tanh_mul(x: torch.Tensor) -> torch.Tensor:
+    """x [..., 2I] (gate, then up) -> gelu_tanh(gate) * up [..., I], as HF's
+    gelu_pytorch_tanh then the product, each rounded to x's dtype."""
+    gate, up = x.chunk(2, -1)
+    return F.gelu(gate, approximate="tanh").mul_(up)
 
 
 @triton.jit

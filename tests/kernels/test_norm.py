@@ -63,3 +63,25 @@ def test_reference_equals_the_written_out_ops_bit_for_bit(dtype: torch.dtype, n:
     xf = x.float()
     want = w * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-5)).to(dtype)
     assert torch.equal(rms_norm_reference(x, w, 1e-5)[0], want)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("with_res", [False, True])
+def test_offset_norm_is_gemmas(dtype: torch.dtype, with_res: bool) -> None:
+    """Gemma's: the normalized row times 1 + weight in float32, rounded once (HF's
+    Gemma3RMSNorm's ops, bit for bit in the reference); the kernel within two ulps (the
+    interpreter rounds the residual's sum towards zero)."""
+    torch.manual_seed(5)
+    x = torch.randn(9, 640, dtype=dtype) * 3
+    res = torch.randn(9, 640, dtype=dtype) if with_res else None
+    w = (torch.randn(640) * 0.1).to(dtype)
+    s = x if res is None else x + res
+    sf = s.float()
+    want = (sf * torch.rsqrt(sf.pow(2).mean(-1, keepdim=True) + 1e-6) * (1.0 + w.float())).to(dtype)
+    y, r = rms_norm_reference(x, w, 1e-6, res, offset=True)
+    assert torch.equal(y, want) and y.dtype == dtype
+    got, r2 = rms_norm_triton(x, w, 1e-6, res, offset=True)
+    tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2 ** -6, atol=1e-2)
+    torch.testing.assert_close(got.float(), want.float(), **tol)
+    assert got.dtype == dtype and (r is None) == (r2 is None) == (res is None)
+    assert not torch.allclose(rms_norm_reference(x, w, 1e-6, res)[0].float(), want.float(), atol=1e-2)
