@@ -1,5 +1,5 @@
-"""Llama / Qwen2 / Qwen3 / Mistral decoder (and the other architectures backend/config.py
-takes), our own forward.
+"""Llama / Qwen2 / Qwen3 / Mistral / Gemma 3 decoder (and the other architectures
+backend/config.py takes), our own forward.
 
 Every layer's K/V passes through `KVCache.store` (keys before RoPE) and attention reads
 them back through the paged pool, so reuse policies can see and replace any layer's
@@ -8,6 +8,7 @@ KV. Projections are fused (qkv, gate_up); `loader.py` maps checkpoint names onto
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 import torch
@@ -88,17 +89,20 @@ class KVCache:
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float):
+    """With `offset` (Gemma's), scaling by 1 + weight (kernels/norm.py)."""
+
+    def __init__(self, dim: int, eps: float, offset: bool = False):
         super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
+        self.weight = nn.Parameter(torch.zeros(dim) if offset else torch.ones(dim))
         self.eps = eps
+        self.offset = offset
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return rms_norm(x, self.weight, self.eps)[0]
+        return rms_norm(x, self.weight, self.eps, offset=self.offset)[0]
 
     def add(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(norm(x + residual), x + residual), in one pass on CUDA."""
-        return rms_norm(x, self.weight, self.eps, residual)
+        return rms_norm(x, self.weight, self.eps, residual, self.offset)
 
 
 class Attention(nn.Module):
@@ -111,8 +115,8 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(self.nq * self.d, cfg.hidden_size, bias=False)
         if cfg.qk_norm is not None:
             whole = cfg.qk_norm == "all"
-            self.q_norm = RMSNorm(self.d * (self.nq if whole else 1), cfg.rms_norm_eps)
-            self.k_norm = RMSNorm(self.d * (self.nkv if whole else 1), cfg.rms_norm_eps)
+            self.q_norm = RMSNorm(self.d * (self.nq if whole else 1), cfg.rms_norm_eps, cfg.norm_offset)
+            self.k_norm = RMSNorm(self.d * (self.nkv if whole else 1), cfg.rms_norm_eps, cfg.norm_offset)
         self.qk_norm = cfg.qk_norm
         self.clip = cfg.clip_qkv
         self.rope = rope
@@ -177,8 +181,8 @@ class Layer(nn.Module):
         super().__init__()
         self.self_attn = Attention(cfg, idx, rope, tp)
         self.mlp = MoE(cfg, tp) if cfg.sparse(idx) else MLP(cfg, tp)
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_offset)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_offset)
 
     def forward(self, x: torch.Tensor, meta: AttnMeta, cache: KVCache,
                 residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -219,6 +223,20 @@ class PostNormLayer(Layer):
         return self.post_feedforward_layernorm(self.mlp(residual)), residual
 
 
+class SandwichLayer(Layer):
+    """Gemma 3's: attention and MLP each between a norm of their input and one of their
+    output, the latter's sum with the residual stream feeding the next norm."""
+
+    def __init__(self, cfg: ModelConfig, idx: int, rope: "Rope", tp: Shard | None = None):
+        super().__init__(cfg, idx, rope, tp)
+        self.pre_feedforward_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_offset)
+        self.post_feedforward_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_offset)
+
+    def post(self, o: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        h, residual = self.pre_feedforward_layernorm.add(self.post_attention_layernorm(o), residual)
+        return self.post_feedforward_layernorm(self.mlp(h)), residual
+
+
 class Rope(nn.Module):
     """A layer's RoPE. Without `positional` (a NoPE layer) every angle is zero: the kernels
     rotate by the identity, so such a layer runs the same code with no position in it."""
@@ -244,23 +262,31 @@ class Decoder(nn.Module):
         self.tp = tp
         self.rope = Rope(cfg)
         self.nope = Rope(cfg, positional=False) if cfg.nope else None
+        # sliding-window layers' RoPE, where it is another (Gemma 3's)
+        self.local = Rope(dataclasses.replace(cfg, rope=cfg.rope_local)) if cfg.rope_local else None
         self.model = nn.Module()
         vocab = cfg.vocab_size if tp is None else tp.rows(cfg.vocab_size)  # this rank's rows
         self.model.embed_tokens = nn.Embedding(vocab, cfg.hidden_size)
-        kind = PostNormLayer if cfg.post_norm else Layer
-        self.model.layers = nn.ModuleList(kind(cfg, i, self.nope if i in cfg.nope else self.rope, tp)
-                                          for i in range(cfg.num_layers))
-        self.model.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        # the embeddings' multiplier in the weights' dtype, as Gemma's rounds it (Granite's 12 is exact)
+        self.embed_scale = float(torch.tensor(cfg.embedding_multiplier, dtype=torch.get_default_dtype()))
+        kind = PostNormLayer if cfg.post_norm else SandwichLayer if cfg.sandwich else Layer
+        self.model.layers = nn.ModuleList(kind(cfg, i, self.layer_rope(i), tp) for i in range(cfg.num_layers))
+        self.model.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_offset)
         self.lm_head = nn.Linear(cfg.hidden_size, vocab, bias=False)
         if cfg.tie_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+
+    def layer_rope(self, i: int) -> Rope:
+        if i in self.cfg.nope:
+            return self.nope
+        return self.local if self.local is not None and self.cfg.window(i) else self.rope
 
     @property
     def layers(self) -> nn.ModuleList:
         return self.model.layers
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
-        table, m = self.model.embed_tokens, self.cfg.embedding_multiplier
+        table, m = self.model.embed_tokens, self.embed_scale
         if self.tp is None:
             return table(ids) if m == 1.0 else table(ids) * m
         local = ids - self.tp.rank * table.num_embeddings
@@ -277,8 +303,9 @@ class Decoder(nn.Module):
         logits = self.lm_head(h)
         if self.tp is not None:  # every rank's vocabulary rows, the padding dropped
             logits = self.tp.gather(logits)[:, :self.cfg.vocab_size]
-        s = self.cfg.logits_scaling
-        return logits.float() if s == 1.0 else logits.float() / s
+        s, cap = self.cfg.logits_scaling, self.cfg.logit_softcap
+        logits = logits.float() if s == 1.0 else logits.float() / s
+        return logits if cap is None else torch.tanh(logits / cap) * cap
 
     def states(self, ids: torch.Tensor, meta: AttnMeta, cache: KVCache,
                last: torch.Tensor | None = None) -> torch.Tensor:

@@ -18,22 +18,24 @@ from torch import nn
 
 from tokendance.backend.config import ModelConfig
 from tokendance.backend.parallel import Shard
-from tokendance.kernels.act import silu_mul
+from tokendance.kernels.act import gelu_tanh_mul, silu_mul
 from tokendance.kernels.moe import moe
 
 
 class MLP(nn.Module):
-    """SwiGLU: down(silu(gate(x)) * up(x)), gate and up fused in one projection."""
+    """SwiGLU: down(silu(gate(x)) * up(x)), gate and up fused in one projection (GeGLU,
+    gelu_tanh in silu's place, where the model says so)."""
 
     def __init__(self, cfg: ModelConfig, tp: Shard | None = None, width: int | None = None):
         super().__init__()
         width = width or cfg.intermediate_size
         self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * width, bias=False)
         self.down_proj = nn.Linear(width, cfg.hidden_size, bias=False)
+        self.act = gelu_tanh_mul if cfg.act == "gelu_tanh" else silu_mul
         self.tp = tp
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = self.down_proj(silu_mul(self.gate_up_proj(x)))
+        x = self.down_proj(self.act(self.gate_up_proj(x)))
         return x if self.tp is None else self.tp.sum(x)
 
 
