@@ -201,11 +201,11 @@ def collective_vs_tables(dtype: str, shape: str = "qwen2.5-7b") -> float:
     return float((got - want).norm() / want.norm())
 
 
-def greedy_vs_hf(dtype: str, shape: str = "qwen2.5-7b", layers: int = 2) -> bool:
+def greedy_vs_hf(dtype: str, shape: str = "qwen2.5-7b", layers: int = 2, length: int = 200) -> bool:
     from transformers import AutoModelForCausalLM
 
     folder = small_folder(layers, shape)
-    eng = Engine(EngineConfig(model=str(folder), dtype=dtype, random_weights=True, kv_tokens=8192))
+    eng = Engine(EngineConfig(model=str(folder), dtype=dtype, random_weights=True, kv_tokens=max(8192, 4 * length + 256)))
     hf = AutoModelForCausalLM.from_config(__import__("transformers").AutoConfig.from_pretrained(folder),
                                           dtype=eng.dtype).to("cuda").eval()
     # Same weights: ours take HF's (fused where ours are fused; a mixture's experts are
@@ -226,7 +226,7 @@ def greedy_vs_hf(dtype: str, shape: str = "qwen2.5-7b", layers: int = 2) -> bool
                 p.copy_(torch.cat(parts))
             else:
                 p.copy_(torch.cat([sd[name.replace("gate_up_proj", x)] for x in ("gate_proj", "up_proj")]))
-    prompts = rand_prompts(4, 200, vocab(shape), 1)
+    prompts = rand_prompts(4, length, vocab(shape), 1)  # past a sliding window, if longer
     ours = [t for t, _, _ in eng.generate(prompts, SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))]
     with torch.no_grad():
         ref = [hf.generate(torch.tensor([p], device="cuda"), max_new_tokens=8, do_sample=False,
@@ -236,7 +236,7 @@ def greedy_vs_hf(dtype: str, shape: str = "qwen2.5-7b", layers: int = 2) -> bool
     with torch.no_grad():  # how flat random weights leave the first choice: rounding may decide it
         gaps = [float(hf(torch.tensor([p], device="cuda")).logits[0, -1].float().topk(2).values.diff().abs())
                 for p in prompts]
-    print(f"greedy vs HF ({shape}, {layers} layers, {dtype}): {same}/{len(prompts)} prompts identical, "
+    print(f"greedy vs HF ({shape}, {layers} layers, {dtype}, prompts of {length}): {same}/{len(prompts)} prompts identical, "
           f"first tokens {first}/{len(prompts)}; HF's gap between its two best first logits "
           f"{min(gaps):.3g} to {max(gaps):.3g}")
     exact = None  # HF in float32 on the same weights: the arbiter of a bf16 difference

@@ -8,6 +8,9 @@ D=128, a window of 4,096, bf16): the kernels against the reference, then timed.
 (c) A prefill chunk of 2,048 rows after 6,144 keys, the same three ways.
 (d) A fresh prompt of 8,192 tokens (flash attention's window_size_left, kernels/prefill.py)
     against the same without a window.
+(e) Gemma 3 1B's attention (Hq=4, Hkv=1, head dim 256, window 512): a prefill chunk of
+    2,048 rows after 2,048 keys per launch configuration (the default one, tuned at 128,
+    spills registers at 256: bench/ptx.py).
 
     PYTHONPATH=<dir holding tokendance/> python bench/windows.py [--smoke]
 
@@ -95,6 +98,30 @@ def fresh(n: int) -> list[str]:
     return rows
 
 
+GEMMA_CFGS = [dict(), dict(block_n=32), dict(block_m=64), dict(block_m=64, block_n=32),
+              dict(block_m=64, num_warps=4), dict(block_m=32, num_warps=4)]
+
+
+def gemma_prefill() -> list[str]:
+    """(e): the prefill kernel at head dim 256 per launch configuration, in a window of 512."""
+    from tokendance.kernels.paged_triton import PREFILL_CFG
+
+    n, rows, w = (64, 32, 24) if SMOKE else (4096, 2048, 512)
+    args = make([n], suffix([n], [rows]), 4, 1, 256, torch.bfloat16)
+    ref = pa.paged_attention_reference(*args, window=w)
+    out, base = [], None
+    for c in GEMMA_CFGS[:2] if SMOKE else GEMMA_CFGS:
+        cfg = {**PREFILL_CFG, **c}
+        fn = lambda cfg=cfg: pa.paged_attention_triton(*args, max_q=rows, cfg=cfg, window=w)  # noqa: E731
+        ms = bench(fn)
+        base = base or ms
+        name = " ".join(f"{k.removeprefix('block_').removeprefix('num_')}={v}" for k, v in cfg.items())
+        line = f"gemma    {name:44s} {ms * 1e3:9.1f} us  {ms / base:5.2f}x the default's, rel {rel(fn().float(), ref.float()):.1e}"
+        say("  " + line)
+        out.append(line)
+    return out
+
+
 def main() -> None:
     torch.manual_seed(0)
     if not SMOKE:
@@ -109,6 +136,8 @@ def main() -> None:
     rows += timed("prefill", [n], [n // 4], None)
     say(f"(d) a fresh prompt of {n} tokens")
     rows += fresh(n)
+    say("(e) Gemma 3 1B's attention: prefill launch configurations at head dim 256")
+    rows += gemma_prefill()
     save_log("bench_windows.log")
     print("\n==== summary ====")
     print(f"correctness: {'all ok' if ok else 'FAILURES'}")
