@@ -53,6 +53,12 @@ SHAPES = {
                        query_pre_attn_scalar=256, rope_theta=1000000.0, rope_local_base_freq=10000.0,
                        sliding_window=512, sliding_window_pattern=6, rms_norm_eps=1e-6,
                        tie_word_embeddings=True, eos_token_id=1, bos_token_id=2),
+    "gemma-3-270m": dict(architectures=["Gemma3ForCausalLM"], model_type="gemma3_text", vocab_size=262144,
+                         hidden_size=640, intermediate_size=2048, num_hidden_layers=18, num_attention_heads=4,
+                         num_key_value_heads=1, head_dim=256, max_position_embeddings=32768,
+                         query_pre_attn_scalar=256, rope_theta=1000000.0, rope_local_base_freq=10000.0,
+                         sliding_window=512, sliding_window_pattern=6, rms_norm_eps=1e-6,
+                         tie_word_embeddings=True, eos_token_id=1, bos_token_id=2),
     # every fourth layer without RoPE (NoPE)
     "smollm3-3b": dict(architectures=["SmolLM3ForCausalLM"], model_type="smollm3", vocab_size=128256,
                        hidden_size=2048, intermediate_size=11008, num_hidden_layers=36,

@@ -24,7 +24,7 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: list
     """q [T, Hq, D] and k [T, Hkv, D] rotated at positions 0..n-1 of each sequence, v
     [T, Hkv, D]; sequence s is rows cu[s]..cu[s+1]-1 (cu_dev: the same offsets, int32 on
     q's device, for the varlen launch). window (0: none): a query at p sees only keys
-    past p - window (flash attention's window_size_left = window - 1; elsewhere a mask
+    past p - window (flash attention's window_size_left = window - 1; elsewhere `_band`
     where a sequence is longer than the window). Returns [T, Hq, D]."""
     v = v.contiguous()  # a view into the fused qkv output
     lens = [b - a for a, b in zip(cu, cu[1:])]
@@ -50,12 +50,32 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: list
             x = x[lo:hi].unflatten(0, (e - s, n)).transpose(1, 2)
             return x.contiguous() if dense else x
 
-        mask = None
         if window and n > window:
-            i = torch.arange(n, device=q.device)
-            mask = (i[None, :] <= i[:, None]) & (i[None, :] > i[:, None] - window)
-        o = F.scaled_dot_product_attention(heads(q), heads(k).to(q.dtype), heads(v), attn_mask=mask,
-                                           is_causal=mask is None, scale=sm_scale, enable_gqa=True)
+            o = _band(heads(q), heads(k).to(q.dtype), heads(v), window, sm_scale)
+        else:
+            o = F.scaled_dot_product_attention(heads(q), heads(k).to(q.dtype), heads(v), is_causal=True,
+                                               scale=sm_scale, enable_gqa=True)
         out[lo:hi] = o.transpose(1, 2).flatten(0, 1)
         s = e
+    return out
+
+
+BAND_ROWS = 256  # query rows a call in `_band`
+
+
+def _band(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int, sm_scale: float) -> torch.Tensor:
+    """Causal attention in a sliding window over [b, H, n, D]: rows BAND_ROWS at a time,
+    each block over the keys its window reaches, masked. On 2 cores (4/1 heads of 256, a
+    window of 512, medians of 5) 2,048 rows took 36 ms against 86 for one call masked
+    whole, 4,096 rows 60 against 307."""
+    n = q.shape[2]
+    out = torch.empty_like(q)
+    for a in range(0, n, BAND_ROWS):
+        b = min(n, a + BAND_ROWS)
+        lo = max(0, a - window + 1)
+        i = torch.arange(a, b, device=q.device)[:, None]
+        j = torch.arange(lo, b, device=q.device)[None, :]
+        out[:, :, a:b] = F.scaled_dot_product_attention(
+            q[:, :, a:b], k[:, :, lo:b], v[:, :, lo:b], attn_mask=(j <= i) & (j > i - window),
+            scale=sm_scale, enable_gqa=True)
     return out
