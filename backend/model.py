@@ -8,8 +8,7 @@ KV. Projections are fused (qkv, gate_up); `loader.py` maps checkpoint names onto
 
 from __future__ import annotations
 
-import dataclasses
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 from torch import nn
@@ -263,7 +262,7 @@ class Decoder(nn.Module):
         self.rope = Rope(cfg)
         self.nope = Rope(cfg, positional=False) if cfg.nope else None
         # sliding-window layers' RoPE, where it is another (Gemma 3's)
-        self.local = Rope(dataclasses.replace(cfg, rope=cfg.rope_local)) if cfg.rope_local else None
+        self.local = Rope(replace(cfg, rope=cfg.rope_local)) if cfg.rope_local else None
         self.model = nn.Module()
         vocab = cfg.vocab_size if tp is None else tp.rows(cfg.vocab_size)  # this rank's rows
         self.model.embed_tokens = nn.Embedding(vocab, cfg.hidden_size)

@@ -43,7 +43,7 @@ def test_a_baseline_kernels_folder_loads_as_its_own_package(baseline):
     mod = ptx.load_baseline(baseline)("paged_triton")
     assert mod.__name__ == "tdbase.kernels.paged_triton"
     assert sys.modules["tdbase.kernels.tiles"] is not sys.modules["tokendance.kernels.tiles"]
-    assert mod._attend is sys.modules["tdbase.kernels.tiles"]._attend  # its own imports rewritten
+    assert mod._attend_ranges is sys.modules["tdbase.kernels.tiles"]._attend_ranges  # its own imports rewritten
 
 
 def run_ptx(*args: str) -> subprocess.CompletedProcess:
