@@ -55,6 +55,10 @@
 #     HEADDIMS_BASELINE, an earlier checkout's kernels folder, timed against it at head dim 128)
 #   headdims-engine: the engine on Danube3-4B's shape against HF, now and as it ran before (the
 #     references on the GPU, no CUDA graphs)
+#   windows: sliding windows and Gemma 3 (bench/windows.py: the kernels against the reference and
+#     timed against no window at Mistral 7B's attention, the prefill kernel's launch configurations at
+#     Gemma 3's head dim 256; greedy tokens against HF past the window on 6 layers of Gemma 3 1B's
+#     shape and 2 of Mistral 7B v0.1's; the engine on both whole shapes against HF)
 #   smollm3: SmolLM3's layers without RoPE (NoPE) on the GPU: greedy tokens against HF on 4 layers
 #     of its 3B shape (the fourth takes no RoPE), CUDA-graph decode against eager, and the engine
 #     benchmark on the whole shape against HF
@@ -162,6 +166,16 @@ if want headdims-engine; then
 and d & (d - 1) == 0; from tokendance.examples.cli import main; sys.exit(main(sys.argv[1:]))" \
     bench engine --model danube3-4b --dtype bfloat16 --prefill 10x2048 --decode 32x4096 --steps 48 \
     --repeats 3 2>&1 | grep -v -i "warn\|deprecat\|forward_call" | tee "$OUT/head_dims_engine_before.txt"
+fi
+if want windows; then
+  python3 bench/windows.py 2>&1 | grep -v -i "warn\|deprecat" | tee "$OUT/windows.txt"
+  python3 -c "from tokendance.bench.check_cuda import greedy_vs_hf
+greedy_vs_hf('float32', 'gemma-3-1b', 6, 1500); greedy_vs_hf('bfloat16', 'gemma-3-1b', 6, 1500)
+greedy_vs_hf('float32', 'mistral-7b-v0.1', 2, 5000)" 2>&1 | grep -v -i "warn\|deprecat\|info " | tee "$OUT/windows_greedy.txt"
+  td bench engine --model gemma-3-1b --dtype bfloat16 --prefill 10x2048 --decode 32x4096 --steps 48 \
+    --repeats 3 2>&1 | grep -v -i "warn\|deprecat\|forward_call" | tee "$OUT/gemma_engine.txt"
+  td bench engine --model mistral-7b-v0.1 --dtype bfloat16 --prefill 2x8192 --decode 16x8192 --steps 32 \
+    --repeats 3 2>&1 | grep -v -i "warn\|deprecat\|forward_call" | tee "$OUT/windows_engine.txt"
 fi
 if want smollm3; then
   python3 -c "import sys; from tokendance.bench.check_cuda import greedy_vs_hf, graphs_vs_eager
