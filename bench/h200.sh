@@ -11,7 +11,8 @@
 #   prefill: the engine's prefill alone against HF (10 x 2 k)
 #   check: the CUDA checks alone (bench/check_cuda.py), and the GPU-only tests
 #   tests: a dozen of the engine's test files on CUDA (its device is auto there): greedy vs HF,
-#     reuse, Mirrors, idle agents, lookahead, priority, kvcomm, offload, bases, late layers, sampling
+#     reuse, Mirrors, idle agents, lookahead, priority, kvcomm, offload, bases, late layers, sampling,
+#     sliding windows, Gemma 3
 #   scoring: a prefill that scores its prompt (prompt logprobs: completions' echo with
 #     logprobs) against the same prefill without, Qwen2.5-7B shape, random bf16 weights
 #   reuse:  one All-Gather round, N = 10 and 20, every mode, serial pic and collective with
@@ -113,7 +114,7 @@ fi
 if want tests; then
   # A file per process: a device-side assert poisons the CUDA context for the rest of its
   # process, and would fail every later file too. Each file's whole output stays in $OUT.
-  for t in greedy_vs_hf reuse mirror idle lookahead priority kvcomm offload bases late sampling; do
+  for t in greedy_vs_hf reuse mirror idle lookahead priority kvcomm offload bases late sampling windows gemma3; do
     python3 -m pytest -q -p no:cacheprovider --tb=short -rf tests/backend/test_$t.py >"$OUT/test_$t.txt" 2>&1
     echo "test_$t: $(tail -1 "$OUT/test_$t.txt")"
   done | tee "$OUT/backend_tests.txt"
