@@ -122,11 +122,12 @@ def _seq_read(q, qp, block_table, kv_len: int, bsz: int, slot_pos, inv_freq, rop
         keep = torch.nonzero((kpos >= 0) & (kpos <= qp.max())).flatten()
         keep = keep[kpos[keep].argsort()]
         slots, kpos = slots[keep], kpos[keep]
-    if window and int(qp.max()) >= window:  # keys before every row's window are not read
+    slides = bool(window) and int(qp.max()) >= window  # some row's window leaves keys out
+    if slides:  # keys before every row's window are not read
         keep = kpos > int(qp.min()) - window
         slots, kpos = slots[keep], kpos[keep]
     rows = None
-    if (len(qp) > 1 and FLASH_LSE is not None and not q.is_cuda and not (window and int(qp.max()) >= window)
+    if (len(qp) > 1 and FLASH_LSE is not None and not q.is_cuda and not slides
             and torch.equal(kpos, torch.arange(len(kpos), device=kpos.device))):
         rows = split_rows(qp, q.dtype)
     cos, sin = rope_cos_sin(kpos, inv_freq, rope_scale)
