@@ -247,7 +247,7 @@ def _windows(raw: dict, arch: str, path: Path) -> tuple[int, ...]:
         return (size,) * n
     kinds = raw.get("layer_types")
     if kinds is None:
-        first = raw.get("max_window_layers", 28)
+        first = raw.get("max_window_layers", 28) if arch in ("qwen2", "qwen3", "qwen2_moe") else 0
         if type(first) is not int:
             raise InvalidRequest(f"{path}: max_window_layers must be an integer", "model")
         if arch == "smollm3":

@@ -19,6 +19,14 @@ QWEN_COMMON = dict(architectures=["Qwen2ForCausalLM"], model_type="qwen2", vocab
                    max_position_embeddings=32768, rope_theta=1000000.0, rms_norm_eps=1e-6,
                    tie_word_embeddings=False, eos_token_id=151645)
 
+# Gemma 3's text models: sliding windows of 512 keys (RoPE base 10 k) on 5 layers of 6,
+# 4 query heads of 256 over 1 kv head, GeGLU, sandwich norms
+GEMMA3_COMMON = dict(architectures=["Gemma3ForCausalLM"], model_type="gemma3_text", vocab_size=262144,
+                     num_attention_heads=4, num_key_value_heads=1, head_dim=256, max_position_embeddings=32768,
+                     query_pre_attn_scalar=256, rope_theta=1000000.0, rope_local_base_freq=10000.0,
+                     sliding_window=512, sliding_window_pattern=6, rms_norm_eps=1e-6,
+                     tie_word_embeddings=True, eos_token_id=1, bos_token_id=2)
+
 SHAPES = {
     "qwen2.5-0.5b": dict(QWEN_COMMON, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
                          num_attention_heads=14, num_key_value_heads=2, tie_word_embeddings=True),
@@ -46,19 +54,8 @@ SHAPES = {
                             num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=32768,
                             rope_theta=10000.0, rms_norm_eps=1e-5, sliding_window=4096,
                             tie_word_embeddings=False, eos_token_id=2),
-    # sliding windows of 512 keys (RoPE base 10 k) on 5 layers of 6, heads of 256, GeGLU, sandwich norms
-    "gemma-3-1b": dict(architectures=["Gemma3ForCausalLM"], model_type="gemma3_text", vocab_size=262144,
-                       hidden_size=1152, intermediate_size=6912, num_hidden_layers=26, num_attention_heads=4,
-                       num_key_value_heads=1, head_dim=256, max_position_embeddings=32768,
-                       query_pre_attn_scalar=256, rope_theta=1000000.0, rope_local_base_freq=10000.0,
-                       sliding_window=512, sliding_window_pattern=6, rms_norm_eps=1e-6,
-                       tie_word_embeddings=True, eos_token_id=1, bos_token_id=2),
-    "gemma-3-270m": dict(architectures=["Gemma3ForCausalLM"], model_type="gemma3_text", vocab_size=262144,
-                         hidden_size=640, intermediate_size=2048, num_hidden_layers=18, num_attention_heads=4,
-                         num_key_value_heads=1, head_dim=256, max_position_embeddings=32768,
-                         query_pre_attn_scalar=256, rope_theta=1000000.0, rope_local_base_freq=10000.0,
-                         sliding_window=512, sliding_window_pattern=6, rms_norm_eps=1e-6,
-                         tie_word_embeddings=True, eos_token_id=1, bos_token_id=2),
+    "gemma-3-1b": dict(GEMMA3_COMMON, hidden_size=1152, intermediate_size=6912, num_hidden_layers=26),
+    "gemma-3-270m": dict(GEMMA3_COMMON, hidden_size=640, intermediate_size=2048, num_hidden_layers=18),
     # every fourth layer without RoPE (NoPE)
     "smollm3-3b": dict(architectures=["SmolLM3ForCausalLM"], model_type="smollm3", vocab_size=128256,
                        hidden_size=2048, intermediate_size=11008, num_hidden_layers=36,

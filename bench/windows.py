@@ -66,7 +66,6 @@ def timed(kind: str, lens: list[int], nq: list[int], ideal: int | None) -> list[
     full = make(lens, suffix(lens, nq), HQ, HKV, D, torch.bfloat16)
     trig = trig_table(full[7], max(lens) + 64)
     mq = max(nq)
-    pos = full[1].tolist()
     cases = [(f"window {WIN} over {lens[0]} keys", full, WIN), (f"no window, {lens[0]} keys", full, 0)]
     if ideal:
         cases.append((f"no window, {ideal} keys", make([ideal] * len(lens), suffix([ideal] * len(lens), nq),
@@ -75,7 +74,7 @@ def timed(kind: str, lens: list[int], nq: list[int], ideal: int | None) -> list[
     for name, args, w in cases:
         ms = bench(lambda a=args, w=w: pa.paged_attention_triton(*a, max_q=mq, trig=trig, window=w))
         base = base or ms
-        pairs = sum(min(p + 1, w or p + 1) for p in (args[1].tolist() if args is not full else pos))
+        pairs = sum(min(p + 1, w or p + 1) for p in args[1].tolist())
         line = f"{kind:8s} {name:30s} {ms * 1e3:9.1f} us  {ms / base:5.2f}x the window's, pairs {pairs:,}"
         say("  " + line)
         rows.append(line)

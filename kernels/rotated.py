@@ -63,13 +63,17 @@ class RotatedStep:
     slots: torch.Tensor  # [S] flat pool slots
     # made by the step's first append, for every layer of the same RoPE (a NoPE layer's is another)
     rot: dict[int, torch.Tensor] = field(default_factory=dict)
+    at: torch.Tensor = field(init=False)  # qpos as a tensor, made once for every layer
+
+    def __post_init__(self) -> None:
+        self.at = torch.tensor(self.qpos, device=self.slots.device)
 
     def rotation(self, inv_freq: torch.Tensor, rope_scale: float) -> torch.Tensor:
         """RoPE at the rows' positions as matrices [S, D, D] (k @ R rotates a row's keys
         [Hkv, D]): one batched matmul a layer instead of a handful of small ops."""
         r = self.rot.get(inv_freq.data_ptr())
         if r is None:
-            cos, sin = rope_cos_sin(torch.tensor(self.qpos), inv_freq, rope_scale)  # [S, D/2]
+            cos, sin = rope_cos_sin(self.at, inv_freq, rope_scale)  # [S, D/2]
             s, half = cos.shape
             i = torch.arange(half)
             r = torch.zeros(s, 2 * half, 2 * half)
@@ -110,8 +114,7 @@ def rotated_decode(step: RotatedStep, q: torch.Tensor, k_cache: torch.Tensor, v_
     n = h.n
     mask = h.mask[:, :n]
     if window:
-        qpos = torch.tensor(step.qpos, device=mask.device)
-        mask = mask.masked_fill(h.pos[:, :n] <= (qpos - window)[:, None], float("-inf"))
+        mask = mask.masked_fill(h.pos[:, :n] <= (step.at - window)[:, None], float("-inf"))
     o = F.scaled_dot_product_attention(q.float().view(s, hkv, -1, d), h.k[:, :, :n], h.v[:, :, :n],
                                        attn_mask=mask[:, None, None, :], scale=sm_scale)
     return o.reshape(q.shape).to(q.dtype)
@@ -153,6 +156,6 @@ def _append(h: _Held, step: RotatedStep, k_cache, v_cache, inv_freq, rope_scale:
     h.k[:, :, h.n] = torch.bmm(k, step.rotation(inv_freq, rope_scale))
     h.v[:, :, h.n] = v_cache.flatten(0, 1).index_select(0, step.slots)
     h.mask[:, h.n] = 0.0
-    h.pos[:, h.n] = torch.tensor(step.qpos, device=h.pos.device)
+    h.pos[:, h.n] = step.at
     h.n += 1
     h.qpos = step.qpos
