@@ -33,7 +33,7 @@ TYPES = {
     "out": "*bf16", "qo": "*bf16", "q_pos": "*i64", "pos": "*i64", "slots": "*i64", "cu_q": "*i32",
     "bt": "*i32", "kpt": "*i32", "kv_lens": "*i32", "chunks": "*i32", "shift": "*i32", "table": "*i32",
     "hide": "*u8", "inv_freq": "*fp32", "trig": "*fp32", "o_part": "*fp32", "lse_part": "*fp32",
-    "lse_out": "*fp32", "qk_scale": "fp32", "scale": "fp32",
+    "lse_out": "*fp32", "qk_scale": "fp32", "scale": "fp32", "cap": "fp32",
 }
 
 
@@ -55,14 +55,14 @@ class Kernel:
 KERNELS = [
     Kernel("paged_triton", "_decode_kernel", extra=(("G", 7), ("B", 16), ("BLOCK_M", 16), ("BLOCK_N", 32),
                                                     ("NSPLIT", 8), ("STEP", 2), ("POS", False), ("WIN", False),
-                                                    ("TRIG", True), ("PREC", "tf32"))),
+                                                    ("CAP", False), ("TRIG", True), ("PREC", "tf32"))),
     Kernel("paged_triton", "_prefill_kernel", 8, 2, (("G", 7), ("B", 16), ("BLOCK_M", 128), ("BLOCK_N", 64),
-                                                    ("STEP", 1), ("POS", False), ("WIN", False), ("TRIG", False),
-                                                    ("PREC", "tf32"))),
+                                                    ("STEP", 1), ("POS", False), ("WIN", False), ("CAP", False),
+                                                    ("TRIG", False), ("PREC", "tf32"))),
     Kernel("paged_triton", "_reduce_kernel", extra=(("BLOCK", 32),)),
     Kernel("collective", "_rotate_kernel", extra=(("B", 16), ("BLOCK_N", 32))),
     Kernel("collective", "_collective_kernel", extra=(("G", 7), ("B", 16), ("BLOCK_M", 16), ("BLOCK_N", 64),
-                                                      ("WIN", False), ("PREC", "tf32"))),
+                                                      ("WIN", False), ("CAP", False), ("PREC", "tf32"))),
     Kernel("collective", "_merge_kernel", extra=(("NSPLIT", 8),)),
     Kernel("rope", "_rope_kernel", extra=(("BLOCK_H", 32),)),
     Kernel("store", "_store_kernel", extra=(("BLOCK_Q", 32), ("BLOCK_KV", 4), ("ROTATE", True))),

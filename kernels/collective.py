@@ -40,9 +40,10 @@ import torch
 
 from tokendance.kernels.master import MasterRead, one_segment
 from tokendance.kernels.rope import rope_rotate_reference
-from tokendance.kernels.tiles import _dot, _scratch, scales, trig_table
+from tokendance.kernels.softcap import cap_scores
+from tokendance.kernels.tiles import LOG2E, _cap, _dot, _scratch, scales, trig_table
 
-from tokendance.kernels.jit import cols, head_strides, in_heads, padded_half, tiles_head, tl, triton, wrapped
+from tokendance.kernels.jit import cols, fitting, head_strides, in_heads, padded_half, tiles_head, tl, triton, wrapped
 
 
 def _check(q, q_pos, shift, k_cache, v_cache, master_table, master_len, hide, inv_freq) -> None:
@@ -90,11 +91,11 @@ def collective_attention_reference(
 
 
 def master_attention_reference(q, q_pos, k_cache, v_cache, read: MasterRead, inv_freq,
-                               rope_scale: float, sm_scale: float, window: int = 0
-                               ) -> tuple[torch.Tensor, torch.Tensor]:
+                               rope_scale: float, sm_scale: float, window: int = 0,
+                               softcap: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
     """`collective_attention_reference` over a MasterRead: every Mirror gets its own
     copy of the Master keys, rotated at its positions (in a sliding window of `window`
-    keys, if not 0)."""
+    keys, if not 0; scores capped at `softcap`, if not 0)."""
     S, Hq, D = q.shape
     bsz, Hkv = k_cache.shape[1], k_cache.shape[2]
     chunks = read.chunks.long().cpu()
@@ -116,6 +117,8 @@ def master_attention_reference(q, q_pos, k_cache, v_cache, read: MasterRead, inv
     kr = kr.view(S, L, Hkv, D)
     qg = q.float().view(S, Hkv, Hq // Hkv, D)
     scores = torch.einsum("shgd,sthd->shgt", qg, kr) * sm_scale
+    if softcap:
+        scores = cap_scores(scores, softcap)
     scores = scores.masked_fill(~visible[:, None, None, :], -math.inf)
     lse = torch.logsumexp(scores, -1)  # -inf where nothing is visible
     p = torch.exp(scores - lse.nan_to_num(neginf=0.0)[..., None])
@@ -153,10 +156,10 @@ def _rotate_kernel(chunks, kc, table, trig, trig_n, kr, s_blk, s_slot, s_kh, s_r
 @triton.jit
 def _collective_kernel(q, q_pos, shift, chunks, kr, vc, table, hide, trig, trig_n, o_part,
                        lse_part, n_rows, n_total, split_off, s_qt, s_qh, s_blk, s_slot, s_kh,
-                       s_rj, s_rh, s_ss, s_hs, qk_scale, win,
+                       s_rj, s_rh, s_ss, s_hs, qk_scale, win, cap,
                        G: tl.constexpr, B: tl.constexpr, HALF: tl.constexpr, HP: tl.constexpr,
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, WIN: tl.constexpr,
-                       PREC: tl.constexpr):
+                       CAP: tl.constexpr, PREC: tl.constexpr):
     mb = tl.program_id(0)
     ch = tl.program_id(1)
     kvh = tl.program_id(2)
@@ -207,6 +210,8 @@ def _collective_kernel(q, q_pos, shift, chunks, kr, vc, table, hide, trig, trig_
             v = tl.load(vc + (blk.to(tl.int64) * s_blk + (j % B) * s_slot)[:, None] + offs_v[None, :],
                         mask=jm[:, None], other=0.0)
             qk = _dot(qr, k, None, PREC) * qk_scale
+            if CAP:
+                qk = _cap(qk, cap)
             hid = tl.load(hide + mir[:, None] * s_hs + j[None, :],
                           mask=valid[:, None] & jm[None, :], other=1)
             ok = (hid == 0) & ((j - seg)[None, :] <= lim[:, None])
@@ -339,14 +344,14 @@ def collective_attention_triton(
 def collective_partials(q, q_pos, k_cache, v_cache, read: MasterRead, inv_freq,
                         rope_scale: float, sm_scale: float, o_part: torch.Tensor,
                         lse_part: torch.Tensor, split_off: int, cfg: dict | None = None,
-                        trig: torch.Tensor | None = None, window: int = 0) -> None:
+                        trig: torch.Tensor | None = None, window: int = 0, softcap: float = 0.0) -> None:
     """Launch the collective kernels: the Master's keys rotated into a workspace, then
     chunk c's partial (o, log2 lse) of Mirror s, head h into o_part[s, h, split_off + c],
     lse_part[s, h, split_off + c] (float32 buffers [S, Hq, n, D] and [S, Hq, n],
     contiguous), for every chunk that is not empty. Rotations read rows of trig
     (`tiles.trig_table` of inv_freq, a row for every shift and segment slot); without it
-    one is built, after a host sync for its length (not the engine's path). window: a
-    sliding window's keys (0: none), as in `paged_attention`."""
+    one is built, after a host sync for its length (not the engine's path). window, softcap:
+    as in `paged_attention` (0: none)."""
     S, Hq, D = q.shape
     B, Hkv = k_cache.shape[1], k_cache.shape[2]
     G = Hq // Hkv
@@ -371,14 +376,19 @@ def collective_partials(q, q_pos, k_cache, v_cache, read: MasterRead, inv_freq,
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), kr.stride(0), kr.stride(1),
         B=B, HALF=D // 2, HP=hp, BLOCK_N=ROTATE_TILE if q.is_cuda else c["block_n"], num_warps=4,
     )
-    _collective_kernel[(tiles, n_chunks, Hkv)](
-        q, q_pos, read.shift, read.chunks, kr, v_cache, read.table, hide, trig, trig.shape[1],
-        o_part, lse_part, S * G, o_part.shape[2], split_off,
-        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        kr.stride(0), kr.stride(1), read.shift.stride(0), hide.stride(0), qk_scale, window,
-        G=G, B=B, HALF=D // 2, HP=hp, BLOCK_M=block_m, BLOCK_N=c["block_n"], WIN=window > 0, PREC=prec,
-        num_warps=c["num_warps"], num_stages=c["num_stages"],
-    )
+
+    def launch(c: dict) -> None:
+        _collective_kernel[(tiles, n_chunks, Hkv)](
+            q, q_pos, read.shift, read.chunks, kr, v_cache, read.table, hide, trig, trig.shape[1],
+            o_part, lse_part, S * G, o_part.shape[2], split_off,
+            q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+            kr.stride(0), kr.stride(1), read.shift.stride(0), hide.stride(0), qk_scale, window,
+            softcap * LOG2E, G=G, B=B, HALF=D // 2, HP=hp, BLOCK_M=block_m, BLOCK_N=c["block_n"],
+            WIN=window > 0, CAP=softcap > 0, PREC=prec, num_warps=c["num_warps"], num_stages=c["num_stages"])
+
+    # wide heads in float32 may ask for more shared memory than the GPU has: smaller tiles then
+    kind = ("collective", q.device, q.dtype, D, G, B, block_m, window > 0, softcap > 0, *sorted(c.items()))
+    fitting(kind, [c, dict(c, block_n=32), dict(c, block_n=32, num_stages=1)], launch)
 
 
 def collective_attention(q: torch.Tensor, q_pos: torch.Tensor, shift: torch.Tensor,

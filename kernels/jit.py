@@ -6,9 +6,12 @@ take, each half's padded width, and the masks and offsets of the padding."""
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable
+
 try:
     import triton
     import triton.language as tl
+    from triton.runtime.errors import OutOfResources
 
     HAVE_TRITON = True
 except ImportError:  # a CPU-only install still has the references
@@ -17,6 +20,29 @@ except ImportError:  # a CPU-only install still has the references
     triton = SimpleNamespace(jit=lambda fn: fn)
     tl = None
     HAVE_TRITON = False
+
+    class OutOfResources(Exception):  # never raised: nothing launches
+        pass
+
+
+_FITS: dict[tuple, dict] = {}
+
+
+def fitting(kind: tuple, cfgs: Iterable[dict], launch: Callable[[dict], None]) -> dict:
+    """Launch with the first launch configuration of `cfgs` whose shared memory the GPU
+    has (Triton raises OutOfResources before anything runs), and keep it for launches of
+    the same `kind`, which then try it alone. Returns the configuration that launched."""
+    tries = [_FITS[kind]] if kind in _FITS else list(cfgs)
+    for i, c in enumerate(tries):
+        try:
+            launch(c)
+        except OutOfResources:
+            if i == len(tries) - 1:
+                raise
+            continue
+        _FITS[kind] = c
+        return c
+    raise ValueError("no launch configuration to try")
 
 
 def tiles_head(d: int) -> bool:

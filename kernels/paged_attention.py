@@ -31,7 +31,6 @@ import contextlib
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from tokendance.kernels.collective import collective_partials, master_attention_reference
 from tokendance.kernels.jit import tiles_head
@@ -42,6 +41,7 @@ from tokendance.kernels.paged_triton import (decode_partials, decode_splits, pag
 from tokendance.kernels.rope import rope_apply, rope_cos_sin
 from tokendance.kernels.rotated import gathered, rotated_decode
 from tokendance.kernels.runs import FLASH_LSE, Rows, runs_attention, split_rows
+from tokendance.kernels.softcap import cap_scores, sdpa
 from tokendance.kernels.tiles import _scratch
 
 
@@ -66,26 +66,29 @@ def paged_attention_reference(
     slot_pos: torch.Tensor | None = None,
     plan: dict | None = None,
     window: int = 0,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
     """Attention output [T, Hq, D] in q.dtype. slot_pos: [S, >= slots in the tables]
     positions of the table slots, or None for slot j at position j. plan: a dict the
     layers of one step share (AttnMeta.plan): decode and prefill work out how each
-    sequence reads the pool once in it. window: see `paged_attention`."""
+    sequence reads the pool once in it. window, softcap: see `paged_attention`."""
     starts = cu_q.tolist()
     if starts[-1] == len(starts) - 1:  # one query per sequence
         return _decode_reference(q, q_pos, k_cache, v_cache, block_tables, kv_lens,
-                                 inv_freq, rope_scale, sm_scale, slot_pos, plan=plan, window=window)
+                                 inv_freq, rope_scale, sm_scale, slot_pos, plan=plan, window=window,
+                                 softcap=softcap)
     out = torch.empty_like(q)
     for s, kv_len in enumerate(kv_lens.tolist()):
         lo, hi = starts[s], starts[s + 1]
         if hi == lo:
             continue
         # a model's NoPE layers read with other angles, its sliding-window ones fewer keys
-        key = ("prefill", s, inv_freq.data_ptr(), window)
+        key = ("prefill", s, inv_freq.data_ptr(), window, softcap)
         read = plan.get(key) if plan is not None else None
         if read is None:
             read = _seq_read(q, q_pos[lo:hi].long(), block_tables[s], kv_len, k_cache.shape[1],
-                             None if slot_pos is None else slot_pos[s], inv_freq, rope_scale, window)
+                             None if slot_pos is None else slot_pos[s], inv_freq, rope_scale, window,
+                             runs=not softcap)
             if plan is not None:
                 plan[key] = read
         # One gather of the slots each, the keys then rotated where they landed.
@@ -95,7 +98,7 @@ def paged_attention_reference(
         if read.rows is not None:
             out[lo:hi] = runs_attention(q[lo:hi], k, v, read.rows, sm_scale)
         else:
-            out[lo:hi] = _masked_attention(q[lo:hi], read.qp, k, v, read.kpos, sm_scale, window)
+            out[lo:hi] = _masked_attention(q[lo:hi], read.qp, k, v, read.kpos, sm_scale, window, softcap)
     return out
 
 
@@ -112,7 +115,8 @@ class _SeqRead:
 
 
 def _seq_read(q, qp, block_table, kv_len: int, bsz: int, slot_pos, inv_freq, rope_scale,
-              window: int = 0) -> _SeqRead:
+              window: int = 0, runs: bool = True) -> _SeqRead:
+    """`runs`: the CPU's flash calls may serve (not for capped scores)."""
     slots = kv_slots(block_table, kv_len, bsz)
     kpos = torch.arange(kv_len, device=q.device)
     if slot_pos is not None:
@@ -127,7 +131,7 @@ def _seq_read(q, qp, block_table, kv_len: int, bsz: int, slot_pos, inv_freq, rop
         keep = kpos > int(qp.min()) - window
         slots, kpos = slots[keep], kpos[keep]
     rows = None
-    if (len(qp) > 1 and FLASH_LSE is not None and not q.is_cuda and not slides
+    if (runs and len(qp) > 1 and FLASH_LSE is not None and not q.is_cuda and not slides
             and torch.equal(kpos, torch.arange(len(kpos), device=kpos.device))):
         rows = split_rows(qp, q.dtype)
     cos, sin = rope_cos_sin(kpos, inv_freq, rope_scale)
@@ -135,24 +139,19 @@ def _seq_read(q, qp, block_table, kv_len: int, bsz: int, slot_pos, inv_freq, rop
 
 
 def _masked_attention(q: torch.Tensor, qp: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                      kpos: torch.Tensor, sm_scale: float, window: int = 0) -> torch.Tensor:
+                      kpos: torch.Tensor, sm_scale: float, window: int = 0,
+                      softcap: float = 0.0) -> torch.Tensor:
     """Queries at positions qp over rotated keys at kpos, each seeing kpos <= its own
     (and > its own - window, with one): one SDPA call with a mask (none for one query at or
-    past the last key, with no window)."""
+    past the last key, with no window), scores capped at softcap (0: none)."""
     mask = None
     if window or not (len(qp) == 1 and int(qp[0]) >= int(kpos.max())):
         mask = kpos[None, :] <= qp[:, None]
         if window:
             mask &= kpos[None, :] > qp[:, None] - window
     # 4-D inputs: on CPU this takes SDPA's fused path, 3-D ones the slow math path.
-    o = F.scaled_dot_product_attention(
-        q.transpose(0, 1)[None],
-        k.transpose(0, 1).to(q.dtype)[None],
-        v.transpose(0, 1)[None],
-        attn_mask=mask,
-        scale=sm_scale,
-        enable_gqa=True,
-    )
+    o = sdpa(q.transpose(0, 1)[None], k.transpose(0, 1).to(q.dtype)[None], v.transpose(0, 1)[None],
+             sm_scale, softcap, mask=mask)
     return o[0].transpose(0, 1)
 
 
@@ -189,7 +188,7 @@ def _decode_layout(q_pos, block_tables, kv_lens, inv_freq, rope_scale, slot_pos,
 
 def _decode_reference(q, q_pos, k_cache, v_cache, block_tables, kv_lens, inv_freq,
                       rope_scale, sm_scale, slot_pos=None, lse: bool = False, plan: dict | None = None,
-                      window: int = 0):
+                      window: int = 0, softcap: float = 0.0):
     """One query per sequence: every sequence's keys gathered into one padded batch
     [S, L, Hkv, D] in float32, rotated where they landed, then per kv head two batched
     matmuls that read K and V in that layout (a dozen small ops per sequence per layer in
@@ -213,7 +212,8 @@ def _decode_reference(q, q_pos, k_cache, v_cache, block_tables, kv_lens, inv_fre
 
     step = plan.get("rotated") if plan is not None and not lse else None
     if step is not None:
-        o = rotated_decode(step, q, k_cache, v_cache, layout, inv_freq, rope_scale, sm_scale, window)
+        o = rotated_decode(step, q, k_cache, v_cache, layout, inv_freq, rope_scale, sm_scale, window,
+                           softcap)
         if o is not None:
             return o
     got = layout()
@@ -223,7 +223,11 @@ def _decode_reference(q, q_pos, k_cache, v_cache, block_tables, kv_lens, inv_fre
     o = torch.empty(qg.shape, dtype=torch.float32, device=q.device)
     lses = torch.empty(qg.shape[:-1], dtype=torch.float32, device=q.device) if lse else None
     for h in range(hkv):
-        scores = torch.baddbmm(mask[:, None, :], qg[:, h], k[:, :, h].transpose(1, 2), alpha=sm_scale)
+        if softcap:
+            scores = cap_scores(torch.bmm(qg[:, h], k[:, :, h].transpose(1, 2)).mul_(sm_scale), softcap)
+            scores += mask[:, None, :]
+        else:
+            scores = torch.baddbmm(mask[:, None, :], qg[:, h], k[:, :, h].transpose(1, 2), alpha=sm_scale)
         torch.bmm(scores.softmax(-1), v[:, :, h], out=o[:, h])  # [S, G, D]
         if lse:
             lses[:, h] = torch.logsumexp(scores, -1)
@@ -233,21 +237,21 @@ def _decode_reference(q, q_pos, k_cache, v_cache, block_tables, kv_lens, inv_fre
 
 
 def master_decode_reference(q, q_pos, k_cache, v_cache, block_tables, kv_lens, inv_freq,
-                            rope_scale, sm_scale, slot_pos, read: MasterRead, window: int = 0
-                            ) -> torch.Tensor:
+                            rope_scale, sm_scale, slot_pos, read: MasterRead, window: int = 0,
+                            softcap: float = 0.0) -> torch.Tensor:
     """Decode over each sequence's own keys and the batch's Master (kernels/master.py):
     the two parts computed apart and merged by their lse."""
     o1, lse1 = _decode_reference(q, q_pos, k_cache, v_cache, block_tables, kv_lens, inv_freq,
-                                 rope_scale, sm_scale, slot_pos, lse=True, window=window)
+                                 rope_scale, sm_scale, slot_pos, lse=True, window=window, softcap=softcap)
     o2, lse2 = master_attention_reference(q, q_pos, k_cache, v_cache, read, inv_freq, rope_scale,
-                                          sm_scale, window)
+                                          sm_scale, window, softcap)
     return merge_attention(o1, lse1, o2, lse2)[0].to(q.dtype)
 
 
 def master_decode_triton(q, q_pos, cu_q, k_cache, v_cache, block_tables, kv_lens, inv_freq,
                          rope_scale: float, sm_scale: float, slot_pos, read: MasterRead,
                          out: torch.Tensor | None = None, trig: torch.Tensor | None = None,
-                         window: int = 0) -> torch.Tensor:
+                         window: int = 0, softcap: float = 0.0) -> torch.Tensor:
     """Decode (one query per sequence) over each sequence's own keys (block_tables,
     kv_lens, slot_pos as in paged attention) and the batch's Master (read), the Master
     read collectively: both write partials into one buffer, one reduce merges them."""
@@ -269,9 +273,9 @@ def master_decode_triton(q, q_pos, cu_q, k_cache, v_cache, block_tables, kv_lens
         side.wait_stream(torch.cuda.current_stream(q.device))
     with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
         collective_partials(q, q_pos, k_cache, v_cache, read, inv_freq, rope_scale, sm_scale,
-                            o_part, lse_part, ns, trig=trig, window=window)
+                            o_part, lse_part, ns, trig=trig, window=window, softcap=softcap)
     decode_partials(q, q_pos, cu_q, k_cache, v_cache, block_tables, kv_lens, inv_freq, rope_scale,
-                    sm_scale, slot_pos, o_part, lse_part, ns, trig=trig, window=window)
+                    sm_scale, slot_pos, o_part, lse_part, ns, trig=trig, window=window, softcap=softcap)
     if side is not None:
         torch.cuda.current_stream(q.device).wait_stream(side)
     reduce_partials(o_part, lse_part, cu_q, out, read.chunks)
@@ -305,6 +309,7 @@ def paged_attention(
     trig: torch.Tensor | None = None,
     plan: dict | None = None,
     window: int = 0,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
     """Dispatch: the Triton kernels on CUDA (head dims they tile), the reference
     elsewhere. max_q (the most queries of one sequence) spares the GPU path a host sync.
@@ -312,14 +317,16 @@ def paged_attention(
     read collectively. `trig` (kernels/paged_triton.py's trig_table) spares the kernels
     sines and cosines; `plan`, a dict shared by one step's layers, the reference its
     per-layer layout work. `window` (0: none): a sliding window, a query at p sees only
-    the keys at p - window + 1 .. p (HF's sliding_window)."""
+    the keys at p - window + 1 .. p (HF's sliding_window). `softcap` (0: none): each score
+    s becomes softcap * tanh(s / softcap) before the mask and softmax (Gemma 2's
+    attn_logit_softcapping)."""
     args = (q, q_pos, cu_q, k_cache, v_cache, block_tables, kv_lens, inv_freq, rope_scale,
             sm_scale, slot_pos)
     triton = q.is_cuda and tiles_head(q.shape[-1])
     if master is not None:
         if triton:
-            return master_decode_triton(*args, master, trig=trig, window=window)
-        return master_decode_reference(q, q_pos, *args[3:], master, window)
+            return master_decode_triton(*args, master, trig=trig, window=window, softcap=softcap)
+        return master_decode_reference(q, q_pos, *args[3:], master, window, softcap)
     if triton:
-        return paged_attention_triton(*args, max_q=max_q, trig=trig, window=window)
-    return paged_attention_reference(*args, plan=plan, window=window)
+        return paged_attention_triton(*args, max_q=max_q, trig=trig, window=window, softcap=softcap)
+    return paged_attention_reference(*args, plan=plan, window=window, softcap=softcap)

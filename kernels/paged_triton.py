@@ -11,17 +11,18 @@ import os
 
 import torch
 
-from tokendance.kernels.tiles import _attend_ranges, _prep, _scratch
+from tokendance.kernels.tiles import LOG2E, _attend_ranges, _prep, _scratch
 
-from tokendance.kernels.jit import cols, head_strides, in_heads, padded_half, tiles_head, tl, triton
+from tokendance.kernels.jit import cols, fitting, head_strides, in_heads, padded_half, tiles_head, tl, triton
 
 
 @triton.jit
 def _prefill_kernel(q, q_pos, cu_q, kc, vc, bt, kpt, kv_lens, inv_freq, out,
-                    s_qt, s_qh, s_blk, s_slot, s_kh, s_bt, s_sp, qk_scale, trig, trig_n, win,
+                    s_qt, s_qh, s_blk, s_slot, s_kh, s_bt, s_sp, qk_scale, trig, trig_n, win, cap,
                     G: tl.constexpr, B: tl.constexpr, HALF: tl.constexpr, HP: tl.constexpr,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, STEP: tl.constexpr,
-                    POS: tl.constexpr, WIN: tl.constexpr, TRIG: tl.constexpr, PREC: tl.constexpr):
+                    POS: tl.constexpr, WIN: tl.constexpr, CAP: tl.constexpr, TRIG: tl.constexpr,
+                    PREC: tl.constexpr):
     # Last row blocks first: under causality they carry the most keys.
     mb = tl.num_programs(0) - 1 - tl.program_id(0)
     seq = tl.program_id(1)
@@ -66,8 +67,8 @@ def _prefill_kernel(q, q_pos, cu_q, kc, vc, bt, kpt, kv_lens, inv_freq, out,
     bt += seq.to(tl.int64) * s_bt
     kpt += seq.to(tl.int64) * s_sp
     acc, m_i, l_i = _attend_ranges(acc, m_i, l_i, q1, q2, qp, kc, vc, bt, kpt, f, lo, mid, full, hi,
-                                   s_blk, s_slot, qk_scale, trig, trig_n, win, B, HALF, HP, BLOCK_N,
-                                   STEP, POS, POS, WIN, TRIG, PREC)
+                                   s_blk, s_slot, qk_scale, trig, trig_n, win, cap, B, HALF, HP, BLOCK_N,
+                                   STEP, POS, POS, WIN, CAP, TRIG, PREC)
     o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     offs_d = tl.arange(0, 2 * HP)
     oo = in_heads(tok[:, None], s_qt, HALF) + in_heads(head[:, None], s_qh, HALF) + offs_d[None, :]
@@ -77,11 +78,11 @@ def _prefill_kernel(q, q_pos, cu_q, kc, vc, bt, kpt, kv_lens, inv_freq, out,
 
 @triton.jit
 def _decode_kernel(q, q_pos, cu_q, kc, vc, bt, kpt, kv_lens, inv_freq, o_part, lse_part, n_total,
-                   s_qt, s_qh, s_blk, s_slot, s_kh, s_bt, s_sp, qk_scale, trig, trig_n, win,
+                   s_qt, s_qh, s_blk, s_slot, s_kh, s_bt, s_sp, qk_scale, trig, trig_n, win, cap,
                    G: tl.constexpr, B: tl.constexpr, HALF: tl.constexpr, HP: tl.constexpr,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, NSPLIT: tl.constexpr,
-                   STEP: tl.constexpr, POS: tl.constexpr, WIN: tl.constexpr, TRIG: tl.constexpr,
-                   PREC: tl.constexpr):
+                   STEP: tl.constexpr, POS: tl.constexpr, WIN: tl.constexpr, CAP: tl.constexpr,
+                   TRIG: tl.constexpr, PREC: tl.constexpr):
     seq = tl.program_id(0)
     kvh = tl.program_id(1)
     sp = tl.program_id(2)
@@ -130,8 +131,8 @@ def _decode_kernel(q, q_pos, cu_q, kc, vc, bt, kpt, kv_lens, inv_freq, o_part, l
     bt += seq.to(tl.int64) * s_bt
     kpt += seq.to(tl.int64) * s_sp
     acc, m_i, l_i = _attend_ranges(acc, m_i, l_i, q1, q2, qp, kc, vc, bt, kpt, f, lo, mid, full, hi,
-                                   s_blk, s_slot, qk_scale, trig, trig_n, win, B, HALF, HP, BLOCK_N,
-                                   STEP, POS, False, WIN, TRIG, PREC)
+                                   s_blk, s_slot, qk_scale, trig, trig_n, win, cap, B, HALF, HP, BLOCK_N,
+                                   STEP, POS, False, WIN, CAP, TRIG, PREC)
     # An empty split leaves weight 0 (lse = -inf) and a zero partial.
     seen = l_i > 0
     l_safe = tl.where(seen, l_i, 1.0)
@@ -193,6 +194,15 @@ def _reduce_kernel(o_part, lse_part, cu_q, chunks, out, n_total, n_own, s_qt, s_
 PREFILL_CFG = dict(block_m=128, block_n=64, num_warps=8, num_stages=2, step=True)
 DECODE_CFG = dict(block_n=32, num_warps=4, num_stages=2, step="table")
 INTERP_CFG = dict(block_m=32, block_n=16, num_warps=4, num_stages=1, step=True)
+# Past head dim 128 the prefill's 128-tuned tiles spill registers (bench/ptx.py) and, in
+# float32, ask for more shared memory than an H100 has (327,680 bytes at 256). On an H100
+# (bench/windows.py (e): Gemma 3 1B's attention, bf16, 2,048 rows after 2,048 keys in a
+# window of 512) rows of 64 and keys of 32 took 95.7 us against 181.2.
+WIDE_PREFILL_CFG = dict(PREFILL_CFG, block_m=64, block_n=32)
+# Smaller tiles, in order, for a launch that asks for more shared memory than the GPU has
+# (`jit.fitting`).
+SMALLER = (dict(block_n=32), dict(block_m=64, block_n=32), dict(block_m=64, block_n=32, num_stages=1),
+           dict(block_m=32, block_n=32, num_stages=1), dict(block_m=16, block_n=16, num_stages=1))
 
 
 def _rotation(step: bool | str, pos: bool, trig: torch.Tensor | None) -> int:
@@ -232,11 +242,12 @@ def paged_attention_triton(
     out: torch.Tensor | None = None,
     trig: torch.Tensor | None = None,
     window: int = 0,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
     """The Triton path of `paged_attention`: the decode kernel when no sequence has
     more than one query, the prefill kernel otherwise.
 
-    slot_pos, window: see `paged_attention`. max_q: the most queries of one sequence, when
+    slot_pos, window, softcap: see `paged_attention`. max_q: the most queries of one sequence, when
     the caller knows it (else one host sync reads it from cu_q). cfg overrides the launch
     configuration; out, a contiguous [T, Hq, D] tensor, receives the result. trig: see
     `tiles.trig_table`, for slots at scattered positions.
@@ -262,7 +273,7 @@ def paged_attention_triton(
         o_part = _scratch(S, Hq, ns, D, device=q.device)
         lse = _scratch(S, Hq, ns, device=q.device)
         decode_partials(q, q_pos, cu_q, k_cache, v_cache, block_tables, kv_lens, inv_freq,
-                        rope_scale, sm_scale, slot_pos, o_part, lse, ns, cfg, trig, window)
+                        rope_scale, sm_scale, slot_pos, o_part, lse, ns, cfg, trig, window, softcap)
         reduce_partials(o_part, lse, cu_q, out)
         return out
     G = Hq // Hkv
@@ -270,16 +281,19 @@ def paged_attention_triton(
     prec, common, kpt, inv_freq, block_tables = _prep(q, k_cache, block_tables, kv_lens, inv_freq,
                                                       rope_scale, sm_scale, slot_pos, trig)
     pos_flag = slot_pos is not None
-    c = {**(INTERP_CFG if interp else PREFILL_CFG), **(cfg or {})}
-    grid = (triton.cdiv(max_q * G, c["block_m"]), S, Hkv)
-    _prefill_kernel[grid](
-        q, q_pos, cu_q, k_cache, v_cache, block_tables, kpt, kv_lens, inv_freq, out,
-        q.stride(0), q.stride(1), *common, window,
-        G=G, B=B, HALF=D // 2, HP=padded_half(D), BLOCK_M=c["block_m"], BLOCK_N=c["block_n"],
-        STEP=_rotation(c["step"], pos_flag, trig), POS=pos_flag, WIN=window > 0,
-        TRIG=trig is not None, PREC=prec,
-        num_warps=c["num_warps"], num_stages=c["num_stages"],
-    )
+    c = {**(INTERP_CFG if interp else PREFILL_CFG if D <= 128 else WIDE_PREFILL_CFG), **(cfg or {})}
+    kind = ("prefill", q.device, q.dtype, D, G, B, pos_flag, window > 0, softcap > 0, trig is not None,
+            *sorted(c.items()))
+
+    def launch(c: dict) -> None:
+        _prefill_kernel[(triton.cdiv(max_q * G, c["block_m"]), S, Hkv)](
+            q, q_pos, cu_q, k_cache, v_cache, block_tables, kpt, kv_lens, inv_freq, out,
+            q.stride(0), q.stride(1), *common, window, softcap * LOG2E,
+            G=G, B=B, HALF=D // 2, HP=padded_half(D), BLOCK_M=c["block_m"], BLOCK_N=c["block_n"],
+            STEP=_rotation(c["step"], pos_flag, trig), POS=pos_flag, WIN=window > 0, CAP=softcap > 0,
+            TRIG=trig is not None, PREC=prec, num_warps=c["num_warps"], num_stages=c["num_stages"])
+
+    fitting(kind, [c, *({**c, **x} for x in SMALLER)], launch)
     return out
 
 
@@ -287,7 +301,7 @@ def decode_partials(q, q_pos, cu_q, k_cache, v_cache, block_tables, kv_lens, inv
                     rope_scale: float, sm_scale: float, slot_pos, o_part: torch.Tensor,
                     lse_part: torch.Tensor, num_splits: int | None = None,
                     cfg: dict | None = None, trig: torch.Tensor | None = None,
-                    window: int = 0) -> int:
+                    window: int = 0, softcap: float = 0.0) -> int:
     """Split-K decode (one query per sequence, q contiguous) into partial slots
     0 .. ns-1 of o_part [S, Hq, n, D] / lse_part [S, Hq, n] (log2); returns ns, at most n
     (the caller may fill the slots after them, see kernels/collective.py)."""
@@ -298,15 +312,19 @@ def decode_partials(q, q_pos, cu_q, k_cache, v_cache, block_tables, kv_lens, inv
                                                       rope_scale, sm_scale, slot_pos, trig)
     c = {**(DECODE_CFG if q.is_cuda else INTERP_CFG), **(cfg or {})}
     pos_flag = slot_pos is not None
-    _decode_kernel[(S, Hkv, ns)](
-        q, q_pos, cu_q, k_cache, v_cache, block_tables, kpt, kv_lens, inv_freq, o_part,
-        lse_part, n,
-        q.stride(0), q.stride(1), *common, window,
-        G=Hq // Hkv, B=B, HALF=D // 2, HP=padded_half(D), BLOCK_M=max(16, triton.next_power_of_2(Hq // Hkv)),
-        BLOCK_N=c["block_n"], NSPLIT=ns, STEP=_rotation(c["step"], pos_flag, trig), POS=pos_flag,
-        WIN=window > 0, TRIG=trig is not None, PREC=prec, num_warps=c["num_warps"],
-        num_stages=c["num_stages"],
-    )
+
+    def launch(c: dict) -> None:
+        _decode_kernel[(S, Hkv, ns)](
+            q, q_pos, cu_q, k_cache, v_cache, block_tables, kpt, kv_lens, inv_freq, o_part, lse_part, n,
+            q.stride(0), q.stride(1), *common, window, softcap * LOG2E,
+            G=Hq // Hkv, B=B, HALF=D // 2, HP=padded_half(D), BLOCK_M=max(16, triton.next_power_of_2(Hq // Hkv)),
+            BLOCK_N=c["block_n"], NSPLIT=ns, STEP=_rotation(c["step"], pos_flag, trig), POS=pos_flag,
+            WIN=window > 0, CAP=softcap > 0, TRIG=trig is not None, PREC=prec, num_warps=c["num_warps"],
+            num_stages=c["num_stages"])
+
+    kind = ("decode", q.device, q.dtype, D, Hq // Hkv, B, ns, pos_flag, window > 0, softcap > 0,
+            trig is not None, *sorted(c.items()))
+    fitting(kind, [c, dict(c, num_stages=1), dict(c, block_n=16, num_stages=1)], launch)
     return ns
 
 

@@ -20,9 +20,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
-import torch.nn.functional as F
 
 from tokendance.kernels.rope import rope_apply, rope_cos_sin
+from tokendance.kernels.softcap import sdpa
 
 SPARE = 64  # columns held beyond a gather's keys: steps before the next gather
 
@@ -91,11 +91,12 @@ def _same(a: tuple, b: tuple) -> bool:
 
 def rotated_decode(step: RotatedStep, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                    layout, inv_freq: torch.Tensor, rope_scale: float, sm_scale: float,
-                   window: int = 0) -> torch.Tensor | None:
+                   window: int = 0, softcap: float = 0.0) -> torch.Tensor | None:
     """Decode attention [S, Hq, D] in q.dtype over the held keys of this layer, appending
     the step's new ones; None when they would not fit the budget (the caller gathers).
     layout(): `_decode_layout`'s tuple for this step, made only when gathering. In a
-    sliding window of `window` keys the held keys that left a row's window are masked."""
+    sliding window of `window` keys the held keys that left a row's window are masked;
+    scores capped at `softcap` (0: none)."""
     keys, s = step.keys, q.shape[0]
     hkv, d = k_cache.shape[2], k_cache.shape[3]
     h = keys.held.get(k_cache.data_ptr())
@@ -115,8 +116,8 @@ def rotated_decode(step: RotatedStep, q: torch.Tensor, k_cache: torch.Tensor, v_
     mask = h.mask[:, :n]
     if window:
         mask = mask.masked_fill(h.pos[:, :n] <= (step.at - window)[:, None], float("-inf"))
-    o = F.scaled_dot_product_attention(q.float().view(s, hkv, -1, d), h.k[:, :, :n], h.v[:, :, :n],
-                                       attn_mask=mask[:, None, None, :], scale=sm_scale)
+    o = sdpa(q.float().view(s, hkv, -1, d), h.k[:, :, :n], h.v[:, :, :n], sm_scale, softcap,
+             mask=mask[:, None, None, :])
     return o.reshape(q.shape).to(q.dtype)
 
 

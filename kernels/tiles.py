@@ -28,11 +28,20 @@ def _dot(a, b, acc, PREC: tl.constexpr):
 
 
 @triton.jit
+def _cap(qk, cap):
+    """cap * tanh(qk / cap), both in the log2 domain (cap = softcap * log2 e), as
+    1 - 2 / (e^2x + 1): finite at any finite score, +-cap at the extremes."""
+    e = tl.exp2(qk * (2.8853900817779268 / cap))  # e^(2 qk / cap): 2.885... = 2 log2 e
+    return cap - 2.0 * cap / (e + 1.0)
+
+
+@triton.jit
 def _tile(acc, m_i, l_i, q1, q2, qp, kc, vc, bt, j, jm, kpos, c, s, s_blk, s_slot, qk_scale,
-          win, B: tl.constexpr, HALF: tl.constexpr, HP: tl.constexpr, MASK: tl.constexpr,
-          POS: tl.constexpr, WIN: tl.constexpr, PREC: tl.constexpr):
+          win, cap, B: tl.constexpr, HALF: tl.constexpr, HP: tl.constexpr, MASK: tl.constexpr,
+          POS: tl.constexpr, WIN: tl.constexpr, CAP: tl.constexpr, PREC: tl.constexpr):
     """One key tile (slots j, live where jm, at positions kpos, rotated by c/s) into the
-    online softmax of the rows (q1 | q2); with WIN a row at p sees only keys past p - win."""
+    online softmax of the rows (q1 | q2); with WIN a row at p sees only keys past p - win;
+    with CAP scores are capped (`_cap`) before the mask."""
     offs_h = wrapped(HP, HALF, HP != HALF)
     offs_d = wrapped(2 * HP, 2 * HALF, HP != HALF)
     if MASK:
@@ -53,6 +62,8 @@ def _tile(acc, m_i, l_i, q1, q2, qp, kc, vc, bt, j, jm, kpos, c, s, s_blk, s_slo
     r1 = (k1 * c - k2 * s).to(q1.dtype)
     r2 = (k2 * c + k1 * s).to(q1.dtype)
     qk = _dot(q2, r2, _dot(q1, r1, None, PREC), PREC) * qk_scale
+    if CAP:
+        qk = _cap(qk, cap)
     if MASK:
         ok = jm[None, :] & (kpos[None, :] <= qp[:, None])
         if WIN:
@@ -70,8 +81,9 @@ def _tile(acc, m_i, l_i, q1, q2, qp, kc, vc, bt, j, jm, kpos, c, s, s_blk, s_slo
 
 @triton.jit
 def _pos_tile(acc, m_i, l_i, q1, q2, qp, kc, vc, bt, f, j, jm, kpos, ct, st, s_blk, s_slot,
-              qk_scale, trig, trig_n, win, B: tl.constexpr, HALF: tl.constexpr, HP: tl.constexpr,
-              BLOCK_N: tl.constexpr, WIN: tl.constexpr, TRIG: tl.constexpr, PREC: tl.constexpr):
+              qk_scale, trig, trig_n, win, cap, B: tl.constexpr, HALF: tl.constexpr, HP: tl.constexpr,
+              BLOCK_N: tl.constexpr, WIN: tl.constexpr, CAP: tl.constexpr, TRIG: tl.constexpr,
+              PREC: tl.constexpr):
     """A tile read through slot positions, rotated by rows of the cos/sin table `trig`
     ([2, trig_n, HALF] float32) with TRIG; without it, by angle addition from its first
     position when its visible slots are consecutive, else by a sine and a cosine per
@@ -95,20 +107,22 @@ def _pos_tile(acc, m_i, l_i, q1, q2, qp, kc, vc, bt, f, j, jm, kpos, ct, st, s_b
             c = tl.cos(ang)
             s = tl.sin(ang)
     return _tile(acc, m_i, l_i, q1, q2, qp, kc, vc, bt, j, jm, kpos, c, s, s_blk, s_slot,
-                 qk_scale, win, B, HALF, HP, True, True, WIN, PREC)
+                 qk_scale, win, cap, B, HALF, HP, True, True, WIN, CAP, PREC)
 
 
 @triton.jit
 def _attend(acc, m_i, l_i, q1, q2, qp, kc, vc, bt, kpt, f, lo, hi, s_blk, s_slot, qk_scale,
-            trig, trig_n, win, B: tl.constexpr, HALF: tl.constexpr, HP: tl.constexpr,
+            trig, trig_n, win, cap, B: tl.constexpr, HALF: tl.constexpr, HP: tl.constexpr,
             BLOCK_N: tl.constexpr, MASK: tl.constexpr, STEP: tl.constexpr, POS: tl.constexpr,
-            SKIP: tl.constexpr, WIN: tl.constexpr, TRIG: tl.constexpr, PREC: tl.constexpr):
+            SKIP: tl.constexpr, WIN: tl.constexpr, CAP: tl.constexpr, TRIG: tl.constexpr,
+            PREC: tl.constexpr):
     """Online softmax of the rows (q1 | q2) over keys lo .. hi-1 of one sequence.
 
     kc, vc: the kv head's first element in block 0; bt: the block-table row; f:
     inv_freq as [HP, 1] (0 past HALF). Without MASK every key in range must be visible
     to every row; with it, key j counts for a row at position p only if j < hi and j <= p
-    (and, with WIN, j > p - win: a sliding window of win keys).
+    (and, with WIN, j > p - win: a sliding window of win keys). With CAP, scores are
+    capped at cap (`_cap`).
     STEP picks how keys at consecutive positions are rotated: 1, cos/sin of the first
     tile and an exact rotation per tile; 2, rows of the cos/sin table `trig`; 0, a sine
     and a cosine per element. With POS (needs MASK, STEP 0), slot j's position is kpt[j]
@@ -149,12 +163,12 @@ def _attend(acc, m_i, l_i, q1, q2, qp, kc, vc, bt, kpt, f, lo, hi, s_blk, s_slot
             if SKIP:
                 if tl.max(jm.to(tl.int32), 0) > 0:
                     acc, m_i, l_i = _pos_tile(acc, m_i, l_i, q1, q2, qp, kc, vc, bt, f, j, jm, kpos,
-                                              ct, st, s_blk, s_slot, qk_scale, trig, trig_n, win, B,
-                                              HALF, HP, BLOCK_N, WIN, TRIG, PREC)
+                                              ct, st, s_blk, s_slot, qk_scale, trig, trig_n, win, cap,
+                                              B, HALF, HP, BLOCK_N, WIN, CAP, TRIG, PREC)
             else:
                 acc, m_i, l_i = _pos_tile(acc, m_i, l_i, q1, q2, qp, kc, vc, bt, f, j, jm, kpos,
-                                          ct, st, s_blk, s_slot, qk_scale, trig, trig_n, win, B,
-                                          HALF, HP, BLOCK_N, WIN, TRIG, PREC)
+                                          ct, st, s_blk, s_slot, qk_scale, trig, trig_n, win, cap, B,
+                                          HALF, HP, BLOCK_N, WIN, CAP, TRIG, PREC)
         else:
             if STEP == 2:
                 t = trig + j[None, :].to(tl.int64) * HALF + wrapped(HP, HALF, HP != HALF)[:, None]
@@ -165,8 +179,8 @@ def _attend(acc, m_i, l_i, q1, q2, qp, kc, vc, bt, kpt, f, lo, hi, s_blk, s_slot
                 c = tl.cos(ang)
                 s = tl.sin(ang)
             acc, m_i, l_i = _tile(acc, m_i, l_i, q1, q2, qp, kc, vc, bt, j, jm, j, c, s,
-                                  s_blk, s_slot, qk_scale, win, B, HALF, HP, MASK, False,
-                                  WIN and MASK, PREC)
+                                  s_blk, s_slot, qk_scale, win, cap, B, HALF, HP, MASK, False,
+                                  WIN and MASK, CAP, PREC)
             if STEP == 1:
                 c, s = c * cs - s * ss, s * cs + c * ss
     return acc, m_i, l_i
@@ -174,22 +188,23 @@ def _attend(acc, m_i, l_i, q1, q2, qp, kc, vc, bt, kpt, f, lo, hi, s_blk, s_slot
 
 @triton.jit
 def _attend_ranges(acc, m_i, l_i, q1, q2, qp, kc, vc, bt, kpt, f, lo, mid, full, hi, s_blk, s_slot,
-                   qk_scale, trig, trig_n, win, B: tl.constexpr, HALF: tl.constexpr, HP: tl.constexpr,
-                   BLOCK_N: tl.constexpr, STEP: tl.constexpr, POS: tl.constexpr, SKIP: tl.constexpr,
-                   WIN: tl.constexpr, TRIG: tl.constexpr, PREC: tl.constexpr):
+                   qk_scale, trig, trig_n, win, cap, B: tl.constexpr, HALF: tl.constexpr,
+                   HP: tl.constexpr, BLOCK_N: tl.constexpr, STEP: tl.constexpr, POS: tl.constexpr,
+                   SKIP: tl.constexpr, WIN: tl.constexpr, CAP: tl.constexpr, TRIG: tl.constexpr,
+                   PREC: tl.constexpr):
     """`_attend` over keys lo .. hi-1 in three ranges: [mid, full) where every row sees
     every key (no mask), [full, hi) masked, and with WIN, [lo, mid) masked too (where a
     sliding window starts)."""
     if WIN:
         acc, m_i, l_i = _attend(acc, m_i, l_i, q1, q2, qp, kc, vc, bt, kpt, f, lo, mid, s_blk, s_slot,
-                                qk_scale, trig, trig_n, win, B, HALF, HP, BLOCK_N, True, STEP, POS,
-                                SKIP, WIN, TRIG, PREC)
+                                qk_scale, trig, trig_n, win, cap, B, HALF, HP, BLOCK_N, True, STEP, POS,
+                                SKIP, WIN, CAP, TRIG, PREC)
     acc, m_i, l_i = _attend(acc, m_i, l_i, q1, q2, qp, kc, vc, bt, kpt, f, mid, full, s_blk, s_slot,
-                            qk_scale, trig, trig_n, win, B, HALF, HP, BLOCK_N, False, STEP, POS,
-                            SKIP, WIN, TRIG, PREC)
+                            qk_scale, trig, trig_n, win, cap, B, HALF, HP, BLOCK_N, False, STEP, POS,
+                            SKIP, WIN, CAP, TRIG, PREC)
     return _attend(acc, m_i, l_i, q1, q2, qp, kc, vc, bt, kpt, f, full, hi, s_blk, s_slot,
-                   qk_scale, trig, trig_n, win, B, HALF, HP, BLOCK_N, True, STEP, POS, SKIP, WIN,
-                   TRIG, PREC)
+                   qk_scale, trig, trig_n, win, cap, B, HALF, HP, BLOCK_N, True, STEP, POS, SKIP, WIN,
+                   CAP, TRIG, PREC)
 
 
 def trig_table(inv_freq: torch.Tensor, n: int) -> torch.Tensor:

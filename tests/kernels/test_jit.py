@@ -54,3 +54,50 @@ def test_the_head_dims_the_triton_kernels_tile_and_what_the_rest_get():
         paged_attention_triton(q, torch.zeros(1, dtype=torch.long), torch.tensor([0, 1]), kv, kv,
                                torch.zeros(1, 1, dtype=torch.int32), torch.ones(1, dtype=torch.int32),
                                torch.ones(8), 1.0, 0.25)
+
+
+def test_a_launch_that_asks_too_much_shared_memory_takes_smaller_tiles(monkeypatch):
+    """`fitting`: the first configuration that launches is kept for its kind; the prefill
+    kernel falls back to smaller tiles (as on an H100 at head dim 256 in float32) and
+    still computes the reference's result."""
+    from triton.runtime.errors import OutOfResources
+
+    import tokendance.kernels.paged_attention as pa
+    import tokendance.kernels.paged_triton as pt
+    from tokendance.kernels import jit
+
+    from .test_paged_attention import make_case, rel, suffix
+
+    monkeypatch.setattr(jit, "_FITS", {})
+    tried = []
+
+    def launch(c):
+        tried.append(c["n"])
+        if c["n"] > 2:
+            raise OutOfResources(327680, 232448, "shared memory")
+
+    assert jit.fitting(("k",), [dict(n=4), dict(n=3), dict(n=2), dict(n=1)], launch) == dict(n=2)
+    assert jit.fitting(("k",), [dict(n=4), dict(n=3)], launch) == dict(n=2) and tried == [4, 3, 2, 2]
+    with pytest.raises(OutOfResources):
+        jit.fitting(("other",), [dict(n=4), dict(n=3)], launch)
+
+    real, blocks = pt._prefill_kernel, []
+
+    class Picky:  # the kernel, refusing row blocks over 16
+        def __getitem__(self, grid):
+            def run(*args, **kw):
+                blocks.append(kw["BLOCK_M"])
+                if kw["BLOCK_M"] > 16:
+                    raise OutOfResources(327680, 232448, "shared memory")
+                real[grid](*args, **kw)
+            return run
+
+    monkeypatch.setattr(pt, "_prefill_kernel", Picky())
+    lens = [40, 21]
+    c = make_case(lens, suffix(lens, [40, 9]), hq=4, hkv=2)
+    got = pt.paged_attention_triton(*c.args())
+    assert blocks[0] == 32 and blocks[-1] == 16 and 16 not in blocks[:-1]
+    assert rel(got, pa.paged_attention_reference(*c.args())) < 1e-3
+    blocks.clear()
+    pt.paged_attention_triton(*c.args())
+    assert blocks == [16]  # kept

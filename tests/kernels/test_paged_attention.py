@@ -106,8 +106,10 @@ def scratch(monkeypatch) -> list[tuple]:
     return shapes
 
 
-def dense_attention(c: Case) -> torch.Tensor:
-    """Naive float64 attention: keys copied slot by slot, rotated whole, plain softmax."""
+def dense_attention(c: Case, window: int = 0, cap: float = 0.0) -> torch.Tensor:
+    """Naive float64 attention: keys copied slot by slot, rotated whole, plain softmax;
+    with a window, each query over the keys of its window; with a cap, scores capped
+    (cap * tanh(s / cap))."""
     out = torch.empty(c.q.shape, dtype=torch.float64)
     g = c.q.shape[1] // c.k_cache.shape[2]
     for s, n in enumerate(c.kv_lens.tolist()):
@@ -118,7 +120,10 @@ def dense_attention(c: Case) -> torch.Tensor:
         k = rope_rotate(k.float(), torch.arange(n), c.inv_freq, c.rope_scale).double()
         k, v = k.repeat_interleave(g, 1), v.repeat_interleave(g, 1)
         scores = torch.einsum("thd,khd->htk", c.q[lo:hi].double(), k) * c.sm_scale
-        visible = torch.arange(n)[None, :] <= c.q_pos[lo:hi, None]
+        if cap:
+            scores = cap * torch.tanh(scores / cap)
+        j, p = torch.arange(n)[None, :], c.q_pos[lo:hi, None]
+        visible = (j <= p) & (j > p - window) if window else j <= p
         p = scores.masked_fill(~visible, -math.inf).softmax(-1)
         out[lo:hi] = torch.einsum("htk,khd->thd", p, v)
     return out

@@ -12,11 +12,10 @@ import torch
 
 import tokendance.kernels.paged_attention as pa
 import tokendance.kernels.paged_triton as pt
-from tokendance.kernels.rope import rope_rotate
 from tokendance.kernels.tiles import trig_table
 
 from .test_master_decode import batch
-from .test_paged_attention import B, Case, make_case, rel, run_triton, scattered, suffix
+from .test_paged_attention import dense_attention, make_case, rel, run_triton, scattered, suffix
 
 
 @pytest.fixture(autouse=True)
@@ -25,24 +24,6 @@ def poisoned(monkeypatch) -> None:
     poison = lambda *shape, device: torch.full(shape, math.nan)  # noqa: E731
     monkeypatch.setattr(pt, "_scratch", poison)
     monkeypatch.setattr(pa, "_scratch", poison)
-
-
-def dense(c: Case, window: int) -> torch.Tensor:
-    """Naive float64 attention, each query over the keys of its window."""
-    out = torch.empty(c.q.shape, dtype=torch.float64)
-    g = c.q.shape[1] // c.k_cache.shape[2]
-    for s, n in enumerate(c.kv_lens.tolist()):
-        lo, hi = c.cu_q[s].item(), c.cu_q[s + 1].item()
-        tab = c.block_tables[s].tolist()
-        k = torch.stack([c.k_cache[tab[j // B], j % B] for j in range(n)])
-        v = torch.stack([c.v_cache[tab[j // B], j % B] for j in range(n)]).double()
-        k = rope_rotate(k, torch.arange(n), c.inv_freq, c.rope_scale).double()
-        k, v = k.repeat_interleave(g, 1), v.repeat_interleave(g, 1)
-        scores = torch.einsum("thd,khd->htk", c.q[lo:hi].double(), k) * c.sm_scale
-        j, p = torch.arange(n)[None, :], c.q_pos[lo:hi, None]
-        p = scores.masked_fill(~((j <= p) & (j > p - window)), -math.inf).softmax(-1)
-        out[lo:hi] = torch.einsum("htk,khd->thd", p, v)
-    return out
 
 
 CASES = {
@@ -58,7 +39,7 @@ CASES = {
 def test_reference_matches_dense(kind: str, window: int) -> None:
     lens, q_pos = CASES[kind]
     c = make_case(lens, q_pos(lens), hq=8, hkv=2)
-    assert rel(pa.paged_attention_reference(*c.args(), window=window), dense(c, window)) < 1e-5
+    assert rel(pa.paged_attention_reference(*c.args(), window=window), dense_attention(c, window)) < 1e-5
 
 
 def test_a_window_wider_than_every_context_changes_nothing() -> None:
