@@ -76,7 +76,9 @@ ARCHITECTURES = {
     "Qwen3ForCausalLM": "qwen3",
     "SmolLM3ForCausalLM": "smollm3",  # Llama's, with some layers that take no RoPE (NoPE)
     "GraniteForCausalLM": "granite",  # Llama's, with scaled embeddings, residuals, scores and logits
-    # norms before and after attention and MLP, GeGLU, sliding windows with their own RoPE on 5 layers of 6
+    # norms before and after attention and MLP, GeGLU, capped scores, sliding windows on every other layer
+    "Gemma2ForCausalLM": "gemma2",
+    # Gemma 2's, scores uncapped, q and k normed, sliding windows with their own RoPE on 5 layers of 6
     "Gemma3ForCausalLM": "gemma3",
     "Olmo2ForCausalLM": "olmo2",  # norms after attention and MLP, none before; q and k normed whole
     "Phi3ForCausalLM": "phi3",  # Phi-3, 3.5, 4-mini: LongRoPE, a part of each head rotated (4-mini)
@@ -88,6 +90,7 @@ ARCHITECTURES = {
     "GraniteMoeForCausalLM": "granitemoe",  # Granite's multipliers too
 }
 MOE = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "granitemoe")
+GEMMA = ("gemma2", "gemma3")
 QWEN_MOE = ("qwen2_moe", "qwen3_moe")
 
 
@@ -113,6 +116,7 @@ class ModelConfig:
     norm_offset: bool = False  # Gemma's norms scale by 1 + weight, in float32
     act: str = "silu"  # the MLP's gate activation: silu (SwiGLU) or gelu_tanh (GeGLU, Gemma's)
     logit_softcap: float | None = None  # Gemma's final logits: cap * tanh(logits / cap)
+    attn_softcap: float | None = None  # Gemma 2's attention scores, likewise (kernels/softcap.py)
     rotary_dim: int | None = None  # the dims of a head RoPE turns, if not all (partial_rotary_factor)
     rope: dict = field(default_factory=dict)  # rope_theta, rope_type, factor, ...
     rope_local: dict | None = None  # sliding-window layers' RoPE where it is another (Gemma 3's)
@@ -166,7 +170,7 @@ class ModelConfig:
         if raw.get("original_max_position_embeddings"):  # Phi-3 gives it beside its rope_scaling
             rope.setdefault("original_max_position_embeddings", raw["original_max_position_embeddings"])
         head_dim = raw.get("head_dim") or raw["hidden_size"] // heads
-        extra = _gemma3(raw, path) if arch == "gemma3" else {}
+        extra = _gemma(raw, arch, path) if arch in GEMMA else {}
         rope = extra.pop("rope", rope)
         return cls(
             arch=arch,
@@ -179,7 +183,7 @@ class ModelConfig:
             head_dim=head_dim,
             rms_norm_eps=raw.get("rms_norm_eps", 1e-6),
             max_position=raw.get("max_position_embeddings", 4096),
-            tie_embeddings=bool(raw.get("tie_word_embeddings", arch == "gemma3")),
+            tie_embeddings=bool(raw.get("tie_word_embeddings", arch in GEMMA)),
             qkv_bias=(arch == "qwen2" or bool(raw.get("attention_bias", False))
                       or (arch == "qwen2_moe" and bool(raw.get("qkv_bias", True)))),
             qk_norm=("head" if arch in ("qwen3", "qwen3_moe", "gemma3") else "all" if arch in ("olmo2", "olmoe")
@@ -233,13 +237,14 @@ def _windows(raw: dict, arch: str, path: Path) -> tuple[int, ...]:
     """Each layer's sliding window (0: none), as transformers reads each architecture's
     config: every layer's (Mistral, Mixtral, Phi-3, Qwen3-MoE), or the layers `layer_types`
     names, else those its rule picks (Qwen2 and Qwen3 from max_window_layers on, Qwen2-MoE
-    the even ones below it, SmolLM3 its NoPE ones); () for none."""
+    the even ones below it, SmolLM3 its NoPE ones, Gemma 2 the even ones, Gemma 3 all but
+    every sliding_window_pattern-th); () for none."""
     n = raw["num_hidden_layers"]
-    use = raw.get("use_sliding_window", arch in ("mistral", "mixtral", "phi3", "gemma3"))
-    size = raw.get("sliding_window", 4096 if arch in ("mistral", "qwen2", "qwen3", "qwen2_moe", "qwen3_moe",
-                                                      "gemma3") else None)
+    use = raw.get("use_sliding_window", arch in ("mistral", "mixtral", "phi3") + GEMMA)
+    size = raw.get("sliding_window", 4096 if arch in ("mistral", "qwen2", "qwen3", "qwen2_moe", "qwen3_moe")
+                   + GEMMA else None)
     if not use or not size or arch not in ("mistral", "mixtral", "phi3", "qwen2", "qwen3", "qwen2_moe",
-                                           "qwen3_moe", "smollm3", "gemma3"):
+                                           "qwen3_moe", "smollm3") + GEMMA:
         return ()
     if type(size) is not int or size < 1:
         raise InvalidRequest(f"{path}: sliding_window must be a positive integer, not {size!r}", "model")
@@ -253,8 +258,8 @@ def _windows(raw: dict, arch: str, path: Path) -> tuple[int, ...]:
         if arch == "smollm3":
             nope = set(_nope(raw, path))
             return tuple(size if i in nope else 0 for i in range(n)) if nope else ()
-        if arch == "gemma3":  # every `sliding_window_pattern`-th layer reads all
-            every = raw.get("sliding_window_pattern", 6)
+        if arch in GEMMA:  # every `sliding_window_pattern`-th layer reads all (Gemma 2: every other)
+            every = raw.get("sliding_window_pattern", 6) if arch == "gemma3" else 2
             if type(every) is not int or every < 1:
                 raise InvalidRequest(f"{path}: sliding_window_pattern must be a positive integer", "model")
             kinds = ["sliding_attention" if (i + 1) % every else "" for i in range(n)]
@@ -270,32 +275,41 @@ def _windows(raw: dict, arch: str, path: Path) -> tuple[int, ...]:
     return out if any(out) else ()
 
 
-def _gemma3(raw: dict, path: Path) -> dict:
-    """Gemma 3's fields, as transformers reads them: RoPE apart for the sliding-window
-    layers (rope_parameters by layer type, or rope_theta and rope_local_base_freq), scores
-    scaled by query_pre_attn_scalar, embeddings by the square root of the width."""
-    for key in ("attn_logit_softcapping", "use_bidirectional_attention"):
-        if raw.get(key):
-            raise InvalidRequest(f"{path}: {key} (not Gemma 3's) is not supported", "model")
+def _gemma(raw: dict, arch: str, path: Path) -> dict:
+    """Gemma 2's and 3's fields, as transformers reads them: scores scaled by
+    query_pre_attn_scalar and capped at attn_logit_softcapping (Gemma 2's default 50),
+    logits at final_logit_softcapping (Gemma 2's 30), embeddings scaled by the square root
+    of the width; Gemma 3's sliding-window layers turn keys with a RoPE of their own
+    (rope_parameters by layer type, or rope_theta and rope_local_base_freq)."""
+    if raw.get("use_bidirectional_attention"):
+        raise InvalidRequest(f"{path}: use_bidirectional_attention (an encoder's) is not supported", "model")
     if raw.get("hidden_activation", "gelu_pytorch_tanh") != "gelu_pytorch_tanh":
         raise InvalidRequest(f"{path}: hidden_activation {raw['hidden_activation']!r} is not supported; "
-                             "Gemma 3 uses gelu_pytorch_tanh", "model")
-    by_type = raw.get("rope_parameters") or {}
-    if "full_attention" in by_type or "sliding_attention" in by_type:
-        full, local = dict(by_type.get("full_attention") or {}), dict(by_type.get("sliding_attention") or {})
-    else:
-        full, local = dict(raw.get("rope_scaling") or {}), {}
-    full.setdefault("rope_theta", raw.get("rope_theta", 1_000_000.0))
-    local.setdefault("rope_theta", raw.get("rope_local_base_freq", 10_000.0))
-    for r in (full, local):
-        r["rope_type"] = r.get("rope_type", r.get("type", "default"))
-    scalar, cap = raw.get("query_pre_attn_scalar", 256), raw.get("final_logit_softcapping")
-    for key, v in (("query_pre_attn_scalar", scalar), ("final_logit_softcapping", cap)):
+                             "Gemma uses gelu_pytorch_tanh", "model")
+    out: dict = dict(sandwich=True, norm_offset=True, act="gelu_tanh",
+                     embedding_multiplier=raw["hidden_size"] ** 0.5)
+    if arch == "gemma3":
+        by_type = raw.get("rope_parameters") or {}
+        if "full_attention" in by_type or "sliding_attention" in by_type:
+            full, local = dict(by_type.get("full_attention") or {}), dict(by_type.get("sliding_attention") or {})
+        else:
+            full, local = dict(raw.get("rope_scaling") or {}), {}
+        full.setdefault("rope_theta", raw.get("rope_theta", 1_000_000.0))
+        local.setdefault("rope_theta", raw.get("rope_local_base_freq", 10_000.0))
+        for r in (full, local):
+            r["rope_type"] = r.get("rope_type", r.get("type", "default"))
+        out.update(rope=full, rope_local=local)
+    caps = (None, None) if arch == "gemma3" else (50.0, 30.0)  # transformers' defaults
+    numbers = dict(query_pre_attn_scalar=raw.get("query_pre_attn_scalar", 256),
+                   attn_logit_softcapping=raw.get("attn_logit_softcapping", caps[0]),
+                   final_logit_softcapping=raw.get("final_logit_softcapping", caps[1]))
+    for key, v in numbers.items():
         if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0):
             raise InvalidRequest(f"{path}: {key} must be a positive number", "model")
-    return dict(rope=full, rope_local=local, attention_multiplier=float(scalar) ** -0.5,
-                embedding_multiplier=raw["hidden_size"] ** 0.5, sandwich=True, norm_offset=True,
-                act="gelu_tanh", logit_softcap=None if cap is None else float(cap))
+    attn, final = numbers["attn_logit_softcapping"], numbers["final_logit_softcapping"]
+    return dict(out, attention_multiplier=float(numbers["query_pre_attn_scalar"]) ** -0.5,
+                attn_softcap=None if attn is None else float(attn),
+                logit_softcap=None if final is None else float(final))
 
 
 def _rotary_dim(raw: dict, rope: dict, head_dim: int, path: Path) -> int | None:

@@ -212,7 +212,7 @@ def load(folder: Path, dtype: torch.dtype, device: torch.device | str, tp: Shard
         expected += 3 * cfg.num_layers
     if cfg.qk_norm:
         expected += 2 * cfg.num_layers
-    if cfg.sandwich:  # Gemma 3's norms before and after the MLP
+    if cfg.sandwich:  # Gemma's norms before and after the MLP
         expected += 2 * cfg.num_layers
     if len(seen) < expected:
         raise InvalidRequest(f"checkpoint in {folder} is missing weights ({len(seen)}/{expected})", "model")

@@ -1,4 +1,4 @@
-"""Llama / Qwen2 / Qwen3 / Mistral / Gemma 3 decoder (and the other architectures
+"""Llama / Qwen2 / Qwen3 / Mistral / Gemma decoder (and the other architectures
 backend/config.py takes), our own forward.
 
 Every layer's K/V passes through `KVCache.store` (keys before RoPE) and attention reads
@@ -120,6 +120,7 @@ class Attention(nn.Module):
         self.clip = cfg.clip_qkv
         self.rope = rope
         self.window = cfg.window(layer)  # a sliding window's keys, 0 for full attention
+        self.softcap = cfg.attn_softcap or 0.0  # scores capped (Gemma 2), 0 for none
         self.scale = cfg.attention_multiplier if cfg.attention_multiplier is not None else self.d ** -0.5
 
     def qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -154,7 +155,7 @@ class Attention(nn.Module):
         o = paged_attention(
             q, meta.positions, meta.cu_q, cache.k[self.layer], cache.v[self.layer],
             meta.block_tables, meta.kv_lens, self.rope.inv_freq, self.rope.scale, self.scale,
-            meta.max_q, meta.slot_pos, meta.master, self.rope.trig, meta.plan, self.window,
+            meta.max_q, meta.slot_pos, meta.master, self.rope.trig, meta.plan, self.window, self.softcap,
         )
         return self.out(o)
 
@@ -172,7 +173,8 @@ class Attention(nn.Module):
         rot = self.rope
         q = rope_rotate(q, meta.positions, rot.inv_freq, rot.scale)
         k = rope_rotate(k, meta.positions, rot.inv_freq, rot.scale)
-        return self.out(causal_attention(q, k, v, meta.fresh_cu, self.scale, meta.cu_q, self.window))
+        return self.out(causal_attention(q, k, v, meta.fresh_cu, self.scale, meta.cu_q, self.window,
+                                         self.softcap))
 
 
 class Layer(nn.Module):
@@ -223,7 +225,7 @@ class PostNormLayer(Layer):
 
 
 class SandwichLayer(Layer):
-    """Gemma 3's: attention and MLP each between a norm of their input and one of their
+    """Gemma's: attention and MLP each between a norm of their input and one of their
     output, the latter's sum with the residual stream feeding the next norm."""
 
     def __init__(self, cfg: ModelConfig, idx: int, rope: "Rope", tp: Shard | None = None):

@@ -34,14 +34,15 @@ def smollm2() -> Path:
 
 def make_tiny(dest: Path, arch: str, tokenizer_from: Path, **over) -> Path:
     """A 2-layer random model of `arch` ("llama" | "qwen2" | "qwen3" | "mistral" | "smollm3" |
-    "granite" | "olmo2" | "phi3" | "gemma3", or a mixture of experts: "mixtral" | "qwen2_moe" |
+    "granite" | "olmo2" | "phi3" | "gemma2" | "gemma3", or a mixture of experts: "mixtral" | "qwen2_moe" |
     "qwen3_moe" | "olmoe" | "granitemoe") saved as an HF folder."""
     from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM
     from transformers import Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
     from transformers import GraniteConfig, GraniteForCausalLM, Olmo2Config, Olmo2ForCausalLM
     from transformers import Phi3Config, Phi3ForCausalLM, SmolLM3Config, SmolLM3ForCausalLM
     from transformers import MixtralConfig, MixtralForCausalLM, OlmoeConfig, OlmoeForCausalLM
-    from transformers import Gemma3ForCausalLM, Gemma3TextConfig, GraniteMoeConfig, GraniteMoeForCausalLM
+    from transformers import Gemma2Config, Gemma2ForCausalLM, Gemma3ForCausalLM, Gemma3TextConfig
+    from transformers import GraniteMoeConfig, GraniteMoeForCausalLM
     from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
 
     kinds = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen2": (Qwen2Config, Qwen2ForCausalLM),
@@ -51,11 +52,12 @@ def make_tiny(dest: Path, arch: str, tokenizer_from: Path, **over) -> Path:
              "mixtral": (MixtralConfig, MixtralForCausalLM), "qwen3_moe": (Qwen3MoeConfig, Qwen3MoeForCausalLM),
              "qwen2_moe": (Qwen2MoeConfig, Qwen2MoeForCausalLM),
              "olmoe": (OlmoeConfig, OlmoeForCausalLM), "granitemoe": (GraniteMoeConfig, GraniteMoeForCausalLM),
-             "gemma3": (Gemma3TextConfig, Gemma3ForCausalLM)}
+             "gemma2": (Gemma2Config, Gemma2ForCausalLM), "gemma3": (Gemma3TextConfig, Gemma3ForCausalLM)}
     cfg_cls, model_cls = kinds[arch]
     kw = dict(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
               num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
-              eos_token_id=2, bos_token_id=1, tie_word_embeddings=arch in ("qwen2", "gemma3"), head_dim=16)
+              eos_token_id=2, bos_token_id=1, tie_word_embeddings=arch in ("qwen2", "gemma2", "gemma3"),
+              head_dim=16)
     kw.update(over)
     torch.manual_seed(1234)
     model = model_cls(cfg_cls(**kw)).eval()
@@ -66,8 +68,10 @@ def make_tiny(dest: Path, arch: str, tokenizer_from: Path, **over) -> Path:
         for name, p in model.named_parameters():  # q and k norms (Qwen3's, OLMo 2's): not all ones
             if name.endswith(("q_norm.weight", "k_norm.weight")):
                 p.uniform_(0.5, 1.5)
-            if arch == "gemma3" and name.endswith("norm.weight"):  # 1 + weight: not all zeros either
+            if arch.startswith("gemma") and name.endswith("norm.weight"):  # 1 + weight: not all zeros either
                 p.uniform_(-0.5, 0.5)
+            if arch == "gemma2" and name.endswith(("q_proj.weight", "k_proj.weight")):
+                p.mul_(8.0)  # scores of a few units, as trained ones are: its score cap then bends them
             if name.endswith(("mlp.gate.weight", "shared_expert_gate.weight", "moe.router.weight")):  # decisive, as trained ones are
                 p.normal_(0.0, 1.0)
             if ".experts." in name:  # activations of order 1: silu(gate) * up is then no longer ~ gate * up / 2,

@@ -48,10 +48,10 @@ def test_matches_hf(gemma):
 def test_each_part_shows_in_the_tokens(gemma, monkeypatch, broken):
     """The test above can tell: leave out any one of Gemma's parts and the tokens change."""
     want = ours(gemma)
-    real = config_mod._gemma3
+    real = config_mod._gemma
 
-    def changed(raw, path):
-        out = real(raw, path)
+    def changed(raw, arch, path):
+        out = real(raw, arch, path)
         if broken == "one rope":
             out["rope_local"] = None
         elif broken == "llama norms":
@@ -60,7 +60,7 @@ def test_each_part_shows_in_the_tokens(gemma, monkeypatch, broken):
             out["attention_multiplier"] = None
         return out
 
-    monkeypatch.setattr(config_mod, "_gemma3", changed)
+    monkeypatch.setattr(config_mod, "_gemma", changed)
     if broken == "no window":
         monkeypatch.setattr(ModelConfig, "window", lambda self, layer: 0)
     assert ours(gemma) != want
@@ -99,7 +99,8 @@ def test_what_it_cannot_read_is_a_one_line_error(tmp_path):
     assert cfg.windows == (4096,) * 5 + (0, 4096) and cfg.tie_embeddings  # transformers' defaults
     assert (cfg.rope["rope_theta"], cfg.rope_local["rope_theta"], cfg.attention_multiplier) == (5e5, 2e4, 0.125)
     assert load(rope_scaling={"rope_type": "linear", "factor": 8.0}).rope["factor"] == 8.0  # the global layers'
-    for over, match in (({"attn_logit_softcapping": 50.0}, "attn_logit_softcapping"),
+    assert (cfg.attn_softcap, load(attn_logit_softcapping=50.0).attn_softcap) == (None, 50.0)  # as Gemma 2's
+    for over, match in (({"use_bidirectional_attention": True}, "use_bidirectional_attention"),
                         ({"hidden_activation": "silu"}, "hidden_activation"),
                         ({"query_pre_attn_scalar": 0}, "query_pre_attn_scalar"),
                         ({"final_logit_softcapping": "x"}, "final_logit_softcapping"),

@@ -192,6 +192,7 @@ def test_a_vocabulary_the_size_does_not_divide(make_model, arch):
     ("mixtral", dict(num_local_experts=4, num_experts_per_tok=2)),
     ("granitemoe", dict(num_local_experts=4, num_experts_per_tok=2, residual_multiplier=0.22)),
     ("gemma3", dict(num_hidden_layers=3, sliding_window=12, sliding_window_pattern=2)),
+    ("gemma2", dict(num_hidden_layers=3, sliding_window=12, attn_logit_softcapping=1.0)),
 ])
 def test_other_architectures_split_as_one_process(make_model, arch, over):
     """Phi-3's fused q, k, v and gate, up split into parts before the ranks take theirs, its
@@ -199,7 +200,7 @@ def test_other_architectures_split_as_one_process(make_model, arch, over):
     multiplier folded into each rank's share; SmolLM3's NoPE layers; a mixture's experts each
     split as a dense MLP is, under a router every rank holds whole (Mixtral's names mapped
     first, GraniteMoE's tensors of every expert split into each expert's); Gemma 3's GeGLU,
-    sandwich norms and two RoPEs in sliding windows."""
+    sandwich norms and two RoPEs in sliding windows; Gemma 2's capped scores."""
     folder = make_model(arch, pad_token_id=0, **over)
     prompts = [list(range(300, 317)), list(range(100, 140))]
     want = engine(folder).generate(prompts, GREEDY)
