@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import inspect
 import statistics
+import sys
 import time
 from pathlib import Path
 
@@ -19,7 +20,8 @@ from tokendance.backend.device import sync
 from tokendance.backend.config import EngineConfig
 from tokendance.backend.engine import Engine
 from tokendance.bench.options import batches, natural, positive
-from tokendance.bench.shapes import resolve
+from tokendance.bench.shapes import SHAPES, resolve
+from tokendance.bench.small import small_folder
 
 
 def timed(fn, dev: torch.device) -> float:
@@ -67,14 +69,17 @@ def ours_decode(eng: Engine, prompts: list[list[int]], steps: int, temperature: 
 # -- HF --------------------------------------------------------------------------------
 
 def hf_model(folder: Path, dtype: torch.dtype, dev: torch.device, random: bool):
+    """HF's model, attention through SDPA, or eager where SDPA cannot compute it (Gemma 2's
+    capped scores)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    cfg = AutoConfig.from_pretrained(folder)
+    attn = "eager" if getattr(cfg, "attn_logit_softcapping", None) else "sdpa"
     if random:
-        cfg = AutoConfig.from_pretrained(folder)
-        cfg._attn_implementation = "sdpa"
+        cfg._attn_implementation = attn
         with torch.device(dev):
             return AutoModelForCausalLM.from_config(cfg, dtype=dtype).eval()
-    return AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, attn_implementation="sdpa").to(dev).eval()
+    return AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, attn_implementation=attn).to(dev).eval()
 
 
 @torch.inference_mode()
@@ -109,6 +114,8 @@ def hf_decode(hf, prompts: list[list[int]], steps: int, dev: torch.device, tempe
 
 def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="HF folder, .gguf, or a shape name (qwen2.5-7b)")
+    p.add_argument("--layers", type=positive, default=None,
+                   help="a shape's first N layers (its widths, quicker to build and to run)")
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--prefill", type=batches, default="1x1024,1x4096", help="BATCHxLEN,...")
     p.add_argument("--decode", type=batches, default="1x256,8x256", help="BATCHxCONTEXT,...")
@@ -125,6 +132,11 @@ def add_args(p: argparse.ArgumentParser) -> None:
 
 def main(args: argparse.Namespace) -> int:
     model, random = resolve(args.model)
+    if args.layers:
+        if args.model not in SHAPES:
+            print(f"--layers: {args.model!r} is not a shape name ({', '.join(SHAPES)})", file=sys.stderr)
+            return 2
+        model = str(small_folder(args.layers, args.model))
     pre, dec = args.prefill, args.decode
     need = max([b * (n + args.steps + 16) for b, n in pre + dec]) + 1024
     eng = Engine(EngineConfig(model=model, dtype=args.dtype, random_weights=random, kv_tokens=max(need, args.kv_tokens),
@@ -143,7 +155,9 @@ def main(args: argparse.Namespace) -> int:
                               lambda: hf_decode(hf, ps, args.steps, dev, args.temperature), args.repeats)
         how = f", temperature {args.temperature:g}" if args.temperature else ""
         rows.append((f"decode batch {b}, context {n}{how}", b / t_ours, b / t_hf, "tok/s"))
-    print(f"model {eng.name} on {dev}, {eng.dtype}; HF transformers SDPA in the same run, medians of {args.repeats} alternating pairs")
+    attn = "SDPA" if hf.config._attn_implementation == "sdpa" else hf.config._attn_implementation
+    print(f"model {eng.name} on {dev}, {eng.dtype}; HF transformers ({attn} attention) in the same run, "
+          f"medians of {args.repeats} alternating pairs")
     print("| what | ours | HF | ratio |\n|---|---|---|---|")
     for name, a, h, unit in rows:
         print(f"| {name} | {a:,.0f} {unit} | {h:,.0f} {unit} | {a / h:.2f}x |")

@@ -60,6 +60,10 @@
 #     timed against no window at Mistral 7B's attention, the prefill kernel's launch configurations at
 #     Gemma 3's head dim 256; greedy tokens against HF past the window on 6 layers of Gemma 3 1B's
 #     shape and 2 of Mistral 7B v0.1's; the engine on both whole shapes against HF)
+#   gemma2: Gemma 2's capped attention scores (bench/softcap.py: the kernels against the reference
+#     and timed against uncapped at Gemma 2 2B's attention, a fresh prompt's capped kernel against
+#     flash); greedy tokens against HF (eager: its SDPA cannot cap) past the window on 4 layers of
+#     Gemma 2 2B's shape; the engine on the whole shape against HF
 #   smollm3: SmolLM3's layers without RoPE (NoPE) on the GPU: greedy tokens against HF on 4 layers
 #     of its 3B shape (the fourth takes no RoPE), CUDA-graph decode against eager, and the engine
 #     benchmark on the whole shape against HF
@@ -114,7 +118,7 @@ fi
 if want tests; then
   # A file per process: a device-side assert poisons the CUDA context for the rest of its
   # process, and would fail every later file too. Each file's whole output stays in $OUT.
-  for t in greedy_vs_hf reuse mirror idle lookahead priority kvcomm offload bases late sampling windows gemma3; do
+  for t in greedy_vs_hf reuse mirror idle lookahead priority kvcomm offload bases late sampling windows gemma3 gemma2; do
     python3 -m pytest -q -p no:cacheprovider --tb=short -rf tests/backend/test_$t.py >"$OUT/test_$t.txt" 2>&1
     echo "test_$t: $(tail -1 "$OUT/test_$t.txt")"
   done | tee "$OUT/backend_tests.txt"
@@ -177,6 +181,14 @@ greedy_vs_hf('float32', 'mistral-7b-v0.1', 2, 5000)" 2>&1 | grep -v -i "warn\|de
     --repeats 3 2>&1 | grep -v -i "warn\|deprecat\|forward_call" | tee "$OUT/gemma_engine.txt"
   td bench engine --model mistral-7b-v0.1 --dtype bfloat16 --prefill 2x8192 --decode 16x8192 --steps 32 \
     --repeats 3 2>&1 | grep -v -i "warn\|deprecat\|forward_call" | tee "$OUT/windows_engine.txt"
+fi
+if want gemma2; then
+  python3 bench/softcap.py 2>&1 | grep -v -i "warn\|deprecat" | tee "$OUT/softcap.txt"
+  python3 -c "from tokendance.bench.check_cuda import greedy_vs_hf
+greedy_vs_hf('float32', 'gemma-2-2b', 4, 5000); greedy_vs_hf('bfloat16', 'gemma-2-2b', 4, 5000)" 2>&1 \
+    | grep -v -i "warn\|deprecat\|info " | tee "$OUT/gemma2_greedy.txt"
+  td bench engine --model gemma-2-2b --dtype bfloat16 --prefill 4x2048 --decode 32x4096 --steps 48 \
+    --repeats 3 2>&1 | grep -v -i "warn\|deprecat\|forward_call" | tee "$OUT/gemma2_engine.txt"
 fi
 if want smollm3; then
   python3 -c "import sys; from tokendance.bench.check_cuda import greedy_vs_hf, graphs_vs_eager

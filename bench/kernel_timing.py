@@ -29,6 +29,18 @@ def save_log(name: str) -> None:
             f.write("\n".join(LOG) + "\n")
 
 
+def summary(log: str, ok: bool, rows: list[str]) -> int:
+    """The log saved (`save_log`), then a summary: correctness and each timed row. Returns
+    the exit status: 1 when a check failed."""
+    save_log(log)
+    print("\n==== summary ====")
+    print(f"correctness: {'all ok' if ok else 'FAILURES'}")
+    for r in rows:
+        print(r)
+    print(f"total {time.time() - T0:.0f} s")
+    return 0 if ok else 1
+
+
 def median_ms(fn, smoke: bool) -> float:
     """Median milliseconds (do_bench clears L2 between calls: the bytes come from HBM);
     under the interpreter (nothing compiles, nothing is warm), one timed call."""

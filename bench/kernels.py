@@ -28,7 +28,7 @@ import torch.nn.functional as F  # noqa: E402
 import triton  # noqa: E402
 
 from tokendance.bench.kernel_timing import (  # noqa: E402
-    COPY_CEILING, T0, kernel_stats, median_ms, rel, save_log, say,
+    COPY_CEILING, T0, kernel_stats, median_ms, rel, say, summary,
 )
 from tokendance.kernels import paged_attention as pa  # noqa: E402
 from tokendance.kernels import paged_triton as pt  # noqa: E402
@@ -221,7 +221,7 @@ def copy_bandwidth() -> float:
     return 2 * x.numel() / (bench(lambda: y.copy_(x)) * 1e-3)
 
 
-def main() -> None:
+def main() -> int:
     torch.manual_seed(0)
     if not SMOKE:
         p = torch.cuda.get_device_properties(0)
@@ -232,13 +232,8 @@ def main() -> None:
     rows = timings()
     if not SMOKE:
         kernel_stats((pt._prefill_kernel, pt._decode_kernel))
-    save_log("bench_kernels.log")
-    print("\n==== summary ====")
-    print(f"correctness: {'all ok' if ok else 'FAILURES'}")
-    for r in rows:
-        print(r)
-    print(f"total {time.time() - T0:.0f} s")
+    return summary("bench_kernels.log", ok, rows)
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -54,6 +54,14 @@ SHAPES = {
                             num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=32768,
                             rope_theta=10000.0, rms_norm_eps=1e-5, sliding_window=4096,
                             tie_word_embeddings=False, eos_token_id=2),
+    # Gemma 2: attention scores capped at 50 and logits at 30, windows of 4,096 keys on every
+    # other layer, 8 query heads of 256 over 4 kv heads
+    "gemma-2-2b": dict(architectures=["Gemma2ForCausalLM"], model_type="gemma2", vocab_size=256000,
+                       hidden_size=2304, intermediate_size=9216, num_hidden_layers=26, num_attention_heads=8,
+                       num_key_value_heads=4, head_dim=256, max_position_embeddings=8192,
+                       query_pre_attn_scalar=256, rope_theta=10000.0, sliding_window=4096,
+                       attn_logit_softcapping=50.0, final_logit_softcapping=30.0, rms_norm_eps=1e-6,
+                       tie_word_embeddings=True, eos_token_id=1, bos_token_id=2),
     "gemma-3-1b": dict(GEMMA3_COMMON, hidden_size=1152, intermediate_size=6912, num_hidden_layers=26),
     "gemma-3-270m": dict(GEMMA3_COMMON, hidden_size=640, intermediate_size=2048, num_hidden_layers=18),
     # every fourth layer without RoPE (NoPE)

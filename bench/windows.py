@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import os
 import sys
-import time
 from functools import partial
 
 SMOKE = "--smoke" in sys.argv
@@ -30,7 +29,7 @@ if SMOKE:
 
 import torch  # noqa: E402
 
-from tokendance.bench.kernel_timing import T0, median_ms, rel, save_log, say  # noqa: E402
+from tokendance.bench.kernel_timing import median_ms, rel, say, summary  # noqa: E402
 from tokendance.kernels import paged_attention as pa  # noqa: E402
 from tokendance.kernels.prefill import causal_attention  # noqa: E402
 from tokendance.kernels.tiles import trig_table  # noqa: E402
@@ -137,13 +136,7 @@ def main() -> None:
     rows += fresh(n)
     say("(e) Gemma 3 1B's attention: prefill launch configurations at head dim 256")
     rows += gemma_prefill()
-    save_log("bench_windows.log")
-    print("\n==== summary ====")
-    print(f"correctness: {'all ok' if ok else 'FAILURES'}")
-    for r in rows:
-        print(r)
-    print(f"total {time.time() - T0:.0f} s")
-    sys.exit(0 if ok else 1)
+    sys.exit(summary("bench_windows.log", ok, rows))
 
 
 if __name__ == "__main__":

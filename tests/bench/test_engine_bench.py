@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import argparse
+
 import torch
 
 from tokendance.bench import engine as engine_bench
@@ -42,3 +44,15 @@ def test_engine_bench_takes_a_larger_pool(tiny_llama, bench, monkeypatch):
     bench(engine_bench, "--model", str(tiny_llama), "--dtype", "float32", "--prefill", "", "--decode", "2x32",
           "--steps", "3", "--repeats", "1")
     assert pools == [6000, 2 * (32 + 3 + 16) + 1024]
+
+
+def test_a_shapes_first_layers(bench, capsys):
+    """--layers: a shape's widths with fewer layers (random weights); a folder has no shape."""
+    out = bench(engine_bench, "--model", "gemma-2-2b", "--layers", "2", "--dtype", "float32", "--prefill", "1x16",
+                "--decode", "", "--repeats", "1")
+    assert "model gemma-2-2b-2l on cpu" in out and "HF transformers (eager attention)" in out
+    assert "| prefill 1x16 |" in out
+    p = argparse.ArgumentParser()
+    engine_bench.add_args(p)
+    assert engine_bench.main(p.parse_args(["--model", "/tmp", "--layers", "2"])) == 2
+    assert "--layers: '/tmp' is not a shape name" in capsys.readouterr().err
