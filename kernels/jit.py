@@ -11,7 +11,6 @@ from collections.abc import Callable, Iterable
 try:
     import triton
     import triton.language as tl
-    from triton.runtime.errors import OutOfResources
 
     HAVE_TRITON = True
 except ImportError:  # a CPU-only install still has the references
@@ -20,8 +19,10 @@ except ImportError:  # a CPU-only install still has the references
     triton = SimpleNamespace(jit=lambda fn: fn)
     tl = None
     HAVE_TRITON = False
-
-    class OutOfResources(Exception):  # never raised: nothing launches
+try:
+    from triton.runtime.errors import OutOfResources
+except ImportError:  # no Triton (nothing launches), or one that names it elsewhere
+    class OutOfResources(Exception):
         pass
 
 
