@@ -195,10 +195,12 @@ PREFILL_CFG = dict(block_m=128, block_n=64, num_warps=8, num_stages=2, step=True
 DECODE_CFG = dict(block_n=32, num_warps=4, num_stages=2, step="table")
 INTERP_CFG = dict(block_m=32, block_n=16, num_warps=4, num_stages=1, step=True)
 # Past head dim 128 the prefill's 128-tuned tiles spill registers (bench/ptx.py) and, in
-# float32, ask for more shared memory than an H100 has (327,680 bytes at 256). On an H100
-# (bench/windows.py (e): Gemma 3 1B's attention, bf16, 2,048 rows after 2,048 keys in a
-# window of 512) rows of 64 and keys of 32 took 95.7 us against 181.2.
-WIDE_PREFILL_CFG = dict(PREFILL_CFG, block_m=64, block_n=32)
+# float32, ask for more shared memory than an H100 has (327,680 bytes at 256). On an H100,
+# bf16, head dim 256: keys of 32 took 97.2 us against 181.2 (Gemma 3 1B's attention, 2,048
+# rows after 2,048 keys in a window of 512, bench/windows.py (e); rows of 64 as well, 95.7),
+# and a fresh prompt of Gemma 2 2B's heads, capped, 177.2 us against 321.1 at 2,048 tokens
+# and 485.2 against 872.7 at 4,096 (rows of 64: 284.7 and 717.7).
+WIDE_PREFILL_CFG = dict(PREFILL_CFG, block_n=32)
 # Smaller tiles, in order, for a launch that asks for more shared memory than the GPU has
 # (`jit.fitting`).
 SMALLER = (dict(block_n=32), dict(block_m=64, block_n=32), dict(block_m=64, block_n=32, num_stages=1),
