@@ -90,7 +90,6 @@ def _band(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int, sm_sca
     return out
 
 
-
 def capped_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: list[int], sm_scale: float,
                   window: int, softcap: float) -> torch.Tensor:
     """`causal_attention` with capped scores by the paged prefill kernel: the step's K/V

@@ -1,10 +1,11 @@
 """Attention with capped scores, as Gemma 2 computes them: each score s = q.k * scale
 becomes cap * tanh(s / cap) before the mask and the softmax (HF's attn_logit_softcapping).
 
-torch's SDPA has no such step, so the plain-torch paths (the CPU's, and a fresh prompt's on
-any device) take `sdpa` here: SDPA where there is no cap, else the scores written out in
-float32, ROWS query rows at a time so a long prompt never holds more than ROWS x keys
-scores per head. The Triton kernels cap in their tile loop (kernels/tiles.py)."""
+torch's SDPA has no such step, so the plain-torch paths (the CPU's, and a GPU's at head
+dims the Triton kernels do not tile) take `sdpa` here: SDPA where there is no cap, else the
+scores written out in float32, ROWS query rows at a time so a long prompt never holds more
+than ROWS x keys scores per head. The Triton kernels cap in their tile loop
+(kernels/tiles.py); a GPU's fresh prompt goes to them too (kernels/prefill.py)."""
 
 from __future__ import annotations
 
