@@ -323,3 +323,30 @@ def test_merge_equals_attention_over_union(master_kernel: str) -> None:
                                      c.rope_scale, c.sm_scale)
     assert rel(o, want) < (1e-5 if master_kernel == "reference" else 1e-3)
     assert lse.isfinite().all()
+
+
+def test_a_launch_short_of_shared_memory_takes_smaller_key_tiles(monkeypatch) -> None:
+    """The collective kernel, refused at 64-key tiles (as wide heads in float32 may be),
+    launches at 32 (`jit.fitting`) and gives the reference's result."""
+    from triton.runtime.errors import OutOfResources
+
+    from tokendance.kernels import jit
+
+    monkeypatch.setattr(jit, "_FITS", {})
+    real, tiles = col._collective_kernel, []
+
+    class Picky:
+        def __getitem__(self, grid):
+            def run(*args, **kw):
+                tiles.append(kw["BLOCK_N"])
+                if kw["BLOCK_N"] > 32:
+                    raise OutOfResources(262144, 232448, "shared memory")
+                real[grid](*args, **kw)
+            return run
+
+    monkeypatch.setattr(col, "_collective_kernel", Picky())
+    c = make_case(3, 8, 2, 64, master_len=93)
+    o, lse = run_triton(c, num_splits=2, cfg=dict(block_n=64))
+    want_o, want_lse = col.collective_attention_reference(*c.args())
+    assert tiles == [64, 32] and rel(o, want_o) < 1e-3
+    check_lse(lse, want_lse, 1e-3)
