@@ -387,8 +387,8 @@ def collective_partials(q, q_pos, k_cache, v_cache, read: MasterRead, inv_freq,
             WIN=window > 0, CAP=softcap > 0, PREC=prec, num_warps=c["num_warps"], num_stages=c["num_stages"])
 
     # wide heads in float32 may ask for more shared memory than the GPU has: smaller tiles then
-    kind = ("collective", q.device, q.dtype, D, G, B, block_m, window > 0, softcap > 0, *sorted(c.items()))
-    fitting(kind, [c, dict(c, block_n=32), dict(c, block_n=32, num_stages=1)], launch)
+    fitting(("collective", q.device, q.dtype, D, G, B, block_m, window > 0, softcap > 0), c,
+            (dict(block_n=32), dict(block_n=32, num_stages=1)), launch)
 
 
 def collective_attention(q: torch.Tensor, q_pos: torch.Tensor, shift: torch.Tensor,

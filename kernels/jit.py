@@ -29,11 +29,16 @@ except ImportError:  # no Triton (nothing launches), or one that names it elsewh
 _FITS: dict[tuple, dict] = {}
 
 
-def fitting(kind: tuple, cfgs: Iterable[dict], launch: Callable[[dict], None]) -> dict:
-    """Launch with the first launch configuration of `cfgs` whose shared memory the GPU
-    has (Triton raises OutOfResources before anything runs), and keep it for launches of
-    the same `kind`, which then try it alone. Returns the configuration that launched."""
-    tries = [_FITS[kind]] if kind in _FITS else list(cfgs)
+def fitting(kind: tuple, cfg: dict, smaller: Iterable[dict], launch: Callable[[dict], None]) -> dict:
+    """Launch with `cfg`, or where the GPU has not the shared memory it asks (Triton raises
+    OutOfResources before anything runs) with it changed by each of `smaller` in turn; the
+    configuration that launched is kept for launches of the same `kind` and `cfg`, which
+    then try it alone. Returns it."""
+    key = (*kind, *sorted(cfg.items()))
+    if key in _FITS:
+        launch(_FITS[key])
+        return _FITS[key]
+    tries = [cfg, *({**cfg, **x} for x in smaller)]
     for i, c in enumerate(tries):
         try:
             launch(c)
@@ -41,9 +46,8 @@ def fitting(kind: tuple, cfgs: Iterable[dict], launch: Callable[[dict], None]) -
             if i == len(tries) - 1:
                 raise
             continue
-        _FITS[kind] = c
+        _FITS[key] = c
         return c
-    raise ValueError("no launch configuration to try")
 
 
 def tiles_head(d: int) -> bool:

@@ -284,8 +284,6 @@ def paged_attention_triton(
                                                       rope_scale, sm_scale, slot_pos, trig)
     pos_flag = slot_pos is not None
     c = {**(INTERP_CFG if interp else PREFILL_CFG if D <= 128 else WIDE_PREFILL_CFG), **(cfg or {})}
-    kind = ("prefill", q.device, q.dtype, D, G, B, pos_flag, window > 0, softcap > 0, trig is not None,
-            *sorted(c.items()))
 
     def launch(c: dict) -> None:
         _prefill_kernel[(triton.cdiv(max_q * G, c["block_m"]), S, Hkv)](
@@ -295,7 +293,8 @@ def paged_attention_triton(
             STEP=_rotation(c["step"], pos_flag, trig), POS=pos_flag, WIN=window > 0, CAP=softcap > 0,
             TRIG=trig is not None, PREC=prec, num_warps=c["num_warps"], num_stages=c["num_stages"])
 
-    fitting(kind, [c, *({**c, **x} for x in SMALLER)], launch)
+    fitting(("prefill", q.device, q.dtype, D, G, B, pos_flag, window > 0, softcap > 0, trig is not None),
+            c, SMALLER, launch)
     return out
 
 
@@ -324,9 +323,8 @@ def decode_partials(q, q_pos, cu_q, k_cache, v_cache, block_tables, kv_lens, inv
             WIN=window > 0, CAP=softcap > 0, TRIG=trig is not None, PREC=prec, num_warps=c["num_warps"],
             num_stages=c["num_stages"])
 
-    kind = ("decode", q.device, q.dtype, D, Hq // Hkv, B, ns, pos_flag, window > 0, softcap > 0,
-            trig is not None, *sorted(c.items()))
-    fitting(kind, [c, dict(c, num_stages=1), dict(c, block_n=16, num_stages=1)], launch)
+    fitting(("decode", q.device, q.dtype, D, Hq // Hkv, B, pos_flag, window > 0, softcap > 0, trig is not None),
+            c, (dict(num_stages=1), dict(block_n=16, num_stages=1)), launch)
     return ns
 
 

@@ -95,18 +95,19 @@ def capped_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: list[in
     """`causal_attention` with capped scores by the paged prefill kernel: the step's K/V
     as a pool of one-slot blocks, each sequence's table its own rows, and no rotation on
     read (k arrives rotated: zero frequencies)."""
-    pos, cu_dev, tables, lens = _one_slot_tables(tuple(cu), q.device)
+    pos, cu_dev, tables, lens, zero = _one_slot_tables(tuple(cu), q.shape[-1], q.device)
     kc, vc = k.to(q.dtype).contiguous()[:, None], v.to(q.dtype).contiguous()[:, None]  # [T, 1, Hkv, D]
-    zero = torch.zeros(q.shape[-1] // 2, dtype=torch.float32, device=q.device)
     return paged_attention_triton(q, pos, cu_dev, kc, vc, tables, lens, zero, 1.0, sm_scale,
                                   max_q=int(tables.shape[1]), window=window, softcap=softcap)
 
 
 @functools.lru_cache(maxsize=4)  # one step's layers share them
-def _one_slot_tables(cu: tuple[int, ...], dev: torch.device) -> tuple[torch.Tensor, ...]:
-    """(positions, cu, block tables, lengths) of sequences cu[s] .. cu[s+1]-1 over one-slot blocks."""
+def _one_slot_tables(cu: tuple[int, ...], d: int, dev: torch.device) -> tuple[torch.Tensor, ...]:
+    """(positions, cu, block tables, lengths) of sequences cu[s] .. cu[s+1]-1 over one-slot
+    blocks, and zero frequencies for a head of d."""
     lens = [b - a for a, b in zip(cu, cu[1:])]
     tables = (torch.tensor(cu[:-1], dtype=torch.int32)[:, None] + torch.arange(max(lens), dtype=torch.int32))
     pos = torch.cat([torch.arange(m) for m in lens])
     return (pos.to(dev), torch.tensor(cu, dtype=torch.int32, device=dev),
-            tables.clamp_max(cu[-1] - 1).to(dev), torch.tensor(lens, dtype=torch.int32, device=dev))
+            tables.clamp_max(cu[-1] - 1).to(dev), torch.tensor(lens, dtype=torch.int32, device=dev),
+            torch.zeros(d // 2, dtype=torch.float32, device=dev))

@@ -328,23 +328,13 @@ def test_merge_equals_attention_over_union(master_kernel: str) -> None:
 def test_a_launch_short_of_shared_memory_takes_smaller_key_tiles(monkeypatch) -> None:
     """The collective kernel, refused at 64-key tiles (as wide heads in float32 may be),
     launches at 32 (`jit.fitting`) and gives the reference's result."""
-    from triton.runtime.errors import OutOfResources
-
     from tokendance.kernels import jit
 
+    from .test_jit import Refusing
+
     monkeypatch.setattr(jit, "_FITS", {})
-    real, tiles = col._collective_kernel, []
-
-    class Picky:
-        def __getitem__(self, grid):
-            def run(*args, **kw):
-                tiles.append(kw["BLOCK_N"])
-                if kw["BLOCK_N"] > 32:
-                    raise OutOfResources(262144, 232448, "shared memory")
-                real[grid](*args, **kw)
-            return run
-
-    monkeypatch.setattr(col, "_collective_kernel", Picky())
+    tiles = []
+    monkeypatch.setattr(col, "_collective_kernel", Refusing(col._collective_kernel, "BLOCK_N", 32, tiles))
     c = make_case(3, 8, 2, 64, master_len=93)
     o, lse = run_triton(c, num_splits=2, cfg=dict(block_n=64))
     want_o, want_lse = col.collective_attention_reference(*c.args())

@@ -56,6 +56,24 @@ def test_the_head_dims_the_triton_kernels_tile_and_what_the_rest_get():
                                torch.ones(8), 1.0, 0.25)
 
 
+class Refusing:
+    """A kernel that refuses, as short of shared memory, launches whose constexpr `name`
+    exceeds `most`; notes each one's value in `seen`."""
+
+    def __init__(self, kernel, name: str, most: int, seen: list):
+        self.kernel, self.name, self.most, self.seen = kernel, name, most, seen
+
+    def __getitem__(self, grid):
+        def run(*args, **kw):
+            from triton.runtime.errors import OutOfResources
+
+            self.seen.append(kw[self.name])
+            if kw[self.name] > self.most:
+                raise OutOfResources(327680, 232448, "shared memory")
+            self.kernel[grid](*args, **kw)
+        return run
+
+
 def test_a_launch_that_asks_too_much_shared_memory_takes_smaller_tiles(monkeypatch):
     """`fitting`: the first configuration that launches is kept for its kind; the prefill
     kernel falls back to smaller tiles (as on an H100 at head dim 256 in float32) and
@@ -76,23 +94,13 @@ def test_a_launch_that_asks_too_much_shared_memory_takes_smaller_tiles(monkeypat
         if c["n"] > 2:
             raise OutOfResources(327680, 232448, "shared memory")
 
-    assert jit.fitting(("k",), [dict(n=4), dict(n=3), dict(n=2), dict(n=1)], launch) == dict(n=2)
-    assert jit.fitting(("k",), [dict(n=4), dict(n=3)], launch) == dict(n=2) and tried == [4, 3, 2, 2]
+    assert jit.fitting(("k",), dict(n=4), [dict(n=3), dict(n=2), dict(n=1)], launch) == dict(n=2)
+    assert jit.fitting(("k",), dict(n=4), [dict(n=3)], launch) == dict(n=2) and tried == [4, 3, 2, 2]
     with pytest.raises(OutOfResources):
-        jit.fitting(("other",), [dict(n=4), dict(n=3)], launch)
+        jit.fitting(("other",), dict(n=4), [dict(n=3)], launch)
 
-    real, blocks = pt._prefill_kernel, []
-
-    class Picky:  # the kernel, refusing row blocks over 16
-        def __getitem__(self, grid):
-            def run(*args, **kw):
-                blocks.append(kw["BLOCK_M"])
-                if kw["BLOCK_M"] > 16:
-                    raise OutOfResources(327680, 232448, "shared memory")
-                real[grid](*args, **kw)
-            return run
-
-    monkeypatch.setattr(pt, "_prefill_kernel", Picky())
+    blocks = []
+    monkeypatch.setattr(pt, "_prefill_kernel", Refusing(pt._prefill_kernel, "BLOCK_M", 16, blocks))
     lens = [40, 21]
     c = make_case(lens, suffix(lens, [40, 9]), hq=4, hkv=2)
     got = pt.paged_attention_triton(*c.args())
