@@ -81,7 +81,8 @@ class Engine:
 
         self.tokenizer = AutoTokenizer.from_pretrained(self.folder)
         self.pieces = Pieces(self.tokenizer)  # tokens' texts alone, for logprobs
-        self.name = loader.DEFAULT_MODEL if cfg.model in (None, "", "default") else Path(cfg.model).name
+        # vLLM's served name: the model as given (a path stays a path)
+        self.name = loader.DEFAULT_MODEL if cfg.model in (None, "", "default") else cfg.model
         self.eos = set(ends(self.folder, self.tokenizer))
         self.grammars = Grammars(self.tokenizer, self.mcfg.vocab_size, sorted(self.eos))
         budget = cfg.max_batched_tokens or (16384 if self.device.type == "cuda" else 2048)

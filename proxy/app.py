@@ -316,7 +316,7 @@ def make_app(proxy: Proxy, control: Control | None = None) -> web.Application:
     conversations.routes(r, px)
     messages.routes(r)
     r.add_get("/v1/models", models)
-    r.add_get("/v1/models/{model}", model)
+    r.add_get("/v1/models/{model:.+}", model)  # a served path keeps its slashes
     r.add_post("/tokenize", tokenize)
     r.add_post("/detokenize", detokenize)
     r.add_get("/health", health)

@@ -37,6 +37,15 @@ async def marked(c: openai.AsyncOpenAI, model: str, text: str, session: str, age
                                    "mode": mode}})
 
 
+def test_the_model_is_served_by_its_path_as_given(client, model, tiny_llama):
+    """vLLM's served name without --served-model-name: the model argument itself, so a
+    client set up for `vllm serve /path/to/folder` finds it here too."""
+    assert model == str(tiny_llama) and [m.id for m in client.models.list()] == [str(tiny_llama)]
+    assert client.models.retrieve(model).id == model  # /v1/models/{id} with the path's slashes
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model=tiny_llama.name, prompt="hi", max_tokens=1)
+
+
 def test_sync_stream_equals_whole_answer(client, model):
     kw = dict(model=model, messages=user("Tell me a story."), max_tokens=6, temperature=0)
     whole = client.chat.completions.create(**kw)

@@ -190,7 +190,7 @@ def test_a_server_over_two_processes_answers_as_one_and_stops_them(tiny_llama, f
         healthy(proc, url, 120)
         children = subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True, text=True).stdout.split()
         assert children  # the follower or the engines (and multiprocessing's resource tracker)
-        body = json.dumps({"model": tiny_llama.name, "prompt": [1, 2, 3, 4], "max_tokens": 6, "temperature": 0,
+        body = json.dumps({"model": str(tiny_llama), "prompt": [1, 2, 3, 4], "max_tokens": 6, "temperature": 0,
                            "return_token_ids": True}).encode()
         for session in ("s1", "s2"):
             req = urllib.request.Request(url + "/v1/completions", body, {"Content-Type": "application/json",
