@@ -4,7 +4,7 @@ HF folder's config.json)."""
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -120,6 +120,7 @@ class ModelConfig:
     rotary_dim: int | None = None  # the dims of a head RoPE turns, if not all (partial_rotary_factor)
     rope: dict = field(default_factory=dict)  # rope_theta, rope_type, factor, ...
     rope_local: dict | None = None  # sliding-window layers' RoPE where it is another (Gemma 3's)
+    long_rope: bool = False  # LongRoPE's long factors, not its short ones (ModelConfig.reach)
     # each layer's sliding window (keys a query sees, its own included; 0: all before it)
     windows: tuple[int, ...] = ()
     nope: tuple[int, ...] = ()  # layers without RoPE (SmolLM3's every fourth): their keys carry no position
@@ -200,11 +201,22 @@ class ModelConfig:
 
     @property
     def context(self) -> int:
-        """Positions the model reads as HF does: max_position_embeddings, but LongRoPE's
-        short factors (backend/rope_scaling.py) hold only to original_max_position_embeddings."""
-        if self.rope.get("rope_type") == "longrope":
+        """Positions the model reads: max_position_embeddings, but LongRoPE's short factors
+        hold only to original_max_position_embeddings."""
+        if self.rope.get("rope_type") == "longrope" and not self.long_rope:
             return min(self.max_position, self.rope.get("original_max_position_embeddings") or self.max_position)
         return self.max_position
+
+    def reach(self, max_model_len: int) -> ModelConfig:
+        """The model for a server of `max_model_len` positions (0: the model's own), LongRoPE's
+        factors chosen once for the server as vLLM chooses them: the long ones where that
+        passes original_max_position_embeddings (Phi-3.5's and Phi-4-mini's 4,096), for every
+        sequence at every length. HF picks per forward pass instead, by the sequence's length
+        then, so the two agree on any sequence that starts past it or ends within it."""
+        orig = self.rope.get("original_max_position_embeddings")
+        if self.rope.get("rope_type") != "longrope" or not isinstance(orig, int):
+            return self
+        return replace(self, long_rope=(max_model_len or self.max_position) > orig)
 
     def window(self, layer: int) -> int:
         """`layer`'s sliding window: 0 for full attention."""

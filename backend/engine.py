@@ -47,7 +47,7 @@ class Engine:
         self.device = pick_device(cfg.device)
         self.dtype = cfg.dtype_on(self.device)
         self.folder: Path = loader.resolve(cfg.model)
-        model = ModelConfig.load(self.folder)
+        model = ModelConfig.load(self.folder).reach(cfg.max_model_len)
         self.tp = parallel.shard_for(cfg, self.device, model)
         if self.tp is not None:
             self.device = self.tp.device
@@ -74,7 +74,7 @@ class Engine:
                 torch.manual_seed(cfg.seed)
             self.model = loader.build(model, self.dtype, self.device, self.tp)
         else:
-            self.model = loader.load(self.folder, self.dtype, self.device, self.tp)
+            self.model = loader.load(self.folder, model, self.dtype, self.device, self.tp)
         packed.pack(self.model)
         self.mcfg = self.model.cfg
         from transformers import AutoTokenizer

@@ -172,9 +172,10 @@ def _pairs(w: torch.Tensor, d: int, r: int, fold: float) -> torch.Tensor:
 
 
 @torch.no_grad()
-def load(folder: Path, dtype: torch.dtype, device: torch.device | str, tp: Shard | None = None) -> Decoder:
-    """The folder's model on `device` (with a tensor-parallel shard: this rank's part)."""
-    cfg = ModelConfig.load(folder)
+def load(folder: Path, cfg: ModelConfig, dtype: torch.dtype, device: torch.device | str,
+         tp: Shard | None = None) -> Decoder:
+    """The folder's model (`cfg`: its config.json, as the server reaches it) on `device`
+    (with a tensor-parallel shard: this rank's part)."""
     files = sorted(folder.glob("*.safetensors"))
     if not files:
         raise InvalidRequest(f"no .safetensors weights in {folder}", "model")

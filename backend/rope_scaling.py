@@ -58,24 +58,24 @@ def _yarn(theta: float, dim: int, p: dict, max_position: int) -> tuple[torch.Ten
     return inv, float(attn)
 
 
-def _longrope(theta: float, dim: int, p: dict, max_position: int) -> tuple[torch.Tensor, float]:
-    """Phi-3's, with its short factors: HF's choice for a sequence within
-    original_max_position_embeddings, where the engine caps its context
-    (ModelConfig.context)."""
+def _longrope(theta: float, dim: int, p: dict, max_position: int, long: bool) -> tuple[torch.Tensor, float]:
+    """Phi-3's: its long factors or its short ones (ModelConfig.reach chooses), either with
+    the same attention factor."""
     orig = p.get("original_max_position_embeddings")
     if not isinstance(orig, int) or orig < 1:
         raise InvalidRequest("longrope needs original_max_position_embeddings", "model")
-    short = p.get("short_factor")
-    if not isinstance(short, list) or len(short) != dim // 2:
-        raise InvalidRequest(f"longrope needs {dim // 2} short_factor values (one a rotated pair)", "model")
+    name = "long_factor" if long else "short_factor"
+    factors = p.get(name)
+    if not isinstance(factors, list) or len(factors) != dim // 2:
+        raise InvalidRequest(f"longrope needs {dim // 2} {name} values (one a rotated pair)", "model")
     attn = p.get("attention_factor")
     if attn is None:
         factor = p.get("factor") or max_position / orig
         attn = 1.0 if factor <= 1 else math.sqrt(1 + math.log(factor) / math.log(orig))
-    return _base(theta, dim) / torch.tensor(short, dtype=torch.float32), float(attn)
+    return _base(theta, dim) / torch.tensor(factors, dtype=torch.float32), float(attn)
 
 
-def rope_params(rope: dict, head_dim: int, max_position: int) -> tuple[torch.Tensor, float]:
+def rope_params(rope: dict, head_dim: int, max_position: int, long: bool = False) -> tuple[torch.Tensor, float]:
     kind, theta = rope.get("rope_type", "default"), float(rope["rope_theta"])
     if kind == "default":
         return _base(theta, head_dim), 1.0
@@ -86,7 +86,7 @@ def rope_params(rope: dict, head_dim: int, max_position: int) -> tuple[torch.Ten
     if kind == "yarn":
         return _yarn(theta, head_dim, rope, max_position)
     if kind == "longrope":
-        return _longrope(theta, head_dim, rope, max_position)
+        return _longrope(theta, head_dim, rope, max_position, long)
     raise InvalidRequest(
         f"unsupported rope_scaling type {kind!r}; supported: default, linear, llama3, yarn, longrope",
         "model",
@@ -100,7 +100,7 @@ def rotary(cfg: ModelConfig) -> tuple[torch.Tensor, float, float]:
     other pairs (backend/loader.py pairs its dims up so); its attention scaling is folded,
     since the kernels' scale would reach the unrotated pairs too."""
     dim = cfg.rotary_dim or cfg.head_dim
-    inv_freq, scale = rope_params(cfg.rope, dim, cfg.max_position)
+    inv_freq, scale = rope_params(cfg.rope, dim, cfg.max_position, cfg.long_rope)
     if dim == cfg.head_dim:
         return inv_freq, scale, 1.0
     return torch.cat([inv_freq, inv_freq.new_zeros((cfg.head_dim - dim) // 2)]), 1.0, scale

@@ -62,6 +62,15 @@ SHAPES = {
                        query_pre_attn_scalar=256, rope_theta=10000.0, sliding_window=4096,
                        attn_logit_softcapping=50.0, final_logit_softcapping=30.0, rms_norm_eps=1e-6,
                        tie_word_embeddings=True, eos_token_id=1, bos_token_id=2),
+    # LongRoPE: a context of 128 k over an original 4 k, 32 heads of 96 (the factors are ours:
+    # a shape times the same whatever they are)
+    "phi-3.5-mini": dict(architectures=["Phi3ForCausalLM"], model_type="phi3", vocab_size=32064,
+                         hidden_size=3072, intermediate_size=8192, num_hidden_layers=32, num_attention_heads=32,
+                         num_key_value_heads=32, max_position_embeddings=131072,
+                         original_max_position_embeddings=4096, rope_theta=10000.0, rms_norm_eps=1e-5,
+                         rope_scaling=dict(type="longrope", short_factor=[1.0 + i / 48 for i in range(48)],
+                                           long_factor=[1.0 + i * i / 48 for i in range(48)]),
+                         sliding_window=262144, tie_word_embeddings=False, pad_token_id=32000, eos_token_id=32000),
     "gemma-3-1b": dict(GEMMA3_COMMON, hidden_size=1152, intermediate_size=6912, num_hidden_layers=26),
     "gemma-3-270m": dict(GEMMA3_COMMON, hidden_size=640, intermediate_size=2048, num_hidden_layers=18),
     # every fourth layer without RoPE (NoPE)

@@ -68,7 +68,7 @@ def test_a_sparse_layer_computes_what_transformers_does(moes, arch):
     from transformers import AutoModelForCausalLM
 
     i = 1 if arch == "qwen2_moe" else 0  # the first sparse layer
-    ours = loader.load(moes[arch], torch.float32, "cpu").model.layers[i].mlp
+    ours = loader.load(moes[arch], ModelConfig.load(moes[arch]), torch.float32, "cpu").model.layers[i].mlp
     layer = AutoModelForCausalLM.from_pretrained(moes[arch], dtype=torch.float32).model.layers[i]
     theirs = layer.block_sparse_moe if arch == "granitemoe" else layer.mlp
     assert isinstance(ours, MoE)

@@ -33,3 +33,17 @@ def test_matches_transformers(params):
 def test_default():
     inv, scale = rope_params({"rope_theta": 10000.0, "rope_type": "default"}, 64, 2048)
     assert scale == 1.0 and inv[0] == 1.0 and inv.shape == (32,)
+
+
+@pytest.mark.parametrize("long", [False, True])
+def test_longrope_matches_transformers_either_side_of_its_original_reach(long):
+    """Phi-3's: HF takes the long factors for a sequence past original_max_position_embeddings."""
+    short, far = [1.0 + i / 8 for i in range(64)], [2.0 + i / 4 for i in range(64)]
+    params = {"rope_type": "longrope", "short_factor": short, "long_factor": far,
+              "original_max_position_embeddings": 4096}
+    cfg = LlamaConfig(hidden_size=1024, num_attention_heads=8, max_position_embeddings=131072,
+                      rope_parameters={"rope_theta": 10000.0, **params})
+    ref, ref_scale = ROPE_INIT_FUNCTIONS["longrope"](cfg, "cpu", seq_len=4097 if long else 4096)
+    ours, scale = rope_params({"rope_theta": 10000.0, **params}, 128, 131072, long)
+    torch.testing.assert_close(ours, ref.float(), rtol=1e-6, atol=0)
+    assert scale == pytest.approx(ref_scale) and scale > 1
