@@ -109,3 +109,24 @@ def test_a_launch_that_asks_too_much_shared_memory_takes_smaller_tiles(monkeypat
     blocks.clear()
     pt.paged_attention_triton(*c.args())
     assert blocks == [16]  # kept
+
+
+def test_a_decode_launch_refused_takes_one_stage_then_smaller_key_tiles(monkeypatch):
+    """The decode kernel's fallbacks: one pipeline stage, then keys of 16; the result is
+    the reference's, and the configuration that launched is kept."""
+    import tokendance.kernels.paged_attention as pa
+    import tokendance.kernels.paged_triton as pt
+    from tokendance.kernels import jit
+
+    from .test_paged_attention import make_case, rel, run_triton, suffix
+
+    monkeypatch.setattr(jit, "_FITS", {})
+    tiles = []
+    monkeypatch.setattr(pt, "_decode_kernel", Refusing(pt._decode_kernel, "BLOCK_N", 16, tiles))
+    lens = [40, 70, 9]
+    c = make_case(lens, suffix(lens, [1, 1, 1]), hq=8, hkv=2)
+    got = run_triton(c, num_splits=2, cfg=dict(block_n=64, num_stages=2))
+    assert tiles == [64, 64, 16] and rel(got, pa.paged_attention_reference(*c.args())) < 1e-3
+    tiles.clear()
+    run_triton(c, num_splits=2, cfg=dict(block_n=64, num_stages=2))
+    assert tiles == [16]  # kept
