@@ -50,7 +50,7 @@ def test_a_shapes_first_layers(bench, capsys):
     """--layers: a shape's widths with fewer layers (random weights); a folder has no shape."""
     out = bench(engine_bench, "--model", "gemma-2-2b", "--layers", "2", "--dtype", "float32", "--prefill", "1x16",
                 "--decode", "", "--repeats", "1")
-    assert "model gemma-2-2b-2l on cpu" in out and "HF transformers (eager attention)" in out
+    assert "gemma-2-2b-2l on cpu" in out and "HF transformers (eager attention)" in out
     assert "| prefill 1x16 |" in out
     p = argparse.ArgumentParser()
     engine_bench.add_args(p)
