@@ -20,7 +20,7 @@ from tokendance.backend.engine import Engine
 from tokendance.backend.pool import flat_slots
 from tokendance.bench.check_kernels import act, deviation_parts_vs_reference, diff_vs_reference
 from tokendance.bench.check_serving import memory_share, structured_after
-from tokendance.bench.engine import rand_prompts
+from tokendance.bench.engine import hf_model, rand_prompts
 from tokendance.bench.shapes import SHAPES
 from tokendance.bench.small import REUSE_ALL, seeded, small_folder
 
@@ -202,12 +202,9 @@ def collective_vs_tables(dtype: str, shape: str = "qwen2.5-7b") -> float:
 
 
 def greedy_vs_hf(dtype: str, shape: str = "qwen2.5-7b", layers: int = 2, length: int = 200) -> bool:
-    from transformers import AutoModelForCausalLM
-
     folder = small_folder(layers, shape)
     eng = Engine(EngineConfig(model=str(folder), dtype=dtype, random_weights=True, kv_tokens=max(8192, 4 * length + 256)))
-    hf = AutoModelForCausalLM.from_config(__import__("transformers").AutoConfig.from_pretrained(folder),
-                                          dtype=eng.dtype).to("cuda").eval()
+    hf = hf_model(folder, eng.dtype, torch.device("cuda"), random=True)  # eager where scores are capped
     # Same weights: ours take HF's (fused where ours are fused; a mixture's experts are
     # stacked alike in both); Qwen3's per-head norms start at ones in HF, and routers
     # near zero (routing all but uniform, decided by rounding), so both are drawn first.

@@ -11,8 +11,9 @@ from tokendance.backend.engine import Engine
 from tokendance.backend.prompt import render_chat
 
 
-def hf_greedy(folder, prompts: list[list[int]], n: int) -> list[list[int]]:
-    hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+def hf_greedy(folder, prompts: list[list[int]], n: int, attn: str | None = None) -> list[list[int]]:
+    """HF's greedy tokens (`attn`: its attention implementation, else its default)."""
+    hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, attn_implementation=attn).eval()
     gc = GenerationConfig(max_new_tokens=n, do_sample=False, pad_token_id=0)
     out = []
     with torch.no_grad():
