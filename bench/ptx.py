@@ -65,7 +65,8 @@ KERNELS = [
                                                       ("WIN", False), ("CAP", False), ("PREC", "tf32"))),
     Kernel("collective", "_merge_kernel", extra=(("NSPLIT", 8),)),
     Kernel("rope", "_rope_kernel", extra=(("BLOCK_H", 32),)),
-    Kernel("store", "_store_kernel", extra=(("BLOCK_Q", 32), ("BLOCK_KV", 4), ("ROTATE", True))),
+    Kernel("store", "_store_kernel", extra=(("BLOCK_Q", 32), ("BLOCK_KV", 4), ("ROTATE", True), ("FP8", False),
+                                            ("LIM", 0.0))),
 ]
 
 

@@ -208,7 +208,7 @@ def _collective_kernel(q, q_pos, shift, chunks, kr, vc, table, hide, trig, trig_
             k = tl.load(kr + j[None, :].to(tl.int64) * s_rj + kvh * s_rh + offs_d[:, None],
                         mask=jm[None, :], other=0.0)  # K^T, rotated
             v = tl.load(vc + (blk.to(tl.int64) * s_blk + (j % B) * s_slot)[:, None] + offs_v[None, :],
-                        mask=jm[:, None], other=0.0)
+                        mask=jm[:, None], other=0.0).to(qr.dtype)  # an 8-bit pool's in q's dtype
             qk = _dot(qr, k, None, PREC) * qk_scale
             if CAP:
                 qk = _cap(qk, cap)
@@ -368,9 +368,9 @@ def collective_partials(q, q_pos, k_cache, v_cache, read: MasterRead, inv_freq,
     hide = read.hide.view(torch.uint8) if read.hide.dtype == torch.bool else read.hide
     assert hide.stride(1) == 1 and read.shift.stride(1) == 1 and o_part.is_contiguous()
     assert head_strides(D, *q.stride()[:2], *k_cache.stride()[:3])
-    # Rotated keys at their Master slots (only the chunks' slots are written or read).
+    # Rotated keys at their Master slots (only the chunks' slots are written or read), in q's dtype.
     hp = padded_half(D)
-    kr = torch.empty(read.table.numel() * B, Hkv, 2 * hp, device=q.device, dtype=k_cache.dtype)
+    kr = torch.empty(read.table.numel() * B, Hkv, 2 * hp, device=q.device, dtype=q.dtype)
     _rotate_kernel[(n_chunks, Hkv)](
         read.chunks, k_cache, read.table, trig, trig.shape[1], kr,
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), kr.stride(0), kr.stride(1),
@@ -387,8 +387,8 @@ def collective_partials(q, q_pos, k_cache, v_cache, read: MasterRead, inv_freq,
             WIN=window > 0, CAP=softcap > 0, PREC=prec, num_warps=c["num_warps"], num_stages=c["num_stages"])
 
     # wide heads in float32 may ask for more shared memory than the GPU has: smaller tiles then
-    fitting(("collective", q.device, q.dtype, D, G, B, block_m, window > 0, softcap > 0), c,
-            (dict(block_n=32), dict(block_n=32, num_stages=1)), launch)
+    fitting(("collective", q.device, q.dtype, k_cache.dtype, D, G, B, block_m, window > 0, softcap > 0),
+            c, (dict(block_n=32), dict(block_n=32, num_stages=1)), launch)
 
 
 def collective_attention(q: torch.Tensor, q_pos: torch.Tensor, shift: torch.Tensor,

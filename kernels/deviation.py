@@ -21,8 +21,9 @@ from tokendance.kernels.jit import HAVE_TRITON, tl, triton
 
 def kv_deviation_parts_reference(k_new: torch.Tensor, v_new: torch.Tensor,
                                  k_old: torch.Tensor, v_old: torch.Tensor) -> torch.Tensor:
-    """Inputs [T, H, D]; returns [T, 4] float32: the squared distance of K, K's squared
-    norm, the same of V (sums over heads: a tensor-parallel rank's add up to the whole's)."""
+    """Inputs [T, H, D] (the old ones maybe an 8-bit pool's: all is read in float32);
+    returns [T, 4] float32: the squared distance of K, K's squared norm, the same of V
+    (sums over heads: a tensor-parallel rank's add up to the whole's)."""
     kn, vn = k_new.float().flatten(1), v_new.float().flatten(1)
     dk = (kn - k_old.float().flatten(1)).pow(2).sum(-1)
     dv = (vn - v_old.float().flatten(1)).pow(2).sum(-1)

@@ -7,7 +7,8 @@ views (backend/mirror.py): a token whose early layers equal the Master's can rea
 there, one whose late layers differ needs a private patch. Token-granular rather than
 block-granular, as Mirrors are (a 16-token block holding one differing token would
 otherwise stay private whole). Both functions read the pool tensor in place:
-`kv` [layers, 2, blocks, block size, kv heads, head dim], contiguous.
+`kv` [layers, 2, blocks, block size, kv heads, head dim], contiguous, its values (8-bit
+floats too: kernels/fp8.py) cast up to float32, which holds them exactly.
 """
 
 from __future__ import annotations

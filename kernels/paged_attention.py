@@ -5,7 +5,8 @@ definition, and the CPU path) and Triton kernels (the CUDA path). Both read keys
 stored *before* RoPE from a paged pool and rotate each key by its logical position
 while reading it.
 
-Layout of one layer's pool: k_cache, v_cache [num_blocks, B, Hkv, D]. Sequence s owns
+Layout of one layer's pool: k_cache, v_cache [num_blocks, B, Hkv, D], in the queries'
+dtype, or in 8 bits (kernels/fp8.py) and cast up to it on read. Sequence s owns
 key slots 0 .. kv_lens[s]-1; slot j lives in physical block block_tables[s, j // B] at
 offset j % B, and its logical position is j, or slot_pos[s, j] when a slot-position
 table is given (a negative one hides the slot). That table lets one sequence read
@@ -33,6 +34,7 @@ from dataclasses import dataclass
 import torch
 
 from tokendance.kernels.collective import collective_partials, master_attention_reference
+from tokendance.kernels.fp8 import widen
 from tokendance.kernels.jit import tiles_head
 from tokendance.kernels.master import MasterRead
 from tokendance.kernels.merge import merge_attention
@@ -92,8 +94,8 @@ def paged_attention_reference(
             if plan is not None:
                 plan[key] = read
         # One gather of the slots each, the keys then rotated where they landed.
-        k = k_cache.flatten(0, 1).index_select(0, read.slots)
-        v = v_cache.flatten(0, 1).index_select(0, read.slots)
+        k = widen(k_cache.flatten(0, 1).index_select(0, read.slots), q.dtype)
+        v = widen(v_cache.flatten(0, 1).index_select(0, read.slots), q.dtype)
         k = rope_apply(k, read.cos, read.sin, inplace=True)
         if read.rows is not None:
             out[lo:hi] = runs_attention(q[lo:hi], k, v, read.rows, sm_scale)

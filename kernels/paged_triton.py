@@ -293,8 +293,8 @@ def paged_attention_triton(
             STEP=_rotation(c["step"], pos_flag, trig), POS=pos_flag, WIN=window > 0, CAP=softcap > 0,
             TRIG=trig is not None, PREC=prec, num_warps=c["num_warps"], num_stages=c["num_stages"])
 
-    fitting(("prefill", q.device, q.dtype, D, G, B, pos_flag, window > 0, softcap > 0, trig is not None),
-            c, SMALLER, launch)
+    fitting(("prefill", q.device, q.dtype, k_cache.dtype, D, G, B, pos_flag, window > 0, softcap > 0,
+             trig is not None), c, SMALLER, launch)
     return out
 
 
@@ -323,8 +323,8 @@ def decode_partials(q, q_pos, cu_q, k_cache, v_cache, block_tables, kv_lens, inv
             WIN=window > 0, CAP=softcap > 0, TRIG=trig is not None, PREC=prec, num_warps=c["num_warps"],
             num_stages=c["num_stages"])
 
-    fitting(("decode", q.device, q.dtype, D, Hq // Hkv, B, pos_flag, window > 0, softcap > 0, trig is not None),
-            c, (dict(num_stages=1), dict(block_n=16, num_stages=1)), launch)
+    fitting(("decode", q.device, q.dtype, k_cache.dtype, D, Hq // Hkv, B, pos_flag, window > 0,
+             softcap > 0, trig is not None), c, (dict(num_stages=1), dict(block_n=16, num_stages=1)), launch)
     return ns
 
 

@@ -10,13 +10,15 @@ buffer, so that each parked entry is one contiguous host range (one memcpy each)
 
 Slots must lie in the pool (0 <= s < (blocks) * B); they are checked only when they
 are on the host (checking device values would sync). A slot named twice in a scatter
-gets one of its rows, which one is unspecified.
+gets one of its rows, which one is unspecified. The kernel copies elements of any dtype as
+they are; the reference moves an 8-bit pool's as bytes (`fp8.as_bytes`).
 """
 
 from __future__ import annotations
 
 import torch
 
+from tokendance.kernels.fp8 import as_bytes
 from tokendance.kernels.jit import HAVE_TRITON, tl, triton
 
 
@@ -66,7 +68,7 @@ def gather_slots_reference(kv: torch.Tensor, slots: torch.Tensor,
 
 
 def scatter_slots_reference(kv: torch.Tensor, slots: torch.Tensor, packed: torch.Tensor) -> None:
-    _flat(kv).index_copy_(2, slots, packed)
+    _flat(as_bytes(kv)).index_copy_(2, slots, as_bytes(packed))
 
 
 @triton.jit

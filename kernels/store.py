@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import torch
 
+from tokendance.kernels.fp8 import as_bytes, is_fp8, limit, narrow
 from tokendance.kernels.jit import cols, head_strides, in_heads, padded_half, tiles_head, tl, triton
 from tokendance.kernels.rope import _rotate_token, rope_rotate_reference
 
@@ -31,12 +32,12 @@ def store_reference(k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor, k_cac
                     v_cache: torch.Tensor, q: torch.Tensor | None = None,
                     pos: torch.Tensor | None = None, inv_freq: torch.Tensor | None = None,
                     scale: float = 1.0) -> torch.Tensor | None:
-    """k, v [T, Hkv, D] into the pools at slots [T]; with q [T, Hq, D], returns it rotated
-    by pos (rope_rotate's inv_freq and scale)."""
+    """k, v [T, Hkv, D] into the pools at slots [T] (narrowed as `fp8.narrow` does); with
+    q [T, Hq, D], returns it rotated by pos (rope_rotate's inv_freq and scale)."""
     _check(k, v, slots, k_cache, v_cache)
     h, d = k.shape[1], k.shape[2]
-    k_cache.view(-1, h, d).index_copy_(0, slots, k)
-    v_cache.view(-1, h, d).index_copy_(0, slots, v)
+    for x, pool in ((k, k_cache), (v, v_cache)):
+        as_bytes(pool).view(-1, h, d).index_copy_(0, slots, as_bytes(narrow(x, pool.dtype)))
     if q is None:
         return None
     return rope_rotate_reference(q, pos, inv_freq, scale)
@@ -46,7 +47,8 @@ def store_reference(k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor, k_cac
 def _store_kernel(q, k, v, pos, slots, kc, vc, inv_freq, qo, s_qt, s_qh, s_kt, s_kh, s_vt, s_vh,
                   s_ot, s_oh, s_slot, s_ch, Hq, Hkv, scale,
                   HALF: tl.constexpr, HP: tl.constexpr, BLOCK_Q: tl.constexpr,
-                  BLOCK_KV: tl.constexpr, ROTATE: tl.constexpr):
+                  BLOCK_KV: tl.constexpr, ROTATE: tl.constexpr, FP8: tl.constexpr,
+                  LIM: tl.constexpr):
     t = tl.program_id(0)
     d = tl.arange(0, 2 * HP)[None, :]
     hk = tl.arange(0, BLOCK_KV)[:, None]
@@ -54,6 +56,9 @@ def _store_kernel(q, k, v, pos, slots, kc, vc, inv_freq, qo, s_qt, s_qh, s_kt, s
     slot = tl.load(slots + t).to(tl.int64)
     kx = tl.load(k + in_heads(t.to(tl.int64), s_kt, HALF) + in_heads(hk, s_kh, HALF) + d, mask=mk)
     vx = tl.load(v + in_heads(t.to(tl.int64), s_vt, HALF) + in_heads(hk, s_vh, HALF) + d, mask=mk)
+    if FP8:  # saturate: the store's cast then rounds to nearest even
+        kx = tl.clamp(kx.to(tl.float32), -LIM, LIM)
+        vx = tl.clamp(vx.to(tl.float32), -LIM, LIM)
     tl.store(kc + in_heads(slot, s_slot, HALF) + in_heads(hk, s_ch, HALF) + d, kx, mask=mk)
     tl.store(vc + in_heads(slot, s_slot, HALF) + in_heads(hk, s_ch, HALF) + d, vx, mask=mk)
     if ROTATE:
@@ -84,7 +89,8 @@ def store_triton(k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor, k_cache:
                             v.stride(1), os_.stride(0), os_.stride(1), k_cache.stride(1),
                             k_cache.stride(2), qs.shape[1], hkv, scale, HALF=d // 2, HP=padded_half(d),
                             BLOCK_Q=triton.next_power_of_2(qs.shape[1]),
-                            BLOCK_KV=triton.next_power_of_2(hkv), ROTATE=q is not None)
+                            BLOCK_KV=triton.next_power_of_2(hkv), ROTATE=q is not None,
+                            FP8=is_fp8(k_cache.dtype), LIM=limit(k_cache.dtype))
     return qo
 
 

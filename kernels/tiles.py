@@ -41,7 +41,8 @@ def _tile(acc, m_i, l_i, q1, q2, qp, kc, vc, bt, j, jm, kpos, c, s, s_blk, s_slo
           POS: tl.constexpr, WIN: tl.constexpr, CAP: tl.constexpr, PREC: tl.constexpr):
     """One key tile (slots j, live where jm, at positions kpos, rotated by c/s) into the
     online softmax of the rows (q1 | q2); with WIN a row at p sees only keys past p - win;
-    with CAP scores are capped (`_cap`) before the mask."""
+    with CAP scores are capped (`_cap`) before the mask. Keys are read in float32, values
+    in the rows' dtype (a pool may hold 8-bit floats: kernels/fp8.py)."""
     offs_h = wrapped(HP, HALF, HP != HALF)
     offs_d = wrapped(2 * HP, 2 * HALF, HP != HALF)
     if MASK:
@@ -54,11 +55,11 @@ def _tile(acc, m_i, l_i, q1, q2, qp, kc, vc, bt, j, jm, kpos, c, s, s_blk, s_slo
     if MASK:
         k1 = tl.load(kp, mask=jm[None, :], other=0.0).to(tl.float32)
         k2 = tl.load(kp + HALF, mask=jm[None, :], other=0.0).to(tl.float32)
-        v = tl.load(vp, mask=jm[:, None], other=0.0)  # slots past hi may be garbage
+        v = tl.load(vp, mask=jm[:, None], other=0.0).to(q1.dtype)  # slots past hi may be garbage
     else:
         k1 = tl.load(kp).to(tl.float32)
         k2 = tl.load(kp + HALF).to(tl.float32)
-        v = tl.load(vp)
+        v = tl.load(vp).to(q1.dtype)  # an 8-bit pool's values in the queries' dtype
     r1 = (k1 * c - k2 * s).to(q1.dtype)
     r2 = (k2 * c + k1 * s).to(q1.dtype)
     qk = _dot(q2, r2, _dot(q1, r1, None, PREC), PREC) * qk_scale

@@ -37,16 +37,17 @@ class Batch:
         self.g = g
 
     def step(self, keys: RotatedKeys | None, dtype: torch.dtype, window: int = 0):
-        """Each sequence's next token (stored at its next slot, at its next position):
-        (attention with `keys`, attention gathering), in a sliding window if not 0."""
+        """Each sequence's next token (stored at its next slot, at its next position), its
+        queries in `dtype`: (attention with `keys`, attention gathering), in a sliding
+        window if not 0."""
         s = len(self.lens)
         qpos = torch.tensor(self.lens)
         slots = self.table.long()[torch.arange(s), qpos // B] * B + qpos % B
         if self.pos is not None:
             self.pos[torch.arange(s), qpos] = qpos.int()
         flat_k, flat_v = self.k.view(-1, HKV, D), self.v.view(-1, HKV, D)
-        flat_k[slots] = torch.randn(s, HKV, D, generator=self.g).to(dtype)
-        flat_v[slots] = torch.randn(s, HKV, D, generator=self.g).to(dtype)
+        flat_k[slots] = torch.randn(s, HKV, D, generator=self.g).to(self.k.dtype)
+        flat_v[slots] = torch.randn(s, HKV, D, generator=self.g).to(self.k.dtype)
         self.lens = [n + 1 for n in self.lens]
         kv_lens = torch.tensor(self.lens, dtype=torch.int32)
         if self.pos is not None:  # a Mirror reads its whole table
