@@ -34,6 +34,7 @@ from tokendance.backend.sequence import Sequence
 from tokendance.backend.tables import kv_view
 from tokendance.backend.upload import Download, download, upload, upload_list
 from tokendance.kernels.deviation import caps, kv_deviation, select_top_padded
+from tokendance.kernels.fp8 import narrow
 
 
 @dataclass(slots=True)
@@ -148,7 +149,9 @@ def blend(model: Decoder, cache: KVCache, items: list[BlendInput], check_layer: 
         if bases:  # the Master computed in this forward: in place before anyone compares
             own = upload(torch.cat([torch.arange(offsets[i], offsets[i + 1]) for i in bases]), device)
             cache.store(li, k[own], v[own], meta.slots[own])
-        dev = kv_deviation(k, v, kc[base], vc[base], None if model.tp is None else model.tp.sum)
+        # as the pool would hold them: an 8-bit pool's rounding alone is no deviation
+        dev = kv_deviation(narrow(k, kc.dtype), narrow(v, vc.dtype), kc[base], vc[base],
+                           None if model.tp is None else model.tp.sum)
         groups = [torch.nonzero(r[it.start:]).flatten() + off for r, it, off in zip(reused, items, offsets)]
         sizes = [len(g) for g in groups]
         picks = select_top_padded(dev, list(upload(torch.cat(groups), device).split(sizes)), ratio, floor)

@@ -97,7 +97,8 @@ def graphs_reserve(cfg: EngineConfig, model: Decoder, device: torch.device) -> i
     from tokendance.backend.graphs import DecodeGraphs
 
     base = _settled(device)
-    cache = KVCache(model.cfg, 2, cfg.block_size, next(model.parameters()).dtype, device)
+    dtype = next(model.parameters()).dtype
+    cache = KVCache(model.cfg, 2, cfg.block_size, dtype, device, cfg.kv_dtype(dtype))
     pool = _settled(device) - base
     graphs = DecodeGraphs(model, cache, min(cfg.cuda_graphs, cfg.max_seqs),
                           -(-model.cfg.context // cfg.block_size), cache.trash_block, cfg.check_layer)

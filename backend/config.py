@@ -9,7 +9,8 @@ from pathlib import Path
 
 import torch
 
-from tokendance.backend.api import BASES, POLICIES, REUSE_DEFAULTS, InvalidRequest
+from tokendance.backend.api import BASES, KV_DTYPES, POLICIES, REUSE_DEFAULTS, InvalidRequest
+from tokendance.kernels.fp8 import FP8
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # config.json fields without a default, and the other counts (positive integers all)
@@ -21,6 +22,7 @@ COUNTS = (*REQUIRED, "num_key_value_heads", "head_dim", "max_position_embeddings
 class EngineConfig:
     model: str | None = None  # HF folder, .gguf, or None for the embedded default
     dtype: str = "auto"  # auto: bfloat16 on CUDA, float32 on CPU
+    kv_cache_dtype: str = "auto"  # vLLM's: the pool's K/V in the model's dtype, or fp8 (kernels/fp8.py)
     device: str = "auto"  # with tensor parallelism, the first of its devices
     tensor_parallel_size: int = 1  # processes (on CUDA, GPUs) that split each layer (backend/parallel.py)
     block_size: int = 16
@@ -63,10 +65,17 @@ class EngineConfig:
         if self.scheduling_policy not in POLICIES:
             raise InvalidRequest(f"unknown scheduling policy {self.scheduling_policy!r}; choose one of "
                                  f"{', '.join(POLICIES)}", "scheduling_policy")
+        if self.kv_cache_dtype not in KV_DTYPES:
+            raise InvalidRequest(f"unsupported kv cache dtype {self.kv_cache_dtype!r}; choose one of "
+                                 f"{', '.join(KV_DTYPES)}", "kv_cache_dtype")
         name = self.dtype if self.dtype != "auto" else ("bfloat16" if device.type == "cuda" else "float32")
         if name not in DTYPES:
             raise InvalidRequest(f"unsupported dtype {name!r}; choose one of {', '.join(DTYPES)}", "dtype")
         return DTYPES[name]
+
+    def kv_dtype(self, dtype: torch.dtype) -> torch.dtype:
+        """The pool's dtype beside weights of `dtype`."""
+        return dtype if self.kv_cache_dtype == "auto" else FP8[self.kv_cache_dtype]
 
 
 ARCHITECTURES = {

@@ -86,12 +86,14 @@ class Engine:
         self.eos = set(ends(self.folder, self.tokenizer))
         self.grammars = Grammars(self.tokenizer, self.mcfg.vocab_size, sorted(self.eos))
         budget = cfg.max_batched_tokens or (16384 if self.device.type == "cuda" else 2048)
-        per_token = self.mcfg.kv_bytes_per_token(torch.tensor([], dtype=self.dtype).element_size())
+        held = cfg.kv_dtype(self.dtype)
+        per_token = self.mcfg.kv_bytes_per_token(held.itemsize)
         tokens = pool_tokens(cfg, self.model, self.device, per_token, budget, free0)
         ranks = self.ranks
         if self.tp is not None:  # one schedule: every rank's pool the same size
             tokens = self.tp.least(tokens)
-        self.cache = KVCache(self.mcfg, max(2, tokens // cfg.block_size), cfg.block_size, self.dtype, self.device)
+        self.cache = KVCache(self.mcfg, max(2, tokens // cfg.block_size), cfg.block_size, self.dtype, self.device,
+                             held)
         self.pool = BlockPool(self.cache.num_blocks)
         self.blocks = BlockManager(self.pool, cfg.block_size)
         self.scheduler = Scheduler(self.blocks, cfg.max_seqs, budget, cfg.scheduling_policy)
@@ -126,7 +128,8 @@ class Engine:
         if self.device.type == "cpu":
             heap.trim()  # what loading left free; serving's peak is kept from here on
         log.info("engine ready", model=str(self.folder), device=str(self.device),
-                 dtype=str(self.dtype).removeprefix("torch."), kv_blocks=self.cache.num_blocks,
+                 dtype=str(self.dtype).removeprefix("torch."), kv_dtype=str(held).removeprefix("torch."),
+                 kv_blocks=self.cache.num_blocks,
                  max_model_len=self.max_model_len, host_tier_mib=self.idle.tier.arena.data.nbytes >> 20)
 
     @property

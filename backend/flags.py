@@ -13,7 +13,7 @@ from fractions import Fraction
 from typing import Any
 
 from tokendance.backend import generation
-from tokendance.backend.api import BASES, POLICIES, REUSE_DEFAULTS
+from tokendance.backend.api import BASES, KV_DTYPES, POLICIES, REUSE_DEFAULTS
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -22,6 +22,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="the model, as vLLM's `serve MODEL` takes it (or --model)")
     p.add_argument("--model", default=None, help="HF folder or GGUF file (default: embedded SmolLM2)")
     p.add_argument("--dtype", default="auto", help="auto, float32, bfloat16, float16")
+    p.add_argument("--kv-cache-dtype", choices=KV_DTYPES, default="auto",
+                   help="the KV pool's: auto (the model's dtype) or 8-bit floats (fp8 = fp8_e4m3; "
+                        "twice the tokens in the same memory)")
     add_parallel_args(p)
     p.add_argument("--seed", type=int, default=0,
                    help="the engine's random seed: requests sampled without their own seed draw from it")
@@ -173,7 +176,8 @@ def engine_options(args: argparse.Namespace) -> dict[str, Any]:
         raise ValueError("--kv-tokens and --gpu-memory-utilization both size the KV pool: give one")
     generation.check(args.generation_config, args.override_generation_config)
     offload = None if args.offload_gib is None else int(args.offload_gib * 2**30)  # None: the device's default
-    return {"model": model(args), "dtype": args.dtype, "tensor_parallel_size": args.tensor_parallel_size,
+    return {"model": model(args), "dtype": args.dtype, "kv_cache_dtype": args.kv_cache_dtype,
+            "tensor_parallel_size": args.tensor_parallel_size,
             "seed": args.seed, **({"cuda_graphs": 0} if args.enforce_eager else {}), "offload_bytes": offload,
             "anchor_bytes": int(args.anchor_gib * 2**30), "anchor_rank": args.anchor_rank,
             "kv_tokens": args.kv_tokens, "gpu_memory_utilization": args.gpu_memory_utilization,

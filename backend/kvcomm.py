@@ -47,6 +47,7 @@ from tokendance.backend.mirror import EARLY
 from tokendance.backend.pool import flat_slots
 from tokendance.backend.segments import Entry
 from tokendance.backend.sequence import EXACT, Sequence
+from tokendance.kernels.fp8 import narrow, widen
 
 if TYPE_CHECKING:
     from tokendance.backend.collector import Collector
@@ -79,8 +80,9 @@ class AnchorReuse:
         return self.col.cache.kv.flatten(2, 3)  # [layers, 2, slots, heads, dim]
 
     def _read(self, slots: torch.Tensor) -> torch.Tensor:
-        """A copy of the K/V at slots from the check layer on."""
-        return self._flat()[self.col.cfg.check_layer:, :, slots.to(self.col.cache.kv.device)]
+        """A copy of the K/V at slots from the check layer on, in the model's dtype."""
+        cache = self.col.cache
+        return widen(self._flat()[self.col.cfg.check_layer:, :, slots.to(cache.kv.device)], cache.dtype)
 
     def _bases(self, found: list[Found]) -> torch.Tensor:
         """The found segments' base K/V side by side, in one gather."""
@@ -128,7 +130,7 @@ class AnchorReuse:
                         exact.append((seq, found, bases))
                     else:
                         flat = self._flat()
-                        flat[c:, :, self._rows(seq, found).to(flat.device)] = bases + offsets
+                        flat[c:, :, self._rows(seq, found).to(flat.device)] = narrow(bases + offsets, flat.dtype)
                         for _, lo, hi, _ in found:
                             reused[lo:hi] = [True] * (hi - lo)
                         reused[-1] = False  # the last prompt token is always computed: it samples

@@ -17,6 +17,7 @@ from tokendance.backend.config import ModelConfig
 from tokendance.backend.moe import MLP, MoE
 from tokendance.backend.parallel import Shard
 from tokendance.backend.rope_scaling import rotary
+from tokendance.kernels.fp8 import as_bytes
 from tokendance.kernels.master import MasterRead
 from tokendance.kernels.norm import rms_norm
 from tokendance.kernels.paged_attention import paged_attention
@@ -59,12 +60,14 @@ class KVCache:
     the host tier's, need no pointer table); `k[layer]`, `v[layer]` are views of it. Keys
     are stored before RoPE. The extra block is the trash: K/V nobody keeps (a Mirror's
     rows that the Master serves, padding rows of captured graphs) are written there and
-    never read."""
+    never read. `dtype` is the model's, in which K/V are computed; `held` the pool's
+    (8-bit floats under --kv-cache-dtype fp8: kernels/fp8.py), by default the same."""
 
     def __init__(self, cfg: ModelConfig, num_blocks: int, block_size: int,
-                 dtype: torch.dtype, device: torch.device | str):
+                 dtype: torch.dtype, device: torch.device | str, held: torch.dtype | None = None):
         shape = (cfg.num_layers, 2, num_blocks + 1, block_size, cfg.num_kv_heads, cfg.head_dim)
-        self.kv = torch.zeros(shape, dtype=dtype, device=device)
+        self.dtype = dtype
+        self.kv = torch.zeros(shape, dtype=held or dtype, device=device)
         self.k = list(self.kv[:, 0].unbind(0))
         self.v = list(self.kv[:, 1].unbind(0))
         self.block_size = block_size
@@ -79,7 +82,7 @@ class KVCache:
         """Copy the K/V of flat slots src -> dst (distinct) in every layer, in one
         gather and one scatter."""
         if len(src):
-            flat = self.kv.flatten(2, 3)
+            flat = as_bytes(self.kv).flatten(2, 3)
             flat.index_copy_(2, dst.to(flat.device), flat.index_select(2, src.to(flat.device)))
 
     @property
