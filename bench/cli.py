@@ -1,4 +1,4 @@
-"""`tokendance bench KIND`: engine, reuse, memory, mirror-decode, fidelity, offsets, restore,
+"""`tokendance bench KIND`: engine, reuse, memory, mirror-decode, fidelity, kv-dtype, offsets, restore,
 resume, remote, fleet, failover, structured, tools, beams, judge, loops, gaps, parallel, priority."""
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ KINDS = {
     "memory": ("tokendance.bench.memory", "resident memory while serving"),
     "mirror-decode": ("tokendance.bench.mirror_decode", "decode steps over N Mirrors against dense caches"),
     "fidelity": ("tokendance.bench.fidelity", "pic / collective against full: KV deviation, agreement, divergence"),
+    "kv-dtype": ("tokendance.bench.kv_dtype", "an 8-bit KV pool against the model's dtype: agreement, decode steps"),
     "offsets": ("tokendance.bench.offsets", "kvcomm's predicted K/V against exact, by prediction rule"),
     "restore": ("tokendance.bench.restore", "restoring idle agents from the host tier: fused against dense"),
     "resume": ("tokendance.bench.resume", "a second round with its agents resumed from the host tier, against without"),

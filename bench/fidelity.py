@@ -20,7 +20,7 @@ from functools import partial
 
 import torch
 
-from tokendance.backend.api import ANCHORED, BASES, MODES, REUSE_DEFAULTS, REUSING, SamplingParams
+from tokendance.backend.api import ANCHORED, BASES, KV_DTYPES, MODES, REUSE_DEFAULTS, REUSING, SamplingParams
 from tokendance.backend.config import EngineConfig
 from tokendance.backend.engine import Engine
 from tokendance.backend.keys import segment_key
@@ -228,6 +228,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    help="recompute only reused tokens whose check-layer deviation exceeds this")
     p.add_argument("--check-layer", type=positive, default=1,
                    help="where deviating tokens are selected (every reused token is recomputed before it)")
+    p.add_argument("--kv-cache-dtype", choices=KV_DTYPES, default="auto",
+                   help="the pool's, for every mode (full included): fp8 compares the modes in an 8-bit pool")
     p.add_argument("--bases", choices=BASES, default=REUSE_DEFAULTS["bases"],
                    help="shared segments' base KV prefilled standalone, or the KV their producer "
                         "computed (the open loop's producers are full's round-1 answers)")
@@ -235,12 +237,13 @@ def add_args(p: argparse.ArgumentParser) -> None:
 
 def main(args: argparse.Namespace) -> int:
     eng = Engine(EngineConfig(model=args.model, dtype="float32", kv_tokens=65536, recompute_ratio=args.ratio,
-                              recompute_floor=args.floor, bases=args.bases, check_layer=args.check_layer))
+                              recompute_floor=args.floor, bases=args.bases, check_layer=args.check_layer,
+                              kv_cache_dtype=args.kv_cache_dtype))
     be = EngineBackend(eng)
     greedy = SamplingParams(max_tokens=args.max_tokens, temperature=0)
     modes = ["full", *args.modes]
     producer = args.bases == "producer"
-    print(f"model {eng.name}, float32, recompute ratio {args.ratio}, floor {args.floor}, "
+    print(f"model {eng.name}, float32, KV pool {args.kv_cache_dtype}, recompute ratio {args.ratio}, floor {args.floor}, "
           f"check layer {eng.collector.cfg.check_layer}, {args.prompts} prompts")
     if args.questions:
         print(open_loop(eng, be, modes, args.agents[0], args.questions, greedy, producer, args.prompts))

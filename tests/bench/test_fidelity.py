@@ -6,6 +6,7 @@ import argparse
 import re
 
 import pytest
+import torch
 
 from tokendance.bench import fidelity
 
@@ -109,3 +110,20 @@ def test_simulate_prompts(tiny_llama, bench):
     # Round 2 quotes each agent's round-1 answer and the others'; round 3 both rounds'.
     found = re.search(r"Shared segments by base: (.*)\.$", out, re.M)
     assert sum(int(part.split(" ", 1)[0]) for part in found[1].split(", ")) == 2 * 3 * (3 + 6)
+
+
+def test_the_modes_in_an_8_bit_pool(tiny_llama, bench, monkeypatch):
+    from tokendance.backend import engine as engine_mod
+
+    pools = []
+    real = engine_mod.KVCache
+
+    def spy(*a, **kw):
+        pools.append(real(*a, **kw))
+        return pools[-1]
+
+    monkeypatch.setattr(engine_mod, "KVCache", spy)
+    out = bench(fidelity, "--model", str(tiny_llama), "--agents", "2", "--rounds", "1", "--max-tokens", "4",
+                "--questions", "1", "--modes", "collective", "--kv-cache-dtype", "fp8")
+    assert "KV pool fp8" in out and "| 2 | collective |" in out
+    assert [p.kv.dtype for p in pools] == [torch.float8_e4m3fn]
