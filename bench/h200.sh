@@ -12,7 +12,10 @@
 #   check: the CUDA checks alone (bench/check_cuda.py), and the GPU-only tests
 #   tests: a dozen of the engine's test files on CUDA (its device is auto there): greedy vs HF,
 #     reuse, Mirrors, idle agents, lookahead, priority, kvcomm, offload, bases, late layers, sampling,
-#     sliding windows, Gemma 3
+#     sliding windows, Gemma 3 and 2, Phi-3 (LongRoPE), 8-bit KV pools
+#   kv-dtype: decode steps in an 8-bit KV pool (--kv-cache-dtype fp8) against a bf16 one, Qwen2.5-7B
+#     shape, random bf16 weights (bench/kv_dtype.py); greedy tokens against HF past LongRoPE's
+#     original reach (Phi-3.5-mini's shape, 2 layers, 5,000 tokens)
 #   scoring: a prefill that scores its prompt (prompt logprobs: completions' echo with
 #     logprobs) against the same prefill without, Qwen2.5-7B shape, random bf16 weights
 #   reuse:  one All-Gather round, N = 10 and 20, every mode, serial pic and collective with
@@ -118,10 +121,18 @@ fi
 if want tests; then
   # A file per process: a device-side assert poisons the CUDA context for the rest of its
   # process, and would fail every later file too. Each file's whole output stays in $OUT.
-  for t in greedy_vs_hf reuse mirror idle lookahead priority kvcomm offload bases late sampling windows gemma3 gemma2; do
+  for t in greedy_vs_hf reuse mirror idle lookahead priority kvcomm offload bases late sampling windows gemma3 gemma2 \
+      phi3 kv_dtype; do
     python3 -m pytest -q -p no:cacheprovider --tb=short -rf tests/backend/test_$t.py >"$OUT/test_$t.txt" 2>&1
     echo "test_$t: $(tail -1 "$OUT/test_$t.txt")"
   done | tee "$OUT/backend_tests.txt"
+fi
+if want kv-dtype; then
+  td bench kv-dtype --model qwen2.5-7b --dtype bfloat16 --questions 0 --decode 32x4096,64x2048 --steps 32 \
+    --repeats 3 --kv-tokens 140000 2>&1 | grep -v -i "warn\|deprecat\|info " | tee "$OUT/kv_dtype.txt"
+  python3 -c "from tokendance.bench.check_cuda import greedy_vs_hf
+greedy_vs_hf('float32', 'phi-3.5-mini', 2, 5000); greedy_vs_hf('bfloat16', 'phi-3.5-mini', 2, 5000)" 2>&1 \
+    | grep -v -i "warn\|deprecat\|info \|original_max" | tee "$OUT/phi_greedy.txt"
 fi
 if want scoring; then
   python3 -m tokendance.bench.scoring --model qwen2.5-7b --dtype bfloat16 --tokens 2048 --prompts 8 \
