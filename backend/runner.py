@@ -65,9 +65,10 @@ class Runner:
         self.graphs: DecodeGraphs | None = None
         self.eager_decodes = 0  # decode steps no graph could replay (with graphs captured)
         # CPU decode: each layer keeps its batch's keys rotated from step to step, in at
-        # most the pool's own bytes (kernels/rotated.py)
-        self.rotated = (RotatedKeys(cache.nbytes, len(model.layers)) if self.device.type == "cpu"
-                        else None)
+        # most the bytes of the pool in the model's dtype (an 8-bit pool's four times fewer
+        # would leave a batch's keys gathered again every step: kernels/rotated.py)
+        self.rotated = (RotatedKeys(cache.kv.numel() * cache.dtype.itemsize, len(model.layers))
+                        if self.device.type == "cpu" else None)
 
     def release(self) -> None:
         """Drop what decode steps hold between them (nothing left to decode)."""
