@@ -12,19 +12,20 @@ import torch
 
 import tokendance.kernels.collective as col
 import tokendance.kernels.paged_attention as pa
-from tests.kernels import test_collective as tc
-from tests.kernels.test_diff import _pool
-from tests.kernels.test_master_decode import batch, full_reference
-from tests.kernels.test_paged_attention import make_case, rel, run_triton, suffix
-from tests.kernels.test_restore import pool, some_slots
-from tests.kernels.test_rotated import Batch, gathers
-from tests.kernels.test_slot_positions import mirror_case, triton
-from tests.kernels.test_store import _case
 from tokendance.kernels import deviation as dv
 from tokendance.kernels import diff, restore as rs
 from tokendance.kernels.fp8 import as_bytes, limit, narrow
 from tokendance.kernels.rotated import RotatedKeys
 from tokendance.kernels.store import store_reference, store_triton
+
+from . import test_collective as tc
+from .test_diff import _pool
+from .test_master_decode import batch, full_reference
+from .test_paged_attention import make_case, rel, run_triton, suffix
+from .test_restore import pool, some_slots
+from .test_rotated import Batch, gathers
+from .test_slot_positions import mirror_case, triton
+from .test_store import _case
 
 E4, E5 = torch.float8_e4m3fn, torch.float8_e5m2
 
