@@ -23,7 +23,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from tokendance.backend.api import ANCHORED, MODES, REUSE_DEFAULTS, SamplingParams, Usage
+from tokendance.backend.api import ANCHORED, KV_DTYPES, MODES, REUSE_DEFAULTS, SamplingParams, Usage
 from tokendance.backend.device import sync
 from tokendance.backend.engine import Engine
 from tokendance.bench.allgather import Round, make_round
@@ -219,6 +219,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    help="reuse modes also timed with reader bases (a row 'reader collective' for "
                         "collective; docs/fidelity.md)")
     p.add_argument("--kv-tokens", type=natural, default=0)
+    p.add_argument("--kv-cache-dtype", choices=KV_DTYPES, default="auto", help="the pool's: fp8 holds 8-bit K/V")
     p.add_argument("--anchor-gib", type=nonnegative, default=16.0,
                    help="kvcomm's and kvcmas's anchors: every agent's every segment keeps one (N x N of them)")
     p.add_argument("--json", default=None, help="write rows here")
@@ -249,7 +250,7 @@ def main(args: argparse.Namespace) -> int:
     need = max(agents) * (args.history * 2 + max(agents) * args.output * 2 + args.decode) + 4096
     eng, vocab = round_engine(args.model, args.dtype, args.kv_tokens or need, args.random_weights,
                               recompute_ratio=args.ratio, recompute_floor=args.floor,
-                              anchor_bytes=int(args.anchor_gib * 2**30))
+                              anchor_bytes=int(args.anchor_gib * 2**30), kv_cache_dtype=args.kv_cache_dtype)
     modes = args.modes
     if args.dump_prompts:
         rounds = {n: make_round(n, args.history, args.output, vocab, seed=n, fanout=fanouts[0]).prompts
@@ -257,7 +258,8 @@ def main(args: argparse.Namespace) -> int:
         Path(args.dump_prompts).write_text(json.dumps(rounds))
     rows = bench(eng, agents, args.history, args.output, args.repeats, modes, decode=args.decode,
                  serial=args.serial, readers=args.readers, fanouts=fanouts)
-    print(f"model {eng.name} ({eng.mcfg.num_layers} layers) on {eng.device}, {eng.dtype}; "
+    print(f"model {eng.name} ({eng.mcfg.num_layers} layers) on {eng.device}, {eng.dtype}, KV pool "
+          f"{str(eng.cache.kv.dtype).removeprefix('torch.')}; "
           f"histories ~{args.history}, outputs ~{args.output}, max_tokens {args.decode}, "
           f"ratio {eng.collector.cfg.ratio}, floor {eng.collector.cfg.floor}")
     print(table(rows))

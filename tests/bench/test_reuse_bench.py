@@ -180,3 +180,9 @@ def test_bad_modes_are_usage_errors(flag, why, capsys):
         p.parse_args(flag)
     assert e.value.code == 2
     assert why in capsys.readouterr().err
+
+
+def test_rounds_in_an_8_bit_pool(tiny_llama, bench):
+    out = bench(reuse, "--model", str(tiny_llama), "--dtype", "float32", "--agents", "2", "--history", "24",
+                "--output", "30", "--repeats", "1", "--modes", "full,collective", "--kv-cache-dtype", "fp8")
+    assert "float32, KV pool float8_e4m3fn;" in out and "| 2 | collective |" in out
