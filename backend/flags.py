@@ -24,7 +24,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="auto", help="auto, float32, bfloat16, float16")
     p.add_argument("--kv-cache-dtype", choices=KV_DTYPES, default="auto",
                    help="the KV pool's: auto (the model's dtype) or 8-bit floats (fp8 = fp8_e4m3; "
-                        "twice the tokens in the same memory)")
+                        "half a bf16 pool's bytes a token)")
     add_parallel_args(p)
     p.add_argument("--seed", type=int, default=0,
                    help="the engine's random seed: requests sampled without their own seed draw from it")
