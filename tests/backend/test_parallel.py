@@ -38,11 +38,11 @@ def debate(eng: Engine) -> dict:
     return out
 
 
-@pytest.mark.parametrize("bases", ["standalone", "reader"])
-def test_two_ranks_serve_as_one(tiny_llama, bases):
-    one = engine(tiny_llama, bases=bases)
+@pytest.mark.parametrize("bases,kv", [("standalone", "auto"), ("reader", "auto"), ("standalone", "fp8")])
+def test_two_ranks_serve_as_one(tiny_llama, bases, kv):
+    one = engine(tiny_llama, bases=bases, kv_cache_dtype=kv)
     want = debate(one)
-    two = engine(tiny_llama, bases=bases, tensor_parallel_size=2)
+    two = engine(tiny_llama, bases=bases, kv_cache_dtype=kv, tensor_parallel_size=2)
     try:
         assert two.cache.k[0].shape[-2] == one.cache.k[0].shape[-2] // 2  # half the KV heads each
         assert two.kv_bytes_per_token == one.kv_bytes_per_token
