@@ -64,6 +64,16 @@ def layer_kv(eng: Engine, seq) -> torch.Tensor:
     return torch.stack(out).float()
 
 
+def continued(eng: Engine, s, cont: list[int]) -> torch.Tensor:
+    """The logits [len(cont) - 1, vocab] after each token of `cont` but its last, fed after
+    s's prefilled prompt in one forward that reads the prompt's K/V from the pool."""
+    s.out = list(cont[:-1])
+    assert eng.blocks.reserve(s, len(s))
+    ids, meta, _ = step_meta([Scheduled(s, len(s.prompt), len(cont) - 1)], eng.cache.block_size,
+                             eng.device, eng.cache.trash, eng.runner.late_from)
+    return eng.model(ids, meta, eng.cache)
+
+
 @torch.inference_mode()
 def teacher_forced(eng: Engine, prepared, mode: str, cont: list[list[int]], producer: bool = False
                    ) -> tuple[list[torch.Tensor], list[list[bool]], tuple[int, int], torch.Tensor, list[bool]]:
@@ -95,11 +105,7 @@ def teacher_forced(eng: Engine, prepared, mode: str, cont: list[list[int]], prod
     mirrors = [(s.mirror is not None and not s.reader) or (s.mode in ANCHORED and s.cached > 0) for s in seqs]
     hits = []
     for s, c, f in zip(seqs, cont, first.argmax(-1).tolist()):
-        s.out = list(c[:-1])
-        assert eng.blocks.reserve(s, len(s))
-        ids, meta, _ = step_meta([Scheduled(s, len(s.prompt), len(c) - 1)], eng.cache.block_size,
-                                 eng.device, eng.cache.trash, eng.runner.late_from)
-        pred = [f] + eng.model(ids, meta, eng.cache).argmax(-1).tolist()
+        pred = [f] + continued(eng, s, c).argmax(-1).tolist()
         hits.append([a == b for a, b in zip(pred, c)])
     for s in seqs:
         eng.abort(s.id)

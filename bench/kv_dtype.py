@@ -26,12 +26,11 @@ import torch
 from tokendance.backend.api import SamplingParams
 from tokendance.backend.config import EngineConfig
 from tokendance.backend.engine import Engine
-from tokendance.backend.runner import step_meta
 from tokendance.backend.scheduler import Scheduled
 from tokendance.backend.service import EngineBackend
 from tokendance.bench.debates import Board, debate, questions
 from tokendance.bench.engine import ours_decode, rand_prompts
-from tokendance.bench.fidelity import run
+from tokendance.bench.fidelity import continued, run
 from tokendance.bench.options import batches, natural, positive
 from tokendance.bench.shapes import resolve
 
@@ -65,11 +64,7 @@ def forced(eng: Engine, ids: list[list[int]], cont: list[list[int]]) -> list[tor
         s = eng.seqs[f"forced-{i}"]
         assert eng.blocks.reserve(s, len(s.prompt))
         first, _ = eng.runner.run([Scheduled(s, 0, len(s.prompt))])
-        s.out = list(c[:-1])
-        assert eng.blocks.reserve(s, len(s))
-        step, meta, _ = step_meta([Scheduled(s, len(s.prompt), len(c) - 1)], eng.cache.block_size,
-                                  eng.device, eng.cache.trash, eng.runner.late_from)
-        out.append(torch.cat([first, eng.model(step, meta, eng.cache)]).float().log_softmax(-1).cpu())
+        out.append(torch.cat([first, continued(eng, s, c)]).float().log_softmax(-1).cpu())
         eng.abort(s.id)
     return out
 
