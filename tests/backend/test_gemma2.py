@@ -41,10 +41,14 @@ def hf(gemma):
 
 
 def scored(folder, budget: int, out: int = 12) -> tuple[list[list[int]], list[list[float]]]:
-    """(prompt + greedy tokens, the logprob of every token after the first: the prompt's
-    scored in prefill, the output's as sampled) of each prompt, budget tokens a step."""
+    """`scoring`'s, of LENGTHS' prompts, budget tokens a step."""
     eng = Engine(model=str(folder), dtype="float32", kv_tokens=8192, max_batched_tokens=budget)
-    prompts = prompts_for(eng.mcfg.vocab_size, LENGTHS, seed=5)
+    return scoring(eng, prompts_for(eng.mcfg.vocab_size, LENGTHS, seed=5), out)
+
+
+def scoring(eng: Engine, prompts: list[list[int]], out: int) -> tuple[list[list[int]], list[list[float]]]:
+    """(prompt + greedy tokens, the logprob of every token after the first: the prompt's
+    scored in prefill, the output's as sampled) of each prompt."""
     sp = SamplingParams(max_tokens=out, temperature=0, ignore_eos=True, logprobs=True, prompt_logprobs=0)
     toks, lps = [list(p) for p in prompts], [[] for _ in prompts]
     for i, p in enumerate(prompts):

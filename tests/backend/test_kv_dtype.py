@@ -8,36 +8,26 @@ import pytest
 import torch
 
 from tokendance.backend import model as model_mod
-from tokendance.backend.api import InvalidRequest, SamplingParams
+from tokendance.backend.api import InvalidRequest
 from tokendance.backend.config import EngineConfig
 from tokendance.backend.engine import Engine
 from tokendance.backend.flags import add_engine_args
 from tokendance.kernels.fp8 import narrow
 
+from .test_gemma2 import scoring
 from .test_greedy_vs_hf import prompts_for
 from .test_idle import next_round, run
 from .test_reuse import GREEDY, kv_of, prefill, round_prompts
-
-SCORED = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, logprobs=True, prompt_logprobs=0)
-
 
 def engine(folder, **kw) -> Engine:
     return Engine(model=str(folder), dtype="float32", kv_tokens=4096, **kw)
 
 
 def scored(eng: Engine, prompts: list[list[int]]) -> tuple[list[list[int]], list[list[float]]]:
-    """Each prompt's greedy tokens and the logprob of every token after its first (the
-    prompt's in chunks of the step budget, each chunk reading the ones before from the pool;
-    the output's in decode steps)."""
-    toks, lps = [[] for _ in prompts], [[] for _ in prompts]
-    for i, p in enumerate(prompts):
-        eng.add(f"s{i}", p, SCORED)
-    while eng.has_work():
-        for rid, d in eng.step():
-            i = int(rid[1:])
-            lps[i] += [t.logprob for t in (d.prompt_logprobs or [None])[1:]] + [t.logprob for t in d.logprobs or []]
-            toks[i] += d.token_ids
-    return toks, lps
+    """Each prompt's tokens and greedy ones, and the logprob of every token after its first
+    (the prompt's in chunks of the step budget, each chunk reading the ones before from the
+    pool; the output's in decode steps)."""
+    return scoring(eng, prompts, 8)
 
 
 def gap(a: list[list[float]], b: list[list[float]]) -> float:
