@@ -5,10 +5,11 @@
     sequences x 4096 context and prefill of 10 x 2048 tokens, against the reference and
     torch SDPA (flash) on dense, pre-rotated K/V; launch configurations swept.
 
-    PYTHONPATH=<dir holding tokendance/> python bench/kernels.py [--smoke] [--decode]
+    PYTHONPATH=<dir holding tokendance/> python bench/kernels.py [--smoke] [--decode] [--fp8]
 
 --smoke runs tiny shapes under TRITON_INTERPRET=1 on the CPU (checks the script only);
---decode times the decode kernel only.
+--decode times the decode kernel only; --fp8 times it again over the same K/V held in an
+8-bit pool (`--kv-cache-dtype fp8`, kernels/fp8.py), with wider tiles and deeper pipelines.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from tokendance.bench.kernel_timing import (  # noqa: E402
 )
 from tokendance.kernels import paged_attention as pa  # noqa: E402
 from tokendance.kernels import paged_triton as pt  # noqa: E402
+from tokendance.kernels.fp8 import FP8, narrow  # noqa: E402
 from tokendance.kernels.rope import rope_rotate  # noqa: E402
 from tokendance.kernels.tiles import trig_table  # noqa: E402
 
@@ -142,9 +144,9 @@ def sdpa_dense(args: tuple, causal: bool):
 
 
 def section(kind: str, args: tuple, base: dict, variants: list[tuple[dict, dict]],
-            metric, deadline: float) -> list[str]:
-    """Time the Triton launcher under each (cfg, kwargs) variant, the reference and SDPA.
-    metric(ms) -> the throughput column."""
+            metric, deadline: float, sdpa: bool = True) -> list[str]:
+    """Time the Triton launcher under each (cfg, kwargs) variant, the reference and (with
+    `sdpa`) SDPA. metric(ms) -> the throughput column."""
     rows = []
     ref = pa.paged_attention_reference(*args)
     variants = variants[:2] if SMOKE else variants
@@ -162,13 +164,15 @@ def section(kind: str, args: tuple, base: dict, variants: list[tuple[dict, dict]
         c = {**base, **cfg}
         name = " ".join(f"{k.replace('block_', '').replace('num_', '')[:5]}={v if isinstance(v, str) else int(v)}"
                         for k, v in c.items()) + f" splits={kw.get('num_splits') or 'auto'}" * (
-                            kind == "decode")
+                            kind.startswith("decode"))
         try:
             fn = lambda: pa.paged_attention_triton(*args, cfg=c, **kw)  # noqa: E731
             row("triton " + name, bench(fn), rel(fn().float(), ref.float()))
         except Exception as e:  # keep sweeping: report what broke
             say(f"  {name}: ERROR {type(e).__name__}: {str(e)[:200]}")
     row("reference (torch, per-sequence loop)", bench(lambda: pa.paged_attention_reference(*args)))
+    if not sdpa:
+        return rows
     try:
         fn, note = sdpa_dense(args, causal=kind == "prefill")
         row("SDPA flash, dense pre-rotated K/V" + note, bench(fn))
@@ -199,6 +203,16 @@ def timings() -> list[str]:
     variants += [(c, dict(max_q=1, trig=trig, num_splits=n))
                  for n in (4, 16) for c in (dict(), dict(step="table"))]
     rows = section("decode", args, pt.DECODE_CFG, variants, bandwidth, 240)
+    if "--fp8" in sys.argv:
+        # Half the bytes a tile: wider tiles and deeper pipelines keep as many in flight.
+        say(f"(b) decode over an 8-bit pool (e4m3, the same values rounded): {S} x {L}")
+        args = (*args[:3], narrow(args[3], FP8["fp8"]), narrow(args[4], FP8["fp8"]), *args[5:])
+        kv_bytes //= 2
+        cfgs = [dict(), dict(num_stages=3), dict(num_stages=4), dict(block_n=64), dict(block_n=64, num_stages=3),
+                dict(block_n=64, num_stages=4), dict(block_n=128), dict(block_n=128, num_stages=3),
+                dict(block_n=64, num_warps=8), dict(block_n=128, num_warps=8)]
+        rows += section("decode8", args, pt.DECODE_CFG, [(c, dict(max_q=1, trig=trig)) for c in cfgs],
+                        bandwidth, 480, sdpa=False)
     if "--decode" in sys.argv:
         return rows
 

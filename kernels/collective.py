@@ -41,7 +41,7 @@ import torch
 from tokendance.kernels.master import MasterRead, one_segment
 from tokendance.kernels.rope import rope_rotate_reference
 from tokendance.kernels.softcap import cap_scores
-from tokendance.kernels.tiles import LOG2E, _cap, _dot, _scratch, scales, trig_table
+from tokendance.kernels.tiles import LOG2E, _cap, _dot, _scratch, _values, _values_at, scales, trig_table
 
 from tokendance.kernels.jit import cols, fitting, head_strides, in_heads, padded_half, tiles_head, tl, triton, wrapped
 
@@ -207,8 +207,7 @@ def _collective_kernel(q, q_pos, shift, chunks, kr, vc, table, hide, trig, trig_
             blk = tl.load(table + j // B, mask=jm, other=0)
             k = tl.load(kr + j[None, :].to(tl.int64) * s_rj + kvh * s_rh + offs_d[:, None],
                         mask=jm[None, :], other=0.0)  # K^T, rotated
-            v = tl.load(vc + (blk.to(tl.int64) * s_blk + (j % B) * s_slot)[:, None] + offs_v[None, :],
-                        mask=jm[:, None], other=0.0).to(qr.dtype)  # an 8-bit pool's in q's dtype
+            v = _values(_values_at(vc, blk.to(tl.int64) * s_blk + (j % B) * s_slot, offs_v), jm, qr.dtype, True)
             qk = _dot(qr, k, None, PREC) * qk_scale
             if CAP:
                 qk = _cap(qk, cap)

@@ -36,13 +36,44 @@ def _cap(qk, cap):
 
 
 @triton.jit
+def _values_at(vc, row, offs_d):
+    """Where a tile's values lie, slots `row` by columns `offs_d`: [BLOCK_N, D], or, in an
+    8-bit pool, V^T [D, BLOCK_N]. The product with the scores wants each thread to hold
+    pairs of slots; a tile of slots in 8 bits would be gathered byte by byte from shared
+    memory (PTX: ld.shared.b8), a transposed one is widened in registers first."""
+    if vc.dtype.element_ty.is_fp8():
+        vp = vc + row[None, :] + offs_d[:, None]
+    else:
+        vp = vc + row[:, None] + offs_d[None, :]
+    return vp
+
+
+@triton.jit
+def _values(vp, jm, dtype: tl.constexpr, MASK: tl.constexpr):
+    """The values at `_values_at`'s vp [BLOCK_N, D] (slots past the live ones masked with
+    MASK: they may be garbage), in `dtype`; an 8-bit pool's in float16, which holds either
+    format exactly and takes two values a conversion instruction."""
+    if vp.dtype.element_ty.is_fp8():
+        if MASK:
+            v = tl.trans(tl.load(vp, mask=jm[None, :], other=0.0).to(tl.float16))
+        else:
+            v = tl.trans(tl.load(vp).to(tl.float16))
+    else:
+        if MASK:
+            v = tl.load(vp, mask=jm[:, None], other=0.0).to(dtype)
+        else:
+            v = tl.load(vp).to(dtype)
+    return v
+
+
+@triton.jit
 def _tile(acc, m_i, l_i, q1, q2, qp, kc, vc, bt, j, jm, kpos, c, s, s_blk, s_slot, qk_scale,
           win, cap, B: tl.constexpr, HALF: tl.constexpr, HP: tl.constexpr, MASK: tl.constexpr,
           POS: tl.constexpr, WIN: tl.constexpr, CAP: tl.constexpr, PREC: tl.constexpr):
     """One key tile (slots j, live where jm, at positions kpos, rotated by c/s) into the
     online softmax of the rows (q1 | q2); with WIN a row at p sees only keys past p - win;
     with CAP scores are capped (`_cap`) before the mask. Keys are read in float32, values
-    in the rows' dtype (a pool may hold 8-bit floats: kernels/fp8.py)."""
+    in the rows' dtype (a pool may hold 8-bit floats, kernels/fp8.py: `_values`)."""
     offs_h = wrapped(HP, HALF, HP != HALF)
     offs_d = wrapped(2 * HP, 2 * HALF, HP != HALF)
     if MASK:
@@ -51,15 +82,14 @@ def _tile(acc, m_i, l_i, q1, q2, qp, kc, vc, bt, j, jm, kpos, c, s, s_blk, s_slo
         blk = tl.load(bt + j // B)
     row = blk.to(tl.int64) * s_blk + (j % B) * s_slot
     kp = kc + row[None, :] + offs_h[:, None]  # K^T halves, [HP, BLOCK_N]
-    vp = vc + row[:, None] + offs_d[None, :]
+    vp = _values_at(vc, row, offs_d)
     if MASK:
         k1 = tl.load(kp, mask=jm[None, :], other=0.0).to(tl.float32)
         k2 = tl.load(kp + HALF, mask=jm[None, :], other=0.0).to(tl.float32)
-        v = tl.load(vp, mask=jm[:, None], other=0.0).to(q1.dtype)  # slots past hi may be garbage
     else:
         k1 = tl.load(kp).to(tl.float32)
         k2 = tl.load(kp + HALF).to(tl.float32)
-        v = tl.load(vp).to(q1.dtype)  # an 8-bit pool's values in the queries' dtype
+    v = _values(vp, jm, q1.dtype, MASK)
     r1 = (k1 * c - k2 * s).to(q1.dtype)
     r2 = (k2 * c + k1 * s).to(q1.dtype)
     qk = _dot(q2, r2, _dot(q1, r1, None, PREC), PREC) * qk_scale
