@@ -48,11 +48,19 @@ def test_engine_bench_takes_a_larger_pool(tiny_llama, bench, monkeypatch):
 
 def test_a_shapes_first_layers(bench, capsys):
     """--layers: a shape's widths with fewer layers (random weights); a folder has no shape."""
-    out = bench(engine_bench, "--model", "gemma-2-2b", "--layers", "2", "--dtype", "float32", "--prefill", "1x16",
+    out = bench(engine_bench, "--model", "qwen2.5-0.5b", "--layers", "2", "--dtype", "float32", "--prefill", "1x16",
                 "--decode", "", "--repeats", "1")
-    assert "gemma-2-2b-2l on cpu" in out and "HF transformers (eager attention)" in out
+    assert "qwen2.5-0.5b-2l on cpu" in out and "HF transformers (SDPA attention)" in out
     assert "| prefill 1x16 |" in out
     p = argparse.ArgumentParser()
     engine_bench.add_args(p)
     assert engine_bench.main(p.parse_args(["--model", "/tmp", "--layers", "2"])) == 2
     assert "--layers: '/tmp' is not a shape name" in capsys.readouterr().err
+
+
+def test_hf_attends_eagerly_where_scores_are_capped(bench, make_model):
+    """Gemma 2's capped scores: SDPA cannot cap them, so HF's side runs eager attention."""
+    gemma = make_model("gemma2", num_hidden_layers=2, attn_logit_softcapping=50.0)
+    out = bench(engine_bench, "--model", str(gemma), "--dtype", "float32", "--prefill", "1x16", "--decode", "",
+                "--repeats", "1")
+    assert "HF transformers (eager attention)" in out and "| prefill 1x16 |" in out
