@@ -9,9 +9,10 @@ tokens, N = 10 and 20 Mirrors each hiding ~15 % of its Master slots. Per layer:
 Each timed as the engine runs it: 28 calls (a step's layers) in one CUDA graph, the
 median of 30 replays, per call; every case rotates by rows of the cos/sin table.
 
-    PYTHONPATH=<dir holding tokendance/> python bench/collective.py [--smoke]
+    PYTHONPATH=<dir holding tokendance/> python bench/collective.py [--smoke] [--fp8]
 
---smoke runs tiny shapes under TRITON_INTERPRET=1 on the CPU (checks the script only).
+--smoke runs tiny shapes under TRITON_INTERPRET=1 on the CPU (checks the script only);
+--fp8 holds the pool's K/V in e4m3 (`--kv-cache-dtype fp8`, kernels/fp8.py).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import time
 from functools import partial
 
 SMOKE = "--smoke" in sys.argv
+FP8 = "--fp8" in sys.argv
 if SMOKE:
     os.environ["TRITON_INTERPRET"] = "1"
 
@@ -34,6 +36,8 @@ from tokendance.bench.kernel_timing import (  # noqa: E402
 )
 from tokendance.kernels import collective as col  # noqa: E402
 from tokendance.kernels import paged_triton as pt  # noqa: E402
+from tokendance.kernels.fp8 import FP8 as FORMATS  # noqa: E402
+from tokendance.kernels.fp8 import narrow  # noqa: E402
 from tokendance.kernels.tiles import trig_table  # noqa: E402
 
 DEV = "cpu" if SMOKE else "cuda"
@@ -58,6 +62,8 @@ def setup(n: int, dtype: torch.dtype = torch.bfloat16, theta: float = 1e6) -> di
     copies = perm[nb:nb * (n + 1)].view(n, nb).int()
     for s in range(n):
         kc[copies[s]], vc[copies[s]] = kc[master], vc[master]
+    if FP8:
+        kc, vc = narrow(kc, FORMATS["fp8"]), narrow(vc, FORMATS["fp8"])
     inv = 1.0 / theta ** (torch.arange(0, D, 2, device=DEV).float() / D)
     sm = D ** -0.5
     shift = torch.randint(0, 3000, (n,), device=DEV)
@@ -121,7 +127,7 @@ def sweep(n: int, args: tuple, trig: torch.Tensor, ref: torch.Tensor,
 
 
 def kv_bytes(n_copies: int) -> int:
-    return 2 * n_copies * M * HKV * D * 2
+    return 2 * n_copies * M * HKV * D * (1 if FP8 else 2)
 
 
 def main() -> None:
@@ -130,7 +136,8 @@ def main() -> None:
         p = torch.cuda.get_device_properties(0)
         say(f"{p.name}, {p.multi_processor_count} SMs; torch {torch.__version__}, "
             f"triton {triton.__version__}")
-    say(f"Hq={HQ} Hkv={HKV} D={D} B={B} bf16, Master {M} tokens, 15 % hidden per Mirror")
+    say(f"Hq={HQ} Hkv={HKV} D={D} B={B} bf16, {'e4m3' if FP8 else 'bf16'} pool, Master {M} tokens, "
+        "15 % hidden per Mirror")
     ok, rows = True, []
     for i, n in enumerate(NS):
         case = setup(n)
@@ -143,7 +150,7 @@ def main() -> None:
         say(f"  (b) paged, {n} dense copies {b_ms * 1e3:8.1f} us; "
             f"(c) paged, one copy {c_ms * 1e3:8.1f} us; best (a): {a_name}")
         hide_bytes = n * M
-        rotated = kv_bytes(1)  # the rotated keys, written to a workspace and read back
+        rotated = kv_bytes(1) * (2 if FP8 else 1)  # the rotated keys (bf16), written to a workspace and read
         for label, ms, nbytes in (("(a) collective", a_ms, kv_bytes(1) + hide_bytes + rotated),
                                   ("(b) paged, N copies", b_ms, kv_bytes(n)),
                                   ("(c) paged, one copy", c_ms, kv_bytes(1))):
