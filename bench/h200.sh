@@ -14,8 +14,9 @@
 #     reuse, Mirrors, idle agents, lookahead, priority, kvcomm, offload, bases, late layers, sampling,
 #     sliding windows, Gemma 3 and 2, Phi-3 (LongRoPE), 8-bit KV pools
 #   kv-dtype: decode steps in an 8-bit KV pool (--kv-cache-dtype fp8) against a bf16 one, Qwen2.5-7B
-#     shape, random bf16 weights (bench/kv_dtype.py); greedy tokens against HF past LongRoPE's
-#     original reach (Phi-3.5-mini's shape, 2 layers, 5,000 tokens)
+#     shape, random bf16 weights (bench/kv_dtype.py), then its attention kernels alone over either
+#     pool (bench/kernels.py --decode --fp8, bench/collective.py --fp8); greedy tokens against HF
+#     past LongRoPE's original reach (Phi-3.5-mini's shape, 2 layers, 5,000 tokens)
 #   scoring: a prefill that scores its prompt (prompt logprobs: completions' echo with
 #     logprobs) against the same prefill without, Qwen2.5-7B shape, random bf16 weights
 #   reuse:  one All-Gather round, N = 10 and 20, every mode, serial pic and collective with
@@ -130,6 +131,10 @@ fi
 if want kv-dtype; then
   td bench kv-dtype --model qwen2.5-7b --dtype bfloat16 --questions 0 --decode 32x4096,64x2048 --steps 32 \
     --repeats 3 --kv-tokens 140000 2>&1 | grep -v -i "warn\|deprecat\|info " | tee "$OUT/kv_dtype.txt"
+  timeout 560 python3 bench/kernels.py --decode --fp8 2>&1 | grep -v -i "warn\|deprecat" | tee "$OUT/sweep_fp8.txt"
+  for f in "" --fp8; do
+    timeout 240 python3 bench/collective.py $f 2>&1 | grep -v -i "warn\|deprecat" | tee "$OUT/collective$f.txt"
+  done
   python3 -c "from tokendance.bench.check_cuda import greedy_vs_hf
 greedy_vs_hf('float32', 'phi-3.5-mini', 2, 5000); greedy_vs_hf('bfloat16', 'phi-3.5-mini', 2, 5000)" 2>&1 \
     | grep -v -i "warn\|deprecat\|info \|original_max" | tee "$OUT/phi_greedy.txt"
