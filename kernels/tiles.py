@@ -51,13 +51,14 @@ def _values_at(vc, row, offs_d):
 @triton.jit
 def _values(vp, jm, dtype: tl.constexpr, MASK: tl.constexpr):
     """The values at `_values_at`'s vp [BLOCK_N, D] (slots past the live ones masked with
-    MASK: they may be garbage), in `dtype`; an 8-bit pool's in float16, which holds either
-    format exactly and takes two values a conversion instruction."""
+    MASK: they may be garbage), in `dtype`; an 8-bit pool's beside 16-bit rows in float16,
+    which holds either format exactly and takes two values a conversion instruction."""
     if vp.dtype.element_ty.is_fp8():
+        wide: tl.constexpr = tl.float32 if dtype == tl.float32 else tl.float16
         if MASK:
-            v = tl.trans(tl.load(vp, mask=jm[None, :], other=0.0).to(tl.float16))
+            v = tl.trans(tl.load(vp, mask=jm[None, :], other=0.0).to(wide))
         else:
-            v = tl.trans(tl.load(vp).to(tl.float16))
+            v = tl.trans(tl.load(vp).to(wide))
     else:
         if MASK:
             v = tl.load(vp, mask=jm[:, None], other=0.0).to(dtype)
