@@ -1,6 +1,7 @@
 """The Triton kernels compiled for a GPU on a machine without one, their arguments
 specialized as Triton's launcher specializes them at run time: each kernel's PTX,
-ptxas's registers and spills, and its global loads by width at the head dims asked, and,
+ptxas's registers and spills, its global loads by width and its byte-wide loads from shared
+memory at the head dims asked, over a pool of bf16 or (--pool) 8-bit floats, and,
 with --baseline (an earlier checkout's kernels folder, or a git revision of this one),
 whether this checkout's PTX is the same as that one's (its instructions: the parameters
 declared may differ).
@@ -9,6 +10,7 @@ What a kernel change does to the code a GPU runs, seen where no GPU is lent: a c
 meant to leave a head dim's code alone must leave its PTX identical.
 
     python -m tokendance.bench.ptx [--baseline DIR|REV] [--dims 64,128] [--arch 90] [--kernels NAME,...]
+                                   [--pool fp8|fp8_e4m3|fp8_e5m2]
 
 It exits 1 when a kernel's PTX differs from the baseline's. Triton's interpreter
 (TRITON_INTERPRET=1) compiles nothing: run it without.
@@ -25,6 +27,9 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
+
+from tokendance.kernels.fp8 import FP8, limit
 from tokendance.kernels.jit import padded_half
 
 # Argument types by parameter name (the rest are i32 scalars); every kernel's names agree.
@@ -151,13 +156,27 @@ def load_baseline(folder: str, package: str = "tdbase"):
     return lambda module: importlib.import_module(f"{package}.kernels.{module}")
 
 
-def compile_ptx(fn, d: int, consts: dict, warps: int, stages: int, arch: int) -> str:
-    """fn's PTX for sm_<arch> at head dim d, its debug sections and comments dropped."""
+POOL_TYPES = {torch.float8_e4m3fn: "*fp8e4nv", torch.float8_e5m2: "*fp8e5"}
+
+
+def pooled(consts: dict, pool: str | None) -> dict:
+    """A kernel's constexprs over a pool of `pool` (None: bf16, the pool in the rows' dtype):
+    the store kernel's saturation follows it."""
+    if pool is None or "FP8" not in consts:
+        return consts
+    return {**consts, "FP8": True, "LIM": limit(FP8[pool])}
+
+
+def compile_ptx(fn, d: int, consts: dict, warps: int, stages: int, arch: int, pool: str | None = None) -> str:
+    """fn's PTX for sm_<arch> at head dim d (K/V in a pool of `pool`, see `pooled`), its
+    debug sections and comments dropped."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    sig = {n: "constexpr" if n in consts else TYPES.get(n, "i32") for n in fn.arg_names}
+    types = TYPES if pool is None else {**TYPES, "kc": POOL_TYPES[FP8[pool]], "vc": POOL_TYPES[FP8[pool]]}
+    consts = pooled(consts, pool)
+    sig = {n: "constexpr" if n in consts else types.get(n, "i32") for n in fn.arg_names}
     k = triton.compile(ASTSource(fn, sig, consts, attrs(fn, d)), target=GPUTarget("cuda", arch, 32),
                        options=dict(num_warps=warps, num_stages=stages))
     text = re.split(r"\.section\s+\.debug", k.asm["ptx"])[0]
@@ -188,21 +207,29 @@ def _code(ptx: str) -> list[str]:
     return [line for line in ptx.splitlines() if not line.lstrip().startswith(".param")]
 
 
-def compare(dims: list[int], arch: int, baseline: str | None, kernels=KERNELS) -> list[tuple]:
-    """Rows (kernel, head dim, PTX lines, registers, spill bytes, `widths`, same as the
-    baseline or None)."""
+def gathers(ptx: str) -> int:
+    """Loads of a single byte from shared memory: what an 8-bit operand whose layout no
+    ldmatrix serves costs."""
+    return len(re.findall(r"^\s*ld\.shared\.[bsu]8\b", ptx, re.M))
+
+
+def compare(dims: list[int], arch: int, baseline: str | None, kernels=KERNELS, pool: str | None = None) -> list[tuple]:
+    """Rows (kernel, head dim, PTX lines, registers, spill bytes, `widths`, `gathers`, the
+    baseline's (registers, spill bytes, gathers) and whether its PTX is the same, or None
+    and None), K/V in a pool of `pool` (`pooled`)."""
     old = load_baseline(baseline) if baseline else None
     rows = []
     for kern in kernels:
         fn = getattr(importlib.import_module(f"tokendance.kernels.{kern.module}"), kern.name)
         for d in dims:
-            ptx = compile_ptx(fn, d, kern.constexprs(d, fn), kern.warps, kern.stages, arch)
-            same = None
+            ptx = compile_ptx(fn, d, kern.constexprs(d, fn), kern.warps, kern.stages, arch, pool)
+            same = then = None
             if old is not None:
                 base = getattr(old(kern.module), kern.name)
-                was = compile_ptx(base, d, kern.constexprs(d, base), kern.warps, kern.stages, arch)
-                same = _code(ptx) == _code(was)
-            rows.append((kern.name, d, len(ptx.splitlines()), *registers(ptx, arch), widths(ptx), same))
+                was = compile_ptx(base, d, kern.constexprs(d, base), kern.warps, kern.stages, arch, pool)
+                same, then = _code(ptx) == _code(was), (*registers(was, arch), gathers(was))
+            rows.append((kern.name, d, len(ptx.splitlines()), *registers(ptx, arch), widths(ptx), gathers(ptx),
+                         then, same))
     return rows
 
 
@@ -213,6 +240,7 @@ def main() -> int:
     p.add_argument("--dims", default="64,128", help="head dims, comma-separated")
     p.add_argument("--arch", type=int, default=90, help="the GPU's compute capability, as 90")
     p.add_argument("--kernels", help="only these kernels, comma-separated (default: all)")
+    p.add_argument("--pool", choices=tuple(FP8), help="K/V in 8-bit floats (--kv-cache-dtype's names; default bf16)")
     a = p.parse_args()
     try:
         dims = [int(x) for x in a.dims.split(",")]
@@ -232,16 +260,17 @@ def main() -> int:
         print(f"--kernels: unknown {', '.join(unknown)}; choose of {', '.join(k.name for k in KERNELS)}",
               file=sys.stderr)
         return 2
-    rows = compare(dims, a.arch, a.baseline, [k for k in KERNELS if k.name in names])
-    print(f"sm_{a.arch}, Triton kernels as the engine launches them" +
+    rows = compare(dims, a.arch, a.baseline, [k for k in KERNELS if k.name in names], a.pool)
+    print(f"sm_{a.arch}, Triton kernels as the engine launches them, K/V in {a.pool or 'bf16'}" +
           (f"; PTX against {label}" if a.baseline else ""))
-    print("| kernel | head dim | PTX lines | registers | spill bytes | global loads (bytes: count) |"
-          + (" same PTX |" if a.baseline else ""))
-    print("|---|---|---|---|---|---|" + ("---|" if a.baseline else ""))
-    for name, d, n, regs, spill, w, same in rows:
+    print("| kernel | head dim | PTX lines | registers | spill bytes | global loads (bytes: count) | "
+          "byte loads from shared |" + (" the baseline's registers, spill bytes, byte loads | same PTX |"
+                                        if a.baseline else ""))
+    print("|---|---|---|---|---|---|---|" + ("---|---|" if a.baseline else ""))
+    for name, d, n, regs, spill, w, g, then, same in rows:
         loads = ", ".join(f"{b}: {c}" for b, c in w.items())
-        print(f"| {name} | {d} | {n:,} | {regs} | {spill} | {loads} |"
-              + (f" {same} |" if same is not None else ""))
+        print(f"| {name} | {d} | {n:,} | {regs} | {spill} | {loads} | {g} |"
+              + (f" {', '.join(map(str, then))} | {same} |" if same is not None else ""))
     return 0 if all(r[-1] is not False for r in rows) else 1
 
 

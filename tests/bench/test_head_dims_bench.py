@@ -5,6 +5,7 @@ a GPU here and tells an earlier checkout's PTX from ours."""
 import os
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -22,21 +23,23 @@ def test_the_shapes_have_head_dims_that_are_not_powers_of_two(monkeypatch, tmp_p
         "danube3-4b": ("llama", 120, 32, 8), "danube2-1.8b": ("mistral", 80, 32, 8)}
 
 
+def edited_kernels(dest: Path, name: str, edit) -> Iterator[str]:
+    """A copy of our kernels folder in dest with file `name`'s text put through `edit`;
+    yields its path, then drops the packages loaded from it (`ptx.load_baseline`)."""
+    dest.mkdir()
+    for f in Path(rope.__file__).parent.glob("*.py"):
+        dest.joinpath(f.name).write_text(edit(f.read_text()) if f.name == name else f.read_text())
+    yield str(dest)
+    for m in [m for m in sys.modules if m.startswith("tdbase")]:
+        del sys.modules[m]
+
+
 @pytest.fixture
 def baseline(tmp_path, monkeypatch):
-    """A copy of our kernels folder whose RoPE kernel differs in one constant, and the
-    packages loaded from it dropped afterwards."""
+    """Our kernels folder with the RoPE kernel differing in one constant."""
     monkeypatch.setattr(sys, "path", list(sys.path))
-    old = tmp_path / "old"
-    old.mkdir()
-    for f in Path(rope.__file__).parent.glob("*.py"):
-        text = f.read_text()
-        if f.name == "rope.py":
-            text = text.replace("tl.store(dst + HALF, (x2 * c + x1 * s)", "tl.store(dst + HALF, (x2 * c - x1 * s)")
-        old.joinpath(f.name).write_text(text)
-    yield str(old)
-    for name in [m for m in sys.modules if m.startswith("tdbase")]:
-        del sys.modules[name]
+    yield from edited_kernels(tmp_path / "old", "rope.py", lambda text: text.replace(
+        "tl.store(dst + HALF, (x2 * c + x1 * s)", "tl.store(dst + HALF, (x2 * c - x1 * s)"))
 
 
 def test_a_baseline_kernels_folder_loads_as_its_own_package(baseline):
