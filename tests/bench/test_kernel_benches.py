@@ -64,6 +64,6 @@ def test_heads_whose_width_16_does_not_divide_are_read_more_than_2_bytes_at_a_ti
     assert res.returncode == 0, res.stderr[-2000:]
     rows = [line.split("|")[1:-1] for line in res.stdout.splitlines() if line.startswith("| _")]
     assert len(rows) == 16, res.stdout
-    for name, dim, *_, loads in rows:
+    for name, dim, *_, loads, _gathers in rows:
         widths = {int(w.split(":")[0]) for w in loads.split(",")}
         assert min(widths - {1}) >= 4, (name, dim, loads)  # 1: the collective's hidden-slot flags
