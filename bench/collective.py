@@ -36,8 +36,7 @@ from tokendance.bench.kernel_timing import (  # noqa: E402
 )
 from tokendance.kernels import collective as col  # noqa: E402
 from tokendance.kernels import paged_triton as pt  # noqa: E402
-from tokendance.kernels.fp8 import FP8 as FORMATS  # noqa: E402
-from tokendance.kernels.fp8 import narrow  # noqa: E402
+from tokendance.kernels.fp8 import FP8 as FORMATS, narrow  # noqa: E402
 from tokendance.kernels.tiles import trig_table  # noqa: E402
 
 DEV = "cpu" if SMOKE else "cuda"
