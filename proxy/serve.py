@@ -43,8 +43,6 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     p.add_argument("--vllm", action="append", default=None, metavar="URL",
                    help="a vLLM server instead of our engine: modes full and prefix only; repeat it "
                         "for several, each session pinned to one")
-    p.add_argument("--tokenizer", default=None, metavar="PATH",
-                   help="with --vllm: the model's folder, for its tokenizer (default: the one vLLM loaded)")
     p.add_argument("--engine-api-key", default=None, metavar="KEY",
                    help=f"the key the --engine or --vllm servers require (default: ${ENGINE_KEY_ENV}, else none)")
     add_engine_args(p)
@@ -225,13 +223,12 @@ def main(args: argparse.Namespace) -> int:
     flags = ", ".join(given)
     if args.engine is not None and flags:
         raise ValueError(f"{flags} set the engine: with --engine, give them to `tokendance engine`")
-    own = ", ".join(f for f in given if f not in GENERATION_FLAGS)  # the proxy samples for vLLM by these
+    # the proxy samples for vLLM by these, and tokenizes for it with --tokenizer's
+    own = ", ".join(f for f in given if f not in (*GENERATION_FLAGS, "--tokenizer"))
     if args.vllm is not None and own:
         raise ValueError(f"{own} set our engine: a vLLM server has its own")
     if args.vllm is not None and args.mode not in (None, "full", "prefix"):
         raise ValueError(f"--mode {args.mode} needs the TokenDance engine; a vLLM server serves full and prefix")
-    if args.tokenizer is not None and args.vllm is None:
-        raise ValueError("--tokenizer goes with --vllm")
     if args.engine is None and args.vllm is None:
         engine_options(args)  # a bad value fails before the model loads
     if not args.drain_timeout >= 0:

@@ -16,7 +16,7 @@ import gguf
 import pytest
 import torch
 
-from tokendance.backend import loader
+from tokendance.backend import convert, loader
 from tokendance.backend.api import InvalidRequest
 from tokendance.backend.config import ModelConfig
 from tokendance.backend.engine import Engine
@@ -132,7 +132,7 @@ def test_a_second_resolve_converts_nothing_and_a_changed_file_anew(files, monkey
     def converting(gguf):  # a conversion reads the file first
         raise AssertionError(f"converted {gguf.name} again")
 
-    monkeypatch.setattr(loader, "_gguf_meta", converting)
+    monkeypatch.setattr(convert, "header", converting)
     assert loader.resolve(str(path)) == first
     stat = path.stat()
     os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns + 1))

@@ -261,7 +261,7 @@ async def test_a_server_with_an_api_key_gets_it(tiny_llama, start):
     (["--vllm", "http://127.0.0.1:9", "--mode", "collective"], "--mode collective needs the TokenDance engine"),
     (["--vllm", "http://127.0.0.1:9", "--engine", "http://127.0.0.1:9"], "--engine and --vllm name two"),
     (["--vllm", "http://127.0.0.1:9", "--dtype", "float32"], "--dtype set our engine"),
-    (["--tokenizer", "/x"], "--tokenizer goes with --vllm"),
+    (["--engine", "http://127.0.0.1:9", "--tokenizer", "/x"], "--tokenizer set the engine"),
     (["--vllm", "http://127.0.0.1:9"], "no vLLM server at http://127.0.0.1:9"),
     (["--vllm", "http://127.0.0.1:9", "--vllm", "http://127.0.0.1:9/"], "--vllm http://127.0.0.1:9 is given twice"),
     (["--vllm", "http://127.0.0.1:9", "--vllm", "http://127.0.0.1:10"], "no vLLM server at http://127.0.0.1:9"),
