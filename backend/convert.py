@@ -17,13 +17,32 @@ from tokendance.backend.api import InvalidRequest
 
 log = structlog.get_logger(__name__)
 
+VERSION = 2  # convert_gguf's: 2 fills in what transformers' GGUF reader leaves out
+# llama.cpp's architectures that transformers reads from a GGUF and the server runs (its
+# Mistral is "llama"; a "llama" with experts, Mixtral, transformers would read as a dense Llama)
+GGUF_ARCHS = ("llama", "qwen2", "qwen3", "qwen2moe", "qwen3moe", "phi3", "gemma2", "gemma3")
+# GGUF metadata transformers' reader leaves unread (its GGUF_CONFIG_MAPPING), by
+# architecture: the key less "{arch}." -> the config field. Without them the model would
+# take its config class's defaults: Qwen3's head_dim of 128, Gemma 2's caps of 50 and 30...
+UNREAD = {
+    "qwen3": {"attention.key_length": "head_dim"},
+    "qwen2moe": {"expert_feed_forward_length": "moe_intermediate_size",
+                 "expert_shared_feed_forward_length": "shared_expert_intermediate_size"},
+    "qwen3moe": {"expert_feed_forward_length": "moe_intermediate_size"},
+    "gemma2": {"attn_logit_softcapping": "attn_logit_softcapping",
+               "final_logit_softcapping": "final_logit_softcapping"},
+    "phi3": {"attention.sliding_window": "sliding_window",
+             "rope.scaling.original_context_length": "original_max_position_embeddings"},
+}
+
+
 def convert_gguf(gguf: Path, out: Path) -> Path:
     """Dequantize a GGUF into an HF folder once; atomic, so a crash leaves no half folder."""
     if (out / "config.json").is_file():
         return out
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-    meta, tensors = header(gguf)
+    meta, factors = header(gguf)
     log.info("converting gguf", src=str(gguf), dst=str(out))
     tmp = out.with_name(out.name + f".tmp{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
@@ -31,7 +50,7 @@ def convert_gguf(gguf: Path, out: Path) -> Path:
         with open(os.devnull, "w") as devnull, contextlib.redirect_stderr(devnull):
             tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
             cfg = AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name)
-            cfg = type(cfg).from_dict({**cfg.to_dict(), **_unread(meta, tensors, cfg.to_dict())})
+            cfg = type(cfg).from_dict({**cfg.to_dict(), **_unread(meta, factors, cfg.to_dict())})
             hf, info = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, config=cfg,
                                                             output_loading_info=True)
     except InvalidRequest:
@@ -52,25 +71,6 @@ def convert_gguf(gguf: Path, out: Path) -> Path:
         tmp.rename(out)
     shutil.rmtree(tmp, ignore_errors=True)
     return out
-
-
-VERSION = 2  # convert_gguf's: 2 fills in what transformers' GGUF reader leaves out
-# llama.cpp's architectures that transformers reads from a GGUF and the server runs (its
-# Mistral is "llama"; a "llama" with experts, Mixtral, transformers would read as a dense Llama)
-GGUF_ARCHS = ("llama", "qwen2", "qwen3", "qwen2moe", "qwen3moe", "phi3", "gemma2", "gemma3")
-# GGUF metadata transformers' reader leaves unread (its GGUF_CONFIG_MAPPING), by
-# architecture: the key less "{arch}." -> the config field. Without them the model would
-# take its config class's defaults: Qwen3's head_dim of 128, Gemma 2's caps of 50 and 30...
-UNREAD = {
-    "qwen3": {"attention.key_length": "head_dim"},
-    "qwen2moe": {"expert_feed_forward_length": "moe_intermediate_size",
-                 "expert_shared_feed_forward_length": "shared_expert_intermediate_size"},
-    "qwen3moe": {"expert_feed_forward_length": "moe_intermediate_size"},
-    "gemma2": {"attn_logit_softcapping": "attn_logit_softcapping",
-               "final_logit_softcapping": "final_logit_softcapping"},
-    "phi3": {"attention.sliding_window": "sliding_window",
-             "rope.scaling.original_context_length": "original_max_position_embeddings"},
-}
 
 
 def first_line(e: BaseException) -> str:
