@@ -48,9 +48,9 @@ def test_a_tokenizer_that_is_not_the_models_is_one_line(tiny_llama, make_model, 
     assert "\n" not in str(e.value)
 
 
-def test_serve_and_engine_take_it_and_say_what_is_wrong(tiny_llama, tmp_path, capsys):
-    for command in ("serve", "engine"):
-        assert cli.main([command, "--model", str(tiny_llama), "--tokenizer", str(tmp_path / "none")]) == 1
+def test_serve_engine_and_generate_take_it_and_say_what_is_wrong(tiny_llama, tmp_path, capsys):
+    for command, *prompt in (("serve",), ("engine",), ("generate", "hi")):
+        assert cli.main([command, "--model", str(tiny_llama), "--tokenizer", str(tmp_path / "none"), *prompt]) == 1
         err = capsys.readouterr().err.strip()
         assert err == f"tokendance {command}: --tokenizer {tmp_path / 'none'}: no such folder (a local folder of " \
                       "tokenizer files)"
