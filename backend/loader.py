@@ -77,7 +77,7 @@ def tokenizer(folder: Path, given: str | None, vocab: int) -> Any:
         tok = AutoTokenizer.from_pretrained(where)
     except Exception as e:  # no tokenizer files, or broken ones
         raise InvalidRequest(f"the tokenizer at {where} does not load ({type(e).__name__}: "
-                             f"{convert.first_line(e)})", "tokenizer") from e
+                             f"{convert.first_line(e)})", "model" if given is None else "tokenizer") from e
     if given is not None and len(tok) > vocab:
         raise InvalidRequest(f"the tokenizer at {where} holds {len(tok)} tokens, the model {vocab}: "
                              "not this model's", "tokenizer")

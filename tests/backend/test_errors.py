@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import json
+import shutil
 
 import pytest
 
 from tokendance.backend.api import InvalidRequest, SamplingParams
 from tokendance.backend.engine import Engine
+from tests.conftest import TOKENIZER_FILES
 
 
 def test_missing_model_path(tmp_path):
@@ -44,9 +46,19 @@ def test_unsupported_rope_scaling(make_model):
 
 
 def test_folder_without_weights(tmp_path, tiny_llama):
-    (tmp_path / "config.json").write_text((tiny_llama / "config.json").read_text())
+    for name in ("config.json", *TOKENIZER_FILES):  # all but the weights
+        if (tiny_llama / name).exists():
+            shutil.copy(tiny_llama / name, tmp_path / name)
     with pytest.raises(InvalidRequest, match="no .safetensors"):
         Engine(model=str(tmp_path))
+
+
+def test_folder_without_a_tokenizer(tmp_path, tiny_llama):
+    """Its tokenizer is read before the weights: one line naming the folder."""
+    (tmp_path / "config.json").write_text((tiny_llama / "config.json").read_text())
+    with pytest.raises(InvalidRequest, match=f"the tokenizer at {tmp_path} does not load") as e:
+        Engine(model=str(tmp_path))
+    assert e.value.param == "model" and "\n" not in str(e.value)
 
 
 @pytest.fixture(scope="module")
