@@ -68,7 +68,8 @@ def add_parallel_args(p: argparse.ArgumentParser) -> None:
                         "engine's device on; the model's heads and MLP width must divide by it")
 
 
-GENERATION_FLAGS = ("--generation-config", "--override-generation-config")
+# engine flags that serve --vllm takes too: the proxy tokenizes and samples for a vLLM server by them
+VLLM_TOO = ("--tokenizer", "--generation-config", "--override-generation-config")
 
 
 def add_generation_args(p: argparse.ArgumentParser) -> None:

@@ -14,7 +14,7 @@ from pathlib import Path
 from tokendance.backend import heap, logs
 from tokendance.backend.api import MODES, Backend, BackendError
 from tokendance.backend.auth import ENGINE_KEY_ENV, check_keys
-from tokendance.backend.flags import GENERATION_FLAGS, add_engine_args, at_least, changed, engine_options
+from tokendance.backend.flags import VLLM_TOO, add_engine_args, at_least, changed, engine_options
 
 from .app import Server
 from .core import Config
@@ -223,8 +223,7 @@ def main(args: argparse.Namespace) -> int:
     flags = ", ".join(given)
     if args.engine is not None and flags:
         raise ValueError(f"{flags} set the engine: with --engine, give them to `tokendance engine`")
-    # the proxy samples for vLLM by these, and tokenizes for it with --tokenizer's
-    own = ", ".join(f for f in given if f not in (*GENERATION_FLAGS, "--tokenizer"))
+    own = ", ".join(f for f in given if f not in VLLM_TOO)
     if args.vllm is not None and own:
         raise ValueError(f"{own} set our engine: a vLLM server has its own")
     if args.vllm is not None and args.mode not in (None, "full", "prefix"):
