@@ -22,6 +22,7 @@ COUNTS = (*REQUIRED, "num_key_value_heads", "head_dim", "max_position_embeddings
 class EngineConfig:
     model: str | None = None  # HF folder, .gguf, or None for the embedded default
     tokenizer: str | None = None  # vLLM's --tokenizer: a folder's instead of the model's own
+    hf_config_path: str | None = None  # vLLM's: a folder's config.json instead of the model's own
     dtype: str = "auto"  # auto: bfloat16 on CUDA, float32 on CPU
     kv_cache_dtype: str = "auto"  # vLLM's: the pool's K/V in the model's dtype, or fp8 (kernels/fp8.py)
     device: str = "auto"  # with tensor parallelism, the first of its devices
@@ -53,8 +54,8 @@ class EngineConfig:
     offload_bytes: int | None = None  # host memory for idle agents' KV (backend/idle.py); 0: off,
     # None: device.host_tier_bytes (8 GiB beside a GPU, 1 GiB on a CPU)
     overlap: bool | None = None  # decode steps overlap host and GPU (backend/lookahead.py); None: on CUDA
-    # the default sampling (backend/generation.py): "auto" (the model folder's
-    # generation_config.json), "vllm" (none) or a folder; values set over it
+    # the default sampling (backend/generation.py): "auto" (the generation_config.json beside
+    # the model's config.json), "vllm" (none) or a folder; values set over it
     generation_config: str = "auto"
     override_generation_config: dict[str, float] = field(default_factory=dict)
 

@@ -64,7 +64,8 @@ def convert_gguf(gguf: Path, out: Path) -> Path:
     # A dequantized GGUF is plain weights: drop the quantizer so it saves as safetensors.
     del hf.config.quantization_config
     hf.hf_quantizer = None
-    hf.save_pretrained(tmp)
+    with open(os.devnull, "w") as devnull, contextlib.redirect_stderr(devnull):  # its progress bar
+        hf.save_pretrained(tmp)
     tok.save_pretrained(tmp)
     out.parent.mkdir(parents=True, exist_ok=True)
     with contextlib.suppress(OSError):

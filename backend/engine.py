@@ -47,7 +47,8 @@ class Engine:
         self.device = pick_device(cfg.device)
         self.dtype = cfg.dtype_on(self.device)
         self.folder: Path = loader.resolve(cfg.model)
-        model = ModelConfig.load(self.folder).reach(cfg.max_model_len)
+        self.config_folder = loader.config_folder(self.folder, cfg.hf_config_path)
+        model = ModelConfig.load(self.config_folder).reach(cfg.max_model_len)
         self.tp = parallel.shard_for(cfg, self.device, model)
         if self.tp is not None:
             self.device = self.tp.device
@@ -76,13 +77,13 @@ class Engine:
                 torch.manual_seed(cfg.seed)
             self.model = loader.build(model, self.dtype, self.device, self.tp)
         else:
-            self.model = loader.load(self.folder, model, self.dtype, self.device, self.tp)
+            self.model = loader.load(self.folder, model, self.dtype, self.device, self.tp, self.config_folder)
         packed.pack(self.model)
         self.mcfg = self.model.cfg
         self.pieces = Pieces(self.tokenizer)  # tokens' texts alone, for logprobs
         # vLLM's served name: the model as given (a path stays a path)
         self.name = loader.DEFAULT_MODEL if cfg.model in (None, "", "default") else cfg.model
-        self.eos = set(ends(self.folder, self.tokenizer))
+        self.eos = set(ends(self.config_folder, self.tokenizer))
         self.grammars = Grammars(self.tokenizer, self.mcfg.vocab_size, sorted(self.eos))
         budget = cfg.max_batched_tokens or (16384 if self.device.type == "cuda" else 2048)
         held = cfg.kv_dtype(self.dtype)

