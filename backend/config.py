@@ -6,10 +6,12 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from tokendance.backend.api import BASES, KV_DTYPES, POLICIES, REUSE_DEFAULTS, InvalidRequest
+from tokendance.backend.overrides import named, overridden
 from tokendance.kernels.fp8 import FP8
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -23,6 +25,7 @@ class EngineConfig:
     model: str | None = None  # HF folder, .gguf, or None for the embedded default
     tokenizer: str | None = None  # vLLM's --tokenizer: a folder's instead of the model's own
     hf_config_path: str | None = None  # vLLM's: a folder's config.json instead of the model's own
+    hf_overrides: dict[str, Any] = field(default_factory=dict)  # vLLM's: fields set over config.json
     dtype: str = "auto"  # auto: bfloat16 on CUDA, float32 on CPU
     kv_cache_dtype: str = "auto"  # vLLM's: the pool's K/V in the model's dtype, or fp8 (kernels/fp8.py)
     device: str = "auto"  # with tensor parallelism, the first of its devices
@@ -154,11 +157,13 @@ class ModelConfig:
     shared_expert_size: int = 0
 
     @classmethod
-    def load(cls, folder: str | Path) -> "ModelConfig":
-        path = Path(folder) / "config.json"
-        if not path.is_file():
+    def load(cls, folder: str | Path, overrides: dict[str, Any] | None = None) -> "ModelConfig":
+        """The model the folder's config.json describes (with vLLM's --hf-overrides over it)."""
+        file = Path(folder) / "config.json"
+        if not file.is_file():
             raise InvalidRequest(f"no config.json in model folder {folder}", "model")
-        raw = _read(path)
+        raw = overridden(_read(file), overrides or {})
+        path = f"{file}{named(overrides or {})}"  # what the errors below name
         archs = raw.get("architectures") or []
         arch = next((ARCHITECTURES[a] for a in archs if a in ARCHITECTURES), None)
         if arch is None:
@@ -241,7 +246,7 @@ class ModelConfig:
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * elem_size
 
 
-def _nope(raw: dict, path: Path) -> tuple[int, ...]:
+def _nope(raw: dict, path: str) -> tuple[int, ...]:
     """SmolLM3's layers without RoPE: `no_rope_layers` (1: RoPE, 0: none, a flag a layer),
     else every `no_rope_layer_interval`-th layer, as transformers reads them."""
     n = raw["num_hidden_layers"]
@@ -256,7 +261,7 @@ def _nope(raw: dict, path: Path) -> tuple[int, ...]:
     return tuple(i for i, f in enumerate(flags) if not f)
 
 
-def _windows(raw: dict, arch: str, path: Path) -> tuple[int, ...]:
+def _windows(raw: dict, arch: str, path: str) -> tuple[int, ...]:
     """Each layer's sliding window (0: none), as transformers reads each architecture's
     config: every layer's (Mistral, Mixtral, Phi-3, Qwen3-MoE), or the layers `layer_types`
     names, else those its rule picks (Qwen2 and Qwen3 from max_window_layers on, Qwen2-MoE
@@ -298,7 +303,7 @@ def _windows(raw: dict, arch: str, path: Path) -> tuple[int, ...]:
     return out if any(out) else ()
 
 
-def _gemma(raw: dict, arch: str, path: Path) -> dict:
+def _gemma(raw: dict, arch: str, path: str) -> dict:
     """Gemma 2's and 3's fields, as transformers reads them: scores scaled by
     query_pre_attn_scalar and capped at attn_logit_softcapping (Gemma 2's default 50),
     logits at final_logit_softcapping (Gemma 2's 30), embeddings scaled by the square root
@@ -335,7 +340,7 @@ def _gemma(raw: dict, arch: str, path: Path) -> dict:
                 logit_softcap=None if final is None else float(final))
 
 
-def _rotary_dim(raw: dict, rope: dict, head_dim: int, path: Path) -> int | None:
+def _rotary_dim(raw: dict, rope: dict, head_dim: int, path: str) -> int | None:
     """How many of a head's dims RoPE turns, if not all (partial_rotary_factor)."""
     share = rope.get("partial_rotary_factor", raw.get("partial_rotary_factor", 1.0))
     dim = int(head_dim * share) if isinstance(share, (int, float)) and not isinstance(share, bool) else 0
@@ -345,7 +350,7 @@ def _rotary_dim(raw: dict, rope: dict, head_dim: int, path: Path) -> int | None:
     return None if dim == head_dim else dim
 
 
-def _granite(raw: dict, path: Path) -> dict[str, float]:
+def _granite(raw: dict, path: str) -> dict[str, float]:
     """Granite's multipliers, as transformers defaults them (1.0 each: the attention's too)."""
     out = {}
     for key in ("embedding_multiplier", "residual_multiplier", "attention_multiplier", "logits_scaling"):
@@ -356,7 +361,7 @@ def _granite(raw: dict, path: Path) -> dict[str, float]:
     return out
 
 
-def _moe(raw: dict, arch: str, path: Path) -> dict:
+def _moe(raw: dict, arch: str, path: str) -> dict:
     """A mixture of experts' fields, as transformers reads each architecture's config."""
     n = raw["num_hidden_layers"]
     keys = dict(experts="num_experts" if "num_experts" in raw else "num_local_experts",

@@ -48,7 +48,7 @@ class Engine:
         self.dtype = cfg.dtype_on(self.device)
         self.folder: Path = loader.resolve(cfg.model)
         self.config_folder = loader.config_folder(self.folder, cfg.hf_config_path)
-        model = ModelConfig.load(self.config_folder).reach(cfg.max_model_len)
+        model = ModelConfig.load(self.config_folder, cfg.hf_overrides).reach(cfg.max_model_len)
         self.tp = parallel.shard_for(cfg, self.device, model)
         if self.tp is not None:
             self.device = self.tp.device

@@ -29,6 +29,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="the model as this folder's config.json (and generation_config.json) describe it "
                         "(vLLM's: for a GGUF, its original model's folder, with what no GGUF carries, such "
                         "as a sliding window; default: the model's own)")
+    p.add_argument("--hf-overrides", type=json_object, default=None, metavar="JSON",
+                   help="fields set over the model's config.json, each whole (vLLM's), e.g. a longer context: "
+                        '\'{"rope_scaling": {"rope_type": "yarn", "factor": 4.0, '
+                        '"original_max_position_embeddings": 32768}, "max_position_embeddings": 131072}\'')
     p.add_argument("--dtype", default="auto", help="auto, float32, bfloat16, float16")
     p.add_argument("--kv-cache-dtype", choices=KV_DTYPES, default="auto",
                    help="the KV pool's: auto (the model's dtype) or 8-bit floats (fp8 = fp8_e4m3; "
@@ -186,7 +190,7 @@ def engine_options(args: argparse.Namespace) -> dict[str, Any]:
     generation.check(args.generation_config, args.override_generation_config)
     offload = None if args.offload_gib is None else int(args.offload_gib * 2**30)  # None: the device's default
     return {"model": model(args), "tokenizer": args.tokenizer, "hf_config_path": args.hf_config_path,
-            "dtype": args.dtype, "kv_cache_dtype": args.kv_cache_dtype, "tensor_parallel_size": args.tensor_parallel_size,
+            "hf_overrides": args.hf_overrides or {}, "dtype": args.dtype, "kv_cache_dtype": args.kv_cache_dtype, "tensor_parallel_size": args.tensor_parallel_size,
             "seed": args.seed, **({"cuda_graphs": 0} if args.enforce_eager else {}), "offload_bytes": offload,
             "anchor_bytes": int(args.anchor_gib * 2**30), "anchor_rank": args.anchor_rank,
             "kv_tokens": args.kv_tokens, "gpu_memory_utilization": args.gpu_memory_utilization,
