@@ -56,7 +56,8 @@ def main(args: argparse.Namespace) -> int:
     if args.raw:
         prompt = eng.tokenizer.encode(text)
     else:
-        msgs = ([{"role": "system", "content": args.system}] if args.system else []) + [{"role": "user", "content": text}]
+        msgs = [{"role": "system", "content": args.system}] if args.system else []
+        msgs.append({"role": "user", "content": text})
         prompt = eng.encode(render_chat(eng.tokenizer, msgs))
     eng.add("cli", prompt, sampling)
     start, first, n = time.perf_counter(), None, 0

@@ -1,6 +1,8 @@
-"""A GGUF file as an HF folder: dequantized by transformers' GGUF reader once, into the
-cache directory (backend/loader.py `resolve`), with what that reader leaves out of the
-config read from the file itself, so that the folder's model is the one the file holds.
+"""A GGUF file as an HF folder, once, in the cache directory (backend/loader.py `resolve`):
+its config and tokenizer read by transformers' GGUF reader, with what that reader leaves
+out of the config read from the file itself, and its weights streamed into the folder's
+model.safetensors (backend/gguf_tensors.py), so that the folder's model is the one the
+file holds.
 """
 
 from __future__ import annotations
@@ -9,10 +11,13 @@ import contextlib
 import math
 import os
 import shutil
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import structlog
 
+from tokendance.backend import gguf_tensors
 from tokendance.backend.api import InvalidRequest
 
 log = structlog.get_logger(__name__)
@@ -40,33 +45,39 @@ def convert_gguf(gguf: Path, out: Path) -> Path:
     """Dequantize a GGUF into an HF folder once; atomic, so a crash leaves no half folder."""
     if (out / "config.json").is_file():
         return out
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    import torch
+    from transformers import AutoConfig, AutoTokenizer, GenerationConfig
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
-    meta, factors = header(gguf)
+    reader = read(gguf)
+    meta, factors = header(reader, gguf.name)
     log.info("converting gguf", src=str(gguf), dst=str(out))
     tmp = out.with_name(out.name + f".tmp{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     try:
-        with open(os.devnull, "w") as devnull, contextlib.redirect_stderr(devnull):
+        with open(os.devnull, "w") as devnull, contextlib.redirect_stderr(devnull), _parsed_once(gguf, reader):
             tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
             cfg = AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name)
             cfg = type(cfg).from_dict({**cfg.to_dict(), **_unread(meta, factors, cfg.to_dict())})
-            hf, info = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, config=cfg,
-                                                            output_loading_info=True)
     except InvalidRequest:
         raise
-    except Exception as e:  # transformers': a tensor of a shape the config does not give, ...
+    except Exception as e:  # transformers': metadata it cannot read, ...
         raise InvalidRequest(f"{gguf.name}: transformers cannot convert it ({type(e).__name__}: "
                              f"{first_line(e)})", "model") from e
-    if info["missing_keys"]:
-        raise InvalidRequest(f"{gguf.name}: transformers found no {sorted(info['missing_keys'])[0]} in it "
-                             f"({len(info['missing_keys'])} weights missing)", "model")
-    # A dequantized GGUF is plain weights: drop the quantizer so it saves as safetensors.
-    del hf.config.quantization_config
-    hf.hf_quantizer = None
-    with open(os.devnull, "w") as devnull, contextlib.redirect_stderr(devnull):  # its progress bar
-        hf.save_pretrained(tmp)
-    tok.save_pretrained(tmp)
+    try:
+        tmp.mkdir(parents=True)
+        gguf_tensors.write(reader, meta["arch"], cfg.to_dict(), tmp)
+        cfg.architectures = [MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[cfg.model_type]]
+        cfg.dtype = torch.float32  # the weights', as transformers writes a model's
+        cfg.save_pretrained(tmp)
+        GenerationConfig.from_model_config(cfg).save_pretrained(tmp)
+        tok.save_pretrained(tmp)
+    except InvalidRequest as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise InvalidRequest(f"{gguf.name}: {e.message}", e.param) from e
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     out.parent.mkdir(parents=True, exist_ok=True)
     with contextlib.suppress(OSError):
         tmp.rename(out)
@@ -78,27 +89,51 @@ def first_line(e: BaseException) -> str:
     return (str(e).strip().splitlines() or [""])[0]
 
 
-def header(path: Path) -> tuple[dict, dict[str, list[float]]]:
-    """A GGUF's metadata (its architecture's keys without "{arch}.", and "arch"; no
-    tokenizer) and its RoPE factors (1-D F32 tensors); InvalidRequest in one line where it
-    is no GGUF or one of an architecture the server cannot take from a GGUF."""
-    from gguf import GGMLQuantizationType, GGUFReader
+def read(path: Path) -> Any:
+    """The file's gguf-py reader; InvalidRequest in one line where it is no GGUF."""
+    from gguf import GGUFReader
 
     try:
-        reader = GGUFReader(path)
+        return GGUFReader(path)
     except Exception as e:  # not a GGUF (its magic number), or one cut short
         raise InvalidRequest(f"{path.name} is not a readable GGUF file ({first_line(e)})", "model") from e
+
+
+def header(reader: Any, name: str) -> tuple[dict, dict[str, list[float]]]:
+    """A GGUF's metadata (its architecture's keys without "{arch}.", and "arch"; no
+    tokenizer) and its RoPE factors (1-D F32 tensors); InvalidRequest in one line where it
+    is of an architecture the server cannot take from a GGUF."""
+    from gguf import GGMLQuantizationType
+
     field = reader.fields.get("general.architecture")
     arch = field.contents() if field is not None else None
     meta = {k.removeprefix(f"{arch}."): f.contents() for k, f in reader.fields.items()
             if not k.startswith("tokenizer.")}
     if arch not in GGUF_ARCHS or (arch == "llama" and meta.get("expert_count")):
         what = "llama with experts (Mixtral's)" if arch == "llama" else repr(arch)
-        raise InvalidRequest(f"{path.name}: GGUF architecture {what} cannot be converted and served; GGUF files "
+        raise InvalidRequest(f"{name}: GGUF architecture {what} cannot be converted and served; GGUF files "
                              f"of {', '.join(GGUF_ARCHS)} can (serve its HF folder instead)", "model")
     factors = {t.name: t.data.tolist() for t in reader.tensors if t.name.startswith("rope_")
                and t.tensor_type == GGMLQuantizationType.F32 and len(t.shape) == 1}
     return {**meta, "arch": arch}, factors
+
+
+@contextlib.contextmanager
+def _parsed_once(path: Path, reader: Any) -> Iterator[None]:
+    """transformers parses the file again for the config and again for the tokenizer,
+    seconds each for a vocabulary of 49,152 tokens: it gets the reader parsed here."""
+    import gguf
+
+    made, mine = gguf.GGUFReader, path.resolve()
+
+    def reuse(p, *args, **kw):
+        return reader if not args and not kw and Path(p).resolve() == mine else made(p, *args, **kw)
+
+    gguf.GGUFReader = reuse
+    try:
+        yield
+    finally:
+        gguf.GGUFReader = made
 
 
 def _unread(meta: dict, factors: dict[str, list[float]], cfg: dict) -> dict:

@@ -190,7 +190,8 @@ def engine_options(args: argparse.Namespace) -> dict[str, Any]:
     generation.check(args.generation_config, args.override_generation_config)
     offload = None if args.offload_gib is None else int(args.offload_gib * 2**30)  # None: the device's default
     return {"model": model(args), "tokenizer": args.tokenizer, "hf_config_path": args.hf_config_path,
-            "hf_overrides": args.hf_overrides or {}, "dtype": args.dtype, "kv_cache_dtype": args.kv_cache_dtype, "tensor_parallel_size": args.tensor_parallel_size,
+            "hf_overrides": args.hf_overrides or {}, "dtype": args.dtype, "kv_cache_dtype": args.kv_cache_dtype,
+            "tensor_parallel_size": args.tensor_parallel_size,
             "seed": args.seed, **({"cuda_graphs": 0} if args.enforce_eager else {}), "offload_bytes": offload,
             "anchor_bytes": int(args.anchor_gib * 2**30), "anchor_rank": args.anchor_rank,
             "kv_tokens": args.kv_tokens, "gpu_memory_utilization": args.gpu_memory_utilization,

@@ -1,9 +1,10 @@
 """vLLM's `--hf-overrides`: fields set over the model's config.json before it is read, as
 for a longer context (`{"rope_scaling": {"rope_type": "yarn", "factor": 4.0,
 "original_max_position_embeddings": 32768}, "max_position_embeddings": 131072}`, YaRN as
-the Qwen2.5 and Qwen3 model cards give it) or a shorter window. Each field replaces the file's whole; RoPE is the one field
-known under two names (transformers 5 writes `rope_parameters`, older files and vLLM's
-docs `rope_scaling`), so RoPE given under either replaces the file's under both."""
+the Qwen2.5 and Qwen3 model cards give it) or a shorter window. Each field replaces the
+file's whole; RoPE is the one field known under two names (transformers 5 writes
+`rope_parameters`, older files and vLLM's docs `rope_scaling`), so RoPE given under either
+replaces the file's under both."""
 
 from __future__ import annotations
 

@@ -33,8 +33,8 @@ class EngineBackend:
         self.mode = mode
         self.core = AsyncEngine(engine)
         cfg = engine.cfg
-        self.info = ModelInfo(engine.name, engine.max_model_len, engine.kv_bytes_per_token,
-                              defaults(engine.config_folder, cfg.generation_config, cfg.override_generation_config),
+        sampling = defaults(engine.config_folder, cfg.generation_config, cfg.override_generation_config)
+        self.info = ModelInfo(engine.name, engine.max_model_len, engine.kv_bytes_per_token, sampling,
                               priority=engine.scheduler.ranked, eos=tuple(sorted(engine.eos)))
         self._ids = itertools.count()
 

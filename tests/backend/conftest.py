@@ -6,6 +6,7 @@ tests marked `device_defaults`."""
 from __future__ import annotations
 
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -19,3 +20,13 @@ def _short_segments_reused(request: pytest.FixtureRequest) -> Iterator[None]:
         if request.node.get_closest_marker("device_defaults") is None:
             mp.setattr(segments, "CUDA_MIN_SHARED", 0)
         yield
+
+
+@pytest.fixture(scope="module")
+def gguf_cache(make_model, tmp_path_factory) -> Iterator[Path]:
+    """GGUF conversions into a cache folder of the module's own (after make_model: the
+    embedded model's goes where it always does)."""
+    with pytest.MonkeyPatch.context() as mp:
+        root = tmp_path_factory.mktemp("cache")
+        mp.setenv("TOKENDANCE_CACHE", str(root))
+        yield root

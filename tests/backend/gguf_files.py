@@ -25,8 +25,9 @@ ARCH = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3"
 EXPERT = re.compile(r"(.+\.mlp\.experts)\.(\d+)\.(\w+)\.weight$")
 
 
-def write_gguf(folder: Path, dest: Path) -> Path:
-    """`folder`'s model as the GGUF file `dest`."""
+def write_gguf(folder: Path, dest: Path, quant: gguf.GGMLQuantizationType | None = None) -> Path:
+    """`folder`'s model as the GGUF file `dest`; with `quant`, its matrices (rows of whole
+    blocks) quantized so, as llama.cpp's quantized files hold them."""
     cfg = json.loads((folder / "config.json").read_text())
     kind = cfg["model_type"].removesuffix("_text")  # gemma3_text
     arch = ARCH[kind]
@@ -37,7 +38,11 @@ def write_gguf(folder: Path, dest: Path) -> Path:
     for key, (value, vtype, sub) in _tokenizer(cfg["vocab_size"]).items():
         w.add_key_value(key, value, vtype, sub)
     for name, t in _tensors(folder, cfg, kind, arch):
-        w.add_tensor(name, t.squeeze().contiguous().numpy())  # convert_hf_to_gguf squeezes every tensor
+        t = t.squeeze().contiguous().numpy()  # convert_hf_to_gguf squeezes every tensor
+        if quant is not None and t.ndim >= 2 and t.shape[-1] % gguf.GGML_QUANT_SIZES[quant][0] == 0:
+            w.add_tensor(name, gguf.quants.quantize(t, quant), raw_dtype=quant)
+        else:
+            w.add_tensor(name, t)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

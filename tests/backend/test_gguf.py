@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 from dataclasses import asdict, replace
 
 import gguf
@@ -67,17 +68,7 @@ KINDS = {
 
 
 @pytest.fixture(scope="module")
-def cache(make_model, tmp_path_factory):
-    """Conversions into a folder of the module's own (after make_model: the embedded
-    model's goes where it always does)."""
-    with pytest.MonkeyPatch.context() as mp:
-        root = tmp_path_factory.mktemp("cache")
-        mp.setenv("TOKENDANCE_CACHE", str(root))
-        yield root
-
-
-@pytest.fixture(scope="module")
-def files(make_model, cache, tmp_path_factory, smollm2):
+def files(make_model, gguf_cache, tmp_path_factory, smollm2):
     """files(arch) -> (the tiny model's folder, its GGUF), made once (skipped where the
     embedded GGUF, whose tokenizer they take, is not installed)."""
     root, made = tmp_path_factory.mktemp("gguf"), {}
@@ -135,12 +126,32 @@ def test_a_second_resolve_converts_nothing_and_a_changed_file_anew(files, monkey
     def converting(gguf):  # a conversion reads the file first
         raise AssertionError(f"converted {gguf.name} again")
 
-    monkeypatch.setattr(convert, "header", converting)
+    monkeypatch.setattr(convert, "read", converting)
     assert loader.resolve(str(path)) == first
     stat = path.stat()
     os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns + 1))
     with pytest.raises(AssertionError, match="converted qwen2.gguf again"):
         loader.resolve(str(path))
+
+
+def test_a_conversion_parses_the_file_once(files, gguf_cache, monkeypatch):
+    """transformers' config and tokenizer readers get the reader parsed for the header
+    (a vocabulary of 49,152 tokens takes seconds to parse each time)."""
+    import gguf as gguf_py
+
+    _, path = files("qwen3")
+    parsed, made = [], gguf_py.GGUFReader
+
+    def counted(p, *args, **kw):
+        parsed.append(p)
+        return made(p, *args, **kw)
+
+    monkeypatch.setattr(gguf_py, "GGUFReader", counted)
+    for f in gguf_cache.glob("qwen3-*"):
+        shutil.rmtree(f)
+    loader.resolve(str(path))
+    assert parsed == [path]
+    assert gguf_py.GGUFReader is counted
 
 
 def _metadata_only(path, arch: str, experts: int = 0):
@@ -159,7 +170,7 @@ def _metadata_only(path, arch: str, experts: int = 0):
     ("gpt2", 0, "'gpt2'"),  # transformers reads it; not served
     ("llama", 8, "llama with experts (Mixtral's)"),  # transformers would make it a dense Llama
 ])
-def test_an_architecture_it_cannot_convert_is_a_one_line_error(cache, tmp_path, arch, experts, what):
+def test_an_architecture_it_cannot_convert_is_a_one_line_error(gguf_cache, tmp_path, arch, experts, what):
     path = _metadata_only(tmp_path / "m.gguf", arch, experts)
     with pytest.raises(InvalidRequest, match=re.escape(f"m.gguf: GGUF architecture {what} cannot be")) as e:
         loader.resolve(str(path))
@@ -168,16 +179,16 @@ def test_an_architecture_it_cannot_convert_is_a_one_line_error(cache, tmp_path, 
 
 @pytest.mark.parametrize("content", [b"", b"not a gguf file at all\n" * 40, b"GGUF\x03\x00\x00\x00" + b"\xff" * 64],
                          ids=["empty", "text", "cut short"])
-def test_a_file_that_is_no_gguf_is_a_one_line_error(cache, tmp_path, content):
+def test_a_file_that_is_no_gguf_is_a_one_line_error(gguf_cache, tmp_path, content):
     path = tmp_path / "bad.gguf"
     path.write_bytes(content)
     with pytest.raises(InvalidRequest, match="bad.gguf is not a readable GGUF file") as e:
         Engine(model=str(path), dtype="float32", kv_tokens=1024)
     assert "\n" not in str(e.value)
-    assert not list(cache.glob("bad*"))  # no half folder left behind
+    assert not list(gguf_cache.glob("bad*"))  # no half folder left behind
 
 
-def test_hf_config_path_gives_what_no_gguf_carries(make_model, cache, tmp_path):
+def test_hf_config_path_gives_what_no_gguf_carries(make_model, gguf_cache, tmp_path):
     """Mistral v0.1's sliding window, which llama.cpp does not write: served from the GGUF
     alone, the model attends past it; with the original folder's config.json it is the
     original model, and that folder's generation config gives the ends and the defaults."""
