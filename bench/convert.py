@@ -101,14 +101,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--hidden", type=int, default=2048)
     args = p.parse_args(argv)
     root = Path(__file__).resolve().parents[1]
-    work = Path(tempfile.mkdtemp(prefix="convert-bench-"))
-    old = work / "convert_old.py"
     try:
-        old.write_text(subprocess.run(["git", "-C", str(root), "show", f"{args.baseline}:backend/convert.py"],
-                                      capture_output=True, text=True, check=True).stdout)
+        text = subprocess.run(["git", "-C", str(root), "show", f"{args.baseline}:backend/convert.py"],
+                              capture_output=True, text=True, check=True).stdout
     except subprocess.CalledProcessError as e:
         print(f"--baseline: git cannot read {args.baseline}:backend/convert.py ({e.stderr.strip()})", file=sys.stderr)
         return 2
+    work = Path(tempfile.mkdtemp(prefix="convert-bench-"))
+    old = work / "convert_old.py"
+    old.write_text(text)
     from tokendance.backend.loader import default_gguf
 
     files = {"SmolLM2-135M Q4_1": default_gguf(),
