@@ -24,7 +24,8 @@ log = structlog.get_logger(__name__)
 
 VERSION = 2  # convert_gguf's: 2 fills in what transformers' GGUF reader leaves out
 # llama.cpp's architectures that transformers reads from a GGUF and the server runs (its
-# Mistral is "llama"; a "llama" with experts, Mixtral, transformers would read as a dense Llama)
+# Mistral is "llama", and so is its Mixtral, a "llama" with experts, which transformers would
+# read as a dense Llama: its config is made Mixtral's here)
 GGUF_ARCHS = ("llama", "qwen2", "qwen3", "qwen2moe", "qwen3moe", "phi3", "gemma2", "gemma3")
 # GGUF metadata transformers' reader leaves unread (its GGUF_CONFIG_MAPPING), by
 # architecture: the key less "{arch}." -> the config field. Without them the model would
@@ -46,7 +47,7 @@ def convert_gguf(gguf: Path, out: Path) -> Path:
     if (out / "config.json").is_file():
         return out
     import torch
-    from transformers import AutoConfig, AutoTokenizer, GenerationConfig
+    from transformers import AutoConfig, AutoTokenizer, GenerationConfig, MixtralConfig
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
     reader = read(gguf)
@@ -58,7 +59,10 @@ def convert_gguf(gguf: Path, out: Path) -> Path:
         with open(os.devnull, "w") as devnull, contextlib.redirect_stderr(devnull), _parsed_once(gguf, reader):
             tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
             cfg = AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name)
-            cfg = type(cfg).from_dict({**cfg.to_dict(), **_unread(meta, factors, cfg.to_dict())})
+            fields = {**cfg.to_dict(), **_unread(meta, factors, cfg.to_dict())}
+            mixtral = meta["arch"] == "llama" and meta.get("expert_count")
+            cfg = (MixtralConfig if mixtral else type(cfg)).from_dict(
+                {k: v for k, v in fields.items() if not (mixtral and k == "model_type")})
     except InvalidRequest:
         raise
     except Exception as e:  # transformers': metadata it cannot read, ...
@@ -109,9 +113,8 @@ def header(reader: Any, name: str) -> tuple[dict, dict[str, list[float]]]:
     arch = field.contents() if field is not None else None
     meta = {k.removeprefix(f"{arch}."): f.contents() for k, f in reader.fields.items()
             if not k.startswith("tokenizer.")}
-    if arch not in GGUF_ARCHS or (arch == "llama" and meta.get("expert_count")):
-        what = "llama with experts (Mixtral's)" if arch == "llama" else repr(arch)
-        raise InvalidRequest(f"{name}: GGUF architecture {what} cannot be converted and served; GGUF files "
+    if arch not in GGUF_ARCHS:
+        raise InvalidRequest(f"{name}: GGUF architecture {arch!r} cannot be converted and served; GGUF files "
                              f"of {', '.join(GGUF_ARCHS)} can (serve its HF folder instead)", "model")
     factors = {t.name: t.data.tolist() for t in reader.tensors if t.name.startswith("rope_")
                and t.tensor_type == GGMLQuantizationType.F32 and len(t.shape) == 1}
@@ -141,6 +144,8 @@ def _unread(meta: dict, factors: dict[str, list[float]], cfg: dict) -> dict:
     transformers' reader leaves out (`cfg`: what it read)."""
     arch, heads, hidden = meta["arch"], meta["attention.head_count"], meta["embedding_length"]
     out = {field: meta[key] for key, field in UNREAD.get(arch, {}).items() if key in meta}
+    if arch == "llama" and meta.get("expert_count"):  # Mixtral's: feed_forward_length is an expert's
+        out.update(num_local_experts=meta["expert_count"], num_experts_per_tok=meta["expert_used_count"])
     rope = dict(cfg["rope_parameters"])
     scaled = {}  # the RoPE scaling llama.cpp writes as metadata, or as each pair's divisor (Llama 3's)
     if meta.get("rope.scaling.type") in ("linear", "yarn"):

@@ -32,14 +32,23 @@ BLOCK = {
     "ffn_gate_shexp": "mlp.shared_expert.gate_proj", "ffn_up_shexp": "mlp.shared_expert.up_proj",
     "ffn_down_shexp": "mlp.shared_expert.down_proj", "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
 }
-# where an architecture names them otherwise: Gemma's four norms a block, Phi-3's fused gate and up
+# where an architecture names them otherwise: Gemma's four norms a block, Phi-3's fused gate
+# and up, a "llama" with experts' router (Mixtral's)
 OTHER = {
     "gemma2": {"post_attention_norm": "post_attention_layernorm", "ffn_norm": "pre_feedforward_layernorm",
                "post_ffw_norm": "post_feedforward_layernorm"},
     "phi3": {"ffn_up": "mlp.gate_up_proj"},
+    "llama": {"ffn_gate_inp": "block_sparse_moe.gate"},
 }
 OTHER["gemma3"] = OTHER["gemma2"]
-EXPERTS = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_exps": "down_proj"}
+# a mixture's stacked experts: each expert's HF name within model.layers.N (Mixtral's own, as
+# its checkpoints hold them, which transformers reads; the Qwen mixtures')
+EXPERTS = {
+    "llama": {"ffn_gate_exps": "block_sparse_moe.experts.{}.w1", "ffn_up_exps": "block_sparse_moe.experts.{}.w3",
+              "ffn_down_exps": "block_sparse_moe.experts.{}.w2"},
+    "qwen": {"ffn_gate_exps": "mlp.experts.{}.gate_proj", "ffn_up_exps": "mlp.experts.{}.up_proj",
+             "ffn_down_exps": "mlp.experts.{}.down_proj"},
+}
 IN_CONFIG = ("rope_freqs", "rope_factors_long", "rope_factors_short")  # RoPE's (convert.py `header`)
 IN_BLOCK = re.compile(r"blk\.(\d+)\.(\w+)")
 
@@ -90,9 +99,10 @@ def plan(reader: Any, arch: str, cfg: dict) -> list[Piece]:
             continue
         m = IN_BLOCK.fullmatch(stem)
         part = m and m[2]
-        if part in EXPERTS:
-            out += [Piece(f"model.layers.{m[1]}.mlp.experts.{e}.{EXPERTS[part]}.{kind}", shape[1:], t, e)
-                    for e in range(shape[0])]
+        experts = EXPERTS["llama" if arch == "llama" else "qwen"]
+        if part in experts:
+            out += [_undone(Piece(f"model.layers.{m[1]}.{experts[part].format(e)}.{kind}", shape[1:], t, e),
+                            arch, cfg) for e in range(shape[0])]
             continue
         hf = part and (OTHER.get(arch, {}).get(part) or BLOCK.get(part))
         if not hf:

@@ -19,10 +19,10 @@ from safetensors.torch import load_file
 
 from tokendance.backend.loader import default_gguf
 
-# model_type -> llama.cpp's architecture (Mistral's is Llama's there)
-ARCH = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "phi3": "phi3",
-        "qwen2_moe": "qwen2moe", "qwen3_moe": "qwen3moe", "gemma2": "gemma2", "gemma3": "gemma3"}
-EXPERT = re.compile(r"(.+\.mlp\.experts)\.(\d+)\.(\w+)\.weight$")
+# model_type -> llama.cpp's architecture (Mistral's and Mixtral's are Llama's there)
+ARCH = {"llama": "llama", "mistral": "llama", "mixtral": "llama", "qwen2": "qwen2", "qwen3": "qwen3",
+        "phi3": "phi3", "qwen2_moe": "qwen2moe", "qwen3_moe": "qwen3moe", "gemma2": "gemma2", "gemma3": "gemma3"}
+EXPERT = re.compile(r"(.+\.(?:mlp|block_sparse_moe)\.experts)\.(\d+)\.(\w+)\.weight$")
 
 
 def write_gguf(folder: Path, dest: Path, quant: gguf.GGMLQuantizationType | None = None) -> Path:
@@ -69,12 +69,13 @@ def _metadata(w: gguf.GGUFWriter, c: dict, kind: str) -> None:
     if kind != "phi3":
         w.add_key_length(head_dim)
         w.add_value_length(head_dim)
-    if kind in ("llama", "mistral"):
+    if kind in ("llama", "mistral", "mixtral"):
         w.add_vocab_size(c["vocab_size"])
         w.add_rope_dimension_count(head_dim)
     if "num_experts_per_tok" in c:
         w.add_expert_count(c.get("num_experts") or c["num_local_experts"])
         w.add_expert_used_count(c["num_experts_per_tok"])
+    if "moe_intermediate_size" in c:  # Mixtral's experts are feed_forward_length wide
         w.add_expert_feed_forward_length(c["moe_intermediate_size"])
     if kind == "qwen2_moe":
         w.add_expert_shared_feed_forward_length(c["shared_expert_intermediate_size"])
