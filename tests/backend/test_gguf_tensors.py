@@ -24,10 +24,12 @@ from .test_gguf import KINDS, VOCAB
 Q = gguf.GGMLQuantizationType
 
 
-@pytest.mark.parametrize("arch,quant", [("llama", Q.Q8_0), ("qwen2_moe", Q.Q4_1), ("gemma2", Q.Q4_0)])
+@pytest.mark.parametrize("arch,quant", [("llama", Q.Q8_0), ("qwen2_moe", Q.Q4_1), ("gemma2", Q.Q4_0),
+                                        ("qwen3", Q.BF16), ("phi3", Q.F16), ("qwen3_moe", Q.Q5_1)])
 def test_quantized_weights_are_what_transformers_reads(make_model, gguf_cache, tmp_path, arch, quant):
-    """Llama's q and k rows put back, a mixture's experts split, Gemma's norms less 1: the
-    folder's weights equal those of transformers' model read from the same file."""
+    """Llama's q and k rows put back, a mixture's experts split, Gemma's norms less 1, Phi-3's
+    fused ones as they are, 16-bit floats widened: the folder's weights equal those of
+    transformers' model read from the same file."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     path = write_gguf(make_model(arch, vocab_size=VOCAB, **KINDS[arch]), tmp_path / f"{arch}.gguf", quant)
