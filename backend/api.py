@@ -31,7 +31,7 @@ KV_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")  # vLLM's --kv-cache-dtype (
 # shared segments reused from the length the device gains by (None: the engine's default).
 REUSE_DEFAULTS: dict[str, Any] = {"recompute_ratio": 0.15, "recompute_floor": 0.0, "bases": "standalone",
                                   "min_shared_tokens": None}
-TOP_LOGPROBS = 20  # alternatives a token's logprob lists at most (OpenAI's limit)
+TOP_LOGPROBS = 20  # alternatives a token's logprob lists at most, by default (vLLM's --max-logprobs)
 LABELS = 128  # vLLM's MAX_LOGPROB_TOKEN_IDS: label tokens a request may read at most
 
 
@@ -179,7 +179,8 @@ class SamplingParams:
             raise InvalidRequest(f"priority {self.priority}: this engine serves first come, first served "
                                  "(start it with --scheduling-policy priority)", "priority", "unsupported")
 
-    def validate(self) -> None:
+    def validate(self, max_logprobs: int = TOP_LOGPROBS) -> None:
+        """InvalidRequest for a value out of its range; `max_logprobs`: the server's (-1: any)."""
         if self.max_tokens <= 0:
             raise InvalidRequest("max_tokens must be at least 1", "max_tokens")
         if not 0.0 <= self.temperature <= 2.0:
@@ -192,12 +193,13 @@ class SamplingParams:
             raise InvalidRequest("min_p must be between 0 and 1", "min_p")
         if not 0 <= self.min_tokens <= self.max_tokens:
             raise InvalidRequest(f"min_tokens must be between 0 and max_tokens ({self.max_tokens})", "min_tokens")
-        if not 0 <= self.top_logprobs <= TOP_LOGPROBS:
-            raise InvalidRequest(f"top_logprobs must be between 0 and {TOP_LOGPROBS}", "top_logprobs")
+        top, bound = ((max_logprobs, f"between 0 and {max_logprobs} (the server's --max-logprobs)")
+                      if max_logprobs >= 0 else (math.inf, "at least 0"))
+        for name, k in (("top_logprobs", self.top_logprobs), ("prompt_logprobs", self.prompt_logprobs)):
+            if k is not None and not 0 <= k <= top:
+                raise InvalidRequest(f"{name} must be {bound}", name)
         if self.logprob_token_ids is not None and not 1 <= len(self.logprob_token_ids) <= LABELS:
             raise InvalidRequest(f"logprob_token_ids must name between 1 and {LABELS} tokens", "logprob_token_ids")
-        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= TOP_LOGPROBS:
-            raise InvalidRequest(f"prompt_logprobs must be between 0 and {TOP_LOGPROBS}", "prompt_logprobs")
         if self.seed is not None and not -2**63 <= self.seed < 2**63:  # torch's; n > 1 adds up to 63
             raise InvalidRequest("seed must be a 64-bit signed integer", "seed")
         if not -2**63 <= self.priority < 2**63:
@@ -226,7 +228,11 @@ class SamplingParams:
                 part.validate()
 
     def check_vocab(self, vocab_size: int) -> None:
-        """Raise InvalidRequest for a logit_bias, allowed or label token id outside the vocabulary."""
+        """Raise InvalidRequest for a logit_bias, allowed or label token id outside the
+        vocabulary, or for more alternatives than it holds."""
+        for name in ("top_logprobs", "prompt_logprobs"):
+            if (getattr(self, name) or 0) > vocab_size:
+                raise InvalidRequest(f"{name} must be at most the vocabulary's {vocab_size}", name)
         for name, ids in (("logit_bias", self.logit_bias), ("allowed_token_ids", self.allowed_token_ids or []),
                           ("logprob_token_ids", self.logprob_token_ids or [])):
             outside = sorted(t for t in ids if not 0 <= t < vocab_size)
@@ -364,6 +370,7 @@ class ModelInfo:
     sampling: dict[str, float] = field(default_factory=dict)
     priority: bool = False  # requests may carry a priority (vLLM's --scheduling-policy priority)
     eos: tuple[int, ...] = ()  # the tokens that end a sequence unless ignore_eos (a beam search's)
+    max_logprobs: int = TOP_LOGPROBS  # alternatives a token may list (vLLM's --max-logprobs; -1: any)
 
 
 @dataclass(slots=True)

@@ -52,7 +52,8 @@ def pool_tokens(cfg: EngineConfig, model: Decoder, device: torch.device, per_tok
     if free0 < want:
         raise ValueError(f"--gpu-memory-utilization {util} asks for {want / 2**30:.1f} GiB of the GPU's "
                          f"{total / 2**30:.1f}; {free0 / 2**30:.1f} GiB were free")
-    peak = step_peak(model, step, device) + ahead(model, step)
+    top = min(cfg.max_logprobs, model.cfg.vocab_size) if cfg.max_logprobs >= 0 else model.cfg.vocab_size
+    peak = step_peak(model, step, device, top) + ahead(model, step)
     graphs = graphs_reserve(cfg, model, device)
     held = free0 - torch.cuda.mem_get_info(device)[0]
     kv = want - held - peak - graphs
@@ -109,9 +110,10 @@ def graphs_reserve(cfg: EngineConfig, model: Decoder, device: torch.device) -> i
 
 
 @torch.inference_mode()
-def step_peak(model: Decoder, tokens: int, device: torch.device) -> int:
+def step_peak(model: Decoder, tokens: int, device: torch.device, top: int = TOP_LOGPROBS) -> int:
     """The bytes torch's allocator holds at the peak of a forward of `tokens` fresh prompt
-    tokens, beyond what it held before (prompts no longer than the model's positions)."""
+    tokens, beyond what it held before (prompts no longer than the model's positions),
+    scoring them with `top` alternatives a token."""
     longest = model.cfg.context
     lens = [min(longest, tokens - lo) for lo in range(0, tokens, longest)]
     cu = [0]
@@ -129,7 +131,7 @@ def step_peak(model: Decoder, tokens: int, device: torch.device) -> int:
     last = torch.tensor(cu[1:], device=device) - 1
     model.logits(x[last], res[last])
     h = model.model.norm.add(x[:scoring.ROWS], res[:scoring.ROWS])[0]  # a step that scores its prompt
-    scoring.scores(model, h, torch.zeros(len(h), dtype=torch.long, device=device), TOP_LOGPROBS)
+    scoring.scores(model, h, torch.zeros(len(h), dtype=torch.long, device=device), top)
     torch.cuda.synchronize(device)
     peak = torch.cuda.max_memory_reserved(device) - base
     del x, res, meta

@@ -26,6 +26,7 @@ class EngineConfig:
     tokenizer: str | None = None  # vLLM's --tokenizer: a folder's instead of the model's own
     hf_config_path: str | None = None  # vLLM's: a folder's config.json instead of the model's own
     hf_overrides: dict[str, Any] = field(default_factory=dict)  # vLLM's: fields set over config.json
+    max_logprobs: int = 20  # vLLM's: the alternatives a token's logprobs may list (-1: any)
     dtype: str = "auto"  # auto: bfloat16 on CUDA, float32 on CPU
     kv_cache_dtype: str = "auto"  # vLLM's: the pool's K/V in the model's dtype, or fp8 (kernels/fp8.py)
     device: str = "auto"  # with tensor parallelism, the first of its devices
@@ -70,6 +71,8 @@ class EngineConfig:
         if self.scheduling_policy not in POLICIES:
             raise InvalidRequest(f"unknown scheduling policy {self.scheduling_policy!r}; choose one of "
                                  f"{', '.join(POLICIES)}", "scheduling_policy")
+        if self.max_logprobs < -1:
+            raise InvalidRequest("max_logprobs must be -1 (any) or at least 0", "max_logprobs")
         if self.kv_cache_dtype not in KV_DTYPES:
             raise InvalidRequest(f"unsupported kv cache dtype {self.kv_cache_dtype!r}; choose one of "
                                  f"{', '.join(KV_DTYPES)}", "kv_cache_dtype")

@@ -184,7 +184,8 @@ def engine_info(backend: Any) -> wire.Info:
     return wire.Info(name=engine.name, max_model_len=engine.max_model_len,
                      kv_bytes_per_token=engine.kv_bytes_per_token, vocab_size=engine.mcfg.vocab_size,
                      tokenizer=tokenizer_files(engine.tokenizer), sampling=backend.info.sampling,
-                     priority=backend.info.priority, eos=list(backend.info.eos))
+                     priority=backend.info.priority, eos=list(backend.info.eos),
+                     max_logprobs=backend.info.max_logprobs)
 
 
 # -- `tokendance engine` --------------------------------------------------------------------

@@ -147,7 +147,7 @@ class Engine:
     def check(self, prompt: list[int], sampling: SamplingParams, pooled: bool = False) -> None:
         """Raise InvalidRequest unless the engine can serve this prompt (`pooled`: embed it)."""
         check(prompt, sampling, self.max_model_len, self.mcfg.vocab_size, self.grammars, pooled,
-              self.scheduler.ranked)
+              self.scheduler.ranked, self.cfg.max_logprobs)
 
     def add(self, rid: str, prompt: list[int], sampling: SamplingParams, mode: str = "full",
             shared: list[tuple[int, int]] | None = None, tenant: str = "", publish: bool = False,

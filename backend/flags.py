@@ -61,6 +61,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-model-len", type=at_least(0, units=True), default=0,
                    help="the longest prompt and answer together (0: the model's limit, or the pool's)")
     p.add_argument("--max-num-seqs", type=at_least(1), default=256, help="requests running at once")
+    p.add_argument("--max-logprobs", type=at_least(-1), default=20,
+                   help="the most alternatives a token's logprobs may list (top_logprobs, a completion's "
+                        "logprobs, prompt_logprobs; -1: any, up to the vocabulary)")
     p.add_argument("--scheduling-policy", choices=POLICIES, default="fcfs",
                    help="fcfs: first come, first served; priority: by each request's priority (lower "
                         "first, then arrival), a waiting request preempting running ones of lower priority")
@@ -195,7 +198,7 @@ def engine_options(args: argparse.Namespace) -> dict[str, Any]:
             "seed": args.seed, **({"cuda_graphs": 0} if args.enforce_eager else {}), "offload_bytes": offload,
             "anchor_bytes": int(args.anchor_gib * 2**30), "anchor_rank": args.anchor_rank,
             "kv_tokens": args.kv_tokens, "gpu_memory_utilization": args.gpu_memory_utilization,
-            "max_model_len": args.max_model_len, "max_seqs": args.max_num_seqs,
+            "max_model_len": args.max_model_len, "max_seqs": args.max_num_seqs, "max_logprobs": args.max_logprobs,
             "scheduling_policy": args.scheduling_policy,
             "max_batched_tokens": args.max_num_batched_tokens, "generation_config": args.generation_config,
             "override_generation_config": args.override_generation_config or {}, **reuse_options(args)}

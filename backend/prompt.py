@@ -14,7 +14,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from tokendance.backend.api import BackendError, InvalidRequest, Request, SamplingParams, Segment, Template
+from tokendance.backend.api import (TOP_LOGPROBS, BackendError, InvalidRequest, Request, SamplingParams, Segment,
+                                    Template)
 from tokendance.backend.grammar import Grammars
 
 
@@ -68,11 +69,13 @@ def render_chat(tokenizer: Any, messages: list[dict[str, Any]], tools: list[dict
 
 
 def check(ids: list[int], sampling: SamplingParams, max_model_len: int, vocab_size: int,
-          grammars: Grammars, pooled: bool = False, priority: bool = False) -> None:
+          grammars: Grammars, pooled: bool = False, priority: bool = False, max_logprobs: int = TOP_LOGPROBS
+          ) -> None:
     """Raise InvalidRequest unless an engine of these limits can serve this prompt (and
     its structured output's spec compiles). `pooled`: an embedding request, which needs
-    no room for a generated token; `priority`: the engine schedules by priority."""
-    sampling.validate()
+    no room for a generated token; `priority`: the engine schedules by priority;
+    `max_logprobs`: the alternatives a token may list (-1: any)."""
+    sampling.validate(max_logprobs)
     sampling.check_priority(priority)
     sampling.check_vocab(vocab_size)
     if sampling.structure is not None:

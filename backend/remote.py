@@ -41,7 +41,7 @@ class RemoteBackend:
         check_mode(mode)
         self.url = url.rstrip("/")
         self.info = ModelInfo(info.name, info.max_model_len, info.kv_bytes_per_token, info.sampling, info.priority,
-                              tuple(info.eos))
+                              tuple(info.eos), info.max_logprobs)
         self.vocab_size = info.vocab_size
         self.tokenizer = tokenizer
         self.grammars = Grammars(tokenizer, info.vocab_size)  # checks structured outputs' specs
@@ -84,7 +84,7 @@ class RemoteBackend:
         check_mode(request.mode)
         ids, spans = request_ids(self.tokenizer, request)
         check(ids, request.sampling, self.info.max_model_len, self.vocab_size, self.grammars,
-              request.pooling is not None, self.info.priority)
+              request.pooling is not None, self.info.priority, self.info.max_logprobs)
         # What the engine gets: the tokens, tokenized here once with its own tokenizer.
         return Prepared(request, len(ids), replace(request, segments=[], prompt_token_ids=ids, shared_spans=spans),
                         ids)

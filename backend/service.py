@@ -34,12 +34,16 @@ class EngineBackend:
         self.core = AsyncEngine(engine)
         cfg = engine.cfg
         sampling = defaults(engine.config_folder, cfg.generation_config, cfg.override_generation_config)
+        vocab = engine.mcfg.vocab_size  # --max-logprobs -1: any, so the vocabulary's
+        top = vocab if cfg.max_logprobs < 0 else min(cfg.max_logprobs, vocab)
         self.info = ModelInfo(engine.name, engine.max_model_len, engine.kv_bytes_per_token, sampling,
-                              priority=engine.scheduler.ranked, eos=tuple(sorted(engine.eos)))
+                              priority=engine.scheduler.ranked, eos=tuple(sorted(engine.eos)),
+                              max_logprobs=top)
         self._ids = itertools.count()
 
     @classmethod
-    def load(cls, model: str | None = None, dtype: str = "auto", mode: str = "collective", **kw: Any) -> "EngineBackend":
+    def load(cls, model: str | None = None, dtype: str = "auto", mode: str = "collective", **kw: Any
+             ) -> "EngineBackend":
         return cls(Engine(EngineConfig(model=model, dtype=dtype, **kw)), mode)
 
     @property

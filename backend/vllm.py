@@ -45,7 +45,7 @@ class VLLMBackend:
         self.url = url.rstrip("/")
         # vLLM does not say its KV bytes per token. The proxy sends every sampling field, so
         # it applies the model's defaults itself, as the server would (`sampling`).
-        self.info = ModelInfo(model, max_model_len, 0, sampling or {}, priority=True, eos=eos)
+        self.info = ModelInfo(model, max_model_len, 0, sampling or {}, priority=True, eos=eos, max_logprobs=-1)
         self.tokenizer = tokenizer
         self.grammars = Grammars(tokenizer, len(tokenizer))  # checks structured outputs' specs
         self.pieces = Pieces(tokenizer)  # a logprob's token text, as the engine writes it
@@ -93,8 +93,9 @@ class VLLMBackend:
             raise InvalidRequest("prompt logprobs (prompt_logprobs, or echo with logprobs) need the TokenDance "
                                  "engine: this proxy streams from its vLLM server", "prompt_logprobs")
         ids, spans = request_ids(self.tokenizer, request)
+        # the vLLM server refuses a priority, or more logprobs, than it takes
         check(ids, request.sampling, self.info.max_model_len, len(self.tokenizer), self.grammars,
-              request.pooling is not None, priority=True)  # the vLLM server refuses one it cannot take
+              request.pooling is not None, priority=True, max_logprobs=-1)
         return Prepared(request, len(ids), replace(request, mode=mode, segments=[], prompt_token_ids=ids,
                                                    shared_spans=spans), ids)
 

@@ -33,6 +33,7 @@ class Info(Struct, kw_only=True):
     sampling: dict[str, int | float] = {}  # the model's default sampling (backend/generation.py)
     priority: bool = False  # it schedules by requests' priority (--scheduling-policy priority)
     eos: list[int] = []  # the tokens that end a sequence unless ignore_eos
+    max_logprobs: int = 20  # the alternatives a token may list (its --max-logprobs; -1: any)
 
 
 class Failure(Struct):

@@ -137,8 +137,6 @@ def check(body: ResponsesRequest) -> None:
         raise invalid("truncation must be auto or disabled", "truncation")
     if body.reasoning is not None and body.reasoning.effort not in (None, *EFFORTS):
         raise invalid(f"reasoning.effort must be one of {', '.join(EFFORTS)}", "reasoning.effort")
-    if body.top_logprobs is not None and not 0 <= body.top_logprobs <= 20:
-        raise invalid("top_logprobs must be between 0 and 20", "top_logprobs")
     for i, name in enumerate(body.include or ()):
         if name not in INCLUDES:
             raise unsupported(f"include[{i}]", f"include {name!r}")

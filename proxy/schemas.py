@@ -179,21 +179,21 @@ def decode(data: bytes, kind: type[Struct]) -> Any:
 # Checks: everything a client can get wrong, as a 400 before any work is done.
 
 def sampling(body: Sampled, max_tokens: int | None, logprobs: bool, top: int, length: int,
-             model: dict[str, float]) -> SamplingParams:
+             model: ModelInfo) -> SamplingParams:
     """`length`: the length without max_tokens (a chat's: to the end of the context);
-    `model`: the model's defaults for what the body leaves out (ModelInfo.sampling)."""
+    `model`: its defaults for what the body leaves out, and its --max-logprobs."""
     if not 1 <= body.n <= MAX_N:
         raise invalid(f"n must be between 1 and {MAX_N}", "n")
     if body.stream_options is not None and not body.stream:
         raise invalid("stream_options is only allowed when stream is true", "stream_options")
     stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
     if max_tokens is None:  # the default length (the model's, if shorter), with room for min_tokens
-        max_tokens = max(min(length, int(model.get("max_tokens", length))), body.min_tokens or 0)
+        max_tokens = max(min(length, int(model.sampling.get("max_tokens", length))), body.min_tokens or 0)
     given = {k: v for k in SAMPLED if (v := getattr(body, k)) is not None}
     if given.get("top_k") == -1:  # vLLM's other way to say "off"
         given["top_k"] = 0
     p = SamplingParams(
-        **{**model, **given, "max_tokens": max_tokens}, seed=body.seed, stop=stop,
+        **{**model.sampling, **given, "max_tokens": max_tokens}, seed=body.seed, stop=stop,
         stop_token_ids=list(body.stop_token_ids or []), ignore_eos=body.ignore_eos,
         min_tokens=body.min_tokens or 0, include_stop_str_in_output=body.include_stop_str_in_output,
         skip_special_tokens=body.skip_special_tokens,
@@ -211,11 +211,13 @@ def sampling(body: Sampled, max_tokens: int | None, logprobs: bool, top: int, le
             raise invalid("logprob_token_ids needs logprobs set", "logprob_token_ids")
         p.logprob_token_ids = list(dict.fromkeys(body.logprob_token_ids))  # each once, as vLLM lists them
     try:
-        p.validate()
+        p.validate(model.max_logprobs)
     except InvalidRequest as exc:
         chat = isinstance(body, ChatRequest)
         if exc.param == "max_tokens" and chat and body.max_completion_tokens is not None:
             exc.param = "max_completion_tokens"
+        if exc.param == "top_logprobs" and not chat:  # a completion's logprobs
+            exc.message, exc.param = exc.message.replace("top_logprobs", "logprobs", 1), "logprobs"
         raise invalid(exc.message, exc.param, exc.code)
     return p
 
@@ -279,7 +281,7 @@ def check_chat(body: ChatRequest, dialect: Callable[[], str], model: ModelInfo) 
         raise invalid("messages must not be empty", "messages")
     messages = [message(i, m) for i, m in enumerate(body.messages)]
     limit = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-    sp = sampling(body, limit, bool(body.logprobs), body.top_logprobs or 0, model.max_model_len, model.sampling)
+    sp = sampling(body, limit, bool(body.logprobs), body.top_logprobs or 0, model.max_model_len, model)
     forced = tools.structure() if tools is not None else None
     if forced is not None:
         if sp.structure is not None and tools.choice == "auto":
@@ -364,12 +366,10 @@ def check_completion(body: CompletionRequest, model: ModelInfo) -> tuple[list[st
         raise unsupported("suffix")
     if body.best_of not in (None, body.n):
         raise unsupported("best_of", "best_of other than n")
-    if body.logprobs is not None and not 0 <= body.logprobs <= 5:
-        raise invalid("logprobs must be between 0 and 5", "logprobs")
     prompts = _prompts(body.prompt)
     lp = body.logprobs is not None
     length = 1 if body.echo and body.max_tokens == 0 else body.max_tokens  # the prompt alone: one token, dropped
-    sp = sampling(body, length, lp, body.logprobs or 0, COMPLETION_TOKENS, model.sampling)
+    sp = sampling(body, length, lp, body.logprobs or 0, COMPLETION_TOKENS, model)
     if body.echo and lp:
         sp.prompt_logprobs = max(sp.prompt_logprobs or 0, body.logprobs)
     return prompts, sp

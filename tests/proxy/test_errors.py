@@ -143,7 +143,7 @@ CASES = [  # (path, body or raw bytes, extra headers, status, param, code)
     ("text", {**TEXT, "suffix": "end"}, {}, 400, "suffix", "unsupported"),
     ("text", {**TEXT, "best_of": 3}, {}, 400, "best_of", "unsupported"),
     ("text", {**TEXT, "best_of": 1, "n": 2}, {}, 400, "best_of", "unsupported"),  # fewer than n
-    ("text", {**TEXT, "logprobs": 9}, {}, 400, "logprobs", None),
+    ("text", {**TEXT, "logprobs": 21}, {}, 400, "logprobs", None),  # vLLM's --max-logprobs, not OpenAI's 5
     ("text", {**TEXT, "prompt_logprobs": 21}, {}, 400, "prompt_logprobs", None),
     ("chat", {**CHAT, "prompt_logprobs": -1}, {}, 400, "prompt_logprobs", None),  # vLLM's whole vocabulary
     ("chat", {**CHAT, "prompt_logprobs": 2, "stream": True}, {}, 400, "prompt_logprobs", None),
