@@ -52,8 +52,7 @@ def pool_tokens(cfg: EngineConfig, model: Decoder, device: torch.device, per_tok
     if free0 < want:
         raise ValueError(f"--gpu-memory-utilization {util} asks for {want / 2**30:.1f} GiB of the GPU's "
                          f"{total / 2**30:.1f}; {free0 / 2**30:.1f} GiB were free")
-    top = min(cfg.max_logprobs, model.cfg.vocab_size) if cfg.max_logprobs >= 0 else model.cfg.vocab_size
-    peak = step_peak(model, step, device, top) + ahead(model, step)
+    peak = step_peak(model, step, device, cfg.max_logprobs) + ahead(model, step)
     graphs = graphs_reserve(cfg, model, device)
     held = free0 - torch.cuda.mem_get_info(device)[0]
     kv = want - held - peak - graphs
@@ -113,7 +112,9 @@ def graphs_reserve(cfg: EngineConfig, model: Decoder, device: torch.device) -> i
 def step_peak(model: Decoder, tokens: int, device: torch.device, top: int = TOP_LOGPROBS) -> int:
     """The bytes torch's allocator holds at the peak of a forward of `tokens` fresh prompt
     tokens, beyond what it held before (prompts no longer than the model's positions),
-    scoring them with `top` alternatives a token."""
+    scoring them with `top` alternatives a token (--max-logprobs; -1: the vocabulary)."""
+    vocab = model.cfg.vocab_size
+    top = vocab if top < 0 else min(top, vocab)
     longest = model.cfg.context
     lens = [min(longest, tokens - lo) for lo in range(0, tokens, longest)]
     cu = [0]

@@ -22,7 +22,7 @@ class FakeGPU:
         self.free0, self.total, self.held = free0, total, held
         monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (self.free0 - self.held, self.total))
         monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
-        monkeypatch.setattr(budget, "step_peak", lambda model, tokens, device: peak)
+        monkeypatch.setattr(budget, "step_peak", lambda model, tokens, device, top: peak)
         monkeypatch.setattr(budget, "graphs_reserve", lambda cfg, model, device: graphs)
         monkeypatch.setattr(budget, "ahead", lambda model, step: 0)
 
