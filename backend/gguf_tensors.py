@@ -84,6 +84,9 @@ def write(reader: Any, arch: str, cfg: dict, dest: Path, chunk: int = CHUNK) -> 
         for p in pieces:
             for rows in _rows(p, chunk):
                 f.write(rows.data)
+        if f.tell() != 8 + len(text) + offset:  # the header would misplace every weight after
+            raise RuntimeError(f"wrote {f.tell()} bytes of model.safetensors, its header gives "
+                               f"{8 + len(text) + offset}")
 
 
 def plan(reader: Any, arch: str, cfg: dict) -> list[Piece]:
