@@ -31,8 +31,8 @@ def engine(folder, monkeypatch, left_out: str | None = None) -> Engine:
     if left_out is not None:
         load = ModelConfig.load.__func__
 
-        def without(cls, f):
-            cfg = load(cls, f)
+        def without(cls, f, overrides=None):
+            cfg = load(cls, f, overrides)
             setattr(cfg, left_out, None if left_out == "attention_multiplier" else 1.0)
             return cfg
 

@@ -38,8 +38,8 @@ def test_smollm3_matches_hf(smollm3, monkeypatch):
     # the test can tell: with RoPE in every layer (a Llama of the same weights) the tokens differ
     load = ModelConfig.load.__func__
 
-    def as_llama(cls, folder):
-        cfg = load(cls, folder)
+    def as_llama(cls, folder, overrides=None):
+        cfg = load(cls, folder, overrides)
         cfg.nope = ()
         return cfg
 
