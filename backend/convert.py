@@ -47,7 +47,7 @@ def convert_gguf(gguf: Path, out: Path) -> Path:
     if (out / "config.json").is_file():
         return out
     import torch
-    from transformers import AutoConfig, AutoTokenizer, GenerationConfig, MixtralConfig
+    from transformers import AutoConfig, AutoTokenizer, GenerationConfig
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
     reader = read(gguf)
@@ -59,10 +59,9 @@ def convert_gguf(gguf: Path, out: Path) -> Path:
         with open(os.devnull, "w") as devnull, contextlib.redirect_stderr(devnull), _parsed_once(gguf, reader):
             tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
             cfg = AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name)
-            fields = {**cfg.to_dict(), **_unread(meta, factors, cfg.to_dict())}
-            mixtral = meta["arch"] == "llama" and meta.get("expert_count")
-            cfg = (MixtralConfig if mixtral else type(cfg)).from_dict(
-                {k: v for k, v in fields.items() if not (mixtral and k == "model_type")})
+            fields = cfg.to_dict()
+            fields.update(_unread(meta, factors, fields))
+            cfg = AutoConfig.for_model(fields.pop("model_type"), **fields)  # Mixtral's where _unread says
     except InvalidRequest:
         raise
     except Exception as e:  # transformers': metadata it cannot read, ...
@@ -145,7 +144,8 @@ def _unread(meta: dict, factors: dict[str, list[float]], cfg: dict) -> dict:
     arch, heads, hidden = meta["arch"], meta["attention.head_count"], meta["embedding_length"]
     out = {field: meta[key] for key, field in UNREAD.get(arch, {}).items() if key in meta}
     if arch == "llama" and meta.get("expert_count"):  # Mixtral's: feed_forward_length is an expert's
-        out.update(num_local_experts=meta["expert_count"], num_experts_per_tok=meta["expert_used_count"])
+        out.update(model_type="mixtral", num_local_experts=meta["expert_count"],
+                   num_experts_per_tok=meta["expert_used_count"])
     rope = dict(cfg["rope_parameters"])
     scaled = {}  # the RoPE scaling llama.cpp writes as metadata, or as each pair's divisor (Llama 3's)
     if meta.get("rope.scaling.type") in ("linear", "yarn"):

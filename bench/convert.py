@@ -13,6 +13,7 @@ weights by their names and values.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
 import json
 import statistics
@@ -82,14 +83,13 @@ def digest(folder: Path) -> dict[str, str]:
 
     out = {p.name: hashlib.sha1(p.read_bytes()).hexdigest() for p in sorted(folder.iterdir())
            if not p.name.startswith("model.safetensors")}
-    sha = hashlib.sha1()
-    tensors = {}
-    for p in sorted(folder.glob("*.safetensors")):
-        with safe_open(str(p), "pt") as f:
-            tensors.update(dict.fromkeys(f.keys(), p))
-    for name in sorted(tensors):
-        with safe_open(str(tensors[name]), "pt") as f:
-            sha.update(name.encode() + f.get_tensor(name).numpy().tobytes())
+    sha, held = hashlib.sha1(), {}
+    with contextlib.ExitStack() as stack:
+        for p in sorted(folder.glob("*.safetensors")):
+            f = stack.enter_context(safe_open(str(p), "pt"))
+            held.update(dict.fromkeys(f.keys(), f))
+        for name in sorted(held):  # one order whatever the files, each opened once
+            sha.update(name.encode() + held[name].get_tensor(name).numpy().tobytes())
     return {**out, "weights": sha.hexdigest()}
 
 
