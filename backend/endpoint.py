@@ -19,9 +19,10 @@ import structlog
 from aiohttp import web
 
 from tokendance.backend import heap, logs, wire
-from tokendance.backend.api import Backend, Request, Stream
+from tokendance.backend.api import Request
 from tokendance.backend.auth import ENGINE_KEY_ENV, Keys, check_keys
 from tokendance.backend.flags import add_engine_args, engine_options
+from tokendance.backend.protocol import Backend, Stream
 
 log = structlog.get_logger(__name__)
 MAX_BODY = 256 * 2**20  # a group of long prompts

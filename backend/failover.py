@@ -18,7 +18,8 @@ import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
-from tokendance.backend.api import Delta, Lost, Prepared, Stream, Unavailable
+from tokendance.backend.api import Delta, Lost, Prepared, Unavailable
+from tokendance.backend.protocol import Stream
 
 Place = tuple["Part", int]  # a part, and a request's index in it
 

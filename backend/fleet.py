@@ -34,8 +34,9 @@ from typing import Any
 
 import structlog
 
-from tokendance.backend.api import Backend, BackendError, Gauge, Prepared, Request, Stream, Template
+from tokendance.backend.api import BackendError, Prepared, Request, Template
 from tokendance.backend.failover import Failover, Part, Place
+from tokendance.backend.protocol import Backend, Gauge, Stream
 
 log = structlog.get_logger(__name__)
 

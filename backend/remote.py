@@ -22,12 +22,11 @@ import msgspec
 import structlog
 
 from tokendance.backend import reach, wire
+from tokendance.backend.api import BackendError, Lost, Prepared, Request, Template, Unavailable, check_mode
 from tokendance.backend.auth import header, refused
-from tokendance.backend.api import (
-    BackendError, Gauge, Lost, ModelInfo, Prepared, Request, Template, Unavailable, check_mode,
-)
 from tokendance.backend.grammar import Grammars
 from tokendance.backend.prompt import check, fast_tokenizer, render_chat, request_ids
+from tokendance.backend.protocol import Gauge, ModelInfo
 from tokendance.backend.stream import QueueStream
 
 log = structlog.get_logger(__name__)

@@ -6,12 +6,13 @@ import itertools
 from dataclasses import dataclass
 from typing import Any
 
-from tokendance.backend.api import Gauge, ModelInfo, Prepared, Request, Stream, Template, check_mode
+from tokendance.backend.api import Prepared, Request, Template, check_mode
 from tokendance.backend.async_engine import AsyncEngine, Job
 from tokendance.backend.config import EngineConfig
 from tokendance.backend.engine import Engine
 from tokendance.backend.generation import defaults
 from tokendance.backend.prompt import render_chat, request_ids
+from tokendance.backend.protocol import Gauge, ModelInfo, Stream
 
 
 @dataclass(slots=True)

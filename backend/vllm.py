@@ -22,15 +22,14 @@ import aiohttp
 import structlog
 
 from tokendance.backend import reach
-from tokendance.backend.api import (
-    BackendError, Delta, Gauge, InvalidRequest, Lost, ModelInfo, Prepared, Request, TokenLogprob,
-    Template, TopLogprob, Unavailable, Usage, check_mode,
-)
+from tokendance.backend.api import (BackendError, Delta, InvalidRequest, Lost, Prepared, Request,
+                                    TokenLogprob, Template, TopLogprob, Unavailable, Usage, check_mode)
 from tokendance.backend.auth import header, refused
 from tokendance.backend.detok import Pieces
-from tokendance.backend.grammar import Grammars
 from tokendance.backend.generation import defaults, ends
+from tokendance.backend.grammar import Grammars
 from tokendance.backend.prompt import check, fast_tokenizer, render_chat, request_ids
+from tokendance.backend.protocol import Gauge, ModelInfo
 from tokendance.backend.stream import QueueStream
 
 log = structlog.get_logger(__name__)

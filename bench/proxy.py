@@ -31,8 +31,9 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
-from tokendance.backend.api import Delta, ModelInfo, Prepared, Request, Usage
+from tokendance.backend.api import Delta, Prepared, Request, Usage
 from tokendance.backend.parallel import free_port
+from tokendance.backend.protocol import ModelInfo
 
 MODEL = "instant"
 

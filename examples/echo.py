@@ -14,9 +14,9 @@ import hashlib
 from collections.abc import AsyncIterator
 from typing import Any
 
-from tokendance.backend.api import (
-    ANCHORED, REUSING, Delta, InvalidRequest, ModelInfo, Prepared, Request, Stream, Template, Usage, check_mode,
-)
+from tokendance.backend.api import (ANCHORED, REUSING, Delta, InvalidRequest, Prepared, Request, Template,
+                                    Usage, check_mode)
+from tokendance.backend.protocol import ModelInfo, Stream
 
 WORDS = (
     "yes", "no", "maybe", "the", "answer", "is", "five", "cents", "minutes", "bridge",
@@ -45,7 +45,7 @@ class EchoStream:
 
 
 class EchoBackend:
-    """Implements tokendance.backend.api.Backend without a model."""
+    """Implements tokendance.backend.protocol.Backend without a model."""
 
     tokenizer = None
 

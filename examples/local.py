@@ -8,7 +8,7 @@ from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager, contextmanager
 from typing import Any
 
-from tokendance.backend.api import Backend
+from tokendance.backend.protocol import Backend
 
 PREFERRED = ("collective", "pic", "prefix", "full")  # best first
 

@@ -22,7 +22,7 @@ import msgspec
 from aiohttp import web
 from msgspec.structs import replace
 
-from tokendance.backend.api import Stream
+from tokendance.backend.protocol import Stream
 
 from . import calls, conversations
 from .conversations import Conversation

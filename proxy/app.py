@@ -12,7 +12,7 @@ import msgspec
 import structlog
 from aiohttp import web
 
-from tokendance.backend.api import Backend
+from tokendance.backend.protocol import Backend
 
 from . import chat, conversations, cors, echo, embeddings as vectors, generative, messages, reasoning, replies
 from . import responses, schemas, scores, segment

@@ -15,7 +15,8 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from tokendance.backend.api import Prepared, Stream
+from tokendance.backend.api import Prepared
+from tokendance.backend.protocol import Stream
 
 
 @dataclass(slots=True, eq=False)

@@ -21,8 +21,9 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator
 
-from tokendance.backend.api import (TOP_LOGPROBS, Backend, Delta, InvalidRequest, Prepared, Request, SamplingParams,
-                                    Stream, TokenLogprob, TopLogprob, Usage)
+from tokendance.backend.api import (TOP_LOGPROBS, Delta, InvalidRequest, Prepared, Request, SamplingParams,
+                                    TokenLogprob, TopLogprob, Usage)
+from tokendance.backend.protocol import Backend, Stream
 
 from .errors import invalid, unsupported
 

@@ -21,7 +21,7 @@ from typing import Any
 import msgspec
 from aiohttp import web
 
-from tokendance.backend.api import Stream
+from tokendance.backend.protocol import Stream
 
 from . import calls
 from .call import Call

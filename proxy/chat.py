@@ -10,7 +10,8 @@ from typing import Any
 
 from msgspec.structs import replace
 
-from tokendance.backend.api import SamplingParams, Stream, Template
+from tokendance.backend.api import SamplingParams, Template
+from tokendance.backend.protocol import Stream
 
 from . import echo, functions, schemas, segment
 from .call import Call

@@ -15,9 +15,10 @@ from functools import partial
 
 import structlog
 
-from tokendance.backend.api import (Backend, BackendError, InvalidRequest, Prepared, Request, SamplingParams,
-                                    Segment, Stream, Template, Usage)
+from tokendance.backend.api import (BackendError, InvalidRequest, Prepared, Request, SamplingParams, Segment,
+                                    Template, Usage)
 from tokendance.backend.auth import bearer
+from tokendance.backend.protocol import Backend, Stream
 
 from . import beams, tools as t
 from .barrier import Barrier, Entry, Gate

@@ -19,7 +19,8 @@ from collections.abc import Mapping
 
 from msgspec import Struct
 
-from tokendance.backend.api import LABELS, BackendError, InvalidRequest, Request, SamplingParams, Stream
+from tokendance.backend.api import LABELS, BackendError, InvalidRequest, Request, SamplingParams
+from tokendance.backend.protocol import Stream
 
 from .core import Proxy
 from .embeddings import MAX_INPUTS

@@ -15,7 +15,8 @@ from typing import Any, Literal
 
 from msgspec import Struct
 
-from tokendance.backend.api import BackendError, InvalidRequest, Pooling, Request, SamplingParams, Segment, Stream
+from tokendance.backend.api import BackendError, InvalidRequest, Pooling, Request, SamplingParams, Segment
+from tokendance.backend.protocol import Stream
 
 from .core import Proxy
 from .errors import ApiError, from_backend, invalid, unsupported

@@ -8,7 +8,8 @@ from __future__ import annotations
 import time
 from collections.abc import AsyncIterator
 
-from tokendance.backend.api import Delta, Stream
+from tokendance.backend.api import Delta
+from tokendance.backend.protocol import Stream
 
 from .call import Call
 

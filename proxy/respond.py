@@ -17,7 +17,8 @@ import structlog
 from aiohttp import web
 from msgspec import UNSET, UnsetType
 
-from tokendance.backend.api import BackendError, Delta, Stream, TokenLogprob, TopLogprob
+from tokendance.backend.api import BackendError, Delta, TokenLogprob, TopLogprob
+from tokendance.backend.protocol import Stream
 
 from . import calls, functions, replies as s
 from .call import Call

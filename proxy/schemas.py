@@ -17,7 +17,8 @@ import msgspec
 import structlog
 from msgspec import Struct
 
-from tokendance.backend.api import InvalidRequest, ModelInfo, Repetition, SamplingParams, Template
+from tokendance.backend.api import InvalidRequest, Repetition, SamplingParams, Template
+from tokendance.backend.protocol import ModelInfo
 
 from . import tools as t
 from .errors import invalid, unsupported

@@ -12,9 +12,10 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 from tokendance.backend import heap, logs
-from tokendance.backend.api import MODES, Backend, BackendError
+from tokendance.backend.api import MODES, BackendError
 from tokendance.backend.auth import ENGINE_KEY_ENV, check_keys
 from tokendance.backend.flags import VLLM_TOO, add_engine_args, at_least, changed, engine_options
+from tokendance.backend.protocol import Backend
 
 from .app import Server
 from .core import Config

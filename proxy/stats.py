@@ -6,7 +6,8 @@ import bisect
 from dataclasses import dataclass, field
 from typing import Any
 
-from tokendance.backend.api import Gauge, Usage
+from tokendance.backend.api import Usage
+from tokendance.backend.protocol import Gauge
 
 
 @dataclass(slots=True)

@@ -15,8 +15,9 @@ import zlib
 from collections.abc import AsyncIterator
 from typing import Any
 
-from tokendance.backend.api import (BackendError, Delta, Gauge, InvalidRequest, ModelInfo, Prepared,
-                                    Request, TokenLogprob, TopLogprob, Usage)
+from tokendance.backend.api import (BackendError, Delta, InvalidRequest, Prepared, Request, TokenLogprob,
+                                    TopLogprob, Usage)
+from tokendance.backend.protocol import Gauge, ModelInfo
 
 WORD = re.compile(r"\S+\s*|\s+")
 TEMPLATE = re.compile(r"<\|im_(start|end)\|>(system|user|assistant)?")

@@ -13,8 +13,9 @@ import openai
 import pytest
 
 from tokendance.backend import fleet as fleet_module
-from tokendance.backend.api import BackendError, Gauge, Prepared, Request, SamplingParams, Segment, Unavailable
+from tokendance.backend.api import BackendError, Prepared, Request, SamplingParams, Segment, Unavailable
 from tokendance.backend.fleet import ACTIVE, Fleet, Pin
+from tokendance.backend.protocol import Gauge
 from tokendance.backend.remote import RemoteBackend
 from tokendance.examples import cli
 from tokendance.proxy.segment import SEP
