@@ -11,7 +11,7 @@ import json
 import pytest
 import torch
 
-from tokendance.backend import config as config_mod
+from tokendance.backend import families
 from tokendance.backend.api import InvalidRequest, SamplingParams
 from tokendance.backend.config import ModelConfig
 from tokendance.backend.engine import Engine
@@ -91,9 +91,9 @@ def test_greedy_matches_hf(gemma):
 def test_the_logprobs_see_each_part(gemma, monkeypatch, broken):
     """The test above can tell: without the score cap, or the window, they move."""
     toks, want = scored(gemma, 64, out=1)
-    real = config_mod._gemma
+    real = families.gemma
     if broken == "no cap":
-        monkeypatch.setattr(config_mod, "_gemma", lambda raw, arch, path: {**real(raw, arch, path),
+        monkeypatch.setattr(families, "gemma", lambda raw, arch, path: {**real(raw, arch, path),
                                                                            "attn_softcap": None})
     else:
         monkeypatch.setattr(ModelConfig, "window", lambda self, layer: 0)

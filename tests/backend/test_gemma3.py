@@ -9,7 +9,7 @@ import json
 
 import pytest
 
-from tokendance.backend import config as config_mod
+from tokendance.backend import families
 from tokendance.backend.api import InvalidRequest, SamplingParams
 from tokendance.backend.config import ModelConfig
 from tokendance.backend.engine import Engine
@@ -48,7 +48,7 @@ def test_matches_hf(gemma):
 def test_each_part_shows_in_the_tokens(gemma, monkeypatch, broken):
     """The test above can tell: leave out any one of Gemma's parts and the tokens change."""
     want = ours(gemma)
-    real = config_mod._gemma
+    real = families.gemma
 
     def changed(raw, arch, path):
         out = real(raw, arch, path)
@@ -60,7 +60,7 @@ def test_each_part_shows_in_the_tokens(gemma, monkeypatch, broken):
             out["attention_multiplier"] = None
         return out
 
-    monkeypatch.setattr(config_mod, "_gemma", changed)
+    monkeypatch.setattr(families, "gemma", changed)
     if broken == "no window":
         monkeypatch.setattr(ModelConfig, "window", lambda self, layer: 0)
     assert ours(gemma) != want
