@@ -35,6 +35,7 @@ from tokendance.bench.kernel_timing import (  # noqa: E402
     COPY_CEILING, T0, graph_ms, kernel_stats, rel, save_log, say,
 )
 from tokendance.kernels import collective as col  # noqa: E402
+from tokendance.kernels import collective_triton as colt  # noqa: E402
 from tokendance.kernels import paged_triton as pt  # noqa: E402
 from tokendance.kernels.fp8 import FP8 as FORMATS, narrow  # noqa: E402
 from tokendance.kernels.tiles import trig_table  # noqa: E402
@@ -82,7 +83,7 @@ def setup(n: int, dtype: torch.dtype = torch.bfloat16, theta: float = 1e6) -> di
 def check(n: int, args: tuple) -> bool:
     """Triton vs the reference (fp32 math on the same bf16 inputs)."""
     o, lse = col.collective_attention_reference(*args)
-    got_o, got_lse = col.collective_attention_triton(*args)
+    got_o, got_lse = colt.collective_attention_triton(*args)
     err = rel(got_o, o)
     fin = lse.isfinite()
     same_inf = torch.equal(got_lse.isinf(), lse.isinf())
@@ -107,13 +108,13 @@ def sweep(n: int, args: tuple, trig: torch.Tensor, ref: torch.Tensor,
         if time.time() - T0 > deadline:
             say(f"  (sweep cut at {deadline:.0f} s)")
             break
-        c = {**col.COLLECTIVE_CFG, **cfg}
-        tiles, bm = col.row_tiles(n * (HQ // HKV), c["block_m"])
-        ns = splits or col._num_splits(torch.device(DEV), tiles * HKV, M, c["block_n"])
+        c = {**colt.COLLECTIVE_CFG, **cfg}
+        tiles, bm = colt.row_tiles(n * (HQ // HKV), c["block_m"])
+        ns = splits or colt._num_splits(torch.device(DEV), tiles * HKV, M, c["block_n"])
         name = (f"m={bm}x{tiles} n={c['block_n']} warps={c['num_warps']} "
                 f"stages={c['num_stages']} splits={ns}")
         try:
-            fn = lambda: col.collective_attention_triton(*args, cfg=c, num_splits=ns, trig=trig)  # noqa: E731
+            fn = lambda: colt.collective_attention_triton(*args, cfg=c, num_splits=ns, trig=trig)  # noqa: E731
             err = rel(fn()[0], ref)
             ms = bench(fn)
         except Exception as e:  # keep sweeping: report what broke
@@ -157,7 +158,7 @@ def main() -> None:
             rows.append(f"| {n} | {label} | {ms:.4f} | {ms / c_ms:.2f} | {nbytes / 1e6:.1f} | "
                         f"{bw / 1e12:.2f} | {bw / COPY_CEILING:.0%} |")
     if not SMOKE:
-        kernel_stats((col._rotate_kernel, col._collective_kernel, col._merge_kernel))
+        kernel_stats((colt._rotate_kernel, colt._collective_kernel, colt._merge_kernel))
     table = ["| N | case | ms | vs (c) | MB moved | TB/s | of 4.1 TB/s |",
              "| --- | --- | --- | --- | --- | --- | --- |"] + rows
     say("\n==== summary ====")

@@ -55,7 +55,7 @@ class Kernel:
         return {k: v for k, v in (*head.items(), *self.extra) if k in fn.arg_names}
 
 
-# The launch configurations the engine uses on a GPU (kernels/paged_triton.py, collective.py),
+# The launch configurations the engine uses on a GPU (kernels/paged_triton.py, collective_triton.py),
 # bf16, seven query heads a kv head (Qwen2.5-7B's).
 KERNELS = [
     Kernel("paged_triton", "_decode_kernel", extra=(("G", 7), ("B", 16), ("BLOCK_M", 16), ("BLOCK_N", 32),
@@ -65,10 +65,10 @@ KERNELS = [
                                                     ("STEP", 1), ("POS", False), ("WIN", False), ("CAP", False),
                                                     ("TRIG", False), ("PREC", "tf32"))),
     Kernel("paged_triton", "_reduce_kernel", extra=(("BLOCK", 32),)),
-    Kernel("collective", "_rotate_kernel", extra=(("B", 16), ("BLOCK_N", 32))),
-    Kernel("collective", "_collective_kernel", extra=(("G", 7), ("B", 16), ("BLOCK_M", 16), ("BLOCK_N", 64),
+    Kernel("collective_triton", "_rotate_kernel", extra=(("B", 16), ("BLOCK_N", 32))),
+    Kernel("collective_triton", "_collective_kernel", extra=(("G", 7), ("B", 16), ("BLOCK_M", 16), ("BLOCK_N", 64),
                                                       ("WIN", False), ("CAP", False), ("PREC", "tf32"))),
-    Kernel("collective", "_merge_kernel", extra=(("NSPLIT", 8),)),
+    Kernel("collective_triton", "_merge_kernel", extra=(("NSPLIT", 8),)),
     Kernel("rope", "_rope_kernel", extra=(("BLOCK_H", 32),)),
     Kernel("store", "_store_kernel", extra=(("BLOCK_Q", 32), ("BLOCK_KV", 4), ("ROTATE", True), ("FP8", False),
                                             ("LIM", 0.0))),

@@ -48,3 +48,28 @@ def one_segment(shift: torch.Tensor, master_table: torch.Tensor, master_len: int
     chunks = torch.stack((lo.clamp_max(master_len), (lo + span).clamp_max(master_len), lo * 0), 1)
     return MasterRead(master_table, chunks.contiguous(),
                       shift.to(torch.int32)[:, None].expand(-1, n).contiguous(), hide)
+
+
+def check_segment(q, q_pos, shift, k_cache, v_cache, master_table, master_len, hide, inv_freq) -> None:
+    """ValueError on inconsistent arguments of a collective attention over one segment
+    (kernels/collective.py: both implementations check them)."""
+    if q.dim() != 3:
+        raise ValueError(f"q must be [S, Hq, D], got {tuple(q.shape)}")
+    S, Hq, D = q.shape
+    if k_cache.dim() != 4 or k_cache.shape != v_cache.shape:
+        raise ValueError(f"k_cache and v_cache must both be [num_blocks, B, Hkv, D], got "
+                         f"{tuple(k_cache.shape)} and {tuple(v_cache.shape)}")
+    _, B, Hkv, Dk = k_cache.shape
+    if Dk != D or Hq % Hkv:
+        raise ValueError(f"q heads/dim {Hq}/{D} do not fit the pool's {Hkv}/{Dk}")
+    if tuple(q_pos.shape) != (S,) or tuple(shift.shape) != (S,):
+        raise ValueError(f"q_pos {tuple(q_pos.shape)} and shift {tuple(shift.shape)} must be [{S}]")
+    if master_len < 0 or master_table.dim() != 1 or master_table.numel() * B < master_len:
+        raise ValueError(f"master_table of {tuple(master_table.shape)} blocks of {B} cannot "
+                         f"hold master_len={master_len}")
+    if (hide.dtype != torch.bool or hide.dim() != 2 or hide.shape[0] != S
+            or hide.shape[1] < master_len):
+        raise ValueError(f"hide must be bool [{S}, >= {master_len}], got {hide.dtype} "
+                         f"{tuple(hide.shape)}")
+    if tuple(inv_freq.shape) != (D // 2,):
+        raise ValueError(f"inv_freq must be [{D // 2}], got {tuple(inv_freq.shape)}")

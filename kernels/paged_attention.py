@@ -33,7 +33,8 @@ from dataclasses import dataclass
 
 import torch
 
-from tokendance.kernels.collective import collective_partials, master_attention_reference
+from tokendance.kernels.collective import master_attention_reference
+from tokendance.kernels.collective_triton import collective_partials
 from tokendance.kernels.fp8 import widen
 from tokendance.kernels.jit import tiles_head
 from tokendance.kernels.master import MasterRead

@@ -19,7 +19,8 @@ if "triton" in sys.modules:
             importlib.reload(mod)
         # Importers after what they import: paged_attention takes names from collective.
         for name in ("tokendance.kernels.jit", "tokendance.kernels.rope", "tokendance.kernels.tiles",
-                     "tokendance.kernels.paged_triton", "tokendance.kernels.collective",
+                     "tokendance.kernels.paged_triton", "tokendance.kernels.collective_triton",
+                     "tokendance.kernels.collective",
                      "tokendance.kernels.paged_attention", "tokendance.kernels.deviation",
                      "tokendance.kernels.diff", "tokendance.kernels.restore",
                      "tokendance.kernels.norm", "tokendance.kernels.act", "tokendance.kernels.moe",

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import tokendance.kernels.collective as col
+import tokendance.kernels.collective_triton as colt
 from tokendance.kernels.merge import merge_attention
 from tokendance.kernels.paged_attention import paged_attention_reference
 from tokendance.kernels.rope import rope_rotate
@@ -95,7 +96,7 @@ def nothing_visible(c: Case) -> torch.Tensor:
 def run_triton(c: Case, **kw) -> tuple[torch.Tensor, torch.Tensor]:
     s, hq, d = c.q.shape
     out = (torch.full((s, hq, d), math.nan), torch.full((s, hq), math.nan))
-    got = col.collective_attention_triton(*c.args(), cfg={**CFG, **kw.pop("cfg", {})},
+    got = colt.collective_attention_triton(*c.args(), cfg={**CFG, **kw.pop("cfg", {})},
                                           out=out, **kw)
     assert got[0] is out[0] and got[1] is out[1]
     return got
@@ -109,7 +110,7 @@ def scratch(monkeypatch) -> list[tuple]:
     def poisoned(*shape: int, device: torch.device) -> torch.Tensor:
         shapes.append(shape)
         return torch.full(shape, math.nan)
-    monkeypatch.setattr(col, "_scratch", poisoned)
+    monkeypatch.setattr(colt, "_scratch", poisoned)
     return shapes
 
 
@@ -170,7 +171,7 @@ def test_bad_shapes() -> None:
     for name, (i, val) in bad.items():
         args = list(c.args())
         args[i] = val
-        for fn in (col.collective_attention_reference, col.collective_attention_triton):
+        for fn in (col.collective_attention_reference, colt.collective_attention_triton):
             with pytest.raises(ValueError):
                 fn(*args)
     args = list(c.args())
@@ -334,7 +335,7 @@ def test_a_launch_short_of_shared_memory_takes_smaller_key_tiles(monkeypatch) ->
 
     monkeypatch.setattr(jit, "_FITS", {})
     tiles = []
-    monkeypatch.setattr(col, "_collective_kernel", Refusing(col._collective_kernel, "BLOCK_N", 32, tiles))
+    monkeypatch.setattr(colt, "_collective_kernel", Refusing(colt._collective_kernel, "BLOCK_N", 32, tiles))
     c = make_case(3, 8, 2, 64, master_len=93)
     o, lse = run_triton(c, num_splits=2, cfg=dict(block_n=64))
     want_o, want_lse = col.collective_attention_reference(*c.args())

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import tokendance.kernels.collective as col
+import tokendance.kernels.collective_triton as colt
 import tokendance.kernels.paged_attention as pa
 import tokendance.kernels.paged_triton as pt
 from tokendance.kernels.jit import padded_half, tiles_head
@@ -29,7 +30,7 @@ DIMS = [96, 80, 16]
 @pytest.fixture(autouse=True)
 def poisoned(monkeypatch) -> None:
     nan = lambda *shape, device: torch.full(shape, math.nan)  # noqa: E731
-    for mod in (pt, pa, col):
+    for mod in (pt, pa, colt):
         monkeypatch.setattr(mod, "_scratch", nan)
 
 
