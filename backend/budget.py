@@ -23,7 +23,7 @@ import torch
 from tokendance.backend import scoring
 from tokendance.backend.api import TOP_LOGPROBS
 from tokendance.backend.collector import AHEAD
-from tokendance.backend.config import EngineConfig
+from tokendance.backend.config import EngineConfig, top_logprobs
 from tokendance.backend.model import AttnMeta, Decoder, KVCache
 from tokendance.kernels.jit import tiles_head
 
@@ -113,8 +113,7 @@ def step_peak(model: Decoder, tokens: int, device: torch.device, top: int = TOP_
     """The bytes torch's allocator holds at the peak of a forward of `tokens` fresh prompt
     tokens, beyond what it held before (prompts no longer than the model's positions),
     scoring them with `top` alternatives a token (--max-logprobs; -1: the vocabulary)."""
-    vocab = model.cfg.vocab_size
-    top = vocab if top < 0 else min(top, vocab)
+    top = top_logprobs(top, model.cfg.vocab_size)
     longest = model.cfg.context
     lens = [min(longest, tokens - lo) for lo in range(0, tokens, longest)]
     cu = [0]

@@ -22,6 +22,12 @@ REQUIRED = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers
 COUNTS = (*REQUIRED, "num_key_value_heads", "head_dim", "max_position_embeddings")
 
 
+def top_logprobs(max_logprobs: int, vocab: int) -> int:
+    """The alternatives a token's logprobs may list under --max-logprobs (-1: any) over a
+    vocabulary of `vocab`."""
+    return vocab if max_logprobs < 0 else min(max_logprobs, vocab)
+
+
 @dataclass(slots=True)
 class EngineConfig:
     model: str | None = None  # HF folder, .gguf, or None for the embedded default

@@ -8,7 +8,7 @@ from typing import Any
 
 from tokendance.backend.api import Prepared, Request, Template, check_mode
 from tokendance.backend.async_engine import AsyncEngine, Job
-from tokendance.backend.config import EngineConfig
+from tokendance.backend.config import EngineConfig, top_logprobs
 from tokendance.backend.engine import Engine
 from tokendance.backend.generation import defaults
 from tokendance.backend.prompt import render_chat, request_ids
@@ -35,11 +35,9 @@ class EngineBackend:
         self.core = AsyncEngine(engine)
         cfg = engine.cfg
         sampling = defaults(engine.config_folder, cfg.generation_config, cfg.override_generation_config)
-        vocab = engine.mcfg.vocab_size  # --max-logprobs -1: any, so the vocabulary's
-        top = vocab if cfg.max_logprobs < 0 else min(cfg.max_logprobs, vocab)
         self.info = ModelInfo(engine.name, engine.max_model_len, engine.kv_bytes_per_token, sampling,
                               priority=engine.scheduler.ranked, eos=tuple(sorted(engine.eos)),
-                              max_logprobs=top)
+                              max_logprobs=top_logprobs(cfg.max_logprobs, engine.mcfg.vocab_size))
         self._ids = itertools.count()
 
     @classmethod
