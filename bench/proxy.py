@@ -94,6 +94,7 @@ def child(port: int) -> None:
 
     from tokendance.proxy.app import Server
     from tokendance.proxy.core import Config
+    from tokendance.proxy.listen import Listen
 
     structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(30))
     backend = InstantBackend()
@@ -112,7 +113,7 @@ def child(port: int) -> None:
     async def run() -> None:
         stop = asyncio.Event()
         asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stop.set)
-        await server.start("127.0.0.1", port)
+        await server.start(Listen(port=port))
         await stop.wait()
         await server.stop()
 

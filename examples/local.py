@@ -9,6 +9,7 @@ from contextlib import asynccontextmanager, contextmanager
 from typing import Any
 
 from tokendance.backend.protocol import Backend
+from tokendance.proxy.listen import Listen
 
 PREFERRED = ("collective", "pic", "prefix", "full")  # best first
 
@@ -40,7 +41,7 @@ def server(be: Backend, barrier_timeout: float):  # -> tokendance.proxy.app.Serv
 async def proxy(be: Backend, barrier_timeout: float = 5.0) -> AsyncIterator[str]:
     """Serve `be` on 127.0.0.1 at a free port; yields the base URL (ending in /v1)."""
     s = server(be, barrier_timeout)
-    await s.start("127.0.0.1", 0)
+    await s.start(Listen(port=0))
     try:
         yield s.url + "/v1"
     finally:
@@ -55,7 +56,7 @@ def threaded(be: Backend, barrier_timeout: float = 5.0) -> Iterator[str]:
     t.start()
     s = server(be, barrier_timeout)
     try:
-        asyncio.run_coroutine_threadsafe(s.start("127.0.0.1", 0), loop).result(30)
+        asyncio.run_coroutine_threadsafe(s.start(Listen(port=0)), loop).result(30)
         yield s.url + "/v1"
     finally:
         asyncio.run_coroutine_threadsafe(s.stop(), loop).result(60)

@@ -20,6 +20,7 @@ from . import tokenize as tokens
 from .answer import Turn, follow, starting_after
 from .core import Config, Proxy, digest
 from .errors import ApiError, invalid, keys, middleware
+from .listen import Listen
 from .mqtt import Control
 from .peers import Peers
 from .respond import reply
@@ -359,23 +360,30 @@ class Server:
             raise ValueError("--mqtt-peers shares rounds over the MQTT broker: give --mqtt too")
         self.app = make_app(self.proxy, self.control)
         self.runner: web.AppRunner | None = None
+        self.where = Listen()
         self.port = 0
 
-    async def start(self, host: str = "127.0.0.1", port: int = 8000) -> None:
+    async def start(self, where: Listen = Listen()) -> None:
         self.runner = web.AppRunner(self.app, handler_cancellation=True, access_log=None,
                                     shutdown_timeout=self.proxy.config.drain_timeout)
         await self.runner.setup()
-        site = web.TCPSite(self.runner, host, port)
-        await site.start()
-        self.port = self.runner.addresses[0][1]
+        await where.site(self.runner).start()
+        self.where = where
+        if where.uds is None:
+            self.port = self.runner.addresses[0][1]
         if self.control is not None:
             self.proxy.publish = self.control.publish
             self.control.start()
-        log.info("serving", host=host, port=self.port, model=self.proxy.names[0])
+        at = dict(socket=where.uds) if where.uds else dict(host=where.host, port=self.port, scheme=where.scheme)
+        log.info("serving", **at, model=self.proxy.names[0])
 
     @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+        """Where a client on this host reaches it (over a Unix socket: the URL to send with
+        a client that connects to the socket)."""
+        if self.where.uds is not None:
+            return "http://localhost"
+        return f"{self.where.scheme}://127.0.0.1:{self.port}"
 
     async def stop(self) -> None:
         if self.runner is None:

@@ -28,6 +28,7 @@ from .errors import ApiError, from_backend, invalid
 from .schemas import RoundOpen, Sampled, answer_id, prompt_logprobs, truncation
 from .known import Known
 from .peers import Peers
+from .request_log import log_request
 from .session import Round, Sessions, check_name, read_meta, round_number
 from .stats import Metrics
 from .stored import Store, Stored
@@ -56,6 +57,9 @@ class Config:
     stream_interval: int = 1  # vLLM's --stream-interval: tokens per streamed chunk (a request may raise it)
     cors: Cors = Cors()  # vLLM's --allowed-origins, --allowed-methods, ... (proxy/cors.py)
     trust_chat_template: bool = False  # vLLM's --trust-request-chat-template: a request may bring its own
+    as_ids: bool = False  # vLLM's --return-tokens-as-token-ids: a request's default
+    log_requests: bool = False  # vLLM's --enable-log-requests: each request logged (proxy/request_log.py)
+    max_log_len: int | None = None  # vLLM's --max-log-len: a logged prompt's characters or ids, at most
 
 
 class Proxy:
@@ -96,11 +100,12 @@ class Proxy:
         prefix = {"chat": "chatcmpl-", "completion": "cmpl-", "response": "resp_", "message": "msg_"}[kind]
         usage = bool(body.stream_options and body.stream_options.include_usage)
         named = headers.get("X-Request-Id") if kind != "response" else None  # a response's id keys its store
+        as_ids = body.return_tokens_as_token_ids
         return Call(prefix + answer_id(body.request_id, named), kind, self.names[0], meta, body.n,
                     self.tenant(headers, body.cache_salt), body.stream, usage,
                     usage and body.stream_options.continuous_usage_stats, t0=t0,
                     prompt_logprobs=prompt_logprobs(body),
-                    return_ids=body.return_token_ids, as_ids=body.return_tokens_as_token_ids,
+                    return_ids=body.return_token_ids, as_ids=self.config.as_ids if as_ids is None else as_ids,
                     truncate=truncation(body.truncate_prompt_tokens, self.backend.info.max_model_len),
                     truncation_side=body.truncation_side or "left", interval=self.interval(body.stream_interval),
                     beams=beams.asked(body, self.backend, meta.session))
@@ -165,7 +170,7 @@ class Proxy:
                             add_special_tokens=special, truncate=call.truncate,
                             truncation_side=call.truncation_side, whole=not call.stream)
                 try:
-                    call.prepared.append(self.backend.prepare(r))
+                    self.admitted(call.kind, call.prepared, r)
                 except InvalidRequest as exc:  # the engine names the chat field, "messages"
                     field = "prompt" if call.kind == "completion" else "messages"
                     raise invalid(exc.message, field if exc.param in (None, "messages") else exc.param,
@@ -173,6 +178,13 @@ class Proxy:
         k = len(call.prepared)
         call.texts, call.logprobs, call.scored, call.ids = ([[] for _ in range(k)] for _ in range(4))
         call.tokens, call.finish, call.stopped, call.usage = [0] * k, [None] * k, [None] * k, [None] * k
+
+    def admitted(self, kind: str, group: list[Prepared], r: Request) -> None:
+        """The backend's preparation of `r` added to `group` (and logged, under
+        --enable-log-requests); InvalidRequest as the backend raises it."""
+        group.append(self.backend.prepare(r))
+        if self.config.log_requests:
+            log_request(kind, group[-1], self.config.max_log_len)
 
     async def admit(self, call: Call) -> list[Stream]:
         """Hold the call at its round's barrier (if any); its streams once its group started."""

@@ -104,7 +104,8 @@ class Sampled(Struct, kw_only=True):
     stream_interval: int | None = None  # vLLM's: tokens per streamed chunk (at least the server's)
     bad_words: list[str] | None = None  # vLLM's: words it may not write
     return_token_ids: bool = False  # vLLM's: the prompt's and the output's token ids in the answer
-    return_tokens_as_token_ids: bool = False  # vLLM's: logprobs name their tokens "token_id:N"
+    return_tokens_as_token_ids: bool | None = None  # vLLM's: logprobs name their tokens "token_id:N"
+    # (None: the server's --return-tokens-as-token-ids)
     truncate_prompt_tokens: int | None = None  # vLLM's: only the prompt's last k tokens (-1: the context's)
     truncation_side: Literal["left", "right"] | None = None  # vLLM's: "right" keeps the first k instead
     request_id: str | None = None  # vLLM's: the answer's id, after its prefix

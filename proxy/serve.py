@@ -20,6 +20,7 @@ from tokendance.backend.protocol import Backend
 from .app import Server
 from .core import Config
 from .cors import Cors, parse
+from .listen import Listen, add_args as add_listen_args, listen
 from .mqtt import address
 from .reasoning import PARSERS
 from .tools import PARSERS as TOOL_PARSERS
@@ -31,8 +32,7 @@ KEY_ENV = "TOKENDANCE_API_KEY"
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p = subparsers.add_parser("serve", help="OpenAI-compatible proxy, the engine in-process or remote (--engine)",
                               description=__doc__)
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000)
+    add_listen_args(p)
     p.add_argument("--mode", choices=MODES, default=None,
                    help=f"default KV reuse mode ({DEFAULT_MODE}; prefix with --vllm)")
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None,
@@ -88,6 +88,14 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     p.add_argument("--trust-request-chat-template", action="store_true",
                    help="take a request's own chat_template (chats, /tokenize, chat embeddings); "
                         "without it one is a 400, as in vLLM")
+    p.add_argument("--return-tokens-as-token-ids", action="store_true",
+                   help="logprobs name their tokens \"token_id:N\" unless a request says otherwise")
+    p.add_argument("--enable-log-requests", action=argparse.BooleanOptionalAction, default=False,
+                   help="log each request: its prompt and the sampling parameters it sets")
+    p.add_argument("--disable-log-requests", dest="enable_log_requests", action="store_false",
+                   help="vLLM's older name of --no-enable-log-requests (the default)")
+    p.add_argument("--max-log-len", type=int, default=None, metavar="N",
+                   help="a logged prompt's characters (or token ids) at most (default: all)")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     p.set_defaults(func=main)
     return p
@@ -158,13 +166,17 @@ def config(args: argparse.Namespace) -> Config:
         raise ValueError("--mqtt-peers shares rounds over the MQTT broker: give --mqtt too")
     if args.stream_interval < 1:
         raise ValueError(f"--stream-interval must be at least 1, not {args.stream_interval}")
+    if args.max_log_len is not None and args.max_log_len < 0:
+        raise ValueError(f"--max-log-len must be at least 0, not {args.max_log_len}")
     policy = Cors(*(parse(f"--allowed-{what}", getattr(args, f"allowed_{what}"))
                     for what in ("origins", "methods", "headers")), credentials=args.allow_credentials)
     return Config(barrier_timeout=args.barrier_timeout_ms / 1e3, max_group=args.max_group,
                   drain_timeout=args.drain_timeout, reasoning=args.reasoning_parser,
                   tool_parser=args.tool_call_parser, names=names,
                   api_keys=frozenset(keys), peers=args.mqtt_peers, stream_interval=args.stream_interval,
-                  cors=policy, trust_chat_template=args.trust_request_chat_template)
+                  cors=policy, trust_chat_template=args.trust_request_chat_template,
+                  as_ids=args.return_tokens_as_token_ids, log_requests=args.enable_log_requests,
+                  max_log_len=args.max_log_len)
 
 
 def chat_template(backend: Backend, given: str) -> None:
@@ -189,14 +201,14 @@ def chat_template(backend: Backend, given: str) -> None:
         raise ValueError(f"--chat-template cannot render a chat: {e.message}") from None
 
 
-async def serve(server: Server, host: str, port: int, stop: asyncio.Event | None = None) -> None:
+async def serve(server: Server, where: Listen, stop: asyncio.Event | None = None) -> None:
     """Run until SIGINT/SIGTERM (or `stop` is set), then drain and close."""
     stop = stop or asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     try:
-        await server.start(host, port)
+        await server.start(where)
         await stop.wait()
     finally:
         for sig in (signal.SIGINT, signal.SIGTERM):
@@ -233,8 +245,7 @@ def main(args: argparse.Namespace) -> int:
         engine_options(args)  # a bad value fails before the model loads
     if not args.drain_timeout >= 0:
         raise ValueError("--drain-timeout must be a number, not negative")
-    if not 0 <= args.port <= 65535:
-        raise ValueError(f"--port must lie in 0..65535, got {args.port}")
+    where = listen(args)
     if args.mqtt:
         address(args.mqtt)  # a bad URL fails before the model loads
     cfg = config(args)  # a bad flag fails before the model loads
@@ -251,7 +262,7 @@ def main(args: argparse.Namespace) -> int:
         if cfg.tool_parser is not None:  # one the chat template cannot take fails now, not per request
             server.proxy.dialect()
         with heap.frozen():
-            asyncio.run(serve(server, args.host, args.port))
+            asyncio.run(serve(server, where))
     finally:
         if replicas is not None:
             replicas.stop()

@@ -21,6 +21,7 @@ import pytest
 from tokendance.backend.parallel import free_port
 from tokendance.proxy.app import Server
 from tokendance.proxy.core import Config
+from tokendance.proxy.listen import Listen
 
 _spec = importlib.util.spec_from_file_location("proxy_fake_backend",
                                                Path(__file__).with_name("fake_backend.py"))
@@ -57,7 +58,7 @@ async def start() -> AsyncIterator[Callable[..., Any]]:
 
     async def run(backend: Any = None, mqtt: str | None = None, **config: Any) -> Server:
         server = Server(backend if backend is not None else FakeBackend(), Config(**config), mqtt)
-        await server.start("127.0.0.1", 0)
+        await server.start(Listen(port=0))
         servers.append(server)
         return server
 
@@ -80,7 +81,7 @@ class Threaded:
         self.server = Server(backend, Config(**config))
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self.thread.start()
-        self.call(self.server.start("127.0.0.1", 0))
+        self.call(self.server.start(Listen(port=0)))
         self.url = self.server.url
 
     def call(self, coro: Any, timeout: float = 30) -> Any:

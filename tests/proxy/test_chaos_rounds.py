@@ -17,6 +17,7 @@ import aiohttp
 from tokendance.backend.service import EngineBackend
 from tokendance.proxy.app import Server
 from tokendance.proxy.core import Config
+from tokendance.proxy.listen import Listen
 
 EXACT = ("full", "prefix", "pic", "collective")
 ANCHORED = ("kvcomm", "kvcmas")  # predicted: checked for whole answers, not tokens
@@ -105,7 +106,7 @@ async def play(model_dir: str, seed: int) -> dict[str, float]:
                                  offload_bytes=64 << 20)
     eng = backend.engine
     server = Server(backend, Config(barrier_timeout=0.3))
-    await server.start("127.0.0.1", 0)
+    await server.start(Listen(port=0))
     try:
         rng, model = random.Random(seed), backend.info.name
         runs = [simulate(server.url, model, random.Random(rng.random()), name, modes, agents, 4)

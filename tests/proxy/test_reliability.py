@@ -17,6 +17,7 @@ from aiohttp.client_exceptions import ClientConnectionResetError
 
 from tokendance.proxy.app import Server
 from tokendance.proxy.core import Config
+from tokendance.proxy.listen import Listen
 
 MODEL = "fake-tiny"
 LONG = " ".join(f"w{i}" for i in range(40))
@@ -257,7 +258,7 @@ async def test_a_stopped_server_lets_its_backend_go(make_backend, broker, until)
     be = make_backend()
     gone = weakref.ref(be)
     server = Server(be, Config(), broker.url)
-    await server.start("127.0.0.1", 0)
+    await server.start(Listen(port=0))
     async with aiohttp.ClientSession() as http:  # a chat, and the conversations' routes
         async with http.post(server.url + "/v1/chat/completions", json=body("a b")) as r:
             assert r.status == 200

@@ -313,7 +313,7 @@ def test_the_server_serves_with_its_startup_heap_frozen(monkeypatch):
     monkeypatch.setattr(serve, "load_backend", lambda args: FakeBackend())
     monkeypatch.setattr(serve.heap, "frozen", frozen)
 
-    async def served(server, host, port):
+    async def served(server, where):
         calls.append("serve")
 
     monkeypatch.setattr(serve, "serve", served)
