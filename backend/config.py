@@ -39,7 +39,7 @@ class EngineConfig:
     kv_cache_dtype: str = "auto"  # vLLM's: the pool's K/V in the model's dtype, or fp8 (kernels/fp8.py)
     device: str = "auto"  # with tensor parallelism, the first of its devices
     tensor_parallel_size: int = 1  # processes (on CUDA, GPUs) that split each layer (backend/parallel.py)
-    block_size: int = 16
+    block_size: int = 16  # vLLM's --block-size: tokens a pool block holds
     kv_tokens: int = 0  # pool size in tokens; 0: 16k on CPU, on CUDA as gpu_memory_utilization says
     # vLLM's: the share of the GPU's memory this engine holds, weights, a step's peak and the
     # pool together (backend/budget.py); 0: the pool takes 85 % of what the weights leave free
@@ -79,6 +79,8 @@ class EngineConfig:
         if self.scheduling_policy not in POLICIES:
             raise InvalidRequest(f"unknown scheduling policy {self.scheduling_policy!r}; choose one of "
                                  f"{', '.join(POLICIES)}", "scheduling_policy")
+        if self.block_size < 1:
+            raise InvalidRequest(f"block_size must be at least 1, not {self.block_size}", "block_size")
         if self.max_logprobs < -1:
             raise InvalidRequest("max_logprobs must be -1 (any) or at least 0", "max_logprobs")
         if self.kv_cache_dtype not in KV_DTYPES:

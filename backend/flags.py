@@ -52,6 +52,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "offset K/V), on the engine's device beside the KV pool")
     p.add_argument("--anchor-rank", type=int, default=32,
                    help="kvcmas: the rank its anchors are held at, per layer (KVCMAS's low-rank anchors)")
+    p.add_argument("--block-size", type=int, choices=BLOCK_SIZES, default=16,
+                   help="tokens a block of the KV pool holds: the unit the pool, the prefix cache "
+                        "and the host tier allocate and move (a Mirror's patches are single tokens)")
     p.add_argument("--kv-tokens", type=at_least(0, units=True), default=0,
                    help="the KV pool's size in tokens (0: 16 k on the CPU, 85 %% of the GPU's memory "
                         "left free by the weights)")
@@ -79,6 +82,7 @@ def add_parallel_args(p: argparse.ArgumentParser) -> None:
                         "engine's device on; the model's heads and MLP width must divide by it")
 
 
+BLOCK_SIZES = (1, 8, 16, 32, 64, 128)  # vLLM's --block-size choices
 # engine flags that serve --vllm takes too: the proxy tokenizes and samples for a vLLM server by them
 VLLM_TOO = ("--tokenizer", "--generation-config", "--override-generation-config")
 
@@ -194,7 +198,7 @@ def engine_options(args: argparse.Namespace) -> dict[str, Any]:
     offload = None if args.offload_gib is None else int(args.offload_gib * 2**30)  # None: the device's default
     return {"model": model(args), "tokenizer": args.tokenizer, "hf_config_path": args.hf_config_path,
             "hf_overrides": args.hf_overrides or {}, "dtype": args.dtype, "kv_cache_dtype": args.kv_cache_dtype,
-            "tensor_parallel_size": args.tensor_parallel_size,
+            "tensor_parallel_size": args.tensor_parallel_size, "block_size": args.block_size,
             "seed": args.seed, **({"cuda_graphs": 0} if args.enforce_eager else {}), "offload_bytes": offload,
             "anchor_bytes": int(args.anchor_gib * 2**30), "anchor_rank": args.anchor_rank,
             "kv_tokens": args.kv_tokens, "gpu_memory_utilization": args.gpu_memory_utilization,

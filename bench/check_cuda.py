@@ -2,14 +2,16 @@
 with lookahead equals decode without, the engine's greedy tokens equal HF transformers'
 on the same random weights (bf16 and fp32), Mirrors (the Triton kernels through
 slot-position tables, and the Master read collectively in decode) give what the dense
-paths give, and with producer bases requests ended by length publish exact K/V; then
+paths give, pools of 8- and 32-slot blocks serve what 16-slot ones do, and with producer
+bases requests ended by length publish exact K/V; then
 the kernels against their references (bench/check_kernels.py) and the serving checks
 (bench/check_serving.py). Run on the GPU machine:
-python -m tokendance.bench.check_cuda [act | memory | mirrors]"""
+python -m tokendance.bench.check_cuda [act | blocks | memory | mirrors]"""
 
 from __future__ import annotations
 
 import copy
+import gc
 import sys
 
 import torch
@@ -306,7 +308,34 @@ def mirrors() -> bool:
     return a and b and c and d and e and f and g
 
 
+def block_sizes() -> bool:
+    """vLLM's --block-size on CUDA (fp32, decode graphs, lookahead): pools of 8- and 32-slot
+    blocks give what 16-slot ones give in full, prefix and collective, over a round and the
+    next (whose agents resume from the host tier)."""
+    from tokendance.bench.allgather import make_round, next_round
+
+    rnd = make_round(4, 120, 60, 49152, seed=5)
+    greedy = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    who = [f"a{i}" for i in range(rnd.agents)]
+    modes, out = ("full", "prefix", "collective"), {}
+    for size in (16, 8, 32):
+        for mode in modes:
+            eng = seeded(kv_tokens=16384, block_size=size)
+            first = [t for t, _, _ in eng.generate(rnd.prompts, greedy, mode=mode, shared=rnd.shared, agents=who)]
+            nxt = next_round(rnd, first, 60, 49152, seed=6)
+            out[size, mode] = first, [t for t, _, _ in eng.generate(nxt.prompts, greedy, mode=mode,
+                                                                    shared=nxt.shared, agents=who)]
+            del eng
+            gc.collect()  # an engine's model and pool, before the next is made
+    same = {size: [m for m in modes if out[size, m] == out[16, m]] for size in (8, 32)}
+    print(f"--block-size on CUDA (fp32): two rounds' tokens as with 16-slot blocks, at 8 in "
+          f"{', '.join(same[8]) or 'no mode'}, at 32 in {', '.join(same[32]) or 'no mode'}")
+    return all(len(v) == len(modes) for v in same.values())
+
+
 def main() -> int:
+    if sys.argv[1:] == ["blocks"]:
+        return 0 if block_sizes() else 1
     if sys.argv[1:] == ["act"]:
         return 0 if act() else 1
     if sys.argv[1:] == ["memory"]:
@@ -342,6 +371,7 @@ def main() -> int:
     ok &= greedy_vs_hf("float32")
     ok &= greedy_vs_hf("float32", "qwen3-8b")
     ok &= mirrors()
+    ok &= block_sizes()
     err, whole = producer_tails()
     print(f"producer bases, requests ended by length (graphs, lookahead, fp32): published K/V vs "
           f"full prefill, relative error {err:.2e}; Mirrors' outputs published whole {whole}")

@@ -46,10 +46,12 @@ class Case:
 
 
 def make_case(s: int, hq: int, hkv: int, d: int, master_len: int = 75, max_shift: int = 300,
-              rope_scale: float = 1.0, theta: float = 1e4) -> Case:
-    """Random Master in shuffled pool blocks; every other slot of the pool is NaN. Mirror 1
-    sees only the first half of the Master (causality), Mirror 2 none of it, the last of
-    three or more hides every slot; the rest hide ~15 % of the slots at random."""
+              rope_scale: float = 1.0, theta: float = 1e4, block: int = B) -> Case:
+    """Random Master in shuffled pool blocks of `block` slots; every other slot of the pool
+    is NaN. Mirror 1 sees only the first half of the Master (causality), Mirror 2 none of
+    it, the last of three or more hides every slot; the rest hide ~15 % of the slots at
+    random."""
+    B = block
     nb = -(-master_len // B)
     total = nb + 5
     k_cache = torch.full((total, B, hkv, d), math.nan)
@@ -192,6 +194,16 @@ def test_triton_matches_reference(s: int, g: int, hkv: int, d: int, scratch: lis
     check_lse(lse, want_lse, 1e-3)
     assert (o[nothing_visible(c)] == 0).all()
     assert scratch[0] == (s, g * hkv, 2, d)
+
+
+@pytest.mark.parametrize("block", [1, 8, 32])
+def test_triton_any_block_size(block: int) -> None:
+    """vLLM's --block-size: Master tiles across several small blocks or within one large one."""
+    c = make_case(4, 6, 2, 32, block=block)
+    o, lse = run_triton(c, num_splits=2)
+    want_o, want_lse = col.collective_attention_reference(*c.args())
+    assert rel(o, want_o) < 1e-3
+    check_lse(lse, want_lse, 1e-3)
 
 
 @pytest.mark.parametrize("cfg,splits", [

@@ -46,10 +46,12 @@ class Case:
 
 def make_case(kv_lens: list[int], q_pos: list[torch.Tensor], hq: int = 9, hkv: int = 3,
               d: int = 64, share: bool = False, rope_scale: float = 1.0,
-              theta: float = 10000.0) -> Case:
-    """Random pool and queries. Block tables are shuffled; slots no sequence owns are NaN,
-    so a kernel that reads past kv_len or a wrong block fails. share: every sequence's
-    block 1 is sequence 0's block 0 (same physical keys at a different logical offset)."""
+              theta: float = 10000.0, block: int = B) -> Case:
+    """Random pool of `block`-slot blocks, and queries. Block tables are shuffled; slots no
+    sequence owns are NaN, so a kernel that reads past kv_len or a wrong block fails. share:
+    every sequence's block 1 is sequence 0's block 0 (same physical keys at a different
+    logical offset)."""
+    B = block
     nblk = [(n + B - 1) // B for n in kv_lens]
     width = max(nblk)
     total = sum(nblk) + 3
@@ -111,7 +113,7 @@ def dense_attention(c: Case, window: int = 0, cap: float = 0.0) -> torch.Tensor:
     with a window, each query over the keys of its window; with a cap, scores capped
     (cap * tanh(s / cap))."""
     out = torch.empty(c.q.shape, dtype=torch.float64)
-    g = c.q.shape[1] // c.k_cache.shape[2]
+    g, B = c.q.shape[1] // c.k_cache.shape[2], c.k_cache.shape[1]
     for s, n in enumerate(c.kv_lens.tolist()):
         lo, hi = c.cu_q[s].item(), c.cu_q[s + 1].item()
         tab = c.block_tables[s].tolist()
@@ -199,6 +201,17 @@ def test_prefill_large_blocks() -> None:
     c = make_case(lens, suffix(lens, [30, 33]), d=128)
     got = run_triton(c, cfg=dict(block_m=64, block_n=64))
     assert rel(got, pa.paged_attention_reference(*c.args())) < 1e-3
+
+
+@pytest.mark.parametrize("block", [1, 8, 32])
+@pytest.mark.parametrize("decode", [False, True])
+def test_any_block_size(block: int, decode: bool) -> None:
+    """vLLM's --block-size: key tiles across several small blocks or within one large one."""
+    lens = [70, 33, 5]
+    c = make_case(lens, suffix(lens, [1, 1, 1] if decode else [30, 33, 2]), block=block)
+    want = pa.paged_attention_reference(*c.args())
+    assert rel(want, dense_attention(c)) < 1e-5
+    assert rel(run_triton(c), want) < 1e-3
 
 
 # ---- decode kernel ----
