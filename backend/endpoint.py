@@ -18,7 +18,7 @@ import msgspec
 import structlog
 from aiohttp import web
 
-from tokendance.backend import heap, logs, wire
+from tokendance.backend import config_file, heap, logs, wire
 from tokendance.backend.api import Request
 from tokendance.backend.auth import ENGINE_KEY_ENV, Keys, check_keys
 from tokendance.backend.flags import add_engine_args, engine_options
@@ -202,6 +202,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
                    help=f"answer proxies only with this key (`tokendance serve --engine-api-key`); repeat "
                         f"it for several (default: ${ENGINE_KEY_ENV}, else none)")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    config_file.add_arg(p)
     p.set_defaults(func=main)
     return p
 

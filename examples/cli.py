@@ -16,7 +16,7 @@ import sys
 from types import ModuleType
 from typing import NoReturn, Sequence
 
-from tokendance.backend import logs
+from tokendance.backend import config_file, logs
 
 # name -> (module, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
@@ -98,8 +98,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         mod = load(name)
         parser = Parser(prog="tokendance")
-        mod.add_parser(parser.add_subparsers(dest="command"))
+        sub = mod.add_parser(parser.add_subparsers(dest="command"))
+        filed_model = False
+        if sub is not None and config_file.takes(sub):
+            argv, filed_model = config_file.expand(argv, sub)
         args = parser.parse_args(argv)
+        if filed_model and args.model_tag is not None:
+            args.model = None  # MODEL on the command line takes the file's place
         code = mod.main(args)
     except KeyboardInterrupt:
         return _fail("tokendance: interrupted", 130)

@@ -11,7 +11,7 @@ import signal
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
-from tokendance.backend import heap, logs
+from tokendance.backend import config_file, heap, logs
 from tokendance.backend.api import MODES, BackendError
 from tokendance.backend.auth import ENGINE_KEY_ENV, check_keys
 from tokendance.backend.flags import VLLM_TOO, add_engine_args, at_least, changed, engine_options
@@ -97,6 +97,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     p.add_argument("--max-log-len", type=int, default=None, metavar="N",
                    help="a logged prompt's characters (or token ids) at most (default: all)")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    config_file.add_arg(p)
     p.set_defaults(func=main)
     return p
 

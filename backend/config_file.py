@@ -1,0 +1,98 @@
+"""vLLM's `--config FILE`: a YAML mapping of a command's long options, without their
+dashes (`port: 8001`, `served-model-name: [a, b]`, `enable-log-requests: true`), read
+as if they were given on the command line before its own flags, which take precedence;
+`model` is the MODEL argument, which a MODEL on the command line replaces."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+FLAG = "--config"
+
+
+def add_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument(FLAG, default=None, metavar="YAML",
+                   help="read options from this YAML file (long names without dashes, e.g. port: 8001); "
+                        "the command line's own take precedence")
+
+
+def takes(p: argparse.ArgumentParser) -> bool:
+    return any(FLAG in a.option_strings for a in p._actions)
+
+
+def expand(argv: list[str], p: argparse.ArgumentParser) -> tuple[list[str], bool]:
+    """argv (a command and its arguments) with the --config file's options put in before
+    the command line's own; and whether the file gave the model. ValueError, one line,
+    for a file or an option that cannot be read."""
+    rest, path = _without_config(argv[1:])
+    if path is None:
+        return argv, False
+    options = _read(path)
+    by_flag = {s: a for a in p._actions for s in a.option_strings}
+    tokens: list[str] = []
+    for key, value in options.items():
+        name = str(key).replace("_", "-")
+        action = by_flag.get(f"--{name}")
+        if action is None or name in ("config", "help"):
+            raise ValueError(f"{FLAG} {path}: unknown option {key!r} (options are the long flags "
+                             "without their dashes)")
+        tokens += _tokens(f"--{name}", action, value, path)
+    return [argv[0], *tokens, *rest], "model" in options
+
+
+def _without_config(args: list[str]) -> tuple[list[str], str | None]:
+    rest, path = [], None
+    it = iter(args)
+    for a in it:
+        if a == FLAG:
+            path = next(it, None)
+            if path is None:
+                raise ValueError(f"{FLAG} needs a YAML file")
+        elif a.startswith(FLAG + "="):
+            path = a.split("=", 1)[1]
+        else:
+            rest.append(a)
+    return rest, path
+
+
+def _read(path: str) -> dict[str, Any]:
+    import yaml
+
+    try:
+        data = yaml.safe_load(Path(path).expanduser().read_text())
+    except OSError as e:
+        raise ValueError(f"{FLAG} {path}: {e.strerror or e}") from None
+    except yaml.YAMLError as e:
+        raise ValueError(f"{FLAG} {path}: not YAML ({' '.join(str(e).split())})") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ValueError(f"{FLAG} {path}: expected a mapping of options, got a {type(data).__name__}")
+    return data
+
+
+def _tokens(flag: str, action: argparse.Action, value: Any, path: str) -> list[str]:
+    """The command-line words that set `action` to `value`."""
+    if action.nargs == 0:  # a switch: store_true / store_false, or --x / --no-x
+        if not isinstance(value, bool):
+            raise ValueError(f"{FLAG} {path}: {flag[2:]} is a switch: give true or false, not {value!r}")
+        if isinstance(action, argparse.BooleanOptionalAction):
+            return [flag if value else "--no-" + flag[2:]]
+        return [flag] if value else []  # `disable-log-requests: true` is --disable-log-requests
+    if isinstance(value, list) and (action.nargs in ("+", "*") or isinstance(action, argparse._AppendAction)):
+        if not value:
+            return []
+        words = [_word(v) for v in value]
+        return [flag, *words] if action.nargs in ("+", "*") else [w for v in words for w in (flag, v)]
+    return [flag, _word(value)]
+
+
+def _word(value: Any) -> str:
+    if isinstance(value, (dict, list)):
+        return json.dumps(value)  # JSON options: --hf-overrides, --allowed-origins, ...
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    return str(value)
