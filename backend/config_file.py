@@ -1,7 +1,7 @@
 """vLLM's `--config FILE`: a YAML mapping of a command's long options, without their
-dashes (`port: 8001`, `served-model-name: [a, b]`, `enable-log-requests: true`), read
-as if they were given on the command line before its own flags, which take precedence;
-`model` is the MODEL argument, which a MODEL on the command line replaces."""
+dashes (`port: 8001`, `served-model-name: [a, b]`, `enable-log-requests: true`). Each
+option the command line does not set is taken from the file (the command line takes
+precedence); `model` is the MODEL argument, which a MODEL on the command line replaces."""
 
 from __future__ import annotations
 
@@ -23,24 +23,46 @@ def takes(p: argparse.ArgumentParser) -> bool:
     return any(FLAG in a.option_strings for a in p._actions)
 
 
-def expand(argv: list[str], p: argparse.ArgumentParser) -> tuple[list[str], bool]:
-    """argv (a command and its arguments) with the --config file's options put in before
-    the command line's own; and whether the file gave the model. ValueError, one line,
-    for a file or an option that cannot be read."""
+def read(argv: list[str], p: argparse.ArgumentParser) -> tuple[list[str], dict[str, Any]]:
+    """argv (a command and its arguments) less --config FILE, and the options the file
+    sets, by their parser's names. ValueError, one line, for a file or an option that
+    cannot be read (argparse's message for a value its flag refuses)."""
     rest, path = _without_config(argv[1:])
     if path is None:
-        return argv, False
-    options = _read(path)
+        return argv, {}
     by_flag = {s: a for a in p._actions for s in a.option_strings}
-    tokens: list[str] = []
-    for key, value in options.items():
+    words: list[str] = []
+    for key, value in _read(path).items():
         name = str(key).replace("_", "-")
         action = by_flag.get(f"--{name}")
         if action is None or name in ("config", "help"):
             raise ValueError(f"{FLAG} {path}: unknown option {key!r} (options are the long flags "
                              "without their dashes)")
-        tokens += _tokens(f"--{name}", action, value, path)
-    return [argv[0], *tokens, *rest], "model" in options
+        words += _words(f"--{name}", action, value, path)
+    return [argv[0], *rest], vars(_given(p, words))
+
+
+def merge(args: argparse.Namespace, p: argparse.ArgumentParser, argv: list[str], filed: dict[str, Any]) -> None:
+    """The file's options set on `args` where the command line (argv, the command and its
+    arguments) did not set them; a MODEL or --model there replaces the file's model."""
+    given = vars(_given(p, argv[1:]))
+    if "model_tag" in given:
+        filed.pop("model", None)
+    for name, value in filed.items():
+        if name not in given:
+            setattr(args, name, value)
+
+
+def _given(p: argparse.ArgumentParser, words: list[str]) -> argparse.Namespace:
+    """Only what `words` set: `p` parses them with no defaults."""
+    saved = [(a, a.default) for a in p._actions]
+    try:
+        for a, _ in saved:
+            a.default = argparse.SUPPRESS
+        return p.parse_args(words)
+    finally:
+        for a, default in saved:
+            a.default = default
 
 
 def _without_config(args: list[str]) -> tuple[list[str], str | None]:
@@ -74,7 +96,7 @@ def _read(path: str) -> dict[str, Any]:
     return data
 
 
-def _tokens(flag: str, action: argparse.Action, value: Any, path: str) -> list[str]:
+def _words(flag: str, action: argparse.Action, value: Any, path: str) -> list[str]:
     """The command-line words that set `action` to `value`."""
     if action.nargs == 0:  # a switch: store_true / store_false, or --x / --no-x
         if not isinstance(value, bool):

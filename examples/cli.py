@@ -99,12 +99,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         mod = load(name)
         parser = Parser(prog="tokendance")
         sub = mod.add_parser(parser.add_subparsers(dest="command"))
-        filed_model = False
+        filed = {}
         if sub is not None and config_file.takes(sub):
-            argv, filed_model = config_file.expand(argv, sub)
+            argv, filed = config_file.read(argv, sub)
         args = parser.parse_args(argv)
-        if filed_model and args.model_tag is not None:
-            args.model = None  # MODEL on the command line takes the file's place
+        if filed:
+            config_file.merge(args, sub, argv, filed)
         code = mod.main(args)
     except KeyboardInterrupt:
         return _fail("tokendance: interrupted", 130)

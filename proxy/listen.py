@@ -12,7 +12,7 @@ from pathlib import Path
 
 from aiohttp import web
 
-CERT_REQS = {0: "none", 1: "optional", 2: "required"}  # the ssl module's CERT_NONE, ... by number
+CERT_REQS = (0, 1, 2)  # the ssl module's CERT_NONE, CERT_OPTIONAL, CERT_REQUIRED
 
 
 @dataclass(frozen=True, slots=True)

@@ -64,6 +64,10 @@ def test_the_command_line_takes_precedence(tmp_path, seen):
     assert flags.model(seen[2]) == "/models/c"
     assert run(tmp_path, "", "--port", "9001") == 0  # an empty file gives nothing
     assert seen[3].port == 9001
+    listed = "served-model-name: [a, b]\napi-key: [k1, k2]\n"
+    assert run(tmp_path, listed, "/models/d", "--api-key", "k3") == 0  # a list does not take MODEL in
+    a = seen[4]
+    assert (flags.model(a), a.served_model_name, a.api_key) == ("/models/d", ["a", "b"], ["k3"])
 
 
 def test_engine_takes_it_too(tmp_path, seen):
