@@ -92,9 +92,9 @@ class InstantBackend:
 def child(port: int) -> None:
     import structlog
 
-    from tokendance.proxy.app import Server
     from tokendance.proxy.core import Config
     from tokendance.proxy.listen import Listen
+    from tokendance.proxy.server import Server
 
     structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(30))
     backend = InstantBackend()

@@ -30,9 +30,9 @@ def best(available: tuple[str, ...]) -> str:
     return next(m for m in PREFERRED if m in available)
 
 
-def server(be: Backend, barrier_timeout: float):  # -> tokendance.proxy.app.Server
-    from tokendance.proxy.app import Server
+def server(be: Backend, barrier_timeout: float):  # -> tokendance.proxy.server.Server
     from tokendance.proxy.core import Config
+    from tokendance.proxy.server import Server
 
     return Server(be, Config(barrier_timeout=barrier_timeout))
 

@@ -58,6 +58,8 @@ class Config:
     cors: Cors = Cors()  # vLLM's --allowed-origins, --allowed-methods, ... (proxy/cors.py)
     trust_chat_template: bool = False  # vLLM's --trust-request-chat-template: a request may bring its own
     as_ids: bool = False  # vLLM's --return-tokens-as-token-ids: a request's default
+    log_stats: bool = True  # vLLM's: a stats line every stats_every seconds while busy (--disable-log-stats)
+    stats_every: float = 10.0
     log_requests: bool = False  # vLLM's --enable-log-requests: each request logged (proxy/request_log.py)
     max_log_len: int | None = None  # vLLM's --max-log-len: a logged prompt's characters or ids, at most
 

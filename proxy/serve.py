@@ -17,12 +17,12 @@ from tokendance.backend.auth import ENGINE_KEY_ENV, check_keys
 from tokendance.backend.flags import VLLM_TOO, add_engine_args, at_least, changed, engine_options
 from tokendance.backend.protocol import Backend
 
-from .app import Server
 from .core import Config
 from .cors import Cors, parse
 from .listen import Listen, add_args as add_listen_args, listen
 from .mqtt import address
 from .reasoning import PARSERS
+from .server import Server
 from .tools import PARSERS as TOOL_PARSERS
 
 DEFAULT_MODE = "collective"
@@ -96,6 +96,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
                    help="vLLM's older name of --no-enable-log-requests (the default)")
     p.add_argument("--max-log-len", type=int, default=None, metavar="N",
                    help="a logged prompt's characters (or token ids) at most (default: all)")
+    p.add_argument("--disable-log-stats", action="store_true",
+                   help="no stats line (throughput, running and waiting requests, KV pool usage) "
+                        "every 10 s while the server is busy")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     config_file.add_arg(p)
     p.set_defaults(func=main)
@@ -177,7 +180,7 @@ def config(args: argparse.Namespace) -> Config:
                   api_keys=frozenset(keys), peers=args.mqtt_peers, stream_interval=args.stream_interval,
                   cors=policy, trust_chat_template=args.trust_request_chat_template,
                   as_ids=args.return_tokens_as_token_ids, log_requests=args.enable_log_requests,
-                  max_log_len=args.max_log_len)
+                  max_log_len=args.max_log_len, log_stats=not args.disable_log_stats)
 
 
 def chat_template(backend: Backend, given: str) -> None:

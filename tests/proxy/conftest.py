@@ -19,9 +19,9 @@ import openai
 import pytest
 
 from tokendance.backend.parallel import free_port
-from tokendance.proxy.app import Server
 from tokendance.proxy.core import Config
 from tokendance.proxy.listen import Listen
+from tokendance.proxy.server import Server
 
 _spec = importlib.util.spec_from_file_location("proxy_fake_backend",
                                                Path(__file__).with_name("fake_backend.py"))

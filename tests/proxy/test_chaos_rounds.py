@@ -15,9 +15,9 @@ from dataclasses import dataclass
 import aiohttp
 
 from tokendance.backend.service import EngineBackend
-from tokendance.proxy.app import Server
 from tokendance.proxy.core import Config
 from tokendance.proxy.listen import Listen
+from tokendance.proxy.server import Server
 
 EXACT = ("full", "prefix", "pic", "collective")
 ANCHORED = ("kvcomm", "kvcmas")  # predicted: checked for whole answers, not tokens

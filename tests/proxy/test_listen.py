@@ -14,8 +14,8 @@ import pytest
 
 from tokendance.examples import cli
 from tokendance.proxy import serve
-from tokendance.proxy.app import Server
 from tokendance.proxy.listen import listen
+from tokendance.proxy.server import Server
 
 from .conftest import FakeBackend
 from .test_serve import parse

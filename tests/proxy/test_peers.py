@@ -12,8 +12,8 @@ import aiohttp
 import aiomqtt
 import pytest
 
-from tokendance.proxy.app import Server
 from tokendance.proxy.core import Config, Proxy
+from tokendance.proxy.server import Server
 
 from .conftest import FakeBackend
 

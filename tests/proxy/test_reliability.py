@@ -15,9 +15,9 @@ import pytest
 from aiohttp import web
 from aiohttp.client_exceptions import ClientConnectionResetError
 
-from tokendance.proxy.app import Server
 from tokendance.proxy.core import Config
 from tokendance.proxy.listen import Listen
+from tokendance.proxy.server import Server
 
 MODEL = "fake-tiny"
 LONG = " ".join(f"w{i}" for i in range(40))
