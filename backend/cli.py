@@ -19,6 +19,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                         "(for a GGUF, its original's)")
     p.add_argument("--hf-config-path", default=None, metavar="FOLDER",
                    help="this folder's config.json instead of the model's (for a GGUF, its original's)")
+    p.add_argument("--trust-remote-code", action="store_true",
+                   help="load a tokenizer whose class is Python code in its folder (vLLM's)")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     p.add_argument("--device", default="auto")
     p.add_argument("--system", default=None, help="a system message")
@@ -51,8 +53,8 @@ def main(args: argparse.Namespace) -> int:
                               presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
                               repetition_penalty=args.repetition_penalty)
     sampling.validate()
-    eng = Engine(model=args.model, tokenizer=args.tokenizer, hf_config_path=args.hf_config_path, dtype=args.dtype,
-                 device=args.device)
+    eng = Engine(model=args.model, tokenizer=args.tokenizer, hf_config_path=args.hf_config_path,
+                 trust_remote_code=args.trust_remote_code, dtype=args.dtype, device=args.device)
     if args.raw:
         prompt = eng.tokenizer.encode(text)
     else:

@@ -34,6 +34,7 @@ class EngineConfig:
     tokenizer: str | None = None  # vLLM's --tokenizer: a folder's instead of the model's own
     hf_config_path: str | None = None  # vLLM's: a folder's config.json instead of the model's own
     hf_overrides: dict[str, Any] = field(default_factory=dict)  # vLLM's: fields set over config.json
+    trust_remote_code: bool = False  # vLLM's: a tokenizer whose class is code in its folder may load
     max_logprobs: int = 20  # vLLM's: the alternatives a token's logprobs may list (-1: any)
     dtype: str = "auto"  # auto: bfloat16 on CUDA, float32 on CPU
     kv_cache_dtype: str = "auto"  # vLLM's: the pool's K/V in the model's dtype, or fp8 (kernels/fp8.py)

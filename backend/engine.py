@@ -70,7 +70,7 @@ class Engine:
         if self.device.type == "cpu":  # before the weights: they join the kept heap too
             heap.keep()
         # before the weights, which a tokenizer that is not the model's would have loaded for nothing
-        self.tokenizer = loader.tokenizer(self.folder, cfg.tokenizer, model.vocab_size)
+        self.tokenizer = loader.tokenizer(self.folder, cfg.tokenizer, model.vocab_size, cfg.trust_remote_code)
         free0 = torch.cuda.mem_get_info(self.device)[0] if self.device.type == "cuda" else 0  # before the weights
         if cfg.random_weights:
             if self.tp is not None:  # what every rank holds whole must match

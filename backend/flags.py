@@ -33,6 +33,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="fields set over the model's config.json, each whole (vLLM's), e.g. a longer context: "
                         '\'{"rope_scaling": {"rope_type": "yarn", "factor": 4.0, '
                         '"original_max_position_embeddings": 32768}, "max_position_embeddings": 131072}\'')
+    p.add_argument("--trust-remote-code", action="store_true",
+                   help="load a tokenizer whose class is Python code in its folder (vLLM's; the model "
+                        "itself is always one of the architectures this engine implements)")
     p.add_argument("--dtype", default="auto", help="auto, float32, bfloat16, float16")
     p.add_argument("--kv-cache-dtype", choices=KV_DTYPES, default="auto",
                    help="the KV pool's: auto (the model's dtype) or 8-bit floats (fp8 = fp8_e4m3; "
@@ -84,7 +87,9 @@ def add_parallel_args(p: argparse.ArgumentParser) -> None:
 
 BLOCK_SIZES = (1, 8, 16, 32, 64, 128)  # vLLM's --block-size choices
 # engine flags that serve --vllm takes too: the proxy tokenizes and samples for a vLLM server by them
-VLLM_TOO = ("--tokenizer", "--generation-config", "--override-generation-config")
+VLLM_TOO = ("--tokenizer", "--generation-config", "--override-generation-config", "--trust-remote-code")
+# engine flags that serve --engine takes too: the proxy loads the engine's tokenizer by it
+ENGINE_TOO = ("--trust-remote-code",)
 
 
 def add_generation_args(p: argparse.ArgumentParser) -> None:
@@ -196,7 +201,8 @@ def engine_options(args: argparse.Namespace) -> dict[str, Any]:
         raise ValueError("--kv-tokens and --gpu-memory-utilization both size the KV pool: give one")
     generation.check(args.generation_config, args.override_generation_config)
     offload = None if args.offload_gib is None else int(args.offload_gib * 2**30)  # None: the device's default
-    return {"model": model(args), "tokenizer": args.tokenizer, "hf_config_path": args.hf_config_path,
+    return {"model": model(args), "tokenizer": args.tokenizer, "trust_remote_code": args.trust_remote_code,
+            "hf_config_path": args.hf_config_path,
             "hf_overrides": args.hf_overrides or {}, "dtype": args.dtype, "kv_cache_dtype": args.kv_cache_dtype,
             "tensor_parallel_size": args.tensor_parallel_size, "block_size": args.block_size,
             "seed": args.seed, **({"cuda_graphs": 0} if args.enforce_eager else {}), "offload_bytes": offload,

@@ -78,18 +78,19 @@ def config_folder(folder: Path, given: str | None) -> Path:
     return where
 
 
-def tokenizer(folder: Path, given: str | None, vocab: int) -> Any:
+def tokenizer(folder: Path, given: str | None, vocab: int, trust_remote_code: bool = False) -> Any:
     """The HF tokenizer the model is served with: `given`'s, a folder (vLLM's --tokenizer;
     for a GGUF, its original model's, whose chat template and vocabulary the file's own
-    conversion may lack), else the model folder's. InvalidRequest in one line where it
-    does not load, or where a given one holds ids past the model's `vocab`."""
+    conversion may lack), else the model folder's; with `trust_remote_code` (vLLM's flag)
+    one whose class is code in the folder. InvalidRequest in one line where it does not
+    load, or where a given one holds ids past the model's `vocab`."""
     from transformers import AutoTokenizer
 
     where = folder if given is None else Path(given).expanduser()
     if given is not None and not where.is_dir():
         raise InvalidRequest(f"--tokenizer {given}: no such folder (a local folder of tokenizer files)", "tokenizer")
     try:
-        tok = AutoTokenizer.from_pretrained(where)
+        tok = AutoTokenizer.from_pretrained(where, trust_remote_code=trust_remote_code)
     except Exception as e:  # no tokenizer files, or broken ones
         raise InvalidRequest(f"the tokenizer at {where} does not load ({type(e).__name__}: "
                              f"{convert.first_line(e)})", "model" if given is None else "tokenizer") from e

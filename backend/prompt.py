@@ -35,14 +35,15 @@ def request_ids(tokenizer: Any, request: Request) -> tuple[list[int], list[tuple
     return ids, spans
 
 
-def fast_tokenizer(path: Any, what: str = "") -> Any:
-    """A fast (Rust) HF tokenizer from a folder, which the prompt's offsets need;
-    BackendError naming `what` (or the folder) if it cannot be had."""
+def fast_tokenizer(path: Any, what: str = "", trust_remote_code: bool = False) -> Any:
+    """A fast (Rust) HF tokenizer from a folder, which the prompt's offsets need (with
+    `trust_remote_code`, one whose class is code in the folder); BackendError naming
+    `what` (or the folder) if it cannot be had."""
     from transformers import AutoTokenizer
 
     what = what or f"the tokenizer at {path}"
     try:
-        tok = AutoTokenizer.from_pretrained(path)
+        tok = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
     except Exception as e:
         raise BackendError(f"{what} does not load: {e}") from e
     if not getattr(tok, "is_fast", False):

@@ -55,8 +55,9 @@ class RemoteBackend:
 
     @classmethod
     async def connect(cls, url: str, mode: str = "collective", timeout: float = 10.0,
-                      api_key: str | None = None) -> "RemoteBackend":
-        """Ask the engine at `url` for its model and tokenizer; BackendError if it cannot answer."""
+                      api_key: str | None = None, trust_remote_code: bool = False) -> "RemoteBackend":
+        """Ask the engine at `url` for its model and tokenizer (one whose class is code it
+        sends runs here only with `trust_remote_code`); BackendError if it cannot answer."""
         t = aiohttp.ClientTimeout(total=max(timeout, 60.0), connect=timeout)
         try:
             async with aiohttp.ClientSession(timeout=t, headers=header(api_key)) as s, \
@@ -70,7 +71,7 @@ class RemoteBackend:
                 info = wire.decode(body, wire.Info)
         except (aiohttp.ClientError, TimeoutError, ValueError) as e:
             raise BackendError(f"no engine at {url}: {e or type(e).__name__}") from e
-        return cls(url, info, _tokenizer(info.tokenizer), mode, timeout, api_key)
+        return cls(url, info, _tokenizer(info.tokenizer, trust_remote_code), mode, timeout, api_key)
 
     # -- the Backend protocol ------------------------------------------------------------
 
@@ -219,11 +220,16 @@ async def _why(r: aiohttp.ClientResponse) -> str:
         return body[:500].decode(errors="replace")
 
 
-def _tokenizer(files: dict[str, str]) -> Any:
-    """A fast HF tokenizer from the engine's tokenizer files."""
+def _tokenizer(files: dict[str, str], trust_remote_code: bool = False) -> Any:
+    """A fast HF tokenizer from the engine's tokenizer files; code among them (a tokenizer
+    class of its own) runs only with `trust_remote_code`."""
+    code = sorted(name for name in files if name.endswith(".py"))
+    if code and not trust_remote_code:
+        raise BackendError(f"the engine's tokenizer is code of its own ({', '.join(code)}): give "
+                           "--trust-remote-code here too to run it")
     with tempfile.TemporaryDirectory(prefix="tokendance-tok-") as d:
         for name, text in files.items():
             if "/" in name or name.startswith("."):
                 raise BackendError(f"the engine sent a tokenizer file named {name!r}")
             Path(d, name).write_text(text, encoding="utf-8")
-        return fast_tokenizer(d, "the engine's tokenizer")
+        return fast_tokenizer(d, "the engine's tokenizer", trust_remote_code)

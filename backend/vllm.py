@@ -59,7 +59,8 @@ class VLLMBackend:
     @classmethod
     async def connect(cls, url: str, tokenizer: str | None = None, mode: str = "prefix",
                       timeout: float = 10.0, api_key: str | None = None,
-                      generation: tuple[str, dict[str, Any] | None] = ("auto", None)) -> "VLLMBackend":
+                      generation: tuple[str, dict[str, Any] | None] = ("auto", None),
+                      trust_remote_code: bool = False) -> "VLLMBackend":
         """Ask the server at `url` for its model; BackendError if it cannot answer.
         `generation`: the server's --generation-config and --override-generation-config,
         read here from the model folder (the tokenizer's) as vLLM reads them."""
@@ -77,7 +78,8 @@ class VLLMBackend:
         except (aiohttp.ClientError, TimeoutError, ValueError, KeyError, IndexError, TypeError) as e:
             raise BackendError(f"no vLLM server at {url}: {e or type(e).__name__}") from e
         where = tokenizer or root
-        tok = fast_tokenizer(where, f"the tokenizer at {where} (--tokenizer: a local model folder)")
+        tok = fast_tokenizer(where, f"the tokenizer at {where} (--tokenizer: a local model folder)",
+                             trust_remote_code)
         return cls(url, name, max_len, tok, mode, timeout, api_key, defaults(where, *generation), ends(where, tok))
 
     # -- the Backend protocol ------------------------------------------------------------

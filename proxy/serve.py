@@ -14,7 +14,7 @@ from pathlib import Path
 from tokendance.backend import config_file, heap, logs
 from tokendance.backend.api import MODES, BackendError
 from tokendance.backend.auth import ENGINE_KEY_ENV, check_keys
-from tokendance.backend.flags import VLLM_TOO, add_engine_args, at_least, changed, engine_options
+from tokendance.backend.flags import ENGINE_TOO, VLLM_TOO, add_engine_args, at_least, changed, engine_options
 from tokendance.backend.protocol import Backend
 
 from .core import Config
@@ -109,23 +109,25 @@ def load_backend(args: argparse.Namespace) -> Backend:
     # Imported here: torch and the model load only when a server is really started.
     key = engine_key(args)  # a bad key fails before the model loads
     if args.engine is not None:
-        return remote(args.engine, args.mode, key)
+        return remote(args.engine, args.mode, key, args.trust_remote_code)
     if args.vllm is not None:
         from tokendance.backend.vllm import VLLMBackend
 
         generation = (args.generation_config, args.override_generation_config)
         return asyncio.run(_connect(args.vllm, lambda u: VLLMBackend.connect(
-            u, args.tokenizer, args.mode or "prefix", api_key=key, generation=generation)))
+            u, args.tokenizer, args.mode or "prefix", api_key=key, generation=generation,
+            trust_remote_code=args.trust_remote_code)))
     from tokendance.backend.service import EngineBackend
 
     return EngineBackend.load(mode=args.mode or DEFAULT_MODE, **engine_options(args))
 
 
-def remote(urls: list[str], mode: str | None, key: str | None) -> Backend:
+def remote(urls: list[str], mode: str | None, key: str | None, trust_remote_code: bool = False) -> Backend:
     """Our engines at `urls` (ValueError if one cannot answer)."""
     from tokendance.backend.remote import RemoteBackend
 
-    return asyncio.run(_connect(urls, lambda u: RemoteBackend.connect(u, mode or DEFAULT_MODE, api_key=key)))
+    return asyncio.run(_connect(urls, lambda u: RemoteBackend.connect(u, mode or DEFAULT_MODE, api_key=key,
+                                                                      trust_remote_code=trust_remote_code)))
 
 
 async def _connect(urls: list[str], connect: Callable[[str], Awaitable[Backend]]) -> Backend:
@@ -237,7 +239,7 @@ def main(args: argparse.Namespace) -> int:
         if twice is not None:
             raise ValueError(f"{flag} {twice} is given twice: name each server once")
     given = changed(args)
-    flags = ", ".join(given)
+    flags = ", ".join(f for f in given if f not in ENGINE_TOO)
     if args.engine is not None and flags:
         raise ValueError(f"{flags} set the engine: with --engine, give them to `tokendance engine`")
     own = ", ".join(f for f in given if f not in VLLM_TOO)
@@ -259,7 +261,8 @@ def main(args: argparse.Namespace) -> int:
 
         replicas = data_parallel.start(engine_options(args), args.data_parallel_size)
     try:
-        backend = load_backend(args) if replicas is None else remote(replicas.urls, args.mode, replicas.key)
+        backend = load_backend(args) if replicas is None else remote(replicas.urls, args.mode, replicas.key,
+                                                                     args.trust_remote_code)
         if args.chat_template is not None:
             chat_template(backend, args.chat_template)
         server = Server(backend, cfg, args.mqtt)

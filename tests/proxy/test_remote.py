@@ -310,7 +310,7 @@ def test_the_engine_key_goes_to_remote_engines_only(monkeypatch):
     assert serve.engine_key(flag) == "ek-flag"
     sent = {}
 
-    async def connect(url, mode="collective", timeout=10.0, api_key=None):
+    async def connect(url, mode="collective", timeout=10.0, api_key=None, trust_remote_code=False):
         sent[url] = api_key
         raise BackendError("stop here")
 
