@@ -58,6 +58,7 @@ class Config:
     cors: Cors = Cors()  # vLLM's --allowed-origins, --allowed-methods, ... (proxy/cors.py)
     trust_chat_template: bool = False  # vLLM's --trust-request-chat-template: a request may bring its own
     as_ids: bool = False  # vLLM's --return-tokens-as-token-ids: a request's default
+    force_usage: bool = False  # vLLM's --enable-force-include-usage: every stream ends with its usage
     log_stats: bool = True  # vLLM's: a stats line every stats_every seconds while busy (--disable-log-stats)
     stats_every: float = 10.0
     log_requests: bool = False  # vLLM's --enable-log-requests: each request logged (proxy/request_log.py)
@@ -100,12 +101,13 @@ class Proxy:
         meta = read_meta(headers, body.tokendance)
         meta.owner = self.owner(headers)
         prefix = {"chat": "chatcmpl-", "completion": "cmpl-", "response": "resp_", "message": "msg_"}[kind]
-        usage = bool(body.stream_options and body.stream_options.include_usage)
+        opts = body.stream_options
+        usage = bool(opts and opts.include_usage) or self.config.force_usage
         named = headers.get("X-Request-Id") if kind != "response" else None  # a response's id keys its store
         as_ids = body.return_tokens_as_token_ids
         return Call(prefix + answer_id(body.request_id, named), kind, self.names[0], meta, body.n,
                     self.tenant(headers, body.cache_salt), body.stream, usage,
-                    usage and body.stream_options.continuous_usage_stats, t0=t0,
+                    usage and opts is not None and opts.continuous_usage_stats, t0=t0,
                     prompt_logprobs=prompt_logprobs(body),
                     return_ids=body.return_token_ids, as_ids=self.config.as_ids if as_ids is None else as_ids,
                     truncate=truncation(body.truncate_prompt_tokens, self.backend.info.max_model_len),

@@ -90,6 +90,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
                         "without it one is a 400, as in vLLM")
     p.add_argument("--return-tokens-as-token-ids", action="store_true",
                    help="logprobs name their tokens \"token_id:N\" unless a request says otherwise")
+    p.add_argument("--enable-force-include-usage", action="store_true",
+                   help="end every streamed answer with its usage, as stream_options.include_usage asks")
     p.add_argument("--enable-log-requests", action=argparse.BooleanOptionalAction, default=False,
                    help="log each request: its prompt and the sampling parameters it sets")
     p.add_argument("--disable-log-requests", dest="enable_log_requests", action="store_false",
@@ -181,7 +183,8 @@ def config(args: argparse.Namespace) -> Config:
                   tool_parser=args.tool_call_parser, names=names,
                   api_keys=frozenset(keys), peers=args.mqtt_peers, stream_interval=args.stream_interval,
                   cors=policy, trust_chat_template=args.trust_request_chat_template,
-                  as_ids=args.return_tokens_as_token_ids, log_requests=args.enable_log_requests,
+                  as_ids=args.return_tokens_as_token_ids, force_usage=args.enable_force_include_usage,
+                  log_requests=args.enable_log_requests,
                   max_log_len=args.max_log_len, log_stats=not args.disable_log_stats)
 
 

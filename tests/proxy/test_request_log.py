@@ -1,6 +1,6 @@
-"""vLLM's --enable-log-requests and --max-log-len: a line for each request the engine is
-given (chats, completions, embeddings), its prompt cut to the length asked; none without
-the flag."""
+"""vLLM's request flags: --enable-log-requests and --max-log-len (a line for each request
+the engine is given, chats, completions, embeddings, its prompt cut to the length asked;
+none without the flag), --return-tokens-as-token-ids and --enable-force-include-usage."""
 
 from __future__ import annotations
 
@@ -52,9 +52,10 @@ async def test_nothing_is_logged_without_the_flag(start):
 
 def test_the_flags():
     c = serve.config(parse())
-    assert (c.log_requests, c.max_log_len, c.as_ids) == (False, None, False)
-    c = serve.config(parse("--enable-log-requests", "--max-log-len", "100", "--return-tokens-as-token-ids"))
-    assert (c.log_requests, c.max_log_len, c.as_ids) == (True, 100, True)
+    assert (c.log_requests, c.max_log_len, c.as_ids, c.force_usage) == (False, None, False, False)
+    c = serve.config(parse("--enable-log-requests", "--max-log-len", "100", "--return-tokens-as-token-ids",
+                           "--enable-force-include-usage"))
+    assert (c.log_requests, c.max_log_len, c.as_ids, c.force_usage) == (True, 100, True, True)
     assert not serve.config(parse("--enable-log-requests", "--disable-log-requests")).log_requests  # vLLM's old name
     assert not serve.config(parse("--no-enable-log-requests")).log_requests
     with pytest.raises(ValueError, match="--max-log-len must be at least 0, not -1"):
@@ -79,3 +80,17 @@ def test_embeddings_are_logged_and_tokens_named_by_id_by_default(engine_live, en
         assert not any(t.token.startswith("token_id:") for t in plain.choices[0].logprobs.content)
     finally:
         cfg.log_requests = cfg.as_ids = False
+
+
+async def test_force_include_usage_ends_every_stream_with_its_usage(start):
+    """vLLM's --enable-force-include-usage: as if every stream asked stream_options.include_usage."""
+    for forced in (False, True):
+        server = await start(force_usage=forced)
+        client = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="sk-test", max_retries=0)
+        chunks = [c async for c in await client.chat.completions.create(
+            model="fake-tiny", messages=[{"role": "user", "content": "hello"}], max_tokens=3, stream=True)]
+        usage = [c.usage for c in chunks if c.usage is not None]
+        assert (len(usage) == 1 and usage[0].prompt_tokens > 0) if forced else usage == []
+        chunks = [c async for c in await client.completions.create(model="fake-tiny", prompt="hello", max_tokens=2,
+                                                                   stream=True)]
+        assert any(c.usage is not None for c in chunks) == forced
