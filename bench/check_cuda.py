@@ -320,7 +320,7 @@ def block_sizes() -> bool:
     modes, out = ("full", "prefix", "collective"), {}
     for size in (16, 8, 32):
         for mode in modes:
-            eng = seeded(kv_tokens=16384, block_size=size)
+            eng = seeded(kv_tokens=16384, block_size=size, cuda_graphs=8)  # graphs for 4 agents' steps
             first = [t for t, _, _ in eng.generate(rnd.prompts, greedy, mode=mode, shared=rnd.shared, agents=who)]
             nxt = next_round(rnd, first, 60, 49152, seed=6)
             out[size, mode] = first, [t for t, _, _ in eng.generate(nxt.prompts, greedy, mode=mode,
