@@ -17,6 +17,9 @@
 #     shape, random bf16 weights (bench/kv_dtype.py), then its attention kernels alone over either
 #     pool (bench/kernels.py --decode --fp8, bench/collective.py --fp8); greedy tokens against HF
 #     past LongRoPE's original reach (Phi-3.5-mini's shape, 2 layers, 5,000 tokens)
+#   fp8-decode: where an 8-bit pool's decode kernel loses its time: variants of it (keys rotated in
+#     float16, fewer registers, smaller key tiles) and ablations (no values, no keys) over a bf16 and an
+#     e4m3 pool (bench/fp8_decode.py); then the CUDA check of --block-size (check_cuda blocks)
 #   scoring: a prefill that scores its prompt (prompt logprobs: completions' echo with
 #     logprobs) against the same prefill without, Qwen2.5-7B shape, random bf16 weights
 #   reuse:  one All-Gather round, N = 10 and 20, every mode, serial pic and collective with
@@ -138,6 +141,11 @@ if want kv-dtype; then
   python3 -c "from tokendance.bench.check_cuda import greedy_vs_hf
 greedy_vs_hf('float32', 'phi-3.5-mini', 2, 5000); greedy_vs_hf('bfloat16', 'phi-3.5-mini', 2, 5000)" 2>&1 \
     | grep -v -i "warn\|deprecat\|info \|original_max" | tee "$OUT/phi_greedy.txt"
+fi
+if want fp8-decode; then
+  timeout 300 python3 bench/fp8_decode.py 2>&1 | grep -v -i "warn\|deprecat" | tee "$OUT/fp8_decode.txt"
+  timeout 200 python3 -m tokendance.bench.check_cuda blocks 2>&1 | grep -v -i "warn\|deprecat\|info " \
+    | tee "$OUT/block_sizes.txt"
 fi
 if want scoring; then
   python3 -m tokendance.bench.scoring --model qwen2.5-7b --dtype bfloat16 --tokens 2048 --prompts 8 \
