@@ -168,8 +168,9 @@ def pooled(consts: dict, pool: str | None) -> dict:
 
 
 def compile_ptx(fn, d: int, consts: dict, warps: int, stages: int, arch: int, pool: str | None = None) -> str:
-    """fn's PTX for sm_<arch> at head dim d (K/V in a pool of `pool`, see `pooled`), its
-    debug sections and comments dropped."""
+    """fn's PTX for sm_<arch> at head dim d (K/V in a pool of `pool`, see `pooled`; the
+    decode kernel over an 8-bit pool capped at the launcher's registers), its debug sections
+    and comments dropped."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -177,8 +178,13 @@ def compile_ptx(fn, d: int, consts: dict, warps: int, stages: int, arch: int, po
     types = TYPES if pool is None else {**TYPES, "kc": POOL_TYPES[FP8[pool]], "vc": POOL_TYPES[FP8[pool]]}
     consts = pooled(consts, pool)
     sig = {n: "constexpr" if n in consts else types.get(n, "i32") for n in fn.arg_names}
+    options = dict(num_warps=warps, num_stages=stages)
+    if pool is not None and fn.__name__ == "_decode_kernel" and d <= 128:
+        from tokendance.kernels.paged_triton import FP8_DECODE_CFG
+
+        options.update(FP8_DECODE_CFG)
     k = triton.compile(ASTSource(fn, sig, consts, attrs(fn, d)), target=GPUTarget("cuda", arch, 32),
-                       options=dict(num_warps=warps, num_stages=stages))
+                       options=options)
     text = re.split(r"\.section\s+\.debug", k.asm["ptx"])[0]
     # debug labels too: an inlined helper adds some, and nothing but the dropped sections jumps to them
     drop = r"//.*|^\s*\.(loc|file)\b.*|^\$L__tmp\d+:$"

@@ -11,6 +11,7 @@ import os
 
 import torch
 
+from tokendance.kernels.fp8 import is_fp8
 from tokendance.kernels.tiles import LOG2E, _attend_ranges, _prep, _scratch
 
 from tokendance.kernels.jit import cols, fitting, head_strides, in_heads, padded_half, tiles_head, tl, triton
@@ -193,6 +194,11 @@ def _reduce_kernel(o_part, lse_part, cu_q, chunks, out, n_total, n_own, s_qt, s_
 # 1.5x in decode, 1.7x in prefill.
 PREFILL_CFG = dict(block_m=128, block_n=64, num_warps=8, num_stages=2, step=True)
 DECODE_CFG = dict(block_n=32, num_warps=4, num_stages=2, step="table")
+# Over an 8-bit pool the decode kernel took 141 registers a thread (104 over bf16) and 185.0
+# us against bf16's 135.5 (H100, Triton 3.6, 32 x 4k, head dim 128; bench/fp8_decode.py):
+# capped at 128 it keeps more warps resident, 156.4 us (96: 167.2, with spills). Wider
+# heads are left uncapped: nothing measured them.
+FP8_DECODE_CFG = dict(maxnreg=128)
 INTERP_CFG = dict(block_m=32, block_n=16, num_warps=4, num_stages=1, step=True)
 # Past head dim 128 the prefill's 128-tuned tiles spill registers (bench/ptx.py) and, in
 # float32, ask for more shared memory than an H100 has (327,680 bytes at 256). On an H100,
@@ -311,7 +317,8 @@ def decode_partials(q, q_pos, cu_q, k_cache, v_cache, block_tables, kv_lens, inv
     ns = min(n, num_splits or decode_splits(q.device, S * Hkv))
     prec, common, kpt, inv_freq, block_tables = _prep(q, k_cache, block_tables, kv_lens, inv_freq,
                                                       rope_scale, sm_scale, slot_pos, trig)
-    c = {**(DECODE_CFG if q.is_cuda else INTERP_CFG), **(cfg or {})}
+    eight = q.is_cuda and is_fp8(k_cache.dtype) and D <= 128
+    c = {**(DECODE_CFG if q.is_cuda else INTERP_CFG), **(FP8_DECODE_CFG if eight else {}), **(cfg or {})}
     pos_flag = slot_pos is not None
 
     def launch(c: dict) -> None:
@@ -321,7 +328,7 @@ def decode_partials(q, q_pos, cu_q, k_cache, v_cache, block_tables, kv_lens, inv
             G=Hq // Hkv, B=B, HALF=D // 2, HP=padded_half(D), BLOCK_M=max(16, triton.next_power_of_2(Hq // Hkv)),
             BLOCK_N=c["block_n"], NSPLIT=ns, STEP=_rotation(c["step"], pos_flag, trig), POS=pos_flag,
             WIN=window > 0, CAP=softcap > 0, TRIG=trig is not None, PREC=prec, num_warps=c["num_warps"],
-            num_stages=c["num_stages"])
+            num_stages=c["num_stages"], **({"maxnreg": c["maxnreg"]} if c.get("maxnreg") else {}))
 
     fitting(("decode", q.device, q.dtype, k_cache.dtype, D, Hq // Hkv, B, pos_flag, window > 0,
              softcap > 0, trig is not None), c, (dict(num_stages=1), dict(block_n=16, num_stages=1)), launch)
