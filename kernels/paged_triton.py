@@ -196,8 +196,9 @@ PREFILL_CFG = dict(block_m=128, block_n=64, num_warps=8, num_stages=2, step=True
 DECODE_CFG = dict(block_n=32, num_warps=4, num_stages=2, step="table")
 # Over an 8-bit pool the decode kernel took 141 registers a thread (104 over bf16) and 185.0
 # us against bf16's 135.5 (H100, Triton 3.6, 32 x 4k, head dim 128; bench/fp8_decode.py):
-# capped at 128 it keeps more warps resident, 156.4 us (96: 167.2, with spills). Wider
-# heads are left uncapped: nothing measured them.
+# capped at 128 it keeps more warps resident, 156.4 us (96: 167.2, with spills). Only that
+# launch is capped: wider heads, slot positions (Mirrors), windows and capped scores were
+# not measured.
 FP8_DECODE_CFG = dict(maxnreg=128)
 INTERP_CFG = dict(block_m=32, block_n=16, num_warps=4, num_stages=1, step=True)
 # Past head dim 128 the prefill's 128-tuned tiles spill registers (bench/ptx.py) and, in
@@ -317,9 +318,10 @@ def decode_partials(q, q_pos, cu_q, k_cache, v_cache, block_tables, kv_lens, inv
     ns = min(n, num_splits or decode_splits(q.device, S * Hkv))
     prec, common, kpt, inv_freq, block_tables = _prep(q, k_cache, block_tables, kv_lens, inv_freq,
                                                       rope_scale, sm_scale, slot_pos, trig)
-    eight = q.is_cuda and is_fp8(k_cache.dtype) and D <= 128
-    c = {**(DECODE_CFG if q.is_cuda else INTERP_CFG), **(FP8_DECODE_CFG if eight else {}), **(cfg or {})}
     pos_flag = slot_pos is not None
+    plain = not (pos_flag or window or softcap) and D <= 128
+    capped = q.is_cuda and is_fp8(k_cache.dtype) and plain
+    c = {**(DECODE_CFG if q.is_cuda else INTERP_CFG), **(FP8_DECODE_CFG if capped else {}), **(cfg or {})}
 
     def launch(c: dict) -> None:
         _decode_kernel[(S, Hkv, ns)](
