@@ -174,7 +174,7 @@ class Proxy:
                             add_special_tokens=special, truncate=call.truncate,
                             truncation_side=call.truncation_side, whole=not call.stream)
                 try:
-                    self.admitted(call.kind, call.prepared, r)
+                    self.admitted(call.id, call.kind, call.prepared, r)
                 except InvalidRequest as exc:  # the engine names the chat field, "messages"
                     field = "prompt" if call.kind == "completion" else "messages"
                     raise invalid(exc.message, field if exc.param in (None, "messages") else exc.param,
@@ -183,12 +183,12 @@ class Proxy:
         call.texts, call.logprobs, call.scored, call.ids = ([[] for _ in range(k)] for _ in range(4))
         call.tokens, call.finish, call.stopped, call.usage = [0] * k, [None] * k, [None] * k, [None] * k
 
-    def admitted(self, kind: str, group: list[Prepared], r: Request) -> None:
-        """The backend's preparation of `r` added to `group` (and logged, under
-        --enable-log-requests); InvalidRequest as the backend raises it."""
+    def admitted(self, answer: str, kind: str, group: list[Prepared], r: Request) -> None:
+        """The backend's preparation of `r` added to `group` (and logged under the answer's
+        id, with --enable-log-requests); InvalidRequest as the backend raises it."""
         group.append(self.backend.prepare(r))
         if self.config.log_requests:
-            log_request(kind, group[-1], self.config.max_log_len)
+            log_request(answer, kind, group[-1], self.config.max_log_len)
 
     async def admit(self, call: Call) -> list[Stream]:
         """Hold the call at its round's barrier (if any); its streams once its group started."""

@@ -81,7 +81,7 @@ async def pool(px: Proxy, key: str, prompts: list[str | list[int]], shape: Shape
                     tenant=shape.tenant, add_special_tokens=shape.special, truncate=shape.truncate,
                     truncation_side=shape.side, pooling=Pooling(shape.normalize), whole=True)
         try:
-            px.admitted("pooling", group, r)
+            px.admitted(key, "pooling", group, r)
         except InvalidRequest as exc:
             raise _named(exc, field) from None
     streams = px.generate(group)

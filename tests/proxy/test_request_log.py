@@ -21,14 +21,15 @@ async def test_each_request_is_logged_with_its_prompt_and_parameters(start):
     server = await start(log_requests=True)
     client = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="sk-test", max_retries=0)
     with structlog.testing.capture_logs() as logs:
-        await client.chat.completions.create(model="fake-tiny", messages=[{"role": "user", "content": "hello there"}],
-                                             max_tokens=3, temperature=0.5, n=2)
+        answer = await client.chat.completions.create(model="fake-tiny", max_tokens=3, temperature=0.5, n=2,
+                                                      messages=[{"role": "user", "content": "hello there"}])
         await client.completions.create(model="fake-tiny", prompt=[5, 6, 7], max_tokens=2)
     chat, chat2, text = requests(logs)
+    assert chat["id"] == chat2["id"] == answer.id  # under the id the client got
     assert chat["kind"] == "chat" and "hello there" in chat["prompt"] and chat["prompt_tokens"] > 0
     assert chat["params"]["max_tokens"] == 3 and chat["params"]["temperature"] == 0.5
     assert "top_p" not in chat["params"]  # what the request leaves at its default is not listed
-    assert chat2["id"] != chat["id"] and chat2["prompt"] == chat["prompt"]  # n = 2: two requests
+    assert chat2["request"] != chat["request"] and chat2["prompt"] == chat["prompt"]  # n = 2: two requests
     assert text["kind"] == "completion" and text["prompt_token_ids"] == [5, 6, 7] and text["prompt"] == ""
 
 
@@ -71,6 +72,7 @@ def test_embeddings_are_logged_and_tokens_named_by_id_by_default(engine_live, en
         with structlog.testing.capture_logs() as logs:
             client.embeddings.create(model=engine_model, input=["The river", "runs"])
         assert [(e["kind"], e["prompt"]) for e in requests(logs)] == [("pooling", "The river"), ("pooling", "runs")]
+        assert all(e["id"].startswith("embd-") for e in requests(logs))
         kw = dict(model=engine_model, messages=[{"role": "user", "content": "Hi."}], max_tokens=2, temperature=0,
                   logprobs=True, top_logprobs=1)
         named = client.chat.completions.create(**kw, extra_body={"return_token_ids": True})
