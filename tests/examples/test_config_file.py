@@ -1,5 +1,5 @@
-"""vLLM's `--config FILE` for `serve` and `engine`: a YAML mapping of long options read
-before the command line's own, which take precedence; bad files are one line."""
+"""vLLM's `--config FILE` for `serve` and `engine`: a YAML mapping of long options, each
+taken where the command line does not set it; bad files are one line."""
 
 from __future__ import annotations
 
