@@ -1,13 +1,14 @@
 """Where an 8-bit pool's paged decode loses its time (docs/benchmarks.md, session 62: over
 e4m3 the kernel read half a bf16 pool's bytes in 37 % more time, with 141 registers a
-thread against 104, until the launcher capped them at 128). Qwen2.5-7B attention (Hq=28, Hkv=4, D=128, B=16), 32 x 4,096 decode, bf16
-rows, over a bf16 pool and the same values in e4m3. Each variant's kernels are loaded as
-a package of their own from a patched copy of kernels/ (bench/ptx.py `load_baseline`):
+thread against 104, until the launcher capped them at 128). Qwen2.5-7B attention (Hq=28,
+Hkv=4, D=128, B=16), 32 x 4,096 decode, bf16 rows, over a bf16 pool and the same values
+in e4m3. Each variant's kernels are loaded as a package of their own from a patched copy
+of kernels/ (bench/ptx.py `load_baseline`):
 
 - current: this checkout's kernels;
 - f16 rotation: 8-bit keys widened to float16 and rotated in it (not float32);
 - launch options of the current kernels over e4m3: registers uncapped (the launcher caps
-  them at 128 over an 8-bit pool, paged_triton.FP8_DECODE_CFG) or at 96, keys of 16;
+  them at 128 over an 8-bit pool, paged_triton.decode_cap) or at 96, keys of 16;
 - no V / no K (timing only, their results are wrong): values or keys never read, to see
   what each side of an 8-bit tile costs.
 

@@ -179,10 +179,11 @@ def compile_ptx(fn, d: int, consts: dict, warps: int, stages: int, arch: int, po
     consts = pooled(consts, pool)
     sig = {n: "constexpr" if n in consts else types.get(n, "i32") for n in fn.arg_names}
     options = dict(num_warps=warps, num_stages=stages)
-    if pool is not None and fn.__name__ == "_decode_kernel" and d <= 128:
-        from tokendance.kernels.paged_triton import FP8_DECODE_CFG
+    if pool is not None and fn.__name__ == "_decode_kernel":
+        from tokendance.kernels.paged_triton import decode_cap
 
-        options.update(FP8_DECODE_CFG)
+        options.update(decode_cap(FP8[pool], d, consts.get("POS", False), consts.get("WIN", False),
+                                  consts.get("CAP", False)))
     k = triton.compile(ASTSource(fn, sig, consts, attrs(fn, d)), target=GPUTarget("cuda", arch, 32),
                        options=options)
     text = re.split(r"\.section\s+\.debug", k.asm["ptx"])[0]

@@ -200,6 +200,12 @@ DECODE_CFG = dict(block_n=32, num_warps=4, num_stages=2, step="table")
 # launch is capped: wider heads, slot positions (Mirrors), windows and capped scores were
 # not measured.
 FP8_DECODE_CFG = dict(maxnreg=128)
+
+
+def decode_cap(pool: torch.dtype, d: int, pos: bool = False, window: int = 0, softcap: float = 0.0) -> dict:
+    """The decode launch's options past DECODE_CFG for a pool of `pool` at head dim `d`
+    (FP8_DECODE_CFG where it was measured to help, else none)."""
+    return FP8_DECODE_CFG if is_fp8(pool) and d <= 128 and not (pos or window or softcap) else {}
 INTERP_CFG = dict(block_m=32, block_n=16, num_warps=4, num_stages=1, step=True)
 # Past head dim 128 the prefill's 128-tuned tiles spill registers (bench/ptx.py) and, in
 # float32, ask for more shared memory than an H100 has (327,680 bytes at 256). On an H100,
@@ -319,9 +325,8 @@ def decode_partials(q, q_pos, cu_q, k_cache, v_cache, block_tables, kv_lens, inv
     prec, common, kpt, inv_freq, block_tables = _prep(q, k_cache, block_tables, kv_lens, inv_freq,
                                                       rope_scale, sm_scale, slot_pos, trig)
     pos_flag = slot_pos is not None
-    plain = not (pos_flag or window or softcap) and D <= 128
-    capped = q.is_cuda and is_fp8(k_cache.dtype) and plain
-    c = {**(DECODE_CFG if q.is_cuda else INTERP_CFG), **(FP8_DECODE_CFG if capped else {}), **(cfg or {})}
+    cap = decode_cap(k_cache.dtype, D, pos_flag, window, softcap) if q.is_cuda else {}
+    c = {**(DECODE_CFG if q.is_cuda else INTERP_CFG), **cap, **(cfg or {})}
 
     def launch(c: dict) -> None:
         _decode_kernel[(S, Hkv, ns)](
