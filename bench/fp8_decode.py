@@ -10,7 +10,10 @@ of kernels/ (bench/ptx.py `load_baseline`):
 - launch options of the current kernels over e4m3: registers uncapped (the launcher caps
   them at 128 over an 8-bit pool, paged_triton.decode_cap) or at 96, keys of 16;
 - no V / no K (timing only, their results are wrong): values or keys never read, to see
-  what each side of an 8-bit tile costs.
+  what each side of an 8-bit tile costs;
+- the decode launches decode_cap leaves uncapped, each over bf16, over e4m3 as launched and
+  over e4m3 capped at 128 registers: a Mirror's slot positions (the keys' positions read
+  from a table, as Mirrors' patched slots are) and a sliding window of 1,024.
 
     PYTHONPATH=<dir holding tokendance/> python bench/fp8_decode.py [--smoke]
 
@@ -55,6 +58,7 @@ PATCHES: dict[str, list[tuple[str, str, str]]] = {
                                 "        k2 = tl.zeros([HP, j.shape[0]], dtype=tl.float32)")],
 }
 LAUNCHES = [dict(maxnreg=None), dict(maxnreg=96), dict(block_n=16)]  # None: uncapped
+CASES = ("slot positions", "window 1024")  # launched uncapped over 8-bit pools (decode_cap)
 
 
 def variant(name: str) -> object:
@@ -83,11 +87,20 @@ def inputs(S: int, L: int, hq: int = 28, hkv: int = 4, d: int = 128, b: int = 16
             tables, torch.full((S,), L, device=DEV, dtype=torch.int32), inv, 1.0, d ** -0.5)
 
 
-def registers(pt) -> str:
-    """The decode kernel's registers / spills a thread, per compiled variant (none under
-    the interpreter)."""
+def case_args(case: str, S: int, L: int) -> dict:
+    """The keyword arguments of a decode launch of `case` (keys at their own positions:
+    a Mirror's table, here each slot's own index, read rather than implied)."""
+    if case == "slot positions":
+        return dict(slot_pos=torch.arange(L, device=DEV, dtype=torch.int32).expand(S, L).contiguous())
+    if case == "window 1024":
+        return dict(window=min(1024, L // 2))
+    return {}
+
+
+def compiled(pt) -> dict:
+    """The decode kernel's compiled variants so far, by their key (none under the interpreter)."""
     caches = getattr(pt._decode_kernel, "device_caches", {})
-    return ", ".join(f"{k.n_regs}/{k.n_spills}" for cache in caches.values() for k in cache[0].values()) or "-"
+    return {(dev, key): k for dev, cache in caches.items() for key, k in cache[0].items()}
 
 
 def main() -> int:
@@ -96,33 +109,40 @@ def main() -> int:
     pools = {"bf16": bf16, "e4m3": (*bf16[:3], narrow(bf16[3], FP8["fp8"]), narrow(bf16[4], FP8["fp8"]),
                                     *bf16[5:])}
     trig = trig_table(bf16[7], L + 64)
-    rows = [(name, pool, {}, variant(name)) for name in PATCHES for pool in ("bf16", "e4m3")]
+    rows = [(name, pool, {}, variant(name), "") for name in PATCHES for pool in ("bf16", "e4m3")]
     current = rows[0][3]
-    rows += [("current", "e4m3", cfg, current) for cfg in LAUNCHES]
+    rows += [("current", "e4m3", cfg, current, "") for cfg in LAUNCHES]
+    rows += [("current", pool, cfg, current, case) for case in CASES
+             for pool, cfg in (("bf16", {}), ("e4m3", {}), ("e4m3", dict(maxnreg=128)))]
     say(f"decode {S} x {L}, Qwen2.5-7B attention, bf16 rows; {torch.cuda.get_device_name() if not SMOKE else 'cpu'}")
     times: list[list[float]] = [[] for _ in rows]
-    ok, errors = True, []
+    ok, errors, regs = True, [], []
     for rep in range(1 if SMOKE else 3):  # alternating: each variant once a pass
-        for i, (name, pool, cfg, pt) in enumerate(rows):
-            args = pools[pool]
+        for i, (name, pool, cfg, pt, case) in enumerate(rows):
+            args, extra = pools[pool], case_args(case, S, L)
             out = torch.empty_like(args[0])
 
-            def run(pt=pt, args=args, out=out, cfg=cfg):
-                return pt.paged_attention_triton(*args, out=out, max_q=1, trig=trig, cfg=cfg)
+            def run(pt=pt, args=args, out=out, cfg=cfg, extra=extra):
+                return pt.paged_attention_triton(*args, out=out, max_q=1, trig=trig, cfg=cfg, **extra)
 
-            run()
             if rep == 0:
+                before = compiled(pt)
+                run()
+                regs.append(", ".join(f"{k.n_regs}/{k.n_spills}" for key, k in compiled(pt).items()
+                                      if key not in before) or "-")
                 wide = tuple(t.double() if torch.is_tensor(t) and t.is_floating_point() else t for t in args)
-                errors.append(rel(out, pa.paged_attention_reference(*wide)))
+                errors.append(rel(out, pa.paged_attention_reference(*wide, **extra)))
                 ok &= name.startswith("no ") or errors[i] < 2e-2
+            run()
             times[i].append(median_ms(run, SMOKE))
-    base = statistics.median(times[0])
-    out = ["| variant | pool | launch | registers/spills | us (median of 3) | vs bf16 current | rel err |",
-           "|---|---|---|---|---|---|---|"]
-    for i, (name, pool, cfg, pt) in enumerate(rows):
-        ms = statistics.median(times[i])
-        out.append(f"| {name} | {pool} | {cfg or ''} | {registers(pt)} | {ms * 1e3:.1f} | "
-                   f"{ms / base if base else 0:.2f}x | {errors[i]:.1e}{' (not a result)' if name.startswith('no ') else ''} |")
+    base = {case: statistics.median(times[i]) for i, (name, pool, cfg, _, case) in enumerate(rows)
+            if name == "current" and pool == "bf16" and not cfg}
+    out = ["| variant | decode | pool | launch | registers/spills | us (median of 3) | vs bf16 current | rel err |",
+           "|---|---|---|---|---|---|---|---|"]
+    for i, (name, pool, cfg, pt, case) in enumerate(rows):
+        ms, b = statistics.median(times[i]), base[case]
+        out.append(f"| {name} | {case or 'plain'} | {pool} | {cfg or ''} | {regs[i]} | {ms * 1e3:.1f} | "
+                   f"{ms / b if b else 0:.2f}x | {errors[i]:.1e}{' (not a result)' if name.startswith('no ') else ''} |")
     return summary("bench_fp8_decode.log", ok, out)
 
 

@@ -18,8 +18,10 @@
 #     pool (bench/kernels.py --decode --fp8, bench/collective.py --fp8); greedy tokens against HF
 #     past LongRoPE's original reach (Phi-3.5-mini's shape, 2 layers, 5,000 tokens)
 #   fp8-decode: where an 8-bit pool's decode kernel loses its time: variants of it (keys rotated in
-#     float16, fewer registers, smaller key tiles) and ablations (no values, no keys) over a bf16 and an
-#     e4m3 pool (bench/fp8_decode.py); then the CUDA check of --block-size (check_cuda blocks)
+#     float16, fewer registers, smaller key tiles), ablations (no values, no keys), and the launches
+#     left uncapped (slot positions, a window) capped and not, over a bf16 and an e4m3 pool
+#     (bench/fp8_decode.py); the collective kernel over either pool, capped too (bench/collective.py);
+#     fp8-step: the engine's decode step over either pool (32 x 4,096, bench kv-dtype's first command)
 #   scoring: a prefill that scores its prompt (prompt logprobs: completions' echo with
 #     logprobs) against the same prefill without, Qwen2.5-7B shape, random bf16 weights
 #   reuse:  one All-Gather round, N = 10 and 20, every mode, serial pic and collective with
@@ -143,9 +145,14 @@ greedy_vs_hf('float32', 'phi-3.5-mini', 2, 5000); greedy_vs_hf('bfloat16', 'phi-
     | grep -v -i "warn\|deprecat\|info \|original_max" | tee "$OUT/phi_greedy.txt"
 fi
 if want fp8-decode; then
-  timeout 300 python3 bench/fp8_decode.py 2>&1 | grep -v -i "warn\|deprecat" | tee "$OUT/fp8_decode.txt"
-  timeout 200 python3 -m tokendance.bench.check_cuda blocks 2>&1 | grep -v -i "warn\|deprecat\|info " \
-    | tee "$OUT/block_sizes.txt"
+  timeout 240 python3 bench/fp8_decode.py 2>&1 | grep -v -i "warn\|deprecat" | tee "$OUT/fp8_decode.txt"
+  for f in "" --fp8; do
+    timeout 150 python3 bench/collective.py $f 2>&1 | grep -v -i "warn\|deprecat" | tee "$OUT/collective$f.txt"
+  done
+fi
+if want fp8-step; then
+  td bench kv-dtype --model qwen2.5-7b --dtype bfloat16 --questions 0 --decode 32x4096 --steps 32 \
+    --repeats 3 --kv-tokens 140000 2>&1 | grep -v -i "warn\|deprecat\|info " | tee "$OUT/kv_dtype.txt"
 fi
 if want scoring; then
   python3 -m tokendance.bench.scoring --model qwen2.5-7b --dtype bfloat16 --tokens 2048 --prompts 8 \

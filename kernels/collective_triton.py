@@ -19,7 +19,9 @@ import os
 
 import torch
 
-from tokendance.kernels.jit import cols, fitting, head_strides, in_heads, padded_half, tiles_head, tl, triton, wrapped
+from tokendance.kernels.jit import (
+    cols, fitting, head_strides, in_heads, launch_options, padded_half, tiles_head, tl, triton, wrapped,
+)
 from tokendance.kernels.master import MasterRead, check_segment, one_segment
 from tokendance.kernels.tiles import LOG2E, _cap, _dot, _scratch, _values, _values_at, scales, trig_table
 
@@ -281,7 +283,7 @@ def collective_partials(q, q_pos, k_cache, v_cache, read: MasterRead, inv_freq,
             q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
             kr.stride(0), kr.stride(1), read.shift.stride(0), hide.stride(0), qk_scale, window,
             softcap * LOG2E, G=G, B=B, HALF=D // 2, HP=hp, BLOCK_M=block_m, BLOCK_N=c["block_n"],
-            WIN=window > 0, CAP=softcap > 0, PREC=prec, num_warps=c["num_warps"], num_stages=c["num_stages"])
+            WIN=window > 0, CAP=softcap > 0, PREC=prec, **launch_options(c))
 
     # wide heads in float32 may ask for more shared memory than the GPU has: smaller tiles then
     fitting(("collective", q.device, q.dtype, k_cache.dtype, D, G, B, block_m, window > 0, softcap > 0),

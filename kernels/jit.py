@@ -50,6 +50,13 @@ def fitting(kind: tuple, cfg: dict, smaller: Iterable[dict], launch: Callable[[d
         return c
 
 
+def launch_options(c: dict) -> dict:
+    """A launch configuration's options for Triton: warps, stages and, where `c` caps them,
+    registers a thread (maxnreg; more warps stay resident, at the risk of spills)."""
+    cap = {"maxnreg": c["maxnreg"]} if c.get("maxnreg") else {}
+    return dict(num_warps=c["num_warps"], num_stages=c["num_stages"], **cap)
+
+
 def tiles_head(d: int) -> bool:
     """Whether the Triton kernels that tile a head (attention, RoPE, the KV store) take
     head dim `d`: any even one from 16 to 256. They split it in two halves (RoPE's), each

@@ -14,7 +14,9 @@ import torch
 from tokendance.kernels.fp8 import is_fp8
 from tokendance.kernels.tiles import LOG2E, _attend_ranges, _prep, _scratch
 
-from tokendance.kernels.jit import cols, fitting, head_strides, in_heads, padded_half, tiles_head, tl, triton
+from tokendance.kernels.jit import (
+    cols, fitting, head_strides, in_heads, launch_options, padded_half, tiles_head, tl, triton,
+)
 
 
 @triton.jit
@@ -304,7 +306,7 @@ def paged_attention_triton(
             q.stride(0), q.stride(1), *common, window, softcap * LOG2E,
             G=G, B=B, HALF=D // 2, HP=padded_half(D), BLOCK_M=c["block_m"], BLOCK_N=c["block_n"],
             STEP=_rotation(c["step"], pos_flag, trig), POS=pos_flag, WIN=window > 0, CAP=softcap > 0,
-            TRIG=trig is not None, PREC=prec, num_warps=c["num_warps"], num_stages=c["num_stages"])
+            TRIG=trig is not None, PREC=prec, **launch_options(c))
 
     fitting(("prefill", q.device, q.dtype, k_cache.dtype, D, G, B, pos_flag, window > 0, softcap > 0,
              trig is not None), c, SMALLER, launch)
@@ -334,8 +336,7 @@ def decode_partials(q, q_pos, cu_q, k_cache, v_cache, block_tables, kv_lens, inv
             q.stride(0), q.stride(1), *common, window, softcap * LOG2E,
             G=Hq // Hkv, B=B, HALF=D // 2, HP=padded_half(D), BLOCK_M=max(16, triton.next_power_of_2(Hq // Hkv)),
             BLOCK_N=c["block_n"], NSPLIT=ns, STEP=_rotation(c["step"], pos_flag, trig), POS=pos_flag,
-            WIN=window > 0, CAP=softcap > 0, TRIG=trig is not None, PREC=prec, num_warps=c["num_warps"],
-            num_stages=c["num_stages"], **({"maxnreg": c["maxnreg"]} if c.get("maxnreg") else {}))
+            WIN=window > 0, CAP=softcap > 0, TRIG=trig is not None, PREC=prec, **launch_options(c))
 
     fitting(("decode", q.device, q.dtype, k_cache.dtype, D, Hq // Hkv, B, pos_flag, window > 0,
              softcap > 0, trig is not None), c, (dict(num_stages=1), dict(block_n=16, num_stages=1)), launch)
