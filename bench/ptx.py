@@ -182,8 +182,7 @@ def compile_ptx(fn, d: int, consts: dict, warps: int, stages: int, arch: int, po
     if pool is not None and fn.__name__ == "_decode_kernel":
         from tokendance.kernels.paged_triton import decode_cap
 
-        options.update(decode_cap(FP8[pool], d, consts.get("POS", False), consts.get("WIN", False),
-                                  consts.get("CAP", False)))
+        options.update(decode_cap(FP8[pool], d, consts.get("CAP", False)))
     k = triton.compile(ASTSource(fn, sig, consts, attrs(fn, d)), target=GPUTarget("cuda", arch, 32),
                        options=options)
     text = re.split(r"\.section\s+\.debug", k.asm["ptx"])[0]

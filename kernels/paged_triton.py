@@ -198,16 +198,18 @@ PREFILL_CFG = dict(block_m=128, block_n=64, num_warps=8, num_stages=2, step=True
 DECODE_CFG = dict(block_n=32, num_warps=4, num_stages=2, step="table")
 # Over an 8-bit pool the decode kernel took 141 registers a thread (104 over bf16) and 185.0
 # us against bf16's 135.5 (H100, Triton 3.6, 32 x 4k, head dim 128; bench/fp8_decode.py):
-# capped at 128 it keeps more warps resident, 156.4 us (96: 167.2, with spills). Only that
-# launch is capped: wider heads, slot positions (Mirrors), windows and capped scores were
-# not measured.
+# capped at 128 it keeps more warps resident, 156.4 us (96: 167.2, with spills). Reading
+# Mirrors' slot positions, 199.2 us uncapped against 165.6; in a window of 1,024, 67.9
+# against 60.1 (session 63). Capped scores and wider heads were not measured.
 FP8_DECODE_CFG = dict(maxnreg=128)
 
 
-def decode_cap(pool: torch.dtype, d: int, pos: bool = False, window: int = 0, softcap: float = 0.0) -> dict:
+def decode_cap(pool: torch.dtype, d: int, softcap: float = 0.0) -> dict:
     """The decode launch's options past DECODE_CFG for a pool of `pool` at head dim `d`
     (FP8_DECODE_CFG where it was measured to help, else none)."""
-    return FP8_DECODE_CFG if is_fp8(pool) and d <= 128 and not (pos or window or softcap) else {}
+    return FP8_DECODE_CFG if is_fp8(pool) and d <= 128 and not softcap else {}
+
+
 INTERP_CFG = dict(block_m=32, block_n=16, num_warps=4, num_stages=1, step=True)
 # Past head dim 128 the prefill's 128-tuned tiles spill registers (bench/ptx.py) and, in
 # float32, ask for more shared memory than an H100 has (327,680 bytes at 256). On an H100,
@@ -327,7 +329,7 @@ def decode_partials(q, q_pos, cu_q, k_cache, v_cache, block_tables, kv_lens, inv
     prec, common, kpt, inv_freq, block_tables = _prep(q, k_cache, block_tables, kv_lens, inv_freq,
                                                       rope_scale, sm_scale, slot_pos, trig)
     pos_flag = slot_pos is not None
-    cap = decode_cap(k_cache.dtype, D, pos_flag, window, softcap) if q.is_cuda else {}
+    cap = decode_cap(k_cache.dtype, D, softcap) if q.is_cuda else {}
     c = {**(DECODE_CFG if q.is_cuda else INTERP_CFG), **cap, **(cfg or {})}
 
     def launch(c: dict) -> None:

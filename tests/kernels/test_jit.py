@@ -130,3 +130,49 @@ def test_a_decode_launch_refused_takes_one_stage_then_smaller_key_tiles(monkeypa
     tiles.clear()
     run_triton(c, num_splits=2, cfg=dict(block_n=64, num_stages=2))
     assert tiles == [16]  # kept
+
+
+class Recording:
+    """A kernel that notes each launch's register cap (None: uncapped) in `seen`."""
+
+    def __init__(self, kernel, seen: list):
+        self.kernel, self.seen = kernel, seen
+
+    def __getitem__(self, grid):
+        def run(*args, **kw):
+            self.seen.append(kw.get("maxnreg"))
+            self.kernel[grid](*args, **kw)
+        return run
+
+
+def test_a_register_cap_reaches_the_decode_and_collective_launches(monkeypatch):
+    """A configuration's maxnreg is passed to Triton (`launch_options`), the result still
+    the reference's; the launcher caps an 8-bit pool's decode at head dims up to 128
+    (plain, Mirrors' slot positions and windows, measured faster so; not capped scores)."""
+    import tokendance.kernels.collective as col
+    import tokendance.kernels.collective_triton as colt
+    import tokendance.kernels.paged_attention as pa
+    import tokendance.kernels.paged_triton as pt
+    from tokendance.kernels.fp8 import FP8
+
+    from . import test_collective as tc
+    from .test_paged_attention import make_case, rel, run_triton, suffix
+
+    seen: list = []
+    monkeypatch.setattr(pt, "_decode_kernel", Recording(pt._decode_kernel, seen))
+    lens = [40, 9]
+    c = make_case(lens, suffix(lens, [1, 1]), hq=8, hkv=2)
+    got = run_triton(c, num_splits=2, cfg=dict(maxnreg=128))
+    assert seen == [128] and rel(got, pa.paged_attention_reference(*c.args())) < 1e-3
+    run_triton(c, num_splits=2)
+    assert seen == [128, None]  # not on the CPU's interpreter, where nothing compiles
+
+    monkeypatch.setattr(colt, "_collective_kernel", Recording(colt._collective_kernel, seen))
+    m = tc.make_case(3, 8, 2, 32)
+    got = tc.run_triton(m, num_splits=2, cfg=dict(maxnreg=96))
+    assert seen[-1] == 96 and rel(got[0], col.collective_attention_reference(*m.args())[0]) < 1e-3
+
+    e4m3 = FP8["fp8"]
+    assert pt.decode_cap(e4m3, 128) == pt.decode_cap(e4m3, 64) == dict(maxnreg=128)
+    assert pt.decode_cap(e4m3, 256) == pt.decode_cap(e4m3, 128, softcap=50.0) == {}
+    assert pt.decode_cap(torch.bfloat16, 128) == {}
