@@ -7,20 +7,16 @@ import sys
 import time
 
 from tokendance.backend.api import SamplingParams
+from tokendance.backend.flags import add_source_args, source_options
 from tokendance.backend.prompt import render_chat
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("generate", help="run the engine on one prompt")
     p.add_argument("prompt", help="the user message (or raw text with --raw); - reads stdin")
-    p.add_argument("--model", default=None, help="HF folder or .gguf (default: embedded SmolLM2-135M-Instruct)")
-    p.add_argument("--tokenizer", default=None, metavar="FOLDER",
-                   help="this folder's tokenizer and chat template instead of the model's "
-                        "(for a GGUF, its original's)")
-    p.add_argument("--hf-config-path", default=None, metavar="FOLDER",
-                   help="this folder's config.json instead of the model's (for a GGUF, its original's)")
-    p.add_argument("--trust-remote-code", action="store_true",
-                   help="load a tokenizer whose class is Python code in its folder (vLLM's)")
+    p.add_argument("--model", default=None, help="HF folder, .gguf or a hub id in the Hugging Face cache "
+                                                 "(default: embedded SmolLM2-135M-Instruct)")
+    add_source_args(p)
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     p.add_argument("--device", default="auto")
     p.add_argument("--system", default=None, help="a system message")
@@ -53,8 +49,7 @@ def main(args: argparse.Namespace) -> int:
                               presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
                               repetition_penalty=args.repetition_penalty)
     sampling.validate()
-    eng = Engine(model=args.model, tokenizer=args.tokenizer, hf_config_path=args.hf_config_path,
-                 trust_remote_code=args.trust_remote_code, dtype=args.dtype, device=args.device)
+    eng = Engine(**source_options(args), dtype=args.dtype, device=args.device)
     if args.raw:
         prompt = eng.tokenizer.encode(text)
     else:

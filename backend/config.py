@@ -30,9 +30,14 @@ def top_logprobs(max_logprobs: int, vocab: int) -> int:
 
 @dataclass(slots=True)
 class EngineConfig:
-    model: str | None = None  # HF folder, .gguf, or None for the embedded default
-    tokenizer: str | None = None  # vLLM's --tokenizer: a folder's instead of the model's own
-    hf_config_path: str | None = None  # vLLM's: a folder's config.json instead of the model's own
+    model: str | None = None  # HF folder, .gguf, a hub id in the HF cache, or None for the embedded default
+    tokenizer: str | None = None  # vLLM's --tokenizer: a folder's (or hub id's) instead of the model's own
+    hf_config_path: str | None = None  # vLLM's: a folder's (or hub id's) config.json instead of the model's own
+    # vLLM's: a hub id's branch, tag or commit (None: main); the tokenizer's (None: revision's);
+    # the hub cache they are found in (None: huggingface_hub's; backend/hub.py)
+    revision: str | None = None
+    tokenizer_revision: str | None = None
+    download_dir: str | None = None
     hf_overrides: dict[str, Any] = field(default_factory=dict)  # vLLM's: fields set over config.json
     trust_remote_code: bool = False  # vLLM's: a tokenizer whose class is code in its folder may load
     max_logprobs: int = 20  # vLLM's: the alternatives a token's logprobs may list (-1: any)
@@ -50,7 +55,7 @@ class EngineConfig:
     max_batched_tokens: int = 0  # per step; 0: 2048 on CPU, 16384 on CUDA
     max_model_len: int = 0  # 0: the model's limit (capped by the pool)
     seed: int = 0
-    random_weights: bool = False  # timing only: the folder needs config.json (and a tokenizer)
+    random_weights: bool = False  # vLLM's --load-format dummy, for timing: config.json and a tokenizer suffice
     cuda_graphs: int = 128  # on CUDA, replay decode steps of up to this many sequences; 0: off
     check_layer: int = 1  # pic / collective: where deviating tokens are selected
     # pic / collective: share of reused tokens recomputed, at most; of those, only tokens

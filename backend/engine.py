@@ -46,8 +46,8 @@ class Engine:
         self.cfg = cfg
         self.device = pick_device(cfg.device)
         self.dtype = cfg.dtype_on(self.device)
-        self.folder: Path = loader.resolve(cfg.model)
-        self.config_folder = loader.config_folder(self.folder, cfg.hf_config_path)
+        self.folder: Path = loader.resolve(cfg.model, cfg.revision, cfg.download_dir)
+        self.config_folder = loader.config_folder(self.folder, cfg.hf_config_path, cfg.revision, cfg.download_dir)
         model = ModelConfig.load(self.config_folder, cfg.hf_overrides).reach(cfg.max_model_len)
         self.tp = parallel.shard_for(cfg, self.device, model)
         if self.tp is not None:
@@ -70,7 +70,8 @@ class Engine:
         if self.device.type == "cpu":  # before the weights: they join the kept heap too
             heap.keep()
         # before the weights, which a tokenizer that is not the model's would have loaded for nothing
-        self.tokenizer = loader.tokenizer(self.folder, cfg.tokenizer, model.vocab_size, cfg.trust_remote_code)
+        self.tokenizer = loader.tokenizer(self.folder, cfg.tokenizer, model.vocab_size, cfg.trust_remote_code,
+                                          cfg.tokenizer_revision or cfg.revision, cfg.download_dir)
         free0 = torch.cuda.mem_get_info(self.device)[0] if self.device.type == "cuda" else 0  # before the weights
         if cfg.random_weights:
             if self.tp is not None:  # what every rank holds whole must match

@@ -20,22 +20,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     """The model, its dtype, the reuse policy and the host tier."""
     p.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
                    help="the model, as vLLM's `serve MODEL` takes it (or --model)")
-    p.add_argument("--model", default=None, help="HF folder or GGUF file (default: embedded SmolLM2)")
-    p.add_argument("--tokenizer", default=None, metavar="FOLDER",
-                   help="serve the model with this folder's tokenizer and chat template (vLLM's: for a "
-                        "GGUF, its original model's folder; default: the model's own; with serve --vllm, "
-                        "a folder of the vLLM server's model)")
-    p.add_argument("--hf-config-path", default=None, metavar="FOLDER",
-                   help="the model as this folder's config.json (and generation_config.json) describe it "
-                        "(vLLM's: for a GGUF, its original model's folder, with what no GGUF carries, such "
-                        "as a sliding window; default: the model's own)")
-    p.add_argument("--hf-overrides", type=json_object, default=None, metavar="JSON",
-                   help="fields set over the model's config.json, each whole (vLLM's), e.g. a longer context: "
-                        '\'{"rope_scaling": {"rope_type": "yarn", "factor": 4.0, '
-                        '"original_max_position_embeddings": 32768}, "max_position_embeddings": 131072}\'')
-    p.add_argument("--trust-remote-code", action="store_true",
-                   help="load a tokenizer whose class is Python code in its folder (vLLM's; the model "
-                        "itself is always one of the architectures this engine implements)")
+    p.add_argument("--model", default=None, help="HF folder, GGUF file or a hub id in the Hugging Face cache "
+                                                 "(default: embedded SmolLM2)")
+    add_source_args(p)
     p.add_argument("--dtype", default="auto", help="auto, float32, bfloat16, float16")
     p.add_argument("--kv-cache-dtype", choices=KV_DTYPES, default="auto",
                    help="the KV pool's: auto (the model's dtype) or 8-bit floats (fp8 = fp8_e4m3; "
@@ -78,6 +65,53 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     add_generation_args(p)
 
 
+LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")  # of vLLM's --load-format choices
+
+
+def add_source_args(p: argparse.ArgumentParser) -> None:
+    """Where the model, its config and its tokenizer come from (MODEL or --model aside)."""
+    p.add_argument("--tokenizer", default=None, metavar="FOLDER|ID",
+                   help="serve the model with this folder's (or cached hub model's) tokenizer and chat "
+                        "template (vLLM's: for a GGUF, its original model's; default: the model's own; "
+                        "with serve --vllm, the vLLM server's model)")
+    p.add_argument("--hf-config-path", default=None, metavar="FOLDER|ID",
+                   help="the model as this folder's config.json (and generation_config.json) describe it "
+                        "(vLLM's: for a GGUF, its original model's folder, with what no GGUF carries, such "
+                        "as a sliding window; default: the model's own)")
+    p.add_argument("--hf-overrides", type=json_object, default=None, metavar="JSON",
+                   help="fields set over the model's config.json, each whole (vLLM's), e.g. a longer context: "
+                        '\'{"rope_scaling": {"rope_type": "yarn", "factor": 4.0, '
+                        '"original_max_position_embeddings": 32768}, "max_position_embeddings": 131072}\'')
+    p.add_argument("--trust-remote-code", action="store_true",
+                   help="load a tokenizer whose class is Python code in its folder (vLLM's; the model "
+                        "itself is always one of the architectures this engine implements)")
+    p.add_argument("--revision", default=None,
+                   help="a hub model's branch, tag or commit in the cache (vLLM's; default: main)")
+    p.add_argument("--tokenizer-revision", default=None,
+                   help="the tokenizer's, where --tokenizer is a hub model (default: --revision)")
+    p.add_argument("--download-dir", default=None, metavar="DIR",
+                   help="the Hugging Face cache hub models are found in (vLLM's; default: HF_HUB_CACHE, "
+                        "~/.cache/huggingface/hub); nothing is downloaded")
+    p.add_argument("--load-format", choices=LOAD_FORMATS, default="auto",
+                   help="the weights: as the model is (auto), a folder's safetensors, a .gguf file, or "
+                        "random ones (dummy: vLLM's, for timing; config.json and a tokenizer are enough)")
+
+
+def source_options(args: argparse.Namespace) -> dict[str, Any]:
+    """EngineConfig's fields from `add_source_args`' flags and the model (ValueError where
+    --load-format is not the model's)."""
+    name = model(args)
+    gguf = str(name).endswith(".gguf")
+    if args.load_format == "gguf" and not gguf and name not in (None, "", "default"):  # the default is one
+        raise ValueError(f"--load-format gguf: the model {name} is not a .gguf file")
+    if args.load_format == "safetensors" and gguf:
+        raise ValueError(f"--load-format safetensors: the model {name} is a .gguf file")
+    return {"model": name, "tokenizer": args.tokenizer, "hf_config_path": args.hf_config_path,
+            "hf_overrides": args.hf_overrides or {}, "trust_remote_code": args.trust_remote_code,
+            "revision": args.revision, "tokenizer_revision": args.tokenizer_revision,
+            "download_dir": args.download_dir, "random_weights": args.load_format == "dummy"}
+
+
 def add_parallel_args(p: argparse.ArgumentParser) -> None:
     """vLLM's tensor parallelism flag (backend/parallel.py)."""
     p.add_argument("--tensor-parallel-size", "-tp", type=at_least(1), default=1,
@@ -87,7 +121,8 @@ def add_parallel_args(p: argparse.ArgumentParser) -> None:
 
 BLOCK_SIZES = (1, 8, 16, 32, 64, 128)  # vLLM's --block-size choices
 # engine flags that serve --vllm takes too: the proxy tokenizes and samples for a vLLM server by them
-VLLM_TOO = ("--tokenizer", "--generation-config", "--override-generation-config", "--trust-remote-code")
+VLLM_TOO = ("--tokenizer", "--generation-config", "--override-generation-config", "--trust-remote-code",
+            "--revision", "--tokenizer-revision", "--download-dir")
 # engine flags that serve --engine takes too: the proxy loads the engine's tokenizer by it
 ENGINE_TOO = ("--trust-remote-code",)
 
@@ -183,9 +218,10 @@ def changed(args: argparse.Namespace) -> list[str]:
 
 def model(args: argparse.Namespace) -> str | None:
     """The model given as MODEL or --model (ValueError if both name different ones)."""
-    if args.model_tag is not None and args.model is not None and args.model_tag != args.model:
-        raise ValueError(f"MODEL {args.model_tag} and --model {args.model} name two models: give one")
-    return args.model_tag or args.model
+    tag = getattr(args, "model_tag", None)  # generate takes --model alone
+    if tag is not None and args.model is not None and tag != args.model:
+        raise ValueError(f"MODEL {tag} and --model {args.model} name two models: give one")
+    return tag or args.model
 
 
 def engine_options(args: argparse.Namespace) -> dict[str, Any]:
@@ -201,9 +237,7 @@ def engine_options(args: argparse.Namespace) -> dict[str, Any]:
         raise ValueError("--kv-tokens and --gpu-memory-utilization both size the KV pool: give one")
     generation.check(args.generation_config, args.override_generation_config)
     offload = None if args.offload_gib is None else int(args.offload_gib * 2**30)  # None: the device's default
-    return {"model": model(args), "tokenizer": args.tokenizer, "trust_remote_code": args.trust_remote_code,
-            "hf_config_path": args.hf_config_path,
-            "hf_overrides": args.hf_overrides or {}, "dtype": args.dtype, "kv_cache_dtype": args.kv_cache_dtype,
+    return {**source_options(args), "dtype": args.dtype, "kv_cache_dtype": args.kv_cache_dtype,
             "tensor_parallel_size": args.tensor_parallel_size, "block_size": args.block_size,
             "seed": args.seed, **({"cuda_graphs": 0} if args.enforce_eager else {}), "offload_bytes": offload,
             "anchor_bytes": int(args.anchor_gib * 2**30), "anchor_rank": args.anchor_rank,

@@ -18,7 +18,7 @@ import structlog
 import torch
 from safetensors import safe_open
 
-from tokendance.backend import convert
+from tokendance.backend import convert, hub
 from tokendance.backend.api import InvalidRequest
 from tokendance.backend.config import ModelConfig
 from tokendance.backend.model import Decoder
@@ -47,48 +47,49 @@ def default_gguf() -> Path:
     return Path(spec.submodule_search_locations[0]) / _GGUF_NAME
 
 
-def resolve(model: str | None) -> Path:
-    """An HF folder for `model`: a folder, a .gguf file, or None for the default."""
+def resolve(model: str | None, revision: str | None = None, download_dir: str | None = None) -> Path:
+    """An HF folder for `model`: a folder, a .gguf file, a hub id in the local hub cache (at
+    `revision`, under `download_dir`: vLLM's flags; backend/hub.py), or None for the default."""
     if model in (None, "", DEFAULT_MODEL, "default"):
         return convert.convert_gguf(default_gguf(), cache_dir() / DEFAULT_MODEL)
     path = Path(model).expanduser()
-    if path.is_dir():
-        return path
     if path.is_file() and path.suffix == ".gguf":
         stat = path.stat()
         # the conversion's version too: a folder an older one wrote (a field short) is not reused
         key = f"{path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}:{convert.VERSION}"
         key = hashlib.sha1(key.encode()).hexdigest()[:12]
         return convert.convert_gguf(path, cache_dir() / f"{path.stem}-{key}")
-    raise InvalidRequest(f"model not found: {model} (expected an HF folder or a .gguf file)", "model")
+    if path.is_file():
+        raise InvalidRequest(f"model {model}: a file that is not a .gguf (expected an HF folder, a .gguf file "
+                             "or a model id in the Hugging Face cache)", "model")
+    return hub.folder(model, revision, download_dir)
 
 
-def config_folder(folder: Path, given: str | None) -> Path:
+def config_folder(folder: Path, given: str | None, revision: str | None = None,
+                  download_dir: str | None = None) -> Path:
     """The folder whose config.json (and generation_config.json) describe the model: `given`
-    (vLLM's --hf-config-path; for a GGUF, its original model's, with the fields no GGUF
-    carries, such as Mistral v0.1's sliding window), else the model folder."""
+    (vLLM's --hf-config-path, a folder or a hub id in the cache; for a GGUF, its original
+    model's, with the fields no GGUF carries, such as Mistral v0.1's sliding window), else
+    the model folder."""
     if given is None:
         return folder
-    where = Path(given).expanduser()
-    if not where.is_dir():
-        raise InvalidRequest(f"--hf-config-path {given}: no such folder (a local folder with a config.json)",
-                             "hf_config_path")
+    where = hub.folder(given, revision, download_dir, "--hf-config-path", "hf_config_path")
     if not (where / "config.json").is_file():
         raise InvalidRequest(f"--hf-config-path {given}: no config.json in it", "hf_config_path")
     return where
 
 
-def tokenizer(folder: Path, given: str | None, vocab: int, trust_remote_code: bool = False) -> Any:
-    """The HF tokenizer the model is served with: `given`'s, a folder (vLLM's --tokenizer;
-    for a GGUF, its original model's, whose chat template and vocabulary the file's own
-    conversion may lack), else the model folder's; with `trust_remote_code` (vLLM's flag)
-    one whose class is code in the folder. InvalidRequest in one line where it does not
-    load, or where a given one holds ids past the model's `vocab`."""
+def tokenizer(folder: Path, given: str | None, vocab: int, trust_remote_code: bool = False,
+              revision: str | None = None, download_dir: str | None = None) -> Any:
+    """The HF tokenizer the model is served with: `given`'s, a folder or a hub id in the cache
+    at `revision` (vLLM's --tokenizer and --tokenizer-revision; for a GGUF, its original model's,
+    whose chat template and vocabulary the file's own conversion may lack), else the model
+    folder's; with `trust_remote_code` (vLLM's flag) one whose class is code in the folder.
+    InvalidRequest in one line where it does not load, or where a given one holds ids past
+    the model's `vocab`."""
     from transformers import AutoTokenizer
 
-    where = folder if given is None else Path(given).expanduser()
-    if given is not None and not where.is_dir():
-        raise InvalidRequest(f"--tokenizer {given}: no such folder (a local folder of tokenizer files)", "tokenizer")
+    where = folder if given is None else hub.folder(given, revision, download_dir, "--tokenizer", "tokenizer")
     try:
         tok = AutoTokenizer.from_pretrained(where, trust_remote_code=trust_remote_code)
     except Exception as e:  # no tokenizer files, or broken ones

@@ -21,7 +21,7 @@ from typing import Any
 import aiohttp
 import structlog
 
-from tokendance.backend import reach
+from tokendance.backend import hub, reach
 from tokendance.backend.api import (BackendError, Delta, InvalidRequest, Lost, Prepared, Request,
                                     TokenLogprob, Template, TopLogprob, Unavailable, Usage, check_mode)
 from tokendance.backend.auth import header, refused
@@ -60,10 +60,13 @@ class VLLMBackend:
     async def connect(cls, url: str, tokenizer: str | None = None, mode: str = "prefix",
                       timeout: float = 10.0, api_key: str | None = None,
                       generation: tuple[str, dict[str, Any] | None] = ("auto", None),
-                      trust_remote_code: bool = False) -> "VLLMBackend":
+                      trust_remote_code: bool = False, revision: str | None = None,
+                      download_dir: str | None = None) -> "VLLMBackend":
         """Ask the server at `url` for its model; BackendError if it cannot answer.
         `generation`: the server's --generation-config and --override-generation-config,
-        read here from the model folder (the tokenizer's) as vLLM reads them."""
+        read here from the model folder (the tokenizer's) as vLLM reads them. The tokenizer's
+        folder: `tokenizer`, else the server's model; either may be a hub id, found in the
+        Hugging Face cache at `revision` (under `download_dir`) as vLLM found it."""
         _served(mode)
         t = aiohttp.ClientTimeout(total=max(timeout, 30.0), connect=timeout)
         try:
@@ -77,8 +80,12 @@ class VLLMBackend:
                 name, max_len, root = card["id"], int(card["max_model_len"]), card.get("root") or card["id"]
         except (aiohttp.ClientError, TimeoutError, ValueError, KeyError, IndexError, TypeError) as e:
             raise BackendError(f"no vLLM server at {url}: {e or type(e).__name__}") from e
-        where = tokenizer or root
-        tok = fast_tokenizer(where, f"the tokenizer at {where} (--tokenizer: a local model folder)",
+        try:
+            where = hub.folder(tokenizer or root, revision, download_dir,
+                               "--tokenizer" if tokenizer else f"the model {url} serves", "tokenizer")
+        except InvalidRequest as e:
+            raise BackendError(str(e)) from None
+        tok = fast_tokenizer(where, f"the tokenizer at {where} (--tokenizer: a model folder or a cached hub id)",
                              trust_remote_code)
         return cls(url, name, max_len, tok, mode, timeout, api_key, defaults(where, *generation), ends(where, tok))
 

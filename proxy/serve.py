@@ -118,7 +118,8 @@ def load_backend(args: argparse.Namespace) -> Backend:
         generation = (args.generation_config, args.override_generation_config)
         return asyncio.run(_connect(args.vllm, lambda u: VLLMBackend.connect(
             u, args.tokenizer, args.mode or "prefix", api_key=key, generation=generation,
-            trust_remote_code=args.trust_remote_code)))
+            trust_remote_code=args.trust_remote_code, revision=args.tokenizer_revision or args.revision,
+            download_dir=args.download_dir)))
     from tokendance.backend.service import EngineBackend
 
     return EngineBackend.load(mode=args.mode or DEFAULT_MODE, **engine_options(args))

@@ -13,7 +13,7 @@ from tests.conftest import TOKENIZER_FILES
 
 
 def test_missing_model_path(tmp_path):
-    with pytest.raises(InvalidRequest, match="model not found"):
+    with pytest.raises(InvalidRequest, match="no such file or folder, nor a Hugging Face model id"):
         Engine(model=str(tmp_path / "nope"))
 
 

@@ -219,7 +219,7 @@ def test_a_config_that_is_not_the_models_is_one_line(files, tmp_path):
                                                        f"{other}/config.json describes")) as e:
         Engine(model=str(path), hf_config_path=str(other), dtype="float32", kv_tokens=1024)
     assert e.value.param == "hf_config_path" and "\n" not in str(e.value)
-    with pytest.raises(InvalidRequest, match=f"--hf-config-path {tmp_path / 'none'}: no such folder"):
+    with pytest.raises(InvalidRequest, match=f"--hf-config-path {tmp_path / 'none'}: no such file or folder"):
         Engine(model=str(path), hf_config_path=str(tmp_path / "none"), dtype="float32", kv_tokens=1024)
     with pytest.raises(InvalidRequest, match=f"--hf-config-path {tmp_path}: no config.json in it"):
         Engine(model=str(path), hf_config_path=str(tmp_path), dtype="float32", kv_tokens=1024)
