@@ -26,6 +26,7 @@ ANCHORED = ("kvcomm", "kvcmas")
 BASES = ("standalone", "producer", "reader")
 POLICIES = ("fcfs", "priority")  # vLLM's --scheduling-policy (backend/scheduler.py)
 KV_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")  # vLLM's --kv-cache-dtype (kernels/fp8.py)
+QUANTIZATIONS = ("fp8",)  # vLLM's --quantization of an unquantized checkpoint (kernels/fp8_linear.py)
 # The reuse policy's defaults (EngineConfig, `serve` and `simulate`, the benchmarks): at
 # most 15 % of each request's reused tokens recomputed, no deviation floor, standalone bases,
 # shared segments reused from the length the device gains by (None: the engine's default).

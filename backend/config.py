@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 from tokendance.backend import families
-from tokendance.backend.api import BASES, KV_DTYPES, POLICIES, REUSE_DEFAULTS, InvalidRequest
+from tokendance.backend.api import BASES, KV_DTYPES, POLICIES, QUANTIZATIONS, REUSE_DEFAULTS, InvalidRequest
 from tokendance.backend.overrides import named, overridden
 from tokendance.kernels.fp8 import FP8
 
@@ -43,6 +43,7 @@ class EngineConfig:
     max_logprobs: int = 20  # vLLM's: the alternatives a token's logprobs may list (-1: any)
     dtype: str = "auto"  # auto: bfloat16 on CUDA, float32 on CPU
     kv_cache_dtype: str = "auto"  # vLLM's: the pool's K/V in the model's dtype, or fp8 (kernels/fp8.py)
+    quantization: str | None = None  # vLLM's: fp8, the layers' projections in e4m3 (kernels/fp8_linear.py)
     device: str = "auto"  # with tensor parallelism, the first of its devices
     tensor_parallel_size: int = 1  # processes (on CUDA, GPUs) that split each layer (backend/parallel.py)
     block_size: int = 16  # vLLM's --block-size: tokens a pool block holds
@@ -89,6 +90,9 @@ class EngineConfig:
             raise InvalidRequest(f"block_size must be at least 1, not {self.block_size}", "block_size")
         if self.max_logprobs < -1:
             raise InvalidRequest("max_logprobs must be -1 (any) or at least 0", "max_logprobs")
+        if self.quantization not in (None, *QUANTIZATIONS):
+            raise InvalidRequest(f"unsupported quantization {self.quantization!r}; choose one of "
+                                 f"{', '.join(QUANTIZATIONS)}", "quantization")
         if self.kv_cache_dtype not in KV_DTYPES:
             raise InvalidRequest(f"unsupported kv cache dtype {self.kv_cache_dtype!r}; choose one of "
                                  f"{', '.join(KV_DTYPES)}", "kv_cache_dtype")

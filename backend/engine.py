@@ -34,7 +34,7 @@ from tokendance.backend.sequence import Sequence, Status
 from tokendance.backend.stops import ended
 from tokendance.backend.thinking import Thought
 from tokendance.backend.waiting import Waiting
-from tokendance.kernels import packed
+from tokendance.kernels import fp8_linear, packed
 from tokendance.kernels.jit import tiles_head
 
 log = structlog.get_logger(__name__)
@@ -79,6 +79,10 @@ class Engine:
             self.model = loader.build(model, self.dtype, self.device, self.tp)
         else:
             self.model = loader.load(self.folder, model, self.dtype, self.device, self.tp, self.config_folder)
+        if cfg.quantization == "fp8":
+            log.info("fp8 weights", layers=fp8_linear.quantize(self.model))
+            if self.device.type == "cuda":  # the wide weights' memory back, before the pool is sized
+                torch.cuda.empty_cache()
         packed.pack(self.model)
         self.mcfg = self.model.cfg
         self.pieces = Pieces(self.tokenizer)  # tokens' texts alone, for logprobs

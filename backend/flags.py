@@ -13,7 +13,7 @@ from fractions import Fraction
 from typing import Any
 
 from tokendance.backend import generation
-from tokendance.backend.api import BASES, KV_DTYPES, POLICIES, REUSE_DEFAULTS
+from tokendance.backend.api import BASES, KV_DTYPES, POLICIES, QUANTIZATIONS, REUSE_DEFAULTS
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -69,7 +69,8 @@ LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")  # of vLLM's --load-form
 
 
 def add_source_args(p: argparse.ArgumentParser) -> None:
-    """Where the model, its config and its tokenizer come from (MODEL or --model aside)."""
+    """Where the model, its config and its tokenizer come from (MODEL or --model aside), and
+    how its weights are held."""
     p.add_argument("--tokenizer", default=None, metavar="FOLDER|ID",
                    help="serve the model with this folder's (or cached hub model's) tokenizer and chat "
                         "template (vLLM's: for a GGUF, its original model's; default: the model's own; "
@@ -95,6 +96,10 @@ def add_source_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--load-format", choices=LOAD_FORMATS, default="auto",
                    help="the weights: as the model is (auto), a folder's safetensors, a .gguf file, or "
                         "random ones (dummy: vLLM's, for timing; config.json and a tokenizer are enough)")
+    p.add_argument("--quantization", "-q", choices=QUANTIZATIONS, default=None,
+                   help="fp8: each layer's projections held in e4m3, a scale per row, inputs rounded per "
+                        "token (half a bf16 weight's bytes; FP8 tensor cores from compute capability 9.0, "
+                        "elsewhere the weights widened on each call: memory, not time)")
 
 
 def source_options(args: argparse.Namespace) -> dict[str, Any]:
@@ -109,7 +114,8 @@ def source_options(args: argparse.Namespace) -> dict[str, Any]:
     return {"model": name, "tokenizer": args.tokenizer, "hf_config_path": args.hf_config_path,
             "hf_overrides": args.hf_overrides or {}, "trust_remote_code": args.trust_remote_code,
             "revision": args.revision, "tokenizer_revision": args.tokenizer_revision,
-            "download_dir": args.download_dir, "random_weights": args.load_format == "dummy"}
+            "download_dir": args.download_dir, "random_weights": args.load_format == "dummy",
+            "quantization": args.quantization}
 
 
 def add_parallel_args(p: argparse.ArgumentParser) -> None:

@@ -32,16 +32,19 @@ def vocab(shape: str) -> int:
     return min(49152, SHAPES[shape]["vocab_size"])
 
 
-def graphs_vs_eager(mirrors: bool = False, n: int = 11, segments: int = 0, shape: str = "qwen2.5-7b") -> float:
+def graphs_vs_eager(mirrors: bool = False, n: int = 11, segments: int = 0, shape: str = "qwen2.5-7b",
+                    **cfg) -> float:
     """Relative error of a replayed decode step against the same step run eagerly: n
     plain sequences, or n Mirrors of one round (a graph of 16 rows for 11, of 24 for 20;
     52 read more segments than CHUNK_CAP: a wide graph, captured at that step); with
-    `segments`, n Mirrors that each read that many short outputs."""
+    `segments`, n Mirrors that each read that many short outputs; `cfg`, the engine's
+    other fields (8-bit weights)."""
     from tokendance.backend.graphs import CHUNK_CAP, WIDE_CAPS
     from tokendance.bench.allgather import make_round
 
     eng = Engine(EngineConfig(model=str(small_folder(shape=shape)), dtype="bfloat16", random_weights=True,
-                              kv_tokens=16 * 4096 if n <= 32 else 64 * 4096, cuda_graphs=max(32, n), **REUSE_ALL))
+                              kv_tokens=16 * 4096 if n <= 32 else 64 * 4096, cuda_graphs=max(32, n), **REUSE_ALL,
+                              **cfg))
     sampling = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
     v = vocab(shape)
     if mirrors:

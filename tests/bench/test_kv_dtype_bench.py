@@ -10,7 +10,7 @@ from tokendance.bench import kv_dtype
 def test_kv_dtype_bench_compares_the_pools(tiny_llama, bench):
     out = bench(kv_dtype, "--model", str(tiny_llama), "--questions", "1", "--agents", "2", "--tokens", "4",
                 "--decode", "2x64", "--steps", "2", "--repeats", "1", "--kv-tokens", "4096")
-    wide, narrow = (int(re.search(rf"\| {p} \| ([\d,]+) \|", out)[1].replace(",", "")) for p in ("float32", "fp8"))
+    wide, narrow = (int(re.search(rf"\| {p} \| ([\d,]+) \|", out)[1].replace(",", "")) for p in ("float32", "fp8 pool"))
     assert wide == 4 * narrow
     row = re.search(r"\| ([\d.]+) \| ([\d.e+-]+) \| ([\d.e+-]+) \| (\d)/2 \| ", out)
     assert 0 <= float(row[1]) <= 1 and 0 <= float(row[2]) <= float(row[3])
@@ -23,3 +23,26 @@ def test_a_shape_times_decode_steps_alone(monkeypatch, bench, tiny_llama):
     out = bench(kv_dtype, "--model", "tiny", "--decode", "2x32", "--steps", "2", "--repeats", "1",
                 "--kv-tokens", "4096")
     assert "teacher-forced" not in out and re.search(r"\| 2 x 32 \|", out)
+
+
+def test_it_compares_8_bit_weights_too(tiny_llama, bench):
+    """--quantization fp8 with the model's pool: the same KV bytes, fewer weight bytes (the
+    projections a quarter of float32's, the embeddings as they were), and prefill timed."""
+    out = bench(kv_dtype, "--model", str(tiny_llama), "--kv", "auto", "--quantization", "fp8", "--questions", "1",
+                "--agents", "2", "--tokens", "4", "--prefill", "2x32", "--decode", "2x64", "--steps", "2",
+                "--repeats", "1", "--kv-tokens", "4096")
+    rows = {m[1]: (m[2], float(m[3].replace(",", ""))) for m in re.finditer(
+        r"\| (float32|fp8 weights) \| ([\d,]+) \| ([\d.,]+) \|", out)}
+    assert rows["float32"][0] == rows["fp8 weights"][0] and rows["fp8 weights"][1] < rows["float32"][1]
+    assert "float32 against fp8 weights" in out and re.search(r"\| 2 x 32 \| [\d,]+ \| [\d,]+ \| [\d.]+x \|", out)
+
+
+def test_nothing_to_compare_is_one_line(tiny_llama):
+    import argparse
+
+    import pytest
+
+    p = argparse.ArgumentParser()
+    kv_dtype.add_args(p)
+    with pytest.raises(ValueError, match="nothing to compare"):
+        kv_dtype.main(p.parse_args(["--model", str(tiny_llama), "--kv", "auto"]))

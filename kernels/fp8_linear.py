@@ -1,0 +1,99 @@
+"""Linear layers with 8-bit float weights (vLLM's `--quantization fp8` of an unquantized
+checkpoint): each weight row rounded to e4m3 at load under a scale of its own (its largest
+magnitude maps to e4m3's 448), each input row the same way per call (dynamic, per token);
+the product accumulates in float32 and takes both scales on the way out. Half a bf16
+weight's bytes: what a decode step reads most of, and room for more KV.
+
+On a GPU with FP8 tensor cores (compute capability 9.0 on, bf16 activations) the product
+is one `torch._scaled_mm` with row-wise scales. Elsewhere `fp8_linear_reference` computes
+the same function in float32 (the weight widened on each call: memory saved, not time).
+Tests compare the two.
+"""
+
+from __future__ import annotations
+
+from functools import cache
+
+import torch
+from torch import nn
+
+E4M3 = torch.float8_e4m3fn
+TOP = 448.0  # e4m3's largest finite magnitude
+TINY = 1e-12  # a row of zeros keeps a scale that divides
+
+
+def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x in e4m3, float32 scales [rows, 1]) with x ~ q * scale, row by row."""
+    x = x.float()
+    scale = x.abs().amax(-1, keepdim=True).clamp_min(TINY) / TOP
+    return (x / scale).clamp(-TOP, TOP).to(E4M3), scale
+
+
+def fp8_linear_reference(x: torch.Tensor, w8: torch.Tensor, w_scale: torch.Tensor,
+                         bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [..., K] times the e4m3 weight w8 [N, K] (scales [N, 1]) in float32, x quantized
+    per row as the fast path does; the result in x's dtype."""
+    xq, xs = quantize_rows(x.reshape(-1, x.shape[-1]))
+    out = (xq.float() * xs) @ (w8.float() * w_scale).t()
+    if bias is not None:
+        out = out + bias.float()
+    return out.to(x.dtype).reshape(*x.shape[:-1], w8.shape[0])
+
+
+def fast(x: torch.Tensor) -> bool:
+    """Whether `torch._scaled_mm` takes x's product: a bf16 input on a GPU of compute
+    capability 9.0 or more (row-wise scales need it)."""
+    return x.is_cuda and x.dtype == torch.bfloat16 and _capability(x.device.index) >= (9, 0)
+
+
+@cache
+def _capability(index: int | None) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(index)
+
+
+def fp8_linear(x: torch.Tensor, w8: torch.Tensor, w_scale: torch.Tensor,
+               bias: torch.Tensor | None = None) -> torch.Tensor:
+    """`fp8_linear_reference`, on FP8 tensor cores where `fast`."""
+    if not fast(x):
+        return fp8_linear_reference(x, w8, w_scale, bias)
+    xq, xs = quantize_rows(x.reshape(-1, x.shape[-1]))
+    out = torch._scaled_mm(xq, w8.t(), scale_a=xs, scale_b=w_scale.view(1, -1), out_dtype=torch.bfloat16)
+    if bias is not None:
+        out = out + bias
+    return out.reshape(*x.shape[:-1], w8.shape[0])
+
+
+class Fp8Linear(nn.Module):
+    """An `nn.Linear` whose weight is held in e4m3 with a float32 scale per output row."""
+
+    def __init__(self, linear: nn.Linear):
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        w8, scale = quantize_rows(linear.weight.detach())
+        self.register_buffer("weight", w8)
+        self.register_buffer("scale", scale)
+        self.bias = linear.bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return fp8_linear(x, self.weight, self.scale, self.bias)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, e4m3"
+
+
+QUANTIZED = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")  # a layer's projections
+
+
+@torch.no_grad()
+def quantize(model: nn.Module) -> int:
+    """Replace each layer's projections (attention's and the dense MLP's, a shared expert's
+    too; not the embeddings, the lm_head, a router or the experts' grouped weights) by
+    Fp8Linear, where both their widths divide by 16 (`torch._scaled_mm`'s tiles); returns
+    how many were replaced."""
+    swaps = [(parent, name, child) for parent in model.modules() for name, child in parent.named_children()
+             if name in QUANTIZED and isinstance(child, nn.Linear)
+             and child.in_features % 16 == 0 and child.out_features % 16 == 0]
+    for parent, name, child in swaps:
+        setattr(parent, name, Fp8Linear(child))
+    return len(swaps)
+

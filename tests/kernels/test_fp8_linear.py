@@ -1,0 +1,89 @@
+"""8-bit float weights (kernels/fp8_linear.py): the row quantization, the reference against
+exact products, the FP8 tensor-core path against the reference (on a GPU that has one),
+and which of a model's layers are replaced."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from tokendance.kernels import fp8_linear as fl
+
+GPU = torch.cuda.is_available() and torch.cuda.get_device_capability() >= (9, 0)
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.double() - b.double()).norm() / b.double().norm()).item()
+
+
+def test_rows_scale_to_e4m3s_range_and_round_within_its_precision():
+    torch.manual_seed(0)
+    x = torch.randn(8, 64) * torch.logspace(-3, 3, 8)[:, None]  # rows of every magnitude
+    x[3] = 0.0
+    q, scale = fl.quantize_rows(x)
+    assert q.dtype == fl.E4M3 and scale.shape == (8, 1)
+    back = q.float() * scale
+    top = q.float().abs().amax(-1)
+    assert torch.equal(top[top > 0], torch.full_like(top[top > 0], fl.TOP))  # each row's largest is 448
+    assert torch.equal(back[3], torch.zeros(64))  # a row of zeros stays one, no NaN
+    normal = back.abs() >= scale * 2.0**-6  # e4m3's normal range: 3 mantissa bits
+    assert ((back - x).abs() <= x.abs() * 2.0**-4 + 1e-30)[normal].all()
+
+
+def test_the_reference_is_exact_where_both_sides_are_e4m3_values():
+    """Inputs and weights that e4m3 holds exactly under scales of powers of two: the
+    reference's product is the float64 product (a scale applied twice, or to the wrong
+    side, fails here)."""
+    torch.manual_seed(1)
+    values = torch.tensor([0.0, 0.5, 1.0, 1.5, 3.0, 6.5, 13.0, 448.0])
+    x = values[torch.randint(0, 8, (5, 32))] * 2.0 ** torch.arange(5)[:, None]
+    w = values[torch.randint(0, 8, (48, 32))] * -(2.0 ** -torch.arange(48).remainder(4)[:, None])
+    x[:, 0], w[:, 0] = 448.0 * 2.0 ** torch.arange(5), -448.0 * 2.0 ** -torch.arange(48).remainder(4)
+    w8, ws = fl.quantize_rows(w)
+    bias = torch.arange(48.0)
+    got = fl.fp8_linear_reference(x, w8, ws, bias)
+    assert torch.equal(got.double(), x.double() @ w.double().t() + bias.double())
+
+
+def test_the_reference_stays_near_the_wide_product():
+    torch.manual_seed(2)
+    x, w = torch.randn(2, 7, 256), torch.randn(384, 256) / 16
+    w8, ws = fl.quantize_rows(w)
+    got = fl.fp8_linear_reference(x, w8, ws)
+    assert got.shape == (2, 7, 384) and got.dtype == x.dtype
+    assert rel(got, x @ w.t()) < 0.05
+
+
+@pytest.mark.skipif(not GPU, reason="FP8 tensor cores: a GPU of compute capability 9.0 or more")
+@pytest.mark.parametrize("rows", [1, 3, 17, 256])
+def test_the_tensor_core_path_equals_the_reference(rows: int):
+    torch.manual_seed(3)
+    x = torch.randn(rows, 512, device="cuda", dtype=torch.bfloat16)
+    lin = nn.Linear(512, 1024, bias=True, device="cuda", dtype=torch.bfloat16)
+    f = fl.Fp8Linear(lin)
+    assert fl.fast(x)
+    assert rel(f(x), fl.fp8_linear_reference(x.float(), f.weight, f.scale, f.bias.float())) < 1e-2
+
+
+def test_a_models_projections_are_replaced_and_nothing_else():
+    class MLP(nn.Module):
+        def __init__(self, width: int):
+            super().__init__()
+            self.gate_up_proj, self.down_proj = nn.Linear(64, 2 * width), nn.Linear(width, 64)
+            self.gate = nn.Linear(64, 8)  # a router
+
+    class Layer(nn.Module):
+        def __init__(self, width: int):
+            super().__init__()
+            self.qkv_proj, self.o_proj, self.mlp = nn.Linear(64, 96), nn.Linear(64, 64), MLP(width)
+
+    model = nn.Sequential(Layer(128), Layer(72), nn.Linear(64, 1000))  # 72: not a multiple of 16
+    w = model[0].qkv_proj.weight.detach().clone()
+    assert fl.quantize(model) == 7  # 4 + qkv and o of the second layer, and its gate_up (144 wide)
+    assert isinstance(model[0].mlp.down_proj, fl.Fp8Linear) and isinstance(model[1].mlp.gate_up_proj, fl.Fp8Linear)
+    assert isinstance(model[1].mlp.down_proj, nn.Linear) and isinstance(model[0].mlp.gate, nn.Linear)
+    assert isinstance(model[2], nn.Linear)
+    f = model[0].qkv_proj
+    assert f.weight.dtype == fl.E4M3 and rel(f.weight.float() * f.scale, w) < 0.05
+    assert "e4m3" in repr(f)
