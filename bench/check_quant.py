@@ -1,6 +1,8 @@
 """CUDA checks of 8-bit weights (`--quantization fp8`, kernels/fp8_linear.py) that CPU tests
-cannot make: FP8 tensor cores against the float32 reference at Qwen2.5-7B's widths and
-decode to prefill row counts, and in a bf16 engine of that shape (four layers, random
+cannot make: the rows' rounding kernel against torch's bit for bit (Triton's interpreter
+rounds some ties otherwise); the layer on FP8 tensor cores (the few-rows kernel up to 16
+rows, `torch._scaled_mm` past them) against the float32 reference at Qwen2.5-7B's widths
+and decode to prefill row counts; and in a bf16 engine of that shape (four layers, random
 weights): its scores through the tensor cores against the same engine through the
 reference, and CUDA-graph decode against eager over its fp8 layers. Run on the GPU machine:
 python -m tokendance.bench.check_quant"""
@@ -19,10 +21,26 @@ from tokendance.bench.check_cuda import graphs_vs_eager, vocab
 from tokendance.bench.engine import rand_prompts
 from tokendance.bench.small import small_folder
 from tokendance.kernels import fp8_linear as fl
+from tokendance.kernels import fp8_triton as ft
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.double() - b.double()).norm() / b.double().norm())
+
+
+def rounding() -> bool:
+    """The rows kernel's bytes and scales against torch's, bf16 and float32 rows of every
+    magnitude (and one of zeros) at the layers' input widths."""
+    torch.manual_seed(1)
+    same = True
+    for k in (3584, 18944, 1500):
+        for dtype in (torch.bfloat16, torch.float32):
+            x = (torch.randn(64, k, device="cuda") * torch.logspace(-4, 4, 64, device="cuda")[:, None]).to(dtype)
+            x[5] = 0
+            q, s = ft.quantize_rows_triton(x)
+            want_q, want_s = fl.quantize_rows(x)
+            same &= torch.equal(s, want_s) and torch.equal(q.view(torch.uint8), want_q.view(torch.uint8))
+    return same
 
 
 def layers() -> float:
@@ -31,7 +49,7 @@ def layers() -> float:
     worst = 0.0
     for k, n in ((3584, 4608), (3584, 3584), (3584, 37888), (18944, 3584)):  # qkv, o, gate_up, down
         f = fl.Fp8Linear(nn.Linear(k, n, bias=n == 4608, device="cuda", dtype=torch.bfloat16))
-        for rows in (1, 7, 16, 300, 4096):
+        for rows in (1, 7, 16, 17, 300, 4096):
             x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
             want = fl.fp8_linear_reference(x.float(), f.weight, f.scale, None if f.bias is None else f.bias.float())
             worst = max(worst, rel(f(x), want))
@@ -70,10 +88,12 @@ def engine_paths() -> tuple[float, float]:
 
 
 def main() -> int:
+    same = rounding()
+    print(f"fp8 weights, the rows' rounding kernel = torch's, bytes and scales: {same}")
     err = layers()
     print(f"fp8 weights, tensor cores against the reference at Qwen2.5-7B's widths, 1 to 4,096 rows: "
           f"relative error at most {err:.2e}")
-    ok = err < 2e-2
+    ok = same and err < 2e-2
     mean, top = engine_paths()
     print(f"fp8 weights in a bf16 engine (Qwen2.5-7B shape, 4 layers): prompt logprobs through the tensor "
           f"cores against the reference, differences {mean:.4f} on average, {top:.3f} at most")

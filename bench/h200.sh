@@ -22,9 +22,10 @@
 #     left uncapped (slot positions, a window) capped and not, over a bf16 and an e4m3 pool
 #     (bench/fp8_decode.py); the collective kernel over either pool, capped too (bench/collective.py);
 #     fp8-step: the engine's decode step over either pool (32 x 4,096, bench kv-dtype's first command)
-#   quant: 8-bit weights (--quantization fp8): their tests on CUDA, the tensor cores against the
-#     reference in layers and in an engine, CUDA-graph decode over them (bench/check_quant.py), then
-#     prefill and decode steps against bf16 weights, Qwen2.5-7B shape, random weights (bench kv-dtype)
+#   quant: 8-bit weights (--quantization fp8): their engine tests on CUDA, the rounding kernel, the
+#     tensor cores against the reference in layers and in an engine, CUDA-graph decode over them
+#     (bench/check_quant.py), each layer's time by part (bench/fp8_linear.py), then prefill and decode
+#     steps against bf16 weights, Qwen2.5-7B shape, random weights (bench kv-dtype)
 #   scoring: a prefill that scores its prompt (prompt logprobs: completions' echo with
 #     logprobs) against the same prefill without, Qwen2.5-7B shape, random bf16 weights
 #   reuse:  one All-Gather round, N = 10 and 20, every mode, serial pic and collective with
@@ -158,9 +159,10 @@ if want fp8-step; then
     --repeats 3 --kv-tokens 140000 2>&1 | grep -v -i "warn\|deprecat\|info " | tee "$OUT/kv_dtype.txt"
 fi
 if want quant; then
-  python3 -m pytest -q -p no:cacheprovider -rfEs tests/kernels/test_fp8_linear.py tests/backend/test_quantization.py \
-    2>&1 | tail -4 | tee "$OUT/quant_tests.txt"
+  python3 -m pytest -q -p no:cacheprovider --tb=short -rfEs tests/backend/test_quantization.py >"$OUT/quant_tests.txt" 2>&1
+  tail -4 "$OUT/quant_tests.txt"
   python3 -m tokendance.bench.check_quant 2>&1 | grep -v -i "warn\|deprecat\|info " | tee "$OUT/check_quant.txt"
+  timeout 300 python3 bench/fp8_linear.py 2>&1 | grep -v -i "warn\|deprecat" | tee "$OUT/fp8_linear.txt"
   td bench kv-dtype --model qwen2.5-7b --dtype bfloat16 --questions 0 --kv auto --quantization fp8 \
     --prefill 10x2048 --decode 1x1024,8x1024,32x4096 --steps 32 --repeats 3 --kv-tokens 140000 2>&1 \
     | grep -v -i "warn\|deprecat\|info " | tee "$OUT/quant.txt"

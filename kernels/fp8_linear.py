@@ -4,10 +4,11 @@ magnitude maps to e4m3's 448), each input row the same way per call (dynamic, pe
 the product accumulates in float32 and takes both scales on the way out. Half a bf16
 weight's bytes: what a decode step reads most of, and room for more KV.
 
-On a GPU with FP8 tensor cores (compute capability 9.0 on, bf16 activations) the product
-is one `torch._scaled_mm` with row-wise scales. Elsewhere `fp8_linear_reference` computes
-the same function in float32 (the weight widened on each call: memory saved, not time).
-Tests compare the two.
+On a GPU with FP8 tensor cores (compute capability 9.0 on, bf16 activations) the rows are
+rounded in one Triton launch, and the product is a Triton kernel that streams the weight
+for a few rows (a decode step's) or one `torch._scaled_mm` with row-wise scales for more
+(kernels/fp8_triton.py). Elsewhere `fp8_linear_reference` computes the same function in
+float32 (the weight widened on each call: memory saved, not time). Tests compare them.
 """
 
 from __future__ import annotations
@@ -17,9 +18,11 @@ from functools import cache
 import torch
 from torch import nn
 
+from tokendance.kernels.fp8_triton import TINY, TOP, few_rows_triton, quantize_rows_triton
+from tokendance.kernels.jit import HAVE_TRITON
+
 E4M3 = torch.float8_e4m3fn
-TOP = 448.0  # e4m3's largest finite magnitude
-TINY = 1e-12  # a row of zeros keeps a scale that divides
+FEW_ROWS = 16  # at most this many rows take few_rows_triton, more torch._scaled_mm
 
 
 def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -41,9 +44,9 @@ def fp8_linear_reference(x: torch.Tensor, w8: torch.Tensor, w_scale: torch.Tenso
 
 
 def fast(x: torch.Tensor) -> bool:
-    """Whether `torch._scaled_mm` takes x's product: a bf16 input on a GPU of compute
-    capability 9.0 or more (row-wise scales need it)."""
-    return x.is_cuda and x.dtype == torch.bfloat16 and _capability(x.device.index) >= (9, 0)
+    """Whether the FP8 tensor cores take x's product: a bf16 input on a GPU of compute
+    capability 9.0 or more (`torch._scaled_mm`'s row-wise scales need it)."""
+    return HAVE_TRITON and x.is_cuda and x.dtype == torch.bfloat16 and _capability(x.device.index) >= (9, 0)
 
 
 @cache
@@ -56,10 +59,13 @@ def fp8_linear(x: torch.Tensor, w8: torch.Tensor, w_scale: torch.Tensor,
     """`fp8_linear_reference`, on FP8 tensor cores where `fast`."""
     if not fast(x):
         return fp8_linear_reference(x, w8, w_scale, bias)
-    xq, xs = quantize_rows(x.reshape(-1, x.shape[-1]))
-    out = torch._scaled_mm(xq, w8.t(), scale_a=xs, scale_b=w_scale.view(1, -1), out_dtype=torch.bfloat16)
-    if bias is not None:
-        out = out + bias
+    xq, xs = quantize_rows_triton(x.reshape(-1, x.shape[-1]).contiguous())
+    if xq.shape[0] <= FEW_ROWS:
+        out = few_rows_triton(xq, xs, w8, w_scale, bias)
+    else:
+        out = torch._scaled_mm(xq, w8.t(), scale_a=xs, scale_b=w_scale.view(1, -1), out_dtype=torch.bfloat16)
+        if bias is not None:
+            out = out + bias
     return out.reshape(*x.shape[:-1], w8.shape[0])
 
 
