@@ -18,7 +18,7 @@ from functools import cache
 import torch
 from torch import nn
 
-from tokendance.kernels.fp8_triton import TINY, TOP, few_rows_triton, quantize_rows_triton
+from tokendance.kernels.fp8_triton import INV_TOP, TINY, TOP, few_rows_triton, quantize_rows_triton
 from tokendance.kernels.jit import HAVE_TRITON
 
 E4M3 = torch.float8_e4m3fn
@@ -28,7 +28,7 @@ FEW_ROWS = 16  # at most this many rows take few_rows_triton, more torch._scaled
 def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(x in e4m3, float32 scales [rows, 1]) with x ~ q * scale, row by row."""
     x = x.float()
-    scale = x.abs().amax(-1, keepdim=True).clamp_min(TINY) / TOP
+    scale = x.abs().amax(-1, keepdim=True).clamp_min(TINY) * INV_TOP
     return (x / scale).clamp(-TOP, TOP).to(E4M3), scale
 
 

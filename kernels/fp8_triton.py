@@ -9,8 +9,8 @@ module that calls them):
   weight, streaming the weight once: `torch._scaled_mm`'s tiles are made for many rows and
   read a weight at 0.5-1.8 TB/s for one row, where bf16's `F.linear` reads 2.6-3.6.
 
-Both divide as IEEE does (div_rn) and accumulate in float32, so they compute the
-reference's function; the rows' rounding is the reference's bit for bit.
+Both compute the reference's function, the rows' rounding bit for bit (a quotient rounded
+as IEEE rounds it: div_rn), the product accumulated in float32.
 """
 
 from __future__ import annotations
@@ -20,20 +20,25 @@ import torch
 from tokendance.kernels.jit import launch_options, tl, triton
 
 TOP = 448.0  # e4m3's largest finite magnitude
+# A row's scale is its largest magnitude times 1/448 (in float32): a product rounds alike
+# everywhere, where torch on CUDA divides a tensor by a number as this product and on the
+# CPU as a quotient (their scales differed in the last bit, and so did some bytes).
+INV_TOP = 1.0 / TOP
 TINY = 1e-12
 ROWS_BLOCK = 1024
 FEW_CFG = dict(block_n=16, block_k=256, num_warps=4, num_stages=4)
 
 
 @triton.jit
-def _rows_kernel(x, q, scale, K, s_x, s_q, TOP: tl.constexpr, TINY: tl.constexpr, BLOCK: tl.constexpr):
+def _rows_kernel(x, q, scale, K, s_x, s_q, TOP: tl.constexpr, INV_TOP: tl.constexpr, TINY: tl.constexpr,
+                 BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     top = tl.zeros([BLOCK], dtype=tl.float32)
     for k0 in range(0, K, BLOCK):
         v = tl.load(x + row * s_x + k0 + offs, mask=k0 + offs < K, other=0.0).to(tl.float32)
         top = tl.maximum(top, tl.abs(v))
-    s = tl.math.div_rn(tl.maximum(tl.max(top, 0), TINY), TOP)
+    s = tl.maximum(tl.max(top, 0), TINY) * INV_TOP
     for k0 in range(0, K, BLOCK):
         m = k0 + offs < K
         v = tl.load(x + row * s_x + k0 + offs, mask=m, other=0.0).to(tl.float32)
@@ -48,8 +53,8 @@ def quantize_rows_triton(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     q = torch.empty(m, k, device=x.device, dtype=torch.float8_e4m3fn)
     scale = torch.empty(m, 1, device=x.device, dtype=torch.float32)
     if m:
-        _rows_kernel[(m,)](x, q, scale, k, x.stride(0), q.stride(0), TOP=TOP, TINY=TINY, BLOCK=ROWS_BLOCK,
-                           num_warps=4)
+        _rows_kernel[(m,)](x, q, scale, k, x.stride(0), q.stride(0), TOP=TOP, INV_TOP=INV_TOP, TINY=TINY,
+                           BLOCK=ROWS_BLOCK, num_warps=4)
     return q, scale
 
 
