@@ -36,7 +36,7 @@ DEV = "cpu" if SMOKE else "cuda"
 SHAPES = ({"qkv": (64, 96), "down": (160, 64)} if SMOKE else
           {"qkv": (3584, 4608), "o": (3584, 3584), "gate_up": (3584, 37888), "down": (18944, 3584)})
 ROWS = (1, 17) if SMOKE else (1, 8, 16, 32, 512, 4096)
-FEW = [dict(), dict(block_n=32), dict(block_k=512, num_stages=3), dict(block_n=32, block_k=128),
+FEW = [dict(), dict(block_n=16), dict(block_k=512, num_stages=3), dict(block_n=32, block_k=128),
        dict(block_n=64, block_k=128), dict(num_warps=8), dict(block_k=128, num_stages=6)][: 2 if SMOKE else None]
 
 

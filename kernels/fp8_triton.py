@@ -25,8 +25,11 @@ TOP = 448.0  # e4m3's largest finite magnitude
 # CPU as a quotient (their scales differed in the last bit, and so did some bytes).
 INV_TOP = 1.0 / TOP
 TINY = 1e-12
-ROWS_BLOCK = 1024
-FEW_CFG = dict(block_n=16, block_k=256, num_warps=4, num_stages=4)
+# Columns a rows program reads at once: a whole row of Qwen2.5-7B's 3,584 in one pass, its
+# MLP's 18,944 in five (a row of 1,024 columns at a time took 10.6-11.7 us there: bench/fp8_linear.py)
+ROWS_BLOCK = 4096
+# Best at 1-16 rows at Qwen2.5-7B's widths on an H100 (of 7 launches, bench/fp8_linear.py)
+FEW_CFG = dict(block_n=32, block_k=256, num_warps=4, num_stages=4)
 
 
 @triton.jit
@@ -53,8 +56,9 @@ def quantize_rows_triton(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     q = torch.empty(m, k, device=x.device, dtype=torch.float8_e4m3fn)
     scale = torch.empty(m, 1, device=x.device, dtype=torch.float32)
     if m:
+        block = min(ROWS_BLOCK, triton.next_power_of_2(k))
         _rows_kernel[(m,)](x, q, scale, k, x.stride(0), q.stride(0), TOP=TOP, INV_TOP=INV_TOP, TINY=TINY,
-                           BLOCK=ROWS_BLOCK, num_warps=4)
+                           BLOCK=block, num_warps=8 if block >= 2048 else 4)
     return q, scale
 
 

@@ -54,10 +54,10 @@ def test_the_reference_stays_near_the_wide_product():
 
 
 def rows_case(dtype: torch.dtype, device: str = "cpu") -> torch.Tensor:
-    """Rows longer than a block (1,500: two, the second masked), of every magnitude, one of
-    zeros, strided."""
+    """Rows longer than a block (5,000: two of 4,096, the second masked), of every magnitude,
+    one of zeros, strided."""
     torch.manual_seed(4)
-    x = (torch.randn(6, 1600, device=device) * torch.logspace(-4, 4, 6, device=device)[:, None]).to(dtype)[:, :1500]
+    x = (torch.randn(6, 5200, device=device) * torch.logspace(-4, 4, 6, device=device)[:, None]).to(dtype)[:, :5000]
     x[2] = 0
     return x
 
