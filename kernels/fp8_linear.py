@@ -102,4 +102,3 @@ def quantize(model: nn.Module) -> int:
     for parent, name, child in swaps:
         setattr(parent, name, Fp8Linear(child))
     return len(swaps)
-
