@@ -32,12 +32,23 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return (x / scale).clamp(-TOP, TOP).to(E4M3), scale
 
 
+# Every e4m3 byte's value: on the CPU a weight widens by looking its bytes up (torch.take),
+# 1.5 ms for SmolLM2's gate_up (3,072 x 576) where `.float()` took 3.4 (2-core AMD EPYC)
+WIDE = torch.arange(256, dtype=torch.uint8).view(E4M3).float()
+
+
+def widen(w8: torch.Tensor) -> torch.Tensor:
+    """An e4m3 tensor in float32."""
+    return w8.float() if w8.is_cuda else torch.take(WIDE, w8.view(torch.uint8).long())
+
+
 def fp8_linear_reference(x: torch.Tensor, w8: torch.Tensor, w_scale: torch.Tensor,
                          bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [..., K] times the e4m3 weight w8 [N, K] (scales [N, 1]) in float32, x quantized
-    per row as the fast path does; the result in x's dtype."""
+    per row as the fast path does, both scales taken by the product's rows and columns as
+    the fast path takes them; the result in x's dtype."""
     xq, xs = quantize_rows(x.reshape(-1, x.shape[-1]))
-    out = (xq.float() * xs) @ (w8.float() * w_scale).t()
+    out = (widen(xq) @ widen(w8).t()) * xs * w_scale.view(1, -1)
     if bias is not None:
         out = out + bias.float()
     return out.to(x.dtype).reshape(*x.shape[:-1], w8.shape[0])
