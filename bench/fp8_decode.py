@@ -126,7 +126,8 @@ def main() -> int:
 
         before = compiled(pt)
         run()
-        regs.append(", ".join(f"{k.n_regs}/{k.n_spills}" for key, k in compiled(pt).items() if key not in before) or "-")
+        new = [k for key, k in compiled(pt).items() if key not in before]
+        regs.append(", ".join(f"{k.n_regs}/{k.n_spills}" for k in new) or "-")
         wide = tuple(t.double() if torch.is_tensor(t) and t.is_floating_point() else t for t in args)
         errors.append(rel(out, pa.paged_attention_reference(*wide, **extra)))
         ok &= name.startswith("no ") or errors[i] < 2e-2
@@ -140,8 +141,9 @@ def main() -> int:
            "|---|---|---|---|---|---|---|---|"]
     for i, (name, pool, cfg, pt, case) in enumerate(rows):
         ms, b = statistics.median(times[i]), base[case]
+        note = " (not a result)" if name.startswith("no ") else ""
         out.append(f"| {name} | {case or 'plain'} | {pool} | {cfg or ''} | {regs[i]} | {ms * 1e3:.1f} | "
-                   f"{ms / b if b else 0:.2f}x | {errors[i]:.1e}{' (not a result)' if name.startswith('no ') else ''} |")
+                   f"{ms / b if b else 0:.2f}x | {errors[i]:.1e}{note} |")
     return summary("bench_fp8_decode.log", ok, out)
 
 

@@ -131,7 +131,8 @@ def main(args: argparse.Namespace) -> int:
     if device.type == "cuda":
         torch.cuda.empty_cache()
     ours = measure(engine(args, args.kv, args.quantization), args, ids, ref.get("free"))
-    label = " + ".join([f"{args.kv} pool"] * (args.kv != "auto") + [f"{args.quantization} weights"] * bool(args.quantization))
+    parts = [f"{args.kv} pool"] * (args.kv != "auto") + [f"{args.quantization} weights"] * bool(args.quantization)
+    label = " + ".join(parts)
     print(f"model {name} on {device}, {dtype}; {dtype} against {label}")
     m = 2**20
     print(f"| engine | KV bytes per token | weights MiB |\n|---|---|---|\n| {dtype} | {ref['bytes']:,} | "

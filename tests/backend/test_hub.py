@@ -139,7 +139,8 @@ def test_load_format_dummy_serves_random_weights_from_a_config_and_a_tokenizer(t
 
 @pytest.mark.parametrize("args,err", [
     (["--load-format", "gguf"], "--load-format gguf: the model {model} is not a .gguf file"),
-    (["--model", "x.gguf", "--load-format", "safetensors"], "--load-format safetensors: the model x.gguf is a .gguf file"),
+    (["--model", "x.gguf", "--load-format", "safetensors"],
+     "--load-format safetensors: the model x.gguf is a .gguf file"),
 ])
 def test_a_load_format_that_is_not_the_models_is_one_line(tiny_llama, capsys, args, err):
     model = [] if "--model" in args else ["--model", str(tiny_llama)]
