@@ -202,6 +202,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
                    help=f"answer proxies only with this key (`tokendance serve --engine-api-key`); repeat "
                         f"it for several (default: ${ENGINE_KEY_ENV}, else none)")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    p.add_argument("--uvicorn-log-level", default="info", choices=logs.HTTP_LEVELS,
+                   help="the HTTP server's own log (vLLM's; its errors and faults, from this level on)")
     config_file.add_arg(p)
     p.set_defaults(func=main)
     return p
@@ -209,6 +211,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
 
 def main(args: argparse.Namespace) -> int:
     logs.to_stderr(args.log_level)
+    logs.http(args.uvicorn_log_level)
     if not 0 <= args.port <= 65535:
         raise ValueError(f"--port must lie in 0..65535, got {args.port}")
     if not args.drain_timeout >= 0:

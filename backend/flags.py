@@ -37,6 +37,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="host memory for idle agents' KV between their rounds (0: off; default 8 GiB "
                         "beside a GPU, or an eighth of the host's memory if less, shared by -dp's engines; 1 GiB "
                         "on a CPU)")
+    p.add_argument("--swap-space", dest="offload_gib", type=float, metavar="GIB",
+                   help="vLLM's host memory for KV (its preempted requests'): here --offload-gib's, for idle "
+                        "agents' KV")
     p.add_argument("--anchor-gib", type=float, default=1.0,
                    help="kvcomm and kvcmas: memory for their anchors (a measured segment's base and "
                         "offset K/V), on the engine's device beside the KV pool")

@@ -28,3 +28,31 @@ def to_stderr(level: str = "info") -> None:
                                           exception_formatter=structlog.dev.plain_traceback),
         ],
     )
+
+
+HTTP_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")  # vLLM's --uvicorn-log-level
+
+
+class _Stderr(logging.StreamHandler):
+    """A handler writing to sys.stderr as it is at each record (see `to_stderr`)."""
+
+    @property
+    def stream(self):
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, _) -> None:
+        pass
+
+
+def http(level: str) -> None:
+    """The HTTP server's own log (aiohttp's: a handler's unexpected error, a connection's
+    fault) to stderr from `level` on; vLLM's --uvicorn-log-level sets its server's so
+    (trace, uvicorn's lowest, is debug here). Answered requests are logged by the proxy."""
+    log = logging.getLogger("aiohttp")
+    log.setLevel(logging.DEBUG if level == "trace" else getattr(logging, level.upper()))
+    if not any(isinstance(h, _Stderr) for h in log.handlers):
+        handler = _Stderr()
+        handler.setFormatter(logging.Formatter("%(asctime)s [%(levelname)s] %(name)s: %(message)s"))
+        log.addHandler(handler)
+        log.propagate = False  # not twice through the root's last-resort handler

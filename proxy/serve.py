@@ -102,6 +102,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
                    help="no stats line (throughput, running and waiting requests, KV pool usage) "
                         "every 10 s while the server is busy")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    p.add_argument("--uvicorn-log-level", default="info", choices=logs.HTTP_LEVELS,
+                   help="the HTTP server's own log (vLLM's; its errors and faults, from this level on)")
     config_file.add_arg(p)
     p.set_defaults(func=main)
     return p
@@ -228,6 +230,7 @@ async def serve(server: Server, where: Listen, stop: asyncio.Event | None = None
 
 def main(args: argparse.Namespace) -> int:
     logs.to_stderr(args.log_level)
+    logs.http(args.uvicorn_log_level)
     args.mode = reuse_mode(args.mode, args.enable_prefix_caching)
     if args.max_group < 1:
         raise ValueError("--max-group must be at least 1")

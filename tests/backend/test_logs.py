@@ -42,3 +42,32 @@ def test_the_level_filters(configured, capsys):
     structlog.get_logger("t").warning("loud")
     err = capsys.readouterr().err
     assert "loud" in err and "quiet" not in err
+
+
+@pytest.fixture
+def http_log():
+    import logging
+
+    log = logging.getLogger("aiohttp")
+    saved = log.level, list(log.handlers), log.propagate
+    yield log
+    log.setLevel(saved[0])
+    log.handlers[:] = saved[1]
+    log.propagate = saved[2]
+
+
+def test_the_http_servers_own_log_takes_vllms_uvicorn_level(http_log, capsys):
+    """--uvicorn-log-level: aiohttp's errors on stderr from the level given, once each."""
+    logs.http("info")
+    logs.http("error")
+    server = __import__("logging").getLogger("aiohttp.server")
+    server.error("Error handling request")
+    server.warning("a slow client")
+    err = capsys.readouterr().err
+    assert err.count("Error handling request") == 1 and "a slow client" not in err
+    logs.http("critical")
+    server.error("Error handling request")
+    assert capsys.readouterr().err == ""
+    logs.http("trace")
+    server.debug("a frame")
+    assert "[DEBUG] aiohttp.server: a frame" in capsys.readouterr().err

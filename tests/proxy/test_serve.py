@@ -40,6 +40,13 @@ def parse(*argv: str) -> argparse.Namespace:
     return p.parse_args(["serve", *argv])
 
 
+def test_vllms_names_of_host_memory_and_the_http_log():
+    a = parse("--swap-space", "2.5", "--uvicorn-log-level", "warning")
+    assert (a.offload_gib, a.uvicorn_log_level) == (2.5, "warning")
+    with pytest.raises(SystemExit):
+        parse("--uvicorn-log-level", "loud")
+
+
 def test_flags():
     a = parse()
     assert (a.host, a.port, a.model, a.mqtt, a.mode, a.barrier_timeout_ms, a.offload_gib) == \
