@@ -334,3 +334,22 @@ def test_each_ranks_host_tier_parks_as_one_process_does(tiny_llama):
     assert two.tp.agreed
     assert (two.idle.tier.arena.capacity, two.idle.tier.arena.page) == (one.idle.tier.arena.capacity,
                                                                         one.idle.tier.arena.page) == (3, 4096)
+
+
+def test_two_ranks_serve_fp8_weights(tiny_llama):
+    """--quantization fp8 over two ranks: each rounds its share of each projection, and the
+    row-parallel ones' rows (o_proj, down_proj: their inputs split) take their shard's
+    scales, so one process's tokens are not promised (here all of them were, when this was
+    written); the ranks agree with each other."""
+    two = engine(tiny_llama, quantization="fp8", tensor_parallel_size=2)
+    try:
+        e4m3 = [m for m in two.model.modules()
+                if isinstance(getattr(m, "weight", None), torch.Tensor) and m.weight.dtype == torch.float8_e4m3fn]
+        assert len(e4m3) == 4 * two.mcfg.num_layers
+        prompts, spans = round_prompts(3, seed=5)
+        got, _ = run(two, prompts, spans, "collective", "c-")
+    finally:
+        two.close()
+    assert two.tp.agreed
+    want, _ = run(engine(tiny_llama, quantization="fp8"), prompts, spans, "collective", "c-")
+    assert sum(a == b for x, y in zip(got, want) for a, b in zip(x, y)) >= 0.9 * sum(len(x) for x in want)
