@@ -19,13 +19,10 @@ from tokendance.backend.config import EngineConfig
 from tokendance.backend.engine import Engine
 from tokendance.bench.check_cuda import graphs_vs_eager, vocab
 from tokendance.bench.engine import rand_prompts
+from tokendance.bench.kernel_timing import rel
 from tokendance.bench.small import small_folder
 from tokendance.kernels import fp8_linear as fl
 from tokendance.kernels import fp8_triton as ft
-
-
-def rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a.double() - b.double()).norm() / b.double().norm())
 
 
 def rounding() -> bool:

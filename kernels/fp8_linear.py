@@ -18,10 +18,10 @@ from functools import cache
 import torch
 from torch import nn
 
-from tokendance.kernels.fp8_triton import INV_TOP, TINY, TOP, few_rows_triton, quantize_rows_triton
+from tokendance.kernels.fp8 import narrow
+from tokendance.kernels.fp8_triton import E4M3, INV_TOP, TINY, few_rows_triton, quantize_rows_triton
 from tokendance.kernels.jit import HAVE_TRITON
 
-E4M3 = torch.float8_e4m3fn
 FEW_ROWS = 16  # at most this many rows take few_rows_triton, more torch._scaled_mm
 
 
@@ -29,7 +29,7 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(x in e4m3, float32 scales [rows, 1]) with x ~ q * scale, row by row."""
     x = x.float()
     scale = x.abs().amax(-1, keepdim=True).clamp_min(TINY) * INV_TOP
-    return (x / scale).clamp(-TOP, TOP).to(E4M3), scale
+    return narrow(x / scale, E4M3), scale
 
 
 # Every e4m3 byte's value: on the CPU a weight widens by looking its bytes up (torch.take),

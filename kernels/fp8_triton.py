@@ -17,9 +17,11 @@ from __future__ import annotations
 
 import torch
 
+from tokendance.kernels.fp8 import FP8, limit
 from tokendance.kernels.jit import launch_options, tl, triton
 
-TOP = 448.0  # e4m3's largest finite magnitude
+E4M3 = FP8["fp8"]
+TOP = limit(E4M3)  # 448.0
 # A row's scale is its largest magnitude times 1/448 (in float32): a product rounds alike
 # everywhere, where torch on CUDA divides a tensor by a number as this product and on the
 # CPU as a quotient (their scales differed in the last bit, and so did some bytes).
@@ -53,7 +55,7 @@ def quantize_rows_triton(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """`fp8_linear.quantize_rows` of a 2-D x (rows contiguous) in one launch."""
     assert x.dim() == 2 and x.stride(-1) == 1
     m, k = x.shape
-    q = torch.empty(m, k, device=x.device, dtype=torch.float8_e4m3fn)
+    q = torch.empty(m, k, device=x.device, dtype=E4M3)
     scale = torch.empty(m, 1, device=x.device, dtype=torch.float32)
     if m:
         block = min(ROWS_BLOCK, triton.next_power_of_2(k))

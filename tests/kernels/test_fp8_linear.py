@@ -11,8 +11,7 @@ from torch import nn
 from tokendance.kernels import fp8_linear as fl
 from tokendance.kernels import fp8_triton as ft
 
-def rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a.double() - b.double()).norm() / b.double().norm()).item()
+from .test_paged_attention import rel
 
 
 def test_rows_scale_to_e4m3s_range_and_round_within_its_precision():
@@ -23,7 +22,7 @@ def test_rows_scale_to_e4m3s_range_and_round_within_its_precision():
     assert q.dtype == fl.E4M3 and scale.shape == (8, 1)
     back = q.float() * scale
     top = q.float().abs().amax(-1)
-    assert torch.equal(top[top > 0], torch.full_like(top[top > 0], fl.TOP))  # each row's largest is 448
+    assert torch.equal(top[top > 0], torch.full_like(top[top > 0], ft.TOP))  # each row's largest is 448
     assert torch.equal(back[3], torch.zeros(64))  # a row of zeros stays one, no NaN
     normal = back.abs() >= scale * 2.0**-6  # e4m3's normal range: 3 mantissa bits
     assert ((back - x).abs() <= x.abs() * 2.0**-4 + 1e-30)[normal].all()
