@@ -26,7 +26,9 @@ ANCHORED = ("kvcomm", "kvcmas")
 BASES = ("standalone", "producer", "reader")
 POLICIES = ("fcfs", "priority")  # vLLM's --scheduling-policy (backend/scheduler.py)
 KV_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")  # vLLM's --kv-cache-dtype (kernels/fp8.py)
-QUANTIZATIONS = ("fp8",)  # vLLM's --quantization of an unquantized checkpoint (kernels/fp8_linear.py)
+# vLLM's --quantization: fp8 rounds a wide checkpoint or names an fp8 one, compressed-tensors
+# names one of llm-compressor's (backend/quant.py)
+QUANTIZATIONS = ("fp8", "compressed-tensors")
 # The reuse policy's defaults (EngineConfig, `serve` and `simulate`, the benchmarks): at
 # most 15 % of each request's reused tokens recomputed, no deviation floor, standalone bases,
 # shared segments reused from the length the device gains by (None: the engine's default).

@@ -11,9 +11,10 @@ from typing import Any
 
 import torch
 
-from tokendance.backend import families
+from tokendance.backend import families, quant
 from tokendance.backend.api import BASES, KV_DTYPES, POLICIES, QUANTIZATIONS, REUSE_DEFAULTS, InvalidRequest
 from tokendance.backend.overrides import named, overridden
+from tokendance.backend.quant import Quant
 from tokendance.kernels.fp8 import FP8
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -43,7 +44,7 @@ class EngineConfig:
     max_logprobs: int = 20  # vLLM's: the alternatives a token's logprobs may list (-1: any)
     dtype: str = "auto"  # auto: bfloat16 on CUDA, float32 on CPU
     kv_cache_dtype: str = "auto"  # vLLM's: the pool's K/V in the model's dtype, or fp8 (kernels/fp8.py)
-    quantization: str | None = None  # vLLM's: fp8, the layers' projections in e4m3 (kernels/fp8_linear.py)
+    quantization: str | None = None  # vLLM's: fp8 or compressed-tensors (backend/quant.py)
     device: str = "auto"  # with tensor parallelism, the first of its devices
     tensor_parallel_size: int = 1  # processes (on CUDA, GPUs) that split each layer (backend/parallel.py)
     block_size: int = 16  # vLLM's --block-size: tokens a pool block holds
@@ -153,6 +154,7 @@ class ModelConfig:
     norm_topk: bool = False
     dense_layers: tuple[int, ...] = ()
     shared_expert_size: int = 0
+    quant: Quant | None = None  # 8-bit projections: the checkpoint's, or --quantization's (backend/quant.py)
 
     @classmethod
     def load(cls, folder: str | Path, overrides: dict[str, Any] | None = None) -> "ModelConfig":
@@ -210,6 +212,7 @@ class ModelConfig:
             rotary_dim=families.rotary_dim(raw, rope, head_dim, path),
             **(families.granite(raw, path) if arch in ("granite", "granitemoe") else {}),
             **(families.experts(raw, arch, path) if arch in families.MOE else {}),
+            quant=quant.parse(raw.get("quantization_config"), path),
             **extra,
         )
 

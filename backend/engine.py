@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import itertools
 import os
+from dataclasses import replace
 from pathlib import Path
 
 import structlog
 import torch
 
-from tokendance.backend import heap, loader, parallel, pooling, scoring
+from tokendance.backend import heap, loader, parallel, pooling, quant, scoring
 from tokendance.backend.api import REUSING, Delta, InvalidRequest, Pooling, SamplingParams, Usage, check_mode
 from tokendance.backend.banned import sequences
 from tokendance.backend.blocks import BlockManager
@@ -34,7 +35,8 @@ from tokendance.backend.sequence import Sequence, Status
 from tokendance.backend.stops import ended
 from tokendance.backend.thinking import Thought
 from tokendance.backend.waiting import Waiting
-from tokendance.kernels import fp8_linear, packed
+from tokendance.kernels import packed
+from tokendance.kernels.fp8_linear import Fp8Linear
 from tokendance.kernels.jit import tiles_head
 
 log = structlog.get_logger(__name__)
@@ -49,6 +51,7 @@ class Engine:
         self.folder: Path = loader.resolve(cfg.model, cfg.revision, cfg.download_dir)
         self.config_folder = loader.config_folder(self.folder, cfg.hf_config_path, cfg.revision, cfg.download_dir)
         model = ModelConfig.load(self.config_folder, cfg.hf_overrides).reach(cfg.max_model_len)
+        model = replace(model, quant=quant.choose(cfg.quantization, model.quant, f"{self.config_folder}/config.json"))
         self.tp = parallel.shard_for(cfg, self.device, model)
         if self.tp is not None:
             self.device = self.tp.device
@@ -79,10 +82,9 @@ class Engine:
             self.model = loader.build(model, self.dtype, self.device, self.tp)
         else:
             self.model = loader.load(self.folder, model, self.dtype, self.device, self.tp, self.config_folder)
-        if cfg.quantization == "fp8":
-            log.info("fp8 weights", layers=fp8_linear.quantize(self.model))
-            if self.device.type == "cuda":  # the wide weights' memory back, before the pool is sized
-                torch.cuda.empty_cache()
+        if model.quant is not None:
+            log.info("fp8 weights", quantization=model.quant.method, stored=model.quant.stored,
+                     layers=sum(isinstance(m, Fp8Linear) for m in self.model.modules()))
         packed.pack(self.model)
         self.mcfg = self.model.cfg
         self.pieces = Pieces(self.tokenizer)  # tokens' texts alone, for logprobs

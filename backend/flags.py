@@ -102,7 +102,8 @@ def add_source_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quantization", "-q", choices=QUANTIZATIONS, default=None,
                    help="fp8: each layer's projections held in e4m3, a scale per row, inputs rounded per "
                         "token (half a bf16 weight's bytes; FP8 tensor cores from compute capability 9.0, "
-                        "elsewhere the weights widened on each call: memory, not time)")
+                        "elsewhere the weights widened on each call: memory, not time); a checkpoint "
+                        "stored in 8 bits (fp8, compressed-tensors) is read as it is, without the flag")
 
 
 def source_options(args: argparse.Namespace) -> dict[str, Any]:

@@ -11,6 +11,7 @@ import hashlib
 import importlib.util
 import os
 import re
+from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
@@ -23,8 +24,11 @@ from tokendance.backend.api import InvalidRequest
 from tokendance.backend.config import ModelConfig
 from tokendance.backend.model import Decoder
 from tokendance.backend.moe import MoE
-from tokendance.backend.parallel import Shard, shard_config, shard_weight
+from tokendance.backend.parallel import Shard, shard_config
+from tokendance.backend.place import Misfit, Placer, multiply, scales
+from tokendance.backend.quant import KV_SCALES, SCALES
 from tokendance.backend.rope_scaling import rotary
+from tokendance.kernels.fp8_linear import E4M3
 
 log = structlog.get_logger(__name__)
 
@@ -207,30 +211,41 @@ def load(folder: Path, cfg: ModelConfig, dtype: torch.dtype, device: torch.devic
     whose, param = (f"{described}/config.json", "hf_config_path") if given else ("the config", "model")
     model = build(cfg, dtype, device, tp)
     fold = rotary(cfg)[2]
-    params = dict(model.named_parameters())
+    into = Placer(model, dtype, tp, cfg.quant, whose)
     seen: set[str] = set()
-    for file in files:
-        with safe_open(str(file), framework="pt") as f:
-            for stored in f.keys():
-                if cfg.tie_embeddings and stored == "lm_head.weight":
-                    continue
-                if "rotary_emb" in stored:
-                    continue
-                for name, w in _parts(stored, f.get_tensor(stored), cfg, fold):
+    with ExitStack() as stack:
+        opened = [(file, stack.enter_context(safe_open(str(file), framework="pt"))) for file in files]
+        where = {k: (file, f) for file, f in opened for k in f.keys()}
+
+        def get(key: str) -> torch.Tensor | None:
+            return where[key][1].get_tensor(key) if key in where else None
+
+        for stored, (file, f) in where.items():
+            if cfg.tie_embeddings and stored == "lm_head.weight":
+                continue
+            if "rotary_emb" in stored or (stored.endswith(SCALES) and _owner(stored) in where):
+                continue  # a scale is read with its weight
+            if stored.endswith(KV_SCALES) and cfg.quant is not None and cfg.quant.stored:
+                continue  # an 8-bit pool scales its own KV
+            try:
+                w = f.get_tensor(stored)
+                s, x_scale = scales(stored, w, get) if w.dtype == E4M3 else (None, None)
+                # e4m3 rows move as bytes; the partial-rotary fold then lands on their scales
+                parts = _parts(stored, w if s is None else w.view(torch.uint8), cfg, fold if s is None else 1.0)
+                sparts = [None] * len(parts) if s is None else [p for _, p in _parts(stored, s, cfg, fold)]
+                for (name, part), spart in zip(parts, sparts):
                     target, expert, off = _target(name, model.cfg)
-                    if target not in params or (expert is not None and expert >= cfg.experts):
+                    if not into.has(target) or (expert is not None and expert >= cfg.experts):
                         raise InvalidRequest(f"unexpected weight {stored} in {file.name}: not in the model "
                                              f"{whose} describes", param)
-                    src = shard_weight(name, w, tp)
-                    # rows from `off` in a fused parameter; a tensor-parallel rank's vocabulary
-                    # share may hold fewer rows than its parameter (the padded last one)
-                    dst = params[target] if expert is None else params[target][expert]
-                    dst = dst[off or 0: (off or 0) + src.shape[0]]
-                    if dst.shape != src.shape:
-                        raise InvalidRequest(f"{stored} in {file.name} has shape {tuple(w.shape)}, not what "
-                                             f"{whose} gives", param)
-                    dst.copy_(src.to(dtype))
+                    into.put(name, target, expert, off, part, spart, x_scale)
                     seen.add(f"{target}@{expert}@{off}")
+            except Misfit as e:
+                raise InvalidRequest(f"{stored} in {file.name}: {e}", param) from e
+    try:
+        into.check()
+    except Misfit as e:
+        raise InvalidRequest(f"{folder}: {e}", param) from e
     # per layer: q, k, v, o, two norms, and gate, up, down (or each expert's, the router,
     # and a shared expert's gate, up, down and its gate); then embed, norm, lm_head
     sparse = sum(cfg.sparse(i) for i in range(cfg.num_layers))
@@ -247,7 +262,15 @@ def load(folder: Path, cfg: ModelConfig, dtype: torch.dtype, device: torch.devic
                              f"{whose} describes)", param)
     if cfg.residual_multiplier != 1.0:  # Granite's, folded into the projections that end each block
         for layer in model.layers:
-            layer.self_attn.o_proj.weight.mul_(cfg.residual_multiplier)
+            multiply(layer.self_attn.o_proj, cfg.residual_multiplier)
             mlp = layer.mlp
-            (mlp.experts.down_proj if isinstance(mlp, MoE) else mlp.down_proj.weight).mul_(cfg.residual_multiplier)
+            if isinstance(mlp, MoE):
+                mlp.experts.down_proj.mul_(cfg.residual_multiplier)
+            else:
+                multiply(mlp.down_proj, cfg.residual_multiplier)
     return model
+
+
+def _owner(scale: str) -> str:
+    """The weight a checkpoint's scale (`SCALES`) belongs to."""
+    return scale.rsplit(".", 1)[0] + ".weight"

@@ -16,6 +16,7 @@ from torch import nn
 from tokendance.backend.config import ModelConfig
 from tokendance.backend.moe import MLP, MoE
 from tokendance.backend.parallel import Shard
+from tokendance.backend.quant import linear
 from tokendance.backend.rope_scaling import rotary
 from tokendance.kernels.fp8 import as_bytes
 from tokendance.kernels.master import MasterRead
@@ -113,8 +114,8 @@ class Attention(nn.Module):
         self.layer = layer
         self.tp = tp
         self.nq, self.nkv, self.d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        self.qkv_proj = nn.Linear(cfg.hidden_size, (self.nq + 2 * self.nkv) * self.d, bias=cfg.qkv_bias)
-        self.o_proj = nn.Linear(self.nq * self.d, cfg.hidden_size, bias=False)
+        self.qkv_proj = linear(cfg.quant, cfg.hidden_size, (self.nq + 2 * self.nkv) * self.d, cfg.qkv_bias)
+        self.o_proj = linear(cfg.quant, self.nq * self.d, cfg.hidden_size, False)
         if cfg.qk_norm is not None:
             whole = cfg.qk_norm == "all"
             self.q_norm = RMSNorm(self.d * (self.nq if whole else 1), cfg.rms_norm_eps, cfg.norm_offset)

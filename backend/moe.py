@@ -18,6 +18,7 @@ from torch import nn
 
 from tokendance.backend.config import ModelConfig
 from tokendance.backend.parallel import Shard
+from tokendance.backend.quant import linear
 from tokendance.kernels.act import gelu_tanh_mul, silu_mul
 from tokendance.kernels.moe import moe
 
@@ -29,8 +30,8 @@ class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig, tp: Shard | None = None, width: int | None = None):
         super().__init__()
         width = width or cfg.intermediate_size
-        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * width, bias=False)
-        self.down_proj = nn.Linear(width, cfg.hidden_size, bias=False)
+        self.gate_up_proj = linear(cfg.quant, cfg.hidden_size, 2 * width, False)
+        self.down_proj = linear(cfg.quant, width, cfg.hidden_size, False)
         self.act = gelu_tanh_mul if cfg.act == "gelu_tanh" else silu_mul
         self.tp = tp
 

@@ -45,7 +45,7 @@ def layers() -> float:
     torch.manual_seed(0)
     worst = 0.0
     for k, n in ((3584, 4608), (3584, 3584), (3584, 37888), (18944, 3584)):  # qkv, o, gate_up, down
-        f = fl.Fp8Linear(nn.Linear(k, n, bias=n == 4608, device="cuda", dtype=torch.bfloat16))
+        f = fl.Fp8Linear.of(nn.Linear(k, n, bias=n == 4608, device="cuda", dtype=torch.bfloat16))
         for rows in (1, 7, 16, 17, 300, 4096):
             x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
             want = fl.fp8_linear_reference(x.float(), f.weight, f.scale, None if f.bias is None else f.bias.float())

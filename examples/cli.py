@@ -23,6 +23,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "generate": ("tokendance.backend.cli", "run the engine on prompts, no server"),
     "serve": ("tokendance.proxy.serve", "start the OpenAI-compatible proxy"),
     "engine": ("tokendance.backend.endpoint", "start the engine alone, for `serve --engine URL`"),
+    "quantize": ("tokendance.backend.checkpoint", "write a model again with 8-bit float projections"),
     "simulate": ("tokendance.examples.simulate", "run debate / town / society, print rounds"),
     "bench": ("tokendance.bench.cli", "measure reuse modes side by side"),
 }

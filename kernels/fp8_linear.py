@@ -25,10 +25,14 @@ from tokendance.kernels.jit import HAVE_TRITON
 FEW_ROWS = 16  # at most this many rows take few_rows_triton, more torch._scaled_mm
 
 
-def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(x in e4m3, float32 scales [rows, 1]) with x ~ q * scale, row by row."""
+def quantize_rows(x: torch.Tensor, fixed: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x in e4m3, float32 scales [rows, 1]) with x ~ q * scale, row by row; every row under
+    `fixed` (a scalar: a checkpoint's static input scale) where given, saturating."""
     x = x.float()
-    scale = x.abs().amax(-1, keepdim=True).clamp_min(TINY) * INV_TOP
+    if fixed is None:
+        scale = x.abs().amax(-1, keepdim=True).clamp_min(TINY) * INV_TOP
+    else:
+        scale = fixed.float().reshape(1, 1).expand(x.shape[0], 1).contiguous()
     return narrow(x / scale, E4M3), scale
 
 
@@ -43,11 +47,12 @@ def widen(w8: torch.Tensor) -> torch.Tensor:
 
 
 def fp8_linear_reference(x: torch.Tensor, w8: torch.Tensor, w_scale: torch.Tensor,
-                         bias: torch.Tensor | None = None) -> torch.Tensor:
+                         bias: torch.Tensor | None = None, x_scale: torch.Tensor | None = None) -> torch.Tensor:
     """x [..., K] times the e4m3 weight w8 [N, K] (scales [N, 1]) in float32, x quantized
-    per row as the fast path does, both scales taken by the product's rows and columns as
-    the fast path takes them; the result in x's dtype."""
-    xq, xs = quantize_rows(x.reshape(-1, x.shape[-1]))
+    per row as the fast path does (under `x_scale`, a static input scale, where given),
+    both scales taken by the product's rows and columns as the fast path takes them; the
+    result in x's dtype."""
+    xq, xs = quantize_rows(x.reshape(-1, x.shape[-1]), x_scale)
     out = (widen(xq) @ widen(w8).t()) * xs * w_scale.view(1, -1)
     if bias is not None:
         out = out + bias.float()
@@ -66,11 +71,11 @@ def _capability(index: int | None) -> tuple[int, int]:
 
 
 def fp8_linear(x: torch.Tensor, w8: torch.Tensor, w_scale: torch.Tensor,
-               bias: torch.Tensor | None = None) -> torch.Tensor:
+               bias: torch.Tensor | None = None, x_scale: torch.Tensor | None = None) -> torch.Tensor:
     """`fp8_linear_reference`, on FP8 tensor cores where `fast`."""
     if not fast(x):
-        return fp8_linear_reference(x, w8, w_scale, bias)
-    xq, xs = quantize_rows_triton(x.reshape(-1, x.shape[-1]).contiguous())
+        return fp8_linear_reference(x, w8, w_scale, bias, x_scale)
+    xq, xs = quantize_rows_triton(x.reshape(-1, x.shape[-1]).contiguous(), x_scale)
     if xq.shape[0] <= FEW_ROWS:
         out = few_rows_triton(xq, xs, w8, w_scale, bias)
     else:
@@ -81,35 +86,74 @@ def fp8_linear(x: torch.Tensor, w8: torch.Tensor, w_scale: torch.Tensor,
 
 
 class Fp8Linear(nn.Module):
-    """An `nn.Linear` whose weight is held in e4m3 with a float32 scale per output row."""
+    """An `nn.Linear` whose weight is held in e4m3 with a float32 scale per output row (and,
+    `static`, its input rounded under one scale a checkpoint gives, not per row). Starts as
+    nn.Linear starts, uniform within 1/sqrt(in_features), rounded: a random-weight model's."""
 
-    def __init__(self, linear: nn.Linear):
+    def __init__(self, in_features: int, out_features: int, bias: bool = False, static: bool = False):
         super().__init__()
-        self.in_features, self.out_features = linear.in_features, linear.out_features
-        w8, scale = quantize_rows(linear.weight.detach())
-        self.register_buffer("weight", w8)
-        self.register_buffer("scale", scale)
-        self.bias = linear.bias
+        self.in_features, self.out_features = in_features, out_features
+        self.register_buffer("weight", torch.empty(out_features, in_features, dtype=E4M3))
+        self.register_buffer("scale", torch.empty(out_features, 1, dtype=torch.float32))
+        self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
+        self.register_buffer("input_scale", torch.ones((), dtype=torch.float32) if static else None)
+        self.reset_parameters()
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        bound = self.in_features ** -0.5
+        step = max(1, AT_ONCE // self.in_features)  # float32 rows at a time, not the whole weight
+        for row in range(0, self.out_features, step):
+            w = torch.empty(min(step, self.out_features - row), self.in_features, device=self.weight.device)
+            self.put(row, *quantize_rows(w.uniform_(-bound, bound)))
+        if self.bias is not None:
+            self.bias.uniform_(-bound, bound)
+
+    def put(self, row: int, w8: torch.Tensor, scale: torch.Tensor) -> None:
+        """Rows from `row` on: e4m3 values (or their bytes) and their scales [rows, 1]."""
+        self.weight.view(torch.uint8)[row:row + w8.shape[0]].copy_(w8.view(torch.uint8))
+        self.scale[row:row + w8.shape[0]].copy_(scale)
+
+    @classmethod
+    @torch.no_grad()
+    def of(cls, linear: nn.Linear) -> "Fp8Linear":
+        """`linear`'s weight rounded, row by row, on its device."""
+        w = linear.weight.detach()
+        with torch.device(w.device):
+            f = cls(linear.in_features, linear.out_features, linear.bias is not None)
+        f.put(0, *quantize_rows(w))
+        f.bias = linear.bias
+        return f
+
+    def wide(self, dtype: torch.dtype) -> torch.Tensor:
+        """The weight the rows and their scales stand for, in `dtype`."""
+        return (widen(self.weight) * self.scale).to(dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return fp8_linear(x, self.weight, self.scale, self.bias)
+        return fp8_linear(x, self.weight, self.scale, self.bias, self.input_scale)
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, e4m3"
+        static = ", static input scale" if self.input_scale is not None else ""
+        return f"in_features={self.in_features}, out_features={self.out_features}, e4m3{static}"
 
 
+AT_ONCE = 1 << 24  # values a random start draws in float32 at once (64 MiB)
 QUANTIZED = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")  # a layer's projections
+
+
+def fits(in_features: int, out_features: int) -> bool:
+    """Whether a projection can be held in e4m3: both widths divide by 16 (`torch._scaled_mm`'s tiles)."""
+    return in_features % 16 == 0 and out_features % 16 == 0
 
 
 @torch.no_grad()
 def quantize(model: nn.Module) -> int:
     """Replace each layer's projections (attention's and the dense MLP's, a shared expert's
     too; not the embeddings, the lm_head, a router or the experts' grouped weights) by
-    Fp8Linear, where both their widths divide by 16 (`torch._scaled_mm`'s tiles); returns
-    how many were replaced."""
+    Fp8Linear where it `fits`; returns how many were replaced. (The engine builds them so
+    from the start: backend/quant.py.)"""
     swaps = [(parent, name, child) for parent in model.modules() for name, child in parent.named_children()
-             if name in QUANTIZED and isinstance(child, nn.Linear)
-             and child.in_features % 16 == 0 and child.out_features % 16 == 0]
+             if name in QUANTIZED and isinstance(child, nn.Linear) and fits(child.in_features, child.out_features)]
     for parent, name, child in swaps:
-        setattr(parent, name, Fp8Linear(child))
+        setattr(parent, name, Fp8Linear.of(child))
     return len(swaps)

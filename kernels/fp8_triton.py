@@ -9,7 +9,8 @@ module that calls them):
   weight, streaming the weight once: `torch._scaled_mm`'s tiles are made for many rows and
   read a weight at 0.5-1.8 TB/s for one row, where bf16's `F.linear` reads 2.6-3.6.
 
-Both compute the reference's function, the rows' rounding bit for bit (a quotient rounded
+The rows kernel also rounds under a checkpoint's static input scale (an FP8 checkpoint
+calibrated so; backend/quant.py). Both compute the reference's function, the rows' rounding bit for bit (a quotient rounded
 as IEEE rounds it: div_rn), the product accumulated in float32.
 """
 
@@ -35,15 +36,18 @@ FEW_CFG = dict(block_n=32, block_k=256, num_warps=4, num_stages=4)
 
 
 @triton.jit
-def _rows_kernel(x, q, scale, K, s_x, s_q, TOP: tl.constexpr, INV_TOP: tl.constexpr, TINY: tl.constexpr,
-                 BLOCK: tl.constexpr):
+def _rows_kernel(x, q, scale, fixed, K, s_x, s_q, TOP: tl.constexpr, INV_TOP: tl.constexpr, TINY: tl.constexpr,
+                 BLOCK: tl.constexpr, STATIC: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
-    top = tl.zeros([BLOCK], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK):
-        v = tl.load(x + row * s_x + k0 + offs, mask=k0 + offs < K, other=0.0).to(tl.float32)
-        top = tl.maximum(top, tl.abs(v))
-    s = tl.maximum(tl.max(top, 0), TINY) * INV_TOP
+    if STATIC:  # a checkpoint's input scale, the same for every row
+        s = tl.load(fixed)
+    else:
+        top = tl.zeros([BLOCK], dtype=tl.float32)
+        for k0 in range(0, K, BLOCK):
+            v = tl.load(x + row * s_x + k0 + offs, mask=k0 + offs < K, other=0.0).to(tl.float32)
+            top = tl.maximum(top, tl.abs(v))
+        s = tl.maximum(tl.max(top, 0), TINY) * INV_TOP
     for k0 in range(0, K, BLOCK):
         m = k0 + offs < K
         v = tl.load(x + row * s_x + k0 + offs, mask=m, other=0.0).to(tl.float32)
@@ -51,16 +55,18 @@ def _rows_kernel(x, q, scale, K, s_x, s_q, TOP: tl.constexpr, INV_TOP: tl.conste
     tl.store(scale + row, s)
 
 
-def quantize_rows_triton(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """`fp8_linear.quantize_rows` of a 2-D x (rows contiguous) in one launch."""
+def quantize_rows_triton(x: torch.Tensor, fixed: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """`fp8_linear.quantize_rows` of a 2-D x (rows contiguous) in one launch; under `fixed`
+    (a float32 scalar) for every row where given."""
     assert x.dim() == 2 and x.stride(-1) == 1
     m, k = x.shape
     q = torch.empty(m, k, device=x.device, dtype=E4M3)
     scale = torch.empty(m, 1, device=x.device, dtype=torch.float32)
     if m:
         block = min(ROWS_BLOCK, triton.next_power_of_2(k))
-        _rows_kernel[(m,)](x, q, scale, k, x.stride(0), q.stride(0), TOP=TOP, INV_TOP=INV_TOP, TINY=TINY,
-                           BLOCK=block, num_warps=8 if block >= 2048 else 4)
+        _rows_kernel[(m,)](x, q, scale, scale if fixed is None else fixed, k, x.stride(0), q.stride(0), TOP=TOP,
+                           INV_TOP=INV_TOP, TINY=TINY, BLOCK=block, STATIC=fixed is not None,
+                           num_warps=8 if block >= 2048 else 4)
     return q, scale
 
 

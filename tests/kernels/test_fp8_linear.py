@@ -79,6 +79,34 @@ def test_the_rows_kernel_rounds_as_the_reference(dtype: torch.dtype):
     assert (tie | carry)[slip].all() and slip.float().mean() < 0.05
 
 
+def test_rows_under_a_static_scale_saturate_and_the_kernel_agrees():
+    """A checkpoint's input scale for every row: what passes 448 of it saturates, and the
+    kernel gives the reference's scales and bytes (these values round alike in both)."""
+    x = torch.tensor([[1.0, -2.0, 3.0, 1000.0], [0.5, 0.25, -2000.0, 0.0]])
+    fixed = torch.tensor(0.5)
+    q, s = fl.quantize_rows(x, fixed)
+    assert torch.equal(s, torch.full((2, 1), 0.5))
+    assert q.float().tolist() == [[2.0, -4.0, 6.0, 448.0], [1.0, 0.5, -448.0, 0.0]]
+    got_q, got_s = ft.quantize_rows_triton(x, fixed)
+    assert torch.equal(got_s, s) and torch.equal(got_q.view(torch.uint8), q.view(torch.uint8))
+    w8, ws = fl.quantize_rows(torch.randn(16, 4))
+    want = (q.float() * 0.5) @ (w8.float() * ws).t()
+    assert torch.allclose(fl.fp8_linear_reference(x, w8, ws, None, fixed), want, rtol=1e-6)
+
+
+def test_a_module_starts_as_nn_linear_does_and_rounds_one_given():
+    torch.manual_seed(6)
+    f = fl.Fp8Linear(96, 40, bias=True, static=True)
+    w = f.wide(torch.float32)
+    assert w.shape == (40, 96) and w.abs().max() <= 96**-0.5 and w.std() > 0.5 * 96**-0.5 / 3**0.5
+    assert f.bias.abs().max() <= 96**-0.5 and f.input_scale.item() == 1.0 and "static input scale" in repr(f)
+    lin = nn.Linear(96, 40)
+    g = fl.Fp8Linear.of(lin)
+    assert g.bias is lin.bias and g.input_scale is None
+    w8, ws = fl.quantize_rows(lin.weight.detach())
+    assert torch.equal(g.weight.view(torch.uint8), w8.view(torch.uint8)) and torch.equal(g.scale, ws)
+
+
 @pytest.mark.parametrize("rows", [1, 5, 17])
 @pytest.mark.parametrize("cfg", [{}, dict(block_n=32, block_k=32)])
 def test_the_few_rows_kernel_computes_the_references_product(rows: int, cfg: dict):

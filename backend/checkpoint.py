@@ -1,0 +1,128 @@
+"""`tokendance quantize`: a wide checkpoint written again with 8-bit float projections, in
+compressed-tensors' FP8-dynamic form (llm-compressor's; vLLM and this engine read it as it
+is): each projection's weight in e4m3 under a float32 scale per output row, as
+`--quantization fp8` rounds it on loading, inputs rounded per token at run time. Half a bf16
+checkpoint's projection bytes on disk and on loading; nothing to calibrate.
+
+Projections are the layers' q, k, v, o, gate, up and down (Phi-3's fused qkv and gate_up)
+whose widths divide by 16; every other linear weight (lm_head, routers, Mixtral's experts)
+stays wide and is listed in the config's `ignore`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from tokendance.backend import loader
+from tokendance.backend.api import InvalidRequest
+from tokendance.kernels.fp8_linear import fits, quantize_rows
+
+PROJECTION = re.compile(r"\.layers\.\d+\.(self_attn|mlp|mlp\.shared_expert)\.(q|k|v|o|qkv|gate|up|down|gate_up)_proj"
+                        r"\.weight$")
+SHARD_BYTES = 4 << 30  # a safetensors file's weights at most, as transformers shards
+CONFIG = {"quant_method": "compressed-tensors", "format": "float-quantized", "quantization_status": "compressed",
+          "kv_cache_scheme": None, "config_groups": {"group_0": {
+              "targets": ["Linear"], "format": "float-quantized", "output_activations": None,
+              "weights": {"num_bits": 8, "type": "float", "symmetric": True, "strategy": "channel",
+                          "dynamic": False},
+              "input_activations": {"num_bits": 8, "type": "float", "symmetric": True, "strategy": "token",
+                                    "dynamic": True}}}}
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser("quantize", help="write a model again with 8-bit float projections")
+    p.add_argument("model", help="an HF folder, a .gguf or a hub id in the Hugging Face cache ('default': "
+                                 "the embedded SmolLM2-135M-Instruct)")
+    p.add_argument("out", help="the new model's folder (must not exist, or be empty)")
+    p.add_argument("--revision", default=None, help="the hub model's branch, tag or commit")
+    p.add_argument("--download-dir", default=None, metavar="DIR", help="the Hugging Face cache to look in")
+
+
+def main(args: argparse.Namespace) -> int:
+    wrote = write(loader.resolve(args.model, args.revision, args.download_dir), Path(args.out))
+    print(f"wrote {args.out}: {wrote['projections']} projections in e4m3, weights "
+          f"{wrote['bytes'] / 2**20:,.1f} MiB (from {wrote['wide_bytes'] / 2**20:,.1f})")
+    return 0
+
+
+def write(src: Path, out: Path) -> dict[str, int]:
+    """`src`'s model at `out` with its projections in e4m3 (atomic: a failure leaves no
+    folder); how many projections, and the weights' bytes after and before."""
+    raw = json.loads((src / "config.json").read_text())
+    if raw.get("quantization_config"):
+        raise InvalidRequest(f"{src} is quantized already ({raw['quantization_config'].get('quant_method')})",
+                             "model")
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise InvalidRequest(f"{out} exists and is not an empty folder", "out")
+    files = sorted(src.glob("*.safetensors"))
+    if not files:
+        raise InvalidRequest(f"no .safetensors weights in {src}", "model")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}-", dir=out.parent))
+    tmp.chmod(0o755)  # mkdtemp makes it private
+    try:
+        count, ignore, sizes = _weights(files, tmp)
+        raw["quantization_config"] = {**CONFIG, "ignore": sorted(ignore | {"lm_head"})}
+        (tmp / "config.json").write_text(json.dumps(raw, indent=2) + "\n")
+        for f in src.iterdir():
+            if f.is_file() and f.suffix != ".safetensors" and f.name not in ("config.json", "model.safetensors.index.json"):
+                shutil.copy2(f, tmp / f.name)
+        if out.exists():
+            out.rmdir()
+        os.replace(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return {"projections": count, "bytes": sizes[0], "wide_bytes": sizes[1]}
+
+
+def _weights(files: list[Path], to: Path) -> tuple[int, set[str], tuple[int, int]]:
+    """Every tensor of `files` into shards under `to` (each written when full), projections
+    rounded; (how many were, the linear modules kept wide, (bytes written, bytes read))."""
+    shard: dict[str, torch.Tensor] = {}
+    names: list[str] = []
+    where: dict[str, int] = {}
+    count, ignore, written, read = 0, set(), 0, 0
+
+    def flush() -> None:
+        names.append(f"part-{len(names)}.safetensors")
+        save_file({k: t.contiguous() for k, t in shard.items()}, str(to / names[-1]), metadata={"format": "pt"})
+        where.update((k, len(names) - 1) for k in shard)
+        shard.clear()
+
+    for file in files:
+        with safe_open(str(file), framework="pt") as f:
+            for key in f.keys():
+                w = f.get_tensor(key)
+                read += w.nbytes
+                new = {key: w}
+                if PROJECTION.search(key) and w.dim() == 2 and fits(w.shape[1], w.shape[0]):
+                    q, s = quantize_rows(w)
+                    new = {key: q, key.removesuffix(".weight") + ".weight_scale": s}
+                    count += 1
+                elif w.dim() == 2 and key.endswith(".weight") and "embed" not in key:
+                    ignore.add(key.removesuffix(".weight"))  # a linear module of another kind, wide
+                size = sum(t.nbytes for t in new.values())
+                if shard and sum(t.nbytes for t in shard.values()) + size > SHARD_BYTES:
+                    flush()
+                shard.update(new)
+                written += size
+    flush()
+    final = ["model.safetensors"] if len(names) == 1 else [
+        f"model-{i + 1:05d}-of-{len(names):05d}.safetensors" for i in range(len(names))]
+    for old, new in zip(names, final):
+        os.replace(to / old, to / new)
+    if len(final) > 1:
+        index = {"metadata": {"total_size": written}, "weight_map": {k: final[i] for k, i in where.items()}}
+        (to / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+    return count, ignore, (written, read)
