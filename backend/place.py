@@ -66,14 +66,15 @@ class Placer:
         # a tensor-parallel rank's vocabulary share may hold fewer rows than its parameter
         rows = slice(off or 0, (off or 0) + src.shape[0])
         module = self.model.get_submodule(target.rsplit(".", 1)[0])
-        if isinstance(module, Fp8Linear) and s is None and self.quant is not None and self.quant.stored:
-            module = self._widen(target)  # a projection the checkpoint keeps wide (its ignore list)
+        eight = isinstance(module, Fp8Linear) and target.endswith(".weight")  # not its bias
+        if eight and s is None and self.quant is not None and self.quant.stored:
+            module, eight = self._widen(target), False  # a projection the checkpoint keeps wide (its ignore list)
         dst = self.held[target] if expert is None else self.held[target][expert]
         if dst[rows].shape != src.shape:
             raise Misfit(f"has shape {tuple(w.shape)}, not what {self.whose} gives")
         if s is not None:
             s = shard_weight(name.removesuffix(".weight") + ".weight_scale", s, self.tp)
-        if not isinstance(module, Fp8Linear):
+        if not eight:
             if s is not None:
                 src = widen(src.view(E4M3)) * s
             dst[rows].copy_(src.to(self.dtype))

@@ -87,12 +87,18 @@ def test_the_writer_refuses_in_one_line(written, tmp_path, capsys):
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # nothing half written left
 
 
-def test_fused_and_partly_turned_projections_move_with_their_scales(make_model, tmp_path):
+@pytest.mark.parametrize("arch, over", [("phi3", {"partial_rotary_factor": 0.5}), ("qwen2", {})])
+def test_fused_turned_and_biased_projections(make_model, tmp_path, arch, over):
     """Phi-3 stores q, k, v (and gate, up) fused, and turns half of each head: the loader
     splits and reorders rows, bytes and scales alike; the same bytes as rounding the wide
-    rows after the reorder (rounding a row does not care where it sits)."""
-    phi = make_model("phi3", partial_rotary_factor=0.5)
-    a, b = eng(cli_quantize(phi, tmp_path / "phi-fp8")), eng(phi, quantization="fp8")
+    rows after the reorder (rounding a row does not care where it sits). Qwen2's q, k and
+    v have biases, wide beside their 8-bit weights."""
+    src = make_model(arch, **over)
+    a, b = eng(cli_quantize(src, tmp_path / "fp8")), eng(src, quantization="fp8")
+    biases = [m.bias for m in a.model.modules() if type(m).__name__ == "Fp8Linear" and m.bias is not None]
+    assert len(biases) == (2 if arch == "qwen2" else 0)
+    assert all(torch.equal(x.bias, y.bias) for x, y in zip(a.model.modules(), b.model.modules())
+               if type(x).__name__ == "Fp8Linear" and x.bias is not None)
     got, want = projections(a), projections(b)
     assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in got)
     ids = [list(range(500, 530))]
