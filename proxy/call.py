@@ -58,6 +58,7 @@ class Call:
     # vLLM's include_reasoning false, with a reasoning parser: no reasoning in the answer,
     # nor the logprobs and output token ids that would spell it out
     hide_reasoning: bool = False
+    role: str = "assistant"  # a chat answer's: --response-role, or the last message's (proxy/chat.py)
     show_prompt: bool = False  # vLLM's return_prompt_text: a chat's answer gives its prompt's text
     truncate: int | None = None  # vLLM's truncate_prompt_tokens, resolved (Request.truncate)
     truncation_side: str = "left"  # the end `truncate` cuts (Request.truncation_side)

@@ -41,6 +41,9 @@ def prepare(px: Proxy, call: Call, body: ChatRequest, batch: list[list[Message]]
     checked = [_checked(px, call, body if batch is None else replace(body, messages=m), k, batch is not None,
                         template) for k, m in enumerate(convs)]
     call.meta.resumes = checked[0][0][-1]["role"] == "tool"
+    # vLLM's: the server's response role where the prompt asks for an answer, else the role
+    # the prompt ends in (the one continue_final_message goes on with)
+    call.role = px.config.response_role if body.add_generation_prompt else checked[0][0][-1]["role"]
     call.hide_reasoning = not body.include_reasoning and px.config.reasoning is not None
     call.show_prompt = body.return_prompt_text and batch is None  # a batch's prompts are its choices'
     if body.echo and any(m[-1]["role"] == "assistant" for m, _ in checked):  # what continue_final_message goes on from

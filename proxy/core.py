@@ -57,6 +57,7 @@ class Config:
     stream_interval: int = 1  # vLLM's --stream-interval: tokens per streamed chunk (a request may raise it)
     cors: Cors = Cors()  # vLLM's --allowed-origins, --allowed-methods, ... (proxy/cors.py)
     trust_chat_template: bool = False  # vLLM's --trust-request-chat-template: a request may bring its own
+    response_role: str = "assistant"  # vLLM's --response-role: a chat answer's, where the prompt asks for one
     as_ids: bool = False  # vLLM's --return-tokens-as-token-ids: a request's default
     force_usage: bool = False  # vLLM's --enable-force-include-usage: every stream ends with its usage
     log_stats: bool = True  # vLLM's: a stats line every stats_every seconds while busy (--disable-log-stats)

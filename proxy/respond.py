@@ -82,7 +82,7 @@ async def _json(px: Proxy, call: Call, streams: list[Stream]) -> web.Response:
             got = r.whole(text)
             call.shown.append(got.content)
             content = call.echo.text(i, got.content) if call.echo else got.content
-            message = s.OutMessage("assistant", content if content or not got.calls else None,
+            message = s.OutMessage(call.role, content if content or not got.calls else None,
                                    [s.OutCall(c.id or "", s.OutFunction(c.name or "", c.arguments))
                                     for c in got.calls] or None, None if call.hide_reasoning else reasoning or None)
             finish = calls.finish(r, call.finish[i])
@@ -119,7 +119,7 @@ async def _sse(req: web.Request, px: Proxy, call: Call, streams: list[Stream]) -
         sent: list[int | None] = [None] * len(streams)  # return_token_ids: output ids sent (None: no chunk yet)
         if chat:
             await resp.write(_event(s.ChatChunk(call.id, call.created, call.model, [
-                s.ChunkChoice(i, s.OutDelta("assistant", "")) for i in range(len(streams))], _so_far(call, 0),
+                s.ChunkChoice(i, s.OutDelta(call.role, "")) for i in range(len(streams))], _so_far(call, 0),
                 prompt_token_ids=_ids(call, 0)[0], prompt_text=_text(call))))
             sent = [0] * len(streams)
             if call.echo:  # vLLM's: the last message's content first

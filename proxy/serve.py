@@ -88,6 +88,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     p.add_argument("--trust-request-chat-template", action="store_true",
                    help="take a request's own chat_template (chats, /tokenize, chat embeddings); "
                         "without it one is a 400, as in vLLM")
+    p.add_argument("--response-role", default="assistant", metavar="ROLE",
+                   help="the role of a chat's answer where the request adds the generation prompt (its "
+                        "default); without it, the last message's role, as in vLLM")
     p.add_argument("--return-tokens-as-token-ids", action="store_true",
                    help="logprobs name their tokens \"token_id:N\" unless a request says otherwise")
     p.add_argument("--enable-force-include-usage", action="store_true",
@@ -175,6 +178,8 @@ def config(args: argparse.Namespace) -> Config:
         raise ValueError("--served-model-name: give each name once, none empty")
     if args.mqtt_peers and not args.mqtt:
         raise ValueError("--mqtt-peers shares rounds over the MQTT broker: give --mqtt too")
+    if not args.response_role.strip():
+        raise ValueError("--response-role must name a role")
     if args.stream_interval < 1:
         raise ValueError(f"--stream-interval must be at least 1, not {args.stream_interval}")
     if args.max_log_len is not None and args.max_log_len < 0:
@@ -185,7 +190,7 @@ def config(args: argparse.Namespace) -> Config:
                   drain_timeout=args.drain_timeout, reasoning=args.reasoning_parser,
                   tool_parser=args.tool_call_parser, names=names,
                   api_keys=frozenset(keys), peers=args.mqtt_peers, stream_interval=args.stream_interval,
-                  cors=policy, trust_chat_template=args.trust_request_chat_template,
+                  cors=policy, trust_chat_template=args.trust_request_chat_template, response_role=args.response_role,
                   as_ids=args.return_tokens_as_token_ids, force_usage=args.enable_force_include_usage,
                   log_requests=args.enable_log_requests,
                   max_log_len=args.max_log_len, log_stats=not args.disable_log_stats)

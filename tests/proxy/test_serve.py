@@ -67,6 +67,8 @@ def test_flags():
         parse("--tool-call-parser", "pythonic")
     assert not serve.config(parse()).trust_chat_template  # vLLM's default: a request's own is a 400
     assert serve.config(parse("--trust-request-chat-template")).trust_chat_template
+    assert serve.config(parse()).response_role == "assistant"
+    assert serve.config(parse("--response-role", "bot")).response_role == "bot"
 
 
 @pytest.mark.parametrize("argv,message", [
@@ -75,6 +77,7 @@ def test_flags():
     (["--mqtt", "mqtt://h:abc"], "--mqtt: expected mqtt://host:port"),
     (["--mqtt", "mqtt://[::1"], "--mqtt: expected mqtt://host:port"),
     (["--max-group", "0"], "--max-group"),
+    (["--response-role", " "], "--response-role must name a role"),
     (["--barrier-timeout-ms", "-1"], "--barrier-timeout-ms"),
     (["--offload-gib", "-2"], "--offload-gib"),
     (["--drain-timeout", "-1"], "--drain-timeout"),
