@@ -49,7 +49,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    wrote = write(loader.resolve(args.model, args.revision, args.download_dir), Path(args.out))
+    out = Path(args.out)
+    _empty(out)  # before the model is found (a .gguf's conversion takes a while)
+    wrote = write(loader.resolve(args.model, args.revision, args.download_dir), out)
     print(f"wrote {args.out}: {wrote['projections']} projections in e4m3, weights "
           f"{wrote['bytes'] / 2**20:,.1f} MiB (from {wrote['wide_bytes'] / 2**20:,.1f})")
     return 0
@@ -62,8 +64,7 @@ def write(src: Path, out: Path) -> dict[str, int]:
     if raw.get("quantization_config"):
         raise InvalidRequest(f"{src} is quantized already ({raw['quantization_config'].get('quant_method')})",
                              "model")
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        raise InvalidRequest(f"{out} exists and is not an empty folder", "out")
+    _empty(out)
     files = sorted(src.glob("*.safetensors"))
     if not files:
         raise InvalidRequest(f"no .safetensors weights in {src}", "model")
@@ -84,6 +85,11 @@ def write(src: Path, out: Path) -> dict[str, int]:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return {"projections": count, "bytes": sizes[0], "wide_bytes": sizes[1]}
+
+
+def _empty(out: Path) -> None:
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise InvalidRequest(f"{out} exists and is not an empty folder", "out")
 
 
 def _weights(files: list[Path], to: Path) -> tuple[int, set[str], tuple[int, int]]:

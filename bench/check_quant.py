@@ -27,16 +27,18 @@ from tokendance.kernels import fp8_triton as ft
 
 def rounding() -> bool:
     """The rows kernel's bytes and scales against torch's, bf16 and float32 rows of every
-    magnitude (and one of zeros) at the layers' input widths."""
+    magnitude (and one of zeros) at the layers' input widths, each row under its own scale
+    and under a static one (saturating most rows)."""
     torch.manual_seed(1)
     same = True
     for k in (3584, 18944, 1500):
         for dtype in (torch.bfloat16, torch.float32):
             x = (torch.randn(64, k, device="cuda") * torch.logspace(-4, 4, 64, device="cuda")[:, None]).to(dtype)
             x[5] = 0
-            q, s = ft.quantize_rows_triton(x)
-            want_q, want_s = fl.quantize_rows(x)
-            same &= torch.equal(s, want_s) and torch.equal(q.view(torch.uint8), want_q.view(torch.uint8))
+            for fixed in (None, torch.tensor(0.01, device="cuda")):  # per row, and a checkpoint's static scale
+                q, s = ft.quantize_rows_triton(x, fixed)
+                want_q, want_s = fl.quantize_rows(x, fixed)
+                same &= torch.equal(s, want_s) and torch.equal(q.view(torch.uint8), want_q.view(torch.uint8))
     return same
 
 
@@ -48,8 +50,11 @@ def layers() -> float:
         f = fl.Fp8Linear.of(nn.Linear(k, n, bias=n == 4608, device="cuda", dtype=torch.bfloat16))
         for rows in (1, 7, 16, 17, 300, 4096):
             x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
-            want = fl.fp8_linear_reference(x.float(), f.weight, f.scale, None if f.bias is None else f.bias.float())
-            worst = max(worst, rel(f(x), want))
+            for fixed in (None, torch.tensor(0.02, device="cuda")):  # inputs per row, and under a static scale
+                f.input_scale = fixed
+                want = fl.fp8_linear_reference(x.float(), f.weight, f.scale, None if f.bias is None else f.bias.float(),
+                                               fixed)
+                worst = max(worst, rel(f(x), want))
     return worst
 
 
@@ -86,9 +91,10 @@ def engine_paths() -> tuple[float, float]:
 
 def main() -> int:
     same = rounding()
-    print(f"fp8 weights, the rows' rounding kernel = torch's, bytes and scales: {same}")
+    print(f"fp8 weights, the rows' rounding kernel = torch's, bytes and scales, per row and static: {same}")
     err = layers()
-    print(f"fp8 weights, tensor cores against the reference at Qwen2.5-7B's widths, 1 to 4,096 rows: "
+    print(f"fp8 weights, tensor cores against the reference at Qwen2.5-7B's widths, 1 to 4,096 rows, "
+          f"inputs per row and under a static scale: "
           f"relative error at most {err:.2e}")
     ok = same and err < 2e-2
     mean, top = engine_paths()

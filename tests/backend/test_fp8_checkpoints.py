@@ -128,12 +128,12 @@ def test_static_input_scales_and_scales_per_tensor(tiny_llama, tmp_path):
     e = eng(folder)
     qkv = e.model.layers[1].self_attn.qkv_proj
     largest = max(inputs[f"model.layers.1.self_attn.{p}_proj"] for p in "qkv")
-    assert torch.equal(qkv.input_scale.reshape(1), largest)
+    assert torch.equal(qkv.input_scale.reshape(1).cpu(), largest)
     q_wide = widen(tensors["model.layers.1.self_attn.q_proj.weight"]) * tensors["model.layers.1.self_attn.q_proj.weight_scale"]
-    assert torch.equal(qkv.wide(torch.float32)[:64], q_wide)
-    x = torch.randn(3, 64)
+    assert torch.equal(qkv.wide(torch.float32)[:64].cpu(), q_wide)
+    x = torch.randn(3, 64, device=qkv.weight.device)  # the engine's device (a GPU's in bench/h200.sh)
     got = qkv(x)
-    assert torch.equal(got, fp8_linear_reference(x, qkv.weight, qkv.scale, None, largest))
+    assert torch.equal(got, fp8_linear_reference(x, qkv.weight, qkv.scale, None, largest.to(x.device)))
     assert not torch.equal(got, fp8_linear_reference(x, qkv.weight, qkv.scale))  # not rounded per row
     assert len(e.generate([list(range(100, 120))], GREEDY)[0][0]) == 12
     del tensors["model.layers.0.mlp.down_proj.input_scale"]
@@ -172,7 +172,7 @@ def test_experts_in_e4m3_are_widened_into_their_stacks(make_model, tmp_path):
     tensors[f"{up}.weight"], tensors[f"{up}.weight_scale"] = quantize_rows(tensors[f"{up}.weight"])
     e = eng(rewrite(out, tmp_path / "moe-experts", tensors, json.loads((out / "config.json").read_text())
                     ["quantization_config"]))
-    stacked = e.model.layers[0].mlp.experts.gate_up_proj[2]
+    stacked = e.model.layers[0].mlp.experts.gate_up_proj[2].cpu()
     assert torch.equal(stacked[32:], widen(tensors[f"{up}.weight"]) * tensors[f"{up}.weight_scale"])
     assert len(e.generate([list(range(100, 120))], GREEDY)[0][0]) == 12
 
