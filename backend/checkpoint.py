@@ -61,8 +61,8 @@ def write(src: Path, out: Path) -> dict[str, int]:
     """`src`'s model at `out` with its projections in e4m3 (atomic: a failure leaves no
     folder); how many projections, and the weights' bytes after and before."""
     raw = json.loads((src / "config.json").read_text())
-    if raw.get("quantization_config"):
-        raise InvalidRequest(f"{src} is quantized already ({raw['quantization_config'].get('quant_method')})",
+    if q := raw.get("quantization_config"):
+        raise InvalidRequest(f"{src} is quantized already ({q.get('quant_method') if isinstance(q, dict) else q})",
                              "model")
     _empty(out)
     files = sorted(src.glob("*.safetensors"))

@@ -40,6 +40,8 @@ def scales(stored: str, w: torch.Tensor, get) -> tuple[torch.Tensor, torch.Tenso
         raise Misfit(f"{stem}.weight_scale has shape {tuple(s.shape)}: not one per tensor or per row of "
                      f"{tuple(w.shape)} (block-wise scales are not supported)")
     x = get(f"{stem}.input_scale")
+    if x is not None and x.numel() != 1:
+        raise Misfit(f"{stem}.input_scale has shape {tuple(x.shape)}: a static input scale is one number")
     return s.float().contiguous(), None if x is None else x.float().reshape(())
 
 

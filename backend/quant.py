@@ -68,7 +68,8 @@ def _group(name: str, g: Any, fmt: Any, path: str) -> bool:
     """Whether a compressed-tensors group's inputs take a static scale; refuses all but
     8-bit float weights per channel or per tensor with 8-bit float inputs."""
     g = g if isinstance(g, dict) else {}
-    w, a = g.get("weights") or {}, g.get("input_activations")
+    w, a = g.get("weights"), g.get("input_activations")
+    w = w if isinstance(w, dict) else {}
     fmt = g.get("format") or fmt
     if fmt != "float-quantized" or w.get("type") != "float" or w.get("num_bits") != 8:
         raise _refuse(path, f"group {name}: format {fmt!r}, {w.get('num_bits')}-bit {w.get('type')} weights")

@@ -193,6 +193,8 @@ def group(weights: dict | None = None, inputs: dict | None = DYNAMIC, **kw) -> d
     (group({"type": "int"}), "8-bit int weights"),
     (group({"strategy": "block", "block_structure": [128, 128]}), "weight scales per block"),
     (group(format="pack-quantized"), "format 'pack-quantized'"),
+    ({**group(), "config_groups": {"group_0": {"weights": [8], "input_activations": DYNAMIC}}},
+     "group group_0: format 'float-quantized', None-bit None weights"),
     (group(inputs={**DYNAMIC, "strategy": "group"}), "input scales per group"),
     ({**group(), "config_groups": {"a": group()["config_groups"]["group_0"], "b": {
         **group()["config_groups"]["group_0"], "input_activations": {**DYNAMIC, "strategy": "tensor",
@@ -212,6 +214,9 @@ def test_scales_that_do_not_fit_are_refused(written, tmp_path):
     bad = {**tensors, o: torch.ones(1, 1, 1, 4)}  # 4 of a 64 x 64 weight: block-wise
     with pytest.raises(InvalidRequest, match="o_proj.weight_scale has shape .*block-wise scales are not supported"):
         eng(rewrite(written, tmp_path / "blocks", bad, config))
+    q = "model.layers.1.self_attn.q_proj"
+    with pytest.raises(InvalidRequest, match=r"q_proj.input_scale has shape \(2,\): a static input scale is one"):
+        eng(rewrite(written, tmp_path / "inputs", {**tensors, f"{q}.input_scale": torch.ones(2)}, config))
     with pytest.raises(InvalidRequest, match="o_proj.weight in model.safetensors: in e4m3, but the checkpoint holds no"):
         eng(rewrite(written, tmp_path / "no-scale", {k: v for k, v in tensors.items() if k != o}, config))
     with pytest.raises(InvalidRequest, match="compressed-tensors needs a checkpoint quantized so"):
