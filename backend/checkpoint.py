@@ -25,6 +25,7 @@ from safetensors.torch import save_file
 
 from tokendance.backend import loader
 from tokendance.backend.api import InvalidRequest
+from tokendance.backend.config import ModelConfig
 from tokendance.kernels.fp8_linear import fits, quantize_rows
 
 PROJECTION = re.compile(r"\.layers\.\d+\.(self_attn|mlp|mlp\.shared_expert)\.(q|k|v|o|qkv|gate|up|down|gate_up)_proj"
@@ -60,6 +61,7 @@ def main(args: argparse.Namespace) -> int:
 def write(src: Path, out: Path) -> dict[str, int]:
     """`src`'s model at `out` with its projections in e4m3 (atomic: a failure leaves no
     folder); how many projections, and the weights' bytes after and before."""
+    ModelConfig.load(src)  # a model this engine serves (InvalidRequest in one line otherwise)
     raw = json.loads((src / "config.json").read_text())
     if q := raw.get("quantization_config"):
         raise InvalidRequest(f"{src} is quantized already ({q.get('quant_method') if isinstance(q, dict) else q})",
