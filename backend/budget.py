@@ -40,6 +40,10 @@ def pool_tokens(cfg: EngineConfig, model: Decoder, device: torch.device, per_tok
     util = cfg.gpu_memory_utilization
     if cfg.kv_tokens:
         return cfg.kv_tokens
+    if cfg.num_gpu_blocks_override:
+        return cfg.num_gpu_blocks_override * cfg.block_size
+    if cfg.kv_cache_memory_bytes:
+        return cfg.kv_cache_memory_bytes // per_token
     if device.type != "cuda":
         if util:
             raise ValueError("--gpu-memory-utilization needs a GPU: on the CPU --kv-tokens sizes the pool")

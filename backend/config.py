@@ -52,6 +52,9 @@ class EngineConfig:
     # vLLM's: the share of the GPU's memory this engine holds, weights, a step's peak and the
     # pool together (backend/budget.py); 0: the pool takes 85 % of what the weights leave free
     gpu_memory_utilization: float = 0.0
+    # vLLM's other sizes of the pool: in bytes, or in blocks (its --num-gpu-blocks-override)
+    kv_cache_memory_bytes: int = 0
+    num_gpu_blocks_override: int = 0
     max_seqs: int = 256
     scheduling_policy: str = "fcfs"  # vLLM's: or "priority", by each request's priority (backend/scheduler.py)
     max_batched_tokens: int = 0  # per step; 0: 2048 on CPU, 16384 on CUDA

@@ -54,6 +54,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--gpu-memory-utilization", type=float, default=0.0, metavar="F",
                    help="the share of the GPU's memory this engine holds: weights, a step's peak "
                         "(measured at start) and the KV pool (0: as --kv-tokens says)")
+    p.add_argument("--kv-cache-memory-bytes", type=at_least(0, units=True), default=0, metavar="BYTES",
+                   help="the KV pool's size in bytes, as 8G (vLLM's; in place of the two above)")
+    p.add_argument("--num-gpu-blocks-override", type=at_least(0), default=0, metavar="N",
+                   help="the KV pool's size in blocks of --block-size tokens (vLLM's, for testing preemption)")
     p.add_argument("--max-model-len", type=at_least(0, units=True), default=0,
                    help="the longest prompt and answer together (0: the model's limit, or the pool's)")
     p.add_argument("--max-num-seqs", type=at_least(1), default=256, help="requests running at once")
@@ -243,8 +247,10 @@ def engine_options(args: argparse.Namespace) -> dict[str, Any]:
         raise ValueError("--anchor-rank must be at least 1")
     if not 0 <= args.gpu_memory_utilization <= 1:
         raise ValueError("--gpu-memory-utilization must lie in (0, 1]")
-    if args.gpu_memory_utilization and args.kv_tokens:
-        raise ValueError("--kv-tokens and --gpu-memory-utilization both size the KV pool: give one")
+    sizes = [f for f in ("--kv-tokens", "--gpu-memory-utilization", "--kv-cache-memory-bytes",
+                         "--num-gpu-blocks-override") if getattr(args, f[2:].replace("-", "_"))]
+    if len(sizes) > 1:
+        raise ValueError(f"{' and '.join(sizes)}: each sizes the KV pool, give one")
     generation.check(args.generation_config, args.override_generation_config)
     offload = None if args.offload_gib is None else int(args.offload_gib * 2**30)  # None: the device's default
     return {**source_options(args), "dtype": args.dtype, "kv_cache_dtype": args.kv_cache_dtype,
@@ -252,6 +258,7 @@ def engine_options(args: argparse.Namespace) -> dict[str, Any]:
             "seed": args.seed, **({"cuda_graphs": 0} if args.enforce_eager else {}), "offload_bytes": offload,
             "anchor_bytes": int(args.anchor_gib * 2**30), "anchor_rank": args.anchor_rank,
             "kv_tokens": args.kv_tokens, "gpu_memory_utilization": args.gpu_memory_utilization,
+            "kv_cache_memory_bytes": args.kv_cache_memory_bytes, "num_gpu_blocks_override": args.num_gpu_blocks_override,
             "max_model_len": args.max_model_len, "max_seqs": args.max_num_seqs, "max_logprobs": args.max_logprobs,
             "scheduling_policy": args.scheduling_policy,
             "max_batched_tokens": args.max_num_batched_tokens, "generation_config": args.generation_config,

@@ -60,6 +60,23 @@ def test_pool_and_batch_flags_size_the_engine(tiny_llama):
     assert be.info.priority and engine_options(parse())["scheduling_policy"] == "fcfs"
 
 
+def test_vllms_other_pool_sizes_in_bytes_and_blocks(tiny_llama):
+    """--kv-cache-memory-bytes and --num-gpu-blocks-override size the pool as vLLM's do, on
+    any device; two sizes at once are one line."""
+    from tokendance.backend.flags import engine_options
+    from tokendance.backend.service import EngineBackend
+
+    def pool(*argv: str):
+        e = EngineBackend.load(**engine_options(parse("--model", str(tiny_llama), "--dtype", "float32", *argv))).engine
+        return e.cache.num_blocks, e.kv_bytes_per_token * e.cfg.block_size
+
+    blocks, per_block = pool("--kv-cache-memory-bytes", "4M")  # float32, 2 layers: 512 bytes a token
+    assert blocks == 4 * 2**20 // per_block == 512
+    assert pool("--num-gpu-blocks-override", "37")[0] == 37
+    with pytest.raises(ValueError, match="--kv-tokens and --num-gpu-blocks-override: each sizes the KV pool"):
+        engine_options(parse("--kv-tokens", "4096", "--num-gpu-blocks-override", "8"))
+
+
 def test_token_counts_take_vllms_units():
     a = parse("--max-model-len", "32k", "--kv-tokens", "4K", "--max-num-batched-tokens", "25.6k")
     assert (a.max_model_len, a.kv_tokens, a.max_num_batched_tokens) == (32_000, 4_096, 25_600)
