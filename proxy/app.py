@@ -278,8 +278,27 @@ async def round_stats(req: web.Request) -> web.Response:
     return json_answer(rnd.view())
 
 
+async def invocations(req: web.Request) -> web.StreamResponse:
+    """SageMaker's one route, as vLLM serves it: the body's fields choose the API (a chat's
+    messages first, as vLLM tries its request types in that order)."""
+    try:
+        body = msgspec.json.decode(await req.read())
+    except msgspec.DecodeError as exc:
+        raise invalid(f"the body is not valid JSON: {exc}") from exc
+    if isinstance(body, dict):
+        for fields, handler in INVOCATIONS:
+            if any(f in body for f in fields):
+                return await handler(req)
+    raise invalid("/invocations takes a chat (messages), a completion (prompt), embeddings (input), a "
+                  "rerank (query) or a score (queries, data_1, text_1, items)")
+
+
 def _number(req: web.Request) -> int:
     return round_number(req.match_info["round"], "round")
+
+
+INVOCATIONS = ((("messages",), chat_completions), (("prompt",), completions), (("input",), embeddings),
+               (("query",), rerank), (("queries", "data_1", "text_1", "items"), score))
 
 
 def make_app(proxy: Proxy, control: Control | None = None) -> web.Application:
@@ -319,6 +338,7 @@ def make_app(proxy: Proxy, control: Control | None = None) -> web.Application:
     r.add_get("/health", health)
     r.add_get("/ping", health)  # SageMaker's health check, as vLLM answers it
     r.add_post("/ping", health)
+    r.add_post("/invocations", invocations)  # SageMaker's, beside /ping
     r.add_get("/load", load)
     r.add_get("/version", version)
     r.add_get("/metrics", metrics)
