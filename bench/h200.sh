@@ -99,11 +99,12 @@
 #     both on a Qwen2.5-7B shape with random weights and the tokenizer's vocabulary, saved as a folder
 # The carried folders are git-ignored; make them once on the CPU machine:
 #   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 \
-#     --implementation cp --platform manylinux2014_x86_64 -d .whl structlog aiohttp msgspec aiomqtt \
-#     pytest-asyncio==1.5.0  # the interleavings' asyncio test (the GPU host has pytest 9.1)
+#     --implementation cp --platform manylinux2014_x86_64 -d .whl structlog aiohttp msgspec aiomqtt paho-mqtt \
+#     pytest-asyncio==1.5.0  # the interleavings' asyncio test (the GPU host has pytest 9.1); paho-mqtt: the
+#     CLI's serve imports it (without it a CLI test fails there)
 #   (structured, tools, and check's held-after-a-marker check: also xgrammar apache-tvm-ffi openai httpx2 httpcore2 anyio pydantic
-#   pydantic_core annotated-types typing-inspection distro jiter sniffio truststore idna h11
-#   paho-mqtt, with --platform manylinux_2_28_x86_64 and the versions .venv has)
+#   pydantic_core annotated-types typing-inspection distro jiter sniffio truststore idna h11,
+#   with --platform manylinux_2_28_x86_64 and the versions .venv has)
 #   (then delete .whl/typing_extensions-*: the GPU host's own must stay)
 #   mkdir -p .device/tok && cp ~/.cache/tokendance/SmolLM2-135M-Instruct/{tokenizer.json,tokenizer_config.json,chat_template.jinja} .device/tok/
 # The package is not installed there: a namespace folder links our folders in.
