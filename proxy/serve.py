@@ -27,6 +27,7 @@ from .tools import PARSERS as TOOL_PARSERS
 
 DEFAULT_MODE = "collective"
 KEY_ENV = "TOKENDANCE_API_KEY"
+VLLM_KEY_ENV = "VLLM_API_KEY"  # vLLM's, read where ours is not set
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -75,7 +76,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
                         "/v1/models the first (default: the model's own)")
     p.add_argument("--api-key", action="append", default=None, metavar="KEY",
                    help=f"answer /v1 routes only with this key (Authorization: Bearer); repeat it for "
-                        f"several (default: ${KEY_ENV}, else none)")
+                        f"several (default: ${KEY_ENV}, else vLLM's ${VLLM_KEY_ENV}, else none)")
     p.add_argument("--allowed-origins", default='["*"]', metavar="JSON",
                    help="CORS: the origins whose pages in a browser may call the API, a JSON list ('[]': none)")
     p.add_argument("--allowed-methods", default='["*"]', metavar="JSON", help="CORS: the methods they may use")
@@ -172,7 +173,8 @@ def reuse_mode(mode: str | None, prefix_caching: bool | None) -> str | None:
 
 
 def config(args: argparse.Namespace) -> Config:
-    keys = check_keys(args.api_key or ([os.environ[KEY_ENV]] if os.environ.get(KEY_ENV) else []), "--api-key")
+    env = os.environ.get(KEY_ENV) or os.environ.get(VLLM_KEY_ENV)
+    keys = check_keys(args.api_key or ([env] if env else []), "--api-key")
     names = tuple(args.served_model_name or ())
     if any(not n.strip() for n in names) or len(set(names)) != len(names):
         raise ValueError("--served-model-name: give each name once, none empty")

@@ -241,7 +241,9 @@ def test_a_data_parallel_engine_that_cannot_start_is_one_line(tiny_llama, capsys
 
 def test_served_model_names_and_api_keys(monkeypatch):
     """vLLM's --served-model-name (requests may give any name, answers the first) and
-    --api-key (repeatable, or $TOKENDANCE_API_KEY; /v1 routes only)."""
+    --api-key (repeatable, or $TOKENDANCE_API_KEY, else vLLM's $VLLM_API_KEY; /v1 routes only)."""
+    monkeypatch.setenv(serve.VLLM_KEY_ENV, "sk-vllm")
+    assert serve.config(parse()).api_keys == {"sk-vllm"}
     monkeypatch.setenv(serve.KEY_ENV, "sk-env")
     assert serve.config(parse()).api_keys == {"sk-env"}
     c = serve.config(parse("--api-key", "sk-a", "--api-key", "sk-b", "--served-model-name", "gpt-4o-mini", "tiny"))
