@@ -5,7 +5,7 @@
 inputs rounded per row or under a checkpoint's static scale) come two ways, as in vLLM:
 
 - `--quantization fp8` over a wide checkpoint: each weight row rounded as it is read
-  (backend/loader.py), the wide model never built;
+  (backend/place.py), the wide model never built;
 - a checkpoint stored in e4m3 with its scales: vLLM's `fp8` (AutoFP8's, a scale per tensor)
   and `compressed-tensors` float-quantized (llm-compressor's FP8 and FP8-dynamic: a scale
   per tensor or per channel; `tokendance quantize` writes the latter, backend/checkpoint.py).
