@@ -1,6 +1,6 @@
 """`tokendance quantize`: a wide checkpoint written again with 8-bit float projections, in
-compressed-tensors' FP8-dynamic form (llm-compressor's; vLLM and this engine read it as it
-is): each projection's weight in e4m3 under a float32 scale per output row, as
+compressed-tensors' FP8-dynamic layout (the one llm-compressor writes for vLLM; this engine
+reads it as it is, backend/quant.py): each projection's weight in e4m3 under a float32 scale per output row, as
 `--quantization fp8` rounds it on loading, inputs rounded per token at run time. Half a bf16
 checkpoint's projection bytes on disk and on loading; nothing to calibrate.
 
