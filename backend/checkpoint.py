@@ -1,8 +1,9 @@
 """`tokendance quantize`: a wide checkpoint written again with 8-bit float projections, in
 compressed-tensors' FP8-dynamic layout (the one llm-compressor writes for vLLM; this engine
-reads it as it is, backend/quant.py): each projection's weight in e4m3 under a float32 scale per output row, as
-`--quantization fp8` rounds it on loading, inputs rounded per token at run time. Half a bf16
-checkpoint's projection bytes on disk and on loading; nothing to calibrate.
+reads it as it is, backend/quant.py): each projection's weight in e4m3 under a float32
+scale per output row, as `--quantization fp8` rounds it on loading, inputs rounded per
+token at run time. Half a bf16 checkpoint's projection bytes on disk and on loading;
+nothing to calibrate.
 
 Projections are the layers' q, k, v, o, gate, up and down (Phi-3's fused qkv and gate_up)
 whose widths divide by 16; every other linear weight (lm_head, routers, Mixtral's experts)
