@@ -58,8 +58,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="the KV pool's size in bytes, as 8G (vLLM's; in place of the two above)")
     p.add_argument("--num-gpu-blocks-override", type=at_least(0), default=0, metavar="N",
                    help="the KV pool's size in blocks of --block-size tokens (vLLM's, for testing preemption)")
-    p.add_argument("--max-model-len", type=at_least(0, units=True), default=0,
-                   help="the longest prompt and answer together (0: the model's limit, or the pool's)")
+    p.add_argument("--max-model-len", type=model_len, default=0,
+                   help="the longest prompt and answer together (0, or vLLM's auto and -1: the model's "
+                        "limit, or the pool's where that is less)")
     p.add_argument("--max-num-seqs", type=at_least(1), default=256, help="requests running at once")
     p.add_argument("--max-logprobs", type=at_least(-1), default=20,
                    help="the most alternatives a token's logprobs may list (top_logprobs, a completion's "
@@ -198,6 +199,11 @@ def at_least(low: int, units: bool = False) -> Callable[[str], int]:
         return n
 
     return parse
+
+
+def model_len(text: str) -> int:
+    """--max-model-len: a token count, or vLLM's `auto` (or -1), what fits: 0 here."""
+    return 0 if text.strip() in ("auto", "-1") else at_least(0, units=True)(text)
 
 
 _UNITS = {"k": 10**3, "m": 10**6, "g": 10**9, "K": 2**10, "M": 2**20, "G": 2**30}

@@ -78,6 +78,7 @@ def test_vllms_other_pool_sizes_in_bytes_and_blocks(tiny_llama):
 
 
 def test_token_counts_take_vllms_units():
+    assert parse("--max-model-len", "auto").max_model_len == parse("--max-model-len", "-1").max_model_len == 0
     a = parse("--max-model-len", "32k", "--kv-tokens", "4K", "--max-num-batched-tokens", "25.6k")
     assert (a.max_model_len, a.kv_tokens, a.max_num_batched_tokens) == (32_000, 4_096, 25_600)
     assert parse("--max-model-len", "2048").max_model_len == 2048
