@@ -57,7 +57,7 @@ def cli_quantize(src: Path, out: Path) -> Path:
     return out
 
 
-def test_a_written_checkpoint_serves_as_the_flag_serves_the_wide_one(written, tiny_llama, capsys):
+def test_a_written_checkpoint_serves_as_the_flag_serves_the_wide_one(written, tiny_llama):
     raw = json.loads((written / "config.json").read_text())["quantization_config"]
     assert raw["quant_method"] == "compressed-tensors" and raw["ignore"] == ["lm_head"]
     stored = load_file(str(written / "model.safetensors"))
