@@ -101,7 +101,7 @@ def _weights(files: list[Path], to: Path) -> tuple[int, set[str], tuple[int, int
     shard: dict[str, torch.Tensor] = {}
     names: list[str] = []
     where: dict[str, int] = {}
-    count, ignore, written, read = 0, set(), 0, 0
+    count, ignore, written, read, held = 0, set(), 0, 0, 0
 
     def flush() -> None:
         names.append(f"part-{len(names)}.safetensors")
@@ -122,10 +122,11 @@ def _weights(files: list[Path], to: Path) -> tuple[int, set[str], tuple[int, int
                 elif w.dim() == 2 and key.endswith(".weight") and "embed" not in key:
                     ignore.add(key.removesuffix(".weight"))  # a linear module of another kind, wide
                 size = sum(t.nbytes for t in new.values())
-                if shard and sum(t.nbytes for t in shard.values()) + size > SHARD_BYTES:
+                if shard and held + size > SHARD_BYTES:
                     flush()
+                    held = 0
                 shard.update(new)
-                written += size
+                written, held = written + size, held + size
     flush()
     final = ["model.safetensors"] if len(names) == 1 else [
         f"model-{i + 1:05d}-of-{len(names):05d}.safetensors" for i in range(len(names))]

@@ -36,7 +36,6 @@ from tokendance.backend.stops import ended
 from tokendance.backend.thinking import Thought
 from tokendance.backend.waiting import Waiting
 from tokendance.kernels import packed
-from tokendance.kernels.fp8_linear import Fp8Linear
 from tokendance.kernels.jit import tiles_head
 
 log = structlog.get_logger(__name__)
@@ -82,9 +81,6 @@ class Engine:
             self.model = loader.build(model, self.dtype, self.device, self.tp)
         else:
             self.model = loader.load(self.folder, model, self.dtype, self.device, self.tp, self.config_folder)
-        if model.quant is not None:
-            log.info("fp8 weights", quantization=model.quant.method, stored=model.quant.stored,
-                     layers=sum(isinstance(m, Fp8Linear) for m in self.model.modules()))
         packed.pack(self.model)
         self.mcfg = self.model.cfg
         self.pieces = Pieces(self.tokenizer)  # tokens' texts alone, for logprobs

@@ -28,7 +28,7 @@ from tokendance.backend.parallel import Shard, shard_config
 from tokendance.backend.place import Misfit, Placer, multiply, scales
 from tokendance.backend.quant import KV_SCALES, SCALES
 from tokendance.backend.rope_scaling import rotary
-from tokendance.kernels.fp8_linear import E4M3
+from tokendance.kernels.fp8_linear import E4M3, Fp8Linear
 
 log = structlog.get_logger(__name__)
 
@@ -113,9 +113,13 @@ def build(cfg: ModelConfig, dtype: torch.dtype, device: torch.device | str, tp: 
     torch.set_default_dtype(dtype)
     try:
         with torch.device(device):
-            return Decoder(cfg if tp is None else shard_config(cfg, tp.size), tp).eval()
+            model = Decoder(cfg if tp is None else shard_config(cfg, tp.size), tp).eval()
     finally:
         torch.set_default_dtype(prev)
+    if cfg.quant is not None:
+        log.info("fp8 weights", quantization=cfg.quant.method, stored=cfg.quant.stored,
+                 layers=sum(isinstance(m, Fp8Linear) for m in model.modules()))
+    return model
 
 
 def _target(name: str, cfg: ModelConfig) -> tuple[str, int | None, int | None]:

@@ -7,6 +7,7 @@ checkpoint's) copied into 8-bit projections byte for byte, or widened into wide 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from math import prod
 
 import structlog
@@ -24,7 +25,8 @@ class Misfit(ValueError):
     """A checkpoint tensor that does not fit the model: the loader says where."""
 
 
-def scales(stored: str, w: torch.Tensor, get) -> tuple[torch.Tensor, torch.Tensor | None]:
+def scales(stored: str, w: torch.Tensor, get: Callable[[str], torch.Tensor | None]
+           ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """An e4m3 weight's scales, one per row ([..., rows, 1], float32), and its input scale
     where the checkpoint has one; `get(name)` reads a tensor (None: not in the checkpoint)."""
     stem = stored.removesuffix(".weight")

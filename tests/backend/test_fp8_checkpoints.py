@@ -221,3 +221,18 @@ def test_scales_that_do_not_fit_are_refused(written, tmp_path):
         eng(rewrite(written, tmp_path / "no-scale", {k: v for k, v in tensors.items() if k != o}, config))
     with pytest.raises(InvalidRequest, match="compressed-tensors needs a checkpoint quantized so"):
         eng(rewrite(written, tmp_path / "wide", {}, None), quantization="compressed-tensors")
+
+
+def test_a_checkpoint_written_in_shards_loads_alike(written, tiny_llama, tmp_path, monkeypatch):
+    """Shards of at most 64 KiB here (4 GiB as written): an index names each tensor's file,
+    and the model they make holds the one file's bytes."""
+    from tokendance.backend import checkpoint
+
+    monkeypatch.setattr(checkpoint, "SHARD_BYTES", 64 << 10)
+    out = cli_quantize(tiny_llama, tmp_path / "sharded")
+    files = sorted(p.name for p in out.glob("*.safetensors"))
+    index = json.loads((out / "model.safetensors.index.json").read_text())["weight_map"]
+    assert len(files) > 2 and files[0] == f"model-00001-of-{len(files):05d}.safetensors"
+    assert set(index.values()) == set(files) and len(index) == len(load_file(str(written / "model.safetensors")))
+    got, want = projections(eng(out)), projections(eng(written))
+    assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in got)
