@@ -28,6 +28,7 @@ from tokendance.backend.parallel import Shard, shard_config
 from tokendance.backend.place import Misfit, Placer, multiply, scales
 from tokendance.backend.quant import KV_SCALES, SCALES
 from tokendance.backend.rope_scaling import rotary
+from tokendance.backend.start import drawing
 from tokendance.kernels.fp8_linear import E4M3, Fp8Linear
 
 log = structlog.get_logger(__name__)
@@ -105,14 +106,15 @@ def tokenizer(folder: Path, given: str | None, vocab: int, trust_remote_code: bo
     return tok
 
 
-def build(cfg: ModelConfig, dtype: torch.dtype, device: torch.device | str, tp: Shard | None = None
-          ) -> Decoder:
-    """A model with uninitialised (random) weights, created directly on `device`; with a
-    tensor-parallel shard, this rank's part of it."""
+def build(cfg: ModelConfig, dtype: torch.dtype, device: torch.device | str, tp: Shard | None = None,
+          start: bool = True) -> Decoder:
+    """A model created directly on `device` (with a tensor-parallel shard, this rank's part
+    of it), its weights drawn at random (`start`: a random-weight model) or left unwritten
+    for a checkpoint to fill (backend/start.py)."""
     prev = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
-        with torch.device(device):
+        with torch.device(device), drawing(start):
             model = Decoder(cfg if tp is None else shard_config(cfg, tp.size), tp).eval()
     finally:
         torch.set_default_dtype(prev)
@@ -122,7 +124,7 @@ def build(cfg: ModelConfig, dtype: torch.dtype, device: torch.device | str, tp: 
     return model
 
 
-def _target(name: str, cfg: ModelConfig) -> tuple[str, int | None, int | None]:
+def target(name: str, cfg: ModelConfig) -> tuple[str, int | None, int | None]:
     """Checkpoint name -> (our parameter name, the expert's index into stacked expert
     weights, the row offset into a fused parameter)."""
     qd, kd = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
@@ -213,7 +215,7 @@ def load(folder: Path, cfg: ModelConfig, dtype: torch.dtype, device: torch.devic
         raise InvalidRequest(f"no .safetensors weights in {folder}", "model")
     given = described not in (None, folder)
     whose, param = (f"{described}/config.json", "hf_config_path") if given else ("the config", "model")
-    model = build(cfg, dtype, device, tp)
+    model = build(cfg, dtype, device, tp, start=False)
     fold = rotary(cfg)[2]
     into = Placer(model, dtype, tp, cfg.quant, whose)
     seen: set[str] = set()
@@ -238,12 +240,12 @@ def load(folder: Path, cfg: ModelConfig, dtype: torch.dtype, device: torch.devic
                 parts = _parts(stored, w if s is None else w.view(torch.uint8), cfg, fold if s is None else 1.0)
                 sparts = [None] * len(parts) if s is None else [p for _, p in _parts(stored, s, cfg, fold)]
                 for (name, part), spart in zip(parts, sparts):
-                    target, expert, off = _target(name, model.cfg)
-                    if not into.has(target) or (expert is not None and expert >= cfg.experts):
+                    dest, expert, off = target(name, model.cfg)
+                    if not into.has(dest) or (expert is not None and expert >= cfg.experts):
                         raise InvalidRequest(f"unexpected weight {stored} in {file.name}: not in the model "
                                              f"{whose} describes", param)
-                    into.put(name, target, expert, off, part, spart, x_scale)
-                    seen.add(f"{target}@{expert}@{off}")
+                    into.put(name, dest, expert, off, part, spart, x_scale)
+                    seen.add(f"{dest}@{expert}@{off}")
             except Misfit as e:
                 raise InvalidRequest(f"{stored} in {file.name}: {e}", param) from e
     try:

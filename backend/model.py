@@ -18,6 +18,7 @@ from tokendance.backend.moe import MLP, MoE
 from tokendance.backend.parallel import Shard
 from tokendance.backend.quant import linear
 from tokendance.backend.rope_scaling import rotary
+from tokendance.backend.start import Embedding, Linear
 from tokendance.kernels.fp8 import as_bytes
 from tokendance.kernels.master import MasterRead
 from tokendance.kernels.norm import rms_norm
@@ -271,13 +272,14 @@ class Decoder(nn.Module):
         self.local = Rope(replace(cfg, rope=cfg.rope_local)) if cfg.rope_local else None
         self.model = nn.Module()
         vocab = cfg.vocab_size if tp is None else tp.rows(cfg.vocab_size)  # this rank's rows
-        self.model.embed_tokens = nn.Embedding(vocab, cfg.hidden_size)
+        self.model.embed_tokens = Embedding(vocab, cfg.hidden_size)
         # the embeddings' multiplier in the weights' dtype, as Gemma's rounds it (Granite's 12 is exact)
-        self.embed_scale = float(torch.tensor(cfg.embedding_multiplier, dtype=torch.get_default_dtype()))
+        self.embed_scale = float(torch.tensor(cfg.embedding_multiplier, dtype=torch.get_default_dtype(),
+                                                 device="cpu"))  # not on the meta device
         kind = PostNormLayer if cfg.post_norm else SandwichLayer if cfg.sandwich else Layer
         self.model.layers = nn.ModuleList(kind(cfg, i, self.layer_rope(i), tp) for i in range(cfg.num_layers))
         self.model.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_offset)
-        self.lm_head = nn.Linear(cfg.hidden_size, vocab, bias=False)
+        self.lm_head = Linear(cfg.hidden_size, vocab, bias=False)
         if cfg.tie_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 

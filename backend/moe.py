@@ -19,6 +19,7 @@ from torch import nn
 from tokendance.backend.config import ModelConfig
 from tokendance.backend.parallel import Shard
 from tokendance.backend.quant import linear
+from tokendance.backend.start import DRAW, Linear
 from tokendance.kernels.act import gelu_tanh_mul, silu_mul
 from tokendance.kernels.moe import moe
 
@@ -47,21 +48,21 @@ class Experts(nn.Module):
         super().__init__()
         self.gate_up_proj = nn.Parameter(torch.empty(n, 2 * width, hidden))
         self.down_proj = nn.Parameter(torch.empty(n, hidden, width))
-        # as nn.Linear starts its weights: random-weight engines (timing) use these
-        for p, fan_in in ((self.gate_up_proj, hidden), (self.down_proj, width)):
-            nn.init.uniform_(p, -fan_in ** -0.5, fan_in ** -0.5)
+        if DRAW.get():  # as nn.Linear starts its weights: random-weight engines (timing) use these
+            for p, fan_in in ((self.gate_up_proj, hidden), (self.down_proj, width)):
+                nn.init.uniform_(p, -fan_in ** -0.5, fan_in ** -0.5)
 
 
 class MoE(nn.Module):
     def __init__(self, cfg: ModelConfig, tp: Shard | None = None):
         super().__init__()
-        self.gate = nn.Linear(cfg.hidden_size, cfg.experts, bias=False)  # the router
+        self.gate = Linear(cfg.hidden_size, cfg.experts, bias=False)  # the router
         self.experts = Experts(cfg.experts, cfg.hidden_size, cfg.expert_size)
         self.k, self.norm = cfg.experts_per_token, cfg.norm_topk
         self.tp = tp
         if cfg.shared_expert_size:
             self.shared_expert = MLP(cfg, width=cfg.shared_expert_size)  # summed with the rest, once
-            self.shared_expert_gate = nn.Linear(cfg.hidden_size, 1, bias=False)
+            self.shared_expert_gate = Linear(cfg.hidden_size, 1, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = route(self.gate(x), self.k, self.norm)

@@ -16,6 +16,7 @@ from torch import nn
 
 from tokendance.backend.parallel import Shard, shard_weight
 from tokendance.backend.quant import Quant
+from tokendance.backend.start import Linear, drawing
 from tokendance.kernels.fp8_linear import E4M3, Fp8Linear, quantize_rows, widen
 
 log = structlog.get_logger(__name__)
@@ -55,6 +56,7 @@ class Placer:
         self.model, self.dtype, self.tp, self.quant, self.whose = model, dtype, tp, quant, whose
         self.held = self._held()
         self.inputs: set[str] = set()  # the static projections given their input scale
+        self.written: set[str] = set()  # the targets given rows
 
     def _held(self) -> dict[str, torch.Tensor]:
         return {**dict(self.model.named_parameters()), **dict(self.model.named_buffers())}
@@ -76,6 +78,7 @@ class Placer:
         dst = self.held[target] if expert is None else self.held[target][expert]
         if dst[rows].shape != src.shape:
             raise Misfit(f"has shape {tuple(w.shape)}, not what {self.whose} gives")
+        self.written.add(target)
         if s is not None:
             s = shard_weight(name.removesuffix(".weight") + ".weight_scale", s, self.tp)
         if not eight:
@@ -100,8 +103,9 @@ class Placer:
         path = target.rsplit(".", 1)[0]
         parent, attr = path.rsplit(".", 1)
         old: Fp8Linear = self.model.get_submodule(path)
-        new = nn.Linear(old.in_features, old.out_features, bias=old.bias is not None, device=old.weight.device,
-                        dtype=self.dtype)
+        with drawing(False):
+            new = Linear(old.in_features, old.out_features, bias=old.bias is not None, device=old.weight.device,
+                         dtype=self.dtype)
         new.weight.copy_(old.wide(self.dtype))
         new.bias = old.bias
         setattr(self.model.get_submodule(parent), attr, new)
@@ -110,7 +114,12 @@ class Placer:
         return new
 
     def check(self) -> None:
-        """Misfit where a static projection got no input scale."""
+        """Misfit where a weight got no rows (the model was built without drawing any: what
+        memory held would be served) or a static projection no input scale."""
+        eight = [name for name, b in self.model.named_buffers() if b.dtype == E4M3]
+        for name in [*dict(self.model.named_parameters()), *eight]:
+            if name not in self.written:
+                raise Misfit(f"the checkpoint holds no {name}, which the model {self.whose} describes has")
         for path, m in self.model.named_modules():
             if isinstance(m, Fp8Linear) and m.input_scale is not None and f"{path}.weight" not in self.inputs:
                 raise Misfit(f"the checkpoint's inputs take static scales, but it holds none for {path}")

@@ -23,6 +23,7 @@ from typing import Any
 from torch import nn
 
 from tokendance.backend.api import InvalidRequest
+from tokendance.backend.start import DRAW, Linear
 from tokendance.kernels.fp8_linear import Fp8Linear, fits
 
 # A checkpoint's scales beside its weights: a weight row's, an input's, and the KV cache's
@@ -109,5 +110,5 @@ def choose(given: str | None, stored: Quant | None, path: str) -> Quant | None:
 def linear(quant: Quant | None, n_in: int, n_out: int, bias: bool) -> nn.Module:
     """A projection as the model holds it: in e4m3 where quantized and its widths allow."""
     if quant is not None and fits(n_in, n_out):
-        return Fp8Linear(n_in, n_out, bias, quant.static)
-    return nn.Linear(n_in, n_out, bias=bias)
+        return Fp8Linear(n_in, n_out, bias, quant.static, start=DRAW.get())
+    return Linear(n_in, n_out, bias=bias)

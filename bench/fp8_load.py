@@ -13,6 +13,9 @@ cache's, not the load's; what glibc keeps of freed memory counts); held is the m
 tensors' bytes. `rounded` and `stored` must hold the same bytes: a fingerprint
 of their projections is compared.
 
+With `--baseline DIR` (an earlier checkout's repository root) every way is also loaded by
+that code, in the same alternation, and the table gives each way's time against it.
+
 python -m tokendance.bench.fp8_load --model qwen2.5-7b --dtype bfloat16 (a shape: random bf16
 weights saved first) or --model default --dtype float32 (the embedded SmolLM2)
 """
@@ -22,9 +25,11 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import os
 import statistics
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from dataclasses import replace
@@ -96,6 +101,7 @@ def main() -> None:
     p.add_argument("--device", default="auto")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--work", default=None, help="where the checkpoints are written (default: the cache)")
+    p.add_argument("--baseline", default=None, help="an earlier checkout's root: each way loaded by it too")
     p.add_argument("--one", choices=WAYS, help=argparse.SUPPRESS)
     p.add_argument("--folder", help=argparse.SUPPRESS)
     args = p.parse_args()
@@ -119,25 +125,42 @@ def main() -> None:
         wrote = write(wide, stored)
         print(f"tokendance quantize: {wrote['projections']} projections, {wrote['wide_bytes'] / 2**20:,.1f} -> "
               f"{wrote['bytes'] / 2**20:,.1f} MiB on disk, {time.perf_counter() - start:.1f} s")
-    runs: dict[str, list[dict]] = {w: [] for w in WAYS}
+    codes = {"": None} if args.baseline is None else {"": None, "@base": shim(Path(args.baseline))}
+    runs: dict[str, list[dict]] = {w + c: [] for c in codes for w in WAYS}
     for _ in range(args.repeats):
         for way in WAYS:  # alternating: a slow minute of the machine falls on every way
-            cmd = [sys.executable, "-m", "tokendance.bench.fp8_load", "--one", way, "--dtype", args.dtype,
-                   "--device", str(device), "--folder", str(stored if way == "stored" else wide)]
-            out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
-            runs[way].append(json.loads(out.strip().splitlines()[-1]))
-            print(way, runs[way][-1], flush=True)  # what a cut-short run still shows
-    base = statistics.median(r["peak_mib"] for r in runs["wide"])
+            for code, path in codes.items():
+                cmd = [sys.executable, "-m", "tokendance.bench.fp8_load", "--one", way, "--dtype", args.dtype,
+                       "--device", str(device), "--folder", str(stored if way == "stored" else wide)]
+                env = None if path is None else {**os.environ, "PYTHONPATH": os.pathsep.join(
+                    [path, os.environ.get("PYTHONPATH", "")])}
+                out = subprocess.run(cmd, capture_output=True, text=True, check=True, env=env).stdout
+                runs[way + code].append(json.loads(out.strip().splitlines()[-1]))
+                print(way + code, runs[way + code][-1], flush=True)  # what a cut-short run still shows
+    med = {k: {f: statistics.median(r[f] for r in rs) for f in ("seconds", "peak_mib", "held_mib")}
+           for k, rs in runs.items()}
     print(f"\n{wide.name}, {args.dtype} on {device}, medians of {args.repeats} fresh processes")
-    print(f"{'way':<8} {'seconds':>8} {'peak MiB':>10} {'held MiB':>10} {'peak / wide':>11}  projections")
+    print(f"{'way':<13} {'seconds':>8} {'peak MiB':>10} {'held MiB':>10} {'peak / wide':>11}"
+          f"{'  s / base' if args.baseline else ''}  projections")
     for way, rs in runs.items():
-        peak = statistics.median(r["peak_mib"] for r in rs)
-        prints = {r["print"] for r in rs}
-        print(f"{way:<8} {statistics.median(r['seconds'] for r in rs):>8.2f} {peak:>10,.1f} "
-              f"{statistics.median(r['held_mib'] for r in rs):>10,.1f} {peak / base:>10.2f}x  {','.join(prints)}")
+        m, stem = med[way], way.removesuffix("@base")
+        vs = f"{m['seconds'] / med[stem + '@base']['seconds']:>9.2f}x" if args.baseline and stem == way else \
+            " " * 10 if args.baseline else ""
+        print(f"{way:<13} {m['seconds']:>8.2f} {m['peak_mib']:>10,.1f} {m['held_mib']:>10,.1f} "
+              f"{m['peak_mib'] / med['wide']['peak_mib']:>10.2f}x{vs}  {','.join({r['print'] for r in rs})}")
     same = {r["print"] for r in runs["rounded"] + runs["stored"]}
     print(f"rounded = stored, byte for byte: {len(same) == 1}")
 
+
+def shim(root: Path) -> str:
+    """A folder whose `tokendance` package is the checkout at `root` (its folders, as
+    setuptools maps them): put first on a child's PYTHONPATH."""
+    top = Path(tempfile.mkdtemp(prefix="td-base-")) / "tokendance"
+    top.mkdir()
+    for d in ("backend", "kernels", "proxy", "adapters", "bench", "examples"):
+        if (root / d).is_dir():
+            (top / d).symlink_to((root / d).resolve())
+    return str(top.parent)
 
 if __name__ == "__main__":
     main()

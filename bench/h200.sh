@@ -26,9 +26,11 @@
 #     tensor cores against the reference in layers and in an engine, CUDA-graph decode over them
 #     (bench/check_quant.py), each layer's time by part (bench/fp8_linear.py), then prefill and decode
 #     steps against bf16 weights, Qwen2.5-7B shape, random weights (bench kv-dtype)
-#   fp8-load: checkpoints stored in 8 bits and the rows rounded as they are read: their tests on
-#     CUDA, bench/check_quant.py, then the memory and time of loading a Qwen2.5-7B shape (random bf16
-#     weights saved, then `tokendance quantize`d) four ways (bench/fp8_load.py)
+#   fp8-load: checkpoints stored in 8 bits, the rows rounded as they are read, and models built
+#     without drawing the weights a checkpoint fills: their tests on CUDA, bench/check_quant.py
+#   load: the memory and time of loading a Qwen2.5-7B shape (random bf16 weights saved, then
+#     `tokendance quantize`d) four ways (bench/fp8_load.py); with LOAD_BASELINE (an earlier
+#     checkout's root) each way also by that code
 #   scoring: a prefill that scores its prompt (prompt logprobs: completions' echo with
 #     logprobs) against the same prefill without, Qwen2.5-7B shape, random bf16 weights
 #   reuse:  one All-Gather round, N = 10 and 20, every mode, serial pic and collective with
@@ -173,11 +175,14 @@ if want quant; then
 fi
 if want fp8-load; then
   python3 -m pytest -q -p no:cacheprovider --tb=short -rfEs tests/backend/test_fp8_checkpoints.py \
-    tests/backend/test_quantization.py >"$OUT/fp8_load_tests.txt" 2>&1
+    tests/backend/test_quantization.py tests/backend/test_loading.py >"$OUT/fp8_load_tests.txt" 2>&1
   tail -4 "$OUT/fp8_load_tests.txt"
   python3 -m tokendance.bench.check_quant 2>&1 | grep -v -i "warn\|deprecat\|info " | tee "$OUT/check_quant.txt"
-  timeout 420 python3 -m tokendance.bench.fp8_load --model qwen2.5-7b --dtype bfloat16 --repeats 3 \
-    --work /tmp/fp8load 2>&1 | grep -v -i "warn\|deprecat\|info " | tee "$OUT/fp8_load.txt"
+fi
+if want load; then
+  timeout 540 python3 -m tokendance.bench.fp8_load --model qwen2.5-7b --dtype bfloat16 --repeats 3 \
+    --work /tmp/fp8load ${LOAD_BASELINE:+--baseline "$LOAD_BASELINE"} 2>&1 \
+    | grep -v -i "warn\|deprecat\|info " | tee "$OUT/fp8_load.txt"
 fi
 if want scoring; then
   python3 -m tokendance.bench.scoring --model qwen2.5-7b --dtype bfloat16 --tokens 2048 --prompts 8 \

@@ -88,16 +88,19 @@ def fp8_linear(x: torch.Tensor, w8: torch.Tensor, w_scale: torch.Tensor,
 class Fp8Linear(nn.Module):
     """An `nn.Linear` whose weight is held in e4m3 with a float32 scale per output row (and,
     `static`, its input rounded under one scale a checkpoint gives, not per row). Starts as
-    nn.Linear starts, uniform within 1/sqrt(in_features), rounded: a random-weight model's."""
+    nn.Linear starts, uniform within 1/sqrt(in_features), rounded: a random-weight model's;
+    not `start`, its rows are left unwritten for a checkpoint's."""
 
-    def __init__(self, in_features: int, out_features: int, bias: bool = False, static: bool = False):
+    def __init__(self, in_features: int, out_features: int, bias: bool = False, static: bool = False,
+                 start: bool = True):
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
         self.register_buffer("weight", torch.empty(out_features, in_features, dtype=E4M3))
         self.register_buffer("scale", torch.empty(out_features, 1, dtype=torch.float32))
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
         self.register_buffer("input_scale", torch.ones((), dtype=torch.float32) if static else None)
-        self.reset_parameters()
+        if start:
+            self.reset_parameters()
 
     @torch.no_grad()
     def reset_parameters(self) -> None:
@@ -120,7 +123,7 @@ class Fp8Linear(nn.Module):
         """`linear`'s weight rounded, row by row, on its device."""
         w = linear.weight.detach()
         with torch.device(w.device):
-            f = cls(linear.in_features, linear.out_features, linear.bias is not None)
+            f = cls(linear.in_features, linear.out_features, linear.bias is not None, start=False)
         f.put(0, *quantize_rows(w))
         f.bias = linear.bias
         return f
