@@ -5,9 +5,10 @@ scale per output row, as `--quantization fp8` rounds it on loading, inputs round
 token at run time. Half a bf16 checkpoint's projection bytes on disk and on loading;
 nothing to calibrate.
 
-Projections are the layers' q, k, v, o, gate, up and down (Phi-3's fused qkv and gate_up)
-whose widths divide by 16; every other linear weight (lm_head, routers, Mixtral's experts)
-stays wide and is listed in the config's `ignore`.
+Projections are those the model holds in 8 bits under `--quantization fp8` (the layers' q,
+k, v, o, gate, up and down whose fused widths divide by 16: backend/quant.py `linear`),
+asked of the model itself; every other linear weight (lm_head, routers, the experts) stays
+wide and is listed in the config's `ignore`.
 """
 
 from __future__ import annotations
@@ -15,9 +16,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import shutil
 import tempfile
+from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -27,10 +29,11 @@ from safetensors.torch import save_file
 from tokendance.backend import loader
 from tokendance.backend.api import InvalidRequest
 from tokendance.backend.config import ModelConfig
-from tokendance.kernels.fp8_linear import fits, quantize_rows
+from tokendance.backend.model import Decoder
+from tokendance.backend.quant import Quant
+from tokendance.backend.start import drawing
+from tokendance.kernels.fp8_linear import E4M3, quantize_rows
 
-PROJECTION = re.compile(r"\.layers\.\d+\.(self_attn|mlp|mlp\.shared_expert)\.(q|k|v|o|qkv|gate|up|down|gate_up)_proj"
-                        r"\.weight$")
 SHARD_BYTES = 4 << 30  # a safetensors file's weights at most, as transformers shards
 CONFIG = {"quant_method": "compressed-tensors", "format": "float-quantized", "quantization_status": "compressed",
           "kv_cache_scheme": None, "config_groups": {"group_0": {
@@ -62,7 +65,7 @@ def main(args: argparse.Namespace) -> int:
 def write(src: Path, out: Path) -> dict[str, int]:
     """`src`'s model at `out` with its projections in e4m3 (atomic: a failure leaves no
     folder); how many projections, and the weights' bytes after and before."""
-    ModelConfig.load(src)  # a model this engine serves (InvalidRequest in one line otherwise)
+    cfg = ModelConfig.load(src)  # a model this engine serves (InvalidRequest in one line otherwise)
     raw = json.loads((src / "config.json").read_text())
     if q := raw.get("quantization_config"):
         raise InvalidRequest(f"{src} is quantized already ({q.get('quant_method') if isinstance(q, dict) else q})",
@@ -75,7 +78,7 @@ def write(src: Path, out: Path) -> dict[str, int]:
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}-", dir=out.parent))
     tmp.chmod(0o755)  # mkdtemp makes it private
     try:
-        count, ignore, sizes = _weights(files, tmp)
+        count, ignore, sizes = _weights(files, tmp, eight_bit(cfg))
         raw["quantization_config"] = {**CONFIG, "ignore": sorted(ignore | {"lm_head"})}
         (tmp / "config.json").write_text(json.dumps(raw, indent=2) + "\n")
         for f in src.iterdir():
@@ -95,9 +98,18 @@ def _empty(out: Path) -> None:
         raise InvalidRequest(f"{out} exists and is not an empty folder", "out")
 
 
-def _weights(files: list[Path], to: Path) -> tuple[int, set[str], tuple[int, int]]:
-    """Every tensor of `files` into shards under `to` (each written when full), projections
-    rounded; (how many were, the linear modules kept wide, (bytes written, bytes read))."""
+def eight_bit(cfg: ModelConfig) -> Callable[[str], bool]:
+    """Whether a checkpoint tensor's rows land in a projection `--quantization fp8` holds in
+    8 bits: asked of the model (built on the meta device, no memory)."""
+    with torch.device("meta"), drawing(False):
+        model = Decoder(replace(cfg, quant=Quant("fp8", False)))
+    eight = {name for name, b in model.named_buffers() if b.dtype == E4M3}
+    return lambda key: loader.target(key, cfg)[0] in eight
+
+
+def _weights(files: list[Path], to: Path, eight: Callable[[str], bool]) -> tuple[int, set[str], tuple[int, int]]:
+    """Every tensor of `files` into shards under `to` (each written when full), those `eight`
+    takes rounded; (how many were, the linear modules kept wide, (bytes written, bytes read))."""
     shard: dict[str, torch.Tensor] = {}
     names: list[str] = []
     where: dict[str, int] = {}
@@ -115,7 +127,7 @@ def _weights(files: list[Path], to: Path) -> tuple[int, set[str], tuple[int, int
                 w = f.get_tensor(key)
                 read += w.nbytes
                 new = {key: w}
-                if PROJECTION.search(key) and w.dim() == 2 and fits(w.shape[1], w.shape[0]):
+                if w.dim() == 2 and eight(key):
                     q, s = quantize_rows(w)
                     new = {key: q, key.removesuffix(".weight") + ".weight_scale": s}
                     count += 1

@@ -87,14 +87,21 @@ def test_the_writer_refuses_in_one_line(written, tmp_path, capsys):
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # nothing half written left
 
 
-@pytest.mark.parametrize("arch, over", [("phi3", {"partial_rotary_factor": 0.5}), ("qwen2", {})])
+@pytest.mark.parametrize("arch, over", [("phi3", {"partial_rotary_factor": 0.5}), ("qwen2", {}),
+                                        ("llama", {"head_dim": 8, "num_key_value_heads": 1})])
 def test_fused_turned_and_biased_projections(make_model, tmp_path, arch, over):
     """Phi-3 stores q, k, v (and gate, up) fused, and turns half of each head: the loader
     splits and reorders rows, bytes and scales alike; the same bytes as rounding the wide
     rows after the reorder (rounding a row does not care where it sits). Qwen2's q, k and
-    v have biases, wide beside their 8-bit weights."""
+    v have biases, wide beside their 8-bit weights. The writer rounds what the model holds
+    in 8 bits: a k of 8 rows too, whose fused qkv (48 rows) the tensor cores take."""
     src = make_model(arch, **over)
-    a, b = eng(cli_quantize(src, tmp_path / "fp8")), eng(src, quantization="fp8")
+    out = cli_quantize(src, tmp_path / "fp8")
+    assert load_file(str(out / "model.safetensors"))["model.layers.1.self_attn.o_proj.weight"].dtype == E4M3
+    if arch == "llama":
+        assert load_file(str(out / "model.safetensors"))["model.layers.0.self_attn.k_proj.weight"].shape == (8, 64)
+        assert json.loads((out / "config.json").read_text())["quantization_config"]["ignore"] == ["lm_head"]
+    a, b = eng(out), eng(src, quantization="fp8")
     biases = [m.bias for m in a.model.modules() if type(m).__name__ == "Fp8Linear" and m.bias is not None]
     assert len(biases) == (2 if arch == "qwen2" else 0)
     assert all(torch.equal(x.bias, y.bias) for x, y in zip(a.model.modules(), b.model.modules())
@@ -156,7 +163,7 @@ def test_what_the_checkpoint_keeps_wide_stays_wide(written, tiny_llama, tmp_path
     folder = rewrite(written, tmp_path / "mixed", tensors, {**config, "ignore": [q]})
     model = loader.load(folder, ModelConfig.load(folder), torch.float32, "cpu")  # the engine would pack it
     qkv = model.layers[1].self_attn.qkv_proj
-    assert type(qkv) is nn.Linear and type(model.layers[0].self_attn.qkv_proj).__name__ == "Fp8Linear"
+    assert isinstance(qkv, nn.Linear) and type(model.layers[0].self_attn.qkv_proj).__name__ == "Fp8Linear"
     k = "model.layers.1.self_attn.k_proj"
     assert torch.equal(qkv.weight[:64], wide[f"{q}.weight"])
     assert torch.equal(qkv.weight[64:96], widen(tensors[f"{k}.weight"]) * tensors[f"{k}.weight_scale"])
