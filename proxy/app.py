@@ -282,15 +282,29 @@ async def invocations(req: web.Request) -> web.StreamResponse:
     """SageMaker's one route, as vLLM serves it: the body's fields choose the API (a chat's
     messages first, as vLLM tries its request types in that order)."""
     try:
-        body = msgspec.json.decode(await req.read())
+        # only which fields are present: their values stay raw bytes, the handler decodes them
+        given = msgspec.json.decode(await req.read(), type=Present)
     except msgspec.DecodeError as exc:
-        raise invalid(f"the body is not valid JSON: {exc}") from exc
-    if isinstance(body, dict):
+        if not isinstance(exc, msgspec.ValidationError):
+            raise invalid(f"the body is not valid JSON: {exc}") from exc
+    else:
         for fields, handler in INVOCATIONS:
-            if any(f in body for f in fields):
+            if any(getattr(given, f) for f in fields):
                 return await handler(req)
     raise invalid("/invocations takes a chat (messages), a completion (prompt), embeddings (input), a "
                   "rerank (query) or a score (queries, data_1, text_1, items)")
+
+
+class Present(msgspec.Struct):
+    """The fields /invocations routes by, undecoded: an empty Raw is an absent field."""
+    messages: msgspec.Raw = msgspec.Raw()
+    prompt: msgspec.Raw = msgspec.Raw()
+    input: msgspec.Raw = msgspec.Raw()
+    query: msgspec.Raw = msgspec.Raw()
+    queries: msgspec.Raw = msgspec.Raw()
+    data_1: msgspec.Raw = msgspec.Raw()
+    text_1: msgspec.Raw = msgspec.Raw()
+    items: msgspec.Raw = msgspec.Raw()
 
 
 def _number(req: web.Request) -> int:
