@@ -29,7 +29,7 @@ from tokendance.backend.place import Misfit, Placer, multiply, scales
 from tokendance.backend.quant import KV_SCALES, SCALES
 from tokendance.backend.rope_scaling import rotary
 from tokendance.backend.start import drawing
-from tokendance.kernels.fp8_linear import E4M3, Fp8Linear
+from tokendance.kernels.fp8_linear import E4M3
 
 log = structlog.get_logger(__name__)
 
@@ -120,7 +120,7 @@ def build(cfg: ModelConfig, dtype: torch.dtype, device: torch.device | str, tp: 
         torch.set_default_dtype(prev)
     if cfg.quant is not None:
         log.info("fp8 weights", quantization=cfg.quant.method, stored=cfg.quant.stored,
-                 layers=sum(isinstance(m, Fp8Linear) for m in model.modules()))
+                 block=cfg.quant.block, layers=sum(b.dtype == E4M3 for b in model.buffers()))
     return model
 
 
@@ -215,6 +215,9 @@ def load(folder: Path, cfg: ModelConfig, dtype: torch.dtype, device: torch.devic
         raise InvalidRequest(f"no .safetensors weights in {folder}", "model")
     given = described not in (None, folder)
     whose, param = (f"{described}/config.json", "hf_config_path") if given else ("the config", "model")
+    block = cfg.quant.block if cfg.quant is not None else None
+    if block is not None and tp is not None:
+        raise InvalidRequest(f"{folder}: block-wise fp8 weights over tensor parallelism are not supported", param)
     model = build(cfg, dtype, device, tp, start=False)
     fold = rotary(cfg)[2]
     into = Placer(model, dtype, tp, cfg.quant, whose)
@@ -235,7 +238,9 @@ def load(folder: Path, cfg: ModelConfig, dtype: torch.dtype, device: torch.devic
                 continue  # an 8-bit pool scales its own KV
             try:
                 w = f.get_tensor(stored)
-                s, x_scale = scales(stored, w, get) if w.dtype == E4M3 else (None, None)
+                s, x_scale = scales(stored, w, get, block) if w.dtype == E4M3 else (None, None)
+                if s is not None and block is not None and (cfg.rotary_dim or any(f".{p}." in stored for p in FUSED)):
+                    raise Misfit("block-wise scales on a fused or partly rotated projection are not supported")
                 # e4m3 rows move as bytes; the partial-rotary fold then lands on their scales
                 parts = _parts(stored, w if s is None else w.view(torch.uint8), cfg, fold if s is None else 1.0)
                 sparts = [None] * len(parts) if s is None else [p for _, p in _parts(stored, s, cfg, fold)]

@@ -17,6 +17,7 @@ from torch import nn
 from tokendance.backend.parallel import Shard, shard_weight
 from tokendance.backend.quant import Quant
 from tokendance.backend.start import Linear, drawing
+from tokendance.kernels.fp8_block import BlockFp8Linear, spread
 from tokendance.kernels.fp8_linear import E4M3, Fp8Linear, quantize_rows, widen
 
 log = structlog.get_logger(__name__)
@@ -26,14 +27,23 @@ class Misfit(ValueError):
     """A checkpoint tensor that does not fit the model: the loader says where."""
 
 
-def scales(stored: str, w: torch.Tensor, get: Callable[[str], torch.Tensor | None]
-           ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """An e4m3 weight's scales, one per row ([..., rows, 1], float32), and its input scale
-    where the checkpoint has one; `get(name)` reads a tensor (None: not in the checkpoint)."""
+def scales(stored: str, w: torch.Tensor, get: Callable[[str], torch.Tensor | None],
+           block: tuple[int, int] | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """An e4m3 weight's scales, one per row ([..., rows, 1], float32) or, block-wise, one per
+    block ([..., rows / bn, columns / bk], the last block of each partial), and its input
+    scale where the checkpoint has one; `get(name)` reads a tensor (None: not in the
+    checkpoint)."""
     stem = stored.removesuffix(".weight")
     s = get(f"{stem}.weight_scale")
+    s = get(f"{stem}.weight_scale_inv") if s is None else s  # the fp8 block format's name
     if s is None:
         raise Misfit(f"in e4m3, but the checkpoint holds no {stem}.weight_scale")
+    if block is not None:
+        want = (*w.shape[:-2], -(-w.shape[-2] // block[0]), -(-w.shape[-1] // block[1]))
+        if tuple(s.shape) != want:
+            raise Misfit(f"{stem}'s scales have shape {tuple(s.shape)}, not one per {block[0]} x {block[1]} "
+                         f"block of {tuple(w.shape)}: {want}")
+        return s.float().contiguous(), None
     rows = w.shape[:-1]
     if s.numel() == 1:
         s = s.reshape([1] * len(rows) + [1]).expand(*rows, 1)
@@ -72,9 +82,12 @@ class Placer:
         # a tensor-parallel rank's vocabulary share may hold fewer rows than its parameter
         rows = slice(off or 0, (off or 0) + src.shape[0])
         module = self.model.get_submodule(target.rsplit(".", 1)[0])
-        eight = isinstance(module, Fp8Linear) and target.endswith(".weight")  # not its bias
+        eight = isinstance(module, (Fp8Linear, BlockFp8Linear)) and target.endswith(".weight")  # not its bias
         if eight and s is None and self.quant is not None and self.quant.stored:
             module, eight = self._widen(target), False  # a projection the checkpoint keeps wide (its ignore list)
+        block = self.quant.block if self.quant is not None else None
+        if eight and block is not None and (rows.start % block[0] or src.shape[0] % block[0]):
+            module, eight = self._widen(target), False  # a fused part that is not whole blocks
         dst = self.held[target] if expert is None else self.held[target][expert]
         if dst[rows].shape != src.shape:
             raise Misfit(f"has shape {tuple(w.shape)}, not what {self.whose} gives")
@@ -83,13 +96,13 @@ class Placer:
             s = shard_weight(name.removesuffix(".weight") + ".weight_scale", s, self.tp)
         if not eight:
             if s is not None:
-                src = widen(src.view(E4M3)) * s
+                src = widen(src.view(E4M3)) * (s if block is None else spread(s, *block, *src.shape[-2:]))
             dst[rows].copy_(src.to(self.dtype))
             return
         if s is None:  # a wide row, rounded on the device it is held on
             src, s = quantize_rows(src.to(dst.device))
         module.put(rows.start, src, s)
-        if module.input_scale is not None:
+        if getattr(module, "input_scale", None) is not None:
             if x_scale is None:
                 raise Misfit("the checkpoint's inputs take static scales, but it holds no "
                              f"{name.removesuffix('.weight')}.input_scale")
@@ -102,7 +115,7 @@ class Placer:
         """The projection holding `target` as an nn.Linear of its rows so far."""
         path = target.rsplit(".", 1)[0]
         parent, attr = path.rsplit(".", 1)
-        old: Fp8Linear = self.model.get_submodule(path)
+        old: Fp8Linear | BlockFp8Linear = self.model.get_submodule(path)
         with drawing(False):
             new = Linear(old.in_features, old.out_features, bias=old.bias is not None, device=old.weight.device,
                          dtype=self.dtype)

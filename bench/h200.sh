@@ -28,6 +28,8 @@
 #     steps against bf16 weights, Qwen2.5-7B shape, random weights (bench kv-dtype)
 #   fp8-load: checkpoints stored in 8 bits, the rows rounded as they are read, and models built
 #     without drawing the weights a checkpoint fills: their tests on CUDA, bench/check_quant.py
+#   fp8-block: block-wise 8-bit weights (FP8 checkpoints' weight_block_size): their tests on CUDA,
+#     then the layer against bf16 and per-row 8-bit weights at Qwen3-8B's widths (bench/fp8_block.py)
 #   load: the memory and time of loading a Qwen2.5-7B shape (random bf16 weights saved, then
 #     `tokendance quantize`d) four ways (bench/fp8_load.py); with LOAD_BASELINE (an earlier
 #     checkout's root) each way also by that code
@@ -178,6 +180,12 @@ if want fp8-load; then
     tests/backend/test_quantization.py tests/backend/test_loading.py >"$OUT/fp8_load_tests.txt" 2>&1
   tail -4 "$OUT/fp8_load_tests.txt"
   python3 -m tokendance.bench.check_quant 2>&1 | grep -v -i "warn\|deprecat\|info " | tee "$OUT/check_quant.txt"
+fi
+if want fp8-block; then
+  python3 -m pytest -q -p no:cacheprovider --tb=short -rfEs tests/backend/test_fp8_blocks.py \
+    >"$OUT/fp8_block_tests.txt" 2>&1
+  tail -4 "$OUT/fp8_block_tests.txt"
+  timeout 300 python3 bench/fp8_block.py 2>&1 | grep -v -i "warn\|deprecat" | tee "$OUT/fp8_block.txt"
 fi
 if want load; then
   timeout 540 python3 -m tokendance.bench.fp8_load --model qwen2.5-7b --dtype bfloat16 --repeats 3 \

@@ -194,11 +194,16 @@ def group(weights: dict | None = None, inputs: dict | None = DYNAMIC, **kw) -> d
 
 
 @pytest.mark.parametrize("config, message", [
-    ({"quant_method": "fp8", "weight_block_size": [128, 128]}, "block-wise fp8 scales"),
+    ({"quant_method": "fp8", "weight_block_size": [100, 128]}, r"weight_block_size \[100, 128\] \(blocks of two"),
+    ({"quant_method": "fp8", "weight_block_size": [128, 128], "activation_scheme": "static"},
+     "block-wise weights with static input scales"),
     ({"quant_method": "gptq", "bits": 4}, "quantization method 'gptq' is not supported"),
     (group(inputs=None), "8-bit weights with wide inputs"),
     (group({"type": "int"}), "8-bit int weights"),
-    (group({"strategy": "block", "block_structure": [128, 128]}), "weight scales per block"),
+    (group({"strategy": "block", "block_structure": [128, 128]}), "block-wise weights with input scales per token"),
+    (group({"strategy": "block", "block_structure": [128, 128]}, {**DYNAMIC, "strategy": "group", "group_size": 64}),
+     r"per group \(group_size 64\)"),
+    (group({"strategy": "group"}), "weight scales per group"),
     (group(format="pack-quantized"), "format 'pack-quantized'"),
     ({**group(), "config_groups": {"group_0": {"weights": [8], "input_activations": DYNAMIC}}},
      "group group_0: format 'float-quantized', None-bit None weights"),
@@ -206,7 +211,7 @@ def group(weights: dict | None = None, inputs: dict | None = DYNAMIC, **kw) -> d
     ({**group(), "config_groups": {"a": group()["config_groups"]["group_0"], "b": {
         **group()["config_groups"]["group_0"], "input_activations": {**DYNAMIC, "strategy": "tensor",
                                                                      "dynamic": False}}}},
-     "static and dynamic input scales together"),
+     r"groups of different schemes together \(dynamic, static\)"),
 ])
 def test_quantizations_we_do_not_serve_are_refused_by_name(written, tmp_path, config, message):
     folder = rewrite(written, tmp_path / "refused", load_file(str(written / "model.safetensors")), config)

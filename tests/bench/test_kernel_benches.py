@@ -16,7 +16,7 @@ BENCH = Path(__file__).resolve().parents[2] / "bench"
 
 @pytest.mark.parametrize("script", ["kernels.py --fp8", "collective.py --fp8", "head_dims.py", "head_dims.py --sweep", "moe.py --tokens 8",
                                     "moe.py --align --tokens 8", "windows.py", "softcap.py", "fp8_decode.py",
-                                    "fp8_linear.py"])
+                                    "fp8_linear.py", "fp8_block.py"])
 def test_smoke(script: str) -> None:
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     env.pop("OUT", None)

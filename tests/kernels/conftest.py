@@ -24,6 +24,7 @@ if "triton" in sys.modules:
                      "tokendance.kernels.paged_attention", "tokendance.kernels.deviation",
                      "tokendance.kernels.diff", "tokendance.kernels.restore",
                      "tokendance.kernels.norm", "tokendance.kernels.act", "tokendance.kernels.moe",
-                     "tokendance.kernels.store", "tokendance.kernels.fp8_triton", "tokendance.kernels.fp8_linear"):
+                     "tokendance.kernels.store", "tokendance.kernels.fp8_triton", "tokendance.kernels.fp8_linear",
+                     "tokendance.kernels.fp8_block_triton", "tokendance.kernels.fp8_block"):
             if name in sys.modules:
                 importlib.reload(sys.modules[name])

@@ -1,0 +1,61 @@
+"""The Triton product of block-wise 8-bit weights (kernels/fp8_block.py holds its reference
+and the module that calls it): rows rounded per group of bk columns times an e4m3 weight
+under a scale per bn x bk block. A program holds a tile of the output and walks K one
+block at a time: each block's partial product in float32 (tl.dot over float16 operands,
+which hold e4m3 exactly), scaled by its rows' group scales and its columns' block scale,
+then summed, as the reference sums the scaled products.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from tokendance.kernels.jit import launch_options, tl, triton
+
+# A decode step's few rows, and a prefill's many (not tuned on a GPU yet)
+FEW = dict(block_m=16, block_n=64, num_warps=4, num_stages=3)
+MANY = dict(block_m=64, block_n=128, num_warps=8, num_stages=3)
+
+
+@triton.jit
+def _block_kernel(xq, xs, w, ws, bias, out, M, N, K, KB, s_x, s_w, s_o, HAS_BIAS: tl.constexpr,
+                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_N: tl.constexpr, GROUP_K: tl.constexpr):
+    rows = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    ks = tl.arange(0, GROUP_K)
+    rm, cn = rows < M, cols < N
+    a_ptr = xq + rows[:, None].to(tl.int64) * s_x + ks[None, :]
+    b_ptr = w + cols[:, None].to(tl.int64) * s_w + ks[None, :]
+    sa_ptr = xs + rows.to(tl.int64) * KB
+    sb_ptr = ws + (cols // GROUP_N).to(tl.int64) * KB
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for kb in range(0, KB):
+        k0 = kb * GROUP_K
+        a = tl.load(a_ptr + k0, mask=rm[:, None], other=0.0).to(tl.float16)
+        b = tl.load(b_ptr + k0, mask=cn[:, None], other=0.0).to(tl.float16)
+        part = tl.dot(a, tl.trans(b))
+        sa = tl.load(sa_ptr + kb, mask=rm, other=0.0)
+        sb = tl.load(sb_ptr + kb, mask=cn, other=0.0)
+        acc += part * sa[:, None] * sb[None, :]
+    if HAS_BIAS:
+        acc += tl.load(bias + cols, mask=cn, other=0.0).to(tl.float32)[None, :]
+    tl.store(out + rows[:, None].to(tl.int64) * s_o + cols[None, :], acc, mask=rm[:, None] & cn[None, :])
+
+
+def block_linear_triton(xq: torch.Tensor, xs: torch.Tensor, w8: torch.Tensor, w_scale: torch.Tensor,
+                        block: tuple[int, int], bias: torch.Tensor | None = None,
+                        out_dtype: torch.dtype = torch.bfloat16, cfg: dict | None = None) -> torch.Tensor:
+    """(xq * xs, per group of bk columns) @ (w8 * w_scale, per bn x bk block).T (+ bias) for
+    rounded rows xq [M, K] (scales [M, K / bk]) and an e4m3 weight [N, K] (scales
+    [N / bn, K / bk]), in `out_dtype`. K must be whole groups, N whole blocks."""
+    (m, k), n = xq.shape, w8.shape[0]
+    bn, bk = block
+    assert w8.shape[1] == k and k % bk == 0 and n % bn == 0 and xq.stride(-1) == w8.stride(-1) == 1
+    assert xs.shape == (m, k // bk) and w_scale.shape == (n // bn, k // bk)
+    c = {**(FEW if m <= FEW["block_m"] else MANY), **(cfg or {})}
+    out = torch.empty(m, n, device=xq.device, dtype=out_dtype)
+    grid = (triton.cdiv(n, c["block_n"]), triton.cdiv(m, c["block_m"]))
+    _block_kernel[grid](xq, xs.contiguous(), w8, w_scale.contiguous(), bias if bias is not None else w_scale, out,
+                        m, n, k, k // bk, xq.stride(0), w8.stride(0), out.stride(0), HAS_BIAS=bias is not None,
+                        BLOCK_M=c["block_m"], BLOCK_N=c["block_n"], GROUP_N=bn, GROUP_K=bk, **launch_options(c))
+    return out
