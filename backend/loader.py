@@ -29,7 +29,8 @@ from tokendance.backend.place import Misfit, Placer, multiply, scales
 from tokendance.backend.quant import KV_SCALES, SCALES
 from tokendance.backend.rope_scaling import rotary
 from tokendance.backend.start import drawing
-from tokendance.kernels.fp8_linear import E4M3
+from tokendance.kernels.fp8_block import spread
+from tokendance.kernels.fp8_linear import E4M3, widen
 
 log = structlog.get_logger(__name__)
 
@@ -188,6 +189,13 @@ def _parts(name: str, w: torch.Tensor, cfg: ModelConfig, fold: float) -> list[tu
     return [(name, w)]
 
 
+def _regrouped(name: str, cfg: ModelConfig) -> bool:
+    """Whether `_parts` splits a checkpoint tensor's rows (a fused one) or reorders them (q's
+    and k's where a model turns only part of each head)."""
+    turned = cfg.rotary_dim is not None and (".q_proj." in name or ".k_proj." in name)
+    return turned or any(f".{fused}." in name for fused in FUSED)
+
+
 def _pairs(w: torch.Tensor, d: int, r: int, fold: float) -> torch.Tensor:
     """Each head's rows reordered so that the pairs HF turns, (i, i + r/2) for i < r/2, sit
     where the kernels turn theirs, (j, j + d/2), and the d - r dims HF leaves alone pair up
@@ -216,8 +224,6 @@ def load(folder: Path, cfg: ModelConfig, dtype: torch.dtype, device: torch.devic
     given = described not in (None, folder)
     whose, param = (f"{described}/config.json", "hf_config_path") if given else ("the config", "model")
     block = cfg.quant.block if cfg.quant is not None else None
-    if block is not None and tp is not None:
-        raise InvalidRequest(f"{folder}: block-wise fp8 weights over tensor parallelism are not supported", param)
     model = build(cfg, dtype, device, tp, start=False)
     fold = rotary(cfg)[2]
     into = Placer(model, dtype, tp, cfg.quant, whose)
@@ -239,8 +245,9 @@ def load(folder: Path, cfg: ModelConfig, dtype: torch.dtype, device: torch.devic
             try:
                 w = f.get_tensor(stored)
                 s, x_scale = scales(stored, w, get, block) if w.dtype == E4M3 else (None, None)
-                if s is not None and block is not None and (cfg.rotary_dim or any(f".{p}." in stored for p in FUSED)):
-                    raise Misfit("block-wise scales on a fused or partly rotated projection are not supported")
+                if s is not None and block is not None and _regrouped(stored, cfg):
+                    # rows split or reordered below, across blocks: widened (its projection then held wide)
+                    w, s = widen(w) * spread(s, *block, *w.shape[-2:]), None
                 # e4m3 rows move as bytes; the partial-rotary fold then lands on their scales
                 parts = _parts(stored, w if s is None else w.view(torch.uint8), cfg, fold if s is None else 1.0)
                 sparts = [None] * len(parts) if s is None else [p for _, p in _parts(stored, s, cfg, fold)]

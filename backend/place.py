@@ -78,22 +78,25 @@ class Placer:
             s: torch.Tensor | None, x_scale: torch.Tensor | None) -> None:
         """`name`'s rows (w: wide, or e4m3's bytes with scales `s`) from `off` in `target`
         (stacked experts: `expert`'s); Misfit where their shapes differ."""
+        module = self.model.get_submodule(target.rsplit(".", 1)[0])
+        eight = isinstance(module, (Fp8Linear, BlockFp8Linear)) and target.endswith(".weight")  # not its bias
+        block = self.quant.block if self.quant is not None else None
+        if s is not None and block is not None and not (eight and self._whole(name, w, block)):
+            # widened whole, then shared out as a wide tensor: an expert's, the lm_head's, a share not whole blocks
+            w, s = widen(w.view(E4M3)) * spread(s, *block, *w.shape[-2:]), None
         src = shard_weight(name, w, self.tp)
         # a tensor-parallel rank's vocabulary share may hold fewer rows than its parameter
         rows = slice(off or 0, (off or 0) + src.shape[0])
-        module = self.model.get_submodule(target.rsplit(".", 1)[0])
-        eight = isinstance(module, (Fp8Linear, BlockFp8Linear)) and target.endswith(".weight")  # not its bias
         if eight and s is None and self.quant is not None and self.quant.stored:
             module, eight = self._widen(target), False  # a projection the checkpoint keeps wide (its ignore list)
-        block = self.quant.block if self.quant is not None else None
         if eight and block is not None and (rows.start % block[0] or src.shape[0] % block[0]):
             module, eight = self._widen(target), False  # a fused part that is not whole blocks
         dst = self.held[target] if expert is None else self.held[target][expert]
         if dst[rows].shape != src.shape:
             raise Misfit(f"has shape {tuple(w.shape)}, not what {self.whose} gives")
         self.written.add(target)
-        if s is not None:
-            s = shard_weight(name.removesuffix(".weight") + ".weight_scale", s, self.tp)
+        if s is not None:  # block scales are shared out as their weight is (whole blocks: `_whole`)
+            s = shard_weight(name if block is not None else name.removesuffix(".weight") + ".weight_scale", s, self.tp)
         if not eight:
             if s is not None:
                 src = widen(src.view(E4M3)) * (s if block is None else spread(s, *block, *src.shape[-2:]))
@@ -110,6 +113,17 @@ class Placer:
             first = target not in self.inputs
             module.input_scale.copy_(x_scale if first else torch.maximum(module.input_scale, x_scale.to(dst.device)))
             self.inputs.add(target)
+
+    def _whole(self, name: str, w: torch.Tensor, block: tuple[int, int]) -> bool:
+        """Whether each rank's share of a block-wise weight is whole blocks, so that its
+        scales split as it does (every share, when one process holds it all)."""
+        if self.tp is None or self.tp.size == 1:
+            return True
+        part = shard_weight(name, w, self.tp)  # a view
+        for dim, b in ((-2, block[0]), (-1, block[1])):
+            if part.shape[dim] != w.shape[dim]:
+                return w.shape[dim] % (self.tp.size * b) == 0
+        return True
 
     def _widen(self, target: str) -> nn.Linear:
         """The projection holding `target` as an nn.Linear of its rows so far."""

@@ -6,7 +6,6 @@ widened; what is not supported refused in one line."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
@@ -19,6 +18,7 @@ from tokendance.backend import loader
 from tokendance.backend.api import InvalidRequest, SamplingParams
 from tokendance.backend.config import ModelConfig
 from tokendance.backend.engine import Engine
+from tokendance.backend.parallel import Shard
 from tokendance.kernels.fp8_block import quantize_blocks, spread
 from tokendance.kernels.fp8_linear import E4M3, widen
 
@@ -122,10 +122,22 @@ def test_experts_in_blocks_are_widened_into_their_stacks(make_model, tmp_path):
                                               *router.shape))
 
 
-def test_what_blocks_do_not_serve_is_refused_in_one_line(make_model, tiny_llama, tmp_path):
-    phi3 = blocked(make_model("phi3"), tmp_path / "phi3", [32, 32], also=("qkv_proj.weight", "gate_up_proj.weight"))
-    with pytest.raises(InvalidRequest, match="block-wise scales on a fused or partly rotated projection"):
-        eng(phi3)
+def test_fused_or_turned_tensors_in_blocks_are_widened(make_model, tmp_path):
+    """Phi-3 stores q, k, v (and gate, up) fused and turns half of each head: their rows are
+    split and reordered across blocks, so they are widened whole (held wide); o and down
+    stay in blocks."""
+    src = make_model("phi3", partial_rotary_factor=0.5)
+    folder = blocked(src, tmp_path / "phi3", [32, 32], also=("qkv_proj.weight", "gate_up_proj.weight"))
+    e, wide = eng(folder), eng(src)
+    layer = e.model.layers[0]
+    assert type(layer.self_attn.o_proj).__name__ == "BlockFp8Linear"
+    assert not any(b.dtype == E4M3 for b in layer.self_attn.qkv_proj.buffers())
+    assert not any(b.dtype == E4M3 for b in layer.mlp.gate_up_proj.buffers())
+    ids = [list(range(500, 530))]
+    assert e.generate(ids, GREEDY)[0][0][0] == wide.generate(ids, GREEDY)[0][0][0]
+
+
+def test_scales_that_are_not_one_per_block_are_refused(tiny_llama, tmp_path):
     folder = blocked(tiny_llama, tmp_path / "blocks", [32, 32])
     tensors = load_file(str(folder / "model.safetensors"))
     o = "model.layers.0.self_attn.o_proj.weight_scale_inv"
@@ -133,12 +145,22 @@ def test_what_blocks_do_not_serve_is_refused_in_one_line(make_model, tiny_llama,
     with pytest.raises(InvalidRequest, match=r"o_proj's scales have shape \(2, 1\), not one per 32 x 32 block "
                                              r"of \(64, 64\): \(2, 2\)"):
         eng(bad)
-    raw = json.loads((folder / "config.json").read_text())
-    assert raw["quantization_config"]["weight_block_size"] == [32, 32]
-    with pytest.raises(InvalidRequest, match="block-wise fp8 weights over tensor parallelism are not supported"):
-        loader.load(folder, ModelConfig.load(folder), torch.float32, "cpu", tp=_Rank())
 
 
-class _Rank:
-    """A tensor-parallel shard's stand-in: loading refuses before it is used."""
-    size, rank = 2, 0
+def test_a_ranks_share_that_is_not_whole_blocks_is_widened_then_shared(tiny_llama, tmp_path):
+    """Blocks of 32 over two ranks (rank 1 here, loaded alone): o's 64 columns split into
+    whole blocks (rank 1 takes the second column of scales); k's 32 rows would split into
+    half blocks, so k is widened whole and its rows shared out wide, and the fused qkv it
+    lands in is held wide (q's whole blocks widened with it)."""
+    folder = blocked(tiny_llama, tmp_path / "blocks", [32, 32])
+    stored = load_file(str(folder / "model.safetensors"))
+    rank = Shard(rank=1, size=2, device=torch.device("cpu"), group=None, calls=None)
+    model = loader.load(folder, ModelConfig.load(folder), torch.float32, "cpu", tp=rank)
+    attn, o, k = model.layers[0].self_attn, "model.layers.0.self_attn.o_proj", "model.layers.0.self_attn.k_proj"
+    assert type(attn.o_proj).__name__ == "BlockFp8Linear"
+    assert torch.equal(attn.o_proj.scale, stored[f"{o}.weight_scale_inv"][:, 1:])
+    assert torch.equal(attn.o_proj.weight.view(torch.uint8), stored[f"{o}.weight"].view(torch.uint8)[:, 32:])
+    assert isinstance(attn.qkv_proj, nn.Linear)
+    w = stored[f"{k}.weight"]
+    assert torch.equal(attn.qkv_proj.weight[32:48], (widen(w) * spread(stored[f"{k}.weight_scale_inv"], 32, 32,
+                                                                        *w.shape))[16:])

@@ -365,16 +365,47 @@ def test_two_ranks_serve_an_fp8_checkpoint(tiny_llama, tmp_path):
     folder = tmp_path / "fp8"
     assert cli.main(["quantize", str(tiny_llama), str(folder)]) == 0
     stored = load_file(str(folder / "model.safetensors"))
-    two = engine(folder, tensor_parallel_size=2)
-    try:
-        attn, o, k = two.model.layers[1].self_attn, "model.layers.1.self_attn.o_proj", "model.layers.1.self_attn.k_proj"
+
+    def check(model) -> None:
+        attn, o, k = model.layers[1].self_attn, "model.layers.1.self_attn.o_proj", "model.layers.1.self_attn.k_proj"
         assert torch.equal(attn.o_proj.scale, stored[f"{o}.weight_scale"])
         assert torch.equal(attn.o_proj.weight.view(torch.uint8), stored[f"{o}.weight"].view(torch.uint8)[:, :32])
         assert torch.equal(attn.qkv_proj.scale[32:48], stored[f"{k}.weight_scale"][:16])  # q's 32 rows, then k's 16
+
+    got, want = two_and_one(folder, check)
+    assert sum(a == b for x, y in zip(got, want) for a, b in zip(x, y)) >= 0.9 * sum(len(x) for x in want)
+
+
+def test_two_ranks_serve_a_block_wise_fp8_checkpoint(tiny_llama, tmp_path):
+    """Blocks of 16 x 16 over two ranks: each share of a projection is whole blocks, so its
+    scales split as its bytes do (a row-parallel one's columns, too), and each input group
+    lies in one rank's columns, rounded as one process rounds it: the tokens are one
+    process's."""
+    from tests.backend.test_fp8_blocks import blocked
+
+    folder = blocked(tiny_llama, tmp_path / "blocks", [16, 16])
+    stored = load_file(str(folder / "model.safetensors"))
+
+    def check(model) -> None:
+        attn, o, k = model.layers[1].self_attn, "model.layers.1.self_attn.o_proj", "model.layers.1.self_attn.k_proj"
+        assert type(attn.o_proj).__name__ == "BlockFp8Linear"
+        assert torch.equal(attn.o_proj.scale, stored[f"{o}.weight_scale_inv"][:, :2])  # 32 of 64 columns
+        assert torch.equal(attn.o_proj.weight.view(torch.uint8), stored[f"{o}.weight"].view(torch.uint8)[:, :32])
+        assert torch.equal(attn.qkv_proj.scale[2:3], stored[f"{k}.weight_scale_inv"][:1])  # q's 32 rows, then k's 16
+
+    got, want = two_and_one(folder, check)
+    assert got == want  # only the sums' order differs from one process's
+
+
+def two_and_one(folder, check) -> tuple[list, list]:
+    """A collective round's tokens over two ranks (after `check` of the leader's model) and
+    in one process; the ranks must agree."""
+    two = engine(folder, tensor_parallel_size=2)
+    try:
+        check(two.model)
         prompts, spans = round_prompts(3, seed=5)
         got, _ = run(two, prompts, spans, "collective", "c-")
     finally:
         two.close()
     assert two.tp.agreed
-    want, _ = run(engine(folder), prompts, spans, "collective", "c-")
-    assert sum(a == b for x, y in zip(got, want) for a, b in zip(x, y)) >= 0.9 * sum(len(x) for x in want)
+    return got, run(engine(folder), prompts, spans, "collective", "c-")[0]
