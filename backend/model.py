@@ -8,6 +8,7 @@ KV. Projections are fused (qkv, gate_up); `loader.py` maps checkpoint names onto
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -249,12 +250,16 @@ class Rope(nn.Module):
 
     def __init__(self, cfg: ModelConfig, positional: bool = True):
         super().__init__()
-        inv_freq, scale, _ = rotary(cfg)
-        if not positional:
-            inv_freq, scale = torch.zeros_like(inv_freq), 1.0
+        # a model built on the meta device (its shapes alone: backend/checkpoint.py) computes
+        # these on the CPU: arithmetic on meta tensors first imports torch's compiler (~1 s)
+        with torch.device("cpu") if torch.empty(0).is_meta else nullcontext():
+            inv_freq, scale, _ = rotary(cfg)
+            if not positional:
+                inv_freq, scale = torch.zeros_like(inv_freq), 1.0
+            # cos/sin per position for the kernels' tiles of scattered positions (Mirrors)
+            trig = trig_table(inv_freq, cfg.context)
         self.register_buffer("inv_freq", inv_freq, persistent=False)
-        # cos/sin per position for the kernels' tiles of scattered positions (Mirrors)
-        self.register_buffer("trig", trig_table(inv_freq, cfg.context), persistent=False)
+        self.register_buffer("trig", trig, persistent=False)
         self.scale = scale
 
 
