@@ -24,7 +24,10 @@ from .route import PROXY, T0, json_answer, tracked
 from .session import round_number
 
 log = structlog.get_logger("tokendance.proxy")
-VERSION = importlib.metadata.version("tokendance")
+try:
+    VERSION = importlib.metadata.version("tokendance")
+except importlib.metadata.PackageNotFoundError:  # run from a checkout that is not installed
+    VERSION = "0+source"
 CONTROL = web.AppKey("control", object)
 
 

@@ -6,6 +6,8 @@ import gc
 import importlib.metadata
 import json
 import logging
+import subprocess
+import sys
 import time
 import weakref
 
@@ -301,3 +303,15 @@ async def test_time_to_first_token_and_per_output_token(start, make_backend, fle
     assert (sum(m.ttft.counts), sum(m.tpot.counts)) == (2, 2)
     assert 2 * 0.05 <= m.ttft.sum <= m.latency.sum - 2 * 0.15  # the first after one delay, the last 4 later
     assert 2 * 0.04 <= m.tpot.sum <= 2 * 0.1  # 4 tokens after the first in ~4 x 50 ms
+
+
+def test_a_checkout_that_is_not_installed_still_serves():
+    """Without the distribution's metadata (a source checkout on the path, as the GPU host
+    runs it) /version answers 0+source instead of the server failing to import."""
+    code = ("import importlib.metadata as m\n"
+            "def missing(name): raise m.PackageNotFoundError(name)\n"
+            "m.version = missing\n"
+            "from tokendance.proxy import app\n"
+            "print(app.VERSION)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "0+source", out.stderr[-2000:]
