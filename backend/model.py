@@ -280,7 +280,7 @@ class Decoder(nn.Module):
         self.model.embed_tokens = Embedding(vocab, cfg.hidden_size)
         # the embeddings' multiplier in the weights' dtype, as Gemma's rounds it (Granite's 12 is exact)
         self.embed_scale = float(torch.tensor(cfg.embedding_multiplier, dtype=torch.get_default_dtype(),
-                                                 device="cpu"))  # not on the meta device
+                                                 device="cpu"))  # a number, also where the model is built on meta
         kind = PostNormLayer if cfg.post_norm else SandwichLayer if cfg.sandwich else Layer
         self.model.layers = nn.ModuleList(kind(cfg, i, self.layer_rope(i), tp) for i in range(cfg.num_layers))
         self.model.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_offset)

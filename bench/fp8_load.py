@@ -143,9 +143,9 @@ def main() -> None:
     print(f"{'way':<13} {'seconds':>8} {'peak MiB':>10} {'held MiB':>10} {'peak / wide':>11}"
           f"{'  s / base' if args.baseline else ''}  projections")
     for way, rs in runs.items():
-        m, stem = med[way], way.removesuffix("@base")
-        vs = f"{m['seconds'] / med[stem + '@base']['seconds']:>9.2f}x" if args.baseline and stem == way else \
-            " " * 10 if args.baseline else ""
+        m, vs = med[way], ""
+        if args.baseline:  # each way's time against the earlier code's
+            vs = " " * 10 if way.endswith("@base") else f"{m['seconds'] / med[way + '@base']['seconds']:>9.2f}x"
         print(f"{way:<13} {m['seconds']:>8.2f} {m['peak_mib']:>10,.1f} {m['held_mib']:>10,.1f} "
               f"{m['peak_mib'] / med['wide']['peak_mib']:>10.2f}x{vs}  {','.join({r['print'] for r in rs})}")
     same = {r["print"] for r in runs["rounded"] + runs["stored"]}
@@ -161,6 +161,7 @@ def shim(root: Path) -> str:
         if (root / d).is_dir():
             (top / d).symlink_to((root / d).resolve())
     return str(top.parent)
+
 
 if __name__ == "__main__":
     main()
