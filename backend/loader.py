@@ -29,8 +29,8 @@ from tokendance.backend.place import Misfit, Placer, multiply, scales
 from tokendance.backend.quant import KV_SCALES, SCALES
 from tokendance.backend.rope_scaling import rotary
 from tokendance.backend.start import drawing
-from tokendance.kernels.fp8_block import spread
-from tokendance.kernels.fp8_linear import E4M3, widen
+from tokendance.kernels.fp8_block import dequantize
+from tokendance.kernels.fp8_linear import E4M3
 
 log = structlog.get_logger(__name__)
 
@@ -247,7 +247,7 @@ def load(folder: Path, cfg: ModelConfig, dtype: torch.dtype, device: torch.devic
                 s, x_scale = scales(stored, w, get, block) if w.dtype == E4M3 else (None, None)
                 if s is not None and block is not None and _regrouped(stored, cfg):
                     # rows split or reordered below, across blocks: widened (its projection then held wide)
-                    w, s = widen(w) * spread(s, *block, *w.shape[-2:]), None
+                    w, s = dequantize(w, s, block), None
                 # e4m3 rows move as bytes; the partial-rotary fold then lands on their scales
                 parts = _parts(stored, w if s is None else w.view(torch.uint8), cfg, fold if s is None else 1.0)
                 sparts = [None] * len(parts) if s is None else [p for _, p in _parts(stored, s, cfg, fold)]

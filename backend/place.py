@@ -17,7 +17,7 @@ from torch import nn
 from tokendance.backend.parallel import Shard, shard_weight
 from tokendance.backend.quant import Quant
 from tokendance.backend.start import Linear, drawing
-from tokendance.kernels.fp8_block import BlockFp8Linear, spread
+from tokendance.kernels.fp8_block import BlockFp8Linear, dequantize
 from tokendance.kernels.fp8_linear import E4M3, Fp8Linear, quantize_rows, widen
 
 log = structlog.get_logger(__name__)
@@ -83,7 +83,7 @@ class Placer:
         block = self.quant.block if self.quant is not None else None
         if s is not None and block is not None and not (eight and self._whole(name, w, block)):
             # widened whole, then shared out as a wide tensor: an expert's, the lm_head's, a share not whole blocks
-            w, s = widen(w.view(E4M3)) * spread(s, *block, *w.shape[-2:]), None
+            w, s = dequantize(w, s, block), None
         src = shard_weight(name, w, self.tp)
         # a tensor-parallel rank's vocabulary share may hold fewer rows than its parameter
         rows = slice(off or 0, (off or 0) + src.shape[0])
@@ -99,7 +99,7 @@ class Placer:
             s = shard_weight(name if block is not None else name.removesuffix(".weight") + ".weight_scale", s, self.tp)
         if not eight:
             if s is not None:
-                src = widen(src.view(E4M3)) * (s if block is None else spread(s, *block, *src.shape[-2:]))
+                src = widen(src.view(E4M3)) * s if block is None else dequantize(src, s, block)
             dst[rows].copy_(src.to(self.dtype))
             return
         if s is None:  # a wide row, rounded on the device it is held on

@@ -29,17 +29,17 @@ def drawing(on: bool) -> Iterator[None]:
         DRAW.reset(token)
 
 
-class Linear(nn.Linear):
-    """nn.Linear, its weights drawn only while `DRAW` is on."""
+class Drawn:
+    """A torch layer whose `reset_parameters` (its random start) runs only while `DRAW` is on."""
 
     def reset_parameters(self) -> None:
         if DRAW.get():
             super().reset_parameters()
 
 
-class Embedding(nn.Embedding):
-    """nn.Embedding, its table drawn only while `DRAW` is on."""
+class Linear(Drawn, nn.Linear):
+    pass
 
-    def reset_parameters(self) -> None:
-        if DRAW.get():
-            super().reset_parameters()
+
+class Embedding(Drawn, nn.Embedding):
+    pass

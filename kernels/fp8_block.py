@@ -44,15 +44,20 @@ def spread(s: torch.Tensor, bn: int, bk: int, n: int, k: int) -> torch.Tensor:
     return s.repeat_interleave(bn, -2)[..., :n, :].repeat_interleave(bk, -1)[..., :k]
 
 
+def dequantize(w8: torch.Tensor, s: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
+    """e4m3 values (or their bytes) [..., N, K] under their blocks' scales [..., N / bn,
+    K / bk], in float32."""
+    return widen(w8.view(E4M3)) * spread(s, *block, *w8.shape[-2:])
+
+
 def block_linear_reference(x: torch.Tensor, w8: torch.Tensor, w_scale: torch.Tensor, block: tuple[int, int],
                            bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [..., K] times the e4m3 weight w8 [N, K] under block scales w_scale [N / bn, K / bk],
     x rounded per group of bk columns as the fast path rounds it; in float32, the result in
     x's dtype."""
-    bn, bk = block
     n, k = w8.shape
-    xq, xs = quantize_groups(x.reshape(-1, k), bk)
-    out = (widen(xq) * xs.repeat_interleave(bk, -1)) @ (widen(w8) * spread(w_scale, bn, bk, n, k)).t()
+    xq, xs = quantize_groups(x.reshape(-1, k), block[1])
+    out = (widen(xq) * xs.repeat_interleave(block[1], -1)) @ dequantize(w8, w_scale, block).t()
     if bias is not None:
         out = out + bias.float()
     return out.to(x.dtype).reshape(*x.shape[:-1], n)
@@ -109,7 +114,7 @@ class BlockFp8Linear(nn.Module):
 
     def wide(self, dtype: torch.dtype) -> torch.Tensor:
         """The weight the blocks and their scales stand for, in `dtype`."""
-        return (widen(self.weight) * spread(self.scale, *self.block, self.out_features, self.in_features)).to(dtype)
+        return dequantize(self.weight, self.scale, self.block).to(dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return block_linear(x, self.weight, self.scale, self.block, self.bias)

@@ -298,24 +298,14 @@ async def invocations(req: web.Request) -> web.StreamResponse:
                   "rerank (query) or a score (queries, data_1, text_1, items)")
 
 
-class Present(msgspec.Struct):
-    """The fields /invocations routes by, undecoded: an empty Raw is an absent field."""
-    messages: msgspec.Raw = msgspec.Raw()
-    prompt: msgspec.Raw = msgspec.Raw()
-    input: msgspec.Raw = msgspec.Raw()
-    query: msgspec.Raw = msgspec.Raw()
-    queries: msgspec.Raw = msgspec.Raw()
-    data_1: msgspec.Raw = msgspec.Raw()
-    text_1: msgspec.Raw = msgspec.Raw()
-    items: msgspec.Raw = msgspec.Raw()
-
-
 def _number(req: web.Request) -> int:
     return round_number(req.match_info["round"], "round")
 
 
 INVOCATIONS = ((("messages",), chat_completions), (("prompt",), completions), (("input",), embeddings),
                (("query",), rerank), (("queries", "data_1", "text_1", "items"), score))
+# The fields /invocations routes by, left undecoded: an empty Raw is an absent field
+Present = msgspec.defstruct("Present", [(f, msgspec.Raw, msgspec.Raw()) for fields, _ in INVOCATIONS for f in fields])
 
 
 def make_app(proxy: Proxy, control: Control | None = None) -> web.Application:
