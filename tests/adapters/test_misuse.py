@@ -16,9 +16,10 @@ def closed_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.mark.parametrize("url", [f"http://127.0.0.1:{closed_port()}", "127.0.0.1:8000"])
+@pytest.mark.parametrize("url", ["http://127.0.0.1:{closed}", "127.0.0.1:8000"])
 def test_a_proxy_that_cannot_be_reached_is_a_connection_error_naming_it(url: str) -> None:
     """Was urllib's URLError ('<urlopen error [Errno 111] Connection refused>'), with no URL."""
+    url = url.format(closed=closed_port())
     for call in (lambda: Rounds("s", url).announce(1, ["a"]), lambda: served_model(url)):
         with pytest.raises(ConnectionError, match="cannot reach the TokenDance proxy at .*127.0.0.1"):
             call()
