@@ -5,10 +5,15 @@ scale per output row, as `--quantization fp8` rounds it on loading, inputs round
 token at run time. Half a bf16 checkpoint's projection bytes on disk and on loading;
 nothing to calibrate.
 
+With `--block BN,BK` each projection takes a scale per BN x BK block instead (the layout
+of Qwen3's and DeepSeek's FP8 checkpoints, in llm-compressor's FP8_BLOCK form: inputs
+rounded per group of BK columns at run time, kernels/fp8_block.py).
+
 Projections are those the model holds in 8 bits under `--quantization fp8` (the layers' q,
-k, v, o, gate, up and down whose fused widths divide by 16: backend/quant.py `linear`),
-asked of the model itself; every other linear weight (lm_head, routers, the experts) stays
-wide and is listed in the config's `ignore`.
+k, v, o, gate, up and down whose fused widths divide by 16: backend/quant.py `linear`; with
+blocks, those whose fused widths are whole blocks), asked of the model itself; every other
+linear weight (lm_head, routers, the experts) stays wide and is listed in the config's
+`ignore`.
 """
 
 from __future__ import annotations
@@ -32,16 +37,24 @@ from tokendance.backend.config import ModelConfig
 from tokendance.backend.model import Decoder
 from tokendance.backend.quant import Quant
 from tokendance.backend.start import drawing
+from tokendance.kernels.fp8_block import quantize_blocks
 from tokendance.kernels.fp8_linear import E4M3, quantize_rows
 
 SHARD_BYTES = 4 << 30  # a safetensors file's weights at most, as transformers shards
-CONFIG = {"quant_method": "compressed-tensors", "format": "float-quantized", "quantization_status": "compressed",
-          "kv_cache_scheme": None, "config_groups": {"group_0": {
-              "targets": ["Linear"], "format": "float-quantized", "output_activations": None,
-              "weights": {"num_bits": 8, "type": "float", "symmetric": True, "strategy": "channel",
-                          "dynamic": False},
-              "input_activations": {"num_bits": 8, "type": "float", "symmetric": True, "strategy": "token",
-                                    "dynamic": True}}}}
+
+
+def scheme(block: tuple[int, int] | None) -> dict:
+    """The quantization_config written: compressed-tensors' 8-bit floats, weights per row
+    (channel) or per block, inputs per token or per group of a block's columns, dynamic."""
+    fp8 = {"num_bits": 8, "type": "float", "symmetric": True}
+    weights, inputs = ({**fp8, "strategy": "channel", "dynamic": False}, {**fp8, "strategy": "token", "dynamic": True})
+    if block is not None:
+        weights = {**fp8, "strategy": "block", "block_structure": list(block), "dynamic": False}
+        inputs = {**fp8, "strategy": "group", "group_size": block[1], "dynamic": True}
+    return {"quant_method": "compressed-tensors", "format": "float-quantized", "quantization_status": "compressed",
+            "kv_cache_scheme": None, "config_groups": {"group_0": {
+                "targets": ["Linear"], "format": "float-quantized", "output_activations": None,
+                "weights": weights, "input_activations": inputs}}}
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -51,20 +64,41 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("out", help="the new model's folder (must not exist, or be empty)")
     p.add_argument("--revision", default=None, help="the hub model's branch, tag or commit")
     p.add_argument("--download-dir", default=None, metavar="DIR", help="the Hugging Face cache to look in")
+    p.add_argument("--block", default=None, metavar="BN,BK",
+                   help="a scale per block of BN rows x BK columns (as 128,128: Qwen3's and DeepSeek's FP8 "
+                        "layout), not per row")
 
 
 def main(args: argparse.Namespace) -> int:
+    block = blocks(args.block)
     out = Path(args.out)
     _empty(out)  # before the model is found (a .gguf's conversion takes a while)
-    wrote = write(loader.resolve(args.model, args.revision, args.download_dir), out)
-    print(f"wrote {args.out}: {wrote['projections']} projections in e4m3, weights "
+    wrote = write(loader.resolve(args.model, args.revision, args.download_dir), out, block)
+    print(f"wrote {args.out}: {wrote['projections']} projections in e4m3"
+          f"{f' in {block[0]} x {block[1]} blocks' if block else ''}, weights "
           f"{wrote['bytes'] / 2**20:,.1f} MiB (from {wrote['wide_bytes'] / 2**20:,.1f})")
     return 0
 
 
-def write(src: Path, out: Path) -> dict[str, int]:
-    """`src`'s model at `out` with its projections in e4m3 (atomic: a failure leaves no
-    folder); how many projections, and the weights' bytes after and before."""
+def blocks(given: str | None) -> tuple[int, int] | None:
+    """--block's BN,BK (or one size for both): two powers of two of 16 or more, as the
+    loader takes them."""
+    if given is None:
+        return None
+    try:
+        sizes = [int(v) for v in given.split(",")]
+    except ValueError:
+        sizes = []
+    sizes = sizes * 2 if len(sizes) == 1 else sizes
+    if len(sizes) != 2 or not all(v >= 16 and v & (v - 1) == 0 for v in sizes):
+        raise InvalidRequest(f"--block {given}: two powers of two of 16 or more, as 128,128", "block")
+    return sizes[0], sizes[1]
+
+
+def write(src: Path, out: Path, block: tuple[int, int] | None = None) -> dict[str, int]:
+    """`src`'s model at `out` with its projections in e4m3, a scale per row or per `block`
+    (atomic: a failure leaves no folder); how many projections, and the weights' bytes
+    after and before."""
     cfg = ModelConfig.load(src)  # a model this engine serves (InvalidRequest in one line otherwise)
     raw = json.loads((src / "config.json").read_text())
     if q := raw.get("quantization_config"):
@@ -78,8 +112,11 @@ def write(src: Path, out: Path) -> dict[str, int]:
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}-", dir=out.parent))
     tmp.chmod(0o755)  # mkdtemp makes it private
     try:
-        count, ignore, sizes = _weights(files, tmp, eight_bit(cfg))
-        raw["quantization_config"] = {**CONFIG, "ignore": sorted(ignore | {"lm_head"})}
+        count, ignore, sizes = _weights(files, tmp, eight_bit(cfg, block), block)
+        if count == 0:
+            raise InvalidRequest(f"no projection of {src} is whole blocks of {block[0]} x {block[1]}"
+                                 if block else f"no projection of {src} can be held in 8 bits", "model")
+        raw["quantization_config"] = {**scheme(block), "ignore": sorted(ignore | {"lm_head"})}
         (tmp / "config.json").write_text(json.dumps(raw, indent=2) + "\n")
         for f in src.iterdir():
             if f.is_file() and f.suffix != ".safetensors" and f.name not in ("config.json", "model.safetensors.index.json"):
@@ -98,18 +135,22 @@ def _empty(out: Path) -> None:
         raise InvalidRequest(f"{out} exists and is not an empty folder", "out")
 
 
-def eight_bit(cfg: ModelConfig) -> Callable[[str], bool]:
+def eight_bit(cfg: ModelConfig, block: tuple[int, int] | None = None) -> Callable[[str], bool]:
     """Whether a checkpoint tensor's rows land in a projection `--quantization fp8` holds in
-    8 bits: asked of the model (built on the meta device, no memory)."""
+    8 bits (with `block`, one a block-wise checkpoint holds in 8 bits): asked of the model
+    (built on the meta device, no memory)."""
+    quant = Quant("fp8", False) if block is None else Quant("compressed-tensors", True, False, block)
     with torch.device("meta"), drawing(False):
-        model = Decoder(replace(cfg, quant=Quant("fp8", False)))
+        model = Decoder(replace(cfg, quant=quant))
     eight = {name for name, b in model.named_buffers() if b.dtype == E4M3}
     return lambda key: loader.target(key, cfg)[0] in eight
 
 
-def _weights(files: list[Path], to: Path, eight: Callable[[str], bool]) -> tuple[int, set[str], tuple[int, int]]:
+def _weights(files: list[Path], to: Path, eight: Callable[[str], bool],
+             block: tuple[int, int] | None) -> tuple[int, set[str], tuple[int, int]]:
     """Every tensor of `files` into shards under `to` (each written when full), those `eight`
-    takes rounded; (how many were, the linear modules kept wide, (bytes written, bytes read))."""
+    takes rounded, per row or per `block`; (how many were, the linear modules kept wide,
+    (bytes written, bytes read))."""
     shard: dict[str, torch.Tensor] = {}
     names: list[str] = []
     where: dict[str, int] = {}
@@ -128,7 +169,7 @@ def _weights(files: list[Path], to: Path, eight: Callable[[str], bool]) -> tuple
                 read += w.nbytes
                 new = {key: w}
                 if w.dim() == 2 and eight(key):
-                    q, s = quantize_rows(w)
+                    q, s = quantize_rows(w) if block is None else quantize_blocks(w, *block)
                     new = {key: q, key.removesuffix(".weight") + ".weight_scale": s}
                     count += 1
                 elif w.dim() == 2 and key.endswith(".weight") and "embed" not in key:

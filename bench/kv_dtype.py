@@ -1,6 +1,7 @@
 """`tokendance bench kv-dtype`: 8-bit precision against the model's dtype, on the same prompts,
 in one run: an 8-bit KV pool (`--kv`, vLLM's `--kv-cache-dtype fp8`), 8-bit weights
-(`--quantization fp8`, vLLM's), or both.
+(`--quantization fp8`, vLLM's, or `--weights DIR`, a checkpoint in 8 bits of the same
+model: `tokendance quantize`'s, per row or `--block`), or both.
 
 1. Teacher-forced: each round-2 debate prompt (every agent sees every other's round-1
    answer; through the proxy's segmentation, as served) gets its greedy continuation of T
@@ -39,8 +40,9 @@ from tokendance.bench.shapes import resolve
 GREEDY = SamplingParams(max_tokens=48, temperature=0)
 
 
-def engine(args: argparse.Namespace, kv: str, quantization: str | None) -> Engine:
-    folder, random = resolve(args.model)
+def engine(args: argparse.Namespace, kv: str, quantization: str | None, folder: str | None = None) -> Engine:
+    """An engine of `args.model` (or of `folder`, a checkpoint of the same model)."""
+    folder, random = (folder, False) if folder else resolve(args.model)
     return Engine(EngineConfig(model=folder, dtype=args.dtype, kv_cache_dtype=kv, random_weights=random,
                                quantization=quantization, kv_tokens=args.kv_tokens, max_batched_tokens=16384))
 
@@ -108,6 +110,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv", choices=("auto", "fp8", "fp8_e4m3", "fp8_e5m2"), default="fp8",
                    help="the 8-bit pool's format (auto: the model's dtype, weights alone compared)")
     p.add_argument("--quantization", choices=QUANTIZATIONS, default=None, help="8-bit weights too (fp8)")
+    p.add_argument("--weights", default=None, metavar="DIR",
+                   help="8-bit weights as a checkpoint of the model stores them (`tokendance quantize` "
+                        "[--block]), compared with --model's")
     p.add_argument("--agents", type=positive, default=4, help="agents of each debate")
     p.add_argument("--questions", type=natural, default=2, help="debates (0: no sections 1 and 2)")
     p.add_argument("--tokens", type=positive, default=32, help="continuation tokens per prompt")
@@ -119,8 +124,11 @@ def add_args(p: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    if args.kv == "auto" and args.quantization is None:
-        raise ValueError("nothing to compare: give --kv fp8 (or another 8-bit format) or --quantization fp8")
+    if args.kv == "auto" and args.quantization is None and args.weights is None:
+        raise ValueError("nothing to compare: give --kv fp8 (or another 8-bit format), --quantization fp8 "
+                         "or --weights DIR")
+    if args.weights and args.quantization:
+        raise ValueError("--weights DIR holds its own 8-bit weights: give it or --quantization, not both")
     random = resolve(args.model)[1]
     base = engine(args, "auto", None)
     ids = [] if random or not args.questions else prompts(base, args.agents, args.questions)
@@ -130,8 +138,9 @@ def main(args: argparse.Namespace) -> int:
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
-    ours = measure(engine(args, args.kv, args.quantization), args, ids, ref.get("free"))
+    ours = measure(engine(args, args.kv, args.quantization, args.weights), args, ids, ref.get("free"))
     parts = [f"{args.kv} pool"] * (args.kv != "auto") + [f"{args.quantization} weights"] * bool(args.quantization)
+    parts += [f"the weights of {args.weights}"] * bool(args.weights)
     label = " + ".join(parts)
     print(f"model {name} on {device}, {dtype}; {dtype} against {label}")
     m = 2**20

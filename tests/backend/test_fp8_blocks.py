@@ -6,6 +6,7 @@ widened; what is not supported refused in one line."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -19,6 +20,7 @@ from tokendance.backend.api import InvalidRequest, SamplingParams
 from tokendance.backend.config import ModelConfig
 from tokendance.backend.engine import Engine
 from tokendance.backend.parallel import Shard
+from tokendance.examples import cli
 from tokendance.kernels.fp8_block import quantize_blocks, spread
 from tokendance.kernels.fp8_linear import E4M3, widen
 
@@ -165,3 +167,29 @@ def test_a_ranks_share_that_is_not_whole_blocks_is_widened_then_shared(tiny_llam
     w = stored[f"{k}.weight"]
     assert torch.equal(attn.qkv_proj.weight[32:48], (widen(w) * spread(stored[f"{k}.weight_scale_inv"], 32, 32,
                                                                         *w.shape))[16:])
+
+
+def test_the_writer_writes_blocks_as_llm_compressor_does(tiny_llama, tmp_path, capsys):
+    """`tokendance quantize --block`: the same bytes, scales and config as a checkpoint of
+    compressed-tensors' block strategy; served by the same layers."""
+    out = tmp_path / "written"
+    assert cli.main(["quantize", str(tiny_llama), str(out), "--block", "32,32"]) == 0
+    assert "14 projections in e4m3 in 32 x 32 blocks" in capsys.readouterr().out
+    want = blocked(tiny_llama, tmp_path / "by-hand", [32, 32], "compressed-tensors")
+    got, ref = load_file(str(out / "model.safetensors")), load_file(str(want / "model.safetensors"))
+    assert got.keys() == ref.keys() and all(torch.equal(got[k].view(torch.uint8), ref[k].view(torch.uint8))
+                                            if got[k].dtype == E4M3 else torch.equal(got[k], ref[k]) for k in got)
+    group = json.loads((out / "config.json").read_text())["quantization_config"]["config_groups"]["group_0"]
+    for part, fields in tensors_config([32, 32])["config_groups"]["group_0"].items():  # what the loader reads
+        assert fields == group[part] or fields.items() <= group[part].items(), part
+    ids = [list(range(300, 340))]
+    assert eng(out).generate(ids, GREEDY) == eng(want).generate(ids, GREEDY)
+    # one size for both sides; sizes the loader would refuse, refused here; no whole blocks
+    assert cli.main(["quantize", str(tiny_llama), str(tmp_path / "square"), "--block", "16"]) == 0
+    assert "in 16 x 16 blocks" in capsys.readouterr().out
+    for bad in ("48,32", "8", "a,b", "32,32,32"):
+        assert cli.main(["quantize", str(tiny_llama), str(tmp_path / "bad"), "--block", bad]) == 1
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and f"--block {bad}: two powers of two of 16 or more" in err
+    assert cli.main(["quantize", str(tiny_llama), str(tmp_path / "none"), "--block", "128,128"]) == 1
+    assert "is whole blocks of 128 x 128" in capsys.readouterr().err and not (tmp_path / "none").exists()

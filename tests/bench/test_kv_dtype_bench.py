@@ -46,3 +46,27 @@ def test_nothing_to_compare_is_one_line(tiny_llama):
     kv_dtype.add_args(p)
     with pytest.raises(ValueError, match="nothing to compare"):
         kv_dtype.main(p.parse_args(["--model", str(tiny_llama), "--kv", "auto"]))
+
+
+def test_it_compares_a_checkpoint_in_blocks(tiny_llama, bench, tmp_path):
+    """--weights DIR: `tokendance quantize --block`'s checkpoint against the wide model it
+    came from; fewer weight bytes, the agreement table; --weights with --quantization refused."""
+    import argparse
+
+    import pytest
+
+    from tokendance.examples import cli
+
+    folder = tmp_path / "blocks"
+    assert cli.main(["quantize", str(tiny_llama), str(folder), "--block", "32"]) == 0
+    out = bench(kv_dtype, "--model", str(tiny_llama), "--kv", "auto", "--weights", str(folder), "--questions", "1",
+                "--agents", "2", "--tokens", "4", "--decode", "", "--kv-tokens", "4096")
+    label = f"the weights of {folder}"
+    rows = {m[1]: float(m[3].replace(",", "")) for m in re.finditer(
+        rf"\| (float32|{re.escape(label)}) \| ([\d,]+) \| ([\d.,]+) \|", out)}
+    assert rows[label] < rows["float32"] and f"float32 against {label}" in out
+    assert re.search(r"\| (0\.\d{3}|1\.000) \| [\d.]+e[+-]\d+ \|", out)  # the teacher-forced row
+    p = argparse.ArgumentParser()
+    kv_dtype.add_args(p)
+    with pytest.raises(ValueError, match="give it or --quantization, not both"):
+        kv_dtype.main(p.parse_args(["--model", str(tiny_llama), "--weights", str(folder), "--quantization", "fp8"]))
