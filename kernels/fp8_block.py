@@ -46,8 +46,13 @@ def spread(s: torch.Tensor, bn: int, bk: int, n: int, k: int) -> torch.Tensor:
 
 def dequantize(w8: torch.Tensor, s: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
     """e4m3 values (or their bytes) [..., N, K] under their blocks' scales [..., N / bn,
-    K / bk], in float32."""
-    return widen(w8.view(E4M3)) * spread(s, *block, *w8.shape[-2:])
+    K / bk], in float32. Whole blocks take their scales by broadcasting (on the CPU a
+    sixth of the time `spread`'s copies took: this is each call of the reference)."""
+    w, (n, k), (bn, bk) = widen(w8.view(E4M3)), w8.shape[-2:], block
+    if n % bn or k % bk:  # a checkpoint's last blocks may be partial
+        return w * spread(s, bn, bk, n, k)
+    blocks = w.unflatten(-1, (k // bk, bk)).unflatten(-3, (n // bn, bn))  # [..., N / bn, bn, K / bk, bk]
+    return (blocks * s[..., :, None, :, None]).flatten(-4, -3).flatten(-2)
 
 
 def block_linear_reference(x: torch.Tensor, w8: torch.Tensor, w_scale: torch.Tensor, block: tuple[int, int],

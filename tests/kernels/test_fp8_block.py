@@ -50,6 +50,20 @@ def test_the_reference_is_exact_where_both_sides_are_e4m3_values():
     assert torch.equal(got.double(), x.double() @ w.double().t() + bias.double())
 
 
+@pytest.mark.parametrize("shape", [(64, 96), (3, 64, 96), (70, 100)])
+def test_dequantize_gives_each_weight_its_blocks_scale(shape: tuple[int, ...]):
+    """Whole blocks (by broadcasting), stacked experts' blocks, and partial last blocks
+    (each weight's scale spread out): every weight times its own block's scale."""
+    torch.manual_seed(5)
+    w = torch.randn(*shape)
+    q, s = zip(*(fb.quantize_blocks(x, 32, 16) for x in w.reshape(-1, *shape[-2:])))
+    q, s = torch.stack(q).reshape(shape), torch.stack(s).reshape(*shape[:-2], *s[0].shape)
+    want = fl.widen(q) * fb.spread(s, 32, 16, *shape[-2:])
+    assert torch.equal(fb.dequantize(q.view(torch.uint8), s, (32, 16)), want)
+    i, j = shape[-2] - 1, shape[-1] - 1  # the last weight: the last block's scale
+    assert want[..., i, j].equal(fl.widen(q[..., i, j]) * s[..., i // 32, j // 16])
+
+
 @pytest.mark.parametrize("rows", [1, 5, 17, 70])
 @pytest.mark.parametrize("block", [(16, 32), (32, 16), (64, 64)])
 def test_the_triton_product_is_the_references(rows: int, block: tuple[int, int]):
