@@ -36,14 +36,17 @@ def quantize_rows(x: torch.Tensor, fixed: torch.Tensor | None = None) -> tuple[t
     return narrow(x / scale, E4M3), scale
 
 
-# Every e4m3 byte's value: on the CPU a weight widens by looking its bytes up (torch.take),
-# 1.5 ms for SmolLM2's gate_up (3,072 x 576) where `.float()` took 3.4 (2-core AMD EPYC)
+# Every e4m3 byte's value: on the CPU a weight widens by looking its bytes up, SmolLM2's
+# gate_up (3,072 x 576) in 1.19 ms through int32 indices, where int64 ones (torch.take)
+# took 1.65 and `.float()` 3.8 (2-core AMD EPYC)
 WIDE = torch.arange(256, dtype=torch.uint8).view(E4M3).float()
 
 
 def widen(w8: torch.Tensor) -> torch.Tensor:
     """An e4m3 tensor in float32."""
-    return w8.float() if w8.is_cuda else torch.take(WIDE, w8.view(torch.uint8).long())
+    if w8.is_cuda:
+        return w8.float()
+    return WIDE.index_select(0, w8.view(torch.uint8).flatten().int()).view(w8.shape)
 
 
 def fp8_linear_reference(x: torch.Tensor, w8: torch.Tensor, w_scale: torch.Tensor,
