@@ -35,7 +35,7 @@ from tokendance.backend import loader
 from tokendance.backend.api import InvalidRequest
 from tokendance.backend.config import ModelConfig
 from tokendance.backend.model import Decoder
-from tokendance.backend.quant import Quant
+from tokendance.backend.quant import Quant, block_side
 from tokendance.backend.start import drawing
 from tokendance.kernels.fp8_block import quantize_blocks
 from tokendance.kernels.fp8_linear import E4M3, quantize_rows
@@ -81,8 +81,7 @@ def main(args: argparse.Namespace) -> int:
 
 
 def blocks(given: str | None) -> tuple[int, int] | None:
-    """--block's BN,BK (or one size for both): two powers of two of 16 or more, as the
-    loader takes them."""
+    """--block's BN,BK (or one size for both): two sides the loader takes (`block_side`)."""
     if given is None:
         return None
     try:
@@ -90,7 +89,7 @@ def blocks(given: str | None) -> tuple[int, int] | None:
     except ValueError:
         sizes = []
     sizes = sizes * 2 if len(sizes) == 1 else sizes
-    if len(sizes) != 2 or not all(v >= 16 and v & (v - 1) == 0 for v in sizes):
+    if len(sizes) != 2 or not all(block_side(v) for v in sizes):
         raise InvalidRequest(f"--block {given}: two powers of two of 16 or more, as 128,128", "block")
     return sizes[0], sizes[1]
 

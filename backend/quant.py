@@ -73,13 +73,17 @@ def parse(q: Any, path: str) -> Quant | None:
     raise _refuse(path, f"quantization method {method!r}")
 
 
+def block_side(v: Any) -> bool:
+    """Whether `v` can be a side of a block of weights: a power of two of 16 or more (the
+    Triton product's tiles)."""
+    return type(v) is int and v >= 16 and v & (v - 1) == 0
+
+
 def _block(size: Any, field: str, path: str) -> tuple[int, int] | None:
-    """A block's (rows, columns) as a checkpoint gives them: two powers of two of 16 or more
-    (the Triton product's tiles), or none."""
+    """A block's (rows, columns) as a checkpoint gives them (`block_side`s), or none."""
     if size is None:
         return None
-    if (not isinstance(size, list) or len(size) != 2 or not all(type(v) is int and v >= 16 and v & (v - 1) == 0
-                                                               for v in size)):
+    if not isinstance(size, list) or len(size) != 2 or not all(block_side(v) for v in size):
         raise _refuse(path, f"{field} {size!r} (blocks of two powers of two, 16 or more, are)")
     return size[0], size[1]
 
