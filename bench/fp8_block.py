@@ -8,10 +8,17 @@ replays; each checked against its float32 reference first:
 - rows: per-row scales as `--quantization fp8` holds them (`fp8_linear`: the few-rows
   kernel or `torch._scaled_mm`);
 - block: the whole layer as the engine runs it (`block_linear`: groups rounded by the rows
-  kernel, then the Triton block product).
+  kernel, then the product it picks);
+- triton: the groups rounded the same way, then the Triton product (e4m3 operands, programs
+  grouped by row tiles);
+- f16 dots: the same with session 65's Triton product (float16 operands, programs in
+  row-tile order);
+- cublas: the groups rounded the same way, then torch's block-scaled `F.scaled_mm`
+  (`fp8_block.cublas`), where this torch and GPU take it.
 
-    PYTHONPATH=<dir holding tokendance/> python bench/fp8_block.py [--smoke]
+    PYTHONPATH=<dir holding tokendance/> python bench/fp8_block.py [--smoke] [--sweep]
 
+--sweep also times the Triton product's launch configurations at prefill row counts.
 --smoke runs tiny shapes under TRITON_INTERPRET=1 on the CPU (checks the script only).
 """
 
@@ -30,29 +37,60 @@ import torch.nn.functional as F  # noqa: E402
 from tokendance.bench.kernel_timing import graph_ms, rel, say, summary  # noqa: E402
 from tokendance.kernels import fp8_block as fb  # noqa: E402
 from tokendance.kernels import fp8_linear as fl  # noqa: E402
-from tokendance.kernels.fp8_block_triton import block_linear_triton  # noqa: E402
+from tokendance.kernels.fp8_block_triton import FEW, MANY, block_linear_triton  # noqa: E402
 
 DEV = "cpu" if SMOKE else "cuda"
 BLOCK = (32, 32) if SMOKE else (128, 128)
 SHAPES = ({"qkv": (64, 96), "down": (128, 64)} if SMOKE else
           {"qkv": (4096, 6144), "o": (4096, 4096), "gate_up": (4096, 24576), "down": (12288, 4096)})
 ROWS = (1, 17) if SMOKE else (1, 8, 32, 512, 4096)
+OLD = dict(block_m=64, block_n=128, num_warps=8, num_stages=3, group_m=1, e4m3_dot=False)  # session 65's
+SWEEP = [dict(block_m=bm, block_n=bn, num_warps=w, num_stages=s, group_m=g)
+         for bm, bn, w, s, g in ((64, 128, 4, 3, 8), (64, 128, 4, 4, 8), (128, 128, 8, 3, 8), (128, 128, 4, 3, 8),
+                                 (128, 64, 4, 4, 8), (64, 64, 4, 4, 8), (128, 128, 8, 4, 16), (64, 128, 4, 4, 1))]
+SWEEP = SWEEP[:2] if SMOKE else SWEEP
 
 
-def block_layer(x: torch.Tensor, w8: torch.Tensor, ws: torch.Tensor) -> torch.Tensor:
-    """`block_linear` as a GPU runs it; under the interpreter its Triton path by hand (the
-    engine's `fast` test wants CUDA)."""
-    if not SMOKE:
-        return fb.block_linear(x, w8, ws, BLOCK)
-    xq, xs = fb.quantize_groups(x, BLOCK[1])
-    return block_linear_triton(xq, xs, w8, ws, BLOCK)
+def rounded(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return fb.quantize_groups(x, BLOCK[1]) if SMOKE else fb.round_groups(x, BLOCK[1])
+
+
+def product(x: torch.Tensor, w8: torch.Tensor, ws: torch.Tensor, cfg: dict | None = None) -> torch.Tensor:
+    """The layer through the Triton product with `cfg` (the rounding as the engine's)."""
+    return block_linear_triton(*rounded(x), w8, ws, BLOCK, cfg=cfg)
+
+
+def layer(x: torch.Tensor, w8: torch.Tensor, ws: torch.Tensor) -> torch.Tensor:
+    """`block_linear` as a GPU runs it (the interpreter's `fast` is false: the Triton path)."""
+    return product(x, w8, ws) if SMOKE else fb.block_linear(x, w8, ws, BLOCK)
+
+
+def through_torch(x: torch.Tensor, w8: torch.Tensor, ws: torch.Tensor) -> torch.Tensor | None:
+    """The layer through torch's block-scaled product (`cublas`), or None where this torch or
+    GPU takes none (why, said once)."""
+    got = None if SMOKE else fb.cublas(x, w8, ws, BLOCK)
+    if got is None and not getattr(through_torch, "said", False):
+        through_torch.said = True
+        why = "the interpreter" if SMOKE else f"torch {torch.__version__} has no F.scaled_mm"
+        if hasattr(F, "scaled_mm") and not SMOKE:
+            try:
+                xq, xs = rounded(x)
+                F.scaled_mm(xq, w8.t(), xs.t().contiguous().t(), F.ScalingType.BlockWise1x128, ws.t(),
+                            F.ScalingType.BlockWise128x128, output_dtype=torch.bfloat16)
+                why = "refused by cublas() though F.scaled_mm takes it"
+            except Exception as e:  # noqa: BLE001 - said, not raised
+                why = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
+        say(f"torch's block-scaled product not taken: {why}")
+    return got
 
 
 def main() -> int:
     torch.manual_seed(0)
     say(f"{'cpu' if SMOKE else torch.cuda.get_device_name()}; torch {torch.__version__}; blocks {BLOCK}")
-    out = ["| layer | rows | bf16 us | rows fp8 us | block fp8 us | rows / bf16 | block / bf16 | block / rows |",
-           "|---|---|---|---|---|---|---|---|"]
+    out = ["| layer | rows | bf16 us | rows fp8 us | block us | triton us | f16 dots us | cublas us | rows / bf16 "
+           "| block / bf16 | triton / f16 dots | cublas / triton |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    sweep = ["| layer | rows | " + " | ".join(f"{c['block_m']}x{c['block_n']} w{c['num_warps']} s{c['num_stages']} "
+                                          f"g{c['group_m']}" for c in SWEEP) + " |", "|---|---|" + "---|" * len(SWEEP)]
     ok = True
     for name, (k, n) in SHAPES.items():
         w = torch.randn(n, k, device=DEV, dtype=torch.bfloat16) / k ** 0.5
@@ -60,14 +98,28 @@ def main() -> int:
         b8, bs = fb.quantize_blocks(w, *BLOCK)
         for rows in ROWS:
             x = torch.randn(rows, k, device=DEV, dtype=torch.bfloat16)
+            want = fb.block_linear_reference(x.float(), b8, bs, BLOCK)
             ok &= rel(fl.fp8_linear(x, w8, ws), fl.fp8_linear_reference(x.float(), w8, ws)) < 2e-2
-            ok &= rel(block_layer(x, b8, bs), fb.block_linear_reference(x.float(), b8, bs, BLOCK)) < 2e-2
-            t = [graph_ms(fn, SMOKE) * 1e3 for fn in (
-                lambda: F.linear(x, w), lambda: fl.fp8_linear(x, w8, ws), lambda: block_layer(x, b8, bs))]
-            out.append(f"| {name} | {rows} | {t[0]:.1f} | {t[1]:.1f} | {t[2]:.1f} | {t[1] / t[0]:.2f}x | "
-                       f"{t[2] / t[0]:.2f}x | {t[2] / t[1]:.2f}x |")
+            for fn in (layer, product, lambda *a: product(*a, OLD)):
+                ok &= rel(fn(x, b8, bs), want) < 2e-2
+            cub = (got := through_torch(x, b8, bs)) is not None
+            ok &= not cub or rel(got, want) < 2e-2
+            fns = [lambda: F.linear(x, w), lambda: fl.fp8_linear(x, w8, ws), lambda: layer(x, b8, bs),
+                   lambda: product(x, b8, bs), lambda: product(x, b8, bs, OLD)]
+            t = [graph_ms(fn, SMOKE) * 1e3 for fn in fns]
+            t.append(graph_ms(lambda: through_torch(x, b8, bs), SMOKE) * 1e3 if cub else float("nan"))
+            out.append(f"| {name} | {rows} | {t[0]:.1f} | {t[1]:.1f} | {t[2]:.1f} | {t[3]:.1f} | {t[4]:.1f} | "
+                       f"{t[5]:.1f} | {t[1] / t[0]:.2f}x | {t[2] / t[0]:.2f}x | {t[3] / t[4]:.2f}x | "
+                       f"{t[5] / t[3]:.2f}x |")
             say(out[-1])
-    return summary("bench_fp8_block.log", ok, out)
+            if "--sweep" in sys.argv and rows > FEW["block_m"]:  # the rows that take MANY
+                for c in SWEEP:
+                    ok &= rel(product(x, b8, bs, c), want) < 2e-2
+                ts = [graph_ms(lambda c=c: product(x, b8, bs, c), SMOKE) * 1e3 for c in SWEEP]
+                sweep.append(f"| {name} | {rows} | " + " | ".join(f"{v:.1f}" for v in ts) + " |")
+                say(sweep[-1])
+    return summary("bench_fp8_block.log", ok, out + ([""] + sweep if len(sweep) > 2 else []) +
+                   [f"block's many-rows configuration: {MANY}"])
 
 
 if __name__ == "__main__":

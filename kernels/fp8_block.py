@@ -7,8 +7,9 @@ float32 and takes its two scales there.
 
 On a GPU with FP8 tensor cores the groups are rounded by kernels/fp8_triton.py's rows
 kernel (a group is a row of bk columns) and the product is `block_linear_triton`
-(kernels/fp8_block_triton.py); elsewhere `block_linear_reference` computes the same
-function in float32. Tests compare them.
+(kernels/fp8_block_triton.py), or for a prefill's rows over 128 x 128 blocks torch's own
+(`cublas`); elsewhere `block_linear_reference` computes the same function in float32.
+Tests compare them.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from tokendance.kernels.fp8_block_triton import block_linear_triton
-from tokendance.kernels.fp8_linear import AT_ONCE, E4M3, fast, quantize_rows, widen
+from tokendance.kernels.fp8_linear import AT_ONCE, E4M3, FEW_ROWS, fast, quantize_rows, widen
 from tokendance.kernels.fp8_triton import quantize_rows_triton
 
 
@@ -70,14 +71,48 @@ def block_linear_reference(x: torch.Tensor, w8: torch.Tensor, w_scale: torch.Ten
 
 def block_linear(x: torch.Tensor, w8: torch.Tensor, w_scale: torch.Tensor, block: tuple[int, int],
                  bias: torch.Tensor | None = None) -> torch.Tensor:
-    """`block_linear_reference`, through Triton where `fast`."""
+    """`block_linear_reference`, on the GPU where `fast`: more than FEW_ROWS rows through
+    torch's block-scaled product where it takes them (`cublas`), else the Triton product."""
     if not fast(x):
         return block_linear_reference(x, w8, w_scale, block, bias)
     n, k = w8.shape
-    rows = x.reshape(-1, k).contiguous()
-    xq, xs = quantize_rows_triton(rows.view(-1, block[1]))
-    out = block_linear_triton(xq.view(rows.shape), xs.view(rows.shape[0], -1), w8, w_scale, block, bias)
+    rows = x.reshape(-1, k)
+    out = cublas(rows, w8, w_scale, block, bias) if rows.shape[0] > FEW_ROWS else None
+    if out is None:
+        out = block_linear_triton(*round_groups(rows, block[1]), w8, w_scale, block, bias)
     return out.reshape(*x.shape[:-1], n)
+
+
+_CUBLAS: dict[int | None, bool] = {}  # a GPU's verdict on torch's block-scaled product
+
+
+def cublas(x: torch.Tensor, w8: torch.Tensor, w_scale: torch.Tensor, block: tuple[int, int],
+           bias: torch.Tensor | None = None) -> torch.Tensor | None:
+    """x [M, K] times the blocks through torch's `F.scaled_mm` (cuBLAS: input groups of 1 x
+    128, weight blocks of 128 x 128, on compute capability 9.0, since torch 2.10), rows
+    padded to a multiple of 4 as it needs; None where this torch or GPU does not take them
+    (the first refusal is kept; while a CUDA graph is captured, untried is refused)."""
+    (m, k), index = x.shape, x.device.index
+    if (block != (128, 128) or k // 128 % 4 or not hasattr(F, "scaled_mm") or not _CUBLAS.get(index, True)
+            or index not in _CUBLAS and torch.cuda.is_current_stream_capturing()):
+        return None
+    xq, xs = round_groups(F.pad(x, (0, 0, 0, -m % 4)), 128)
+    try:
+        out = F.scaled_mm(xq, w8.t(), xs.t().contiguous().t(), F.ScalingType.BlockWise1x128, w_scale.t(),
+                          F.ScalingType.BlockWise128x128, output_dtype=x.dtype)
+    except (RuntimeError, NotImplementedError):
+        _CUBLAS[index] = False
+        return None
+    _CUBLAS[index] = True
+    out = out[:m]
+    return out if bias is None else out + bias
+
+
+def round_groups(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """`quantize_groups` on a GPU: the rows kernel over groups of k columns."""
+    rows = x.contiguous()
+    xq, xs = quantize_rows_triton(rows.view(-1, k))
+    return xq.view(rows.shape), xs.view(rows.shape[0], -1)
 
 
 class BlockFp8Linear(nn.Module):

@@ -1,9 +1,15 @@
 """The Triton product of block-wise 8-bit weights (kernels/fp8_block.py holds its reference
 and the module that calls it): rows rounded per group of bk columns times an e4m3 weight
 under a scale per bn x bk block. A program holds a tile of the output and walks K one
-block at a time: each block's partial product in float32 (tl.dot over float16 operands,
-which hold e4m3 exactly), scaled by its rows' group scales and its columns' block scale,
-then summed, as the reference sums the scaled products.
+block at a time: each block's partial product in float32, scaled by its rows' group
+scales and its columns' block scale, then summed, as the reference sums the scaled
+products. On FP8 tensor cores (compute capability 8.9 and up) the partial product takes
+the e4m3 operands as they are; elsewhere (the interpreter included) float16 operands,
+which hold e4m3 exactly.
+
+Programs are ordered in groups of GROUP_M row tiles: the programs running together share
+a few row tiles and a band of weight columns, so a prefill reads the weight from memory
+about M / (GROUP_M * BLOCK_M) times instead of once per row tile.
 """
 
 from __future__ import annotations
@@ -12,16 +18,20 @@ import torch
 
 from tokendance.kernels.jit import launch_options, tl, triton
 
-# A decode step's few rows, and a prefill's many (not tuned on a GPU yet)
-FEW = dict(block_m=16, block_n=64, num_warps=4, num_stages=3)
-MANY = dict(block_m=64, block_n=128, num_warps=8, num_stages=3)
+# A decode step's few rows, and a prefill's many
+FEW = dict(block_m=16, block_n=64, num_warps=4, num_stages=3, group_m=1)
+MANY = dict(block_m=64, block_n=128, num_warps=4, num_stages=4, group_m=8)
 
 
 @triton.jit
 def _block_kernel(xq, xs, w, ws, bias, out, M, N, K, KB, s_x, s_w, s_o, HAS_BIAS: tl.constexpr,
-                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_N: tl.constexpr, GROUP_K: tl.constexpr):
-    rows = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
-    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+                  E4M3_DOT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr,
+                  GROUP_N: tl.constexpr, GROUP_K: tl.constexpr):
+    pid, tiles_m, tiles_n = tl.program_id(0), tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N)
+    first = pid // (GROUP_M * tiles_n) * GROUP_M
+    height = tl.minimum(tiles_m - first, GROUP_M)
+    rows = (first + pid % (GROUP_M * tiles_n) % height) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = pid % (GROUP_M * tiles_n) // height * BLOCK_N + tl.arange(0, BLOCK_N)
     ks = tl.arange(0, GROUP_K)
     rm, cn = rows < M, cols < N
     a_ptr = xq + rows[:, None].to(tl.int64) * s_x + ks[None, :]
@@ -31,8 +41,10 @@ def _block_kernel(xq, xs, w, ws, bias, out, M, N, K, KB, s_x, s_w, s_o, HAS_BIAS
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for kb in range(0, KB):
         k0 = kb * GROUP_K
-        a = tl.load(a_ptr + k0, mask=rm[:, None], other=0.0).to(tl.float16)
-        b = tl.load(b_ptr + k0, mask=cn[:, None], other=0.0).to(tl.float16)
+        a = tl.load(a_ptr + k0, mask=rm[:, None], other=0.0)
+        b = tl.load(b_ptr + k0, mask=cn[:, None], other=0.0)
+        if not E4M3_DOT:
+            a, b = a.to(tl.float16), b.to(tl.float16)
         part = tl.dot(a, tl.trans(b))
         sa = tl.load(sa_ptr + kb, mask=rm, other=0.0)
         sb = tl.load(sb_ptr + kb, mask=cn, other=0.0)
@@ -47,15 +59,18 @@ def block_linear_triton(xq: torch.Tensor, xs: torch.Tensor, w8: torch.Tensor, w_
                         out_dtype: torch.dtype = torch.bfloat16, cfg: dict | None = None) -> torch.Tensor:
     """(xq * xs, per group of bk columns) @ (w8 * w_scale, per bn x bk block).T (+ bias) for
     rounded rows xq [M, K] (scales [M, K / bk]) and an e4m3 weight [N, K] (scales
-    [N / bn, K / bk]), in `out_dtype`. K must be whole groups, N whole blocks."""
+    [N / bn, K / bk]), in `out_dtype`. K must be whole groups, N whole blocks. `cfg` may
+    also set `e4m3_dot` (default: on a GPU with FP8 tensor cores)."""
     (m, k), n = xq.shape, w8.shape[0]
     bn, bk = block
     assert w8.shape[1] == k and k % bk == 0 and n % bn == 0 and xq.stride(-1) == w8.stride(-1) == 1
     assert xs.shape == (m, k // bk) and w_scale.shape == (n // bn, k // bk)
     c = {**(FEW if m <= FEW["block_m"] else MANY), **(cfg or {})}
+    e4m3 = c.get("e4m3_dot", xq.is_cuda and torch.cuda.get_device_capability(xq.device) >= (8, 9))
     out = torch.empty(m, n, device=xq.device, dtype=out_dtype)
-    grid = (triton.cdiv(n, c["block_n"]), triton.cdiv(m, c["block_m"]))
+    grid = (triton.cdiv(m, c["block_m"]) * triton.cdiv(n, c["block_n"]),)
     _block_kernel[grid](xq, xs.contiguous(), w8, w_scale.contiguous(), bias if bias is not None else w_scale, out,
                         m, n, k, k // bk, xq.stride(0), w8.stride(0), out.stride(0), HAS_BIAS=bias is not None,
-                        BLOCK_M=c["block_m"], BLOCK_N=c["block_n"], GROUP_N=bn, GROUP_K=bk, **launch_options(c))
+                        E4M3_DOT=e4m3, BLOCK_M=c["block_m"], BLOCK_N=c["block_n"], GROUP_M=c["group_m"],
+                        GROUP_N=bn, GROUP_K=bk, **launch_options(c))
     return out

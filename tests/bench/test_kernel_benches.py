@@ -16,7 +16,7 @@ BENCH = Path(__file__).resolve().parents[2] / "bench"
 
 @pytest.mark.parametrize("script", ["kernels.py --fp8", "collective.py --fp8", "head_dims.py", "head_dims.py --sweep", "moe.py --tokens 8",
                                     "moe.py --align --tokens 8", "windows.py", "softcap.py", "fp8_decode.py",
-                                    "fp8_linear.py", "fp8_block.py"])
+                                    "fp8_linear.py", "fp8_block.py", "fp8_block.py --sweep"])
 def test_smoke(script: str) -> None:
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     env.pop("OUT", None)
@@ -25,10 +25,13 @@ def test_smoke(script: str) -> None:
     res = subprocess.run([sys.executable, str(BENCH / script), "--smoke", *extra], env=env,
                          capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stderr[-2000:]
-    assert "all ok" in res.stdout or "--sweep" in extra, res.stdout[-2000:]
-    if "--sweep" in extra:  # a row of timings per head dim
+    assert "all ok" in res.stdout or script == "head_dims.py" and "--sweep" in extra, res.stdout[-2000:]
+    if script == "head_dims.py" and "--sweep" in extra:  # a row of timings per head dim
         rows = [line for line in res.stdout.splitlines() if line.startswith(("| 128 |", "| 120 |", "| 100 |"))]
         assert len(rows) == 3, res.stdout[-2000:]
+    if script == "fp8_block.py" and "--sweep" in extra:  # a row of timings per layer, two configurations
+        rows = [line for line in res.stdout.splitlines() if line.startswith(("| qkv | 17 |", "| down | 17 |"))]
+        assert sum(line.count("|") == 5 for line in rows) == 4, res.stdout[-2000:]  # printed, then summed up
 
 
 @pytest.mark.parametrize("tokens", ["0", "x", ""])

@@ -80,6 +80,19 @@ def test_the_triton_product_is_the_references(rows: int, block: tuple[int, int])
     assert rel(want, x @ w.t() + bias) < 0.08  # and near the wide product
 
 
+@pytest.mark.parametrize("e4m3_dot", [False, True])
+def test_programs_in_groups_of_row_tiles_cover_every_tile_once(e4m3_dot: bool):
+    """Five row tiles in groups of two (the last group short) over three column tiles; the
+    partial products over e4m3 operands as FP8 tensor cores take them, and over float16."""
+    torch.manual_seed(4)
+    x, w = torch.randn(75, 64), torch.randn(96, 64) / 8
+    w8, ws = fb.quantize_blocks(w, 32, 32)
+    xq, xs = fb.quantize_groups(x, 32)
+    cfg = dict(block_m=16, block_n=32, num_warps=4, num_stages=2, group_m=2, e4m3_dot=e4m3_dot)
+    got = block_linear_triton(xq, xs, w8, ws, (32, 32), out_dtype=torch.float32, cfg=cfg)
+    assert rel(got, fb.block_linear_reference(x, w8, ws, (32, 32))) < 1e-5
+
+
 def test_the_module_starts_as_nn_linear_does_and_takes_whole_blocks():
     torch.manual_seed(3)
     f = fb.BlockFp8Linear(96, 64, (32, 32), bias=True)
