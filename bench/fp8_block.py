@@ -16,9 +16,11 @@ replays; each checked against its float32 reference first:
 - cublas: the groups rounded the same way, then torch's block-scaled `F.scaled_mm`
   (`fp8_block.cublas`), where this torch and GPU take it.
 
-    PYTHONPATH=<dir holding tokendance/> python bench/fp8_block.py [--smoke] [--sweep]
+    PYTHONPATH=<dir holding tokendance/> python bench/fp8_block.py [--smoke] [--sweep] [--rows 1,8,...]
 
---sweep also times the Triton product's launch configurations at prefill row counts.
+--sweep also times the Triton product's launch configurations: a decode step's few rows
+(one row tile, K split or not) and more rows (tiles of 32 to 64 rows grouped); --rows
+picks the row counts.
 --smoke runs tiny shapes under TRITON_INTERPRET=1 on the CPU (checks the script only).
 """
 
@@ -44,11 +46,22 @@ BLOCK = (32, 32) if SMOKE else (128, 128)
 SHAPES = ({"qkv": (64, 96), "down": (128, 64)} if SMOKE else
           {"qkv": (4096, 6144), "o": (4096, 4096), "gate_up": (4096, 24576), "down": (12288, 4096)})
 ROWS = (1, 17) if SMOKE else (1, 8, 32, 512, 4096)
+if "--rows" in sys.argv:
+    ROWS = tuple(int(r) for r in sys.argv[sys.argv.index("--rows") + 1].split(","))
 OLD = dict(block_m=64, block_n=128, num_warps=8, num_stages=3, group_m=1, e4m3_dot=False)  # session 65's
-SWEEP = [dict(block_m=bm, block_n=bn, num_warps=w, num_stages=s, group_m=g)
-         for bm, bn, w, s, g in ((64, 128, 4, 3, 8), (64, 128, 4, 4, 8), (128, 128, 8, 3, 8), (128, 128, 4, 3, 8),
-                                 (128, 64, 4, 4, 8), (64, 64, 4, 4, 8), (128, 128, 8, 4, 16), (64, 128, 4, 4, 1))]
-SWEEP = SWEEP[:2] if SMOKE else SWEEP
+SWEEPS = {  # block_m, block_n, warps, stages, group_m, split_k
+    "few": [(16, 64, 4, 3, 1, 1), (16, 32, 4, 4, 1, 1), (16, 32, 4, 6, 1, 1), (16, 64, 4, 5, 1, 1),
+            (16, 128, 4, 3, 1, 1), (16, 32, 2, 4, 1, 1), (16, 64, 4, 3, 1, 2), (16, 64, 4, 3, 1, 4),
+            (16, 32, 4, 4, 1, 2), (16, 128, 4, 4, 1, 4), (16, 64, 4, 4, 1, 8)],
+    "many": [(64, 128, 4, 4, 8, 1), (64, 64, 4, 4, 8, 1), (32, 64, 4, 4, 8, 1), (32, 128, 4, 4, 8, 1),
+             (64, 64, 4, 3, 8, 1), (64, 64, 4, 4, 8, 2), (32, 64, 4, 4, 8, 2), (16, 64, 4, 4, 1, 1)]}
+SWEEPS = {kind: [dict(block_m=bm, block_n=bn, num_warps=w, num_stages=s, group_m=g, split_k=k)
+                 for bm, bn, w, s, g, k in cfgs[:2 if SMOKE else None]] for kind, cfgs in SWEEPS.items()}
+
+
+def label(c: dict) -> str:
+    return (f"{c['block_m']}x{c['block_n']} w{c['num_warps']} s{c['num_stages']} g{c['group_m']}"
+            + (f" k{c['split_k']}" if c["split_k"] > 1 else ""))
 
 
 def rounded(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -89,8 +102,8 @@ def main() -> int:
     say(f"{'cpu' if SMOKE else torch.cuda.get_device_name()}; torch {torch.__version__}; blocks {BLOCK}")
     out = ["| layer | rows | bf16 us | rows fp8 us | block us | triton us | f16 dots us | cublas us | rows / bf16 "
            "| block / bf16 | triton / f16 dots | cublas / triton |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
-    sweep = ["| layer | rows | " + " | ".join(f"{c['block_m']}x{c['block_n']} w{c['num_warps']} s{c['num_stages']} "
-                                          f"g{c['group_m']}" for c in SWEEP) + " |", "|---|---|" + "---|" * len(SWEEP)]
+    sweeps = {kind: ["| layer | rows | " + " | ".join(map(label, cfgs)) + " |", "|---|---|" + "---|" * len(cfgs)]
+              for kind, cfgs in SWEEPS.items()}
     ok = True
     for name, (k, n) in SHAPES.items():
         w = torch.randn(n, k, device=DEV, dtype=torch.bfloat16) / k ** 0.5
@@ -112,14 +125,16 @@ def main() -> int:
                        f"{t[5]:.1f} | {t[1] / t[0]:.2f}x | {t[2] / t[0]:.2f}x | {t[3] / t[4]:.2f}x | "
                        f"{t[5] / t[3]:.2f}x |")
             say(out[-1])
-            if "--sweep" in sys.argv and rows > FEW["block_m"]:  # the rows that take MANY
-                for c in SWEEP:
+            if "--sweep" in sys.argv:
+                kind = "few" if rows <= FEW["block_m"] else "many"
+                for c in SWEEPS[kind]:
                     ok &= rel(product(x, b8, bs, c), want) < 2e-2
-                ts = [graph_ms(lambda c=c: product(x, b8, bs, c), SMOKE) * 1e3 for c in SWEEP]
-                sweep.append(f"| {name} | {rows} | " + " | ".join(f"{v:.1f}" for v in ts) + " |")
-                say(sweep[-1])
-    return summary("bench_fp8_block.log", ok, out + ([""] + sweep if len(sweep) > 2 else []) +
-                   [f"block's many-rows configuration: {MANY}"])
+                ts = [graph_ms(lambda c=c: product(x, b8, bs, c), SMOKE) * 1e3 for c in SWEEPS[kind]]
+                sweeps[kind].append(f"| {name} | {rows} | " + " | ".join(f"{v:.1f}" for v in ts) + " |")
+                say(sweeps[kind][-1])
+    tables = [line for table in sweeps.values() if len(table) > 2 for line in ["", *table]]
+    return summary("bench_fp8_block.log", ok, out + tables + [f"the block product's configurations: few rows {FEW}, "
+                                                              f"many {MANY}"])
 
 
 if __name__ == "__main__":

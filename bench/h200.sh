@@ -30,7 +30,8 @@
 #     without drawing the weights a checkpoint fills: their tests on CUDA, bench/check_quant.py
 #   fp8-block: block-wise 8-bit weights (FP8 checkpoints' weight_block_size): their tests on CUDA,
 #     then the layer against bf16 and per-row 8-bit weights at Qwen3-8B's widths (bench/fp8_block.py);
-#     fp8-block-sweep: the same with the block product's launch configurations (--sweep)
+#     fp8-block-sweep: the same with the block product's launch configurations (--sweep; BLOCK_ROWS=1,8,..
+#     picks the row counts)
 #   load: the memory and time of loading a Qwen2.5-7B shape (random bf16 weights saved, then
 #     `tokendance quantize`d) four ways (bench/fp8_load.py); with LOAD_BASELINE (an earlier
 #     checkout's root) each way also by that code
@@ -189,7 +190,7 @@ if want fp8-block; then
   timeout 300 python3 bench/fp8_block.py 2>&1 | grep -v -i "warn\|deprecat" | tee "$OUT/fp8_block.txt"
 fi
 if want fp8-block-sweep; then
-  timeout 400 python3 bench/fp8_block.py --sweep 2>&1 | grep -v -i "warn\|deprecat" | tee "$OUT/fp8_block_sweep.txt"
+  timeout 500 python3 bench/fp8_block.py --sweep ${BLOCK_ROWS:+--rows "$BLOCK_ROWS"} 2>&1 | grep -v -i "warn\|deprecat" | tee "$OUT/fp8_block_sweep.txt"
 fi
 if want load; then
   timeout 540 python3 -m tokendance.bench.fp8_load --model qwen2.5-7b --dtype bfloat16 --repeats 3 \

@@ -9,7 +9,10 @@ which hold e4m3 exactly.
 
 Programs are ordered in groups of GROUP_M row tiles: the programs running together share
 a few row tiles and a band of weight columns, so a prefill reads the weight from memory
-about M / (GROUP_M * BLOCK_M) times instead of once per row tile.
+about M / (GROUP_M * BLOCK_M) times instead of once per row tile. A decode step's few rows
+make one row tile and too few column tiles to fill the GPU's SMs where N is narrow (a
+down projection's 4,096 columns are 64 tiles of 64): `split_k` programs each take every
+split_k-th block of K into a float32 partial, which torch then sums.
 """
 
 from __future__ import annotations
@@ -28,6 +31,8 @@ def _block_kernel(xq, xs, w, ws, bias, out, M, N, K, KB, s_x, s_w, s_o, HAS_BIAS
                   E4M3_DOT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr,
                   GROUP_N: tl.constexpr, GROUP_K: tl.constexpr):
     pid, tiles_m, tiles_n = tl.program_id(0), tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N)
+    part_k, splits = tl.program_id(1), tl.num_programs(1)
+    out += part_k.to(tl.int64) * M * s_o  # this split's partial
     first = pid // (GROUP_M * tiles_n) * GROUP_M
     height = tl.minimum(tiles_m - first, GROUP_M)
     rows = (first + pid % (GROUP_M * tiles_n) % height) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -39,7 +44,7 @@ def _block_kernel(xq, xs, w, ws, bias, out, M, N, K, KB, s_x, s_w, s_o, HAS_BIAS
     sa_ptr = xs + rows.to(tl.int64) * KB
     sb_ptr = ws + (cols // GROUP_N).to(tl.int64) * KB
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for kb in range(0, KB):
+    for kb in range(part_k, KB, splits):
         k0 = kb * GROUP_K
         a = tl.load(a_ptr + k0, mask=rm[:, None], other=0.0)
         b = tl.load(b_ptr + k0, mask=cn[:, None], other=0.0)
@@ -50,7 +55,8 @@ def _block_kernel(xq, xs, w, ws, bias, out, M, N, K, KB, s_x, s_w, s_o, HAS_BIAS
         sb = tl.load(sb_ptr + kb, mask=cn, other=0.0)
         acc += part * sa[:, None] * sb[None, :]
     if HAS_BIAS:
-        acc += tl.load(bias + cols, mask=cn, other=0.0).to(tl.float32)[None, :]
+        if part_k == 0:  # once
+            acc += tl.load(bias + cols, mask=cn, other=0.0).to(tl.float32)[None, :]
     tl.store(out + rows[:, None].to(tl.int64) * s_o + cols[None, :], acc, mask=rm[:, None] & cn[None, :])
 
 
@@ -60,17 +66,19 @@ def block_linear_triton(xq: torch.Tensor, xs: torch.Tensor, w8: torch.Tensor, w_
     """(xq * xs, per group of bk columns) @ (w8 * w_scale, per bn x bk block).T (+ bias) for
     rounded rows xq [M, K] (scales [M, K / bk]) and an e4m3 weight [N, K] (scales
     [N / bn, K / bk]), in `out_dtype`. K must be whole groups, N whole blocks. `cfg` may
-    also set `e4m3_dot` (default: on a GPU with FP8 tensor cores)."""
+    also set `split_k` (default 1) and `e4m3_dot` (default: on a GPU with FP8 tensor
+    cores)."""
     (m, k), n = xq.shape, w8.shape[0]
     bn, bk = block
     assert w8.shape[1] == k and k % bk == 0 and n % bn == 0 and xq.stride(-1) == w8.stride(-1) == 1
     assert xs.shape == (m, k // bk) and w_scale.shape == (n // bn, k // bk)
     c = {**(FEW if m <= FEW["block_m"] else MANY), **(cfg or {})}
     e4m3 = c.get("e4m3_dot", xq.is_cuda and torch.cuda.get_device_capability(xq.device) >= (8, 9))
-    out = torch.empty(m, n, device=xq.device, dtype=out_dtype)
-    grid = (triton.cdiv(m, c["block_m"]) * triton.cdiv(n, c["block_n"]),)
+    splits = min(c.get("split_k", 1), k // bk)
+    out = torch.empty(splits, m, n, device=xq.device, dtype=out_dtype if splits == 1 else torch.float32)
+    grid = (triton.cdiv(m, c["block_m"]) * triton.cdiv(n, c["block_n"]), splits)
     _block_kernel[grid](xq, xs.contiguous(), w8, w_scale.contiguous(), bias if bias is not None else w_scale, out,
-                        m, n, k, k // bk, xq.stride(0), w8.stride(0), out.stride(0), HAS_BIAS=bias is not None,
+                        m, n, k, k // bk, xq.stride(0), w8.stride(0), out.stride(1), HAS_BIAS=bias is not None,
                         E4M3_DOT=e4m3, BLOCK_M=c["block_m"], BLOCK_N=c["block_n"], GROUP_M=c["group_m"],
                         GROUP_N=bn, GROUP_K=bk, **launch_options(c))
-    return out
+    return out[0] if splits == 1 else out.sum(0).to(out_dtype)

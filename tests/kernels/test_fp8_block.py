@@ -93,6 +93,19 @@ def test_programs_in_groups_of_row_tiles_cover_every_tile_once(e4m3_dot: bool):
     assert rel(got, fb.block_linear_reference(x, w8, ws, (32, 32))) < 1e-5
 
 
+@pytest.mark.parametrize("split_k", [2, 3, 9])
+def test_programs_that_split_k_sum_to_the_product(split_k: int):
+    """K of four blocks split two, three (shares of 2, 1 and 1 blocks) and nine ways (more
+    splits than blocks: one a block); the bias added once."""
+    torch.manual_seed(5)
+    x, w, bias = torch.randn(3, 128), torch.randn(64, 128) / 8, torch.randn(64)
+    w8, ws = fb.quantize_blocks(w, 32, 32)
+    xq, xs = fb.quantize_groups(x, 32)
+    cfg = dict(block_m=16, block_n=32, num_warps=4, num_stages=2, group_m=1, split_k=split_k)
+    got = block_linear_triton(xq, xs, w8, ws, (32, 32), bias, out_dtype=torch.float32, cfg=cfg)
+    assert rel(got, fb.block_linear_reference(x, w8, ws, (32, 32), bias)) < 1e-5
+
+
 def test_the_module_starts_as_nn_linear_does_and_takes_whole_blocks():
     torch.manual_seed(3)
     f = fb.BlockFp8Linear(96, 64, (32, 32), bias=True)
