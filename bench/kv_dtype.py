@@ -26,6 +26,7 @@ import statistics
 
 import torch
 
+from tokendance.backend import loader
 from tokendance.backend.api import QUANTIZATIONS, SamplingParams
 from tokendance.backend.config import EngineConfig
 from tokendance.backend.engine import Engine
@@ -129,6 +130,9 @@ def main(args: argparse.Namespace) -> int:
                          "or --weights DIR")
     if args.weights and args.quantization:
         raise ValueError("--weights DIR holds its own 8-bit weights: give it or --quantization, not both")
+    if args.weights and not (loader.resolve(args.weights) / "config.json").is_file():  # before the wide model loads
+        raise ValueError(f"--weights {args.weights}: no config.json in it (a checkpoint folder of the model, as "
+                         "`tokendance quantize` writes)")
     random = resolve(args.model)[1]
     base = engine(args, "auto", None)
     ids = [] if random or not args.questions else prompts(base, args.agents, args.questions)

@@ -70,3 +70,20 @@ def test_it_compares_a_checkpoint_in_blocks(tiny_llama, bench, tmp_path):
     kv_dtype.add_args(p)
     with pytest.raises(ValueError, match="give it or --quantization, not both"):
         kv_dtype.main(p.parse_args(["--model", str(tiny_llama), "--weights", str(folder), "--quantization", "fp8"]))
+
+
+def test_a_missing_checkpoint_is_refused_before_the_model_loads(tiny_llama, tmp_path, monkeypatch):
+    import argparse
+
+    import pytest
+
+    def no_engine(*a, **k):
+        raise AssertionError("an engine was built")
+
+    monkeypatch.setattr(kv_dtype, "engine", no_engine)
+    p = argparse.ArgumentParser()
+    kv_dtype.add_args(p)
+    with pytest.raises(ValueError, match="no such file or folder"):
+        kv_dtype.main(p.parse_args(["--model", str(tiny_llama), "--weights", str(tmp_path / "none")]))
+    with pytest.raises(ValueError, match="no config.json in it"):
+        kv_dtype.main(p.parse_args(["--model", str(tiny_llama), "--weights", str(tmp_path)]))
