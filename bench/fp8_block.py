@@ -9,10 +9,11 @@ replays; each checked against its float32 reference first:
   kernel or `torch._scaled_mm`);
 - block: the whole layer as the engine runs it (`block_linear`: groups rounded by the rows
   kernel, then the product it picks);
-- triton: the groups rounded the same way, then the Triton product (e4m3 operands, programs
-  grouped by row tiles);
-- f16 dots: the same with session 65's Triton product (float16 operands, programs in
-  row-tile order);
+- triton: the groups rounded the same way, then the Triton product (e4m3 operands; its
+  configuration for the row count: K split for a decode step's few rows, programs grouped
+  by row tiles for more);
+- s65: the same with session 65's Triton product (float16 operands, K whole, tiles of 16 x
+  64 for up to 16 rows, else of 64 x 128 in row-tile order);
 - cublas: the groups rounded the same way, then torch's block-scaled `F.scaled_mm`
   (`fp8_block.cublas`), where this torch and GPU take it.
 
@@ -39,16 +40,17 @@ import torch.nn.functional as F  # noqa: E402
 from tokendance.bench.kernel_timing import graph_ms, rel, say, summary  # noqa: E402
 from tokendance.kernels import fp8_block as fb  # noqa: E402
 from tokendance.kernels import fp8_linear as fl  # noqa: E402
-from tokendance.kernels.fp8_block_triton import FEW, MANY, block_linear_triton  # noqa: E402
+from tokendance.kernels.fp8_block_triton import FEW, MANY, MID, MID_ROWS, block_linear_triton  # noqa: E402
 
 DEV = "cpu" if SMOKE else "cuda"
 BLOCK = (32, 32) if SMOKE else (128, 128)
 SHAPES = ({"qkv": (64, 96), "down": (128, 64)} if SMOKE else
           {"qkv": (4096, 6144), "o": (4096, 4096), "gate_up": (4096, 24576), "down": (12288, 4096)})
-ROWS = (1, 17) if SMOKE else (1, 8, 32, 512, 4096)
+ROWS = (1, 17) if SMOKE else (1, 8, 32, 128, 512, 4096)
 if "--rows" in sys.argv:
     ROWS = tuple(int(r) for r in sys.argv[sys.argv.index("--rows") + 1].split(","))
-OLD = dict(block_m=64, block_n=128, num_warps=8, num_stages=3, group_m=1, e4m3_dot=False)  # session 65's
+OLD = {few: dict(block_m=16 if few else 64, block_n=64 if few else 128, num_warps=4 if few else 8, num_stages=3,
+                group_m=1, split_k=1, e4m3_dot=False) for few in (True, False)}  # session 65's
 SWEEPS = {  # block_m, block_n, warps, stages, group_m, split_k
     "few": [(16, 64, 4, 3, 1, 1), (16, 32, 4, 4, 1, 1), (16, 32, 4, 6, 1, 1), (16, 64, 4, 5, 1, 1),
             (16, 128, 4, 3, 1, 1), (16, 32, 2, 4, 1, 1), (16, 64, 4, 3, 1, 2), (16, 64, 4, 3, 1, 4),
@@ -100,8 +102,8 @@ def through_torch(x: torch.Tensor, w8: torch.Tensor, ws: torch.Tensor) -> torch.
 def main() -> int:
     torch.manual_seed(0)
     say(f"{'cpu' if SMOKE else torch.cuda.get_device_name()}; torch {torch.__version__}; blocks {BLOCK}")
-    out = ["| layer | rows | bf16 us | rows fp8 us | block us | triton us | f16 dots us | cublas us | rows / bf16 "
-           "| block / bf16 | triton / f16 dots | cublas / triton |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    out = ["| layer | rows | bf16 us | rows fp8 us | block us | triton us | s65 us | cublas us | rows / bf16 "
+           "| block / bf16 | triton / s65 | cublas / triton |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     sweeps = {kind: ["| layer | rows | " + " | ".join(map(label, cfgs)) + " |", "|---|---|" + "---|" * len(cfgs)]
               for kind, cfgs in SWEEPS.items()}
     ok = True
@@ -110,15 +112,15 @@ def main() -> int:
         w8, ws = fl.quantize_rows(w)
         b8, bs = fb.quantize_blocks(w, *BLOCK)
         for rows in ROWS:
-            x = torch.randn(rows, k, device=DEV, dtype=torch.bfloat16)
+            x, old = torch.randn(rows, k, device=DEV, dtype=torch.bfloat16), OLD[rows <= FEW["block_m"]]
             want = fb.block_linear_reference(x.float(), b8, bs, BLOCK)
             ok &= rel(fl.fp8_linear(x, w8, ws), fl.fp8_linear_reference(x.float(), w8, ws)) < 2e-2
-            for fn in (layer, product, lambda *a: product(*a, OLD)):
+            for fn in (layer, product, lambda *a: product(*a, old)):
                 ok &= rel(fn(x, b8, bs), want) < 2e-2
             cub = (got := through_torch(x, b8, bs)) is not None
             ok &= not cub or rel(got, want) < 2e-2
             fns = [lambda: F.linear(x, w), lambda: fl.fp8_linear(x, w8, ws), lambda: layer(x, b8, bs),
-                   lambda: product(x, b8, bs), lambda: product(x, b8, bs, OLD)]
+                   lambda: product(x, b8, bs), lambda: product(x, b8, bs, old)]
             t = [graph_ms(fn, SMOKE) * 1e3 for fn in fns]
             t.append(graph_ms(lambda: through_torch(x, b8, bs), SMOKE) * 1e3 if cub else float("nan"))
             out.append(f"| {name} | {rows} | {t[0]:.1f} | {t[1]:.1f} | {t[2]:.1f} | {t[3]:.1f} | {t[4]:.1f} | "
@@ -133,8 +135,9 @@ def main() -> int:
                 sweeps[kind].append(f"| {name} | {rows} | " + " | ".join(f"{v:.1f}" for v in ts) + " |")
                 say(sweeps[kind][-1])
     tables = [line for table in sweeps.values() if len(table) > 2 for line in ["", *table]]
-    return summary("bench_fp8_block.log", ok, out + tables + [f"the block product's configurations: few rows {FEW}, "
-                                                              f"many {MANY}"])
+    return summary("bench_fp8_block.log", ok, out + tables + [
+        f"the block product's configurations: few rows {FEW} (K split by the SM count), up to {MID_ROWS} rows {MID}, "
+        f"more {MANY}"])
 
 
 if __name__ == "__main__":

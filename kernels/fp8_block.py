@@ -7,8 +7,9 @@ float32 and takes its two scales there.
 
 On a GPU with FP8 tensor cores the groups are rounded by kernels/fp8_triton.py's rows
 kernel (a group is a row of bk columns) and the product is `block_linear_triton`
-(kernels/fp8_block_triton.py), or for a prefill's rows over 128 x 128 blocks torch's own
-(`cublas`); elsewhere `block_linear_reference` computes the same function in float32.
+(kernels/fp8_block_triton.py), or for more than MID_ROWS rows over 128 x 128 blocks torch's
+own (`cublas`: on an H100 it overtakes Triton's from 128 rows on, docs/benchmarks.md);
+elsewhere `block_linear_reference` computes the same function in float32.
 Tests compare them.
 """
 
@@ -18,8 +19,8 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from tokendance.kernels.fp8_block_triton import block_linear_triton
-from tokendance.kernels.fp8_linear import AT_ONCE, E4M3, FEW_ROWS, fast, quantize_rows, widen
+from tokendance.kernels.fp8_block_triton import MID_ROWS, block_linear_triton
+from tokendance.kernels.fp8_linear import AT_ONCE, E4M3, fast, quantize_rows, widen
 from tokendance.kernels.fp8_triton import quantize_rows_triton
 
 
@@ -71,13 +72,13 @@ def block_linear_reference(x: torch.Tensor, w8: torch.Tensor, w_scale: torch.Ten
 
 def block_linear(x: torch.Tensor, w8: torch.Tensor, w_scale: torch.Tensor, block: tuple[int, int],
                  bias: torch.Tensor | None = None) -> torch.Tensor:
-    """`block_linear_reference`, on the GPU where `fast`: more than FEW_ROWS rows through
+    """`block_linear_reference`, on the GPU where `fast`: more than MID_ROWS rows through
     torch's block-scaled product where it takes them (`cublas`), else the Triton product."""
     if not fast(x):
         return block_linear_reference(x, w8, w_scale, block, bias)
     n, k = w8.shape
     rows = x.reshape(-1, k)
-    out = cublas(rows, w8, w_scale, block, bias) if rows.shape[0] > FEW_ROWS else None
+    out = cublas(rows, w8, w_scale, block, bias) if rows.shape[0] > MID_ROWS else None
     if out is None:
         out = block_linear_triton(*round_groups(rows, block[1]), w8, w_scale, block, bias)
     return out.reshape(*x.shape[:-1], n)

@@ -21,9 +21,13 @@ import torch
 
 from tokendance.kernels.jit import launch_options, tl, triton
 
-# A decode step's few rows, and a prefill's many
+# A decode step's few rows (K split as `split_k` says), up to MID_ROWS, and more (where torch's
+# block-scaled product does not take them): the fastest of bench/fp8_block.py --sweep on an
+# H100 at Qwen3-8B's widths (docs/benchmarks.md, session 67)
 FEW = dict(block_m=16, block_n=64, num_warps=4, num_stages=3, group_m=1)
+MID = dict(block_m=64, block_n=64, num_warps=4, num_stages=4, group_m=8)
 MANY = dict(block_m=64, block_n=128, num_warps=4, num_stages=4, group_m=8)
+MID_ROWS = 64
 
 
 @triton.jit
@@ -60,23 +64,40 @@ def _block_kernel(xq, xs, w, ws, bias, out, M, N, K, KB, s_x, s_w, s_o, HAS_BIAS
     tl.store(out + rows[:, None].to(tl.int64) * s_o + cols[None, :], acc, mask=rm[:, None] & cn[None, :])
 
 
+def split_k(tiles: int, kb: int, sms: int) -> int:
+    """How many ways a decode step splits K: the fewest (a power of two, at most the `kb`
+    blocks of K) that give `tiles` output tiles 1.5 waves of programs over `sms` SMs (on
+    an H100 a qkv projection's 96 tiles of 64 columns split 4 ways, down's 64 too, gate_up's
+    384 not at all)."""
+    k = 1
+    while tiles * k < 1.5 * sms and 2 * k <= kb:
+        k *= 2
+    return k
+
+
 def block_linear_triton(xq: torch.Tensor, xs: torch.Tensor, w8: torch.Tensor, w_scale: torch.Tensor,
                         block: tuple[int, int], bias: torch.Tensor | None = None,
                         out_dtype: torch.dtype = torch.bfloat16, cfg: dict | None = None) -> torch.Tensor:
     """(xq * xs, per group of bk columns) @ (w8 * w_scale, per bn x bk block).T (+ bias) for
     rounded rows xq [M, K] (scales [M, K / bk]) and an e4m3 weight [N, K] (scales
-    [N / bn, K / bk]), in `out_dtype`. K must be whole groups, N whole blocks. `cfg` may
-    also set `split_k` (default 1) and `e4m3_dot` (default: on a GPU with FP8 tensor
-    cores)."""
+    [N / bn, K / bk]), in `out_dtype`. K must be whole groups, N whole blocks. `cfg` (default:
+    FEW, MID or MANY by the row count) may also set `split_k` (default: `split_k`'s for
+    few rows, else 1) and `e4m3_dot` (default: on a GPU with FP8 tensor cores)."""
     (m, k), n = xq.shape, w8.shape[0]
     bn, bk = block
     assert w8.shape[1] == k and k % bk == 0 and n % bn == 0 and xq.stride(-1) == w8.stride(-1) == 1
     assert xs.shape == (m, k // bk) and w_scale.shape == (n // bn, k // bk)
-    c = {**(FEW if m <= FEW["block_m"] else MANY), **(cfg or {})}
+    c = {**(FEW if m <= FEW["block_m"] else MID if m <= MID_ROWS else MANY), **(cfg or {})}
     e4m3 = c.get("e4m3_dot", xq.is_cuda and torch.cuda.get_device_capability(xq.device) >= (8, 9))
-    splits = min(c.get("split_k", 1), k // bk)
+    tiles = triton.cdiv(m, c["block_m"]) * triton.cdiv(n, c["block_n"])
+    if "split_k" in c:
+        splits = min(c["split_k"], k // bk)
+    elif m <= FEW["block_m"] and xq.is_cuda:
+        splits = split_k(tiles, k // bk, torch.cuda.get_device_properties(xq.device).multi_processor_count)
+    else:
+        splits = 1
     out = torch.empty(splits, m, n, device=xq.device, dtype=out_dtype if splits == 1 else torch.float32)
-    grid = (triton.cdiv(m, c["block_m"]) * triton.cdiv(n, c["block_n"]), splits)
+    grid = (tiles, splits)
     _block_kernel[grid](xq, xs.contiguous(), w8, w_scale.contiguous(), bias if bias is not None else w_scale, out,
                         m, n, k, k // bk, xq.stride(0), w8.stride(0), out.stride(1), HAS_BIAS=bias is not None,
                         E4M3_DOT=e4m3, BLOCK_M=c["block_m"], BLOCK_N=c["block_n"], GROUP_M=c["group_m"],

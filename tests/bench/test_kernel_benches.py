@@ -29,9 +29,10 @@ def test_smoke(script: str) -> None:
     if script == "head_dims.py" and "--sweep" in extra:  # a row of timings per head dim
         rows = [line for line in res.stdout.splitlines() if line.startswith(("| 128 |", "| 120 |", "| 100 |"))]
         assert len(rows) == 3, res.stdout[-2000:]
-    if script == "fp8_block.py" and "--sweep" in extra:  # a row of timings per layer, two configurations
-        rows = [line for line in res.stdout.splitlines() if line.startswith(("| qkv | 17 |", "| down | 17 |"))]
-        assert sum(line.count("|") == 5 for line in rows) == 4, res.stdout[-2000:]  # printed, then summed up
+    if script == "fp8_block.py" and "--sweep" in extra:  # a row per layer and row count, two configurations
+        rows = [line for line in res.stdout.splitlines()
+                if line.startswith(("| qkv | 1 |", "| down | 1 |", "| qkv | 17 |", "| down | 17 |"))]
+        assert sum(line.count("|") == 5 for line in rows) == 8, res.stdout[-2000:]  # printed, then summed up
 
 
 @pytest.mark.parametrize("tokens", ["0", "x", ""])

@@ -9,7 +9,7 @@ import torch
 
 from tokendance.kernels import fp8_block as fb
 from tokendance.kernels import fp8_linear as fl
-from tokendance.kernels.fp8_block_triton import block_linear_triton
+from tokendance.kernels.fp8_block_triton import block_linear_triton, split_k
 
 from .test_paged_attention import rel
 
@@ -67,8 +67,8 @@ def test_dequantize_gives_each_weight_its_blocks_scale(shape: tuple[int, ...]):
 @pytest.mark.parametrize("rows", [1, 5, 17, 70])
 @pytest.mark.parametrize("block", [(16, 32), (32, 16), (64, 64)])
 def test_the_triton_product_is_the_references(rows: int, block: tuple[int, int]):
-    """Few rows (one tile of 16) and many (tiles of 64, the last masked); output tiles
-    wider and narrower than a block's rows; a bias."""
+    """Few rows (one tile of 16), up to MID_ROWS (one tile of 64 x 64) and more (tiles of
+    64 x 128, the last masked); output tiles wider and narrower than a block's rows; a bias."""
     torch.manual_seed(2)
     x, w, bias = torch.randn(rows, 128), torch.randn(192, 128) / 8, torch.randn(192)
     w8, ws = fb.quantize_blocks(w, *block)
@@ -104,6 +104,13 @@ def test_programs_that_split_k_sum_to_the_product(split_k: int):
     cfg = dict(block_m=16, block_n=32, num_warps=4, num_stages=2, group_m=1, split_k=split_k)
     got = block_linear_triton(xq, xs, w8, ws, (32, 32), bias, out_dtype=torch.float32, cfg=cfg)
     assert rel(got, fb.block_linear_reference(x, w8, ws, (32, 32), bias)) < 1e-5
+
+
+def test_a_decode_step_splits_k_until_the_programs_fill_the_gpu():
+    """On 132 SMs (an H100's): 96 tiles split 4 ways (192 programs are short of 1.5 waves),
+    384 tiles none, and never into more splits than K has blocks."""
+    assert [split_k(t, 32, 132) for t in (96, 64, 384, 198, 197)] == [4, 4, 1, 1, 2]
+    assert split_k(1, 3, 132) == 2 and split_k(1, 1, 132) == 1
 
 
 def test_the_module_starts_as_nn_linear_does_and_takes_whole_blocks():
