@@ -32,6 +32,9 @@
 #     then the layer against bf16 and per-row 8-bit weights at Qwen3-8B's widths (bench/fp8_block.py);
 #     fp8-block-sweep: the same with the block product's launch configurations (--sweep; BLOCK_ROWS=1,8,..
 #     picks the row counts)
+#     fp8-block-engine: the engine's prefill and decode steps over a block-wise checkpoint
+#     (`tokendance quantize --block 128`) and over a per-row one, each against bf16 weights (bench
+#     kv-dtype --weights), Qwen2.5-7B shape, random bf16 weights saved first
 #   load: the memory and time of loading a Qwen2.5-7B shape (random bf16 weights saved, then
 #     `tokendance quantize`d) four ways (bench/fp8_load.py); with LOAD_BASELINE (an earlier
 #     checkout's root) each way also by that code
@@ -191,6 +194,16 @@ if want fp8-block; then
 fi
 if want fp8-block-sweep; then
   timeout 500 python3 bench/fp8_block.py --sweep ${BLOCK_ROWS:+--rows "$BLOCK_ROWS"} 2>&1 | grep -v -i "warn\|deprecat" | tee "$OUT/fp8_block_sweep.txt"
+fi
+if want fp8-block-engine; then
+  python3 -c "import sys; from pathlib import Path; from tokendance.bench.shapes import save_random
+save_random('qwen2.5-7b', Path(sys.argv[1]))" /tmp/q7 && td quantize /tmp/q7 /tmp/q7-rows && \
+    td quantize /tmp/q7 /tmp/q7-block --block 128 || exit 1
+  for w in block rows; do
+    timeout 240 td bench kv-dtype --model /tmp/q7 --dtype bfloat16 --questions 0 --kv auto --weights /tmp/q7-$w \
+      --prefill 10x2048 --decode 1x1024,8x1024,32x4096 --steps 32 --repeats 3 --kv-tokens 140000 2>&1 \
+      | grep -v -i "warn\|deprecat\|info " | tee "$OUT/fp8_block_engine_$w.txt"
+  done
 fi
 if want load; then
   timeout 540 python3 -m tokendance.bench.fp8_load --model qwen2.5-7b --dtype bfloat16 --repeats 3 \
