@@ -8,9 +8,9 @@ float32 and takes its two scales there.
 On a GPU with FP8 tensor cores the groups are rounded by kernels/fp8_triton.py's rows
 kernel (a group is a row of bk columns) and the product is `block_linear_triton`
 (kernels/fp8_block_triton.py), or for more than MID_ROWS rows over 128 x 128 blocks torch's
-own (`cublas`: on an H100 it overtakes Triton's from 128 rows on, docs/benchmarks.md);
-elsewhere `block_linear_reference` computes the same function in float32.
-Tests compare them.
+own (`cublas`: on an H100, from 128 rows on as fast as Triton's best or faster, o's
+projection at 128 rows aside; docs/benchmarks.md session 67); elsewhere
+`block_linear_reference` computes the same function in float32. Tests compare them.
 """
 
 from __future__ import annotations
