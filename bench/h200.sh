@@ -196,11 +196,11 @@ if want fp8-block-sweep; then
   timeout 500 python3 bench/fp8_block.py --sweep ${BLOCK_ROWS:+--rows "$BLOCK_ROWS"} 2>&1 | grep -v -i "warn\|deprecat" | tee "$OUT/fp8_block_sweep.txt"
 fi
 if want fp8-block-engine; then
-  python3 -c "import sys; from pathlib import Path; from tokendance.bench.shapes import save_random
-save_random('qwen2.5-7b', Path(sys.argv[1]))" /tmp/q7 && td quantize /tmp/q7 /tmp/q7-rows && \
-    td quantize /tmp/q7 /tmp/q7-block --block 128 || exit 1
+  [ -f /tmp/q7-block/config.json ] || { python3 -c "import sys; from pathlib import Path
+from tokendance.bench.shapes import save_random; save_random('qwen2.5-7b', Path(sys.argv[1]))" /tmp/q7 && \
+    td quantize /tmp/q7 /tmp/q7-rows && td quantize /tmp/q7 /tmp/q7-block --block 128 || exit 1; }
   for w in block rows; do
-    timeout 240 td bench kv-dtype --model /tmp/q7 --dtype bfloat16 --questions 0 --kv auto --weights /tmp/q7-$w \
+    td bench kv-dtype --model /tmp/q7 --dtype bfloat16 --questions 0 --kv auto --weights /tmp/q7-$w \
       --prefill 10x2048 --decode 1x1024,8x1024,32x4096 --steps 32 --repeats 3 --kv-tokens 140000 2>&1 \
       | grep -v -i "warn\|deprecat\|info " | tee "$OUT/fp8_block_engine_$w.txt"
   done
