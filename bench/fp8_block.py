@@ -1,8 +1,9 @@
 """Block-wise 8-bit weights (an FP8 checkpoint's `weight_block_size` [128, 128],
 kernels/fp8_block.py) against bf16 weights and per-row 8-bit ones, at Qwen3-8B's widths
 (qkv 4096 -> 6144, o 4096 -> 4096, gate_up 4096 -> 24576, down 12288 -> 4096) and decode
-to prefill row counts, in CUDA graphs of 28 calls (a step's layers), medians of 30
-replays; each checked against its float32 reference first:
+to prefill row counts, in CUDA graphs of 28 calls (a step's layers, each its own copy of
+the weights, read from memory as a step reads them, not found in the L2), medians of 30 replays; each checked against its
+float32 reference first:
 
 - bf16: `F.linear` on the bf16 weight (the baseline);
 - rows: per-row scales as `--quantization fp8` holds them (`fp8_linear`: the few-rows
@@ -37,7 +38,7 @@ if SMOKE:
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from tokendance.bench.kernel_timing import graph_ms, rel, say, summary  # noqa: E402
+from tokendance.bench.kernel_timing import LAUNCHES, each, graph_ms, layers, rel, say, summary  # noqa: E402
 from tokendance.kernels import fp8_block as fb  # noqa: E402
 from tokendance.kernels import fp8_linear as fl  # noqa: E402
 from tokendance.kernels.fp8_block_triton import FEW, MANY, MID, MID_ROWS, block_linear_triton  # noqa: E402
@@ -111,6 +112,7 @@ def main() -> int:
         w = torch.randn(n, k, device=DEV, dtype=torch.bfloat16) / k ** 0.5
         w8, ws = fl.quantize_rows(w)
         b8, bs = fb.quantize_blocks(w, *BLOCK)
+        sets = layers((w, w8, ws, b8, bs), 1 if SMOKE else LAUNCHES)
         for rows in ROWS:
             x, old = torch.randn(rows, k, device=DEV, dtype=torch.bfloat16), OLD[rows <= FEW["block_m"]]
             want = fb.block_linear_reference(x.float(), b8, bs, BLOCK)
@@ -119,10 +121,10 @@ def main() -> int:
                 ok &= rel(fn(x, b8, bs), want) < 2e-2
             cub = (got := through_torch(x, b8, bs)) is not None
             ok &= not cub or rel(got, want) < 2e-2
-            fns = [lambda: F.linear(x, w), lambda: fl.fp8_linear(x, w8, ws), lambda: layer(x, b8, bs),
-                   lambda: product(x, b8, bs), lambda: product(x, b8, bs, old)]
-            t = [graph_ms(fn, SMOKE) * 1e3 for fn in fns]
-            t.append(graph_ms(lambda: through_torch(x, b8, bs), SMOKE) * 1e3 if cub else float("nan"))
+            fns = [lambda w, *_: F.linear(x, w), lambda _, w8, ws, *__: fl.fp8_linear(x, w8, ws),
+                   lambda *t: layer(x, *t[3:]), lambda *t: product(x, *t[3:]), lambda *t: product(x, *t[3:], old)]
+            fns += [lambda *t: through_torch(x, *t[3:])] * cub
+            t = [graph_ms(each(fn, sets), SMOKE) * 1e3 for fn in fns] + [float("nan")] * (not cub)
             out.append(f"| {name} | {rows} | {t[0]:.1f} | {t[1]:.1f} | {t[2]:.1f} | {t[3]:.1f} | {t[4]:.1f} | "
                        f"{t[5]:.1f} | {t[1] / t[0]:.2f}x | {t[2] / t[0]:.2f}x | {t[3] / t[4]:.2f}x | "
                        f"{t[5] / t[3]:.2f}x |")
@@ -131,7 +133,7 @@ def main() -> int:
                 kind = "few" if rows <= FEW["block_m"] else "many"
                 for c in SWEEPS[kind]:
                     ok &= rel(product(x, b8, bs, c), want) < 2e-2
-                ts = [graph_ms(lambda c=c: product(x, b8, bs, c), SMOKE) * 1e3 for c in SWEEPS[kind]]
+                ts = [graph_ms(each(lambda *t, c=c: product(x, *t[3:], c), sets), SMOKE) * 1e3 for c in SWEEPS[kind]]
                 sweeps[kind].append(f"| {name} | {rows} | " + " | ".join(f"{v:.1f}" for v in ts) + " |")
                 say(sweeps[kind][-1])
     tables = [line for table in sweeps.values() if len(table) > 2 for line in ["", *table]]

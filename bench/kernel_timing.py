@@ -4,6 +4,7 @@ compiled kernels. A --smoke run sets TRITON_INTERPRET=1 before importing this.""
 
 from __future__ import annotations
 
+import itertools
 import math
 import os
 import time
@@ -72,7 +73,24 @@ def wall_ms(fn, smoke: bool, calls: int = 20, repeats: int = 7) -> float:
     return sorted(ts)[len(ts) // 2]
 
 
-def graph_ms(fn, smoke: bool, launches: int = 28, replays: int = 30) -> float:
+LAUNCHES = 28  # a decode step's layers, in `graph_ms`'s graph
+
+
+def layers(tensors: tuple[torch.Tensor, ...], n: int = LAUNCHES) -> list[tuple[torch.Tensor, ...]]:
+    """`tensors` and n - 1 copies of them: a weight per layer of a step, as a model's layers
+    each read their own (one weight read 28 times over stays in the L2 where it fits: an
+    H100's 50 MiB holds a 4,096-wide o projection's 32 MiB in bf16)."""
+    return [tensors] + [tuple(t.clone() for t in tensors) for _ in range(n - 1)]
+
+
+def each(fn, sets: list[tuple[torch.Tensor, ...]]):
+    """fn called with the next of `sets` at each call: in `graph_ms`'s graph of LAUNCHES
+    calls every layer's copy is read once."""
+    turn = itertools.count()
+    return lambda: fn(*sets[next(turn) % len(sets)])
+
+
+def graph_ms(fn, smoke: bool, launches: int = LAUNCHES, replays: int = 30) -> float:
     """Median milliseconds of one call of fn inside a CUDA graph of `launches` calls (a
     decode step's layers: what the engine replays, without per-launch host overhead);
     under the interpreter, `median_ms`."""

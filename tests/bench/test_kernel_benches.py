@@ -72,3 +72,22 @@ def test_heads_whose_width_16_does_not_divide_are_read_more_than_2_bytes_at_a_ti
     for name, dim, *_, loads, _gathers in rows:
         widths = {int(w.split(":")[0]) for w in loads.split(",")}
         assert min(widths - {1}) >= 4, (name, dim, loads)  # 1: the collective's hidden-slot flags
+
+
+def test_each_layer_reads_its_own_copy_of_the_weights() -> None:
+    """`layers` gives every layer of a step a weight of its own (same values, other memory),
+    and `each` hands them out in turn: a graph of LAUNCHES calls reads each copy once."""
+    import torch
+
+    from tokendance.bench.kernel_timing import LAUNCHES, each, layers
+
+    w, s = torch.randn(4, 8), torch.rand(4)
+    sets = layers((w, s))
+    assert len(sets) == LAUNCHES and sets[0] == (w, s)
+    assert all(a.equal(w) and b.equal(s) for a, b in sets)
+    assert len({a.data_ptr() for a, _ in sets}) == LAUNCHES
+    seen = []
+    fn = each(lambda a, b: seen.append(a.data_ptr()), sets)
+    for _ in range(3 + LAUNCHES):  # a warm-up's calls, then a graph's
+        fn()
+    assert sorted(seen[3:]) == sorted(a.data_ptr() for a, _ in sets)
