@@ -87,15 +87,8 @@ def through_torch(x: torch.Tensor, w8: torch.Tensor, ws: torch.Tensor) -> torch.
     got = None if SMOKE else fb.cublas(x, w8, ws, BLOCK)
     if got is None and not getattr(through_torch, "said", False):
         through_torch.said = True
-        why = "the interpreter" if SMOKE else f"torch {torch.__version__} has no F.scaled_mm"
-        if hasattr(F, "scaled_mm") and not SMOKE:
-            try:
-                xq, xs = rounded(x)
-                F.scaled_mm(xq, w8.t(), xs.t().contiguous().t(), F.ScalingType.BlockWise1x128, ws.t(),
-                            F.ScalingType.BlockWise128x128, output_dtype=torch.bfloat16)
-                why = "refused by cublas() though F.scaled_mm takes it"
-            except Exception as e:  # noqa: BLE001 - said, not raised
-                why = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
+        why = "the interpreter" if SMOKE else fb.cublas_refusal(x.device) or (
+            f"torch {torch.__version__} has no F.scaled_mm" if not hasattr(F, "scaled_mm") else "untried")
         say(f"torch's block-scaled product not taken: {why}")
     return got
 

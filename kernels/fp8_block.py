@@ -84,7 +84,7 @@ def block_linear(x: torch.Tensor, w8: torch.Tensor, w_scale: torch.Tensor, block
     return out.reshape(*x.shape[:-1], n)
 
 
-_CUBLAS: dict[int | None, bool] = {}  # a GPU's verdict on torch's block-scaled product
+_CUBLAS: dict[int | None, str | None] = {}  # a GPU's verdict on torch's block-scaled product: None taken, else why not
 
 
 def cublas(x: torch.Tensor, w8: torch.Tensor, w_scale: torch.Tensor, block: tuple[int, int],
@@ -92,21 +92,28 @@ def cublas(x: torch.Tensor, w8: torch.Tensor, w_scale: torch.Tensor, block: tupl
     """x [M, K] times the blocks through torch's `F.scaled_mm` (cuBLAS: input groups of 1 x
     128, weight blocks of 128 x 128, on compute capability 9.0, since torch 2.10), rows
     padded to a multiple of 4 as it needs; None where this torch or GPU does not take them
-    (the first refusal is kept; while a CUDA graph is captured, untried is refused)."""
+    (the first refusal is kept, `cublas_refusal`; while a CUDA graph is captured, untried is
+    refused)."""
     (m, k), index = x.shape, x.device.index
-    if (block != (128, 128) or k // 128 % 4 or not hasattr(F, "scaled_mm") or not _CUBLAS.get(index, True)
-            or index not in _CUBLAS and torch.cuda.is_current_stream_capturing()):
+    if block != (128, 128) or k // 128 % 4 or not hasattr(F, "scaled_mm"):
+        return None
+    if _CUBLAS.get(index) is not None or index not in _CUBLAS and torch.cuda.is_current_stream_capturing():
         return None
     xq, xs = round_groups(F.pad(x, (0, 0, 0, -m % 4)), 128)
     try:
         out = F.scaled_mm(xq, w8.t(), xs.t().contiguous().t(), F.ScalingType.BlockWise1x128, w_scale.t(),
                           F.ScalingType.BlockWise128x128, output_dtype=x.dtype)
-    except (RuntimeError, NotImplementedError):
-        _CUBLAS[index] = False
+    except (RuntimeError, NotImplementedError) as e:
+        _CUBLAS[index] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
         return None
-    _CUBLAS[index] = True
+    _CUBLAS[index] = None
     out = out[:m]
     return out if bias is None else out + bias
+
+
+def cublas_refusal(device: torch.device) -> str | None:
+    """Why `cublas` does not take products on this GPU: its first refusal (None: none yet)."""
+    return _CUBLAS.get(device.index)
 
 
 def round_groups(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:

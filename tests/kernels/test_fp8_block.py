@@ -130,3 +130,23 @@ def test_the_module_starts_as_nn_linear_does_and_takes_whole_blocks():
         g.put(16, q[:32], s[:1])
     with pytest.raises(ValueError, match="64 x 80 is not whole blocks of 32 x 32"):
         fb.BlockFp8Linear(80, 64, (32, 32))
+
+
+def test_a_refusal_of_torchs_block_product_is_kept_and_said(monkeypatch):
+    """The first refusal of `F.scaled_mm` is this device's verdict: said by
+    `cublas_refusal`, never asked again."""
+    calls = []
+
+    def refuse(*a, **k):
+        calls.append(1)
+        raise RuntimeError("no block-wise scales here\nmore")
+
+    monkeypatch.setattr(fb, "_CUBLAS", {})
+    monkeypatch.setattr(fb.F, "scaled_mm", refuse, raising=False)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)  # a CPU build's raises
+    x, w = torch.randn(5, 512), torch.randn(256, 512) / 16
+    w8, ws = fb.quantize_blocks(w, 128, 128)
+    assert fb.cublas_refusal(x.device) is None
+    assert fb.cublas(x, w8, ws, (128, 128)) is None and fb.cublas(x, w8, ws, (128, 128)) is None
+    assert calls == [1] and fb.cublas_refusal(x.device) == "RuntimeError: no block-wise scales here"
+    assert fb.cublas(x, w8, ws, (64, 64)) is None and calls == [1]  # blocks it never takes: not asked
