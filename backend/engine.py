@@ -11,7 +11,7 @@ import structlog
 import torch
 
 from tokendance.backend import heap, loader, parallel, pooling, quant, scoring
-from tokendance.backend.api import REUSING, Delta, InvalidRequest, Pooling, SamplingParams, Usage, check_mode
+from tokendance.backend.api import REUSING, Delta, InvalidRequest, Pooling, SamplingParams, check_mode
 from tokendance.backend.banned import sequences
 from tokendance.backend.blocks import BlockManager
 from tokendance.backend.budget import pool_tokens
@@ -31,6 +31,7 @@ from tokendance.backend.runner import Runner
 from tokendance.backend.sampler import Sampled, sample
 from tokendance.backend.scheduler import Scheduled, Scheduler
 from tokendance.backend.segments import SegmentCache, check_spans, min_shared
+from tokendance.backend.speculate import Speculator
 from tokendance.backend.sequence import Sequence, Status
 from tokendance.backend.stops import ended
 from tokendance.backend.thinking import Thought
@@ -123,7 +124,8 @@ class Engine:
         self.max_model_len = min(x for x in limits if x)
         self.seqs: dict[str, Sequence] = {}
         self._arrivals = itertools.count()
-        self.overlap = cfg.overlap if cfg.overlap is not None else self.device.type == "cuda"
+        self.speculator = Speculator.of(cfg.speculative_config, cfg.overlap)
+        self.overlap = cfg.overlap if cfg.overlap is not None else self.device.type == "cuda" and not self.speculator
         self.min_shared = min_shared(cfg.min_shared_tokens, self.device)
         self.inflight: Inflight | None = None  # the last decode step's tokens, not read yet
         self.tails: list[tuple[Sequence, list[Run], int]] = []  # finished, K/V due up to the int
@@ -228,6 +230,8 @@ class Engine:
         out += self._blend() if self.waiting.seqs else []
         if self.tails:  # requests that ended above give their blocks back before scheduling
             self._close_tails()
+        if self.speculator is not None:
+            self.speculator.draft(self.scheduler.running, self.max_model_len)
         work, starved = self.scheduler.schedule()
         # A step of decodes leaves its tokens on the device (lookahead); the last step's
         # feed this one there only if it decodes the same batch, else the host reads
@@ -243,7 +247,7 @@ class Engine:
             return out
         logits, kept = self.runner.run(work, self.inflight.tokens) if chain else self.runner.run(work)
         for w in work:
-            w.seq.computed = w.start + w.count
+            w.seq.computed = w.start + w.count - w.drafts  # an accepted draft's K/V counts once it is
             self.blocks.publish(w.seq)
         ready = [w.seq for w in work if w.samples]
         scored, pooled = pooling.split(work, kept)
@@ -254,8 +258,14 @@ class Engine:
             out += self._land() if chain else []  # while the GPU runs this step
             self.inflight = launched
             return out
-        for seq, pick in zip(ready, sample(logits, ready, self.generator)):
-            out.append((seq.id, self._advance(seq, pick)))
+        if self.speculator is None:
+            return out + [(s.id, self._advance(s, p)) for s, p in zip(ready, sample(logits, ready, self.generator))]
+        for seq, picks in self.speculator.picks(logits, work, self.generator):
+            seq.computed += len(picks) - 1  # the accepted drafts
+            for pick in picks:
+                out.append((seq.id, self._advance(seq, pick)))
+                if seq.status is Status.FINISHED:
+                    break
         return out
 
     def _decode(self, work: list[Scheduled]) -> bool:
@@ -312,14 +322,7 @@ class Engine:
         seq.status = Status.FINISHED
         seq.finish_reason = reason
         text = seq.detok.take(final=True)
-        per_token = self.kv_bytes_per_token
-        usage = Usage(
-            prompt_tokens=len(seq.prompt), completion_tokens=len(seq.out), cached_tokens=seq.cached,
-            recomputed_tokens=seq.recomputed, shared_tokens=seq.shared_tokens,
-            kv_dense_bytes=len(seq) * per_token, kv_held_bytes=seq.held * per_token,
-            shared_blocks=tuple(seq.shared_blocks(self.cfg.block_size)),
-            block_bytes=per_token * self.cfg.block_size,
-        )
+        usage = seq.usage(self.kv_bytes_per_token, self.cfg.block_size)
         self.seqs.pop(seq.id, None)
         pub = runs(seq.out, seq.detok.text, self.encode) if seq.publish and seq.blocks else []
         end = len(seq.prompt) + max((r.end for r in pub), default=0)

@@ -14,6 +14,7 @@ from typing import Any
 
 from tokendance.backend import generation
 from tokendance.backend.api import BASES, KV_DTYPES, POLICIES, QUANTIZATIONS, REUSE_DEFAULTS
+from tokendance.backend.speculate import Speculation
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -70,6 +71,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "first, then arrival), a waiting request preempting running ones of lower priority")
     p.add_argument("--max-num-batched-tokens", type=at_least(0, units=True), default=0,
                    help="tokens a step computes at most (0: 2,048 on the CPU, 16,384 on the GPU)")
+    p.add_argument("--speculative-config", type=json_object, default=None, metavar="JSON",
+                   help='n-gram speculation, e.g. \'{"method": "ngram", "num_speculative_tokens": 4, '
+                        '"prompt_lookup_max": 4, "prompt_lookup_min": 2}\': each decoding request drafts the '
+                        "tokens that followed its last ones earlier in its prompt and output, checked in one step")
     add_generation_args(p)
 
 
@@ -258,6 +263,7 @@ def engine_options(args: argparse.Namespace) -> dict[str, Any]:
     if len(sizes) > 1:
         raise ValueError(f"{' and '.join(sizes)}: each sizes the KV pool, give one")
     generation.check(args.generation_config, args.override_generation_config)
+    Speculation.parse(args.speculative_config)  # before the model loads
     offload = None if args.offload_gib is None else int(args.offload_gib * 2**30)  # None: the device's default
     return {**source_options(args), "dtype": args.dtype, "kv_cache_dtype": args.kv_cache_dtype,
             "tensor_parallel_size": args.tensor_parallel_size, "block_size": args.block_size,
@@ -266,6 +272,6 @@ def engine_options(args: argparse.Namespace) -> dict[str, Any]:
             "kv_tokens": args.kv_tokens, "gpu_memory_utilization": args.gpu_memory_utilization,
             "kv_cache_memory_bytes": args.kv_cache_memory_bytes, "num_gpu_blocks_override": args.num_gpu_blocks_override,
             "max_model_len": args.max_model_len, "max_seqs": args.max_num_seqs, "max_logprobs": args.max_logprobs,
-            "scheduling_policy": args.scheduling_policy,
+            "scheduling_policy": args.scheduling_policy, "speculative_config": args.speculative_config,
             "max_batched_tokens": args.max_num_batched_tokens, "generation_config": args.generation_config,
             "override_generation_config": args.override_generation_config or {}, **reuse_options(args)}

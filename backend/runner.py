@@ -28,11 +28,11 @@ def step_meta(work: list[Scheduled], block_size: int, device: torch.device, tras
     cu = [0]
     last: list[int] = []
     for w in work:
-        ids.extend(w.seq.tokens[w.start:w.start + w.count])
+        ids.extend((w.seq.tokens + w.seq.draft if w.drafts else w.seq.tokens)[w.start:w.start + w.count])
         pos.extend(range(w.start, w.start + w.count))
         cu.append(cu[-1] + w.count)
-        if w.samples:
-            last.append(cu[-1] - 1)
+        if w.samples:  # and a row for each draft (backend/speculate.py)
+            last.extend(range(cu[-1] - 1 - w.drafts, cu[-1]))
     last += scoring.rows(work, cu) + pooling.rows(work, cu)  # after the sampled rows: Runner.run splits them so
 
     def t(x: list[int], dtype: torch.dtype = torch.int64) -> torch.Tensor:
@@ -83,7 +83,7 @@ class Runner:
     @torch.inference_mode()
     def run(self, work: list[Scheduled], ids: torch.Tensor | None = None
             ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """(Logits [rows that sample, vocab] in float32, the final hidden states of the
+        """(Logits [rows that sample (a sequence with drafts: 1 + drafts), vocab] in float32, the final hidden states of the
         rows that score prompt tokens and then of those that pool them, or None:
         backend/scoring.py and backend/pooling.py read them). ids: a
         decode step's input tokens on the device, when the host has not read them
@@ -108,5 +108,5 @@ class Runner:
                 if m is not None:
                     m.plan["rotated"] = RotatedStep(self.rotated, rows, qpos, m.slots)
         h = self.model.states(ids, meta, self.cache, last)
-        n = sum(w.samples for w in work)  # the sampled rows come first (step_meta)
+        n = sum(1 + w.drafts for w in work if w.samples)  # the sampled rows come first (step_meta)
         return self.model.head(h[:n]), (h[n:] if len(h) > n else None)

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from tokendance.backend.api import TokenLogprob, TopLogprob
+from tokendance.backend.api import SamplingParams, TokenLogprob, TopLogprob
 from tokendance.backend.grammar import mask
 from tokendance.backend.penalties import Penalized
 from tokendance.backend.sequence import Sequence
@@ -93,18 +93,24 @@ def choose(logits: torch.Tensor, seqs: list[Sequence], default: torch.Generator 
         logits = _force(logits, forced)
     chosen = logits.argmax(-1)
     if not all(p.greedy for p in params):
-        temp = upload_list([1.0 if p.greedy else p.temperature for p in params], torch.float32, logits.device)
-        scaled = logits / temp[:, None]
-        if any(p.top_k or p.top_p < 1.0 or p.min_p for p in params):  # else no sort over the vocabulary
-            vocab = logits.shape[-1]  # a larger top_k keeps every token (and may not fit a long)
-            top_k = upload_list([min(p.top_k, vocab) for p in params], torch.long, logits.device)
-            top_p = upload_list([p.top_p for p in params], torch.float32, logits.device)
-            min_p = upload_list([p.min_p for p in params], torch.float32, logits.device)
-            scaled = _filter(scaled, top_k, top_p, min_p, any(p.top_k or p.min_p for p in params))
-        chosen = _draw(scaled.softmax(-1), seqs, default, chosen)
+        chosen = _draw(probabilities(logits, params), seqs, default, chosen)
     if penalized is not None:
         penalized.count(chosen)
     return chosen
+
+
+def probabilities(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """Each row's distribution to draw from: its temperature (a greedy row's 1), then min-p,
+    top-k and top-p."""
+    temp = upload_list([1.0 if p.greedy else p.temperature for p in params], torch.float32, logits.device)
+    scaled = logits / temp[:, None]
+    if any(p.top_k or p.top_p < 1.0 or p.min_p for p in params):  # else no sort over the vocabulary
+        vocab = logits.shape[-1]  # a larger top_k keeps every token (and may not fit a long)
+        top_k = upload_list([min(p.top_k, vocab) for p in params], torch.long, logits.device)
+        top_p = upload_list([p.top_p for p in params], torch.float32, logits.device)
+        min_p = upload_list([p.min_p for p in params], torch.float32, logits.device)
+        scaled = _filter(scaled, top_k, top_p, min_p, any(p.top_k or p.min_p for p in params))
+    return scaled.softmax(-1)
 
 
 def _draw(probs: torch.Tensor, seqs: list[Sequence], default: torch.Generator | None,
@@ -127,24 +133,30 @@ def _draw(probs: torch.Tensor, seqs: list[Sequence], default: torch.Generator | 
 def sample(logits: torch.Tensor, seqs: list[Sequence], default: torch.Generator | None) -> list[Sampled]:
     """logits [S, V] float32, one row per sequence. Log-probabilities are of these raw
     logits, before bias, penalties and temperature (vLLM's default, raw_logprobs)."""
-    params = [s.sampling for s in seqs]
     chosen = choose(logits, seqs, default)
     out = [Sampled(int(t)) for t in chosen.tolist()]
-    want = [i for i, p in enumerate(params) if p.logprobs]
-    if want:
-        logp = logits[want].log_softmax(-1)
-        picked = logp.gather(-1, chosen[want][:, None])[:, 0].tolist()
-        k = max((params[i].top_logprobs for i in want if params[i].logprob_token_ids is None), default=0)
-        top = logp.topk(k, -1) if k else None
-        labels = _labels(logp, [params[i].logprob_token_ids for i in want])
-        for j, i in enumerate(want):
-            out[i].logprob = picked[j]
-            n = params[i].top_logprobs
-            if labels[j] is not None:
-                out[i].top = labels[j]
-            elif top is not None and n:
-                out[i].top = list(zip(top.indices[j, :n].tolist(), top.values[j, :n].tolist()))
+    attach(out, logits, [s.sampling for s in seqs], chosen)
     return out
+
+
+def attach(out: list[Sampled], logits: torch.Tensor, params: list[SamplingParams], chosen: torch.Tensor) -> None:
+    """The logprobs of the rows that want them: each chosen token's (`chosen` [S] on the
+    device), and its row's top or asked-for tokens', from the raw `logits` [S, V]."""
+    want = [i for i, p in enumerate(params) if p.logprobs]
+    if not want:
+        return
+    logp = logits[want].log_softmax(-1)
+    picked = logp.gather(-1, chosen[want][:, None])[:, 0].tolist()
+    k = max((params[i].top_logprobs for i in want if params[i].logprob_token_ids is None), default=0)
+    top = logp.topk(k, -1) if k else None
+    labels = _labels(logp, [params[i].logprob_token_ids for i in want])
+    for j, i in enumerate(want):
+        out[i].logprob = picked[j]
+        n = params[i].top_logprobs
+        if labels[j] is not None:
+            out[i].top = labels[j]
+        elif top is not None and n:
+            out[i].top = list(zip(top.indices[j, :n].tolist(), top.values[j, :n].tolist()))
 
 
 def _labels(logp: torch.Tensor, ids: list[list[int] | None]) -> list[list[tuple[int, float]] | None]:

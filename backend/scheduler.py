@@ -39,7 +39,12 @@ class Scheduled:
     @property
     def samples(self) -> bool:
         """Whether this step completes the sequence's pending tokens and samples the next."""
-        return self.start + self.count == len(self.seq) and self.seq.pooling is None
+        return self.start + self.count >= len(self.seq) and self.seq.pooling is None
+
+    @property
+    def drafts(self) -> int:
+        """Proposed tokens this step feeds after the sequence's last (backend/speculate.py)."""
+        return max(self.start + self.count - len(self.seq), 0)
 
     @property
     def pools(self) -> bool:
@@ -100,6 +105,7 @@ class Scheduler:
         return self.blocks.reserve(seq, tokens)
 
     def preempt(self, seq: Sequence) -> None:
+        seq.draft = []
         self.running.remove(seq)
         self.blocks.free(seq)
         seq.computed = 0
@@ -118,7 +124,7 @@ class Scheduler:
         for seq in list(self.running):
             if seq.status is not Status.RUNNING or budget == 0:
                 continue
-            n = min(seq.pending, budget)
+            n = min(seq.pending + len(seq.draft), budget)
             while not self._reserve(seq, seq.computed + n):
                 victim = self.running[-1]
                 if victim is seq:

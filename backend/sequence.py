@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from tokendance.backend.api import REUSING, Pooling, SamplingParams
+from tokendance.backend.api import REUSING, Pooling, SamplingParams, Usage
 from tokendance.backend.detok import Detok
 from tokendance.backend.keys import Key, segment_key
 from tokendance.backend.mirror import Mirror
@@ -68,6 +68,7 @@ class Sequence:
     scored: list[Any] | None = None  # its prompt tokens' logprobs, as prefill computes them (backend/scoring.py)
     pooling: Pooling | None = None  # an embedding request: its prompt pooled, nothing sampled (backend/pooling.py)
     thought: Thought | None = None  # its thinking, counted against a budget (backend/thinking.py)
+    draft: list[int] = field(default_factory=list)  # tokens proposed for its next step (backend/speculate.py)
 
     @property
     def prefix_cache(self) -> bool:
@@ -134,6 +135,13 @@ class Sequence:
         if self.mirror is not None:
             return self.mirror.master_blocks
         return self.blocks[: self.cached // block_size] if self.prefix_cache else []
+
+    def usage(self, per_token: int, block_size: int) -> Usage:
+        """Its tokens and KV as a response reports them (KV in bytes, `per_token` a token)."""
+        return Usage(prompt_tokens=len(self.prompt), completion_tokens=len(self.out), cached_tokens=self.cached,
+                     recomputed_tokens=self.recomputed, shared_tokens=self.shared_tokens,
+                     kv_dense_bytes=len(self) * per_token, kv_held_bytes=self.held * per_token,
+                     shared_blocks=tuple(self.shared_blocks(block_size)), block_bytes=per_token * block_size)
 
     @property
     def pending(self) -> int:

@@ -102,6 +102,11 @@ class EngineBackend:
                 Gauge(f"{mode}_measured_total", f"{mode} requests prefilled exactly, each segment's offset "
                       "kept as an anchor", a.measured, "counter"))),
             Gauge("anchor_bytes", "memory holding kvcomm's and kvcmas's anchors", e.collector.anchors.nbytes * e.ranks),
+            *(() if (s := e.speculator) is None else (
+                Gauge("spec_decode_num_drafts_total", "decode steps of a request that fed drafted tokens",
+                      s.drafts, "counter"),
+                Gauge("spec_decode_num_draft_tokens_total", "drafted tokens fed", s.draft_tokens, "counter"),
+                Gauge("spec_decode_num_accepted_tokens_total", "drafted tokens kept", s.accepted, "counter"))),
             Gauge("eager_decode_steps_total", "decode steps on CUDA no graph could replay (a batch "
                   "over the graphs' rows, or Mirrors reading 1,024 or more Master segments)",
                   e.runner.eager_decodes, "counter"),

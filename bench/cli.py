@@ -1,5 +1,5 @@
 """`tokendance bench KIND`: engine, reuse, memory, mirror-decode, fidelity, kv-dtype, offsets, restore,
-resume, remote, fleet, failover, structured, tools, beams, judge, loops, gaps, parallel, priority."""
+resume, remote, fleet, failover, structured, tools, beams, judge, loops, speculate, gaps, parallel, priority."""
 
 from __future__ import annotations
 
@@ -25,6 +25,7 @@ KINDS = {
     "beam-routes": ("tokendance.bench.beam_routes", "a beam search through a fleet: its steps on one engine, against in turn"),
     "judge": ("tokendance.bench.judge", "a judge scoring N answers: /generative_scoring against completions"),
     "loops": ("tokendance.bench.loops", "a debate with repetition detection against without"),
+    "speculate": ("tokendance.bench.speculate", "a debate with n-gram speculation against without"),
     "gaps": ("tokendance.bench.gaps", "where the device waits on the host in a traced run (bench reuse --trace)"),
     "parallel": ("tokendance.bench.parallel", "the engine split over 1, 2, ... devices (tensor parallelism)"),
     "priority": ("tokendance.bench.priority", "an urgent request in a busy engine, fcfs against priority scheduling"),

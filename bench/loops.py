@@ -23,16 +23,21 @@ from tokendance.backend.prompt import render_chat
 from tokendance.bench.options import positive
 
 
-def add_args(p: argparse.ArgumentParser) -> None:
+def add_debate_args(p: argparse.ArgumentParser) -> None:
+    """The debate `simulate` runs, and the runs."""
     p.add_argument("--model", default=None, help="HF folder or GGUF (default: embedded SmolLM2)")
     p.add_argument("--dtype", default="float32")
     p.add_argument("--agents", type=positive, default=8)
     p.add_argument("--rounds", type=positive, default=3)
     p.add_argument("--max-tokens", type=positive, default=256)
-    p.add_argument("--pattern", type=positive, default=32, help="max_pattern_size")
-    p.add_argument("--count", type=int, default=3, help="min_count (at least 2)")
     p.add_argument("--repeats", type=positive, default=3)
     p.add_argument("--seed", type=int, default=0, help="picks the question")
+
+
+def add_args(p: argparse.ArgumentParser) -> None:
+    add_debate_args(p)
+    p.add_argument("--pattern", type=positive, default=32, help="max_pattern_size")
+    p.add_argument("--count", type=int, default=3, help="min_count (at least 2)")
 
 
 def simulate(engine, args: argparse.Namespace, sampling) -> tuple[float, list[list[tuple[list[int], str]]]]:

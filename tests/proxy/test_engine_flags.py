@@ -43,6 +43,9 @@ def test_engine_flags_reach_the_engine_config(monkeypatch):
     assert seen["seed"] == 0 and "cuda_graphs" not in seen  # the engine's default: graphs on CUDA
     serve.load_backend(parse("--seed", "7", "--enforce-eager"))
     assert seen["seed"] == 7 and seen["cuda_graphs"] == 0
+    assert seen["speculative_config"] is None
+    serve.load_backend(parse("--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3}'))
+    assert seen["speculative_config"] == {"method": "ngram", "num_speculative_tokens": 3}
 
 
 def test_pool_and_batch_flags_size_the_engine(tiny_llama):
@@ -87,7 +90,8 @@ def test_token_counts_take_vllms_units():
 @pytest.mark.parametrize("flag,value", [("--min-shared-tokens", v) for v in ("-1", "x", "1.5")] + [
     ("--kv-tokens", "-5"), ("--max-model-len", "1e3"), ("--max-model-len", "1.5K"), ("--max-model-len", "0.0005k"),
     ("--max-model-len", "32x"), ("--kv-tokens", "-1k"), ("--max-num-seqs", "0"), ("--max-num-batched-tokens", "-1"),
-    ("--tensor-parallel-size", "0"), ("--data-parallel-size", "0"), ("--scheduling-policy", "lifo")])
+    ("--tensor-parallel-size", "0"), ("--data-parallel-size", "0"), ("--scheduling-policy", "lifo"),
+    ("--speculative-config", "{ngram"), ("--speculative-config", "[3]")])
 def test_bad_typed_flags_are_one_line(monkeypatch, capsys, flag, value):
     monkeypatch.setattr(serve, "load_backend", lambda args: pytest.fail("the model must not load"))
     with pytest.raises(SystemExit) as e:
@@ -102,6 +106,14 @@ def test_bad_reuse_flag_is_one_line(tiny_llama, capsys):
     code = main(["serve", "--model", str(tiny_llama), "--port", "0", "--recompute-floor", "-1"])
     err = capsys.readouterr().err.strip()
     assert code == 1 and err == "tokendance serve: recompute floor must be >= 0, got -1.0"
+
+
+def test_a_speculative_config_this_engine_cannot_run_is_one_line(monkeypatch, capsys):
+    monkeypatch.setattr(serve, "load_backend", lambda args: pytest.fail("the model must not load"))
+    code = cli.main(["serve", "--speculative-config", '{"method": "eagle", "num_speculative_tokens": 3}'])
+    err = capsys.readouterr().err.strip()
+    assert code == 1 and err.startswith("tokendance serve: speculative_config: method 'eagle' needs a draft model")
+    assert "\n" not in err
 
 
 def test_a_tensor_parallel_size_the_model_cannot_split_by_is_one_line(tiny_llama, capsys):
