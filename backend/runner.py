@@ -83,8 +83,9 @@ class Runner:
     @torch.inference_mode()
     def run(self, work: list[Scheduled], ids: torch.Tensor | None = None
             ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """(Logits [rows that sample (a sequence with drafts: 1 + drafts), vocab] in float32, the final hidden states of the
-        rows that score prompt tokens and then of those that pool them, or None:
+        """(Logits [rows that sample, vocab] in float32 (a sequence with drafts: 1 + drafts
+        rows), the final hidden states of the rows that score prompt tokens and then of
+        those that pool them, or None:
         backend/scoring.py and backend/pooling.py read them). ids: a
         decode step's input tokens on the device, when the host has not read them
         (backend/lookahead.py)."""
