@@ -156,4 +156,4 @@ def costs(args: argparse.Namespace, folder: str | None, random: bool) -> None:
             s.draft = []
             eng.abort(s.id)
         eng.reset_caches()
-        print(f"| {b} x {l} | {ms[0]:.1f} | " + " | ".join(f"{t:.1f} ({t / ms[0]:.2f}x)" for t in ms[1:]) + " |")
+        print(f"| {b} x {l} | {ms[0]:.2f} | " + " | ".join(f"{t:.2f} ({t / ms[0]:.2f}x)" for t in ms[1:]) + " |")

@@ -20,3 +20,20 @@ def test_speculate_bench_counts_drafts_and_equal_answers(tiny_llama, bench):
     assert 0 < accepted <= drafted <= 3 * drafts and same == 4, out
     assert steps <= rows["off"][1], out  # a batch ends with its longest answer
     assert out.rstrip().endswith("x |")
+
+
+def test_speculate_bench_times_a_step_by_drafts(tiny_llama, bench):
+    out = bench(speculate, "--model", str(tiny_llama), "--no-debate", "--cost", "2x40", "--tokens", "2",
+                "--repeats", "1")
+    assert "debate of" not in out
+    row = re.search(r"^\| 2 x 40 \| ([\d.]+) \| ([\d.]+) \(([\d.]+)x\) \| ([\d.]+) \(([\d.]+)x\) \|$", out, re.M)
+    assert row, out
+    base, one, x1, two, x2 = map(float, row.groups())
+    assert base > 0 and abs(one / base - x1) < 0.05 and abs(two / base - x2) < 0.05
+
+
+def test_speculate_bench_needs_something_to_run(tiny_llama, bench):
+    import pytest
+
+    with pytest.raises(ValueError, match="nothing to run"):
+        bench(speculate, "--model", str(tiny_llama), "--no-debate")
