@@ -46,6 +46,7 @@ class Engine:
     def __init__(self, cfg: EngineConfig | None = None, **overrides):
         cfg = cfg or EngineConfig(**overrides)
         self.cfg = cfg
+        self.speculator = Speculator.of(cfg.speculative_config, cfg.overlap)  # a bad config before the weights
         self.device = pick_device(cfg.device)
         self.dtype = cfg.dtype_on(self.device)
         self.folder: Path = loader.resolve(cfg.model, cfg.revision, cfg.download_dir)
@@ -124,7 +125,6 @@ class Engine:
         self.max_model_len = min(x for x in limits if x)
         self.seqs: dict[str, Sequence] = {}
         self._arrivals = itertools.count()
-        self.speculator = Speculator.of(cfg.speculative_config, cfg.overlap)
         self.overlap = cfg.overlap if cfg.overlap is not None else self.device.type == "cuda" and not self.speculator
         self.min_shared = min_shared(cfg.min_shared_tokens, self.device)
         self.inflight: Inflight | None = None  # the last decode step's tokens, not read yet

@@ -15,7 +15,7 @@ from tqdm import tqdm
 from tokendance.adapters.retry import RETRIES
 from tokendance.backend import logs
 from tokendance.backend.api import KV_DTYPES, MODES, REUSE_DEFAULTS
-from tokendance.backend.flags import add_parallel_args, add_reuse_args, reuse_options
+from tokendance.backend.flags import add_parallel_args, add_reuse_args, json_object, reuse_options
 from tokendance.examples.client import Client
 from tokendance.examples.loop import Round, run
 from tokendance.examples.scenario import Scenario
@@ -51,6 +51,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     p.add_argument("--kv-cache-dtype", choices=KV_DTYPES, default="auto",
                    help="the in-process engine's KV pool: auto (the model's dtype) or 8-bit floats")
     add_parallel_args(p)
+    p.add_argument("--speculative-config", type=json_object, default=None, metavar="JSON",
+                   help='the in-process engine\'s n-gram speculation, e.g. \'{"method": "ngram", '
+                        '"num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}\'')
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--max-tokens", type=int, default=48, help="per reply (default 48)")
     p.add_argument("--temperature", type=float, default=0.0, help="default 0: greedy, comparable")
@@ -101,15 +104,16 @@ def main(args: argparse.Namespace) -> int:
 async def simulate(args: argparse.Namespace) -> str:
     """Every run the arguments ask for; the report to print."""
     if args.url is not None:
-        if reuse_options(args) != REUSE_DEFAULTS or args.tensor_parallel_size != 1 or args.kv_cache_dtype != "auto":
-            raise ValueError("--recompute-ratio, --recompute-floor, --bases, --tensor-parallel-size and "
-                             "--kv-cache-dtype set the in-process engine; a running proxy has its own "
-                             "(tokendance serve ...)")
+        if (reuse_options(args) != REUSE_DEFAULTS or args.tensor_parallel_size != 1 or args.kv_cache_dtype != "auto"
+                or args.speculative_config is not None):
+            raise ValueError("--recompute-ratio, --recompute-floor, --bases, --tensor-parallel-size, "
+                             "--kv-cache-dtype and --speculative-config set the in-process engine; a running "
+                             "proxy has its own (tokendance serve ...)")
         return await report(args, args.url, args.mode)
     from tokendance.examples import local
 
     be = local.backend(args.model, args.mode, **reuse_options(args), tensor_parallel_size=args.tensor_parallel_size,
-                       kv_cache_dtype=args.kv_cache_dtype)
+                       kv_cache_dtype=args.kv_cache_dtype, speculative_config=args.speculative_config)
     async with local.proxy(be) as url:
         return await report(args, url, args.mode or getattr(be, "mode", None))
 

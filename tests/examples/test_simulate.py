@@ -11,6 +11,7 @@ import torch
 
 from tokendance.adapters.rounds import ProxyError, Rounds
 from tokendance.backend.api import Unavailable
+from tokendance.backend.speculate import Speculation
 from tokendance.examples import cli
 from tokendance.examples.client import Client
 from tokendance.examples.debate import Debate
@@ -123,11 +124,13 @@ def made(monkeypatch) -> list:
 
 def test_reuse_flags_reach_the_in_process_engine(tiny_llama, made, capsys) -> None:
     argv = ["simulate", "debate", "--model", str(tiny_llama), "--agents", "3", "--rounds", "2",
-            "--max-tokens", "4", "--bases", "reader", "--recompute-ratio", "0.3", "--kv-cache-dtype", "fp8"]
+            "--max-tokens", "4", "--bases", "reader", "--recompute-ratio", "0.3", "--kv-cache-dtype", "fp8",
+            "--speculative-config", '{"num_speculative_tokens": 3, "prompt_lookup_max": 2}']
     assert cli.main(argv) == 0
     cfg = made[0].engine.collector.cfg
     assert cfg.readers and cfg.ratio == 0.3 and cfg.floor == 0.0
     assert made[0].engine.cache.kv.dtype == torch.float8_e4m3fn
+    assert made[0].engine.speculator.spec == Speculation(3, 2, 2)
     assert "debate: 3 agents, mode collective" in capsys.readouterr().out
 
 
@@ -147,11 +150,12 @@ def test_the_town_recalls_by_the_engines_embeddings_and_judgement(tiny_llama, ca
     assert "3 townsfolk, 18 memories, recalled by relevance, importance and recency" in capsys.readouterr().out
 
 
-@pytest.mark.parametrize("flag", [["--bases", "reader"], ["-tp", "2"], ["--kv-cache-dtype", "fp8"]])
+@pytest.mark.parametrize("flag", [["--bases", "reader"], ["-tp", "2"], ["--kv-cache-dtype", "fp8"],
+                                  ["--speculative-config", '{"num_speculative_tokens": 2}']])
 def test_engine_flags_need_the_in_process_engine(capsys, flag) -> None:
     assert cli.main(["simulate", "debate", "--url", "http://127.0.0.1:9", *flag]) == 1
     err = capsys.readouterr().err.strip()
-    assert "--kv-cache-dtype set the in-process engine" in err and "\n" not in err
+    assert "--speculative-config set the in-process engine" in err and "\n" not in err
 
 
 def test_the_rounds_held_kv_counts_the_shared_blocks_once() -> None:
