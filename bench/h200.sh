@@ -35,6 +35,8 @@
 #     fp8-block-engine: the engine's prefill and decode steps over a block-wise checkpoint
 #     (`tokendance quantize --block 128`) and over a per-row one, each against bf16 weights (bench
 #     kv-dtype --weights), Qwen2.5-7B shape, random bf16 weights saved first
+#   speculate: n-gram speculation's tests on CUDA, then a step's time with 0 to 4 drafts a sequence
+#     against a decode step (a graph's), Qwen2.5-7B shape, random bf16 weights (bench speculate --cost)
 #   load: the memory and time of loading a Qwen2.5-7B shape (random bf16 weights saved, then
 #     `tokendance quantize`d) four ways (bench/fp8_load.py); with LOAD_BASELINE (an earlier
 #     checkout's root) each way also by that code
@@ -125,7 +127,8 @@ export PYTHONPATH=/tmp/td:/tmp/site PYTHONUNBUFFERED=1
 export TOKENDANCE_TOKENIZER="$PWD/.device/tok" TOKENDANCE_CACHE=/tmp/tdcache
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
-td() { python3 -c "import sys; from tokendance.examples.cli import main; sys.exit(main(sys.argv[1:]))" "$@"; }
+# TD_LIMIT=N td ...: the CLI stopped after N seconds (a function can't be wrapped by `timeout`)
+td() { timeout "${TD_LIMIT:-600}" python3 -c "import sys; from tokendance.examples.cli import main; sys.exit(main(sys.argv[1:]))" "$@"; }
 nvidia-smi --query-gpu=name,memory.total,clocks.sm --format=csv,noheader
 what=" ${*:-all} "
 want() { [[ "$what" == *" all "* || "$what" == *" $1 "* ]]; }
@@ -204,6 +207,13 @@ from tokendance.bench.shapes import save_random; save_random('qwen2.5-7b', Path(
       --prefill 10x2048 --decode 1x1024,8x1024,32x4096 --steps 32 --repeats 3 --kv-tokens 140000 2>&1 \
       | grep -v -i "warn\|deprecat\|info " | tee "$OUT/fp8_block_engine_$w.txt"
   done
+fi
+if want speculate; then
+  timeout 150 python3 -m pytest -q -p no:cacheprovider --tb=short -rfEs tests/backend/test_speculate.py \
+    >"$OUT/speculate_tests.txt" 2>&1
+  tail -4 "$OUT/speculate_tests.txt"
+  TD_LIMIT=300 td bench speculate --model qwen2.5-7b --dtype bfloat16 --no-debate --cost 1x2048,8x2048,32x2048 \
+    --tokens 4 --repeats 3 2>&1 | grep -v -i "warn\|deprecat\|info " | tee "$OUT/speculate.txt"
 fi
 if want load; then
   timeout 540 python3 -m tokendance.bench.fp8_load --model qwen2.5-7b --dtype bfloat16 --repeats 3 \
