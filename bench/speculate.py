@@ -12,7 +12,8 @@ one per `--tokens` (num_speculative_tokens), the runs alternating; medians of th
 Per engine: tokens generated, engine steps, drafted and accepted tokens, the answers that
 equal the plain engine's (greedy decoding with drafts computes a step's rows in one
 product: float rounding may flip a near tie, after which an answer, and the rounds that
-read it, differ), wall time and its ratio to the plain engine's.
+read it, differ), wall time, and tokens a second against the plain engine's (the ratio of
+times when greedy answers are the same; `--temperature` samples, and answers differ).
 
 `--cost BxL`: one step of B sequences at L tokens of context (random prompts), each
 feeding its last token and k drafts, for k from 0 (a decode step: on CUDA a graph's) to
@@ -46,6 +47,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cost", type=batches, default=[], metavar="BxL,...",
                    help="also time a step of B sequences at L tokens with 0 to max(--tokens) drafts each")
     p.add_argument("--debate", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument("--temperature", type=float, default=0.0,
+                   help="the debate's sampling (0: greedy; above, answers differ run to run: compare tokens/s)")
 
 
 class Counted:
@@ -83,11 +86,13 @@ def debate(args: argparse.Namespace, folder: str | None, random: bool) -> None:
                                              "prompt_lookup_min": args.lookup_min,
                                              "prompt_lookup_max": args.lookup_max} for k in args.tokens}
     engines = {name: engine(args, folder, random, 16384, speculative_config=spec) for name, spec in specs.items()}
-    sampling = SamplingParams(max_tokens=args.max_tokens, temperature=0)
+    sampling = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature)
+    sampling.validate()
     warm = argparse.Namespace(**{**vars(args), "rounds": 1})
     for eng in engines.values():
         simulate(eng, warm, sampling)
     times: dict[str, list[float]] = {k: [] for k in engines}
+    rates: dict[str, list[float]] = {k: [] for k in engines}  # tokens a second, each run's
     out: dict[str, list] = {}
     steps: dict[str, int] = {}
     counted: dict[str, tuple[int, ...]] = {}
@@ -99,24 +104,27 @@ def debate(args: argparse.Namespace, folder: str | None, random: bool) -> None:
             t, out[name] = simulate(eng, args, sampling)
             del eng.step
             times[name].append(t)
+            rates[name].append(sum(len(ids) for r in out[name] for ids, _ in r) / t)
             steps[name] = calls.n
             counted[name] = tuple(a - b for a, b in zip(drafted(eng), before))
     eng = engines["off"]
-    print(f"debate of {args.agents} agents, {args.rounds} rounds, max_tokens {args.max_tokens}, greedy, n-grams of "
-          f"{args.lookup_min}-{args.lookup_max} tokens, {eng.device} {eng.dtype}, medians of {args.repeats}:")
+    how = "greedy" if sampling.greedy else f"temperature {args.temperature}"
+    print(f"debate of {args.agents} agents, {args.rounds} rounds, max_tokens {args.max_tokens}, {how}, n-grams of "
+          f"{args.lookup_min}-{args.lookup_max} tokens, {eng.device} {eng.dtype}, medians of {args.repeats} "
+          "(the counts: the last run's):")
     print("| speculation | tokens | steps | drafts | drafted tokens | accepted | answers as without | time | "
-          "vs without |")
+          "tokens/s vs without |")
     print("|---|---|---|---|---|---|---|---|---|")
-    base = statistics.median(times["off"])
     plain = [x for r in out["off"] for x in r]
+    rate = {name: statistics.median(r) for name, r in rates.items()}
     for name in engines:
         answers = [x for r in out[name] for x in r]
         same = sum(a == b for a, b in zip(answers, plain))
         drafts, tokens, accepted = counted[name]
-        rate = f" ({accepted / tokens:.0%})" if tokens else ""
-        t = statistics.median(times[name])
+        kept = f" ({accepted / tokens:.0%})" if tokens else ""
         print(f"| {name} | {sum(len(ids) for ids, _ in answers):,} | {steps[name]:,} | {drafts:,} | {tokens:,} | "
-              f"{accepted:,}{rate} | {same}/{len(plain)} | {t:.1f} s | {base / t:.2f}x |")
+              f"{accepted:,}{kept} | {same}/{len(plain)} | {statistics.median(times[name]):.1f} s | "
+              f"{rate[name] / rate['off']:.2f}x |")
 
 
 def engine(args: argparse.Namespace, folder: str | None, random: bool, kv_tokens: int, **cfg: Any) -> Engine:

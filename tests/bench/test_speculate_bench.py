@@ -37,3 +37,9 @@ def test_speculate_bench_needs_something_to_run(tiny_llama, bench):
 
     with pytest.raises(ValueError, match="nothing to run"):
         bench(speculate, "--model", str(tiny_llama), "--no-debate")
+
+
+def test_speculate_bench_samples_at_a_temperature(tiny_llama, bench):
+    out = bench(speculate, "--model", str(tiny_llama), "--agents", "2", "--rounds", "1", "--max-tokens", "16",
+                "--tokens", "2", "--temperature", "0.8", "--repeats", "1")
+    assert "temperature 0.8" in out and re.search(r"^\| 2 tokens \| [\d,]+ \|", out, re.M), out
