@@ -78,7 +78,7 @@ class EngineConfig:
     # None: device.host_tier_bytes (8 GiB beside a GPU, 1 GiB on a CPU)
     overlap: bool | None = None  # decode steps overlap host and GPU (backend/lookahead.py); None: on CUDA
     # vLLM's: n-gram speculation, {"method": "ngram", "num_speculative_tokens": k, ...}
-    # (backend/speculate.py); None: off
+    # (backend/speculate.py, backend/ngram.py); None: off
     speculative_config: dict[str, Any] | None = None
     # the default sampling (backend/generation.py): "auto" (the generation_config.json beside
     # the model's config.json), "vllm" (none) or a folder; values set over it

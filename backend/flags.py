@@ -14,7 +14,7 @@ from typing import Any
 
 from tokendance.backend import generation
 from tokendance.backend.api import BASES, KV_DTYPES, POLICIES, QUANTIZATIONS, REUSE_DEFAULTS
-from tokendance.backend.speculate import Speculation
+from tokendance.backend.ngram import Speculation
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:

@@ -1,4 +1,4 @@
-"""N-gram speculation (backend/speculate.py): the lookup, the config, greedy output unchanged
+"""N-gram speculation (backend/speculate.py, backend/ngram.py): the lookup, the config, greedy output unchanged
 in every mode and under a short budget or a small pool, and sampled output's distribution
 kept by the verification."""
 
@@ -11,7 +11,8 @@ import torch
 
 from tokendance.backend.api import InvalidRequest, SamplingParams
 from tokendance.backend.engine import Engine
-from tokendance.backend.speculate import Speculation, propose, verify
+from tokendance.backend.ngram import Speculation, propose
+from tokendance.backend.speculate import verify
 
 from tests.backend.test_reuse import round_prompts
 from tests.backend.test_scheduling import prompts

@@ -11,7 +11,7 @@ import torch
 
 from tokendance.adapters.rounds import ProxyError, Rounds
 from tokendance.backend.api import Unavailable
-from tokendance.backend.speculate import Speculation
+from tokendance.backend.ngram import Speculation
 from tokendance.examples import cli
 from tokendance.examples.client import Client
 from tokendance.examples.debate import Debate
