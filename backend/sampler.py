@@ -93,7 +93,7 @@ def choose(logits: torch.Tensor, seqs: list[Sequence], default: torch.Generator 
         logits = _force(logits, forced)
     chosen = logits.argmax(-1)
     if not all(p.greedy for p in params):
-        chosen = _draw(probabilities(logits, params), seqs, default, chosen)
+        chosen = draw(probabilities(logits, params), seqs, default, chosen)
     if penalized is not None:
         penalized.count(chosen)
     return chosen
@@ -113,7 +113,7 @@ def probabilities(logits: torch.Tensor, params: list[SamplingParams]) -> torch.T
     return scaled.softmax(-1)
 
 
-def _draw(probs: torch.Tensor, seqs: list[Sequence], default: torch.Generator | None,
+def draw(probs: torch.Tensor, seqs: list[Sequence], default: torch.Generator | None,
           greedy: torch.Tensor) -> torch.Tensor:
     """A token per sampled row, as vLLM draws it: the argmax of probs / E for E ~ Exp(1)
     (a draw from probs), with E for the whole batch in one launch from `default` and a

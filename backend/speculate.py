@@ -26,7 +26,7 @@ import torch
 
 from tokendance.backend.api import InvalidRequest
 from tokendance.backend.ngram import Speculation, propose
-from tokendance.backend.sampler import Sampled, attach, probabilities, sample
+from tokendance.backend.sampler import Sampled, attach, draw, probabilities, sample
 from tokendance.backend.sequence import Sequence
 from tokendance.backend.upload import upload_list
 
@@ -109,21 +109,20 @@ def verify(logits: torch.Tensor, seqs: list[Sequence], default: torch.Generator 
         accept, token = best == drafted, best
     else:
         probs = probabilities(logits, params)
+        owners = [s for s, n in zip(seqs, sizes) for _ in range(n)]  # each row's sequence
         u = torch.rand(len(params), generator=default, device=dev)
-        e = torch.empty_like(probs).exponential_(generator=default)
         r = 0
         for s, n in zip(seqs, sizes):
             if s.generator is not None and not s.sampling.greedy:
                 u[r:r + n] = torch.rand(n, generator=s.generator, device=dev)
-                e[r:r + n].exponential_(generator=s.generator)
             r += n
         mine = drafted.clamp_min(0)[:, None]
         likely = probs.gather(-1, mine)[:, 0]
+        # a rejected draft's row draws from the rest; the last row from all of it
         rest = probs.scatter(-1, mine, (drafted < 0).to(probs.dtype)[:, None] * likely[:, None])
-        drawn = (rest / e.clamp_(min=torch.finfo(e.dtype).tiny)).argmax(-1)
         greedy = upload_list([p.greedy for p in params], torch.bool, dev)
         accept = torch.where(greedy, best == drafted, u < likely) & (drafted >= 0)
-        token = torch.where(greedy, best, drawn)
+        token = draw(rest, owners, default, best)
     ok, tok = torch.stack([accept.long(), token]).tolist()
     out: list[list[Sampled]] = []
     rows: list[int] = []

@@ -234,7 +234,7 @@ def test_stop_token_ids_outside_the_vocabulary_end_nothing(engine):
 def test_a_draw_follows_its_distribution_and_leaves_greedy_rows():
     from types import SimpleNamespace
 
-    from tokendance.backend.sampler import _draw
+    from tokendance.backend.sampler import draw
 
     probs = torch.tensor([[0.1, 0.2, 0.3, 0.4], [0.25, 0.25, 0.25, 0.25]])
     hot, cold = SamplingParams(temperature=1.0), SamplingParams(temperature=0)
@@ -243,7 +243,7 @@ def test_a_draw_follows_its_distribution_and_leaves_greedy_rows():
     greedy = torch.tensor([3, 2])
     counts = torch.zeros(4)
     for _ in range(4000):
-        got = _draw(probs, rows, None, greedy)
+        got = draw(probs, rows, None, greedy)
         assert int(got[1]) == 2
         counts[int(got[0])] += 1
     assert torch.allclose(counts / 4000, probs[0], atol=0.03), counts
